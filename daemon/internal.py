@@ -1,0 +1,145 @@
+"""Messages of the internal pipes (never reused on the client socket).
+
+```
+front door (tokenizer process) --ToDaemon--> daemon --Outputs--> detokenizer --Outputs--> front door
+daemon --Control--> front door
+```
+A request is keyed inside the daemon by ``rid``, an integer the front door assigns; only the
+front door maps it back to (client identity, client request id).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from msgspec import Struct
+
+from outrider.protocol.frames import FrameCodec
+from outrider.protocol.messages import ErrorCode, FinishReason, TokenLogprob, Usage
+
+FAMILY_TO_DAEMON = 3
+FAMILY_OUTPUTS = 4
+FAMILY_CONTROL = 5
+
+
+class SamplingSpec(Struct, array_like=True, frozen=True, gc=False):
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k
+    seed: int = 0
+    logprobs: int = 0  # top-n alternatives; 0 = none
+
+
+class TokenizedRequest(Struct, array_like=True, tag=1, frozen=True):
+    rid: int
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingSpec
+    max_new_tokens: int | None  # None: until a stop condition or the context limit
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    stream: bool
+    want_logprobs: bool
+    arrival: float  # time.time() at the front door
+
+
+class AbortRid(Struct, array_like=True, tag=2, frozen=True):
+    rid: int
+    reason: str
+
+
+class InfoQuery(Struct, array_like=True, tag=3, frozen=True):
+    query_id: int
+
+
+ToDaemon = TokenizedRequest | AbortRid | InfoQuery
+
+
+class FinishInfo(Struct, array_like=True, frozen=True, gc=False):
+    reason: FinishReason
+    matched_stop: str | int | None
+    usage: Usage
+    # Character offset at which the text is cut (a matched stop string), else None.
+    text_cut: int | None = None
+
+
+class ErrorInfo(Struct, array_like=True, frozen=True, gc=False):
+    code: ErrorCode
+    message: str
+
+
+class RequestUpdate(Struct, array_like=True, gc=False):
+    """New committed tokens of one request; final when ``finish`` or ``error`` is set."""
+
+    rid: int
+    token_ids: list[int]
+    text: str = ""  # filled in by the detokenizer
+    logprobs: list[TokenLogprob] | None = None
+    finish: FinishInfo | None = None
+    error: ErrorInfo | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish is not None or self.error is not None
+
+
+class Outputs(Struct, array_like=True, tag=1):
+    updates: list[RequestUpdate]
+
+
+class Counters(Struct, array_like=True, frozen=True, gc=False):
+    running: int = 0
+    waiting: int = 0
+    kv_used_tokens: int = 0
+    kv_total_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    requests_finished: dict[str, int] = {}
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
+
+
+class ModelFacts(Struct, array_like=True, tag=1, frozen=True):
+    """Sent once after loading: everything the front door validates against."""
+
+    model: str
+    vocab_size: int  # valid token ids are [0, vocab_size)
+    context_length: int
+    kv_total_tokens: int
+    eos_token_ids: list[int]
+    tokenizer_dir: str | None  # None: token ids only
+    max_new_tokens_default: int | None
+    configuration: dict[str, Any]
+    plugins: dict[str, str]
+    speculative_algorithm: str
+
+
+class StateChange(Struct, array_like=True, tag=2, frozen=True):
+    state: Literal["ready", "draining"]
+
+
+class Heartbeat(Struct, array_like=True, tag=3, frozen=True):
+    counters: Counters
+
+
+class InfoReply(Struct, array_like=True, tag=4, frozen=True):
+    query_id: int
+    counters: Counters
+
+
+Control = ModelFacts | StateChange | Heartbeat | InfoReply
+
+
+def to_daemon_codec() -> FrameCodec[ToDaemon]:
+    return FrameCodec(FAMILY_TO_DAEMON, ToDaemon)
+
+
+def outputs_codec() -> FrameCodec[Outputs]:
+    return FrameCodec(FAMILY_OUTPUTS, Outputs)
+
+
+def control_codec() -> FrameCodec[Control]:
+    return FrameCodec(FAMILY_CONTROL, Control)

@@ -1,0 +1,134 @@
+"""The plugin API: light specs read by every process, implementations loaded in the daemon.
+
+An entry point in ``outrider.attention_backends`` or ``outrider.speculative`` names a
+``PluginSpec`` instance. A spec module imports nothing heavy (no torch): the tokenizer process
+and ``outrider plugins`` use specs only. ``PluginSpec.load()`` imports and returns the
+implementation class inside the daemon.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+API_VERSION = 1
+
+PluginKind = Literal["attention", "speculative"]
+Phase = Literal["extend", "decode", "verify", "draft_decode", "draft_extend"]
+PHASES: tuple[Phase, ...] = ("extend", "decode", "verify", "draft_decode", "draft_extend")
+ENTRY_POINT_GROUPS: dict[PluginKind, str] = {
+    "attention": "outrider.attention_backends",
+    "speculative": "outrider.speculative",
+}
+
+
+class NoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Options struct of a plugin that takes none."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason a configuration cannot run, naming the option to change."""
+
+    option: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.option}: {self.message}"
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """What a plugin's ``check`` may look at: the resolved serving configuration."""
+
+    device: Literal["cpu", "cuda"]
+    dtype: str
+    page_size: int
+    overlap: bool
+    attention_routes: dict[Phase, str]
+    speculative_algorithm: str
+    # Compute capability (major, minor) of the CUDA device, None on CPU.
+    cuda_capability: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What a plugin's ``check_request`` may look at: one validated request, no tokens."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    logprobs: int
+    has_stop_strings: bool
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class AttentionCapabilities:
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
+    # None: any page size.
+    page_sizes: frozenset[int] | None = None
+    causal: bool = True
+    non_causal: bool = False
+    tree_mask: bool = False
+    cuda_graphs: bool = False
+    # The backend reads per-row kv lengths on the host; the overlap loop then waits for the
+    # step's "lengths published" event before launching it.
+    needs_host_lengths: bool = False
+    phases: frozenset[Phase] = frozenset(PHASES)
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """The light description an entry point names.
+
+    ``check`` returns every problem at once (empty: usable); ``check_request`` returns a
+    message for a request this plugin cannot honour (answered ``unsupported``), else None.
+    """
+
+    name: str
+    kind: PluginKind
+    summary: str
+    implementation: str  # "module:attribute", imported by load()
+    api_version: int = API_VERSION
+    options: type[msgspec.Struct] = NoOptions
+    attention: AttentionCapabilities | None = None
+    check: Callable[[PluginSpec, CheckContext], list[Problem]] = field(
+        default=lambda spec, ctx: default_check(spec, ctx)
+    )
+    check_request: Callable[[RequestFacts], str | None] = field(default=lambda facts: None)
+
+    def load(self) -> Any:
+        module_name, _, attribute = self.implementation.partition(":")
+        return getattr(importlib.import_module(module_name), attribute)
+
+    def parse_options(self, raw: bytes | str | None) -> msgspec.Struct:
+        """Validate ``--*-config`` JSON against the options struct (raises ValidationError)."""
+        return msgspec.json.decode(raw or b"{}", type=self.options)
+
+
+def default_check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
+    """Capability-driven checks shared by attention backends; speculative specs extend it."""
+    problems: list[Problem] = []
+    caps = spec.attention
+    if caps is None:
+        return problems
+    flag = f"--attention-backend {spec.name}"
+    if ctx.device not in caps.devices:
+        problems.append(Problem("--device", f"{spec.name} does not run on {ctx.device}"))
+    if ctx.dtype not in caps.dtypes:
+        problems.append(Problem("--dtype", f"{spec.name} does not support {ctx.dtype}"))
+    if caps.page_sizes is not None and ctx.page_size not in caps.page_sizes:
+        sizes = ", ".join(str(p) for p in sorted(caps.page_sizes))
+        problems.append(
+            Problem("--page-size", f"{spec.name} takes page sizes {sizes}, not {ctx.page_size}")
+        )
+    for phase, name in ctx.attention_routes.items():
+        if name == spec.name and phase not in caps.phases:
+            problems.append(Problem(flag, f"{spec.name} cannot run the {phase} phase"))
+    return problems

@@ -1,0 +1,85 @@
+"""Frame codec: ``[kind/version byte][msgpack body]``.
+
+The first byte is ``family << 4 | version``: the family picks the decoder (client requests,
+client replies, internal pipes), the version lets any peer be answered
+``unsupported_version`` before its body is read. One codec per socket, reused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from outrider.protocol.messages import PROTOCOL_VERSION, ClientReply, ClientRequest
+
+T = TypeVar("T")
+
+FAMILY_CLIENT_REQUEST = 1
+FAMILY_CLIENT_REPLY = 2
+
+
+class FrameError(Exception):
+    """A frame that cannot be decoded; ``code`` is the wire error code to answer with."""
+
+    def __init__(self, code: str, message: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class _IdOnly(msgspec.Struct):
+    request_id: str = ""
+
+
+class FrameCodec(Generic[T]):
+    """Encodes and decodes one message type (usually a tagged union) of one family."""
+
+    def __init__(self, family: int, type_: Any, version: int = PROTOCOL_VERSION) -> None:
+        assert 0 < family < 16 and 0 < version < 16
+        self.header = bytes([family << 4 | version])
+        self.family = family
+        self.version = version
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_)
+        self._id_decoder = msgspec.msgpack.Decoder(_IdOnly)
+
+    def encode(self, msg: T) -> bytes:
+        return self.header + self._encoder.encode(msg)
+
+    def decode(self, frame: bytes | memoryview) -> T:
+        """Decode one frame or raise ``FrameError`` (``malformed``, ``unsupported_version``
+        or ``invalid_request``, with the request id when the body still yields one)."""
+        data = memoryview(frame)
+        if len(data) == 0:
+            raise FrameError("malformed", "empty frame")
+        family, version = data[0] >> 4, data[0] & 0x0F
+        if family != self.family:
+            raise FrameError("malformed", f"unknown frame kind {data[0]:#04x}")
+        if version != self.version:
+            raise FrameError(
+                "unsupported_version",
+                f"protocol version {version} is not supported (this peer speaks {self.version})",
+                self._request_id(data[1:]),
+            )
+        try:
+            return self._decoder.decode(data[1:])
+        except msgspec.ValidationError as exc:
+            raise FrameError("invalid_request", str(exc), self._request_id(data[1:])) from None
+        except msgspec.DecodeError as exc:
+            raise FrameError("malformed", f"undecodable body: {exc}") from None
+
+    def _request_id(self, body: memoryview) -> str:
+        try:
+            return self._id_decoder.decode(body).request_id
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return ""
+
+
+def request_codec() -> FrameCodec[ClientRequest]:
+    return FrameCodec(FAMILY_CLIENT_REQUEST, ClientRequest)
+
+
+def reply_codec() -> FrameCodec[ClientReply]:
+    return FrameCodec(FAMILY_CLIENT_REPLY, ClientReply)

@@ -1,0 +1,175 @@
+"""Client-facing wire messages.
+
+Every frame is ``[kind/version byte][msgpack body]``; see ``frames.py``. Requests (client ->
+daemon) are plain tagged structs; replies (daemon -> client) are ``array_like`` tagged structs
+(a msgspec union may not mix the two). Fields are only ever appended, with defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1
+
+FinishReason = Literal["stop", "length", "abort"]
+
+ErrorCode = Literal[
+    "invalid_request",
+    "prompt_too_long",
+    "unsupported",
+    "unknown_request",
+    "duplicate_request_id",
+    "overloaded",
+    "shutting_down",
+    "unsupported_version",
+    "malformed",
+    "connection_lost",
+    "internal",
+]
+ERROR_CODES: frozenset[str] = frozenset(ErrorCode.__args__)  # type: ignore[attr-defined]  # Literal
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+
+
+# --- requests (client -> daemon) ---------------------------------------------------------
+
+
+class ChatMessage(Struct, frozen=True, gc=False):
+    role: Annotated[str, Meta(max_length=64)]
+    content: str
+
+
+class Generate(Struct, tag="generate", frozen=True):
+    """One generation request. Exactly one of ``prompt``, ``input_ids``, ``messages``."""
+
+    request_id: RequestId
+    prompt: str | None = None
+    input_ids: list[TokenId] | None = None
+    messages: list[ChatMessage] | None = None
+    max_new_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] = 0
+    seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
+    stop: Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] = []
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=1024)] = []
+    ignore_eos: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] = 0
+    stream: bool = False
+
+
+class Abort(Struct, tag="abort", frozen=True):
+    """Abort the live request ``target_id``; answered with ``Ack`` or an ``Error``."""
+
+    request_id: RequestId
+    target_id: RequestId
+
+
+class HealthQuery(Struct, tag="health", frozen=True):
+    request_id: RequestId
+
+
+class ServerInfoQuery(Struct, tag="server_info", frozen=True):
+    request_id: RequestId
+
+
+ClientRequest = Generate | Abort | HealthQuery | ServerInfoQuery
+
+
+# --- replies (daemon -> client) ----------------------------------------------------------
+
+
+class TokenLogprob(Struct, array_like=True, frozen=True, gc=False):
+    """Log-probability of one output token under the target, plus the ``top`` alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class Usage(Struct, array_like=True, frozen=True, gc=False):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    spec_drafts: int = 0
+    spec_accepted_tokens: int = 0
+
+
+class Chunk(Struct, array_like=True, tag=1, frozen=True):
+    """Tokens committed since the last chunk of a streamed request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Finished(Struct, array_like=True, tag=2, frozen=True):
+    """The final frame of a request that ran (``stop``, ``length`` or ``abort``)."""
+
+    request_id: str
+    output_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    matched_stop: str | int | None = None
+    usage: Usage = Usage()
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Error(Struct, array_like=True, tag=3, frozen=True):
+    """A typed error; final for ``request_id``."""
+
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+class Ack(Struct, array_like=True, tag=4, frozen=True):
+    request_id: str
+
+
+class Health(Struct, array_like=True, tag=5, frozen=True):
+    request_id: str
+    status: Literal["serving", "not_serving", "draining"]
+    boot_id: str
+    version: str
+    protocol_version: int
+
+
+class ServerInfo(Struct, array_like=True, tag=6, frozen=True):
+    """Daemon state; counters are monotone over the daemon's life (``boot_id``)."""
+
+    request_id: str
+    boot_id: str
+    model: str
+    configuration: dict[str, Any]
+    plugins: dict[str, str]
+    running: int
+    waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    requests_finished: dict[str, int]
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
+
+
+ClientReply = Chunk | Finished | Error | Ack | Health | ServerInfo
+
+
+def is_final(reply: ClientReply) -> bool:
+    """Whether ``reply`` ends its request (every request gets exactly one final reply)."""
+    return not isinstance(reply, Chunk)
+
