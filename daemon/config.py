@@ -1,0 +1,197 @@
+"""The serving configuration: one typed table of flags, resolved once, frozen.
+
+Every ``outrider serve`` flag ``--foo-bar`` may also be set as ``OUTRIDER_FOO_BAR``; the
+command line wins. This module is the only place that reads ``OUTRIDER_*`` serve settings;
+debug knobs live in ``DEBUG_KNOBS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from outrider.plugins.api import PHASES, Phase
+
+Device = Literal["cpu", "cuda"]
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str
+    load_format: Literal["auto", "dummy"] = "auto"
+    dtype: DTypeName = "auto"
+    device: Device = "cpu"
+    page_size: int = 16
+    max_running: int = 64
+    kv_cache_tokens: int = 0  # 0: size the pool from memory (GPU) or the context length (CPU)
+    gpu_memory_fraction: float = 0.85
+    context_length: int = 0  # 0: the model's max_position_embeddings
+    listen: str = ""  # "": the default ipc socket
+    attention_backend: str = "torch"
+    prefill_attention_backend: str = ""
+    decode_attention_backend: str = ""
+    verify_attention_backend: str = ""
+    draft_attention_backend: str = ""
+    attention_config: tuple[str, ...] = ()  # NAME='{...}' options for attention backends
+    speculative_algorithm: str = "none"
+    no_overlap: bool = False
+    chunked_prefill_tokens: int = 2048
+    max_message_bytes: int = 64 * 2**20
+    max_inflight_per_client: int = 1024
+    max_inflight: int = 4096
+    drain_timeout: float = 60.0
+    step_timeout: float = 120.0
+    insecure_tcp: bool = False
+    curve_secret_key_file: str = ""
+    log_level: str = "info"
+    seed: int = 0  # seed of dummy weights
+
+    @property
+    def overlap(self) -> bool:
+        return not self.no_overlap
+
+    @property
+    def attention_routes(self) -> dict[Phase, str]:
+        """Backend per phase: a phase flag wins over ``--attention-backend``."""
+        chosen: dict[Phase, str] = {
+            "extend": self.prefill_attention_backend,
+            "decode": self.decode_attention_backend,
+            "verify": self.verify_attention_backend,
+            "draft_decode": self.draft_attention_backend,
+            "draft_extend": self.draft_attention_backend,
+        }
+        return {phase: chosen[phase] or self.attention_backend for phase in PHASES}
+
+
+_HELP: dict[str, str] = {
+    "model": "model directory or config.json path",
+    "load_format": "auto: weights from the directory; dummy: random weights of the same shapes",
+    "dtype": "auto = float32 on CPU, the checkpoint's dtype on CUDA",
+    "page_size": "KV page size in tokens",
+    "max_running": "most requests decoding at once",
+    "kv_cache_tokens": "KV pool size in tokens (0: from memory / context length)",
+    "gpu_memory_fraction": "fraction of free GPU memory the daemon may use",
+    "context_length": "longest prompt + output (0: the model's maximum)",
+    "listen": "client endpoint: ipc://PATH or tcp://HOST:PORT (default: the runtime socket)",
+    "attention_backend": "attention backend for every phase",
+    "attention_config": "NAME='{json}' options for an attention backend (repeatable)",
+    "no_overlap": "run the serial loop (same tokens, no CPU/GPU overlap)",
+    "chunked_prefill_tokens": "most prompt tokens in one EXTEND batch",
+    "max_message_bytes": "largest client frame (ZMQ_MAXMSGSIZE)",
+    "drain_timeout": "seconds in-flight requests may finish after SIGTERM",
+    "step_timeout": "a step older than this stops the systemd watchdog pings",
+    "insecure_tcp": "allow a non-loopback TCP bind without CURVE keys",
+    "curve_secret_key_file": "CURVE secret key file (zmq.auth format) for TCP",
+}
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "load_format": ("auto", "dummy"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "device": ("cpu", "cuda"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+
+def env_name(field_name: str) -> str:
+    return "OUTRIDER_" + field_name.upper()
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``ServeConfig`` field; defaults are applied in ``resolve``."""
+    for f in fields(ServeConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = _HELP.get(f.name, "") + f" [env {env_name(f.name)}]"
+        if f.type == "bool":
+            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+        elif f.name == "attention_config":
+            parser.add_argument(flag, action="append", default=None, help=help_text)
+        else:
+            parser.add_argument(flag, default=None, choices=_CHOICES.get(f.name), help=help_text)
+
+
+def _convert(name: str, type_name: str, raw: Any) -> Any:
+    if raw is None:
+        return None
+    if type_name == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{env_name(name)}: expected a boolean, got {raw!r}")
+    if type_name == "int":
+        return int(raw)
+    if type_name == "float":
+        return float(raw)
+    if name == "attention_config":
+        return tuple(raw) if isinstance(raw, list) else tuple(s for s in raw.split(";") if s)
+    return str(raw)
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """CLI value, else ``OUTRIDER_<FLAG>``, else the default; then validate once."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in fields(ServeConfig):
+        raw = getattr(args, f.name, None)
+        if raw is None:
+            raw = environ.get(env_name(f.name))
+        try:
+            value = _convert(f.name, str(f.type), raw)
+        except ValueError as exc:
+            raise ConfigError(f"--{f.name.replace('_', '-')}: {exc}") from None
+        if value is not None:
+            if f.name in _CHOICES and value not in _CHOICES[f.name]:
+                choices = ", ".join(_CHOICES[f.name])
+                raise ConfigError(f"--{f.name.replace('_', '-')}: {value!r} is not one of {choices}")
+            values[f.name] = value
+    if "model" not in values:
+        raise ConfigError("--model is required (or OUTRIDER_MODEL)")
+    config = ServeConfig(**values)
+    problems = validate(config)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return config
+
+
+def validate(config: ServeConfig) -> list[str]:
+    problems = []
+    if config.page_size < 1 or config.page_size & (config.page_size - 1):
+        problems.append(f"--page-size must be a power of two, not {config.page_size}")
+    if config.max_running < 1:
+        problems.append("--max-running must be at least 1")
+    if config.chunked_prefill_tokens < config.page_size:
+        problems.append("--chunked-prefill-tokens must be at least --page-size")
+    if not 0.0 < config.gpu_memory_fraction <= 1.0:
+        problems.append("--gpu-memory-fraction must be in (0, 1]")
+    if config.kv_cache_tokens < 0 or config.context_length < 0:
+        problems.append("--kv-cache-tokens and --context-length must be >= 0")
+    if config.device == "cpu" and config.dtype not in ("auto", "float32"):
+        problems.append(f"--dtype {config.dtype} is not supported on CPU (use float32)")
+    return problems
+
+
+class ConfigError(ValueError):
+    """A serve setting that cannot be used; the message names the flag."""
+
+
+# EX_CONFIG: the unit's RestartPreventExitStatus, so a bad setting does not restart-loop.
+EXIT_CONFIG = 78
+
+
+# Debug knobs: the only other OUTRIDER_* variables the daemon reads.
+DEBUG_KNOBS: dict[str, str] = {
+    "OUTRIDER_DEBUG_KV_CHECK": "run the KV integrity check after every step (tests)",
+    "OUTRIDER_DEBUG_RETRACT_EVERY": "retract the youngest running request every N steps",
+}
+
+
+def debug_knob(name: str, environ: Mapping[str, str] | None = None) -> int:
+    assert name in DEBUG_KNOBS, name
+    raw = (os.environ if environ is None else environ).get(name, "0")
+    return int(raw) if raw.strip() else 0

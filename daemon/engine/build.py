@@ -1,0 +1,253 @@
+"""Builds the in-process engine from a ``ServeConfig``: plugin checks, model, KV pool (with
+the start-up fit check), attention backends per phase, runner, scheduler, loop, warm-up."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from outrider.daemon.config import ConfigError, ServeConfig, debug_knob
+from outrider.daemon.engine.forward import KVCache
+from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
+from outrider.daemon.internal import ModelFacts, SamplingSpec, TokenizedRequest
+from outrider.daemon.models.config import ModelConfig, load_eos_ids, model_dir
+from outrider.daemon.models.loader import LoadProgress, load_model
+from outrider.daemon.scheduler.finish import FinishChecker, TextDecoder
+from outrider.daemon.scheduler.loop import EngineLoop
+from outrider.daemon.scheduler.radix import PrefixCache
+from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
+from outrider.daemon.tokenizer import load_tokenizer
+from outrider.plugins.api import CheckContext, Phase
+from outrider.plugins.attention.base import AttentionBackend, AttentionShape
+from outrider.plugins.registry import discover
+
+log = logging.getLogger("outrider.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Host memory the CPU KV pool may take by default.
+_CPU_KV_FRACTION = 0.25
+
+
+@dataclass
+class Engine:
+    config: ServeConfig
+    model_config: ModelConfig
+    facts: ModelFacts
+    loop: EngineLoop
+    context_length: int
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.loop.scheduler
+
+
+def resolve_dtype(config: ServeConfig, model_config: ModelConfig) -> str:
+    if config.dtype != "auto":
+        return config.dtype
+    if config.device == "cpu":
+        return "float32"
+    return model_config.dtype if model_config.dtype in _DTYPES else "bfloat16"
+
+
+def check_plugins(config: ServeConfig, dtype: str) -> None:
+    capability = torch.cuda.get_device_capability() if config.device == "cuda" else None
+    ctx = CheckContext(
+        device=config.device,
+        dtype=dtype,
+        page_size=config.page_size,
+        overlap=config.overlap,
+        attention_routes=config.attention_routes,
+        speculative_algorithm=config.speculative_algorithm,
+        cuda_capability=capability,
+    )
+    problems = discover().check(ctx)
+    if problems:
+        raise ConfigError("the configuration cannot run:\n  " + "\n  ".join(map(str, problems)))
+
+
+def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> Engine:
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available")
+    model_config = ModelConfig.from_pretrained(config.model)
+    dtype_name = resolve_dtype(config, model_config)
+    check_plugins(config, dtype_name)
+    device = torch.device(config.device)
+    context_length = config.context_length or model_config.max_position_embeddings
+    reservation = config.page_size  # KV written ahead of committed_len by one step
+    model, model_config = load_model(
+        config.model,
+        dtype=_DTYPES[dtype_name],
+        device=device,
+        load_format=config.load_format,
+        max_positions=context_length + reservation,
+        progress=progress,
+    )
+    pool_tokens = _pool_tokens(config, model_config, dtype_name, context_length + reservation)
+    context_length = _fit_check(config, pool_tokens, context_length, reservation)
+    page_size = config.page_size
+    num_pages = pool_tokens // page_size + 1  # + the scratch page
+    kv = KVCache.allocate(
+        model_config.num_layers,
+        num_pages,
+        page_size,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        _DTYPES[dtype_name],
+        device,
+    )
+    tokenizer = load_tokenizer(model_dir(config.model)) if config.load_format == "auto" else None
+    vocab_limit = model_config.vocab_size
+    if tokenizer is not None:
+        vocab_limit = min(vocab_limit, len(tokenizer))
+    max_pages = (context_length + reservation + page_size - 1) // page_size
+    limits = RunnerLimits(
+        max_slots=config.max_running,
+        max_pages=max_pages,
+        max_tokens=max(config.chunked_prefill_tokens, config.max_running),
+        vocab_limit=vocab_limit,
+    )
+    runner = ModelRunner(model, kv, _backends(config, model_config, device), limits, device)
+    eos = load_eos_ids(config.model, model_config)
+    decoder_factory: Callable[[], TextDecoder] | None = (
+        tokenizer.decoder if tokenizer is not None else None
+    )
+
+    def new_scheduler() -> Scheduler:
+        return Scheduler(
+            SchedulerLimits(
+                max_running=config.max_running,
+                max_pages_per_request=max_pages,
+                chunked_prefill_tokens=config.chunked_prefill_tokens,
+                context_length=context_length,
+                retract_every=debug_knob("OUTRIDER_DEBUG_RETRACT_EVERY"),
+            ),
+            PrefixCache(num_pages, page_size),
+            FinishChecker(eos, context_length, decoder_factory),
+        )
+
+    loop = EngineLoop(
+        new_scheduler(),
+        runner,
+        overlap=config.overlap,
+        check_kv=bool(debug_knob("OUTRIDER_DEBUG_KV_CHECK")),
+    )
+    _warm_up(loop)
+    loop.scheduler = new_scheduler()  # forget the warm-up's cache entries and counters
+    facts = ModelFacts(
+        model=config.model,
+        vocab_size=model_config.vocab_size,
+        context_length=context_length,
+        kv_total_tokens=(num_pages - 1) * page_size,
+        eos_token_ids=sorted(eos),
+        tokenizer_dir=str(model_dir(config.model)) if tokenizer is not None else None,
+        max_new_tokens_default=None,
+        configuration={
+            "device": config.device,
+            "dtype": dtype_name,
+            "page_size": page_size,
+            "max_running": config.max_running,
+            "context_length": context_length,
+            "overlap": config.overlap,
+            "chunked_prefill_tokens": config.chunked_prefill_tokens,
+            "load_format": config.load_format,
+        },
+        plugins={f"attention.{phase}": name for phase, name in config.attention_routes.items()}
+        | {"speculative": config.speculative_algorithm},
+        speculative_algorithm=config.speculative_algorithm,
+    )
+    return Engine(config, model_config, facts, loop, context_length)
+
+
+def _backends(
+    config: ServeConfig, model_config: ModelConfig, device: torch.device
+) -> dict[Phase, AttentionBackend]:
+    """One backend instance per distinct name, shared by the phases routed to it."""
+    registry = discover()
+    options_by_name = dict(item.split("=", 1) for item in config.attention_config)
+    shape = AttentionShape(
+        num_q_heads=model_config.num_q_heads,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        scale=model_config.head_dim**-0.5,
+    )
+    instances: dict[str, AttentionBackend] = {}
+    routes: dict[Phase, AttentionBackend] = {}
+    for phase, name in config.attention_routes.items():
+        if name not in instances:
+            spec = registry.get("attention", name)
+            options = spec.parse_options(options_by_name.get(name))
+            instances[name] = spec.load()(shape, options, device)
+        routes[phase] = instances[name]
+    return routes
+
+
+def _pool_tokens(
+    config: ServeConfig, model_config: ModelConfig, dtype_name: str, minimum: int
+) -> int:
+    if config.kv_cache_tokens:
+        return config.kv_cache_tokens // config.page_size * config.page_size
+    per_token = (
+        2
+        * model_config.num_layers
+        * model_config.num_kv_heads
+        * model_config.head_dim
+        * _DTYPES[dtype_name].itemsize
+    )
+    if config.device == "cuda":
+        free, _total = torch.cuda.mem_get_info()
+        activations = 512 * 2**20 + config.max_running * model_config.vocab_size * 4 * 4
+        budget = int(free * config.gpu_memory_fraction) - activations
+    else:
+        budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * _CPU_KV_FRACTION)
+        # On CPU a pool of a few contexts is plenty.
+        budget = min(budget, 4 * minimum * per_token)
+    return max(budget // per_token, 0) // config.page_size * config.page_size
+
+
+def _fit_check(config: ServeConfig, pool_tokens: int, context_length: int, reservation: int) -> int:
+    """The pool must hold one context-length request plus one step's reservation."""
+    if pool_tokens >= context_length + reservation:
+        return context_length
+    lowered = pool_tokens - reservation
+    if config.context_length or lowered < 2 * config.page_size:
+        raise ConfigError(
+            f"the KV pool holds {pool_tokens} tokens, fewer than --context-length "
+            f"{context_length} plus {reservation}: raise --kv-cache-tokens or "
+            "--gpu-memory-fraction, or lower --context-length"
+        )
+    log.warning(
+        "KV pool of %d tokens: context length lowered from %d to %d",
+        pool_tokens,
+        context_length,
+        lowered,
+    )
+    return lowered
+
+
+def _warm_up(loop: EngineLoop) -> None:
+    """One EXTEND and a few STEP batches through every routed phase before READY."""
+    started = time.monotonic()
+    loop.scheduler.add(
+        TokenizedRequest(
+            rid=-1,
+            request_id="warm-up",
+            input_ids=[0] * 4,
+            sampling=SamplingSpec(temperature=1.0, top_k=4, seed=1, logprobs=2),
+            max_new_tokens=3,
+            stop=[],
+            stop_token_ids=[],
+            ignore_eos=True,
+            stream=False,
+            want_logprobs=True,
+            arrival=time.time(),
+        )
+    )
+    while loop.has_work:
+        loop.iterate()
+    loop.idle_check()
+    log.info("warm-up done in %.2f s", time.monotonic() - started)

@@ -1,0 +1,47 @@
+"""``StepPlan``: what the scheduler hands the executor for one step (msgspec-encodable, so a
+tensor-parallel rank's executor can receive the same plan over a pipe)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from msgspec import Struct
+
+StepKind = Literal["extend", "step"]
+
+
+class SlotParams(Struct, array_like=True, frozen=True, gc=False):
+    """Sampling parameters written into a slot's device buffers when a request is admitted."""
+
+    slot: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+
+class StepPlan(Struct, array_like=True, frozen=True):
+    """One batch. EXTEND rows carry their tokens; STEP rows advance by one token read from the
+    relay buffer. Row ``r`` computes positions ``starts[r] .. starts[r] + q_lens[r] - 1``."""
+
+    kind: StepKind
+    slots: list[int]
+    starts: list[int]
+    q_lens: list[int]
+    input_ids: list[int]  # EXTEND: flat, row after row; STEP: empty
+    # Rows whose last query token is sampled, with the output index of each draw.
+    sample_rows: list[int]
+    sample_positions: list[int]
+    page_writes: list[int]  # flat request-table indices: slot * max_pages + page index
+    page_values: list[int]
+    slot_params: list[SlotParams]
+    max_logprobs: int
+    all_greedy: bool
+
+    @property
+    def bs(self) -> int:
+        return len(self.slots)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)

@@ -1,0 +1,254 @@
+"""On-device token sampling with counter-based randomness (DESIGN.md 4.4).
+
+Rule, per row: greedy rows (``temperature == 0``) take the argmax of the raw logits, ties to
+the lowest id. Sampled rows divide by the temperature, keep the ``top_k`` largest (0 = all),
+then the smallest set of most likely tokens whose mass reaches ``top_p`` (mass measured after
+the top-k cut and renormalisation; the most likely token is always kept), renormalise, and draw
+with an exponential race: ``argmax_i p_i / E_i`` with ``E_i = -log(U_i)`` i.i.d. Exp(1). The
+race winner is distributed exactly as ``p``; it is computed as ``log p_i - log E_i``, and the
+normalisation constant is dropped because it shifts every score of a row alike.
+
+Randomness: ``U`` is a pure function of (request seed, output position, draw index, token id),
+so a request's draws do not depend on which rows share its batch, their order, overlap,
+retraction, CUDA graphs or the device. ``draw`` separates independent uses at one position
+(speculative verification draws an acceptance uniform and a residual sample there).
+
+Hash construction (all on int64 tensors holding 32-bit words, no overflow anywhere):
+
+- ``_mix32``: a 32-bit bijective mixer ``x ^= x >> 16; x *= C1; x ^= x >> 15; x *= C2;
+  x ^= x >> 15`` (mod 2^32). The multipliers are below 2^31, so ``x * C < 2^63`` fits a
+  signed int64 exactly and ``& 0xFFFFFFFF`` is the reduction mod 2^32; shifts act on
+  non-negative values only. Nothing relies on signed wrap-around.
+- Row key (once per row, on [n] tensors): two 32-bit lanes, each started from its own
+  constant mixed with ``draw`` on the host, then absorbing ``seed_lo, seed_hi,
+  position mod 2^32`` as ``k = mix(k ^ word)``. Two lanes make a 64-bit key, so distinct
+  (seed, position, draw) share a whole row of uniforms with probability about 2^-64 rather
+  than 2^-32 (which a long generation would otherwise hit).
+- Per element: ``h = mix(mix(token_id ^ key_a) ^ key_b)``, and
+  ``U = ((h >> 9) + 0.5) / 2^23``: odd multiples of 2^-24, exact in float32, strictly in
+  (0, 1) (the extremes are 2^-24 and 1 - 2^-24).
+
+On CUDA the per-element hash and the race compile into one fused kernel (``_fused``); CPU runs
+the same functions eagerly. The hash is for statistical quality, not cryptography. Changing any
+constant here changes every seeded output: tests pin a few values.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    from outrider.daemon.internal import SamplingSpec
+
+_MASK32 = 0xFFFFFFFF
+# Multipliers of a low-bias 32-bit mixer (the hash-prospector family); both are below 2^31.
+_MIX_MUL_1 = 0x21F0AAAD
+_MIX_MUL_2 = 0x735A2D97
+_LANE_INITS = (0x6A09E667, 0xBB67AE85)
+_U_SCALE = 2.0**-23
+
+_Word = TypeVar("_Word", torch.Tensor, int)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, on the logits' device.
+
+    ``all_greedy`` must be True only when every row has temperature 0 (it skips the random
+    path); ``max_logprobs`` is the largest top-n any row asked for (0 = none).
+    """
+
+    temperature: torch.Tensor  # [n] float32; 0 = greedy
+    top_p: torch.Tensor  # [n] float32 in (0, 1]
+    top_k: torch.Tensor  # [n] int64; 0 = no top-k
+    seed: torch.Tensor  # [n] int64 in [0, 2^63)
+    all_greedy: bool
+    max_logprobs: int
+
+    @classmethod
+    def from_specs(
+        cls, specs: Sequence[SamplingSpec], device: torch.device | str = "cpu"
+    ) -> SamplingBatch:
+        """Build a batch from the requests' specs (host side, when the step is planned)."""
+        return cls(
+            temperature=torch.tensor(
+                [s.temperature for s in specs], dtype=torch.float32, device=device
+            ),
+            top_p=torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device),
+            top_k=torch.tensor([s.top_k for s in specs], dtype=torch.int64, device=device),
+            seed=torch.tensor([s.seed for s in specs], dtype=torch.int64, device=device),
+            all_greedy=all(s.temperature == 0 for s in specs),
+            max_logprobs=max((s.logprobs for s in specs), default=0),
+        )
+
+
+@dataclass
+class SampleResult:
+    tokens: torch.Tensor  # [n] int64
+    logprob: torch.Tensor  # [n] float32, raw log-softmax at the chosen token
+    top_ids: torch.Tensor  # [n, max_logprobs] int64
+    top_logprobs: torch.Tensor  # [n, max_logprobs] float32, raw log-softmax
+
+
+def _mix32(x: _Word) -> _Word:
+    """Bijective mixer of 32-bit words held in int64 tensors (or Python ints)."""
+    # NOTE: x < 2^32 and both multipliers < 2^31: every product stays below 2^63.
+    x = x ^ (x >> 16)
+    x = (x * _MIX_MUL_1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MIX_MUL_2) & _MASK32
+    return x ^ (x >> 15)
+
+
+@functools.cache
+def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _fused(fn: Callable[..., torch.Tensor], like: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """``fn`` compiled into one fused kernel on CUDA; as is elsewhere (the eager reference).
+
+    NOTE: the first call of each shape family compiles (seconds; batch size 1 is its own
+    family), so warm-up must run ``sample`` and ``uniform`` before serving and before graph
+    capture. Only the hash and the race go through here: integer ops are exact, so uniforms
+    stay bitwise equal to the eager ones; the race's logs may differ in the last bit, which
+    can change a winner only at an exact tie of scores.
+    """
+    return _compiled(fn) if like.is_cuda else fn
+
+
+def _row_keys(seed: torch.Tensor, position: torch.Tensor, draw: int) -> torch.Tensor:
+    """The 64-bit key of each row as two 32-bit lanes: [n, 2] int64."""
+    if not 0 <= draw <= _MASK32:
+        raise ValueError(f"draw must be in [0, 2^32), got {draw}")
+    # draw is host-known: it enters through the lanes' initial values, mixed on the host.
+    init_a, init_b = (_mix32(init ^ draw) for init in _LANE_INITS)
+    # >> is arithmetic on int64; the masks keep every word in [0, 2^32).
+    seed_lo = (seed & _MASK32).unsqueeze(-1)
+    seed_hi = ((seed >> 32) & _MASK32).unsqueeze(-1)
+    key = _mix32(torch.cat([seed_lo ^ init_a, seed_lo ^ init_b], dim=-1))
+    key = _mix32(key ^ seed_hi)
+    return _mix32(key ^ (position & _MASK32).unsqueeze(-1))
+
+
+def _uniform_at(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) for token ``ids`` (int64, broadcast against [n, 1])."""
+    # keys: [n, 2]
+    h = _mix32(_mix32(ids ^ keys[:, :1]) ^ keys[:, 1:])
+    return (h >> 9).to(torch.float32).add_(0.5).mul_(_U_SCALE)
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, draw: int, vocab: int) -> torch.Tensor:
+    """Counter-based uniforms: ``out[r, i]`` is a pure function of
+    ``(seed[r], position[r] mod 2^32, draw, i)``, strictly inside (0, 1), and bitwise the same
+    on every device.
+
+    seed, position: [n] int64. Returns [n, vocab] float32.
+    """
+    keys = _row_keys(seed, position, draw)
+    ids = torch.arange(vocab, dtype=torch.int64, device=seed.device)
+    return _fused(_uniform_at, keys)(keys, ids)
+
+
+def _check_limits(logits: torch.Tensor, vocab_limit: int, max_logprobs: int = 0) -> None:
+    if not 0 < vocab_limit <= logits.shape[-1]:
+        raise ValueError(f"vocab_limit {vocab_limit} outside [1, {logits.shape[-1]}]")
+    if max_logprobs > vocab_limit:
+        raise ValueError(f"max_logprobs {max_logprobs} exceeds vocab_limit {vocab_limit}")
+
+
+def _filtered_sorted(
+    logits: torch.Tensor, batch: SamplingBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled-row rule in descending order: (tempered logits with cut tokens at -inf,
+    their token ids), both [n, V]. Greedy rows get temperature 1 (their result is discarded).
+    """
+    # logits: [n, V]
+    vocab = logits.shape[-1]
+    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    # Stable sort: equal logits keep id order, so top-k ties go to the lowest ids everywhere.
+    values, ids = torch.sort(
+        logits / temperature.unsqueeze(-1), dim=-1, descending=True, stable=True
+    )
+    top_k = torch.where(batch.top_k > 0, batch.top_k, vocab).unsqueeze(-1)  # [n, 1]
+    rank = torch.arange(vocab, device=logits.device)
+    values = values.masked_fill(rank >= top_k, float("-inf"))
+    probs = torch.softmax(values, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    # NOTE: a float32 cumsum can reach 1.0 before the tail; top_p == 1 must keep every token.
+    top_p = torch.where(batch.top_p < 1.0, batch.top_p, float("inf")).unsqueeze(-1)  # [n, 1]
+    return values.masked_fill(mass_before >= top_p, float("-inf")), ids
+
+
+def _race(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Exponential race: the index along the last dim of ``argmax(values - log E)``, [n, 1]."""
+    # values: [n, V] log-weights (-inf = cut); ids: [n, V] token ids; keys: [n, 2]
+    log_e = torch.log(-torch.log(_uniform_at(keys, ids)))
+    return torch.argmax(values - log_e, dim=-1, keepdim=True)
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    # torch.argmax returns the first maximal index: ties go to the lowest id.
+    return torch.argmax(logits, dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    position: torch.Tensor,
+    *,
+    vocab_limit: int,
+    draw: int = 0,
+) -> SampleResult:
+    """Choose one token per row, with no host synchronisation.
+
+    logits: [n, V] float32; ids >= ``vocab_limit`` are never chosen nor reported.
+    position: [n] int64, the output position of the token being drawn (a randomness counter).
+    draw: separates independent draws at the same (seed, position).
+    Logprobs are the raw log-softmax over the first ``vocab_limit`` ids (no temperature or
+    filtering): the chosen token's, and the ``batch.max_logprobs`` largest.
+    """
+    _check_limits(logits, vocab_limit, batch.max_logprobs)
+    # Slicing is free and keeps shapes static: padded ids simply do not exist below here.
+    logits = logits[:, :vocab_limit].float()  # [n, Vl]
+    tokens = _greedy(logits)
+    if not batch.all_greedy:
+        values, ids = _filtered_sorted(logits, batch)
+        keys = _row_keys(batch.seed, position, draw)
+        winner = _fused(_race, keys)(values, ids, keys)
+        sampled = ids.gather(-1, winner).squeeze(-1)
+        tokens = torch.where(batch.temperature > 0, sampled, tokens)
+
+    log_norm = torch.logsumexp(logits, dim=-1)  # [n]
+    logprob = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
+    if batch.max_logprobs > 0:
+        top_values, top_ids = torch.topk(logits, batch.max_logprobs, dim=-1)
+        top_logprobs = top_values - log_norm.unsqueeze(-1)
+    else:
+        top_ids = torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
+        top_logprobs = torch.empty((logits.shape[0], 0), dtype=logits.dtype, device=logits.device)
+    return SampleResult(tokens, logprob, top_ids, top_logprobs)
+
+
+def processed_probs(
+    logits: torch.Tensor, batch: SamplingBatch, *, vocab_limit: int
+) -> torch.Tensor:
+    """The distribution ``sample`` draws from, renormalised: [n, V] float32.
+
+    Greedy rows are a one-hot of the argmax; ids >= ``vocab_limit`` have probability 0.
+    """
+    _check_limits(logits, vocab_limit)
+    full = logits.float()
+    logits = full[:, :vocab_limit]  # [n, Vl]
+    greedy_ids = _greedy(logits).unsqueeze(-1)
+    one_hot = torch.zeros_like(full).scatter_(-1, greedy_ids, 1.0)
+    if batch.all_greedy:
+        return one_hot
+    values, ids = _filtered_sorted(logits, batch)
+    probs = torch.zeros_like(full).scatter_(-1, ids, torch.softmax(values, dim=-1))
+    return torch.where((batch.temperature > 0).unsqueeze(-1), probs, one_hot)

@@ -1,0 +1,211 @@
+"""The model facts Outrider needs, parsed once from a HF config.json (DESIGN.md 4.5).
+
+``--model`` is a directory or a config.json path. transformers' ``AutoConfig`` reads it and
+normalises the v4 keys (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and the v5 ones
+(``rope_parameters``, ``dtype``); both spellings are accepted here so that either major version
+of transformers works.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_ROPE_THETA = 10000.0  # HF's default when a config names none
+
+
+@dataclass(frozen=True)
+class _Family:
+    """What HF hard-codes per model_type in its modeling file instead of config.json."""
+
+    qkv_bias: bool | None  # None: config.json's `attention_bias`
+    o_proj_bias: bool | None
+    qk_norm: bool
+
+
+_FAMILIES: dict[str, _Family] = {
+    "llama": _Family(qkv_bias=None, o_proj_bias=None, qk_norm=False),
+    "qwen2": _Family(qkv_bias=True, o_proj_bias=False, qk_norm=False),
+    "qwen3": _Family(qkv_bias=None, o_proj_bias=None, qk_norm=True),
+}
+
+
+@dataclass(frozen=True)
+class Llama3Scaling:
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    llama3: Llama3Scaling | None = None  # None: plain RoPE
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # architectures[0]
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool  # bias on q/k/v
+    o_proj_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    dtype: str | None  # checkpoint dtype ("bfloat16", ...); None when the config is silent
+    eos_token_ids: tuple[int, ...]  # config.json's only; see load_eos_ids for the union
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Parse a model directory or a config.json path. Raises ValueError for a model that
+        Outrider cannot run (unknown model_type, rope type, activation, sliding window)."""
+        from transformers import AutoConfig
+
+        return cls.from_dict(AutoConfig.from_pretrained(str(path)).to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Parse the ``to_dict()`` of a transformers config (v4 or v5 keys)."""
+        model_type = str(d.get("model_type"))
+        family = _FAMILIES.get(model_type)
+        if family is None:
+            supported = ", ".join(sorted(_FAMILIES))
+            raise ValueError(f"model_type {model_type!r} is not supported (supported: {supported})")
+        architectures = d.get("architectures") or []
+        if not architectures:
+            raise ValueError("config.json has no `architectures` entry")
+        _check_supported(d)
+        attention_bias = bool(d.get("attention_bias", False))
+        num_q_heads = int(d["num_attention_heads"])
+        hidden_size = int(d["hidden_size"])
+        return cls(
+            architecture=architectures[0],
+            model_type=model_type,
+            hidden_size=hidden_size,
+            num_layers=int(d["num_hidden_layers"]),
+            num_q_heads=num_q_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_q_heads),
+            head_dim=int(d.get("head_dim") or hidden_size // num_q_heads),
+            intermediate_size=int(d["intermediate_size"]),
+            vocab_size=int(d["vocab_size"]),
+            rms_norm_eps=float(d["rms_norm_eps"]),
+            rope=_parse_rope(d),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(d["max_position_embeddings"]),
+            attention_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            o_proj_bias=attention_bias if family.o_proj_bias is None else family.o_proj_bias,
+            qk_norm=family.qk_norm,
+            dtype=_parse_dtype(d.get("dtype") or d.get("torch_dtype")),
+            eos_token_ids=_as_ids(d.get("eos_token_id")),
+        )
+
+
+def _check_supported(d: dict[str, Any]) -> None:
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only silu)")
+    if d.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    if d.get("use_sliding_window"):
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    layer_types = set(d.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ValueError(f"layer_types {sorted(layer_types)} are not supported (full_attention)")
+
+
+def _parse_rope(d: dict[str, Any]) -> RopeConfig:
+    # v5 writes `rope_parameters` (theta inside); v4 has `rope_theta` + `rope_scaling`. A v5
+    # config read by transformers 4 keeps `rope_parameters` as an extra key, so it wins.
+    params = d.get("rope_parameters")
+    if params is None:
+        params = dict(d.get("rope_scaling") or {})
+        params.setdefault("rope_theta", d.get("rope_theta") or _DEFAULT_ROPE_THETA)
+    if any(isinstance(value, dict) for value in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta") or _DEFAULT_ROPE_THETA)
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type == "llama3":
+        scaling = Llama3Scaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+        return RopeConfig(theta=theta, llama3=scaling)
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, llama3)")
+
+
+def _parse_dtype(value: object) -> str | None:
+    if value is None:
+        return None
+    return str(value).removeprefix("torch.")
+
+
+def _as_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list | tuple):
+        return tuple(int(v) for v in value)
+    raise ValueError(f"eos_token_id must be an int or a list of ints, not {value!r}")
+
+
+def model_dir(path: str | Path) -> Path:
+    """The directory holding weights and tokenizer files (``path`` or a config.json's parent)."""
+    path = Path(path)
+    return path.parent if path.is_file() else path
+
+
+def load_eos_ids(path: str | Path, config: ModelConfig) -> frozenset[int]:
+    """The EOS set: config.json's ``eos_token_id``, generation_config.json's, and the
+    tokenizer's ``eos_token`` (tokenizer_config.json mapped through tokenizer.json). Files
+    that are absent contribute nothing: a directory without tokenizer files serves ids only."""
+    directory = model_dir(path)
+    ids = set(config.eos_token_ids)
+    generation = directory / "generation_config.json"
+    if generation.is_file():
+        ids.update(_as_ids(json.loads(generation.read_text()).get("eos_token_id")))
+    token_id = _tokenizer_eos_id(directory)
+    if token_id is not None:
+        ids.add(token_id)
+    return frozenset(ids)
+
+
+def _tokenizer_eos_id(directory: Path) -> int | None:
+    tokenizer_config = directory / "tokenizer_config.json"
+    if not tokenizer_config.is_file():
+        return None
+    eos = json.loads(tokenizer_config.read_text()).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not eos:
+        return None
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        log.warning("%s names eos_token %r but there is no tokenizer.json", tokenizer_config, eos)
+        return None
+    from tokenizers import Tokenizer
+
+    token_id = Tokenizer.from_file(str(tokenizer_file)).token_to_id(eos)
+    if token_id is None:
+        raise ValueError(f"eos_token {eos!r} of {tokenizer_config} is not in {tokenizer_file}")
+    return token_id

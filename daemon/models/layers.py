@@ -1,0 +1,239 @@
+"""Layers shared by the dense decoder LMs (Llama 3.x, Qwen2, Qwen3).
+
+Parameter names follow the HF layout (``model.layers.{i}.self_attn...``) except for the two
+fused projections, ``qkv_proj`` and ``gate_up_proj``; the loader maps HF names onto them
+through ``FusedLinear.shards``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from outrider.plugins.attention.base import AttentionShape
+
+if TYPE_CHECKING:
+    from outrider.daemon.engine.forward import ForwardBatch
+    from outrider.daemon.models.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32, scale in the input dtype (as the HF reference rounds).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float32, with llama3 scaling when configured."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    scaling = rope.llama3
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions ``0 .. max_positions - 1`` (the serving context length
+    plus the largest reservation, never a checkpoint's max_position_embeddings)."""
+
+    cos: torch.Tensor  # [max_positions, D/2]
+    sin: torch.Tensor
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = rope
+        self.max_positions = max_positions
+        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.init_table()
+
+    def init_table(self) -> None:
+        """(Re)compute the tables in float32 and store them in the buffers' dtype, which is
+        what the HF reference rounds to. Call again after ``to_empty``."""
+        if self.cos.is_meta:
+            return
+        inv_freq = rope_inv_freq(self.head_dim, self.rope).to(self.cos.device)
+        positions = torch.arange(self.max_positions, device=self.cos.device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+        with torch.no_grad():
+            self.cos.copy_(freqs.cos())
+            self.sin.copy_(freqs.sin())
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions: [T]`` -> ``cos, sin: [T, D/2]``. Positions must be < max_positions."""
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. ``x: [T, H, D]``, ``cos, sin: [T, D/2]``."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class FusedLinear(nn.Linear):
+    """Several projections of the same input stacked along the output rows; ``shards`` maps
+    each checkpoint projection to its rows of ``weight`` (and ``bias``)."""
+
+    def __init__(self, in_features: int, shard_rows: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_rows.values()), bias=bias)
+        self.sizes = list(shard_rows.values())
+        self.shards: dict[str, slice] = {}
+        start = 0
+        for name, rows in shard_rows.items():
+            self.shards[name] = slice(start, start + rows)
+            start += rows
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_q_heads = config.num_q_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_rows = config.num_q_heads * config.head_dim
+        kv_rows = config.num_kv_heads * config.head_dim
+        self.qkv_proj = FusedLinear(
+            config.hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, config.attention_bias
+        )
+        self.o_proj = nn.Linear(q_rows, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        # x: [T, hidden]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        q = q.view(num_tokens, self.num_q_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = fb.backend.forward(self.layer_id, q, k, v, fb)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_q_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        rows = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": rows, "up": rows}, False)
+        self.down_proj = nn.Linear(rows, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        # x: [T, hidden], the residual stream; never updated in place (captures alias it).
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, fb)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm: HF's ``model.`` prefix."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        cos, sin = self.rotary_emb(fb.positions)  # [T, D/2] each
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer_id, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, fb)
+            if layer_id in fb.capture_layers:
+                fb.captured[layer_id] = x
+        return self.norm(x)
+
+
+class DecoderForCausalLM(nn.Module):
+    """What every model offers the engine. ``model_type`` names the config family a subclass
+    accepts; the architecture-specific shape (biases, q/k norm) comes from ``ModelConfig``."""
+
+    model_type: str
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        if config.model_type != self.model_type:
+            raise ValueError(
+                f"{type(self).__name__} takes model_type {self.model_type!r}, "
+                f"not {config.model_type!r}"
+            )
+        self.config = config
+        self.model = DecoderModel(config, max_positions)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def attention_shape(self) -> AttentionShape:
+        c = self.config
+        return AttentionShape(c.num_q_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5)
+
+    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """``input_ids: [T]`` int64 -> final-norm hidden states ``[T, hidden]``. Captures the
+        residual stream after each layer in ``fb.capture_layers`` into ``fb.captured``."""
+        return self.model(input_ids, fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden: [n, hidden]`` -> ``[n, vocab]`` float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,259 @@
+"""Build a model and fill it from HF safetensors, or with dummy weights (DESIGN.md 4.5).
+
+The model is built on the meta device and materialised once in the serving dtype on the
+serving device; shards are then read one at a time straight onto that device. Every
+checkpoint tensor must land in a parameter and every parameter must be filled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from outrider.daemon.models import model_class
+from outrider.daemon.models.config import ModelConfig, model_dir
+from outrider.daemon.models.layers import DecoderForCausalLM, FusedLinear, RMSNorm
+
+log = logging.getLogger(__name__)
+
+# (shard index from 1, shard count, file name), called after each shard is loaded.
+LoadProgress = Callable[[int, int, str], None]
+
+# Checkpoint projection -> (our fused module, its shard).
+_FUSED: dict[str, tuple[str, str]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+_UNFUSED = {value: key for key, value in _FUSED.items()}
+# Buffers some older checkpoints saved next to the weights; we recompute them.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_DUMMY_STD = 0.02
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one checkpoint tensor goes: a parameter, or one shard's rows of a fused one."""
+
+    param: str
+    shard: str | None = None
+
+
+def slot_for(checkpoint_name: str) -> Slot:
+    module_path, _, kind = checkpoint_name.rpartition(".")
+    parent, _, leaf = module_path.rpartition(".")
+    if leaf in _FUSED:
+        fused, shard = _FUSED[leaf]
+        return Slot(f"{parent}.{fused}.{kind}", shard)
+    return Slot(checkpoint_name)
+
+
+def checkpoint_name(slot: Slot) -> str:
+    if slot.shard is None:
+        return slot.param
+    module_path, _, kind = slot.param.rpartition(".")
+    parent, _, fused = module_path.rpartition(".")
+    return f"{parent}.{_UNFUSED[(fused, slot.shard)]}.{kind}"
+
+
+class WeightFiller:
+    """Tracks which parameter rows a checkpoint has filled; ``finish`` raises listing what is
+    missing and what was unexpected."""
+
+    def __init__(self, model: DecoderForCausalLM) -> None:
+        self.tied = model.config.tie_word_embeddings
+        self.targets: dict[Slot, tuple[torch.nn.Parameter, slice | None]] = {}
+        for module_name, module in model.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                full = f"{module_name}.{name}"
+                if isinstance(module, FusedLinear):
+                    for shard, rows in module.shards.items():
+                        self.targets[Slot(full, shard)] = (param, rows)
+                else:
+                    self.targets[Slot(full)] = (param, None)
+        self.pending = set(self.targets)
+        self.unexpected: list[str] = []
+
+    def fill(self, name: str, tensor: torch.Tensor) -> None:
+        # A tied checkpoint that still ships lm_head.weight: HF ties it to the embedding too.
+        if name.endswith(_IGNORED_SUFFIXES) or (self.tied and name == "lm_head.weight"):
+            return
+        slot = slot_for(name)
+        if slot not in self.pending:
+            self.unexpected.append(name if slot not in self.targets else f"{name} (twice)")
+            return
+        param, rows = self.targets[slot]
+        dest = param.data if rows is None else param.data[rows]
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        self.pending.discard(slot)
+
+    def finish(self) -> None:
+        problems = []
+        if self.unexpected:
+            problems.append(f"unexpected checkpoint tensors: {_listing(self.unexpected)}")
+        if self.pending:
+            missing = [checkpoint_name(slot) for slot in self.pending]
+            problems.append(f"missing checkpoint tensors: {_listing(missing)}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def _listing(names: list[str], limit: int = 20) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def build_model(
+    config: ModelConfig, *, max_positions: int, dtype: torch.dtype, device: torch.device | str
+) -> DecoderForCausalLM:
+    """The model with uninitialised parameters in ``dtype`` on ``device`` (meta: no memory)."""
+    with torch.device("meta"):
+        model = model_class(config.architecture)(config, max_positions)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.model.rotary_emb.init_table()
+    model.requires_grad_(False)
+    return model
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    load_format: Literal["auto", "dummy"] = "auto",
+    max_positions: int,
+    progress: LoadProgress | None = None,
+) -> tuple[DecoderForCausalLM, ModelConfig]:
+    """Load the model at ``path`` (a directory or a config.json path). ``max_positions`` sizes
+    the rotary tables: serving context length plus the largest reservation. ``progress``
+    defaults to ``default_progress()``."""
+    config = ModelConfig.from_pretrained(path)
+    model = build_model(config, max_positions=max_positions, dtype=dtype, device=device)
+    if load_format == "dummy":
+        init_dummy(model)
+    else:
+        files = checkpoint_files(model_dir(path))
+        load_weights(model, files, torch.device(device), progress or default_progress())
+    return model, config
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors in {directory} (--load-format dummy runs without weights)"
+        )
+    return files
+
+
+def load_weights(
+    model: DecoderForCausalLM, files: list[Path], device: torch.device, progress: LoadProgress
+) -> None:
+    from safetensors import safe_open
+
+    start = time.monotonic()
+    filler = WeightFiller(model)
+    for index, file in enumerate(files, start=1):
+        with safe_open(str(file), framework="pt", device=str(device)) as shard:
+            for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                filler.fill(name, shard.get_tensor(name))
+        progress(index, len(files), file.name)
+    filler.finish()
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    log.info("loaded %.2f GB of weights in %.1f s", size / 1e9, time.monotonic() - start)
+
+
+def init_dummy(model: DecoderForCausalLM, seed: int = 0) -> None:
+    """Random weights, deterministic per device: norms 1, everything else N(0, 0.02)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if isinstance(module, RMSNorm):
+                param.data.fill_(1.0)
+            else:
+                param.data.normal_(0.0, _DUMMY_STD, generator=generator)
+
+
+def default_progress() -> LoadProgress:
+    """A tqdm bar when stderr is a TTY, else one log line per shard."""
+    if not sys.stderr.isatty():
+
+        def log_shard(index: int, count: int, name: str) -> None:
+            log.info("loaded weight shard %d/%d: %s", index, count, name)
+
+        return log_shard
+    from tqdm import tqdm
+
+    bar = tqdm(desc="Loading weights", unit="shard", total=None)
+
+    def update_bar(index: int, count: int, name: str) -> None:
+        bar.total = count
+        bar.set_postfix_str(name, refresh=False)
+        bar.update(1)
+        if index == count:
+            bar.close()
+
+    return update_bar
+
+
+def expected_checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name (and shape) a HF checkpoint of ``config`` holds, derived from the
+    config alone."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_rows, kv_rows = config.num_q_heads * head_dim, config.num_kv_heads * head_dim
+    inter = config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        for proj, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+            shapes[f"{attn}.{proj}.weight"] = (rows, hidden)
+            if config.attention_bias:
+                shapes[f"{attn}.{proj}.bias"] = (rows,)
+        shapes[f"{attn}.o_proj.weight"] = (hidden, q_rows)
+        if config.o_proj_bias:
+            shapes[f"{attn}.o_proj.bias"] = (hidden,)
+        if config.qk_norm:
+            shapes[f"{attn}.q_norm.weight"] = (head_dim,)
+            shapes[f"{attn}.k_norm.weight"] = (head_dim,)
+        shapes[f"{mlp}.gate_proj.weight"] = (inter, hidden)
+        shapes[f"{mlp}.up_proj.weight"] = (inter, hidden)
+        shapes[f"{mlp}.down_proj.weight"] = (hidden, inter)
+        shapes[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
+        shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (hidden,)
+    return shapes
+
+
+def check_checkpoint_layout(config: ModelConfig) -> None:
+    """Run the real fill path on the meta device with the tensors a checkpoint of ``config``
+    would hold: raises as ``load_model`` would, without allocating any weights."""
+    model = build_model(config, max_positions=1, dtype=torch.float32, device="meta")
+    filler = WeightFiller(model)
+    for name, shape in expected_checkpoint_shapes(config).items():
+        filler.fill(name, torch.empty(shape, device="meta"))
+    filler.finish()

@@ -1,0 +1,189 @@
+"""``outrider plugins``: every installed plugin, its options, and whether it can run here.
+
+Runnable on its own as ``python -m outrider.daemon.plugins_cmd``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+import msgspec
+
+from outrider.plugins.api import ENTRY_POINT_GROUPS, PHASES, CheckContext, PluginKind, Problem
+from outrider.plugins.registry import (
+    ATTENTION_FLAG,
+    KIND_NAMES,
+    SPECULATIVE_FLAG,
+    Entry,
+    Registry,
+    discover,
+    run_check,
+)
+
+# The built-in backend that speculative plugins are checked against.
+DEFAULT_ATTENTION_BACKEND = "torch"
+
+
+class OptionField(msgspec.Struct, frozen=True):
+    name: str
+    type: str
+    default: Any = None
+    required: bool = False
+
+
+class PluginReport(msgspec.Struct, frozen=True):
+    name: str
+    distribution: str | None
+    version: str | None
+    target: str
+    summary: str | None
+    options: list[OptionField]
+    usable: bool
+    problems: list[Problem]
+    error: str | None  # set when the entry point cannot be used at all
+
+
+class MachineReport(msgspec.Struct, frozen=True):
+    device: str
+    dtype: str
+    page_size: int
+    cuda_capability: tuple[int, int] | None
+
+
+class Report(msgspec.Struct, frozen=True):
+    machine: MachineReport
+    attention: list[PluginReport]
+    speculative: list[PluginReport]
+
+
+def add_plugins_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the listing as JSON")
+    parser.add_argument(
+        "--page-size", type=int, default=16, help="KV page size to check plugins against"
+    )
+
+
+def run_plugins(args: argparse.Namespace) -> int:
+    """Print every discovered plugin per group; always exits 0 (the listing is the answer)."""
+    report = build_report(discover(), machine_context(args.page_size))
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(report), indent=2).decode())
+    else:
+        print(format_report(report))
+    return 0
+
+
+def machine_context(page_size: int) -> CheckContext:
+    """This machine as the daemon would see it: CUDA in bfloat16 if torch sees a GPU."""
+    capability = _cuda_capability()
+    return CheckContext(
+        device="cpu" if capability is None else "cuda",
+        dtype="float32" if capability is None else "bfloat16",
+        page_size=page_size,
+        overlap=True,
+        attention_routes={phase: DEFAULT_ATTENTION_BACKEND for phase in PHASES},
+        speculative_algorithm="none",
+        cuda_capability=capability,
+    )
+
+
+def build_report(registry: Registry, ctx: CheckContext) -> Report:
+    machine = MachineReport(ctx.device, ctx.dtype, ctx.page_size, ctx.cuda_capability)
+    return Report(
+        machine,
+        attention=[_plugin_report(e, ctx) for e in registry.entries("attention")],
+        speculative=[_plugin_report(e, ctx) for e in registry.entries("speculative")],
+    )
+
+
+def format_report(report: Report) -> str:
+    m = report.machine
+    lines = [f"checked against: device {m.device}, dtype {m.dtype}, page size {m.page_size}"]
+    kinds: list[tuple[PluginKind, list[PluginReport]]] = [
+        ("attention", report.attention),
+        ("speculative", report.speculative),
+    ]
+    for kind, plugins in kinds:
+        lines += ["", f"{KIND_NAMES[kind]}s ({ENTRY_POINT_GROUPS[kind]})"]
+        if not plugins:
+            lines.append("  none installed")
+        for p in plugins:
+            dist = f"{p.distribution} {p.version}" if p.distribution else "no distribution"
+            verdict = "failed to load" if p.error else "usable" if p.usable else "not usable here"
+            lines.append(f"  {p.name}  [{dist}]  {verdict}")
+            if p.error:
+                lines.append(f"      error: {p.error}")
+                continue
+            lines.append(f"      {p.summary}")
+            lines.append("      options:" + ("" if p.options else " none"))
+            for o in p.options:
+                default = "required" if o.required else f"= {o.default!r}"
+                lines.append(f"        {o.name}: {o.type} {default}")
+            lines += [f"      {problem}" for problem in p.problems]
+    return "\n".join(lines)
+
+
+def _plugin_report(entry: Entry, ctx: CheckContext) -> PluginReport:
+    spec = entry.spec
+    if spec is None:
+        return PluginReport(
+            entry.name, entry.dist, entry.version, entry.target, None, [], False, [], entry.error
+        )
+    if entry.kind == "attention":
+        ctx = dataclasses.replace(ctx, attention_routes={phase: spec.name for phase in PHASES})
+        problems = run_check(spec, ctx, ATTENTION_FLAG)
+    else:
+        ctx = dataclasses.replace(ctx, speculative_algorithm=spec.name)
+        problems = run_check(spec, ctx, SPECULATIVE_FLAG)
+    return PluginReport(
+        entry.name,
+        entry.dist,
+        entry.version,
+        entry.target,
+        spec.summary,
+        _options(spec.options),
+        not problems,
+        problems,
+        None,
+    )
+
+
+def _options(options: type[msgspec.Struct]) -> list[OptionField]:
+    result = []
+    for f in msgspec.structs.fields(options):
+        if f.required:
+            result.append(OptionField(f.encode_name, _type_name(f.type), required=True))
+            continue
+        default = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+        result.append(OptionField(f.encode_name, _type_name(f.type), msgspec.to_builtins(default)))
+    return result
+
+
+def _type_name(tp: Any) -> str:
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def _cuda_capability() -> tuple[int, int] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return (major, minor)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="outrider plugins", description="List installed plugins and whether they run here."
+    )
+    add_plugins_arguments(parser)
+    return run_plugins(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

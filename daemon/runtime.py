@@ -1,0 +1,175 @@
+"""Where the daemon's sockets live, and who may own the client socket.
+
+- ``RuntimeDir``: a fresh private directory (mode 0700) per daemon instance holding the
+  internal ``ipc://`` pipes, made under ``$RUNTIME_DIRECTORY`` (systemd), else
+  ``$XDG_RUNTIME_DIR``, else the temp dir. A subdirectory even under systemd: the unit's
+  runtime directory also holds the client socket, which operators may open to a group, while
+  the internal pipes carry already-validated requests and must stay private to the daemon.
+- ``lock_client_endpoint``: an ``ipc://`` client socket is guarded by ``<socket>.lock`` so a
+  second daemon refuses to start instead of silently stealing the socket.
+- ``tcp_bind_problem``: a TCP bind beyond loopback needs CURVE keys or ``--insecure-tcp``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from outrider.protocol.endpoints import ipc_path
+
+# sun_path is 108 bytes on Linux, NUL included; libzmq's error for a longer path is obscure.
+_MAX_SOCKET_PATH = 107
+
+
+class EndpointError(RuntimeError):
+    """The client endpoint cannot be used; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class InternalEndpoints:
+    """The internal pipes; each has one writer and one reader, and the reader binds."""
+
+    to_daemon: str  # front door -> daemon (ToDaemon)
+    to_detokenizer: str  # daemon -> detokenizer (Outputs)
+    to_front_door: str  # detokenizer -> front door (Outputs)
+    control: str  # daemon -> front door (Control)
+
+
+class RuntimeDir:
+    """A private directory for one daemon instance; ``cleanup()`` removes it."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self.path = Path(tempfile.mkdtemp(prefix="outrider-", dir=_runtime_base(env)))
+
+    def endpoint(self, name: str) -> str:
+        return ipc_endpoint(self.path / f"{name}.sock")
+
+    def internal_endpoints(self) -> InternalEndpoints:
+        return InternalEndpoints(
+            to_daemon=self.endpoint("to-daemon"),
+            to_detokenizer=self.endpoint("to-detokenizer"),
+            to_front_door=self.endpoint("to-front-door"),
+            control=self.endpoint("control"),
+        )
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def ipc_endpoint(path: Path) -> str:
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise EndpointError(f"socket path {path} is longer than {_MAX_SOCKET_PATH} bytes")
+    return f"ipc://{path}"
+
+
+class EndpointLock:
+    """Holds ``<socket path>.lock`` (an ``flock``) for the daemon's lifetime.
+
+    NOTE: the lock file is never removed: unlinking it would let one daemon lock the old inode
+    and another a new file, both believing they own the socket.
+    """
+
+    def __init__(self, endpoint: str, lock_path: Path, fd: int) -> None:
+        self.endpoint = endpoint
+        self.lock_path = lock_path
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        os.close(self._fd)
+        self._fd = None
+
+
+def lock_client_endpoint(endpoint: str) -> EndpointLock | None:
+    """For ``ipc://PATH``: lock ``PATH.lock``, write our pid there, and remove a stale socket
+    file at ``PATH`` (safe only while holding the lock). None for other transports and for
+    abstract sockets, whose bind is exclusive anyway.
+
+    Raises ``EndpointError`` when another daemon holds the lock or the path is unusable.
+    """
+    path = ipc_path(endpoint)
+    if path is None:
+        return None
+    socket_path = Path(path)
+    _ensure_private_parent(socket_path.parent)
+    lock_path = socket_path.with_name(socket_path.name + ".lock")
+    # O_CLOEXEC: a child that inherited the fd would keep the lock after the daemon died.
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise EndpointError(f"another daemon (pid {holder}) serves {endpoint}") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _remove_stale_socket(socket_path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return EndpointLock(endpoint, lock_path, fd)
+
+
+def tcp_bind_problem(endpoint: str, *, curve_keys: bool, insecure_tcp: bool) -> str | None:
+    """Why ``endpoint`` must not be bound, or None. Only ``tcp://`` endpoints are judged."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if _is_loopback(host) or curve_keys or insecure_tcp:
+        return None
+    return (
+        f"refusing to bind {endpoint} beyond loopback without CURVE keys: set "
+        "--curve-secret-key-file, bind 127.0.0.1, or pass --insecure-tcp"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.partition("%")[0]).is_loopback
+    except ValueError:
+        return False  # "*", an interface name or a host name
+
+
+def _runtime_base(env: Mapping[str, str]) -> str:
+    for candidate in (env.get("RUNTIME_DIRECTORY", ""), env.get("XDG_RUNTIME_DIR", "")):
+        path = _first_path(candidate)
+        if path and os.path.isdir(path):
+            return path
+    return tempfile.gettempdir()
+
+
+def _first_path(value: str) -> str:
+    # systemd joins several RuntimeDirectory= entries with ':'.
+    return value.split(":", 1)[0]
+
+
+def _ensure_private_parent(directory: Path) -> None:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = directory.stat()
+    # NOTE: under a shared /tmp another user could create our directory first and later swap
+    # the socket; refuse a parent that neither we nor root own.
+    if st.st_uid not in (os.geteuid(), 0):
+        raise EndpointError(f"{directory} belongs to uid {st.st_uid}, not to us")
+
+
+def _remove_stale_socket(socket_path: Path) -> None:
+    try:
+        st = socket_path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise EndpointError(f"{socket_path} exists and is not a socket; not removing it")
+    socket_path.unlink(missing_ok=True)

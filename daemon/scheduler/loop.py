@@ -1,0 +1,96 @@
+"""The overlap loop and its serial twin (DESIGN.md 4.3).
+
+```
+overlap:  plan_n = schedule(); launch(plan_n); process(plan_{n-1})
+serial:   plan_n = schedule(); launch(plan_n); process(plan_n)
+```
+Both share every function; only the order differs, so both give identical tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from outrider.daemon.engine.runner import Launched, ModelRunner
+from outrider.daemon.internal import RequestUpdate
+from outrider.daemon.scheduler.scheduler import Planned, Scheduler
+
+log = logging.getLogger("outrider.loop")
+
+
+class StepFailed(Exception):
+    """A device error after which the process cannot go on (the CUDA context is gone)."""
+
+
+class EngineLoop:
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, *, overlap: bool, check_kv: bool
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.overlap = overlap
+        self.check_kv = check_kv
+        self.inflight: tuple[Planned, Launched] | None = None
+        # Launch time of the oldest step not yet processed (watchdog); 0 when none.
+        self.oldest_step_started = 0.0
+
+    @property
+    def has_work(self) -> bool:
+        return self.inflight is not None or self.scheduler.has_work
+
+    def iterate(self) -> list[RequestUpdate]:
+        """One turn of the loop; returns the updates to send to the detokenizer."""
+        planned = self.scheduler.schedule()
+        launched = self._launch(planned) if planned is not None else None
+        previous, self.inflight = self.inflight, launched
+        if self.overlap:
+            if previous is not None:
+                self._process(*previous)
+        elif launched is not None:
+            self.inflight = None
+            self._process(*launched)
+        self.oldest_step_started = time.monotonic() if self.inflight is not None else 0.0
+        if self.check_kv:
+            self.scheduler.check_integrity()
+        return self.scheduler.take_updates()
+
+    def idle_check(self) -> None:
+        """Run when nothing is in flight: leaks are bugs, not noise."""
+        assert self.inflight is None
+        self.scheduler.check_integrity()
+
+    def _launch(self, planned: Planned) -> tuple[Planned, Launched] | None:
+        try:
+            return planned, self.runner.launch(planned.plan)
+        except Exception as exc:
+            self._step_failed(planned, exc)
+            return None
+
+    def _process(self, planned: Planned, launched: Launched) -> None:
+        try:
+            out = self.runner.collect(launched)
+        except Exception as exc:
+            self._step_failed(planned, exc)
+            return
+        self.scheduler.process(planned, out)
+
+    def _step_failed(self, planned: Planned, exc: Exception) -> None:
+        """A step that raised on the CPU or ran out of CUDA memory ends its batch with
+        ``internal``; any other CUDA error is fatal."""
+        if _is_fatal_cuda_error(exc):
+            raise StepFailed(f"CUDA error, the device context is lost: {exc}") from exc
+        log.exception("step failed; ending its %d requests", len(planned.requests))
+        for req in planned.requests:
+            req.inflight -= 1
+        self.scheduler.fail_all(planned.requests, f"step failed: {type(exc).__name__}: {exc}")
+
+
+def _is_fatal_cuda_error(exc: Exception) -> bool:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    if isinstance(exc, torch.AcceleratorError):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)

@@ -1,0 +1,175 @@
+"""Page allocator and radix prefix cache of whole pages (host side).
+
+Every page except the scratch page 0 is in exactly one state:
+
+| state             | where it is                | refcount                    |
+|-------------------|----------------------------|-----------------------------|
+| free              | ``PagePool.free``          | 0                           |
+| private           | one request's page list    | 1                           |
+| cached, in use    | a tree node                | number of requests using it |
+| cached, evictable | a tree node                | 0                           |
+
+A tree node holds one page and the ``page_size`` token ids stored in it; a path from the root
+spells a prefix. ``check`` verifies the table; the scheduler runs it when idle and in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class OutOfPages(Exception):
+    """The pool cannot supply the pages asked for, even after evicting the cache."""
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]
+    page: int
+    parent: Node | None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    last_use: int = 0
+
+
+class PrefixCache:
+    """Free list + radix tree over one paged pool (pages ``1 .. num_pages - 1``)."""
+
+    def __init__(self, num_pages: int, page_size: int, enabled: bool = True) -> None:
+        assert num_pages >= 2
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enabled = enabled
+        self.free: list[int] = list(range(num_pages - 1, 0, -1))
+        self.refcount = [0] * num_pages
+        self.root = Node(key=(), page=-1, parent=None)
+        self.nodes: dict[int, Node] = {}  # page -> node, for cached pages
+        self._clock = 0
+        self.queries = 0
+        self.hits = 0
+
+    # --- allocation ----------------------------------------------------------------------
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    def available(self) -> int:
+        """Pages obtainable now: free plus evictable cached ones."""
+        evictable = sum(1 for page in self.nodes if self.refcount[page] == 0)
+        return len(self.free) + evictable
+
+    def used_pages(self) -> int:
+        return self.usable_pages - len(self.free)
+
+    def allocate(self, count: int) -> list[int]:
+        """``count`` private pages (refcount 1), evicting least recently used leaves."""
+        if count > len(self.free):
+            self._evict(count - len(self.free))
+        if count > len(self.free):
+            raise OutOfPages(f"need {count} pages, {len(self.free)} free")
+        pages = [self.free.pop() for _ in range(count)]
+        for page in pages:
+            self.refcount[page] = 1
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference on each page; private pages return to the free list."""
+        for page in pages:
+            assert self.refcount[page] > 0, f"page {page} released twice"
+            self.refcount[page] -= 1
+            if self.refcount[page] == 0 and page not in self.nodes:
+                self.free.append(page)
+
+    def _evict(self, want: int) -> None:
+        leaves = [n for n in self.nodes.values() if not n.children and self.refcount[n.page] == 0]
+        leaves.sort(key=lambda n: n.last_use)
+        evicted = 0
+        while leaves and evicted < want:
+            node = leaves.pop(0)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key]
+            del self.nodes[node.page]
+            self.free.append(node.page)
+            evicted += 1
+            if parent is not self.root and not parent.children and self.refcount[parent.page] == 0:
+                # NOTE: keep LRU order: the parent is at most as recent as its child.
+                leaves.insert(0, parent)
+
+    # --- prefix matching -----------------------------------------------------------------
+
+    def match(self, token_ids: list[int]) -> list[int]:
+        """Cached pages spelling a prefix of ``token_ids``; each gets one more reference.
+
+        The hit is capped at ``len(token_ids) - 1`` tokens (the last prompt token must run
+        to produce logits) and is whole pages only.
+        """
+        self.queries += 1
+        if not self.enabled:
+            return []
+        ps = self.page_size
+        limit = (len(token_ids) - 1) // ps
+        node, pages = self.root, []
+        self._clock += 1
+        for i in range(limit):
+            child = node.children.get(tuple(token_ids[i * ps : (i + 1) * ps]))
+            if child is None:
+                break
+            child.last_use = self._clock
+            pages.append(child.page)
+            node = child
+        for page in pages:
+            self.refcount[page] += 1
+        if pages:
+            self.hits += 1
+        return pages
+
+    def insert(self, token_ids: list[int], pages: list[int]) -> list[int]:
+        """Publish the whole pages of a finished prefix and drop the caller's references.
+
+        ``pages[i]`` holds the KV of ``token_ids[i * page_size : (i + 1) * page_size]``;
+        only ``len(token_ids) // page_size`` pages are published. Returns the pages the caller
+        must still release (the partial tail and pages beyond ``token_ids``).
+        """
+        ps = self.page_size
+        full = min(len(token_ids) // ps, len(pages)) if self.enabled else 0
+        node = self.root
+        self._clock += 1
+        for i in range(full):
+            key = tuple(token_ids[i * ps : (i + 1) * ps])
+            page = pages[i]
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key=key, page=page, parent=node)
+                node.children[key] = child
+                self.nodes[page] = child
+            child.last_use = self._clock
+            node = child
+        # Every published page loses the caller's reference; a page whose chunk was already
+        # cached under another page is a duplicate and goes back to the free list.
+        self.release(pages[:full])
+        return pages[full:]
+
+    # --- integrity -----------------------------------------------------------------------
+
+    def check(self, private: dict[int, int], cached_refs: dict[int, int]) -> None:
+        """Assert the state table. ``private``: page -> holders among requests' own pages;
+        ``cached_refs``: page -> number of live requests referencing a cached page."""
+        free = set(self.free)
+        assert len(free) == len(self.free), "a page is on the free list twice"
+        assert 0 not in free and 0 not in self.nodes and 0 not in private, "scratch page in use"
+        for page in range(1, self.num_pages):
+            states = (page in free) + (page in self.nodes) + (page in private)
+            assert states == 1, f"page {page} is in {states} states"
+            if page in free:
+                assert self.refcount[page] == 0, f"free page {page} has references"
+            elif page in private:
+                assert private[page] == 1 == self.refcount[page], f"private page {page} shared"
+            else:
+                want = cached_refs.get(page, 0)
+                assert self.refcount[page] == want, (
+                    f"cached page {page}: refcount {self.refcount[page]}, {want} holders"
+                )
+        for page, node in self.nodes.items():
+            assert node.page == page and node.parent is not None
+            assert node.parent.children.get(node.key) is node, f"page {page} detached"

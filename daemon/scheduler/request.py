@@ -1,0 +1,80 @@
+"""A request inside the daemon: explicit counters, no phase enum.
+
+KV index ranges of one request (logical positions, all in its page list)::
+
+    0 ......... cached_len ......... committed_len ......... allocated_len
+    | prefix-cache | computed by this   | reserved, written by |
+    | pages (shared)| request (private)  | launched-not-planned |
+
+- ``committed_len``: positions whose KV is written by a *launched* step (the host plans ahead
+  of the device: the step may still be running).
+- ``allocated_len``: positions covered by ``pages`` (``len(pages) * page_size``).
+- ``output_ids``: tokens the host has processed; under overlap the device knows one step
+  more (the relay buffer holds the next input token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from outrider.daemon.internal import SamplingSpec, TokenizedRequest
+from outrider.protocol.messages import TokenLogprob
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    max_new_tokens: int | None
+    stop: list[str]
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+    stream: bool
+    want_logprobs: bool
+    arrival: float
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    slot: int = -1
+    pages: list[int] = field(default_factory=list)
+    num_cached_pages: int = 0  # leading entries of ``pages`` owned by the prefix cache
+    cached_len: int = 0  # prefix-cache hit of the first admission (reported in usage)
+    committed_len: int = 0
+    # Positions the EXTEND phase of the current admission computes (prompt + processed
+    # output at admission); STEP batches take the request once committed_len reaches it.
+    extend_end: int = 0
+    # Output tokens that launched steps will produce (>= len(output_ids)).
+    planned_outputs: int = 0
+    # Steps launched and not yet processed that include this request.
+    inflight: int = 0
+    finished: bool = False
+    admitted_once: bool = False
+    streamed: int = 0  # output tokens already sent to the detokenizer
+    first_token_time: float = 0.0
+    admit_time: float = 0.0
+
+    @classmethod
+    def from_message(cls, msg: TokenizedRequest) -> Request:
+        return cls(
+            rid=msg.rid,
+            request_id=msg.request_id,
+            prompt_ids=list(msg.input_ids),
+            sampling=msg.sampling,
+            max_new_tokens=msg.max_new_tokens,
+            stop=list(msg.stop),
+            stop_token_ids=frozenset(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+            stream=msg.stream,
+            want_logprobs=msg.want_logprobs,
+            arrival=msg.arrival,
+        )
+
+    def known_ids(self) -> list[int]:
+        """Prompt plus processed output: every token the host knows."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def decoding(self) -> bool:
+        """Admitted and past its EXTEND phase: its next input token is in the relay buffer."""
+        return self.slot >= 0 and self.committed_len >= self.extend_end

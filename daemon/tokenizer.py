@@ -1,0 +1,134 @@
+"""The model's tokenizer, as the daemon and its two children use it.
+
+- ``load_tokenizer(dir)``: transformers' own fast tokenizer (so chat templates are rendered by
+  transformers), or None when the model directory has no tokenizer files: the daemon then
+  serves token ids only.
+- ``IncrementalDecoder``: output text token by token. The detokenizer process and the daemon's
+  stop-string matcher both use it, so a character offset (``FinishInfo.text_cut``) means the
+  same text on both sides.
+
+NOTE: the children must never import torch, and transformers imports torch unless
+``USE_TORCH=0`` is set before its first import. Children call ``child_environment_setup()``
+first; this module imports transformers only inside ``load_tokenizer``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# Any of these marks a directory as having a tokenizer; from_pretrained then must succeed.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def child_environment_setup() -> None:
+    """Prepare a child process: call it before anything imports transformers."""
+    os.environ["USE_TORCH"] = "0"
+    # Only the daemon's main process talks to systemd (NotifyAccess=main).
+    os.environ.pop("NOTIFY_SOCKET", None)
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot render these messages (the template's own message)."""
+
+
+class Tokenizer:
+    """The part of a model's tokenizer the daemon uses."""
+
+    def __init__(self, hf: PreTrainedTokenizerFast) -> None:
+        self._hf = hf
+
+    def __len__(self) -> int:
+        """Number of ids the tokenizer knows (base vocabulary plus added tokens)."""
+        return len(self._hf)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._hf.eos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._hf.chat_template is not None
+
+    @property
+    def backend(self) -> BackendTokenizer:
+        return self._hf.backend_tokenizer
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a ``prompt`` string, with the tokenizer's default special-token
+        behaviour: whatever its post-processor adds (e.g. BOS for Llama 3) is added."""
+        return list(self._hf.encode(text))
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered by transformers' ``apply_chat_template`` with
+        ``add_generation_prompt=True``. Raises ``ChatTemplateError`` when it cannot."""
+        if not self.has_chat_template:
+            raise ChatTemplateError("this model's tokenizer has no chat template")
+        try:
+            ids = self._hf.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:  # a template is model-supplied code and may raise anything
+            raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from None
+        return list(ids)
+
+    def decoder(self) -> IncrementalDecoder:
+        return IncrementalDecoder(self.backend)
+
+
+def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer | None:
+    """The tokenizer of a model directory (or of the directory of a config.json path).
+
+    None when the directory holds none of ``TOKENIZER_FILES``; a tokenizer that is present but
+    cannot be loaded raises (a start error, never a silent fall-back to token ids).
+    """
+    path = Path(directory)
+    if path.is_file():
+        path = path.parent
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    return Tokenizer(PreTrainedTokenizerFast.from_pretrained(str(path)))
+
+
+class IncrementalDecoder:
+    """The text of one request's output tokens, fed one token at a time.
+
+    Special tokens are skipped. Bytes of an incomplete UTF-8 character are held back until a
+    later token completes it (and never appear if the output ends first); ids the tokenizer
+    does not know decode to nothing.
+    """
+
+    def __init__(self, backend: BackendTokenizer) -> None:
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._parts: list[str] = []
+        self.length = 0  # characters decoded so far
+
+    def step(self, token_id: int) -> str:
+        """Append one token; return the text it completes (often "", never None)."""
+        piece = self._stream.step(self._backend, token_id) or ""
+        if piece:
+            self._parts.append(piece)
+            self.length += len(piece)
+        return piece
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """``step`` over several tokens; returns the concatenated new text."""
+        return "".join([self.step(token_id) for token_id in token_ids])
+
+    @property
+    def text(self) -> str:
+        """All text so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""

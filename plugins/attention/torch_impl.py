@@ -1,0 +1,85 @@
+"""``torch`` attention: gather each row's paged K/V into a padded grid and run SDPA.
+
+Work is sized by the host-known bounds ``bs x max_q x max_kv``; validity comes from the device
+tensors only (no host sync). Grid cells past a row's length are masked out, so the gathered
+values there are never read; they must still be finite (0 x NaN is NaN), which holds because
+KVCache pages start zeroed and only ever receive K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from outrider.plugins.attention.base import AttentionBackend, AttentionShape
+
+if TYPE_CHECKING:
+    from outrider.daemon.engine.forward import ForwardBatch
+
+
+@dataclass
+class TorchAttentionMetadata:
+    kv_index: torch.Tensor  # [bs, max_kv] int64: flat KV index of each row's logical position
+    mask: torch.Tensor  # [bs, 1, max_q, max_kv] bool: True = attend
+
+
+class TorchAttention(AttentionBackend):
+    def __init__(self, shape: AttentionShape, options: Any, device: torch.device) -> None:
+        super().__init__(shape, options, device)
+        # This step's metadata: one ForwardBatch at a time per instance.
+        self.metadata: TorchAttentionMetadata | None = None
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        device = fb.positions.device
+        page_size = fb.kv.page_size
+        kv_pos = torch.arange(fb.max_kv, device=device)  # [max_kv]
+        # Positions past the table width (max_kv is only a bound) read its last column;
+        # the mask hides them.
+        page_col = (kv_pos // page_size).clamp_(max=fb.page_table.shape[1] - 1)
+        pages = fb.page_table[fb.slots][:, page_col].long()  # [bs, max_kv]
+        kv_index = pages * page_size + kv_pos % page_size  # [bs, max_kv]
+
+        q_pos = torch.full((fb.bs * fb.max_q,), -1, dtype=torch.long, device=device)
+        q_pos[fb.q_pad_index] = fb.positions
+        q_pos = q_pos.view(fb.bs, fb.max_q, 1)  # [bs, max_q, 1]; -1: padding
+        is_query = q_pos >= 0
+        if fb.causal:
+            mask = kv_pos <= q_pos  # [bs, max_q, max_kv]
+        else:
+            mask = (kv_pos < fb.seq_lens.view(fb.bs, 1, 1)).expand(fb.bs, fb.max_q, fb.max_kv)
+        # Padded query cells see kv 0 only, so their softmax has a finite row (no NaN).
+        mask = torch.where(is_query, mask, kv_pos == 0)
+        self.metadata = TorchAttentionMetadata(kv_index=kv_index, mask=mask.unsqueeze(1))
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        meta = self.metadata
+        assert meta is not None, "prepare(fb) must run before the first layer"
+        num_q_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
+        k_cache = fb.kv.k[layer].view(-1, num_kv_heads, head_dim)  # [pages * page_size, Hkv, D]
+        v_cache = fb.kv.v[layer].view(-1, num_kv_heads, head_dim)
+        k_cache.index_copy_(0, fb.out_loc, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, fb.out_loc, v.to(v_cache.dtype))
+
+        # GQA by repeating K/V: SDPA's enable_gqa is served only by the flash kernel (no
+        # masks) and the math one; repeated heads let CUDA pick memory-efficient attention.
+        groups = num_q_heads // num_kv_heads
+        keys = k_cache[meta.kv_index].transpose(1, 2)  # [bs, Hkv, max_kv, D]
+        values = v_cache[meta.kv_index].transpose(1, 2)
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)  # [bs, Hq, max_kv, D]
+            values = values.repeat_interleave(groups, dim=1)
+
+        q_grid = q.new_zeros(fb.bs * fb.max_q, num_q_heads, head_dim)
+        q_grid[fb.q_pad_index] = q
+        q_grid = q_grid.view(fb.bs, fb.max_q, num_q_heads, head_dim).transpose(1, 2)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q_grid, keys, values, attn_mask=meta.mask, scale=self.shape.scale
+        )  # [bs, Hq, max_q, D]
+        out = out.transpose(1, 2).reshape(fb.bs * fb.max_q, num_q_heads, head_dim)
+        return out[fb.q_pad_index]  # [T, Hq, D]

@@ -1,0 +1,183 @@
+"""The plugin registry: entry points of both groups, resolved when the configuration is checked.
+
+Discovery is lazy and loud. ``discover()`` reads entry-point metadata only; a spec module is
+imported when its plugin is asked for (or when every plugin is listed). An entry point that
+fails to import, names no ``PluginSpec``, has the wrong kind or an unsupported ``api_version``,
+or shares its name with another plugin of its group, is listed with its error; the error is
+raised only when that plugin is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+
+from outrider.plugins.api import (
+    API_VERSION,
+    ENTRY_POINT_GROUPS,
+    CheckContext,
+    Phase,
+    PluginKind,
+    PluginSpec,
+    Problem,
+)
+
+SUPPORTED_API_VERSIONS = frozenset({API_VERSION})
+
+ATTENTION_FLAG = "--attention-backend"
+SPECULATIVE_FLAG = "--speculative-algorithm"
+PHASE_FLAGS: dict[Phase, str] = {
+    "extend": "--prefill-attention-backend",
+    "decode": "--decode-attention-backend",
+    "verify": "--verify-attention-backend",
+    "draft_decode": "--draft-attention-backend",
+    "draft_extend": "--draft-attention-backend",
+}
+KIND_NAMES: dict[PluginKind, str] = {
+    "attention": "attention backend",
+    "speculative": "speculative algorithm",
+}
+
+
+class PluginError(LookupError):
+    """A chosen plugin is unknown or cannot be used; the message names what is available."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry point: its spec when usable as a plugin, else the error that says why not."""
+
+    kind: PluginKind
+    name: str
+    target: str  # "module:attribute" named by the entry point
+    dist: str | None
+    version: str | None
+    spec: PluginSpec | None
+    error: str | None
+
+
+class Registry:
+    """Entry points per kind; each spec is imported at most once, on first use."""
+
+    def __init__(self, points: Mapping[PluginKind, Sequence[EntryPoint]]) -> None:
+        self._points: dict[PluginKind, list[EntryPoint]] = {
+            kind: sorted(points.get(kind, ()), key=lambda ep: (ep.name, ep.value))
+            for kind in ENTRY_POINT_GROUPS
+        }
+        self._loaded: dict[tuple[PluginKind, int], Entry] = {}
+
+    def entries(self, kind: PluginKind) -> list[Entry]:
+        """Every entry point of ``kind`` (importing each spec), sorted by name."""
+        return [self._entry(kind, i) for i in range(len(self._points[kind]))]
+
+    def get(self, kind: PluginKind, name: str) -> PluginSpec:
+        """The spec called ``name``; raises ``PluginError`` naming the available plugins."""
+        entry = self._find(kind, name)
+        if entry is None:
+            raise PluginError(f"unknown {KIND_NAMES[kind]} {name!r}; {self._available(kind)}")
+        if entry.spec is None:
+            raise PluginError(f"{KIND_NAMES[kind]} {name!r} cannot be used: {entry.error}")
+        return entry.spec
+
+    def check(self, ctx: CheckContext) -> list[Problem]:
+        """Every problem of the routed attention backends and the speculative algorithm."""
+        phases_of: dict[str, list[Phase]] = {}
+        for phase, name in ctx.attention_routes.items():
+            phases_of.setdefault(name, []).append(phase)
+        problems: list[Problem] = []
+        for name, phases in phases_of.items():
+            # One backend everywhere: --attention-backend; otherwise the phase flags, which
+            # override it whichever of the two chose this backend.
+            if len(phases_of) == 1:
+                option = ATTENTION_FLAG
+            else:
+                option = " / ".join(dict.fromkeys(PHASE_FLAGS[phase] for phase in phases))
+            problems += self._check_one("attention", name, option, ctx)
+        if ctx.speculative_algorithm != "none":
+            problems += self._check_one(
+                "speculative", ctx.speculative_algorithm, SPECULATIVE_FLAG, ctx
+            )
+        return problems
+
+    def _check_one(
+        self, kind: PluginKind, name: str, option: str, ctx: CheckContext
+    ) -> list[Problem]:
+        try:
+            spec = self.get(kind, name)
+        except PluginError as exc:
+            return [Problem(option, str(exc))]
+        return run_check(spec, ctx, option)
+
+    def _find(self, kind: PluginKind, name: str) -> Entry | None:
+        for i, ep in enumerate(self._points[kind]):
+            if ep.name == name:
+                return self._entry(kind, i)
+        return None
+
+    def _available(self, kind: PluginKind) -> str:
+        entries = self.entries(kind)
+        usable = [e.name for e in entries if e.spec is not None]
+        broken = [e.name for e in entries if e.spec is None]
+        text = "available: " + (", ".join(usable) or "none")
+        if broken:
+            text += "; failed to load: " + ", ".join(broken)
+        return text
+
+    def _entry(self, kind: PluginKind, index: int) -> Entry:
+        key = (kind, index)
+        if key not in self._loaded:
+            self._loaded[key] = self._load(kind, index)
+        return self._loaded[key]
+
+    def _load(self, kind: PluginKind, index: int) -> Entry:
+        points = self._points[kind]
+        ep = points[index]
+        dist = ep.dist.name if ep.dist is not None else None
+        version = ep.dist.version if ep.dist is not None else None
+        twins = [p for i, p in enumerate(points) if p.name == ep.name and i != index]
+        if twins:
+            others = ", ".join(_origin(other) for other in twins)
+            error = f"name {ep.name!r} is also registered by {others}"
+            return Entry(kind, ep.name, ep.value, dist, version, None, error)
+        spec, load_error = _load_spec(kind, ep)
+        return Entry(kind, ep.name, ep.value, dist, version, spec, load_error)
+
+
+def discover() -> Registry:
+    """The installed plugins of both groups (entry-point metadata only; nothing imported)."""
+    return Registry(
+        {kind: tuple(entry_points(group=group)) for kind, group in ENTRY_POINT_GROUPS.items()}
+    )
+
+
+def run_check(spec: PluginSpec, ctx: CheckContext, option: str) -> list[Problem]:
+    """``spec.check(ctx)``; a check that raises is itself reported against ``option``."""
+    try:
+        return list(spec.check(spec, ctx))
+    except Exception as exc:  # third-party code: report, never crash the start
+        return [Problem(option, f"{spec.name}: check raised {type(exc).__name__}: {exc}")]
+
+
+def _load_spec(kind: PluginKind, ep: EntryPoint) -> tuple[PluginSpec | None, str | None]:
+    try:
+        obj = ep.load()
+    except Exception as exc:  # third-party import-time code may raise anything
+        return None, f"import of {ep.value} failed: {type(exc).__name__}: {exc}"
+    if not isinstance(obj, PluginSpec):
+        return None, f"{ep.value} is a {type(obj).__name__}, not a PluginSpec"
+    if obj.api_version not in SUPPORTED_API_VERSIONS:
+        supported = ", ".join(str(v) for v in sorted(SUPPORTED_API_VERSIONS))
+        return None, f"api_version {obj.api_version} is not supported (supported: {supported})"
+    if obj.kind != kind:
+        return None, f"spec kind is {obj.kind!r}, but it is registered as {kind!r}"
+    if obj.name != ep.name:
+        return None, f"entry point {ep.name!r} names a spec called {obj.name!r}"
+    if kind == "attention" and obj.attention is None:
+        return None, "an attention backend spec must declare AttentionCapabilities"
+    return obj, None
+
+
+def _origin(ep: EntryPoint) -> str:
+    dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "no distribution"
+    return f"{ep.value} ({dist})"

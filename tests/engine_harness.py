@@ -1,0 +1,101 @@
+"""Drives the in-process engine (scheduler + runner, no sockets) for matrix tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from outrider.daemon.config import ServeConfig
+from outrider.daemon.engine.build import Engine, build_engine
+from outrider.daemon.internal import FinishInfo, RequestUpdate, SamplingSpec, TokenizedRequest
+
+
+@dataclass
+class Outcome:
+    """Everything the engine sent for one request."""
+
+    updates: list[RequestUpdate] = field(default_factory=list)
+
+    @property
+    def final(self) -> RequestUpdate:
+        assert self.updates and self.updates[-1].is_final
+        return self.updates[-1]
+
+    @property
+    def finish(self) -> FinishInfo:
+        finish = self.final.finish
+        assert finish is not None, self.final.error
+        return finish
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for u in self.updates for t in u.token_ids]
+
+
+def engine_for(model: str, **overrides: object) -> Engine:
+    settings: dict[str, object] = {
+        "model": model,
+        "page_size": 16,
+        "max_running": 8,
+        "kv_cache_tokens": 4096,
+        "chunked_prefill_tokens": 256,
+    }
+    settings.update(overrides)
+    return build_engine(ServeConfig(**settings))  # type: ignore[arg-type]  # test settings
+
+
+def request(
+    rid: int,
+    input_ids: Sequence[int],
+    *,
+    max_new_tokens: int | None = 12,
+    temperature: float = 0.0,
+    seed: int = 0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    logprobs: int = 0,
+    ignore_eos: bool = True,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    stream: bool = False,
+) -> TokenizedRequest:
+    return TokenizedRequest(
+        rid=rid,
+        request_id=f"r{rid}",
+        input_ids=list(input_ids),
+        sampling=SamplingSpec(temperature, top_p, top_k, seed, logprobs),
+        max_new_tokens=max_new_tokens,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        stream=stream,
+        want_logprobs=logprobs > 0,
+        arrival=time.time(),
+    )
+
+
+def run(
+    engine: Engine, requests: Sequence[TokenizedRequest], *, stagger: int = 0
+) -> dict[int, Outcome]:
+    """Serve ``requests`` to completion; with ``stagger`` > 0, add one request every
+    ``stagger`` loop turns instead of all at once. Asserts exactly one final per request."""
+    outcomes = {r.rid: Outcome() for r in requests}
+    pending = list(requests)
+    loop = engine.loop
+    turn = 0
+    while pending or loop.has_work:
+        if pending and (stagger == 0 or turn % stagger == 0):
+            batch = pending if stagger == 0 else pending[:1]
+            for r in batch:
+                loop.scheduler.add(r)
+            pending = pending[len(batch) :]
+        for update in loop.iterate():
+            outcome = outcomes[update.rid]
+            assert not (outcome.updates and outcome.updates[-1].is_final), "update after final"
+            outcome.updates.append(update)
+        turn += 1
+    loop.idle_check()
+    for rid, outcome in outcomes.items():
+        assert outcome.updates and outcome.updates[-1].is_final, f"rid {rid} got no final"
+    return outcomes

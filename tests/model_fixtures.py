@@ -1,0 +1,167 @@
+"""Test-only helpers: tiny random HF checkpoints and a hand-rolled paged KV bookkeeper that
+builds ``ForwardBatch``es the way the engine will (pages from a counter starting at 1)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from outrider.daemon.engine.forward import ForwardBatch, KVCache
+from outrider.plugins.api import NoOptions
+from outrider.plugins.attention.base import AttentionBackend, AttentionShape
+from outrider.plugins.attention.torch_impl import TorchAttention
+
+VOCAB = 300
+TINY: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "eos_token_id": [1, 2],
+}
+
+
+def llama3_rope(theta: float = 10000.0) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+
+
+def save_tiny_model(kind: str, directory: Path, max_shard_size: str = "1GB") -> torch.nn.Module:
+    """Build a random float32 HF model of ``kind`` (llama / qwen2 / qwen3), save it to
+    ``directory`` and return it (eval mode, eager attention: the reference)."""
+    import transformers
+
+    if kind == "llama":
+        config: Any = transformers.LlamaConfig(**TINY, rope_parameters=llama3_rope())
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**TINY, rope_parameters={"rope_theta": 5000.0})
+    elif kind == "qwen3":
+        # head_dim 24 != hidden_size / heads = 16, tied embeddings.
+        config = transformers.Qwen3Config(
+            **TINY, head_dim=24, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}
+        )
+    else:
+        raise ValueError(kind)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    # HF initialises biases to 0 and norms to 1; randomise everything so each is exercised.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(directory, max_shard_size=max_shard_size)
+    return model
+
+
+def torch_backend(shape: AttentionShape, device: torch.device | str = "cpu") -> TorchAttention:
+    return TorchAttention(shape, NoOptions(), torch.device(device))
+
+
+class PagedRows:
+    """Per-slot KV bookkeeping for tests: pages are handed out from a counter starting at 1
+    (page 0 is scratch), as a row's length grows."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        shape: AttentionShape,
+        page_size: int,
+        max_len: int,
+        max_slots: int = 8,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        self.page_size = page_size
+        max_pages = math.ceil(max_len / page_size)
+        self.page_table = torch.zeros(max_slots, max_pages, dtype=torch.int32, device=device)
+        self.kv = KVCache.allocate(
+            num_layers,
+            num_pages=1 + max_slots * max_pages,
+            page_size=page_size,
+            kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.lengths: dict[int, int] = {}
+        self.pages: dict[int, list[int]] = {}  # host mirror of page_table rows
+        self.next_page = 1
+
+    def _grow(self, slot: int, length: int) -> None:
+        pages = self.pages.setdefault(slot, [])
+        while len(pages) * self.page_size < length:
+            self.page_table[slot, len(pages)] = self.next_page
+            pages.append(self.next_page)
+            self.next_page += 1
+
+    def batch(
+        self,
+        backend: AttentionBackend,
+        rows: Sequence[tuple[int, Sequence[int]]],
+        *,
+        kv_slack: int = 0,
+        causal: bool = True,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, ForwardBatch]:
+        """Append ``tokens`` to each ``(slot, tokens)`` row: ``(input_ids [T], batch)``.
+        ``kv_slack`` widens ``max_kv`` past the longest row (a loose host bound)."""
+        max_q = max(len(tokens) for _, tokens in rows)
+        ids: list[int] = []
+        positions: list[int] = []
+        out_loc: list[int] = []
+        pad_index: list[int] = []
+        q_start = [0]
+        seq_lens: list[int] = []
+        for row, (slot, tokens) in enumerate(rows):
+            start = self.lengths.get(slot, 0)
+            end = start + len(tokens)
+            self._grow(slot, end)
+            self.lengths[slot] = end
+            for offset, pos in enumerate(range(start, end)):
+                page = self.pages[slot][pos // self.page_size]
+                out_loc.append(page * self.page_size + pos % self.page_size)
+                pad_index.append(row * max_q + offset)
+            ids.extend(tokens)
+            positions.extend(range(start, end))
+            q_start.append(q_start[-1] + len(tokens))
+            seq_lens.append(end)
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        fb = ForwardBatch(
+            backend=backend,
+            kv=self.kv,
+            page_table=self.page_table,
+            slots=tensor([slot for slot, _ in rows]),
+            positions=tensor(positions),
+            out_loc=tensor(out_loc),
+            q_start=tensor(q_start),
+            seq_lens=tensor(seq_lens),
+            q_pad_index=tensor(pad_index),
+            bs=len(rows),
+            max_q=max_q,
+            max_kv=max(seq_lens) + kv_slack,
+            causal=causal,
+            capture_layers=capture_layers,
+        )
+        return tensor(ids), fb

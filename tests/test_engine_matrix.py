@@ -1,0 +1,162 @@
+"""In-process matrix: scheduler + engine against Hugging Face transformers' greedy generate."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_harness import engine_for, request, run
+from model_fixtures import VOCAB, save_tiny_model
+
+NEW_TOKENS = 10
+
+
+@pytest.fixture(autouse=True)
+def _kv_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTRIDER_DEBUG_KV_CHECK", "1")
+
+
+def _prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def _hf_greedy(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+class Reference:
+    def __init__(self, directory: Path, model: torch.nn.Module) -> None:
+        self.directory = str(directory)
+        self.prompts = _prompts(1, 6, 5, 40)
+        # Shared 40-token prefix for prefix-cache hits.
+        shared = _prompts(2, 1, 40, 40)[0]
+        self.prefixed = [shared + tail for tail in _prompts(3, 4, 3, 9)]
+        self.expected = _hf_greedy(model, self.prompts)
+        self.expected_prefixed = _hf_greedy(model, self.prefixed)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    directory = tmp_path_factory.mktemp(request.param)
+    with torch.no_grad():
+        model = save_tiny_model(request.param, directory, max_shard_size="100KB")
+        return Reference(directory, model)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_greedy_matches_transformers(reference: Reference, page_size: int, overlap: bool) -> None:
+    engine = engine_for(reference.directory, page_size=page_size, no_overlap=not overlap)
+    reqs = [request(i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(reference.prompts)]
+    outcomes = run(engine, reqs)
+    for i, expected in enumerate(reference.expected):
+        assert outcomes[i].token_ids == expected, f"prompt {i}"
+        assert outcomes[i].finish.reason == "length"
+        assert outcomes[i].finish.usage.completion_tokens == NEW_TOKENS
+
+    # Prefix hits: the first prefixed request publishes the shared pages, the rest reuse them.
+    first = run(engine, [request(100, reference.prefixed[0], max_new_tokens=NEW_TOKENS)])
+    assert first[100].token_ids == reference.expected_prefixed[0]
+    rest = [
+        request(101 + i, p, max_new_tokens=NEW_TOKENS)
+        for i, p in enumerate(reference.prefixed[1:])
+    ]
+    outcomes = run(engine, rest)
+    for i, expected in enumerate(reference.expected_prefixed[1:]):
+        outcome = outcomes[101 + i]
+        assert outcome.token_ids == expected
+        assert outcome.finish.usage.cached_tokens == 40 // page_size * page_size
+    counters = engine.scheduler.counters()
+    assert counters.prefix_cache_hits >= len(rest)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_chunked_prefill_and_staggered_arrivals(reference: Reference, overlap: bool) -> None:
+    engine = engine_for(
+        reference.directory, page_size=4, chunked_prefill_tokens=8, no_overlap=not overlap
+    )
+    reqs = [request(i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(reference.prompts)]
+    outcomes = run(engine, reqs, stagger=3)
+    for i, expected in enumerate(reference.expected):
+        assert outcomes[i].token_ids == expected, f"prompt {i}"
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_retraction(
+    reference: Reference, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "3")
+    # A pool of 160 tokens cannot hold six growing requests at once: real retraction too.
+    engine = engine_for(
+        reference.directory,
+        page_size=4,
+        kv_cache_tokens=160,
+        context_length=64,
+        no_overlap=not overlap,
+    )
+    reqs = [request(i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(reference.prompts)]
+    outcomes = run(engine, reqs)
+    for i, expected in enumerate(reference.expected):
+        assert outcomes[i].token_ids == expected, f"prompt {i}"
+
+
+def test_eos_and_stop_tokens_end_requests(reference: Reference) -> None:
+    engine = engine_for(reference.directory)
+    prompt, expected = reference.prompts[0], reference.expected[0]
+    stop_at = expected[3]
+    outcomes = run(
+        engine,
+        [
+            request(0, prompt, stop_token_ids=[stop_at]),
+            request(1, prompt, max_new_tokens=4),
+            request(2, prompt, max_new_tokens=1),
+        ],
+    )
+    cut = expected.index(stop_at) + 1
+    assert outcomes[0].token_ids == expected[:cut]
+    assert outcomes[0].finish.reason == "stop"
+    assert outcomes[0].finish.matched_stop == stop_at
+    assert outcomes[1].token_ids == expected[:4]
+    assert outcomes[1].finish.reason == "length"
+    assert outcomes[2].token_ids == expected[:1]
+
+
+def test_seeded_sampling_is_reproducible_across_batches(reference: Reference) -> None:
+    engine = engine_for(reference.directory)
+    prompts = reference.prompts
+    alone = run(engine, [request(0, prompts[0], temperature=0.8, seed=7, top_k=50, max_new_tokens=NEW_TOKENS)])
+    crowd = run(
+        engine,
+        [request(0, prompts[0], temperature=0.8, seed=7, top_k=50, max_new_tokens=NEW_TOKENS)]
+        + [request(i, p, temperature=1.0, seed=i) for i, p in enumerate(prompts[1:], start=1)],
+    )
+    assert alone[0].token_ids == crowd[0].token_ids
+    assert len(alone[0].token_ids) == NEW_TOKENS
+
+
+def test_logprobs_and_streaming(reference: Reference) -> None:
+    engine = engine_for(reference.directory)
+    outcomes = run(engine, [request(0, reference.prompts[1], logprobs=3, stream=True, max_new_tokens=NEW_TOKENS)])
+    outcome = outcomes[0]
+    assert outcome.token_ids == reference.expected[1]
+    assert len(outcome.updates) == NEW_TOKENS  # one streamed update per step, the last final
+    logprobs = [lp for u in outcome.updates for lp in (u.logprobs or [])]
+    assert [lp.token_id for lp in logprobs] == reference.expected[1]
+    for lp in logprobs:
+        assert len(lp.top) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert lp.top[0][0] == lp.token_id
+        assert lp.top[0][1] == pytest.approx(lp.logprob)

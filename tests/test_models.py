@@ -1,0 +1,264 @@
+"""Models, loader, config parsing and the torch attention backend against HF transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+from model_fixtures import VOCAB, PagedRows, llama3_rope, save_tiny_model, torch_backend
+from safetensors.torch import load_file, save_file
+
+from outrider.daemon.engine.forward import ForwardBatch
+from outrider.daemon.models import model_class
+from outrider.daemon.models.config import ModelConfig, load_eos_ids
+from outrider.daemon.models.layers import DecoderForCausalLM
+from outrider.daemon.models.loader import (
+    check_checkpoint_layout,
+    expected_checkpoint_shapes,
+    load_model,
+)
+from outrider.plugins.attention.base import AttentionShape
+
+REFERENCE = Path("/work/shared/reference/configs")
+KINDS = ("llama", "qwen2", "qwen3")
+PROMPT_LENS = (5, 12, 19)
+SLOTS = (3, 0, 5)
+DECODE_STEPS = 3
+ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+Checkpoints = dict[str, tuple[Path, torch.nn.Module]]  # kind -> (directory, HF reference)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    out = {}
+    for kind in KINDS:
+        directory = tmp_path_factory.mktemp(kind)
+        # Llama is saved in several shards (its embedding alone is 77 KB).
+        shard = "60KB" if kind == "llama" else "1GB"
+        out[kind] = (directory, save_tiny_model(kind, directory, max_shard_size=shard))
+    return out
+
+
+def _quiet(index: int, count: int, name: str) -> None:
+    pass
+
+
+def _load(path: Path, load_format: Literal["auto", "dummy"] = "auto") -> DecoderForCausalLM:
+    model, _ = load_model(
+        path,
+        dtype=torch.float32,
+        device="cpu",
+        load_format=load_format,
+        max_positions=64,
+        progress=_quiet,
+    )
+    return model
+
+
+def _sequences() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    total = [n + DECODE_STEPS for n in PROMPT_LENS]
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in total]
+
+
+def _run(
+    model: DecoderForCausalLM,
+    rows: PagedRows,
+    batch: list[tuple[int, list[int]]],
+    kv_slack: int = 0,
+    capture_layers: tuple[int, ...] = (),
+) -> tuple[tuple[torch.Tensor, ...], ForwardBatch]:
+    """One step through ``model``: per-row logits ``[len, vocab]`` and the batch."""
+    backend = torch_backend(model.attention_shape)
+    input_ids, fb = rows.batch(backend, batch, kv_slack=kv_slack, capture_layers=capture_layers)
+    backend.prepare(fb)
+    with torch.no_grad():
+        logits = model.compute_logits(model(input_ids, fb))
+    return logits.split([len(tokens) for _, tokens in batch]), fb
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("chunked", [False, True], ids=["prefill", "chunked"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_hf(
+    checkpoints: Checkpoints, kind: str, chunked: bool, page_size: int
+) -> None:
+    directory, hf = checkpoints[kind]
+    model = _load(directory)
+    seqs = _sequences()
+    with torch.no_grad():
+        expected = [hf(torch.tensor([s])).logits[0] for s in seqs]  # [len, vocab] each
+    rows = PagedRows(
+        num_layers=model.num_layers,
+        shape=model.attention_shape,
+        page_size=page_size,
+        max_len=max(map(len, seqs)),
+    )
+    prefill = [[(0, n // 2), (n // 2, n)] if chunked else [(0, n)] for n in PROMPT_LENS]
+    steps = list(zip(*prefill, strict=True))
+    steps += [tuple((n + i, n + i + 1) for n in PROMPT_LENS) for i in range(DECODE_STEPS)]
+    for step, spans in enumerate(steps):
+        batch = [(slot, seq[a:b]) for slot, seq, (a, b) in zip(SLOTS, seqs, spans, strict=True)]
+        # Decode steps take a loose max_kv bound, past the page table's width.
+        got, _ = _run(model, rows, batch, kv_slack=20 if step >= len(steps) - DECODE_STEPS else 0)
+        for (a, b), seq_logits, ref in zip(spans, got, expected, strict=True):
+            torch.testing.assert_close(seq_logits, ref[a:b], atol=ATOL, rtol=0)
+
+
+def test_captured_hidden_states(checkpoints: Checkpoints) -> None:
+    directory, hf = checkpoints["llama"]
+    model = _load(directory)
+    seq = _sequences()[0]
+    rows = PagedRows(
+        num_layers=model.num_layers, shape=model.attention_shape, page_size=4, max_len=len(seq)
+    )
+    _, fb = _run(model, rows, [(0, seq)], capture_layers=(0, 1))
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    assert sorted(fb.captured) == [0, 1]
+    for layer in (0, 1):  # hidden_states[L + 1] is the output of layer L
+        torch.testing.assert_close(fb.captured[layer], ref[layer + 1][0], atol=ATOL, rtol=0)
+
+
+def test_non_causal_attention_matches_dense() -> None:
+    torch.manual_seed(0)
+    lens, page_size, hq, hkv, dim = (3, 7), 4, 4, 2, 8
+    shape = AttentionShape(hq, hkv, dim, dim**-0.5)
+    rows = PagedRows(num_layers=1, shape=shape, page_size=page_size, max_len=max(lens))
+    backend = torch_backend(shape)
+    batch = [(slot, [0] * n) for slot, n in zip((1, 2), lens, strict=True)]
+    _, fb = rows.batch(backend, batch, causal=False, kv_slack=5)
+    q, k, v = torch.randn(10, hq, dim), torch.randn(10, hkv, dim), torch.randn(10, hkv, dim)
+    backend.prepare(fb)
+    assert backend.metadata is not None
+    assert backend.metadata.mask.any(dim=-1).all()  # padded query cells see kv 0: no NaN
+    out = backend.forward(0, q, k, v, fb)
+    for start, n in ((0, 3), (3, 7)):
+        rq, rk, rv = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(rq, rk, rv, enable_gqa=True)
+        torch.testing.assert_close(out[start : start + n], ref.transpose(0, 1))
+
+
+def test_checkpoint_names_match_hf(checkpoints: Checkpoints) -> None:
+    for kind in KINDS:
+        directory = checkpoints[kind][0]
+        config = ModelConfig.from_pretrained(directory)
+        saved = {}
+        for file in directory.glob("*.safetensors"):
+            saved.update({k: tuple(v.shape) for k, v in load_file(file).items()})
+        assert saved == expected_checkpoint_shapes(config), kind
+    assert len(list(checkpoints["llama"][0].glob("*.safetensors"))) >= 2
+    assert "lm_head.weight" not in expected_checkpoint_shapes(
+        ModelConfig.from_pretrained(checkpoints["qwen3"][0])
+    )
+
+
+def test_loader_rejects_unexpected_and_missing(checkpoints: Checkpoints, tmp_path: Path) -> None:
+    source = checkpoints["llama"][0]
+    extra, missing = tmp_path / "extra", tmp_path / "missing"
+    for directory, edit in ((extra, "add"), (missing, "drop")):
+        shutil.copytree(source, directory)
+        shard = sorted(directory.glob("*.safetensors"))[-1]
+        tensors = load_file(shard)
+        if edit == "add":
+            tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
+        else:
+            tensors.pop("model.norm.weight")
+        save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unexpected.*model\.layers\.0\.mlp\.extra_proj\.weight"):
+        _load(extra)
+    with pytest.raises(ValueError, match=r"missing.*model\.norm\.weight"):
+        _load(missing)
+
+
+def test_dummy_load_same_shapes(checkpoints: Checkpoints, tmp_path: Path) -> None:
+    directory = checkpoints["qwen3"][0]
+    # Only config.json, addressed by file: dummy needs no weights.
+    shutil.copy(directory / "config.json", tmp_path / "config.json")
+    dummy = _load(tmp_path / "config.json", load_format="dummy")
+    real = _load(directory)
+    shapes = {name: p.shape for name, p in real.named_parameters()}
+    assert {name: p.shape for name, p in dummy.named_parameters()} == shapes
+    again = _load(tmp_path / "config.json", load_format="dummy")
+    assert all(
+        torch.equal(a, b) for a, b in zip(dummy.parameters(), again.parameters(), strict=True)
+    )
+    shape = dummy.attention_shape
+    rows = PagedRows(num_layers=dummy.num_layers, shape=shape, page_size=4, max_len=8)
+    logits, _ = _run(dummy, rows, [(0, list(range(8)))])
+    assert torch.isfinite(logits[0]).all()
+
+
+@pytest.mark.parametrize("name", ["Qwen3-8B", "Llama-3.1-8B-Instruct"])
+def test_reference_configs_map_onto_parameters(name: str) -> None:
+    config = ModelConfig.from_pretrained(REFERENCE / f"{name}.config.json")
+    check_checkpoint_layout(config)
+    assert config.head_dim == 128 and config.num_kv_heads == 8 and config.dtype == "bfloat16"
+    if name == "Qwen3-8B":
+        assert config.qk_norm and config.rope.theta == 1e6 and config.rope.llama3 is None
+    else:
+        assert config.eos_token_ids == (128001, 128008, 128009)
+        assert config.rope.theta == 500000.0 and config.rope.llama3 is not None
+        assert config.rope.llama3.factor == 8.0
+
+
+def test_unsupported_architecture_and_rope(tmp_path: Path) -> None:
+    draft = ModelConfig.from_pretrained(REFERENCE / "Qwen3-8B-DFlash-b16.config.json")
+    with pytest.raises(ValueError, match="DFlashDraftModel"):
+        model_class(draft.architecture)
+    raw = json.loads((REFERENCE / "Llama-3.1-8B-Instruct.config.json").read_text())
+    raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_rope_v4_and_v5_keys_agree(tmp_path: Path) -> None:
+    base = json.loads((REFERENCE / "Llama-3.1-8B-Instruct.config.json").read_text())
+    for key in ("rope_theta", "rope_scaling", "torch_dtype"):
+        base.pop(key)
+    rope = llama3_rope(theta=250000.0)
+    v4 = {**base, "rope_theta": 250000.0, "torch_dtype": "bfloat16"}
+    v4["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    v5 = {**base, "rope_parameters": rope, "dtype": "bfloat16"}
+    parsed = []
+    for name, raw in (("v4", v4), ("v5", v5)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(raw))
+        parsed.append(ModelConfig.from_pretrained(tmp_path / name))
+    assert parsed[0] == parsed[1]
+    assert parsed[0].rope.theta == 250000.0 and parsed[0].rope.llama3 is not None
+    assert parsed[0].rope.llama3.original_max_position_embeddings == 32
+
+
+@pytest.mark.parametrize("eos_form", ["dict", "str"])
+def test_eos_union(tmp_path: Path, eos_form: str) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    raw = json.loads((REFERENCE / "Qwen3-8B.config.json").read_text())
+    raw["eos_token_id"] = [11, 12]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert load_eos_ids(tmp_path, config) == {11, 12}  # no tokenizer files: ids only
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 13}))
+    vocab = {"<unk>": 0, "hello": 1, "<|im_end|>": 14}
+    Tokenizer(WordLevel(vocab, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    eos = {"content": "<|im_end|>", "special": True} if eos_form == "dict" else "<|im_end|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    assert load_eos_ids(tmp_path / "config.json", config) == {11, 12, 13, 14}

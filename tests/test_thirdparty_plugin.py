@@ -1,0 +1,109 @@
+"""A third-party plugin package, built and installed the way a user would, then discovered."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from outrider.plugins.api import PHASES, CheckContext
+from outrider.plugins.registry import discover
+
+FIXTURE = Path(__file__).parent / "fixtures" / "thirdparty_plugin"
+PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``outrider-example-plugin`` built into a wheel and installed into its own site dir."""
+    root = tmp_path_factory.mktemp("thirdparty")
+    # Build from a copy: an in-tree build would leave build/ and *.egg-info in the fixture.
+    source = shutil.copytree(FIXTURE, root / "src")
+    wheels, site = root / "wheels", root / "site"
+    subprocess.run(
+        [*PIP, "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-w", wheels, source],
+        check=True,
+    )
+    [wheel] = wheels.glob("outrider_example_plugin-0.1.0-*.whl")
+    subprocess.run([*PIP, "install", "--no-deps", "--no-index", "-t", site, wheel], check=True)
+    return site
+
+
+def _plugins_cmd(site: Path, *args: str) -> str:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "outrider.daemon.plugins_cmd", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_listed_as_json_with_options_problems_and_the_broken_one(site: Path) -> None:
+    report = json.loads(_plugins_cmd(site, "--json", "--page-size", "1"))
+    attention = {p["name"]: p for p in report["attention"]}
+    assert "torch" in attention
+    sdpa = attention["example-sdpa"]
+    assert (sdpa["distribution"], sdpa["version"]) == ("outrider-example-plugin", "0.1.0")
+    assert sdpa["summary"].startswith("Paged attention through torch SDPA")
+    assert sdpa["options"] == [
+        {"name": "max_pages_per_call", "type": "int", "default": 0, "required": False},
+        {"name": "enable_gqa", "type": "bool", "default": True, "required": False},
+    ]
+    assert sdpa["usable"] is False
+    options = {p["option"] for p in sdpa["problems"]}
+    assert "--page-size" in options
+    if report["machine"]["device"] == "cpu":
+        assert {"--device", "--dtype"} <= options
+
+    [broken] = report["speculative"]
+    assert broken["name"] == "broken"
+    assert broken["usable"] is False
+    assert "No module named 'outrider_example_missing_dependency'" in broken["error"]
+
+
+def test_listed_as_text(site: Path) -> None:
+    text = _plugins_cmd(site)
+    assert "example-sdpa  [outrider-example-plugin 0.1.0]" in text
+    assert "max_pages_per_call: int = 0" in text
+    assert "broken  [outrider-example-plugin 0.1.0]  failed to load" in text
+    assert "ModuleNotFoundError" in text
+    if "device cpu" in text:
+        assert "--device: example-sdpa does not run on cpu" in text
+
+
+def test_registry_refuses_it_on_cpu(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(site))
+    registry = discover()
+    entry = {e.name: e for e in registry.entries("attention")}["example-sdpa"]
+    assert entry.dist == "outrider-example-plugin"
+    ctx = CheckContext(
+        device="cpu",
+        dtype="float32",
+        page_size=1,
+        overlap=True,
+        attention_routes={phase: "example-sdpa" for phase in PHASES},
+        speculative_algorithm="broken",
+    )
+    problems = {p.option: p.message for p in registry.check(ctx)}
+    assert problems["--device"] == "example-sdpa does not run on cpu"
+    assert problems["--page-size"] == "example-sdpa takes page sizes 16, not 1"
+    assert "--dtype" in problems
+    assert "speculative algorithm 'broken' cannot be used" in problems["--speculative-algorithm"]
+
+
+def test_implementation_subclasses_the_builtin_backend(
+    site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch_impl = pytest.importorskip("outrider.plugins.attention.torch_impl")
+    monkeypatch.syspath_prepend(str(site))
+    implementation = discover().get("attention", "example-sdpa").load()
+    assert issubclass(implementation, torch_impl.TorchAttention)
