@@ -5,8 +5,12 @@ Each child is started with the spawn method and handed one end of a ``multiproce
 
 - the child ignores SIGINT and SIGTERM: the daemon stops it after draining;
 - it reports ``ChildStatus`` messages (internal.py) with ``send_bytes``; the parent never
-  writes to the pipe, so the pipe becoming readable means the parent closed it or died, and
-  the child then exits at once (so no child outlives the daemon);
+  writes to the pipe, so the pipe becoming readable means the parent closed it or died. The
+  child then stops taking new work, passes on what is already on its way until its inputs
+  have been quiet for ``QUIET_S`` (at most ``FLUSH_LIMIT_S``), and exits, giving its sockets
+  ``EXIT_LINGER_MS`` to deliver what they hold. So no child outlives the daemon, and the
+  final frames of a drained daemon still reach their clients when it stops the detokenizer
+  first, then the front door;
 - an internal error ends the child with a non-zero exit code; the daemon, which watches the
   child's sentinel, then exits non-zero as well rather than serve half-alive.
 """
@@ -19,9 +23,10 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import uvloop
 import zmq
@@ -31,6 +36,10 @@ from outrider.daemon.internal import ChildStatus, child_status_codec
 from outrider.daemon.tokenizer import child_environment_setup
 
 ChildName = Literal["frontdoor", "detokenizer"]
+
+QUIET_S = 0.1
+FLUSH_LIMIT_S = 2.0
+EXIT_LINGER_MS = 500
 
 
 def child_setup(name: ChildName, log_level: str) -> None:
@@ -71,20 +80,31 @@ class ParentPipe:
         loop.add_reader(fd, closed)
 
 
-def internal_socket(
-    ctx: zmq.asyncio.Context, kind: int, *, bind: str = "", connect: str = ""
-) -> zmq.asyncio.Socket:
-    """A socket of an internal pipe (one writer, one reader; the reader binds)."""
-    sock = ctx.socket(kind)
+def internal_receiver(ctx: zmq.asyncio.Context, bind: str) -> zmq.asyncio.Socket:
+    """The receiving end (PULL) of an internal pipe: one writer, one reader; the reader binds."""
+    sock = ctx.socket(zmq.PULL)
+    _internal_options(sock)
+    sock.bind(bind)
+    return sock
+
+
+def internal_sender(ctx: zmq.asyncio.Context, connect: str) -> zmq.Socket[bytes]:
+    """The sending end (PUSH) of an internal pipe: a plain socket, since sends never wait."""
+    # pyzmq's stubs tie socket_class to the context's own class; a plain socket is meant.
+    sock = cast(
+        "zmq.Socket[bytes]",
+        ctx.socket(zmq.PUSH, socket_class=zmq.Socket),  # type: ignore[arg-type]
+    )
+    _internal_options(sock)
+    sock.connect(connect)
+    return sock
+
+
+def _internal_options(sock: zmq.Socket[Any]) -> None:
     # Unbounded: both ends are ours and the front door's in-flight limits bound what can be
     # queued, so a send never waits or fails, and sends leave in call order.
     sock.sndhwm = sock.rcvhwm = 0
     sock.linger = 0
-    if bind:
-        sock.bind(bind)
-    if connect:
-        sock.connect(connect)
-    return sock
 
 
 class ChildTasks:
@@ -95,26 +115,50 @@ class ChildTasks:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._failure: BaseException | None = None
+        self._last_input = time.monotonic()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
-    async def run(self, ctx: zmq.asyncio.Context) -> None:
-        """Wait until stopped, then cancel the tasks and close every socket of ``ctx``;
-        re-raises the failure of a task that failed."""
+    def touch(self) -> None:
+        """Note that input arrived (the flush on exit waits for a quiet spell)."""
+        self._last_input = time.monotonic()
+
+    async def run(
+        self,
+        ctx: zmq.asyncio.Context,
+        *,
+        parent_gone: Callable[[], None] = lambda: None,
+        flushed: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Wait until the parent closes the pipe or a task fails. After the parent is gone,
+        call ``parent_gone`` and keep running until the inputs are quiet and ``flushed()``
+        (bounded); then cancel the tasks and close every socket of ``ctx``. Re-raises the
+        failure of a task that failed."""
         self._parent.watch(self._stop.set)
         try:
             await self._stop.wait()
+            if self._failure is None:
+                parent_gone()
+                await self._flush(flushed)
         finally:
             tasks = list(self._tasks)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            ctx.destroy(linger=0)
+            ctx.destroy(linger=EXIT_LINGER_MS)
         if self._failure is not None:
             raise self._failure
+
+    async def _flush(self, flushed: Callable[[], bool]) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FLUSH_LIMIT_S):
+                while time.monotonic() - self._last_input < QUIET_S or not flushed():
+                    if self._failure is not None:
+                        return
+                    await asyncio.sleep(QUIET_S / 4)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

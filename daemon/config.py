@@ -148,7 +148,9 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
         if value is not None:
             if f.name in _CHOICES and value not in _CHOICES[f.name]:
                 choices = ", ".join(_CHOICES[f.name])
-                raise ConfigError(f"--{f.name.replace('_', '-')}: {value!r} is not one of {choices}")
+                raise ConfigError(
+                    f"--{f.name.replace('_', '-')}: {value!r} is not one of {choices}"
+                )
             values[f.name] = value
     if "model" not in values:
         raise ConfigError("--model is required (or OUTRIDER_MODEL)")
@@ -188,6 +190,7 @@ EXIT_CONFIG = 78
 DEBUG_KNOBS: dict[str, str] = {
     "OUTRIDER_DEBUG_KV_CHECK": "run the KV integrity check after every step (tests)",
     "OUTRIDER_DEBUG_RETRACT_EVERY": "retract the youngest running request every N steps",
+    "OUTRIDER_DEBUG_SYNC_CHECK": "raise on any host synchronisation inside a step (CUDA)",
 }
 
 

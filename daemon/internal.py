@@ -143,3 +143,27 @@ def outputs_codec() -> FrameCodec[Outputs]:
 
 def control_codec() -> FrameCodec[Control]:
     return FrameCodec(FAMILY_CONTROL, Control)
+
+
+# --- child -> parent (the multiprocessing pipe each child is spawned with) -----------------
+
+FAMILY_CHILD_STATUS = 6
+
+
+class ChildStatus(Struct, array_like=True, frozen=True, gc=False):
+    """A child's report to the daemon over its spawn pipe (``Connection.send_bytes``).
+
+    ``started``: the child's internal sockets are bound. ``serving`` (front door only): the
+    client socket is bound at ``endpoint`` (the resolved address, e.g. a TCP port chosen by
+    the system for port 0). ``torch_imported`` must be False: children never import torch.
+    """
+
+    child: Literal["frontdoor", "detokenizer"]
+    pid: int
+    state: Literal["started", "serving"]
+    torch_imported: bool
+    endpoint: str = ""
+
+
+def child_status_codec() -> FrameCodec[ChildStatus]:
+    return FrameCodec(FAMILY_CHILD_STATUS, ChildStatus)

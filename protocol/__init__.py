@@ -1,0 +1,41 @@
+"""outrider.protocol: the wire messages and the ZeroMQ client library.
+
+Depends on msgspec, pyzmq and the standard library only: a client never needs torch.
+"""
+
+from outrider.protocol.client import (
+    AsyncClient,
+    AsyncTokenStream,
+    Client,
+    GenerateResult,
+    TokenChunk,
+    TokenStream,
+)
+from outrider.protocol.endpoints import default_endpoint
+from outrider.protocol.errors import RequestError, Timeout
+from outrider.protocol.messages import (
+    PROTOCOL_VERSION,
+    ChatMessage,
+    Health,
+    ServerInfo,
+    TokenLogprob,
+    Usage,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AsyncClient",
+    "AsyncTokenStream",
+    "ChatMessage",
+    "Client",
+    "GenerateResult",
+    "Health",
+    "RequestError",
+    "ServerInfo",
+    "Timeout",
+    "TokenChunk",
+    "TokenLogprob",
+    "TokenStream",
+    "Usage",
+    "default_endpoint",
+]

@@ -172,4 +172,3 @@ ClientReply = Chunk | Finished | Error | Ack | Health | ServerInfo
 def is_final(reply: ClientReply) -> bool:
     """Whether ``reply`` ends its request (every request gets exactly one final reply)."""
     return not isinstance(reply, Chunk)
-

@@ -9,6 +9,7 @@ import multiprocessing
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -74,7 +75,9 @@ def build_tokenizer(directory: Path) -> None:
     )
     tok.train_from_iterator(SENTENCES, trainer)
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     config = {
@@ -125,6 +128,7 @@ class FakeDaemon:
         self.held: set[int] = set()
         self.aborts: list[AbortRid] = []
         self.counters = Counters(running=3, waiting=1, kv_total_tokens=4096)
+        self.finished: Counter[str] = Counter()
         self._outputs = outputs_codec()
         self._control = control_codec()
         self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._beat())]
@@ -138,6 +142,9 @@ class FakeDaemon:
         await self.send_control(StateChange("ready"))
 
     async def send(self, *updates: RequestUpdate) -> None:
+        """Updates to the detokenizer; finals are counted by reason, as the daemon does."""
+        self.held -= {u.rid for u in updates if u.is_final}
+        self.finished.update(u.finish.reason for u in updates if u.finish is not None)
         await self.to_detokenizer.send(self._outputs.encode(Outputs(list(updates))))
 
     async def request(self, request_id: str, timeout: float = 5.0) -> TokenizedRequest:
@@ -161,10 +168,11 @@ class FakeDaemon:
             elif isinstance(msg, AbortRid):
                 self.aborts.append(msg)
                 if msg.rid in self.held:
-                    self.held.discard(msg.rid)
                     await self.send(RequestUpdate(msg.rid, [], finish=finish("abort")))
             elif isinstance(msg, InfoQuery):
-                await self.send_control(InfoReply(msg.query_id, self.counters))
+                finished = dict(self.finished)
+                counters = msgspec.structs.replace(self.counters, requests_finished=finished)
+                await self.send_control(InfoReply(msg.query_id, counters))
 
     async def _answer(self, req: TokenizedRequest) -> None:
         assert req.max_new_tokens is not None
@@ -253,16 +261,17 @@ class Stack:
         return RawClient(self.ctx, self.client_endpoint, rcvhwm)
 
     async def stop(self) -> dict[str, int | None]:
-        """Close the spawn pipes (the children must exit on their own); exit codes."""
-        self.daemon.close()
-        for conn in self.pipes.values():
-            conn.close()
+        """As the daemon does: close each spawn pipe, detokenizer first, and wait for the
+        child to exit on its own; returns the exit codes. Idempotent."""
         codes = {}
-        for name, proc in self.processes.items():
+        for name in ("detokenizer", "frontdoor"):
+            self.pipes[name].close()
+            proc = self.processes[name]
             await asyncio.to_thread(proc.join, 10)
             if proc.exitcode is None:
                 proc.kill()
             codes[name] = proc.exitcode
+        self.daemon.close()
         self.ctx.destroy(linger=0)
         return codes
 
@@ -317,9 +326,12 @@ def install_speculative_spec(root: Path, name: str) -> str:
     """A speculative plugin distribution (entry point + spec module) under ``root``, whose
     ``check_request`` refuses logprobs; returns the directory to put on ``sys.path``."""
     root.mkdir(parents=True, exist_ok=True)
+    refusal = f"{name} cannot return logprobs"
     dist = root / "outrider_test_spec-0.1.dist-info"
     dist.mkdir(exist_ok=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: outrider-test-spec\nVersion: 0.1\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: outrider-test-spec\nVersion: 0.1\n"
+    )
     (dist / "entry_points.txt").write_text(
         f"[outrider.speculative]\n{name} = outrider_test_spec:SPEC\n"
     )
@@ -327,7 +339,7 @@ def install_speculative_spec(root: Path, name: str) -> str:
         "from outrider.plugins.api import PluginSpec\n"
         "SPEC = PluginSpec(\n"
         f"    name={name!r}, kind='speculative', summary='test', implementation='x:y',\n"
-        f"    check_request=lambda f: {name + ' cannot return logprobs'!r} if f.logprobs else None,\n"
+        f"    check_request=lambda f: {refusal!r} if f.logprobs else None,\n"
         ")\n"
     )
     return str(root)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from engine_harness import engine_for, request, run
 from model_fixtures import VOCAB, save_tiny_model
 
@@ -49,7 +48,9 @@ class Reference:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
-def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+def reference(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Reference:
     directory = tmp_path_factory.mktemp(request.param)
     with torch.no_grad():
         model = save_tiny_model(request.param, directory, max_shard_size="100KB")
@@ -71,8 +72,7 @@ def test_greedy_matches_transformers(reference: Reference, page_size: int, overl
     first = run(engine, [request(100, reference.prefixed[0], max_new_tokens=NEW_TOKENS)])
     assert first[100].token_ids == reference.expected_prefixed[0]
     rest = [
-        request(101 + i, p, max_new_tokens=NEW_TOKENS)
-        for i, p in enumerate(reference.prefixed[1:])
+        request(101 + i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(reference.prefixed[1:])
     ]
     outcomes = run(engine, rest)
     for i, expected in enumerate(reference.expected_prefixed[1:]):
@@ -95,9 +95,7 @@ def test_chunked_prefill_and_staggered_arrivals(reference: Reference, overlap: b
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
-def test_retraction(
-    reference: Reference, overlap: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_retraction(reference: Reference, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "3")
     # A pool of 160 tokens cannot hold six growing requests at once: real retraction too.
     engine = engine_for(
@@ -137,7 +135,10 @@ def test_eos_and_stop_tokens_end_requests(reference: Reference) -> None:
 def test_seeded_sampling_is_reproducible_across_batches(reference: Reference) -> None:
     engine = engine_for(reference.directory)
     prompts = reference.prompts
-    alone = run(engine, [request(0, prompts[0], temperature=0.8, seed=7, top_k=50, max_new_tokens=NEW_TOKENS)])
+    alone = run(
+        engine,
+        [request(0, prompts[0], temperature=0.8, seed=7, top_k=50, max_new_tokens=NEW_TOKENS)],
+    )
     crowd = run(
         engine,
         [request(0, prompts[0], temperature=0.8, seed=7, top_k=50, max_new_tokens=NEW_TOKENS)]
@@ -149,7 +150,10 @@ def test_seeded_sampling_is_reproducible_across_batches(reference: Reference) ->
 
 def test_logprobs_and_streaming(reference: Reference) -> None:
     engine = engine_for(reference.directory)
-    outcomes = run(engine, [request(0, reference.prompts[1], logprobs=3, stream=True, max_new_tokens=NEW_TOKENS)])
+    outcomes = run(
+        engine,
+        [request(0, reference.prompts[1], logprobs=3, stream=True, max_new_tokens=NEW_TOKENS)],
+    )
     outcome = outcomes[0]
     assert outcome.token_ids == reference.expected[1]
     assert len(outcome.updates) == NEW_TOKENS  # one streamed update per step, the last final
@@ -160,3 +164,22 @@ def test_logprobs_and_streaming(reference: Reference) -> None:
         # Greedy: the chosen token is the most likely one.
         assert lp.top[0][0] == lp.token_id
         assert lp.top[0][1] == pytest.approx(lp.logprob)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_greedy_matches_transformers(
+    reference: Reference, page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32 on CUDA with overlap, any host sync inside a step raising."""
+    monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
+    engine = engine_for(reference.directory, page_size=page_size, device="cuda")
+    reqs = [request(i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(reference.prompts)]
+    reqs += [
+        request(100 + i, p, max_new_tokens=NEW_TOKENS, temperature=0.9, top_k=20, top_p=0.9)
+        for i, p in enumerate(reference.prompts)
+    ]
+    outcomes = run(engine, reqs)
+    for i, expected in enumerate(reference.expected):
+        assert outcomes[i].token_ids == expected, f"prompt {i}"
+        assert len(outcomes[100 + i].token_ids) == NEW_TOKENS

@@ -444,6 +444,17 @@ def test_batch_from_specs() -> None:
     assert SamplingBatch.from_specs(specs[:1]).all_greedy
 
 
+def test_bad_arguments_are_refused() -> None:
+    logits = torch.zeros(2, 8)
+    batch = make_batch([1.0, 0.0], max_logprobs=3)
+    with pytest.raises(ValueError, match="vocab_limit"):
+        sample(logits, batch, torch.zeros(2, dtype=torch.int64), vocab_limit=9)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        sample(logits, batch, torch.zeros(2, dtype=torch.int64), vocab_limit=2)
+    with pytest.raises(ValueError, match="draw"):
+        uniform(batch.seed, torch.zeros(2, dtype=torch.int64), 2**32, 8)
+
+
 # --- CUDA -----------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -490,7 +501,7 @@ def test_cuda_matches_cpu_and_replays_in_a_graph() -> None:
     u_cpu = uniform(batch.seed.cpu(), position.cpu(), 0, 4096)
     assert torch.equal(u_cuda.cpu(), u_cpu)
 
-    eager = sample(logits, batch, position, vocab_limit=4000)
+    on_cuda = sample(logits, batch, position, vocab_limit=4000)
     cpu_batch = make_batch(
         batch.temperature.tolist(),
         top_k=batch.top_k.tolist(),
@@ -499,7 +510,14 @@ def test_cuda_matches_cpu_and_replays_in_a_graph() -> None:
         max_logprobs=5,
     )
     on_cpu = sample(logits.cpu(), cpu_batch, position.cpu(), vocab_limit=4000)
-    assert torch.equal(eager.tokens.cpu(), on_cpu.tokens)
+    assert torch.equal(on_cuda.tokens.cpu(), on_cpu.tokens)
+    row = slice(5, 6)  # a batch of one compiles its own kernels
+    alone = SamplingBatch(
+        batch.temperature[row], batch.top_p[row], batch.top_k[row], batch.seed[row], False, 0
+    )
+    assert torch.equal(
+        sample(logits[row], alone, position[row], vocab_limit=4000).tokens, on_cuda.tokens[row]
+    )
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

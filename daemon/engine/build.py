@@ -100,7 +100,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         _DTYPES[dtype_name],
         device,
     )
-    tokenizer = load_tokenizer(model_dir(config.model)) if config.load_format == "auto" else None
+    tokenizer = load_tokenizer(model_dir(config.model))
     vocab_limit = model_config.vocab_size
     if tokenizer is not None:
         vocab_limit = min(vocab_limit, len(tokenizer))
@@ -136,7 +136,10 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         overlap=config.overlap,
         check_kv=bool(debug_knob("OUTRIDER_DEBUG_KV_CHECK")),
     )
+    # NOTE: warm-up compiles kernels (torch.compile, JIT backends), and compilers synchronise:
+    # the sync check starts after it.
     _warm_up(loop)
+    runner.enable_sync_check(bool(debug_knob("OUTRIDER_DEBUG_SYNC_CHECK")))
     loop.scheduler = new_scheduler()  # forget the warm-up's cache entries and counters
     facts = ModelFacts(
         model=config.model,
@@ -230,23 +233,25 @@ def _fit_check(config: ServeConfig, pool_tokens: int, context_length: int, reser
 
 
 def _warm_up(loop: EngineLoop) -> None:
-    """One EXTEND and a few STEP batches through every routed phase before READY."""
+    """EXTEND and STEP batches of one and of two sampled rows through every routed phase
+    before READY, so that no kernel compiles while serving."""
     started = time.monotonic()
-    loop.scheduler.add(
-        TokenizedRequest(
-            rid=-1,
-            request_id="warm-up",
-            input_ids=[0] * 4,
-            sampling=SamplingSpec(temperature=1.0, top_k=4, seed=1, logprobs=2),
-            max_new_tokens=3,
-            stop=[],
-            stop_token_ids=[],
-            ignore_eos=True,
-            stream=False,
-            want_logprobs=True,
-            arrival=time.time(),
+    for rid in (-1, -2):
+        loop.scheduler.add(
+            TokenizedRequest(
+                rid=rid,
+                request_id="warm-up",
+                input_ids=[0] * 4,
+                sampling=SamplingSpec(temperature=1.0, top_k=4, top_p=0.9, seed=1, logprobs=2),
+                max_new_tokens=2 - rid,
+                stop=[],
+                stop_token_ids=[],
+                ignore_eos=True,
+                stream=False,
+                want_logprobs=True,
+                arrival=time.time(),
+            )
         )
-    )
     while loop.has_work:
         loop.iterate()
     loop.idle_check()

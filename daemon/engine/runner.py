@@ -92,6 +92,7 @@ class ModelRunner:
         device: torch.device,
     ) -> None:
         self.model = model
+        self.sync_check = False
         self.kv = kv
         self.backends = backends
         self.limits = limits
@@ -139,10 +140,24 @@ class ModelRunner:
         self._parity = 0
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
 
+    def enable_sync_check(self, on: bool) -> None:
+        """Debug: make any host synchronisation inside ``launch`` raise (CUDA only)."""
+        self.sync_check = on and self.device.type == "cuda"
+
     # --- the step ------------------------------------------------------------------------
 
     def launch(self, plan: StepPlan) -> Launched:
-        """Queue ``plan`` on the device and return a handle for ``collect``."""
+        """Queue ``plan`` on the device and return a handle for ``collect``. With
+        ``sync_check`` (CUDA), any host synchronisation inside raises."""
+        if not self.sync_check:
+            return self._launch(plan)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return self._launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def _launch(self, plan: StepPlan) -> Launched:
         parity, self._parity = self._parity, self._parity ^ 1
         lengths = self._stage(plan, self.staging[parity])
         inp = {name: self.inputs[name][:n] for name, n in lengths.items()}

@@ -59,7 +59,8 @@ class PrefixCache:
         return len(self.free) + evictable
 
     def used_pages(self) -> int:
-        return self.usable_pages - len(self.free)
+        """Pages some request holds (evictable cached pages count as available)."""
+        return self.usable_pages - self.available()
 
     def allocate(self, count: int) -> list[int]:
         """``count`` private pages (refcount 1), evicting least recently used leaves."""

@@ -7,11 +7,11 @@ are never mixed, and EXTEND goes first when there is EXTEND work.
 Lifetime rules under overlap (a step of a request may be in flight when the host learns
 something about it):
 
-| event                           | when the host acts             | what happens to the in-flight step  |
-|---------------------------------|--------------------------------|-------------------------------------|
-| finished (EOS, stop, length)    | processing the step that ended | its row in the next step is ignored |
-| aborted / client vanished       | when the abort arrives         | its rows are ignored when processed |
-| retracted (KV ran out)          | planning the next step         | its token is still appended         |
+| event                        | when the host acts            | the in-flight step's row     |
+|------------------------------|-------------------------------|------------------------------|
+| finished (EOS, stop, length) | processing the step that ends | ignored in the next step     |
+| aborted / client vanished    | when the abort arrives        | ignored when processed       |
+| retracted (KV ran out)       | planning the next step        | its token is still appended  |
 
 Pages and slots are released on the host at once: every device write of a later step is
 queued after the in-flight step on the same stream, so reuse is safe. A retracted request is
@@ -58,9 +58,7 @@ class Planned:
 
 
 class Scheduler:
-    def __init__(
-        self, limits: SchedulerLimits, cache: PrefixCache, finish: FinishChecker
-    ) -> None:
+    def __init__(self, limits: SchedulerLimits, cache: PrefixCache, finish: FinishChecker) -> None:
         self.limits = limits
         self.cache = cache
         self.finish = finish
@@ -292,8 +290,11 @@ class Scheduler:
             start = len(req.output_ids)
             kept, finish = self.finish.append(req, [out.tokens[i]])
             if req.want_logprobs:
+                # NOTE: the batch computes the largest top-n any row asked for; trim to ours.
+                n = req.sampling.logprobs
+                top = list(zip(out.top_ids[i][:n], out.top_logprobs[i][:n], strict=True))
                 req.logprobs.extend(
-                    TokenLogprob(t, out.logprobs[i], list(zip(out.top_ids[i], out.top_logprobs[i])))
+                    TokenLogprob(t, out.logprobs[i], top)
                     for t in req.output_ids[start : start + kept]
                 )
             if finish is not None:

@@ -1,0 +1,65 @@
+"""``outrider``: serve, generate, plugins.
+
+``generate`` and ``plugins`` work in a light install (client only); ``serve`` needs the
+``daemon`` extra and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+
+from outrider.daemon.config import EXIT_CONFIG, ConfigError, add_serve_arguments, resolve
+from outrider.daemon.generate_cmd import add_generate_arguments, run_generate
+from outrider.daemon.plugins_cmd import add_plugins_arguments, run_plugins
+
+_DAEMON_EXTRA = ("torch", "transformers", "safetensors", "uvloop")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="outrider", description="An LLM inference daemon built around speculative decoding."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_arguments(commands.add_parser("serve", help="run the daemon"))
+    add_generate_arguments(commands.add_parser("generate", help="send one request"))
+    add_plugins_arguments(commands.add_parser("plugins", help="list the discovered plugins"))
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    missing = [name for name in _DAEMON_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"outrider serve needs the daemon extra ({', '.join(missing)} missing): "
+            "pip install 'outrider[daemon]'",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config = resolve(args)
+    except ConfigError as exc:
+        print(f"outrider serve: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from outrider.daemon.server import main
+
+    return main(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "generate":
+        return run_generate(args)
+    return run_plugins(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The front door's live requests: who owns each rid, and the client frames its updates become.
+
+A request is live from the moment it is forwarded to the daemon until its final update comes
+back (daemon -> detokenizer -> front door), even after an abort or after its client vanished:
+its ``request_id`` stays taken and it counts against the global in-flight limit until the
+daemon has let go of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from outrider.daemon.internal import RequestUpdate
+from outrider.protocol.messages import Chunk, ClientReply, Error, Finished, TokenLogprob
+
+
+@dataclass(eq=False)
+class LiveRequest:
+    rid: int
+    request_id: str
+    identity: bytes | None  # None: the client is gone; its frames are dropped
+    stream: bool
+    want_logprobs: bool
+    aborting: bool = False  # an AbortRid has been forwarded
+    output_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def replies(self, update: RequestUpdate) -> list[ClientReply]:
+        """The client frames for one update; when it is final, the final frame comes last.
+
+        NOTE: for a streamed request the final update's own tokens go out as a Chunk before
+        ``Finished``, so the concatenated chunks equal ``Finished.output_ids`` / ``text``.
+        """
+        if update.error is not None:
+            return [Error(self.request_id, update.error.code, update.error.message)]
+        self.output_ids += update.token_ids
+        self.text_parts.append(update.text)
+        if update.logprobs:
+            self.logprobs += update.logprobs
+        frames: list[ClientReply] = []
+        if self.stream and (update.token_ids or update.text):
+            chunk_logprobs = update.logprobs if self.want_logprobs else None
+            frames.append(Chunk(self.request_id, update.token_ids, update.text, chunk_logprobs))
+        finish = update.finish
+        if finish is not None:
+            frames.append(
+                Finished(
+                    self.request_id,
+                    self.output_ids,
+                    "".join(self.text_parts),
+                    finish.reason,
+                    finish.matched_stop,
+                    finish.usage,
+                    self.logprobs if self.want_logprobs else None,
+                )
+            )
+        return frames
+
+
+class LiveRequests:
+    """Live requests by rid, by client request id (global) and by client."""
+
+    def __init__(self) -> None:
+        self._by_rid: dict[int, LiveRequest] = {}
+        self._rid_of: dict[str, int] = {}
+        self._of_client: dict[bytes, set[int]] = {}
+        self._next_rid = 0
+
+    def __len__(self) -> int:
+        return len(self._by_rid)
+
+    def new_rid(self) -> int:
+        self._next_rid += 1
+        return self._next_rid
+
+    def add(self, req: LiveRequest) -> None:
+        assert req.identity is not None and req.request_id not in self._rid_of
+        self._by_rid[req.rid] = req
+        self._rid_of[req.request_id] = req.rid
+        self._of_client.setdefault(req.identity, set()).add(req.rid)
+
+    def get(self, rid: int) -> LiveRequest | None:
+        return self._by_rid.get(rid)
+
+    def by_request_id(self, request_id: str) -> LiveRequest | None:
+        rid = self._rid_of.get(request_id)
+        return None if rid is None else self._by_rid[rid]
+
+    def client_count(self, identity: bytes) -> int:
+        return len(self._of_client.get(identity, ()))
+
+    def pop(self, rid: int) -> LiveRequest:
+        req = self._by_rid.pop(rid)
+        del self._rid_of[req.request_id]
+        if req.identity is not None:
+            self._detach(req)
+        return req
+
+    def orphan_client(self, identity: bytes) -> list[LiveRequest]:
+        """Detach every live request of a vanished client; returns them (still live)."""
+        reqs = [self._by_rid[rid] for rid in self._of_client.pop(identity, ())]
+        for req in reqs:
+            req.identity = None
+        return reqs
+
+    def _detach(self, req: LiveRequest) -> None:
+        assert req.identity is not None
+        rids = self._of_client[req.identity]
+        rids.discard(req.rid)
+        if not rids:
+            del self._of_client[req.identity]

@@ -1,0 +1,203 @@
+"""Validation of ``Generate`` requests at the front door, against the model facts.
+
+``Validator.admit`` turns a decoded request into the daemon's inputs or raises ``Rejected``
+with a wire error code and a message that names the field. What msgspec already enforces
+while decoding (the ``Meta`` bounds in protocol/messages.py) is not repeated here: both float
+fields carry lower and upper bounds, so NaN and +-inf never decode; seed < 2**63; logprobs
+<= 20; max_new_tokens >= 0; at most 16 stop strings; token ids in [0, 2**31).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from outrider.daemon.internal import ModelFacts, SamplingSpec
+from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer
+from outrider.plugins.api import RequestFacts
+from outrider.plugins.registry import discover
+from outrider.protocol.messages import MAX_STOP_STRING_CHARS, ErrorCode, Generate
+
+log = logging.getLogger("outrider.frontdoor")
+
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+
+RequestCheck = Callable[[RequestFacts], "str | None"]
+
+
+class Rejected(Exception):
+    """A request answered with a typed ``Error`` instead of being forwarded."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code: ErrorCode = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """What the daemon gets for a valid request (``TokenizedRequest`` minus bookkeeping)."""
+
+    input_ids: list[int]
+    sampling: SamplingSpec
+    max_new_tokens: int | None  # None: until a stop condition or the context limit
+
+
+def speculative_request_check(algorithm: str) -> RequestCheck | None:
+    """The ``check_request`` of the speculative plugin ``algorithm`` (None for "none").
+
+    Raises ``PluginError`` when the plugin cannot be found: the daemon already checked it at
+    start, so this is fatal for the front door, never a per-request error.
+    """
+    if algorithm == "none":
+        return None
+    return discover().get("speculative", algorithm).check_request
+
+
+class Validator:
+    def __init__(
+        self,
+        facts: ModelFacts,
+        tokenizer: Tokenizer | None,
+        request_check: RequestCheck | None,
+    ) -> None:
+        self.facts = facts
+        self.tokenizer = tokenizer
+        self.request_check = request_check
+
+    def admit(self, msg: Generate) -> Admitted:
+        """Validate ``msg``, tokenize it, run the plugin check; raises ``Rejected``."""
+        self._check_sampling(msg)
+        self._check_stops(msg)
+        source, input_ids = self._input_ids(msg)
+        if not input_ids:
+            raise Rejected("invalid_request", f"{source} is empty: the prompt has no tokens")
+        self._check_vocab(source, input_ids)
+        if len(input_ids) >= self.facts.context_length:
+            raise Rejected(
+                "prompt_too_long",
+                f"{source} is {len(input_ids)} tokens; the context length is "
+                f"{self.facts.context_length}, so a prompt may have at most "
+                f"{self.facts.context_length - 1}",
+            )
+        self._run_plugin_check(msg, len(input_ids))
+        max_new = msg.max_new_tokens
+        if max_new is None:
+            max_new = self.facts.max_new_tokens_default
+        sampling = SamplingSpec(
+            # -0.0 decodes (it passes ge=0): greedy like 0.
+            temperature=msg.temperature if msg.temperature > 0 else 0.0,
+            top_p=msg.top_p,
+            top_k=msg.top_k,
+            seed=msg.seed if msg.seed is not None else secrets.randbits(63),
+            logprobs=msg.logprobs,
+        )
+        return Admitted(input_ids, sampling, max_new)
+
+    def _check_sampling(self, msg: Generate) -> None:
+        if 0 < msg.temperature < MIN_TEMPERATURE:
+            raise Rejected(
+                "invalid_request",
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                f"{MAX_TEMPERATURE:g}], got {msg.temperature!r}",
+            )
+        vocab = self.facts.vocab_size
+        if msg.top_k > vocab:
+            raise Rejected(
+                "invalid_request",
+                f"top_k must be 0 (off) or in [1, {vocab}] (vocab_size), got {msg.top_k}",
+            )
+        for i, token_id in enumerate(msg.stop_token_ids):
+            if token_id >= vocab:
+                raise Rejected(
+                    "invalid_request",
+                    f"stop_token_ids[{i}] = {token_id} is out of range: vocab_size is {vocab}",
+                )
+
+    def _check_stops(self, msg: Generate) -> None:
+        for i, stop in enumerate(msg.stop):
+            if not stop:
+                raise Rejected("invalid_request", f"stop[{i}] is an empty string")
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise Rejected(
+                    "invalid_request",
+                    f"stop[{i}] has {len(stop)} characters; the limit is {MAX_STOP_STRING_CHARS}",
+                )
+        if msg.stop and self.tokenizer is None:
+            raise Rejected(
+                "unsupported",
+                "stop strings need a tokenizer and this model has none; use stop_token_ids",
+            )
+
+    def _input_ids(self, msg: Generate) -> tuple[str, list[int]]:
+        """(the field the prompt came from, its token ids)."""
+        given = [
+            name
+            for name, value in (
+                ("prompt", msg.prompt),
+                ("input_ids", msg.input_ids),
+                ("messages", msg.messages),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            got = " and ".join(given) if given else "none of them"
+            raise Rejected(
+                "invalid_request",
+                f"exactly one of prompt, input_ids, messages must be set; got {got}",
+            )
+        source = given[0]
+        if msg.input_ids is not None:
+            return source, msg.input_ids
+        if self.tokenizer is None:
+            raise Rejected(
+                "unsupported",
+                f"{source} needs a tokenizer and this model has none; send input_ids",
+            )
+        if msg.prompt is not None:
+            return source, self.tokenizer.encode_prompt(msg.prompt)
+        assert msg.messages is not None
+        if not msg.messages:
+            raise Rejected("invalid_request", "messages is an empty list")
+        turns = [{"role": m.role, "content": m.content} for m in msg.messages]
+        try:
+            return source, self.tokenizer.apply_chat_template(turns)
+        except ChatTemplateError as exc:
+            raise Rejected("invalid_request", f"messages: chat template failed: {exc}") from None
+
+    def _check_vocab(self, source: str, input_ids: list[int]) -> None:
+        vocab = self.facts.vocab_size
+        if max(input_ids) < vocab:
+            return
+        i, token_id = next((i, t) for i, t in enumerate(input_ids) if t >= vocab)
+        if source == "input_ids":
+            where = f"input_ids[{i}] = {token_id}"
+        else:  # the tokenizer knows more ids than the model: a deployment mismatch
+            where = f"{source} token {i} (id {token_id} from the tokenizer)"
+        raise Rejected("invalid_request", f"{where} is out of range: vocab_size is {vocab}")
+
+    def _run_plugin_check(self, msg: Generate, prompt_tokens: int) -> None:
+        if self.request_check is None:
+            return
+        facts = RequestFacts(
+            temperature=msg.temperature,
+            top_p=msg.top_p,
+            top_k=msg.top_k,
+            logprobs=msg.logprobs,
+            has_stop_strings=bool(msg.stop),
+            prompt_tokens=prompt_tokens,
+        )
+        try:
+            problem = self.request_check(facts)
+        except Exception as exc:  # third-party code: this request fails, the front door lives
+            log.exception("speculative %s check_request raised", self.facts.speculative_algorithm)
+            raise Rejected(
+                "internal",
+                f"speculative plugin {self.facts.speculative_algorithm!r} check_request raised "
+                f"{type(exc).__name__}: {exc}",
+            ) from None
+        if problem is not None:
+            raise Rejected("unsupported", problem)

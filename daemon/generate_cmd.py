@@ -1,0 +1,105 @@
+"""``outrider generate``: send one prompt to a running daemon and print the answer.
+
+A client command: it imports ``outrider.protocol`` and the standard library only, so it works
+in a light install (no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import msgspec
+
+from outrider.protocol import Client, RequestError, TokenStream, default_endpoint
+from outrider.protocol.endpoints import ipc_path
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "prompt", nargs="?", metavar="PROMPT", help="the prompt; '-' or nothing reads stdin"
+    )
+    parser.add_argument(
+        "--connect", metavar="ENDPOINT", help=f"daemon endpoint (default: {default_endpoint()})"
+    )
+    parser.add_argument("--max-new-tokens", type=int, metavar="N")
+    parser.add_argument("--temperature", type=float, default=1.0, metavar="T")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0: no top-k")
+    parser.add_argument("--seed", type=int, metavar="S")
+    parser.add_argument(
+        "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
+    )
+    parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object (with --stream: one line per chunk first)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, metavar="S", help="give up after S seconds (default: wait)"
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Run ``outrider generate``; returns the exit status (1: the request failed)."""
+    if args.prompt in (None, "-"):
+        if args.prompt is None and sys.stdin.isatty():
+            print("error: give a PROMPT, or '-' to read it from stdin", file=sys.stderr)
+            return 2
+        prompt = sys.stdin.read()
+    else:
+        prompt = args.prompt
+    sampling: dict[str, Any] = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    endpoint = args.connect if args.connect is not None else default_endpoint()
+    path = ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):
+        print(f"waiting for a daemon to bind {endpoint}", file=sys.stderr)
+    try:
+        with Client(endpoint, timeout=args.timeout) as client:
+            if args.stream:
+                _print_stream(client.stream(prompt, **sampling), as_json=args.json)
+            else:
+                result = client.generate(prompt, **sampling)
+                print(_json_line(result) if args.json else result.text)
+    except RequestError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _print_stream(stream: TokenStream, *, as_json: bool) -> None:
+    out = sys.stdout
+    for chunk in stream:
+        out.write(_json_line(chunk) + "\n" if as_json else chunk.text)
+        out.flush()
+    out.write(_json_line(stream.result) + "\n" if as_json else "\n")
+    out.flush()
+
+
+def _json_line(value: msgspec.Struct | None) -> str:
+    return msgspec.json.encode(_named(value)).decode()
+
+
+def _named(value: Any) -> Any:
+    """``value`` as builtins, every struct as an object keyed by field name (the wire's
+    ``array_like`` structs, such as ``Usage``, included)."""
+    if isinstance(value, msgspec.Struct):
+        return {name: _named(getattr(value, name)) for name in value.__struct_fields__}
+    if isinstance(value, list | tuple):
+        return [_named(item) for item in value]
+    return value

@@ -1,0 +1,395 @@
+"""The daemon process: owns the device, runs the engine loop, supervises the two children and
+is the only process that talks to systemd.
+
+Start-up order: lock the client socket, make the runtime directory, spawn the front door and
+the detokenizer, load the model and warm up, send the model facts, say "ready" (the front
+door binds the client socket only then), READY=1. SIGTERM: STOPPING=1, "draining", let
+running requests finish until ``--drain-timeout``, abort the rest with a final frame, stop the
+children (detokenizer first, so every final frame reaches the front door), exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import uuid
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+import uvloop
+import zmq
+import zmq.asyncio
+import zmq.auth
+
+from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
+from outrider.daemon.detokenizer import DetokenizerConfig, run_detokenizer
+from outrider.daemon.engine.build import Engine, build_engine
+from outrider.daemon.frontdoor import FrontDoorConfig, run_frontdoor
+from outrider.daemon.internal import (
+    AbortRid,
+    ChildStatus,
+    Control,
+    ErrorInfo,
+    Heartbeat,
+    InfoQuery,
+    InfoReply,
+    Outputs,
+    RequestUpdate,
+    StateChange,
+    TokenizedRequest,
+    child_status_codec,
+    control_codec,
+    outputs_codec,
+    to_daemon_codec,
+)
+from outrider.daemon.models.config import model_dir
+from outrider.daemon.models.loader import LoadProgress, default_progress
+from outrider.daemon.runtime import (
+    EndpointError,
+    RuntimeDir,
+    lock_client_endpoint,
+    tcp_bind_problem,
+)
+from outrider.daemon.scheduler.loop import StepFailed
+from outrider.daemon.sdnotify import Notifier, strip_notify_env
+from outrider.daemon.tokenizer import TOKENIZER_FILES
+from outrider.protocol.endpoints import default_endpoint
+from outrider.protocol.frames import FrameError
+
+log = logging.getLogger("outrider.daemon")
+
+VERSION = "0.1.0"
+HEARTBEAT_SECONDS = 1.0
+# While loading, ask systemd for this much more start time before each window ends.
+_LOAD_EXTEND_USEC = 120_000_000
+
+
+class ChildDied(RuntimeError):
+    pass
+
+
+class Children:
+    """The front door and the detokenizer: spawned, watched, stopped in order."""
+
+    def __init__(self, front: FrontDoorConfig, detok: DetokenizerConfig) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._status_codec = child_status_codec()
+        self._pipes: dict[str, Connection] = {}
+        self.procs: dict[str, BaseProcess] = {}
+        for name, target, cfg in (
+            ("detokenizer", run_detokenizer, detok),
+            ("frontdoor", run_frontdoor, front),
+        ):
+            # Duplex: the child reports ChildStatus on it and sees EOF when the parent goes.
+            child_end, parent_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=target, args=(cfg, child_end), name=f"outrider-{name}")
+            proc.start()
+            child_end.close()
+            self._pipes[name] = parent_end
+            self.procs[name] = proc
+
+    def check(self) -> None:
+        dead = wait([p.sentinel for p in self.procs.values()], timeout=0)
+        for name, proc in self.procs.items():
+            if proc.sentinel in dead:
+                raise ChildDied(f"the {name} process exited with code {proc.exitcode}")
+
+    def wait_status(self, name: str, state: str, timeout: float) -> ChildStatus:
+        """Block until child ``name`` reports ``state`` (raises ChildDied if it exits)."""
+        conn, proc = self._pipes[name], self.procs[name]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready = wait([conn, proc.sentinel], timeout=deadline - time.monotonic())
+            if conn in ready:
+                try:
+                    status = self._status_codec.decode(conn.recv_bytes())
+                except EOFError:
+                    ready = [proc.sentinel]
+                else:
+                    if status.torch_imported:
+                        log.error("the %s process imported torch; it must not", name)
+                    if status.state == state:
+                        return status
+                    continue
+            if proc.sentinel in ready:
+                proc.join(1)
+                raise ChildDied(f"the {name} process exited with code {proc.exitcode}")
+        raise ChildDied(f"the {name} process did not report {state!r} within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Close each child's pipe (it drains and exits), detokenizer first."""
+        for name in ("detokenizer", "frontdoor"):
+            self._pipes[name].close()
+            proc = self.procs[name]
+            proc.join(timeout)
+            if proc.is_alive():
+                log.warning("the %s process did not exit; killing it", name)
+                proc.kill()
+                proc.join()
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: ServeConfig,
+        engine: Engine,
+        children: Children,
+        notifier: Notifier,
+        sockets: DaemonSockets,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.children = children
+        self.notifier = notifier
+        self.sockets = sockets
+        self.draining = False
+        self.drain_deadline = 0.0
+        self._last_heartbeat = 0.0
+        self._last_watchdog = 0.0
+        self._watchdog_interval = notifier.watchdog_interval()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._start_drain)
+        engine_loop = self.engine.loop
+        while True:
+            self._receive()
+            self._tick()
+            if self.draining and self._drained():
+                break
+            if engine_loop.has_work:
+                self._send_updates(engine_loop.iterate())
+                await asyncio.sleep(0)
+            else:
+                engine_loop.idle_check()
+                await self.sockets.wait_inbox(HEARTBEAT_SECONDS / 2)
+
+    def _drained(self) -> bool:
+        scheduler = self.engine.scheduler
+        if not self.engine.loop.has_work:
+            return True
+        if time.monotonic() >= self.drain_deadline:
+            for rid in list(scheduler.requests):
+                scheduler.abort(rid, "drain deadline")
+            self._send_updates(scheduler.take_updates())
+            return not self.engine.loop.has_work
+        return False
+
+    def _start_drain(self) -> None:
+        if self.draining:
+            return
+        log.info("draining: %d running, %d waiting", *self._load())
+        self.draining = True
+        self.drain_deadline = time.monotonic() + self.config.drain_timeout
+        self.notifier.stopping()
+        self.sockets.send_control(StateChange("draining"))
+
+    def _load(self) -> tuple[int, int]:
+        scheduler = self.engine.scheduler
+        return len(scheduler.running), len(scheduler.waiting)
+
+    def _receive(self) -> None:
+        scheduler = self.engine.scheduler
+        for msg in self.sockets.receive():
+            if isinstance(msg, TokenizedRequest):
+                problem = self._recheck(msg)
+                if problem is not None:
+                    self._send_updates([RequestUpdate(msg.rid, [], error=problem)])
+                elif self.draining:
+                    error = ErrorInfo("shutting_down", "the daemon is shutting down")
+                    self._send_updates([RequestUpdate(msg.rid, [], error=error)])
+                else:
+                    scheduler.add(msg)
+            elif isinstance(msg, AbortRid):
+                scheduler.abort(msg.rid, msg.reason)
+                self._send_updates(scheduler.take_updates())
+            elif isinstance(msg, InfoQuery):
+                self.sockets.send_control(InfoReply(msg.query_id, scheduler.counters()))
+
+    def _recheck(self, msg: TokenizedRequest) -> ErrorInfo | None:
+        """The front door validated ``msg``; check again what device work relies on."""
+        facts = self.engine.facts
+        if not msg.input_ids:
+            return ErrorInfo("invalid_request", "input_ids: empty prompt")
+        if len(msg.input_ids) >= facts.context_length:
+            return ErrorInfo(
+                "prompt_too_long",
+                f"input_ids: {len(msg.input_ids)} tokens, the context length is "
+                f"{facts.context_length}",
+            )
+        if min(msg.input_ids) < 0 or max(msg.input_ids) >= facts.vocab_size:
+            return ErrorInfo(
+                "invalid_request", f"input_ids: ids must be in [0, {facts.vocab_size})"
+            )
+        return None
+
+    def _send_updates(self, updates: list[RequestUpdate]) -> None:
+        if updates:
+            self.sockets.send_outputs(Outputs(updates))
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heartbeat >= HEARTBEAT_SECONDS:
+            self._last_heartbeat = now
+            self.children.check()
+            self.sockets.send_control(Heartbeat(self.engine.scheduler.counters()))
+        interval = self._watchdog_interval
+        if interval is not None and now - self._last_watchdog >= interval:
+            started = self.engine.loop.oldest_step_started
+            if started == 0.0 or now - started < self.config.step_timeout:
+                self._last_watchdog = now
+                self.notifier.watchdog()
+
+
+class DaemonSockets:
+    """The daemon's ends of the internal pipes (it binds the one it reads)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, inbox: str, outputs: str, control: str) -> None:
+        self._inbox = ctx.socket(zmq.PULL)
+        self._inbox.bind(inbox)
+        # A synchronous view of the same socket for non-blocking draining.
+        self._inbox_sync = zmq.Socket.shadow(self._inbox.underlying)
+        sync_ctx = zmq.Context.shadow(ctx.underlying)
+        self._outputs = sync_ctx.socket(zmq.PUSH)
+        self._outputs.connect(outputs)
+        self._control = sync_ctx.socket(zmq.PUSH)
+        self._control.connect(control)
+        for sock in (self._outputs, self._control):
+            sock.setsockopt(zmq.LINGER, 5000)
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(self._inbox, zmq.POLLIN)
+        self._to_daemon = to_daemon_codec()
+        self._outputs_codec = outputs_codec()
+        self._control_codec = control_codec()
+
+    def receive(self) -> list[TokenizedRequest | AbortRid | InfoQuery]:
+        messages = []
+        while True:
+            try:
+                frame = self._inbox_sync.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return messages
+            try:
+                messages.append(self._to_daemon.decode(frame))
+            except FrameError as exc:
+                # Only the front door writes this pipe: a bad frame is a bug there, not input.
+                log.error("dropping an undecodable internal frame: %s", exc)
+
+    def close(self) -> None:
+        self._inbox.close(linger=0)
+        self._outputs.close()
+        self._control.close()
+
+    async def wait_inbox(self, timeout: float) -> None:
+        await self._poller.poll(int(timeout * 1000))
+
+    def send_outputs(self, outputs: Outputs) -> None:
+        self._outputs.send(self._outputs_codec.encode(outputs))
+
+    def send_control(self, msg: Control) -> None:
+        self._control.send(self._control_codec.encode(msg))
+
+
+def _load_progress(notifier: Notifier) -> LoadProgress:
+    shown = default_progress()
+
+    def progress(index: int, count: int, name: str) -> None:
+        shown(index, count, name)
+        notifier.status(f"loading weights: shard {index}/{count}")
+        notifier.extend_timeout(_LOAD_EXTEND_USEC)
+
+    return progress
+
+
+def _tokenizer_dir(model: str) -> str | None:
+    path = model_dir(model)
+    return str(path) if any((path / name).is_file() for name in TOKENIZER_FILES) else None
+
+
+def _curve_keys(config: ServeConfig) -> tuple[bytes, bytes] | None:
+    if not config.curve_secret_key_file:
+        return None
+    public, secret = zmq.auth.load_certificate(config.curve_secret_key_file)
+    if secret is None:
+        raise ConfigError(f"--curve-secret-key-file {config.curve_secret_key_file}: no secret key")
+    return public, secret
+
+
+def serve(config: ServeConfig) -> int:
+    """Run the daemon until SIGTERM; returns the exit code."""
+    notifier = Notifier()
+    strip_notify_env(os.environ)  # children must not talk to systemd
+    endpoint = config.listen or default_endpoint()
+    problem = tcp_bind_problem(
+        endpoint, curve_keys=bool(config.curve_secret_key_file), insecure_tcp=config.insecure_tcp
+    )
+    if problem is not None:
+        raise ConfigError(problem)
+    lock = lock_client_endpoint(endpoint)
+    runtime = RuntimeDir()
+    pipes = runtime.internal_endpoints()
+    boot_id = uuid.uuid4().hex
+    notifier.status("starting")
+    notifier.extend_timeout(_LOAD_EXTEND_USEC)
+    children = Children(
+        FrontDoorConfig(
+            client_endpoint=endpoint,
+            daemon_endpoint=pipes.to_daemon,
+            outputs_endpoint=pipes.to_front_door,
+            control_endpoint=pipes.control,
+            boot_id=boot_id,
+            version=VERSION,
+            max_message_bytes=config.max_message_bytes,
+            curve_server_keys=_curve_keys(config),
+            max_inflight_per_client=config.max_inflight_per_client,
+            max_inflight=config.max_inflight,
+            log_level=config.log_level,
+        ),
+        DetokenizerConfig(
+            inputs_endpoint=pipes.to_detokenizer,
+            frontdoor_endpoint=pipes.to_front_door,
+            tokenizer_dir=_tokenizer_dir(config.model),
+            log_level=config.log_level,
+        ),
+    )
+    ctx = zmq.asyncio.Context()
+    sockets = DaemonSockets(ctx, pipes.to_daemon, pipes.to_detokenizer, pipes.control)
+    try:
+        notifier.status("loading the model")
+        engine = build_engine(config, progress=_load_progress(notifier))
+        sockets.send_control(engine.facts)
+        sockets.send_control(StateChange("ready"))
+        bound = children.wait_status("frontdoor", "serving", timeout=60.0).endpoint
+        notifier.ready(f"serving {config.model} on {bound}")
+        log.info("serving %s on %s (boot %s)", config.model, bound, boot_id)
+        daemon = Daemon(config, engine, children, notifier, sockets)
+        uvloop.run(daemon.run())
+        return 0
+    except StepFailed:
+        log.exception("fatal device error")
+        notifier.watchdog_trigger()
+        return 1
+    except ChildDied as exc:
+        log.error("%s; exiting so that the service is restarted", exc)
+        return 1
+    finally:
+        sockets.close()  # flushes every queued frame to the (still running) children
+        children.stop()
+        ctx.term()
+        runtime.cleanup()
+        if lock is not None:
+            lock.release()
+
+
+def main(config: ServeConfig) -> int:
+    try:
+        return serve(config)
+    except (ConfigError, EndpointError) as exc:
+        print(f"outrider serve: {exc}", file=sys.stderr)
+        return EXIT_CONFIG

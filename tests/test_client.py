@@ -1,0 +1,511 @@
+"""The client library and ``outrider generate`` against a scripted ROUTER peer.
+
+The peer is a real ZeroMQ ROUTER over ``ipc://`` in a thread: it decodes requests with
+``request_codec()`` and answers with ``reply_codec()`` frames, as the daemon's front door does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import io
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+
+from outrider.daemon.generate_cmd import add_generate_arguments, run_generate
+from outrider.protocol import (
+    AsyncClient,
+    ChatMessage,
+    Client,
+    GenerateResult,
+    Health,
+    RequestError,
+    ServerInfo,
+    Timeout,
+    TokenChunk,
+    Usage,
+)
+from outrider.protocol.endpoints import default_endpoint, ipc_path
+from outrider.protocol.frames import reply_codec, request_codec
+from outrider.protocol.messages import (
+    Abort,
+    Ack,
+    Chunk,
+    ClientReply,
+    ClientRequest,
+    Error,
+    Finished,
+    Generate,
+    HealthQuery,
+    ServerInfoQuery,
+)
+
+Handler = Callable[["Peer", bytes, ClientRequest], None]
+
+
+class Peer:
+    """A scripted daemon front door: ``handler(peer, identity, request)`` answers with
+    ``peer.send``; every decoded request is kept in ``requests``."""
+
+    def __init__(self, endpoint: str, handler: Handler, curve_secret: bytes | None = None) -> None:
+        self.endpoint = endpoint
+        self.handler = handler
+        self.curve_secret = curve_secret
+        self.requests: list[ClientRequest] = []
+        self._replies = reply_codec()
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self, delay: float = 0.0) -> Peer:
+        self._delay = delay
+        self._thread.start()
+        if delay == 0.0:
+            self._bound.wait(5)
+        return self
+
+    def send(self, identity: bytes, reply: ClientReply) -> None:
+        self._sock.send_multipart([identity, self._replies.encode(reply)])
+
+    def close_now(self) -> None:
+        """Vanish without answering (called from the handler, on the peer's thread)."""
+        self._stop.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        time.sleep(self._delay)
+        codec = request_codec()
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if self.curve_secret is not None:
+            self._sock.setsockopt(zmq.CURVE_SERVER, 1)
+            self._sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve_secret)
+        self._sock.bind(self.endpoint)
+        self._bound.set()
+        try:
+            while not self._stop.is_set():
+                if not self._sock.poll(20):
+                    continue
+                identity, frame = self._sock.recv_multipart()
+                request = codec.decode(frame)
+                self.requests.append(request)
+                self.handler(self, identity, request)
+        finally:
+            self._sock.close(linger=500)
+
+
+def finished(req: Generate, text: str) -> Finished:
+    ids = [ord(c) for c in text]
+    return Finished(req.request_id, ids, text, "stop", None, Usage(3, len(ids)))
+
+
+def echo(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+    """Generate: the prompt back (streamed one character a chunk); Health/ServerInfo: boot "b1";
+    Abort: Ack."""
+    if isinstance(req, Generate):
+        text = req.prompt or ""
+        if req.stream:
+            for c in text:
+                peer.send(identity, Chunk(req.request_id, [ord(c)], c))
+        peer.send(identity, finished(req, text))
+    elif isinstance(req, HealthQuery):
+        peer.send(identity, Health(req.request_id, "serving", "b1", "0.1.0", 1))
+    elif isinstance(req, ServerInfoQuery):
+        peer.send(identity, server_info(req.request_id, "b1"))
+    elif isinstance(req, Abort):
+        peer.send(identity, Ack(req.request_id))
+
+
+def server_info(request_id: str, boot_id: str) -> ServerInfo:
+    return ServerInfo(request_id, boot_id, "tiny", {}, {}, 0, 0, 0, 100, 0, 0, {})
+
+
+@pytest.fixture
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # NOTE: ipc paths must fit sockaddr_un (107 bytes); tmp_path can be longer.
+    return f"ipc://{tmp_path_factory.mktemp('ipc')}/d.sock"
+
+
+@pytest.fixture
+def peers() -> Iterator[list[Peer]]:
+    started: list[Peer] = []
+    yield started
+    for peer in started:
+        peer.stop()
+
+
+def run_peer(peers: list[Peer], endpoint: str, handler: Handler, delay: float = 0.0) -> Peer:
+    peer = Peer(endpoint, handler)
+    peers.append(peer)
+    return peer.start(delay)
+
+
+# --- endpoints ---------------------------------------------------------------------------
+
+
+def test_default_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/outrider:/run/other")
+    assert default_endpoint() == "ipc:///run/outrider/outrider.sock"
+    monkeypatch.delenv("RUNTIME_DIRECTORY")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/7")
+    assert default_endpoint() == "ipc:///run/user/7/outrider/outrider.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert default_endpoint().startswith("ipc:///tmp/outrider-")
+    assert ipc_path("ipc:///run/x.sock") == "/run/x.sock"
+    assert ipc_path("ipc://@abstract") is None
+    assert ipc_path("tcp://127.0.0.1:5555") is None
+
+
+# --- Client ------------------------------------------------------------------------------
+
+
+def test_generate_exact_result(endpoint: str, peers: list[Peer]) -> None:
+    def answer(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+        assert isinstance(req, Generate)
+        peer.send(
+            identity,
+            Finished(req.request_id, [5, 6], "hi", "length", None, Usage(4, 2, 1, 3, 2), None),
+        )
+
+    peer = run_peer(peers, endpoint, answer)
+    with Client(endpoint, timeout=5) as client:
+        result = client.generate(
+            "hello", max_new_tokens=2, temperature=0.0, seed=7, stop="\n", request_id="r1"
+        )
+    assert result == GenerateResult("r1", [5, 6], "hi", "length", None, Usage(4, 2, 1, 3, 2), None)
+    [req] = peer.requests
+    assert req == Generate(
+        request_id="r1", prompt="hello", max_new_tokens=2, temperature=0.0, seed=7, stop=["\n"]
+    )
+
+
+def test_messages_and_input_ids_travel(endpoint: str, peers: list[Peer]) -> None:
+    peer = run_peer(peers, endpoint, echo)
+    with Client(endpoint, timeout=5) as client:
+        chat = [{"role": "user", "content": "hi"}, ChatMessage("assistant", "yo")]
+        assert client.generate(messages=chat).finish_reason == "stop"
+        client.generate(input_ids=[1, 2, 3], stop_token_ids=[9], logprobs=2, ignore_eos=True)
+    first, second = peer.requests
+    assert isinstance(first, Generate) and isinstance(second, Generate)
+    assert first.messages == [ChatMessage("user", "hi"), ChatMessage("assistant", "yo")]
+    assert (second.input_ids, second.stop_token_ids, second.logprobs) == ([1, 2, 3], [9], 2)
+    assert second.ignore_eos and len(first.request_id) == len(second.request_id) == 32
+
+
+def test_exactly_one_input_is_checked_locally(endpoint: str) -> None:
+    with Client(endpoint, timeout=0.5) as client:
+        with pytest.raises(RequestError) as err:
+            client.generate()
+        assert err.value.code == "invalid_request"
+        with pytest.raises(RequestError, match="invalid_request"):
+            client.generate("a", input_ids=[1])
+        with pytest.raises(RequestError, match="invalid_request"):
+            client.stream(messages=[{"role": "user"}])
+
+
+def test_stream_chunks_add_up_to_the_result(endpoint: str, peers: list[Peer]) -> None:
+    run_peer(peers, endpoint, echo)
+    with Client(endpoint, timeout=5) as client:
+        stream = client.stream("abcd", request_id="s1")
+        assert stream.request_id == "s1" and stream.result is None
+        chunks = list(stream)
+    assert all(isinstance(c, TokenChunk) and c.request_id == "s1" for c in chunks)
+    assert stream.result is not None and stream.result.finish_reason == "stop"
+    assert [t for c in chunks for t in c.token_ids] == stream.result.output_ids
+    assert "".join(c.text for c in chunks) == stream.result.text == "abcd"
+
+
+def failing(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+    if isinstance(req, Abort):
+        peer.send(identity, Error(req.request_id, "unknown_request", f"no {req.target_id}"))
+    else:
+        peer.send(identity, Error(req.request_id, "overloaded", "too busy"))
+
+
+def test_error_frames_raise_request_error(endpoint: str, peers: list[Peer]) -> None:
+    run_peer(peers, endpoint, failing)
+    with Client(endpoint, timeout=5) as client:
+        with pytest.raises(RequestError) as err:
+            client.generate("x", request_id="g1")
+        assert (err.value.code, err.value.message, err.value.request_id) == (
+            "overloaded",
+            "too busy",
+            "g1",
+        )
+        stream = client.stream("x", request_id="s1")
+        with pytest.raises(RequestError) as err:
+            next(stream)
+        assert (err.value.code, err.value.request_id) == ("overloaded", "s1")
+        assert list(stream) == []
+        with pytest.raises(RequestError) as err:
+            client.abort("gone")
+        assert err.value.code == "unknown_request" and err.value.message == "no gone"
+
+
+def test_abort_and_abandoned_streams(endpoint: str, peers: list[Peer]) -> None:
+    def hold(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+        if isinstance(req, Generate):
+            peer.send(identity, Chunk(req.request_id, [1], "a"))
+        else:
+            echo(peer, identity, req)
+
+    peer = run_peer(peers, endpoint, hold)
+    with Client(endpoint, timeout=5) as client:
+        client.abort("whatever")
+        stream = client.stream("x")
+        assert next(stream).text == "a"
+        stream.close()
+        assert list(stream) == []
+        dropped = client.stream("y")
+        dropped_id = dropped.request_id
+        assert next(dropped).text == "a"
+        del dropped
+        gc.collect()
+        client.health()
+    aborts = [r for r in peer.requests if isinstance(r, Abort)]
+    assert [a.target_id for a in aborts] == ["whatever", stream.request_id, dropped_id]
+
+
+def test_duplicate_ids_pass_through(endpoint: str, peers: list[Peer]) -> None:
+    seen: set[str] = set()
+
+    def once(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+        if isinstance(req, Generate) and req.request_id in seen:
+            peer.send(identity, Error(req.request_id, "duplicate_request_id", "live"))
+        elif isinstance(req, Generate):
+            seen.add(req.request_id)
+            peer.send(identity, finished(req, "ok"))
+
+    peer = run_peer(peers, endpoint, once)
+    with Client(endpoint, timeout=5) as client:
+        assert client.generate("a", request_id="dup").text == "ok"
+        with pytest.raises(RequestError) as err:
+            client.generate("a", request_id="dup")
+        assert (err.value.code, err.value.request_id) == ("duplicate_request_id", "dup")
+        # Two live calls with one id cannot be told apart: refused before sending.
+        live = client.stream("b", request_id="live")
+        with pytest.raises(RequestError, match="duplicate_request_id"):
+            client.generate("c", request_id="live")
+        assert list(live) == [] and live.result is not None and live.result.text == "ok"
+    assert [r.request_id for r in peer.requests] == ["dup", "dup", "live"]
+
+
+def test_health_times_out_when_nothing_is_bound(endpoint: str) -> None:
+    with Client(endpoint) as client:
+        started = time.monotonic()
+        with pytest.raises(Timeout) as err:
+            client.health(timeout=0.2)
+        assert 0.2 <= time.monotonic() - started < 2
+    assert err.value.code == "timeout" and err.value.request_id
+    assert isinstance(err.value, RequestError) and isinstance(err.value, TimeoutError)
+
+
+def test_generate_waits_for_a_late_bind(endpoint: str, peers: list[Peer]) -> None:
+    run_peer(peers, endpoint, echo, delay=0.3)
+    with Client(endpoint) as client:
+        assert client.generate("late", timeout=5).text == "late"
+        assert client.health().boot_id == client.boot_id == "b1"
+        assert client.server_info().model == "tiny"
+
+
+def test_peer_vanishing_mid_request_is_connection_lost(endpoint: str, peers: list[Peer]) -> None:
+    def vanish(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+        if isinstance(req, Generate):
+            peer.close_now()
+        else:
+            echo(peer, identity, req)
+
+    first = run_peer(peers, endpoint, vanish)
+    with Client(endpoint, timeout=5) as client:
+        assert client.health().status == "serving"
+        with pytest.raises(RequestError) as err:
+            client.generate("x", request_id="lost")
+        assert (err.value.code, err.value.request_id) == ("connection_lost", "lost")
+        first.stop()
+        run_peer(peers, endpoint, echo)
+        assert client.generate("again").text == "again"
+
+
+def test_replies_sent_before_a_disconnect_are_delivered(endpoint: str, peers: list[Peer]) -> None:
+    def answer_and_vanish(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+        echo(peer, identity, req)
+        peer.close_now()
+
+    run_peer(peers, endpoint, answer_and_vanish)
+    with Client(endpoint, timeout=5) as client:
+        stream = client.stream("ab")
+        time.sleep(0.3)  # the chunks, the final frame and the disconnect event are all queued
+        assert "".join(c.text for c in stream) == "ab"
+        assert stream.result is not None and stream.result.text == "ab"
+
+
+def test_new_boot_id_fails_calls_in_flight(endpoint: str, peers: list[Peer]) -> None:
+    boots = iter(["b1", "b2"])
+
+    def restarting(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+        if isinstance(req, HealthQuery):
+            peer.send(identity, Health(req.request_id, "serving", next(boots), "0.1.0", 1))
+
+    run_peer(peers, endpoint, restarting)
+    with Client(endpoint, timeout=5) as client:
+        client.health()
+        stream = client.stream("never answered")
+        assert client.health().boot_id == "b2"
+        with pytest.raises(RequestError, match="connection_lost"):
+            next(stream)
+
+
+def test_generate_timeout_aborts(endpoint: str, peers: list[Peer]) -> None:
+    peer = run_peer(peers, endpoint, lambda peer, identity, req: None)
+    with Client(endpoint, timeout=0.2) as client, pytest.raises(Timeout):
+        client.generate("slow", request_id="t1")
+    deadline = time.monotonic() + 2
+    while len(peer.requests) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(peer.requests[-1], Abort) and peer.requests[-1].target_id == "t1"
+
+
+def test_curve(endpoint: str, peers: list[Peer]) -> None:
+    server_public, server_secret = zmq.curve_keypair()
+    peer = Peer(endpoint, echo, curve_secret=server_secret)
+    peers.append(peer.start())
+    with Client(endpoint, timeout=5, curve_server_key=server_public) as client:
+        assert client.generate("sealed").text == "sealed"
+    wrong_public, _ = zmq.curve_keypair()
+    with Client(endpoint, timeout=5, curve_server_key=wrong_public) as client:
+        with pytest.raises(RequestError) as err:
+            client.generate("x")
+        assert err.value.code == "connection_lost"
+    with pytest.raises(ValueError):
+        Client(endpoint, curve_keypair=zmq.curve_keypair())
+
+
+# --- AsyncClient -------------------------------------------------------------------------
+
+
+async def test_async_client_serves_concurrent_tasks_out_of_order(
+    endpoint: str, peers: list[Peer]
+) -> None:
+    held: list[tuple[bytes, Generate]] = []
+
+    def batch(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+        assert isinstance(req, Generate)
+        held.append((identity, req))
+        if len(held) == 50:
+            random.Random(0).shuffle(held)
+            for ident, r in held:
+                peer.send(ident, Chunk(r.request_id, [0], "ignored by generate"))
+                peer.send(ident, finished(r, r.prompt or ""))
+
+    run_peer(peers, endpoint, batch)
+    async with AsyncClient(endpoint, timeout=10) as client:
+        results = await asyncio.gather(*(client.generate(f"p{i}") for i in range(50)))
+    assert [r.text for r in results] == [f"p{i}" for i in range(50)]
+    assert len({r.request_id for r in results}) == 50
+
+
+async def test_async_stream_and_errors(endpoint: str, peers: list[Peer]) -> None:
+    def mixed(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+        if isinstance(req, Generate) and req.prompt == "fail":
+            peer.send(identity, Error(req.request_id, "prompt_too_long", "way too long"))
+        elif isinstance(req, Abort):
+            failing(peer, identity, req)
+        else:
+            echo(peer, identity, req)
+
+    run_peer(peers, endpoint, mixed)
+    async with AsyncClient(endpoint, timeout=5) as client:
+        stream = client.stream("xyz", request_id="as1")
+        assert stream.request_id == "as1"
+        chunks = [c async for c in stream]
+        assert stream.result is not None
+        assert "".join(c.text for c in chunks) == stream.result.text == "xyz"
+        with pytest.raises(RequestError) as err:
+            await client.generate("fail", request_id="f1")
+        assert (err.value.code, err.value.message, err.value.request_id) == (
+            "prompt_too_long",
+            "way too long",
+            "f1",
+        )
+        with pytest.raises(RequestError) as err:
+            async for _ in client.stream("fail"):
+                pass
+        assert err.value.code == "prompt_too_long"
+        with pytest.raises(RequestError, match="unknown_request"):
+            await client.abort("nobody")
+        assert (await client.health()).boot_id == "b1"
+        assert (await client.server_info()).kv_total_tokens == 100
+
+
+async def test_async_timeout_and_connection_lost(endpoint: str, peers: list[Peer]) -> None:
+    async with AsyncClient(endpoint) as client:
+        with pytest.raises(Timeout):
+            await client.health(timeout=0.2)
+
+        def vanish(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+            if isinstance(req, Generate) and req.prompt == "bye":
+                peer.close_now()
+            else:
+                echo(peer, identity, req)
+
+        run_peer(peers, endpoint, vanish)
+        pending = [asyncio.create_task(client.generate("bye")) for _ in range(3)]
+        for outcome in await asyncio.gather(*pending, return_exceptions=True):
+            assert isinstance(outcome, RequestError) and outcome.code == "connection_lost"
+        peers[-1].stop()
+        run_peer(peers, endpoint, vanish)
+        assert (await client.generate("back", timeout=5)).text == "back"
+
+
+# --- outrider generate -------------------------------------------------------------------
+
+
+def cli(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_generate_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_json(endpoint: str, peers: list[Peer], capsys: pytest.CaptureFixture[str]) -> None:
+    peer = run_peer(peers, endpoint, echo)
+    code = run_generate(
+        cli("--connect", endpoint, "--json", "--stop", "a", "--stop", "b", "--seed", "3", "hey")
+    )
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == "hey" and out["finish_reason"] == "stop"
+    assert out["usage"]["prompt_tokens"] == 3 and out["output_ids"] == [104, 101, 121]
+    [req] = peer.requests
+    assert isinstance(req, Generate) and (req.stop, req.seed) == (["a", "b"], 3)
+
+
+def test_cli_stdin_and_stream(
+    endpoint: str,
+    peers: list[Peer],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run_peer(peers, endpoint, echo)
+    monkeypatch.setattr("sys.stdin", io.StringIO("from stdin"))
+    assert run_generate(cli("--connect", endpoint, "-")) == 0
+    assert capsys.readouterr().out == "from stdin\n"
+    assert run_generate(cli("--connect", endpoint, "--stream", "abc")) == 0
+    assert capsys.readouterr().out == "abc\n"
+
+
+def test_cli_error(endpoint: str, peers: list[Peer], capsys: pytest.CaptureFixture[str]) -> None:
+    run_peer(peers, endpoint, failing)
+    assert run_generate(cli("--connect", endpoint, "x")) == 1
+    assert capsys.readouterr().err == "error: overloaded: too busy\n"
+    assert run_generate(cli("--connect", endpoint, "--timeout", "0.1", "--stream", "x")) == 1
+    assert run_generate(cli("--connect", "nonsense", "x")) == 2

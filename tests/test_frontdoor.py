@@ -1,0 +1,505 @@
+"""The front door and the detokenizer as real spawned processes; the daemon's side of the
+internal pipes is scripted by the test (frontdoor_harness.FakeDaemon).
+
+The blocking ``Client`` runs in worker threads (``asyncio.to_thread``) while the fake daemon
+runs on the event loop. NOTE: not ``AsyncClient``: its ``close()`` closes the asyncio shadows
+of its sockets, so the garbage-collected originals later close whatever socket libzmq has
+since allocated at the same address (seen here as spurious disconnects and ENOTSOCK).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import pytest_asyncio
+import zmq
+from frontdoor_harness import (
+    CONTEXT_LENGTH,
+    REPLY_TEXT,
+    Stack,
+    build_tokenizer,
+    finish,
+    install_speculative_spec,
+    model_facts,
+    start_stack,
+    until,
+)
+
+from outrider.daemon.internal import ErrorInfo, RequestUpdate, StateChange
+from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
+from outrider.protocol import (
+    Client,
+    GenerateResult,
+    RequestError,
+    Timeout,
+    TokenChunk,
+    TokenStream,
+)
+from outrider.protocol.messages import (
+    Abort,
+    Ack,
+    Chunk,
+    Error,
+    Finished,
+    Generate,
+    Health,
+    HealthQuery,
+    is_final,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+T = TypeVar("T")
+
+SLOW_CONSUMER_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    tok = load_tokenizer(tokenizer_dir)
+    assert tok is not None
+    return tok
+
+
+@pytest.fixture(scope="module")
+def vocab_size(tokenizer: Tokenizer) -> int:
+    return len(tokenizer) + 4  # the model's embedding table is a little larger
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tokenizer_dir: Path, tokenizer: Tokenizer, vocab_size: int) -> AsyncIterator[Stack]:
+    reply_ids = tokenizer.encode_prompt(REPLY_TEXT)[1:]  # without BOS
+    s = start_stack(
+        tokenizer_dir,
+        reply_ids,
+        max_inflight_per_client=60,
+        max_inflight=100,
+        slow_consumer_timeout=SLOW_CONSUMER_S,
+        client_hwm=4,
+    )
+    assert (await s.status("frontdoor")).state == "started"
+    assert (await s.status("detokenizer")).state == "started"
+    await s.daemon.start_serving(model_facts(tokenizer_dir, vocab_size))
+    assert (await s.status("frontdoor")).state == "serving"
+    yield s
+    assert await s.stop() == {"frontdoor": 0, "detokenizer": 0}
+
+
+@pytest.fixture
+def client(stack: Stack) -> Iterator[Client]:
+    with Client(stack.client_endpoint, timeout=5.0) as c:
+        yield c
+
+
+async def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """A blocking client call, off the event loop that runs the fake daemon."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def drain(stream: TokenStream) -> tuple[list[TokenChunk], GenerateResult]:
+    chunks = list(stream)
+    result = stream.result
+    assert result is not None
+    return chunks, result
+
+
+async def test_children_report_their_state_and_never_import_torch(stack: Stack) -> None:
+    frontdoor, detokenizer = stack.statuses["frontdoor"], stack.statuses["detokenizer"]
+    assert [s.state for s in frontdoor] == ["started", "serving"]
+    assert frontdoor[1].endpoint == stack.client_endpoint
+    assert [s.state for s in detokenizer] == ["started"]
+    assert not any(s.torch_imported for s in frontdoor + detokenizer)
+    assert {s.pid for s in frontdoor} == {stack.processes["frontdoor"].pid}
+    for proc in stack.processes.values():  # the daemon stops them, not signals
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, signal.SIGTERM)
+    with Client(stack.client_endpoint, timeout=5.0) as c:
+        result = await call(c.generate, input_ids=[5], max_new_tokens=2)
+    assert result.output_ids == stack.daemon.reply_ids[:2]
+    assert all(proc.is_alive() for proc in stack.processes.values())
+
+
+async def test_lifecycle_curve_token_ids_only_plugin_check_and_draining(tmp_path: Path) -> None:
+    spec_path = install_speculative_spec(tmp_path / "site", "test-spec")
+    public, secret = zmq.curve_keypair()
+    s = start_stack(
+        None, list(range(10, 30)), extra_sys_path=spec_path, curve_server_keys=(public, secret)
+    )
+    try:
+        await s.status("frontdoor")
+        # Not ready: no client socket at all, so health() times out.
+        with Client(s.client_endpoint, curve_server_key=public) as early, pytest.raises(Timeout):
+            await call(early.health, timeout=0.5)
+        assert not os.path.exists(s.client_endpoint.removeprefix("ipc://"))
+
+        await s.daemon.start_serving(model_facts(None, 100, speculative_algorithm="test-spec"))
+        assert (await s.status("frontdoor")).state == "serving"
+        plaintext = s.raw()  # not CURVE: never gets through the handshake
+        with pytest.raises(asyncio.TimeoutError):
+            await plaintext.send(HealthQuery("plain"))
+            await plaintext.recv(timeout=0.3)
+        plaintext.close()
+        with Client(s.client_endpoint, timeout=5.0, curve_server_key=public) as c:
+            health = await call(c.health)
+            assert (health.status, health.boot_id, health.version) == (
+                "serving",
+                "boot-test",
+                "0.1.0-test",
+            )
+            for kwargs, field in (
+                ({"prompt": "hi"}, "prompt"),
+                ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+                ({"input_ids": [1], "stop": ["x"]}, "stop"),
+            ):
+                with pytest.raises(RequestError) as err:
+                    await call(c.generate, **kwargs, max_new_tokens=2)
+                assert err.value.code == "unsupported" and field in err.value.message
+            with pytest.raises(RequestError) as err:
+                await call(c.generate, input_ids=[5, 6], logprobs=2, max_new_tokens=2)
+            assert err.value.code == "unsupported"
+            assert err.value.message == "test-spec cannot return logprobs"
+
+            result = await call(c.generate, input_ids=[5, 6], max_new_tokens=4)
+            assert (result.output_ids, result.text) == ([10, 11, 12, 13], "")
+            last = c.stream(input_ids=[5], request_id="last")  # held until the very end
+            rid = (await s.daemon.request("last")).rid
+
+            await s.daemon.send_control(StateChange("draining"))
+            while (await call(c.health)).status != "draining":
+                await asyncio.sleep(0.02)
+            with pytest.raises(RequestError) as err:
+                await call(c.generate, input_ids=[5], max_new_tokens=2)
+            assert err.value.code == "shutting_down"
+
+            # The daemon's last final, then it stops the children at once (detokenizer
+            # first): the final still reaches the client.
+            await s.daemon.send(RequestUpdate(rid, [7, 8], finish=finish("abort")))
+            assert await s.stop() == {"detokenizer": 0, "frontdoor": 0}
+            chunks, result = await call(drain, last)
+            assert (result.output_ids, result.finish_reason) == ([7, 8], "abort")
+            assert [t for chunk in chunks for t in chunk.token_ids] == [7, 8]
+    finally:
+        await s.stop()
+
+
+def _validation_cases(vocab: int) -> list[tuple[str, Any, str, str]]:
+    """(case id, request body or raw frame, code, text the message must contain)."""
+    ok: dict[str, Any] = {"type": "generate", "request_id": "v", "input_ids": [5]}
+    cases: list[tuple[str, Any, str, str]] = [
+        ("garbage body", b"\x11\xc1", "malformed", "undecodable"),
+        ("unknown frame kind", b"\x71\x80", "malformed", "frame kind"),
+        ("other version", b"\x12" + b"\x81\xaarequest_id\xa1v", "unsupported_version", "version"),
+        ("unknown type", {**ok, "type": "bogus"}, "invalid_request", "type"),
+        ("empty request_id", {**ok, "request_id": ""}, "invalid_request", "request_id"),
+        ("no prompt", {"type": "generate", "request_id": "v"}, "invalid_request", "exactly one"),
+        ("two prompts", {**ok, "prompt": "hi"}, "invalid_request", "prompt and input_ids"),
+        ("empty input_ids", {**ok, "input_ids": []}, "invalid_request", "input_ids is empty"),
+        ("id >= vocab", {**ok, "input_ids": [5, vocab]}, "invalid_request", "input_ids[1]"),
+        ("negative id", {**ok, "input_ids": [-1]}, "invalid_request", "input_ids"),
+        ("too long", {**ok, "input_ids": [5] * CONTEXT_LENGTH}, "prompt_too_long", "input_ids"),
+        (
+            "long prompt",
+            {**ok, "input_ids": None, "prompt": "fox " * 80},
+            "prompt_too_long",
+            "prompt",
+        ),
+        (
+            "empty messages",
+            {**ok, "input_ids": None, "messages": []},
+            "invalid_request",
+            "messages",
+        ),
+        (
+            "template error",
+            {**ok, "input_ids": None, "messages": [{"role": "robot", "content": "x"}]},
+            "invalid_request",
+            "messages: chat template failed: TemplateError: unknown role robot",
+        ),
+        ("tiny temperature", {**ok, "temperature": 1e-7}, "invalid_request", "temperature"),
+        ("hot temperature", {**ok, "temperature": 100.5}, "invalid_request", "temperature"),
+        ("nan temperature", {**ok, "temperature": float("nan")}, "invalid_request", "temperature"),
+        ("inf temperature", {**ok, "temperature": float("inf")}, "invalid_request", "temperature"),
+        ("zero top_p", {**ok, "top_p": 0.0}, "invalid_request", "top_p"),
+        ("big top_p", {**ok, "top_p": 1.01}, "invalid_request", "top_p"),
+        ("nan top_p", {**ok, "top_p": float("nan")}, "invalid_request", "top_p"),
+        ("top_k > vocab", {**ok, "top_k": vocab + 1}, "invalid_request", "top_k"),
+        ("negative top_k", {**ok, "top_k": -1}, "invalid_request", "top_k"),
+        ("logprobs > 20", {**ok, "logprobs": 21}, "invalid_request", "logprobs"),
+        ("seed 2**63", {**ok, "seed": 2**63}, "invalid_request", "seed"),
+        ("negative seed", {**ok, "seed": -1}, "invalid_request", "seed"),
+        ("negative max", {**ok, "max_new_tokens": -1}, "invalid_request", "max_new_tokens"),
+        ("17 stops", {**ok, "stop": ["x"] * 17}, "invalid_request", "stop"),
+        ("empty stop", {**ok, "stop": ["a", ""]}, "invalid_request", "stop[1]"),
+        ("long stop", {**ok, "stop": ["x" * 257]}, "invalid_request", "stop[0]"),
+        ("stop id", {**ok, "stop_token_ids": [vocab]}, "invalid_request", "stop_token_ids[0]"),
+    ]
+    return cases
+
+
+_CASE_NAMES = [case[0] for case in _validation_cases(0)]
+
+
+@pytest.mark.parametrize("index", range(len(_CASE_NAMES)), ids=_CASE_NAMES)
+async def test_validation_errors_name_the_field(stack: Stack, vocab_size: int, index: int) -> None:
+    name, body, code, text = _validation_cases(vocab_size)[index]
+    raw = stack.raw()
+    try:
+        reply = await raw.call(body)
+        assert isinstance(reply, Error), name
+        assert reply.code == code, (name, reply)
+        assert text in reply.message, (name, reply.message)
+        if code != "malformed" and name != "empty request_id":
+            assert reply.request_id == "v"  # still named, even when the body is refused
+        # The same client is still served.
+        assert isinstance(await raw.call(HealthQuery("h")), Health)
+    finally:
+        raw.close()
+
+
+async def test_extra_frames_are_malformed(stack: Stack) -> None:
+    raw = stack.raw()
+    try:
+        await raw.sock.send_multipart([b"\x11\x80", b"buffer"])
+        reply = await raw.recv()
+        assert isinstance(reply, Error) and reply.code == "malformed"
+    finally:
+        raw.close()
+
+
+async def test_tokenization_seed_and_chat_template(
+    stack: Stack, client: Client, tokenizer: Tokenizer
+) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    await call(client.generate, messages=messages, max_new_tokens=1, request_id="chat")
+    chat = await stack.daemon.request("chat")
+    assert chat.input_ids == tokenizer.apply_chat_template(messages)
+    assert 0 <= chat.sampling.seed < 2**63
+
+    await call(client.generate, "hello world", max_new_tokens=1, seed=7, request_id="plain")
+    plain = await stack.daemon.request("plain")
+    assert plain.input_ids == tokenizer.encode_prompt("hello world")
+    assert plain.input_ids[0] == tokenizer.backend.token_to_id("<s>")  # the default BOS
+    assert plain.sampling.seed == 7
+
+
+async def test_max_new_tokens_zero_is_answered_without_the_daemon(
+    stack: Stack, client: Client
+) -> None:
+    result = await call(client.generate, input_ids=[5, 6, 7], max_new_tokens=0, request_id="zero")
+    assert (result.finish_reason, result.output_ids, result.text) == ("length", [], "")
+    assert result.usage.prompt_tokens == 3
+    assert "zero" not in stack.daemon.requests
+
+
+async def test_stream_chunks_concatenate_to_the_final(
+    stack: Stack, client: Client, tokenizer: Tokenizer
+) -> None:
+    chunks, result = await call(drain, client.stream(input_ids=[5], max_new_tokens=13, logprobs=1))
+    assert len(chunks) == 5  # 3 + 3 + 3 + 3 + 1 tokens
+    assert [t for c in chunks for t in c.token_ids] == result.output_ids
+    assert "".join(c.text for c in chunks) == result.text
+    assert [lp for c in chunks for lp in c.logprobs or []] == result.logprobs
+    assert result.output_ids == stack.daemon.reply_ids[:13]
+    assert result.text == tokenizer.backend.decode(result.output_ids)
+    assert REPLY_TEXT.startswith(result.text)
+
+
+async def test_stop_string_cuts_the_text(
+    stack: Stack, client: Client, tokenizer: Tokenizer
+) -> None:
+    ids = stack.daemon.reply_ids
+    decoder = tokenizer.decoder()
+    n = next(i + 1 for i, t in enumerate(ids) if "fox" in decoder.text + decoder.step(t))
+    cut = decoder.text.index("fox")
+    stream = client.stream(input_ids=[5], stop=["fox"], request_id="stop")
+    rid = (await stack.daemon.request("stop")).rid
+    # The daemon streams only tokens that cannot begin "fox"; the final update carries the
+    # rest of the tokens and the cut.
+    await stack.daemon.send(RequestUpdate(rid, ids[:2]))
+    await stack.daemon.send(RequestUpdate(rid, ids[2:n], finish=finish("stop", cut, "fox")))
+    chunks, result = await call(drain, stream)
+    assert result.text == REPLY_TEXT[:cut] == "".join(c.text for c in chunks)
+    assert result.output_ids == ids[:n] == [t for c in chunks for t in c.token_ids]
+    assert (result.finish_reason, result.matched_stop) == ("stop", "fox")
+
+    task = asyncio.ensure_future(
+        call(client.generate, input_ids=[5], stop=["fox"], request_id="st2")
+    )
+    rid = (await stack.daemon.request("st2")).rid
+    await stack.daemon.send(RequestUpdate(rid, ids[:n], finish=finish("stop", cut, "fox")))
+    assert (await task).text == REPLY_TEXT[:cut]
+
+
+async def test_error_update_becomes_an_error_frame(stack: Stack, client: Client) -> None:
+    task = asyncio.ensure_future(call(client.generate, input_ids=[5], request_id="boom"))
+    rid = (await stack.daemon.request("boom")).rid
+    await stack.daemon.send(RequestUpdate(rid, [], error=ErrorInfo("internal", "kaboom")))
+    with pytest.raises(RequestError) as err:
+        await task
+    assert (err.value.code, err.value.message) == ("internal", "kaboom")
+
+
+async def test_duplicate_ids_abort_ack_and_unknown(stack: Stack, client: Client) -> None:
+    stream = client.stream(input_ids=[5], request_id="dup")
+    rid = (await stack.daemon.request("dup")).rid
+    with Client(stack.client_endpoint, timeout=5.0) as other:
+        with pytest.raises(RequestError) as err:
+            await call(other.generate, input_ids=[5], request_id="dup")
+        assert err.value.code == "duplicate_request_id" and "dup" in err.value.message
+        with pytest.raises(RequestError) as err:  # only its owner may abort a request
+            await call(other.abort, "dup")
+        assert err.value.code == "unknown_request"
+    await call(client.abort, "dup")
+    chunks, result = await call(drain, stream)
+    assert (chunks, result.finish_reason) == ([], "abort")
+    assert [a.rid for a in stack.daemon.aborts if a.rid == rid] == [rid]
+    with pytest.raises(RequestError) as err:
+        await call(client.abort, "dup")
+    assert err.value.code == "unknown_request" and "target_id" in err.value.message
+
+
+async def test_client_disconnect_aborts_its_requests(stack: Stack) -> None:
+    raw = stack.raw()
+    for rid in ("gone-1", "gone-2"):
+        await raw.send(Generate(rid, input_ids=[5], stream=True))
+    rids = {(await stack.daemon.request(r)).rid for r in ("gone-1", "gone-2")}
+    raw.close()
+    await until(lambda: rids <= {a.rid for a in stack.daemon.aborts})
+    assert {a.reason for a in stack.daemon.aborts if a.rid in rids} == {"client disconnected"}
+
+    # Sent, then gone before the front door read it: never run, or aborted.
+    hasty = stack.raw()
+    await hasty.send(Generate("hasty", input_ids=[5]))
+    hasty.sock.close(linger=1000)  # the request does leave
+    await asyncio.sleep(0.3)
+    hasty_req = stack.daemon.requests.get("hasty")
+    assert hasty_req is None or hasty_req.rid in {a.rid for a in stack.daemon.aborts}
+
+
+async def test_slow_consumer_is_cut_off(stack: Stack) -> None:
+    raw = stack.raw(rcvhwm=1)  # and it never reads
+    await raw.send(Generate("slow", input_ids=[5], stream=True))
+    rid = (await stack.daemon.request("slow")).rid
+    ids = stack.daemon.reply_ids
+    for _ in range(400):  # far more than the socket buffers hold
+        await stack.daemon.send(RequestUpdate(rid, ids * 4))
+    await until(lambda: rid in {a.rid for a in stack.daemon.aborts}, 10)
+    assert [a.reason for a in stack.daemon.aborts if a.rid == rid] == ["slow consumer"]
+    raw.close()
+
+
+async def test_inflight_limits_answer_overloaded(stack: Stack) -> None:
+    a, b = stack.raw(), stack.raw()
+    try:
+        for i in range(60):
+            await a.send(Generate(f"lim-a{i}", input_ids=[5]))
+        reply = await a.call(Generate("lim-a60", input_ids=[5]))
+        assert isinstance(reply, Error) and reply.code == "overloaded"
+        assert "per-client" in reply.message
+        await until(lambda: all(f"lim-a{i}" in stack.daemon.requests for i in range(60)))
+        for i in range(40):
+            await b.send(Generate(f"lim-b{i}", input_ids=[5]))
+        reply = await b.call(Generate("lim-b40", input_ids=[5]))
+        assert isinstance(reply, Error) and reply.code == "overloaded"
+        assert "global" in reply.message
+    finally:
+        a.close()
+        b.close()
+    await until(lambda: stack.daemon.held == set())
+
+
+async def test_fifty_concurrent_requests_get_exactly_one_final(stack: Stack) -> None:
+    raw = stack.raw()
+    ids = [f"c{i}" for i in range(50)]
+    expected: dict[str, str] = {}
+    for i, request_id in enumerate(ids):
+        body: dict[str, Any] = {"input_ids": [5, 6], "stream": i % 2 == 0}
+        if i % 10 == 3:
+            body["top_p"] = 0.0  # rejected: an Error final
+            expected[request_id] = "error"
+        elif i % 10 == 7:
+            body["max_new_tokens"] = 0
+            expected[request_id] = "length"
+        elif i % 10 == 9:
+            expected[request_id] = "abort"  # held, then aborted
+        else:
+            body["max_new_tokens"] = 1 + i % 8
+            expected[request_id] = "length"
+        await raw.send({"type": "generate", "request_id": request_id, **body})
+    held = [r for r in ids if expected[r] == "abort"]
+    await until(lambda: all(r in stack.daemon.requests for r in held))
+    for request_id in held:
+        await raw.send(Abort(f"abort-{request_id}", request_id))
+
+    finals: Counter[str] = Counter()
+    seen_after_final: list[Any] = []
+    outcome: dict[str, str] = {}
+    while len(finals) < len(ids):
+        reply = await raw.recv()
+        if isinstance(reply, Ack):
+            continue
+        if reply.request_id in finals:
+            seen_after_final.append(reply)
+        if is_final(reply):
+            finals[reply.request_id] += 1
+            outcome[reply.request_id] = (
+                reply.finish_reason if isinstance(reply, Finished) else "error"
+            )
+        else:
+            assert isinstance(reply, Chunk)
+    # Stale updates for finished rids are dropped, and nothing else trails a final.
+    done = [stack.daemon.requests[r].rid for r in ids if r in stack.daemon.requests]
+    await stack.daemon.send(*(RequestUpdate(rid, [7], finish=finish("stop")) for rid in done))
+    with pytest.raises(asyncio.TimeoutError):
+        extra = await raw.recv(timeout=0.3)
+        seen_after_final.append(extra)
+    raw.close()
+    assert seen_after_final == []
+    assert set(finals.values()) == {1}
+    assert outcome == expected
+
+
+async def test_server_info_counts_every_finished_request(stack: Stack, client: Client) -> None:
+    before = (await call(client.server_info)).requests_finished
+    for max_new_tokens in (2, 2, 2, 0):  # the last one is answered by the front door alone
+        await call(client.generate, input_ids=[5], max_new_tokens=max_new_tokens)
+    stream = client.stream(input_ids=[5], request_id="info-abort")
+    await stack.daemon.request("info-abort")
+    await call(client.abort, "info-abort")
+    assert (await call(drain, stream))[1].finish_reason == "abort"
+    vanishing = stack.raw()  # its request is aborted by the daemon when it goes
+    await vanishing.send(Generate("info-vanish", input_ids=[5]))
+    rid = (await stack.daemon.request("info-vanish")).rid
+    vanishing.close()
+    await until(lambda: rid in {a.rid for a in stack.daemon.aborts})
+    info = await call(client.server_info)
+    after = info.requests_finished
+    assert after["length"] - before["length"] == 4
+    assert after["abort"] - before["abort"] == 2
+    assert after["stop"] == before["stop"]
+    assert (info.boot_id, info.model, info.running, info.waiting) == (
+        "boot-test",
+        "tiny-test",
+        3,
+        1,
+    )
+    assert (info.configuration, info.plugins) == ({"page_size": 16}, {"attention": "torch"})
+
+
+async def test_health_is_serving_with_fresh_heartbeats(client: Client) -> None:
+    health = await call(client.health)
+    assert (health.status, health.boot_id, health.protocol_version) == ("serving", "boot-test", 1)
