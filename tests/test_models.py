@@ -24,7 +24,7 @@ from outrider.daemon.models.loader import (
 )
 from outrider.plugins.attention.base import AttentionShape
 
-REFERENCE = Path("/work/shared/reference/configs")
+REFERENCE = Path(__file__).parent / "fixtures" / "configs"
 KINDS = ("llama", "qwen2", "qwen3")
 PROMPT_LENS = (5, 12, 19)
 SLOTS = (3, 0, 5)
