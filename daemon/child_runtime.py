@@ -128,15 +128,13 @@ class ChildTasks:
 
     async def run(
         self,
-        ctx: zmq.asyncio.Context,
         *,
         parent_gone: Callable[[], None] = lambda: None,
         flushed: Callable[[], bool] = lambda: True,
     ) -> None:
         """Wait until the parent closes the pipe or a task fails. After the parent is gone,
         call ``parent_gone`` and keep running until the inputs are quiet and ``flushed()``
-        (bounded); then cancel the tasks and close every socket of ``ctx``. Re-raises the
-        failure of a task that failed."""
+        (bounded); then cancel the tasks. Re-raises the failure of a task that failed."""
         self._parent.watch(self._stop.set)
         try:
             await self._stop.wait()
@@ -148,7 +146,6 @@ class ChildTasks:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            ctx.destroy(linger=EXIT_LINGER_MS)
         if self._failure is not None:
             raise self._failure
 
@@ -167,10 +164,20 @@ class ChildTasks:
             self._stop.set()
 
 
-def run_child(main: Coroutine[Any, Any, None]) -> None:
-    """Run a child's main coroutine on uvloop; any escaping error exits non-zero."""
+def run_child(main: Callable[[zmq.asyncio.Context], Coroutine[Any, Any, None]]) -> None:
+    """Run ``main(ctx)`` on uvloop; any escaping error exits non-zero. Every socket of
+    ``ctx`` is closed when ``main`` ends, however it ends: an open socket would make the
+    context's termination at exit wait forever."""
+
+    async def body() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            await main(ctx)
+        finally:
+            ctx.destroy(linger=EXIT_LINGER_MS)
+
     try:
-        uvloop.run(main)
+        uvloop.run(body())
     except Exception:
         logging.getLogger("outrider").exception("child failed")
         sys.exit(1)

@@ -44,21 +44,20 @@ class DetokenizerConfig:
 def run_detokenizer(cfg: DetokenizerConfig, parent_conn: Connection) -> None:
     """Entry point of the detokenizer process (``multiprocessing`` spawn target)."""
     child_setup("detokenizer", cfg.log_level)
-    run_child(_main(cfg, parent_conn))
+    run_child(lambda ctx: _main(cfg, parent_conn, ctx))
 
 
-async def _main(cfg: DetokenizerConfig, parent_conn: Connection) -> None:
+async def _main(cfg: DetokenizerConfig, parent_conn: Connection, ctx: zmq.asyncio.Context) -> None:
     parent = ParentPipe(parent_conn, "detokenizer")
     tokenizer = load_tokenizer(cfg.tokenizer_dir) if cfg.tokenizer_dir else None
     texts = OutputTexts(tokenizer) if tokenizer is not None else None
-    ctx = zmq.asyncio.Context()
     inputs = internal_receiver(ctx, cfg.inputs_endpoint)
     outputs = internal_sender(ctx, cfg.frontdoor_endpoint)
     tasks = ChildTasks(parent)
     tasks.spawn(_forward(inputs, outputs, texts, tasks))
     parent.report("started")
     log.info("detokenizer started (%s)", "text" if texts is not None else "token ids only")
-    await tasks.run(ctx)
+    await tasks.run()
 
 
 async def _forward(

@@ -106,18 +106,14 @@ class FrontDoorConfig:
 def run_frontdoor(cfg: FrontDoorConfig, parent_conn: Connection) -> None:
     """Entry point of the front door process (``multiprocessing`` spawn target)."""
     child_setup("frontdoor", cfg.log_level)
-    run_child(_main(cfg, parent_conn))
-
-
-async def _main(cfg: FrontDoorConfig, parent_conn: Connection) -> None:
-    await FrontDoor(cfg, ParentPipe(parent_conn, "frontdoor")).run()
+    run_child(lambda ctx: FrontDoor(cfg, ParentPipe(parent_conn, "frontdoor"), ctx).run())
 
 
 class FrontDoor:
-    def __init__(self, cfg: FrontDoorConfig, parent: ParentPipe) -> None:
+    def __init__(self, cfg: FrontDoorConfig, parent: ParentPipe, ctx: zmq.asyncio.Context) -> None:
         self.cfg = cfg
         self._parent = parent
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = ctx
         self._to_daemon = internal_sender(self._ctx, cfg.daemon_endpoint)
         self._outputs = internal_receiver(self._ctx, cfg.outputs_endpoint)
         self._control = internal_receiver(self._ctx, cfg.control_endpoint)
@@ -143,9 +139,7 @@ class FrontDoor:
         self._tasks.spawn(self._outputs_loop())
         self._parent.report("started")
         log.info("front door started; waiting for the model")
-        await self._tasks.run(
-            self._ctx, parent_gone=self._parent_gone, flushed=self._replies_delivered
-        )
+        await self._tasks.run(parent_gone=self._parent_gone, flushed=self._replies_delivered)
 
     def _parent_gone(self) -> None:
         # No daemon to run new requests: refuse them while the last replies go out.

@@ -41,6 +41,7 @@ from outrider.daemon.internal import (
     Outputs,
     RequestUpdate,
     StateChange,
+    ToDaemon,
     TokenizedRequest,
     child_status_codec,
     control_codec,
@@ -254,8 +255,8 @@ class DaemonSockets:
         self._inbox = ctx.socket(zmq.PULL)
         self._inbox.bind(inbox)
         # A synchronous view of the same socket for non-blocking draining.
-        self._inbox_sync = zmq.Socket.shadow(self._inbox.underlying)
-        sync_ctx = zmq.Context.shadow(ctx.underlying)
+        self._inbox_sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._inbox.underlying)
+        sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
         self._outputs = sync_ctx.socket(zmq.PUSH)
         self._outputs.connect(outputs)
         self._control = sync_ctx.socket(zmq.PUSH)
@@ -268,8 +269,8 @@ class DaemonSockets:
         self._outputs_codec = outputs_codec()
         self._control_codec = control_codec()
 
-    def receive(self) -> list[TokenizedRequest | AbortRid | InfoQuery]:
-        messages = []
+    def receive(self) -> list[ToDaemon]:
+        messages: list[ToDaemon] = []
         while True:
             try:
                 frame = self._inbox_sync.recv(zmq.NOBLOCK, copy=True)

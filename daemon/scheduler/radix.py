@@ -43,6 +43,7 @@ class PrefixCache:
         self.refcount = [0] * num_pages
         self.root = Node(key=(), page=-1, parent=None)
         self.nodes: dict[int, Node] = {}  # page -> node, for cached pages
+        self.evictable = 0  # cached pages with refcount 0
         self._clock = 0
         self.queries = 0
         self.hits = 0
@@ -55,8 +56,7 @@ class PrefixCache:
 
     def available(self) -> int:
         """Pages obtainable now: free plus evictable cached ones."""
-        evictable = sum(1 for page in self.nodes if self.refcount[page] == 0)
-        return len(self.free) + evictable
+        return len(self.free) + self.evictable
 
     def used_pages(self) -> int:
         """Pages some request holds (evictable cached pages count as available)."""
@@ -78,8 +78,11 @@ class PrefixCache:
         for page in pages:
             assert self.refcount[page] > 0, f"page {page} released twice"
             self.refcount[page] -= 1
-            if self.refcount[page] == 0 and page not in self.nodes:
-                self.free.append(page)
+            if self.refcount[page] == 0:
+                if page in self.nodes:
+                    self.evictable += 1
+                else:
+                    self.free.append(page)
 
     def _evict(self, want: int) -> None:
         leaves = [n for n in self.nodes.values() if not n.children and self.refcount[n.page] == 0]
@@ -92,6 +95,7 @@ class PrefixCache:
             del parent.children[node.key]
             del self.nodes[node.page]
             self.free.append(node.page)
+            self.evictable -= 1
             evicted += 1
             if parent is not self.root and not parent.children and self.refcount[parent.page] == 0:
                 # NOTE: keep LRU order: the parent is at most as recent as its child.
@@ -120,6 +124,8 @@ class PrefixCache:
             pages.append(child.page)
             node = child
         for page in pages:
+            if self.refcount[page] == 0:
+                self.evictable -= 1
             self.refcount[page] += 1
         if pages:
             self.hits += 1
@@ -171,6 +177,8 @@ class PrefixCache:
                 assert self.refcount[page] == want, (
                     f"cached page {page}: refcount {self.refcount[page]}, {want} holders"
                 )
+        idle = sum(1 for page in self.nodes if self.refcount[page] == 0)
+        assert idle == self.evictable, f"{idle} evictable pages, counted {self.evictable}"
         for page, node in self.nodes.items():
             assert node.page == page and node.parent is not None
             assert node.parent.children.get(node.key) is node, f"page {page} detached"

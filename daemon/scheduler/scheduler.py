@@ -152,6 +152,7 @@ class Scheduler:
                 sample_positions.append(req.planned_outputs)
                 req.planned_outputs += 1
         requests = [req for req, _ in rows]
+        sampled = [requests[i] for i in sample_rows]
         plan = StepPlan(
             kind="extend",
             slots=[r.slot for r in requests],
@@ -163,7 +164,8 @@ class Scheduler:
             page_writes=page_writes,
             page_values=page_values,
             slot_params=admitted,
-            **self._sampling_flags([requests[i] for i in sample_rows]),
+            max_logprobs=self._max_logprobs(sampled),
+            all_greedy=self._all_greedy(sampled),
         )
         return Planned(plan, requests)
 
@@ -226,7 +228,8 @@ class Scheduler:
             page_writes=page_writes,
             page_values=page_values,
             slot_params=[],
-            **self._sampling_flags(rows),
+            max_logprobs=self._max_logprobs(rows),
+            all_greedy=self._all_greedy(rows),
         )
         return Planned(plan, rows)
 
@@ -268,11 +271,12 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     @staticmethod
-    def _sampling_flags(requests: list[Request]) -> dict[str, object]:
-        return {
-            "max_logprobs": max((r.sampling.logprobs for r in requests), default=0),
-            "all_greedy": all(r.sampling.temperature == 0.0 for r in requests),
-        }
+    def _max_logprobs(requests: list[Request]) -> int:
+        return max((r.sampling.logprobs for r in requests), default=0)
+
+    @staticmethod
+    def _all_greedy(requests: list[Request]) -> bool:
+        return all(r.sampling.temperature == 0.0 for r in requests)
 
     # --- results -------------------------------------------------------------------------
 

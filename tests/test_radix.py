@@ -1,0 +1,71 @@
+"""Page states of the prefix cache: allocation, publication, matching, eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from outrider.daemon.scheduler.radix import OutOfPages, PrefixCache
+
+
+def _check(cache: PrefixCache, private: dict[int, int], cached: dict[int, int]) -> None:
+    cache.check(private, cached)
+
+
+def test_publish_match_and_release() -> None:
+    cache = PrefixCache(num_pages=9, page_size=2)
+    pages = cache.allocate(3)
+    assert sorted(pages) == [1, 2, 3] and cache.available() == 5
+    tokens = [10, 11, 12, 13, 14]  # two whole pages and a partial one
+    rest = cache.insert(tokens, pages)
+    assert rest == pages[2:]
+    cache.release(rest)
+    _check(cache, {}, {})
+    assert cache.available() == 8 and cache.used_pages() == 0
+
+    hit = cache.match([10, 11, 12, 13, 99])
+    assert hit == pages[:2]
+    assert cache.used_pages() == 2 and cache.hits == 1 and cache.queries == 1
+    _check(cache, {}, {pages[0]: 1, pages[1]: 1})
+    # The hit never covers the last prompt token: 4 tokens match one page, not two.
+    assert cache.match([10, 11, 12, 13]) == pages[:1]
+    cache.release(hit)
+    cache.release(pages[:1])
+    _check(cache, {}, {})
+
+
+def test_duplicate_publication_frees_the_copy() -> None:
+    cache = PrefixCache(num_pages=6, page_size=2)
+    first, second = cache.allocate(1), cache.allocate(1)
+    cache.insert([1, 2], first)
+    cache.insert([1, 2], second)
+    assert second[0] in cache.free and first[0] in cache.nodes
+    _check(cache, {}, {})
+
+
+def test_eviction_takes_least_recently_used_leaves_and_spares_held_pages() -> None:
+    cache = PrefixCache(num_pages=5, page_size=1)
+    a = cache.allocate(2)
+    cache.insert([1, 2], a)  # chain 1 -> 2
+    b = cache.allocate(1)
+    cache.insert([7], b)
+    held = cache.match([1, 2, 3])  # holds pages of [1, 2]
+    assert held == a
+    assert cache.available() == 2  # one free page + the evictable [7]
+    got = cache.allocate(2)
+    assert b[0] in got and b[0] not in cache.nodes
+    with pytest.raises(OutOfPages):
+        cache.allocate(1)
+    _check(cache, dict.fromkeys(got, 1), dict.fromkeys(a, 1))
+    cache.release(held)
+    cache.release(got)
+    # Everything is evictable now: the chain goes leaf first, and all four pages come back.
+    everything = cache.allocate(4)
+    assert sorted(everything) == [1, 2, 3, 4] and not cache.nodes
+    _check(cache, dict.fromkeys(everything, 1), {})
+
+
+def test_check_catches_a_leak() -> None:
+    cache = PrefixCache(num_pages=4, page_size=1)
+    cache.allocate(1)
+    with pytest.raises(AssertionError, match="in 0 states"):
+        cache.check({}, {})
