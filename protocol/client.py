@@ -162,9 +162,14 @@ class _Connection:
     ) -> None:
         sock = self._sock
         sock.setsockopt(zmq.LINGER, LINGER_MS)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+        if self.endpoint.startswith("tcp://"):
+            # NOTE: heartbeats only where a peer can vanish silently. libzmq 4.3 aborts the
+            # process when the heartbeat timer fires on a connection whose peer closed while
+            # its receive pipe was full (replies nobody read yet; libzmq issues 3937, 4767).
+            # Over ipc:// the kernel reports a dead peer: heartbeats add nothing there.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
         if curve_server_key is not None:
             public, secret = curve_keypair if curve_keypair is not None else zmq.curve_keypair()
             sock.setsockopt(zmq.CURVE_SERVERKEY, _key_bytes(curve_server_key))

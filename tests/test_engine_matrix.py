@@ -7,15 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CUDA
 from engine_harness import engine_for, request, run
 from model_fixtures import VOCAB, save_tiny_model
+
+from outrider.daemon.engine.plan import StepPlan
+from outrider.daemon.engine.runner import Launched
 
 NEW_TOKENS = 10
 
 
 @pytest.fixture(autouse=True)
-def _kv_check(monkeypatch: pytest.MonkeyPatch) -> None:
+def _debug_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTRIDER_DEBUG_KV_CHECK", "1")
+    if not CUDA:  # the relay check syncs; the CUDA tests run the sync check instead
+        monkeypatch.setenv("OUTRIDER_DEBUG_RELAY_CHECK", "1")
 
 
 def _prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
@@ -183,3 +189,31 @@ def test_cuda_greedy_matches_transformers(
     for i, expected in enumerate(reference.expected):
         assert outcomes[i].token_ids == expected, f"prompt {i}"
         assert len(outcomes[100 + i].token_ids) == NEW_TOKENS
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_failed_step_ends_its_batch_with_internal(reference: Reference, overlap: bool) -> None:
+    engine = engine_for(reference.directory, no_overlap=not overlap)
+    runner = engine.loop.runner
+    launch = runner.launch
+    calls = 0
+
+    def failing_launch(plan: StepPlan) -> Launched:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("injected failure")
+        return launch(plan)
+
+    runner.launch = failing_launch  # type: ignore[method-assign]  # fault injection
+    prompts = reference.prompts
+    first = run(engine, [request(i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(prompts)])
+    # Launch 1 is the EXTEND of all six, launch 2 their first STEP, launch 3 fails.
+    for outcome in first.values():
+        error = outcome.final.error
+        assert error is not None and error.code == "internal"
+        assert "injected failure" in error.message
+    # The daemon goes on: later requests are served, and every page came back.
+    again = run(engine, [request(10, prompts[0], max_new_tokens=NEW_TOKENS)])
+    assert again[10].token_ids == reference.expected[0]
+    assert engine.scheduler.counters().kv_used_tokens == 0

@@ -10,6 +10,7 @@ since allocated at the same address (seen here as spurious disconnects and ENOTS
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 from collections import Counter
@@ -32,6 +33,7 @@ from frontdoor_harness import (
     until,
 )
 
+from outrider.daemon.frontdoor import FrontDoorConfig, run_frontdoor
 from outrider.daemon.internal import ErrorInfo, RequestUpdate, StateChange
 from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
 from outrider.protocol import (
@@ -194,6 +196,25 @@ async def test_lifecycle_curve_token_ids_only_plugin_check_and_draining(tmp_path
             assert [t for chunk in chunks for t in chunk.token_ids] == [7, 8]
     finally:
         await s.stop()
+
+
+async def test_a_child_that_cannot_start_exits_non_zero(tmp_path: Path) -> None:
+    cfg = FrontDoorConfig(
+        client_endpoint=f"ipc://{tmp_path}/client.sock",
+        daemon_endpoint=f"ipc://{tmp_path}/to-daemon.sock",
+        outputs_endpoint=f"ipc://{tmp_path}/missing-directory/outputs.sock",  # cannot bind
+        control_endpoint=f"ipc://{tmp_path}/control.sock",
+        boot_id="b",
+        version="v",
+    )
+    spawn = multiprocessing.get_context("spawn")
+    parent_end, child_end = spawn.Pipe()
+    proc = spawn.Process(target=run_frontdoor, args=(cfg, child_end), daemon=True)
+    proc.start()
+    child_end.close()
+    await asyncio.to_thread(proc.join, 20)
+    parent_end.close()
+    assert proc.exitcode == 1
 
 
 def _validation_cases(vocab: int) -> list[tuple[str, Any, str, str]]:

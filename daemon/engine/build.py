@@ -140,6 +140,8 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     # the sync check starts after it.
     _warm_up(loop)
     runner.enable_sync_check(bool(debug_knob("OUTRIDER_DEBUG_SYNC_CHECK")))
+    if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
+        runner.enable_relay_check()
     loop.scheduler = new_scheduler()  # forget the warm-up's cache entries and counters
     facts = ModelFacts(
         model=config.model,

@@ -37,6 +37,8 @@ class StepPlan(Struct, array_like=True, frozen=True):
     slot_params: list[SlotParams]
     max_logprobs: int
     all_greedy: bool
+    # Slots released since the previous plan (debug: their relay rows are poisoned).
+    released_slots: list[int] = []
 
     @property
     def bs(self) -> int:

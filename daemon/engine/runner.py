@@ -77,6 +77,7 @@ _INPUTS: dict[str, tuple[torch.dtype, str]] = {
     "admit_top_p": (torch.float32, "row"),
     "admit_top_k": (torch.int64, "row"),
     "admit_seed": (torch.int64, "row"),
+    "released_slots": (torch.int64, "row"),
     "page_writes": (torch.int64, "page"),
     "page_values": (torch.int32, "page"),
 }
@@ -93,6 +94,9 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.sync_check = False
+        # Debug: released slots' relay rows are poisoned (-1) and every STEP asserts (with a
+        # host sync) that it reads only rows rewritten since.
+        self.relay_check = False
         self.kv = kv
         self.backends = backends
         self.limits = limits
@@ -144,6 +148,11 @@ class ModelRunner:
         """Debug: make any host synchronisation inside ``launch`` raise (CUDA only)."""
         self.sync_check = on and self.device.type == "cuda"
 
+    def enable_relay_check(self) -> None:
+        """Debug: poison every relay row now (all slots must be free) and on each release."""
+        self.relay_check = True
+        self.relay_tokens.fill_(-1)
+
     # --- the step ------------------------------------------------------------------------
 
     def launch(self, plan: StepPlan) -> Launched:
@@ -165,6 +174,8 @@ class ModelRunner:
         if plan.kind == "step":
             # input_ids: [bs] from the relay (the CPU does not know them yet)
             torch.index_select(self.relay_tokens, 0, inp["slots"], out=inp["input_ids"])
+            if self.relay_check and not bool((inp["input_ids"] >= 0).all()):
+                raise AssertionError("a STEP read a relay row that was not rewritten")
         ps = self.kv.page_size
         page_idx = torch.div(inp["positions"], ps, rounding_mode="floor")
         out_loc = self.page_table[inp["token_slots"], page_idx].to(torch.int64) * ps + (
@@ -266,6 +277,7 @@ class ModelRunner:
             "admit_top_p": [p.top_p for p in admitted],
             "admit_top_k": [p.top_k for p in admitted],
             "admit_seed": [p.seed for p in admitted],
+            "released_slots": plan.released_slots if self.relay_check else [],
             "page_writes": plan.page_writes,
             "page_values": plan.page_values,
         }
@@ -281,7 +293,9 @@ class ModelRunner:
         return lengths
 
     def _apply_admissions(self, inp: dict[str, torch.Tensor]) -> None:
-        """Request-table writes and the sampling parameters of newly admitted slots."""
+        """Relay poisoning (debug), request-table writes and the sampling parameters of newly
+        admitted slots; released slots are poisoned before an admission may reuse them."""
+        self.relay_tokens.index_fill_(0, inp["released_slots"], -1)
         self.page_table.view(-1).index_copy_(0, inp["page_writes"], inp["page_values"])
         slots = inp["admit_slots"]
         self.slot_temperature.index_copy_(0, slots, inp["admit_temperature"])

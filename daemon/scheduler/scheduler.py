@@ -70,6 +70,7 @@ class Scheduler:
         self.finished_by_reason: dict[str, int] = {}
         self._plans = 0
         self._pending: list[RequestUpdate] = []
+        self._released_slots: list[int] = []
 
     # --- intake --------------------------------------------------------------------------
 
@@ -166,6 +167,7 @@ class Scheduler:
             slot_params=admitted,
             max_logprobs=self._max_logprobs(sampled),
             all_greedy=self._all_greedy(sampled),
+            released_slots=self._take_released_slots(),
         )
         return Planned(plan, requests)
 
@@ -230,8 +232,13 @@ class Scheduler:
             slot_params=[],
             max_logprobs=self._max_logprobs(rows),
             all_greedy=self._all_greedy(rows),
+            released_slots=self._take_released_slots(),
         )
         return Planned(plan, rows)
+
+    def _take_released_slots(self) -> list[int]:
+        released, self._released_slots = self._released_slots, []
+        return released
 
     def _planned_to_end(self, req: Request) -> bool:
         """Launched steps already produce this request's last possible token."""
@@ -354,6 +361,7 @@ class Scheduler:
             pages = self.cache.insert(known[: min(req.committed_len, len(known))], pages)
         self.cache.release(pages)
         self.free_slots.append(req.slot)
+        self._released_slots.append(req.slot)
         self.running.remove(req)
         req.slot, req.pages, req.num_cached_pages = -1, [], 0
         req.committed_len = req.extend_end = 0
