@@ -11,6 +11,7 @@ children (detokenizer first, so every final frame reaches the front door), exit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -322,6 +323,14 @@ def _curve_keys(config: ServeConfig) -> tuple[bytes, bytes] | None:
     return public, secret
 
 
+class _StopWhileStarting(Exception):
+    """SIGTERM or SIGINT arrived before the event loop took the signals over."""
+
+
+def _stop_while_starting(signum: int, _frame: object) -> None:
+    raise _StopWhileStarting(signal.Signals(signum).name)
+
+
 def serve(config: ServeConfig) -> int:
     """Run the daemon until SIGTERM; returns the exit code."""
     notifier = Notifier()
@@ -332,8 +341,42 @@ def serve(config: ServeConfig) -> int:
     )
     if problem is not None:
         raise ConfigError(problem)
-    lock = lock_client_endpoint(endpoint)
-    runtime = RuntimeDir()
+    # NOTE: callbacks run last-registered first: sockets flush to the still running
+    # children, then the children stop, then the runtime directory and the lock go.
+    with contextlib.ExitStack() as cleanup:
+        lock = lock_client_endpoint(endpoint)
+        if lock is not None:
+            cleanup.callback(lock.release)
+        runtime = RuntimeDir()
+        cleanup.callback(runtime.cleanup)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop_while_starting)
+        try:
+            return _serve(config, notifier, endpoint, runtime, cleanup)
+        except _StopWhileStarting as exc:
+            log.info("%s while starting: stopping", exc)
+            notifier.stopping()
+            return 0
+        except StepFailed:
+            log.exception("fatal device error")
+            notifier.watchdog_trigger()
+            return 1
+        except ChildDied as exc:
+            log.error("%s; exiting so that the service is restarted", exc)
+            return 1
+        finally:
+            # Stopping takes a moment (children flush); a second signal must not cut it short.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
+
+
+def _serve(
+    config: ServeConfig,
+    notifier: Notifier,
+    endpoint: str,
+    runtime: RuntimeDir,
+    cleanup: contextlib.ExitStack,
+) -> int:
     pipes = runtime.internal_endpoints()
     boot_id = uuid.uuid4().hex
     notifier.status("starting")
@@ -359,33 +402,20 @@ def serve(config: ServeConfig) -> int:
             log_level=config.log_level,
         ),
     )
+    cleanup.callback(children.stop)
     ctx = zmq.asyncio.Context()
+    cleanup.callback(ctx.term)
     sockets = DaemonSockets(ctx, pipes.to_daemon, pipes.to_detokenizer, pipes.control)
-    try:
-        notifier.status("loading the model")
-        engine = build_engine(config, progress=_load_progress(notifier))
-        sockets.send_control(engine.facts)
-        sockets.send_control(StateChange("ready"))
-        bound = children.wait_status("frontdoor", "serving", timeout=60.0).endpoint
-        notifier.ready(f"serving {config.model} on {bound}")
-        log.info("serving %s on %s (boot %s)", config.model, bound, boot_id)
-        daemon = Daemon(config, engine, children, notifier, sockets)
-        uvloop.run(daemon.run())
-        return 0
-    except StepFailed:
-        log.exception("fatal device error")
-        notifier.watchdog_trigger()
-        return 1
-    except ChildDied as exc:
-        log.error("%s; exiting so that the service is restarted", exc)
-        return 1
-    finally:
-        sockets.close()  # flushes every queued frame to the (still running) children
-        children.stop()
-        ctx.term()
-        runtime.cleanup()
-        if lock is not None:
-            lock.release()
+    cleanup.callback(sockets.close)
+    notifier.status("loading the model")
+    engine = build_engine(config, progress=_load_progress(notifier))
+    sockets.send_control(engine.facts)
+    sockets.send_control(StateChange("ready"))
+    bound = children.wait_status("frontdoor", "serving", timeout=60.0).endpoint
+    notifier.ready(f"serving {config.model} on {bound}")
+    log.info("serving %s on %s (boot %s)", config.model, bound, boot_id)
+    uvloop.run(Daemon(config, engine, children, notifier, sockets).run())
+    return 0
 
 
 def main(config: ServeConfig) -> int:

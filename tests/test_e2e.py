@@ -634,3 +634,20 @@ def test_start_up_refusals(spawn: Callable[..., Daemon]) -> None:
         assert "Traceback" not in log, (name, log)
         # Children spawned before the check were stopped, not orphaned.
         daemon.wait_group_gone()
+
+
+@pytest.mark.e2e
+def test_sigterm_while_loading_stops_cleanly(spawn: Callable[..., Daemon]) -> None:
+    daemon = spawn("early")
+    # The front door logs this once the daemon has spawned it: the daemon is loading now.
+    poll_until(lambda: "waiting for the model" in daemon.log(), 60, "the front door starting")
+    still_loading = "serving" not in daemon.log()
+    daemon.send_signal(signal.SIGTERM)
+    assert daemon.wait_exit(60) == 0, daemon.log()
+    daemon.wait_group_gone()
+    log = daemon.log()
+    assert "Traceback" not in log, log
+    if still_loading:
+        assert "SIGTERM while starting: stopping" in log, log
+    # The private runtime directory of the internal pipes is gone.
+    assert not list(daemon.runtime.glob("outrider-*")), list(daemon.runtime.iterdir())
