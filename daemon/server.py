@@ -13,27 +13,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
 import sys
 import time
 import uuid
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
 
 import uvloop
 import zmq
 import zmq.asyncio
 import zmq.auth
 
+from outrider.daemon.children import ChildDied, Children
 from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
-from outrider.daemon.detokenizer import DetokenizerConfig, run_detokenizer
+from outrider.daemon.detokenizer import DetokenizerConfig
 from outrider.daemon.engine.build import Engine, build_engine
-from outrider.daemon.frontdoor import FrontDoorConfig, run_frontdoor
+from outrider.daemon.frontdoor import FrontDoorConfig
 from outrider.daemon.internal import (
     AbortRid,
-    ChildStatus,
     Control,
     ErrorInfo,
     Heartbeat,
@@ -44,7 +41,6 @@ from outrider.daemon.internal import (
     StateChange,
     ToDaemon,
     TokenizedRequest,
-    child_status_codec,
     control_codec,
     outputs_codec,
     to_daemon_codec,
@@ -69,70 +65,6 @@ VERSION = "0.1.0"
 HEARTBEAT_SECONDS = 1.0
 # While loading, ask systemd for this much more start time before each window ends.
 _LOAD_EXTEND_USEC = 120_000_000
-
-
-class ChildDied(RuntimeError):
-    pass
-
-
-class Children:
-    """The front door and the detokenizer: spawned, watched, stopped in order."""
-
-    def __init__(self, front: FrontDoorConfig, detok: DetokenizerConfig) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._status_codec = child_status_codec()
-        self._pipes: dict[str, Connection] = {}
-        self.procs: dict[str, BaseProcess] = {}
-        for name, target, cfg in (
-            ("detokenizer", run_detokenizer, detok),
-            ("frontdoor", run_frontdoor, front),
-        ):
-            # Duplex: the child reports ChildStatus on it and sees EOF when the parent goes.
-            child_end, parent_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=target, args=(cfg, child_end), name=f"outrider-{name}")
-            proc.start()
-            child_end.close()
-            self._pipes[name] = parent_end
-            self.procs[name] = proc
-
-    def check(self) -> None:
-        dead = wait([p.sentinel for p in self.procs.values()], timeout=0)
-        for name, proc in self.procs.items():
-            if proc.sentinel in dead:
-                raise ChildDied(f"the {name} process exited with code {proc.exitcode}")
-
-    def wait_status(self, name: str, state: str, timeout: float) -> ChildStatus:
-        """Block until child ``name`` reports ``state`` (raises ChildDied if it exits)."""
-        conn, proc = self._pipes[name], self.procs[name]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready = wait([conn, proc.sentinel], timeout=deadline - time.monotonic())
-            if conn in ready:
-                try:
-                    status = self._status_codec.decode(conn.recv_bytes())
-                except EOFError:
-                    ready = [proc.sentinel]
-                else:
-                    if status.torch_imported:
-                        log.error("the %s process imported torch; it must not", name)
-                    if status.state == state:
-                        return status
-                    continue
-            if proc.sentinel in ready:
-                proc.join(1)
-                raise ChildDied(f"the {name} process exited with code {proc.exitcode}")
-        raise ChildDied(f"the {name} process did not report {state!r} within {timeout:.0f} s")
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Close each child's pipe (it drains and exits), detokenizer first."""
-        for name in ("detokenizer", "frontdoor"):
-            self._pipes[name].close()
-            proc = self.procs[name]
-            proc.join(timeout)
-            if proc.is_alive():
-                log.warning("the %s process did not exit; killing it", name)
-                proc.kill()
-                proc.join()
 
 
 class Daemon:
