@@ -3,14 +3,9 @@
 Depends on msgspec, pyzmq and the standard library only: a client never needs torch.
 """
 
-from outrider.protocol.client import (
-    AsyncClient,
-    AsyncTokenStream,
-    Client,
-    GenerateResult,
-    TokenChunk,
-    TokenStream,
-)
+from outrider.protocol._client_common import GenerateResult, TokenChunk
+from outrider.protocol.async_client import AsyncClient, AsyncTokenStream
+from outrider.protocol.client import Client, TokenStream
 from outrider.protocol.endpoints import default_endpoint
 from outrider.protocol.errors import RequestError, Timeout
 from outrider.protocol.messages import (

@@ -1,0 +1,337 @@
+"""The connection ``Client`` and ``AsyncClient`` build on: socket configuration, reply
+demultiplexing into one inbox per live request, link supervision, and the stream state both
+token streams keep. Everything here runs without blocking; the clients add the waiting.
+
+Lifetime of a live request on a client:
+
+```
+register (id unique among live ids) -> send -> replies...  -> final reply: unregistered
+                                             -> timeout / cancel / stream dropped: unregistered,
+                                                and a Generate still running is aborted
+                                             -> link lost / daemon restarted: final
+                                                Error('connection_lost') delivered locally
+```
+Nothing is ever resubmitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import uuid
+import weakref
+from collections import deque
+from typing import Any, Final, Generic, TypeVar
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from outrider.protocol._client_common import (
+    CurveKey,
+    GenerateResult,
+    TokenChunk,
+    abort_request,
+    to_chunk,
+    to_result,
+)
+from outrider.protocol.endpoints import default_endpoint
+from outrider.protocol.errors import RequestError, Timeout
+from outrider.protocol.frames import FrameError, reply_codec, request_codec
+from outrider.protocol.messages import (
+    Chunk,
+    ClientReply,
+    ClientRequest,
+    Error,
+    ErrorCode,
+    Generate,
+    Health,
+    ServerInfo,
+    is_final,
+)
+
+# Unsent frames (a best-effort abort at close) get this long; close() itself never blocks.
+LINGER_MS: Final = 500
+HEARTBEAT_IVL_MS: Final = 2_000
+HEARTBEAT_TIMEOUT_MS: Final = 10_000
+
+_MONITOR_EVENTS: Final = (
+    zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
+
+
+class Inbox:
+    """Replies received for one live request, oldest first."""
+
+    __slots__ = ("final", "replies", "request_id", "running", "waiter")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.replies: deque[ClientReply] = deque()
+        self.final = False
+        self.running = False  # a Generate was sent and may still run on the daemon
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, reply: ClientReply) -> None:
+        # NOTE: exactly one final reply per request; anything after it is stale.
+        if self.final:
+            return
+        self.replies.append(reply)
+        self.final = is_final(reply)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+class Connection:
+    """Socket setup, reply routing and link supervision shared by both clients. Every method
+    runs on the client's one thread (for ``AsyncClient``: its event loop). A client supplies
+    its clock (``_now``) and what stops its reading at close (``_stop_reading``)."""
+
+    def __init__(
+        self,
+        dealer: zmq.Socket[Any],
+        monitor: zmq.Socket[Any],
+        endpoint: str | None,
+        timeout: float | None,
+        curve_server_key: CurveKey | None,
+        curve_keypair: tuple[CurveKey, CurveKey] | None,
+    ) -> None:
+        self.endpoint = endpoint if endpoint is not None else default_endpoint()
+        self.timeout = timeout
+        self.boot_id: str | None = None  # the last one seen in Health / ServerInfo
+        self._requests = request_codec()
+        self._replies = reply_codec()
+        self._pending: dict[str, Inbox] = {}
+        # Inboxes of streams garbage-collected unfinished; appended from any thread.
+        self._abandoned: deque[Inbox] = deque()
+        self._lost_since_boot = False
+        self._handshake_failure = ""
+        self._closed = False
+        # NOTE: only the owners may close the sockets. A socket closed through another
+        # object is closed again by its owner when collected, by then perhaps a new socket
+        # at the same address. Everything else uses these non-owning blocking views.
+        self._owners = (dealer, monitor)
+        self._sock: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
+        self._monitor: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
+        try:
+            if curve_keypair is not None and curve_server_key is None:
+                raise ValueError("curve_keypair needs curve_server_key")
+            self._configure(curve_server_key, curve_keypair)
+            try:
+                self._sock.connect(self.endpoint)
+            except zmq.ZMQError as exc:
+                raise ValueError(f"cannot connect to {self.endpoint!r}: {exc}") from exc
+        except BaseException:
+            self._close_sockets(linger=0)
+            raise
+
+    def _configure(
+        self, curve_server_key: CurveKey | None, curve_keypair: tuple[CurveKey, CurveKey] | None
+    ) -> None:
+        sock = self._sock
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        if self.endpoint.startswith("tcp://"):
+            # NOTE: heartbeats only where a peer can vanish silently. libzmq 4.3 aborts the
+            # process when the heartbeat timer fires on a connection whose peer closed while
+            # its receive pipe was full (replies nobody read yet; libzmq issues 3937, 4767).
+            # Over ipc:// the kernel reports a dead peer: heartbeats add nothing there.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+        if curve_server_key is not None:
+            public, secret = curve_keypair if curve_keypair is not None else zmq.curve_keypair()
+            sock.setsockopt(zmq.CURVE_SERVERKEY, _key_bytes(curve_server_key))
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, _key_bytes(public))
+            sock.setsockopt(zmq.CURVE_SECRETKEY, _key_bytes(secret))
+        address = f"inproc://outrider-client-monitor-{uuid.uuid4().hex}"
+        sock.monitor(address, _MONITOR_EVENTS)
+        # NOTE: libzmq's monitor sends block its I/O thread once the pipe is full; an idle
+        # Client reads events only at its next call, so the pipe must be unbounded.
+        self._monitor.setsockopt(zmq.RCVHWM, 0)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(address)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _now(self) -> float:
+        """The clock deadlines are taken on (seconds)."""
+        raise NotImplementedError
+
+    def _stop_reading(self) -> None:
+        """Stop whatever reads replies in the background (called by ``_shutdown``)."""
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the client is closed")
+
+    def _shutdown(self) -> None:
+        """Close the sockets; unfinished calls and streams end with ``connection_lost``."""
+        if self._closed:
+            return
+        self._fail_all("connection_lost", "the client was closed")
+        self._stop_reading()
+        self._close_sockets()
+
+    def _close_sockets(self, linger: int | None = None) -> None:
+        self._closed = True
+        for sock in self._owners:
+            sock.close(linger=linger)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        """When a call given ``timeout`` (None: the client's default) gives up, on ``_now``'s
+        clock; None: never."""
+        chosen = self.timeout if timeout is None else timeout
+        seconds = None if chosen is None or math.isinf(chosen) else chosen
+        return None if seconds is None else self._now() + seconds
+
+    def _timeout_error(self, request_id: str) -> Timeout:
+        return Timeout(f"no answer from {self.endpoint} in time", request_id)
+
+    def _register(self, request_id: str) -> Inbox:
+        self._service()
+        if request_id in self._pending:
+            raise RequestError(
+                "duplicate_request_id", "already in flight on this client", request_id
+            )
+        inbox = Inbox(request_id)
+        self._pending[request_id] = inbox
+        return inbox
+
+    def _mark_sent(self, inbox: Inbox, msg: ClientRequest) -> Inbox:
+        """Note that ``msg`` left: from now on a Generate may run on the daemon."""
+        inbox.running = isinstance(msg, Generate)
+        return inbox
+
+    def _take(self, inbox: Inbox) -> ClientReply:
+        """The oldest reply in ``inbox`` (one must be there); after the final one the request
+        is released."""
+        reply = inbox.replies.popleft()
+        if is_final(reply):
+            self._release(inbox, abort=False)
+        return reply
+
+    def _release(self, inbox: Inbox, *, abort: bool) -> None:
+        """Stop waiting for ``inbox``; with ``abort``, a Generate that may still run on the
+        daemon is aborted (best effort: its Ack and final frame are dropped)."""
+        if self._pending.get(inbox.request_id) is not inbox:
+            return
+        del self._pending[inbox.request_id]
+        if abort and inbox.running and not inbox.final and not self._closed:
+            frame = self._requests.encode(abort_request(inbox.request_id))
+            # NOTE: with the send queue full the abort is skipped: the daemon finishes the
+            # request and its replies are dropped.
+            with contextlib.suppress(zmq.Again):
+                self._sock.send(frame, zmq.NOBLOCK)
+            # NOTE: any operation may consume the edge-triggered readiness of the socket's fd,
+            # which AsyncClient's reader waits on: read what has arrived, or it would sit there.
+            self._drain()
+
+    def _pump(self) -> None:
+        """Handle what is waiting after a wake-up: link events first, then replies."""
+        self._service()
+        self._drain()
+
+    def _service(self) -> None:
+        """Handle what happened while nobody was reading: dropped streams and link events."""
+        while self._abandoned:
+            self._release(self._abandoned.popleft(), abort=True)
+        self._read_monitor()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._dispatch(frames[0])
+
+    def _dispatch(self, frame: bytes) -> None:
+        try:
+            reply = self._replies.decode(frame)
+        except FrameError as exc:
+            # A reply body names its request only once decoded: a daemon speaking another
+            # protocol version fails every call; any other unreadable frame is dropped.
+            if exc.code == "unsupported_version":
+                self._fail_all("unsupported_version", exc.message)
+            return
+        if isinstance(reply, Health | ServerInfo):
+            self._note_boot(reply.boot_id, reply.request_id)
+        inbox = self._pending.get(reply.request_id)
+        if inbox is not None:
+            inbox.put(reply)
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._handshake_failure = " (handshake failed: authentication)"
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self._handshake_failure = " (handshake failed: protocol)"
+            else:
+                # NOTE: replies that arrived before the link dropped are queued ahead of
+                # this event; deliver them first so that only unanswered calls fail.
+                self._drain()
+                reason, self._handshake_failure = self._handshake_failure, ""
+                self._fail_all("connection_lost", f"connection to {self.endpoint} lost{reason}")
+                self._lost_since_boot = True
+
+    def _note_boot(self, boot_id: str, request_id: str) -> None:
+        # NOTE: a restart always drops the link, which fails the calls in flight; a new boot
+        # id with no disconnect seen since the last one means that drop went unnoticed.
+        if self.boot_id is not None and boot_id != self.boot_id and not self._lost_since_boot:
+            self._fail_all(
+                "connection_lost", f"the daemon at {self.endpoint} restarted", keep=request_id
+            )
+        self.boot_id = boot_id
+        self._lost_since_boot = False
+
+    def _fail_all(self, code: ErrorCode, message: str, keep: str | None = None) -> None:
+        for inbox in list(self._pending.values()):
+            if inbox.request_id != keep:
+                inbox.put(Error(request_id=inbox.request_id, code=code, message=message))
+
+
+C = TypeVar("C", bound=Connection)
+
+
+class StreamState(Generic[C]):
+    """What ``TokenStream`` and ``AsyncTokenStream`` keep: the request's inbox (None until
+    sent), its deadline, the result once finished, and whether iteration is over."""
+
+    def __init__(self, client: C, request_id: str, deadline: float | None) -> None:
+        self.request_id = request_id
+        self.result: GenerateResult | None = None
+        self._client = client
+        self._inbox: Inbox | None = None
+        self._deadline = deadline
+        self._done = False
+
+    def _track(self, inbox: Inbox) -> Inbox:
+        """Adopt ``inbox``; a stream collected unfinished hands it to its client to abort."""
+        self._inbox = inbox
+        weakref.finalize(self, self._client._abandoned.append, inbox)
+        return inbox
+
+    def _step(self, reply: ClientReply) -> TokenChunk | None:
+        """The chunk ``reply`` carries; None once finished (``result`` set). Raises
+        ``RequestError`` for an error reply."""
+        if isinstance(reply, Chunk):
+            return to_chunk(reply)
+        self._done = True
+        self.result = to_result(reply)
+        return None
+
+    def close(self) -> None:
+        """Stop iterating; a request still running is aborted (best effort)."""
+        self._done = True
+        if self._inbox is not None:
+            self._client._release(self._inbox, abort=True)
+
+
+def _key_bytes(key: CurveKey) -> bytes:
+    return key.encode("ascii") if isinstance(key, str) else key

@@ -1,0 +1,250 @@
+"""``AsyncClient``: the asyncio twin of ``Client`` (``client.py``), with ``AsyncTokenStream``.
+
+Requests, replies and the connection are shared with ``Client`` (``_client_common.py``,
+``_connection.py``); this module adds only the awaiting: one reader task per client routes
+replies to the waiting tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+
+import zmq
+import zmq.asyncio
+
+from outrider.protocol._client_common import (
+    CurveKey,
+    GenerateResult,
+    TokenChunk,
+    abort_request,
+    expect,
+    generate_request,
+    health_query,
+    server_info_query,
+    to_result,
+)
+from outrider.protocol._connection import Connection, Inbox, StreamState
+from outrider.protocol.messages import (
+    Ack,
+    ChatMessage,
+    Chunk,
+    ClientReply,
+    ClientRequest,
+    Generate,
+    Health,
+    ServerInfo,
+)
+
+
+class AsyncClient(Connection):
+    """asyncio client of one daemon, bound to the event loop of its first call.
+
+    Any number of tasks may call it at once: one reader task (started on the first call)
+    routes every reply to its caller by ``request_id``. Arguments, timeouts and errors as for
+    ``Client``; cancelling a call releases its request (a Generate is aborted, best effort).
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float | None = None,
+        curve_server_key: CurveKey | None = None,
+        curve_keypair: tuple[CurveKey, CurveKey] | None = None,
+    ) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        # The owners, used to wait and to send; NOBLOCK reads and best-effort aborts go
+        # through the blocking views.
+        self._asock = ctx.socket(zmq.DEALER)
+        self._amonitor = ctx.socket(zmq.PAIR)
+        super().__init__(
+            self._asock, self._amonitor, endpoint, timeout, curve_server_key, curve_keypair
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
+        max_new_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int = 0,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> GenerateResult:
+        """As ``Client.generate``."""
+        msg = generate_request(
+            prompt=prompt, input_ids=input_ids, messages=messages, request_id=request_id,
+            stream=False, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos, logprobs=logprobs,
+        )  # fmt: skip
+        deadline = self._deadline(timeout)
+        inbox = await self._submit(msg, deadline)
+        while True:
+            reply = await self._receive(inbox, deadline)
+            if not isinstance(reply, Chunk):
+                return to_result(reply)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
+        max_new_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        logprobs: int = 0,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncTokenStream:
+        """As ``Client.stream``, but the request is sent when iteration starts, and
+        ``timeout`` counts from then."""
+        msg = generate_request(
+            prompt=prompt, input_ids=input_ids, messages=messages, request_id=request_id,
+            stream=True, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos, logprobs=logprobs,
+        )  # fmt: skip
+        return AsyncTokenStream(self, msg, timeout)
+
+    async def abort(self, request_id: str, *, timeout: float | None = None) -> None:
+        """As ``Client.abort``."""
+        expect(await self._call(abort_request(request_id), timeout), Ack)
+
+    async def health(self, timeout: float | None = 5.0) -> Health:
+        """As ``Client.health``."""
+        return expect(await self._call(health_query(), timeout), Health)
+
+    async def server_info(self, timeout: float | None = None) -> ServerInfo:
+        """As ``Client.server_info``."""
+        return expect(await self._call(server_info_query(), timeout), ServerInfo)
+
+    def close(self) -> None:
+        """Close the socket and stop the reader; calls in flight end with ``connection_lost``.
+        Call it on the client's event loop (``async with`` does)."""
+        self._shutdown()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+        if self._reader is not None:
+            await asyncio.wait([self._reader])
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _stop_reading(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+
+    async def _call(self, msg: ClientRequest, timeout: float | None) -> ClientReply:
+        deadline = self._deadline(timeout)
+        return await self._receive(await self._submit(msg, deadline), deadline)
+
+    def _start_reader(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._reader is None:
+            self._loop = loop
+            self._reader = loop.create_task(self._read_replies(), name="outrider-client-reader")
+        elif loop is not self._loop:
+            raise RuntimeError("an AsyncClient serves the event loop of its first call only")
+        elif self._reader.done():
+            raise RuntimeError("the reply reader of this AsyncClient has stopped")
+
+    async def _read_replies(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._asock, zmq.POLLIN)
+        poller.register(self._amonitor, zmq.POLLIN)
+        try:
+            while True:
+                await poller.poll()
+                self._pump()
+        except Exception as exc:
+            self._fail_all("internal", f"the reply reader failed: {exc!r}")
+            raise
+
+    async def _submit(self, msg: ClientRequest, deadline: float | None) -> Inbox:
+        self._check_open()
+        self._start_reader()
+        inbox = self._register(msg.request_id)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._asock.send(self._requests.encode(msg))
+        except TimeoutError:
+            self._release(inbox, abort=False)
+            raise self._timeout_error(inbox.request_id) from None
+        except BaseException:
+            self._release(inbox, abort=False)
+            raise
+        return self._mark_sent(inbox, msg)
+
+    async def _receive(self, inbox: Inbox, deadline: float | None) -> ClientReply:
+        """As ``Client._receive``; cancellation releases the request too."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                while not inbox.replies:
+                    inbox.waiter = asyncio.get_running_loop().create_future()
+                    await inbox.waiter
+        except TimeoutError:
+            self._release(inbox, abort=True)
+            raise self._timeout_error(inbox.request_id) from None
+        except BaseException:
+            self._release(inbox, abort=True)
+            raise
+        finally:
+            inbox.waiter = None
+        return self._take(inbox)
+
+
+class AsyncTokenStream(StreamState[AsyncClient]):
+    """Async iterator over the chunks of one streamed request (``AsyncClient.stream``);
+    otherwise as ``TokenStream``."""
+
+    def __init__(self, client: AsyncClient, msg: Generate, timeout: float | None) -> None:
+        super().__init__(client, msg.request_id, None)
+        self._msg = msg
+        self._timeout = timeout
+
+    def __aiter__(self) -> AsyncTokenStream:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            inbox = self._inbox
+            if inbox is None:
+                self._deadline = self._client._deadline(self._timeout)
+                inbox = self._track(await self._client._submit(self._msg, self._deadline))
+            chunk = self._step(await self._client._receive(inbox, self._deadline))
+        except BaseException:
+            self._done = True
+            raise
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
