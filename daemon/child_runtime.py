@@ -63,7 +63,9 @@ class ParentPipe:
         self._codec = child_status_codec()
 
     def report(self, state: Literal["started", "serving"], endpoint: str = "") -> None:
-        status = ChildStatus(self._child, os.getpid(), state, "torch" in sys.modules, endpoint)
+        # torch is blocked in children with a None entry (tokenizer.child_environment_setup).
+        torch_imported = sys.modules.get("torch") is not None
+        status = ChildStatus(self._child, os.getpid(), state, torch_imported, endpoint)
         # OSError: the parent is gone, and the pipe watcher ends this child.
         with contextlib.suppress(OSError):
             self._conn.send_bytes(self._codec.encode(status))

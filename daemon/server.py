@@ -342,6 +342,8 @@ def _serve(
     notifier.status("loading the model")
     engine = build_engine(config, progress=_load_progress(notifier))
     sockets.send_control(engine.facts)
+    # health() says "serving" only with a fresh heartbeat: one goes out before "ready".
+    sockets.send_control(Heartbeat(engine.scheduler.counters()))
     sockets.send_control(StateChange("ready"))
     bound = children.wait_status("frontdoor", "serving", timeout=60.0).endpoint
     notifier.ready(f"serving {config.model} on {bound}")

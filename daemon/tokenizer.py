@@ -7,14 +7,15 @@
   stop-string matcher both use it, so a character offset (``FinishInfo.text_cut``) means the
   same text on both sides.
 
-NOTE: the children must never import torch, and transformers imports torch unless
-``USE_TORCH=0`` is set before its first import. Children call ``child_environment_setup()``
-first; this module imports transformers only inside ``load_tokenizer``.
+NOTE: the children must never import torch, and transformers imports torch whenever it can
+find it. Children call ``child_environment_setup()`` first, which blocks torch; this module
+imports transformers only inside ``load_tokenizer``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +32,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def child_environment_setup() -> None:
     """Prepare a child process: call it before anything imports transformers."""
-    os.environ["USE_TORCH"] = "0"
+    # NOTE: transformers imports torch whenever it can find it, and not every version honours
+    # USE_TORCH=0. A None entry in sys.modules makes torch unfindable (find_spec returns None,
+    # import raises), so transformers takes its torch-free paths.
+    sys.modules["torch"] = None  # type: ignore[assignment]  # the import system's block marker
     # Only the daemon's main process talks to systemd (NotifyAccess=main).
     os.environ.pop("NOTIFY_SOCKET", None)
 
