@@ -194,6 +194,10 @@ def _backends(
 def _pool_tokens(
     config: ServeConfig, model_config: ModelConfig, dtype_name: str, minimum: int
 ) -> int:
+    """KV pool size in tokens. ``minimum``: one request at the full context plus one step's
+    reservation. The pool never exceeds ``max_running`` such requests: a small model on a
+    large GPU would otherwise get tens of millions of pages that no request can use and
+    that every walk over the page table pays for."""
     if config.kv_cache_tokens:
         return config.kv_cache_tokens // config.page_size * config.page_size
     per_token = (
@@ -211,7 +215,8 @@ def _pool_tokens(
         budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * _CPU_KV_FRACTION)
         # On CPU a pool of a few contexts is plenty.
         budget = min(budget, 4 * minimum * per_token)
-    return max(budget // per_token, 0) // config.page_size * config.page_size
+    tokens = min(max(budget // per_token, 0), config.max_running * minimum)
+    return tokens // config.page_size * config.page_size
 
 
 def _fit_check(config: ServeConfig, pool_tokens: int, context_length: int, reservation: int) -> int:
