@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import signal
+import socket
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,8 +22,10 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+import zmq.auth
 from daemon_harness import (
     MODEL_CONTEXT,
+    START_TIMEOUT_S,
     Daemon,
     NotifySocket,
     RawDealer,
@@ -651,3 +654,39 @@ def test_sigterm_while_loading_stops_cleanly(spawn: Callable[..., Daemon]) -> No
         assert "SIGTERM while starting: stopping" in log, log
     # The private runtime directory of the internal pipes is gone.
     assert not list(daemon.runtime.glob("outrider-*")), list(daemon.runtime.iterdir())
+
+
+def _free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.mark.e2e
+def test_tcp_with_curve_keys(spawn: Callable[..., Daemon], tmp_path: Path) -> None:
+    public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "server")
+    server_public, _ = zmq.auth.load_certificate(public_file)
+    endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
+    daemon = spawn("curve", "--curve-secret-key-file", secret_file, endpoint=endpoint)
+    # Beyond loopback without keys: refused before anything is bound.
+    open_bind = spawn("open", endpoint="tcp://0.0.0.0:9")
+    with Client(endpoint, timeout=60, curve_server_key=server_public) as client:
+
+        def serving() -> bool:
+            if daemon.proc.poll() is not None:
+                raise RuntimeError(daemon.log())
+            try:
+                return client.health(timeout=0.5).status == "serving"
+            except Timeout:
+                return False
+
+        poll_until(serving, START_TIMEOUT_S, "the CURVE daemon serving")
+        result = client.generate(input_ids=[5, 6, 7], max_new_tokens=4, temperature=0.0)
+        assert result.finish_reason == "length" and len(result.output_ids) == 4
+    # A client without the server's key fails the handshake: the server drops it.
+    with Client(endpoint) as plain, pytest.raises(RequestError) as refused:
+        plain.health(timeout=10.0)
+    assert refused.value.code == "connection_lost"
+    assert open_bind.wait_exit(90) == EXIT_CONFIG
+    assert "tcp://0.0.0.0:9" in open_bind.log() and "--insecure-tcp" in open_bind.log()
