@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import re
 import signal
 import socket
 from collections import Counter
@@ -690,3 +692,16 @@ def test_tcp_with_curve_keys(spawn: Callable[..., Daemon], tmp_path: Path) -> No
     assert refused.value.code == "connection_lost"
     assert open_bind.wait_exit(90) == EXIT_CONFIG
     assert "tcp://0.0.0.0:9" in open_bind.log() and "--insecure-tcp" in open_bind.log()
+
+
+@pytest.mark.e2e
+def test_a_dead_child_stops_the_daemon(spawn: Callable[..., Daemon]) -> None:
+    daemon = spawn("orphaned")
+    daemon.wait_serving()
+    found = re.search(r"frontdoor\[(\d+)\]", daemon.log())
+    assert found is not None, daemon.log()
+    os.kill(int(found.group(1)), signal.SIGKILL)
+    # Never serve half-alive: the daemon exits non-zero so that systemd restarts it.
+    assert daemon.wait_exit(30) == 1, daemon.log()
+    daemon.wait_group_gone()
+    assert "the frontdoor process exited with code -9" in daemon.log()
