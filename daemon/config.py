@@ -173,6 +173,10 @@ def validate(config: ServeConfig) -> list[str]:
         problems.append("--gpu-memory-fraction must be in (0, 1]")
     if config.kv_cache_tokens < 0 or config.context_length < 0:
         problems.append("--kv-cache-tokens and --context-length must be >= 0")
+    for item in config.attention_config:
+        name, sep, _ = item.partition("=")
+        if not sep or not name:
+            problems.append(f"--attention-config {item!r}: expected NAME='{{json}}'")
     if config.device == "cpu" and config.dtype not in ("auto", "float32"):
         problems.append(f"--dtype {config.dtype} is not supported on CPU (use float32)")
     return problems

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from conftest import CUDA
 from engine_harness import engine_for, request, run
 from model_fixtures import VOCAB, save_tiny_model
 
+from outrider.daemon.config import ConfigError, resolve
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.runner import Launched
 
@@ -217,3 +219,11 @@ def test_failed_step_ends_its_batch_with_internal(reference: Reference, overlap:
     again = run(engine, [request(10, prompts[0], max_new_tokens=NEW_TOKENS)])
     assert again[10].token_ids == reference.expected[0]
     assert engine.scheduler.counters().kv_used_tokens == 0
+
+
+def test_attention_options_are_validated(reference: Reference) -> None:
+    with pytest.raises(ConfigError, match=r"--attention-config torch: Object contains unknown"):
+        engine_for(reference.directory, attention_config=('torch={"nope": 1}',))
+    args = argparse.Namespace(model=reference.directory, attention_config=["torch"])
+    with pytest.raises(ConfigError, match=r"--attention-config 'torch': expected NAME="):
+        resolve(args, environ={})

@@ -69,3 +69,18 @@ def test_check_catches_a_leak() -> None:
     cache.allocate(1)
     with pytest.raises(AssertionError, match="in 0 states"):
         cache.check({}, {})
+
+
+def test_a_parent_left_as_a_leaf_keeps_its_own_recency() -> None:
+    cache = PrefixCache(num_pages=4, page_size=1)
+    chain = cache.allocate(2)
+    cache.insert([1, 2], chain)  # parent [1] -> child [1, 2]
+    (other,) = cache.allocate(1)
+    cache.insert([7], [other])
+    cache.release(cache.match([1, 5]))  # touches the parent alone, after [7]
+    assert cache.available() == 3 and not cache.free
+    got = cache.allocate(2)
+    # The child and [7] go; the parent, used last, stays cached.
+    assert sorted(got) == sorted([chain[1], other])
+    assert list(cache.nodes) == [chain[0]]
+    _check(cache, dict.fromkeys(got, 1), {})

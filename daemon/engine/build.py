@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from outrider.daemon.config import ConfigError, ServeConfig, debug_knob
@@ -185,7 +186,10 @@ def _backends(
     for phase, name in config.attention_routes.items():
         if name not in instances:
             spec = registry.get("attention", name)
-            options = spec.parse_options(options_by_name.get(name))
+            try:
+                options = spec.parse_options(options_by_name.get(name))
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise ConfigError(f"--attention-config {name}: {exc}") from None
             instances[name] = spec.load()(shape, options, device)
         routes[phase] = instances[name]
     return routes

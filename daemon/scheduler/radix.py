@@ -15,6 +15,7 @@ spells a prefix. ``check`` verifies the table; the scheduler runs it when idle a
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 
@@ -85,11 +86,17 @@ class PrefixCache:
                     self.free.append(page)
 
     def _evict(self, want: int) -> None:
-        leaves = [n for n in self.nodes.values() if not n.children and self.refcount[n.page] == 0]
-        leaves.sort(key=lambda n: n.last_use)
+        """Free up to ``want`` cached pages, least recently used leaves first. A parent whose
+        last child goes becomes a leaf and joins the heap at its own last use."""
+        heap = [
+            (n.last_use, n.page, n)
+            for n in self.nodes.values()
+            if not n.children and self.refcount[n.page] == 0
+        ]
+        heapq.heapify(heap)
         evicted = 0
-        while leaves and evicted < want:
-            node = leaves.pop(0)
+        while heap and evicted < want:
+            _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
             del parent.children[node.key]
@@ -98,20 +105,23 @@ class PrefixCache:
             self.evictable -= 1
             evicted += 1
             if parent is not self.root and not parent.children and self.refcount[parent.page] == 0:
-                # NOTE: keep LRU order: the parent is at most as recent as its child.
-                leaves.insert(0, parent)
+                heapq.heappush(heap, (parent.last_use, parent.page, parent))
 
     # --- prefix matching -----------------------------------------------------------------
 
-    def match(self, token_ids: list[int]) -> list[int]:
+    def match(self, token_ids: list[int], *, record: bool = True) -> list[int]:
         """Cached pages spelling a prefix of ``token_ids``; each gets one more reference.
 
         The hit is capped at ``len(token_ids) - 1`` tokens (the last prompt token must run
-        to produce logits) and is whole pages only.
+        to produce logits) and is whole pages only. ``record=False`` leaves the query/hit
+        counters to the caller (``record_query``), e.g. for an admission that may back out.
         """
-        self.queries += 1
-        if not self.enabled:
-            return []
+        pages = self._walk(token_ids) if self.enabled else []
+        if record:
+            self.record_query(hit=bool(pages))
+        return pages
+
+    def _walk(self, token_ids: list[int]) -> list[int]:
         ps = self.page_size
         limit = (len(token_ids) - 1) // ps
         node, pages = self.root, []
@@ -127,9 +137,11 @@ class PrefixCache:
             if self.refcount[page] == 0:
                 self.evictable -= 1
             self.refcount[page] += 1
-        if pages:
-            self.hits += 1
         return pages
+
+    def record_query(self, *, hit: bool) -> None:
+        self.queries += 1
+        self.hits += hit
 
     def insert(self, token_ids: list[int], pages: list[int]) -> list[int]:
         """Publish the whole pages of a finished prefix and drop the caller's references.

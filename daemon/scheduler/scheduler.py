@@ -174,7 +174,9 @@ class Scheduler:
     def _admit(self, req: Request, page_writes: list[int], page_values: list[int]) -> bool:
         """Give ``req`` a slot and the pages of its whole EXTEND phase plus one token."""
         known = req.known_ids()
-        cached = self.cache.match(known)
+        # NOTE: an admission that backs out is retried next step: count the query only once
+        # it succeeds.
+        cached = self.cache.match(known, record=False)
         need = (len(known) + 1 + self.page_size - 1) // self.page_size - len(cached)
         # Headroom: every decoding request may need a fresh page in the next step.
         headroom = sum(1 for r in self.running if r.decoding)
@@ -186,6 +188,7 @@ class Scheduler:
         except OutOfPages:
             self.cache.release(cached)
             return False
+        self.cache.record_query(hit=bool(cached))
         req.slot = self.free_slots.pop()
         req.pages = cached + private
         req.num_cached_pages = len(cached)
