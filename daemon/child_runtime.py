@@ -4,7 +4,9 @@ Each child is started with the spawn method and handed one end of a ``multiproce
 (``parent_conn``). The contract with the daemon:
 
 - the child ignores SIGINT and SIGTERM: the daemon stops it after draining;
-- it reports ``ChildStatus`` messages (internal.py) with ``send_bytes``; the parent never
+- it reports ``ChildStatus`` messages (internal.py) with ``send_bytes``, and a heartbeat from
+  its event loop every ``CHILD_HEARTBEAT_S`` (a child whose loop hangs stops the systemd
+  watchdog pings, server.py); the parent never
   writes to the pipe, so the pipe becoming readable means the parent closed it or died. The
   child then stops taking new work, passes on what is already on its way until its inputs
   have been quiet for ``QUIET_S`` (at most ``FLUSH_LIMIT_S``), and exits, giving its sockets
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -37,6 +40,7 @@ from outrider.daemon.tokenizer import child_environment_setup
 
 ChildName = Literal["frontdoor", "detokenizer"]
 
+CHILD_HEARTBEAT_S = 1.0
 QUIET_S = 0.1
 FLUSH_LIMIT_S = 2.0
 EXIT_LINGER_MS = 500
@@ -62,13 +66,21 @@ class ParentPipe:
         self._child = child
         self._codec = child_status_codec()
 
-    def report(self, state: Literal["started", "serving"], endpoint: str = "") -> None:
+    def report(self, state: Literal["started", "serving", "alive"], endpoint: str = "") -> None:
         # torch is blocked in children with a None entry (tokenizer.child_environment_setup).
         torch_imported = sys.modules.get("torch") is not None
         status = ChildStatus(self._child, os.getpid(), state, torch_imported, endpoint)
         # OSError: the parent is gone, and the pipe watcher ends this child.
         with contextlib.suppress(OSError):
             self._conn.send_bytes(self._codec.encode(status))
+
+    def beat(self) -> None:
+        """A heartbeat, skipped while the parent is not reading (it loads the model): the
+        pipe is a Unix socket pair, writable only while at most a quarter of its buffer is
+        taken, so a small write then never blocks this child's event loop."""
+        _readable, writable, _ = select.select([], [self._conn.fileno()], [], 0)
+        if writable:
+            self.report("alive")
 
     def watch(self, on_close: Callable[[], None]) -> None:
         """Call ``on_close`` once the pipe is readable, i.e. the parent closed it or died."""
@@ -138,6 +150,7 @@ class ChildTasks:
         call ``parent_gone`` and keep running until the inputs are quiet and ``flushed()``
         (bounded); then cancel the tasks. Re-raises the failure of a task that failed."""
         self._parent.watch(self._stop.set)
+        self.spawn(self._heartbeat())
         try:
             await self._stop.wait()
             if self._failure is None:
@@ -150,6 +163,11 @@ class ChildTasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         if self._failure is not None:
             raise self._failure
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self._parent.beat()
+            await asyncio.sleep(CHILD_HEARTBEAT_S)
 
     async def _flush(self, flushed: Callable[[], bool]) -> None:
         with contextlib.suppress(TimeoutError):

@@ -1,11 +1,13 @@
 """The daemon's two children (front door, detokenizer): spawned, watched, stopped in order.
 
 Each child gets one end of a duplex pipe: it reports ``ChildStatus`` there and sees EOF when
-the daemon closes its end (or dies), which is how it is stopped and never orphaned.
+the daemon closes its end (or dies), which is how it is stopped and never orphaned. Every
+status counts as a heartbeat; a child silent for ``HEARTBEAT_STALE_S`` is hung.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import time
@@ -17,6 +19,8 @@ from outrider.daemon.frontdoor import FrontDoorConfig, run_frontdoor
 from outrider.daemon.internal import ChildStatus, child_status_codec
 
 log = logging.getLogger("outrider.daemon")
+
+HEARTBEAT_STALE_S = 5.0
 
 
 class ChildDied(RuntimeError):
@@ -31,6 +35,7 @@ class Children:
         self._status_codec = child_status_codec()
         self._pipes: dict[str, Connection] = {}
         self.procs: dict[str, BaseProcess] = {}
+        self._heard_at: dict[str, float] = {}
         for name, target, cfg in (
             ("detokenizer", run_detokenizer, detok),
             ("frontdoor", run_frontdoor, front),
@@ -42,12 +47,31 @@ class Children:
             child_end.close()
             self._pipes[name] = parent_end
             self.procs[name] = proc
+            self._heard_at[name] = time.monotonic()
 
     def check(self) -> None:
+        """Raise ChildDied if a child exited; take in the statuses (heartbeats) waiting."""
         dead = wait([p.sentinel for p in self.procs.values()], timeout=0)
         for name, proc in self.procs.items():
             if proc.sentinel in dead:
                 raise ChildDied(f"the {name} process exited with code {proc.exitcode}")
+        for name, conn in self._pipes.items():
+            # EOF means the child is exiting: its sentinel tells at the next check.
+            with contextlib.suppress(EOFError):
+                while conn.poll():
+                    self._take(name, conn.recv_bytes())
+
+    def hung(self) -> list[str]:
+        """The children not heard from for ``HEARTBEAT_STALE_S`` (as of the last check)."""
+        now = time.monotonic()
+        return [name for name, at in self._heard_at.items() if now - at > HEARTBEAT_STALE_S]
+
+    def _take(self, name: str, data: bytes) -> ChildStatus:
+        status = self._status_codec.decode(data)
+        self._heard_at[name] = time.monotonic()
+        if status.torch_imported and status.state != "alive":
+            log.error("the %s process imported torch; it must not", name)
+        return status
 
     def wait_status(self, name: str, state: str, timeout: float) -> ChildStatus:
         """Block until child ``name`` reports ``state`` (raises ChildDied if it exits)."""
@@ -57,12 +81,10 @@ class Children:
             ready = wait([conn, proc.sentinel], timeout=deadline - time.monotonic())
             if conn in ready:
                 try:
-                    status = self._status_codec.decode(conn.recv_bytes())
+                    status = self._take(name, conn.recv_bytes())
                 except EOFError:
                     ready = [proc.sentinel]
                 else:
-                    if status.torch_imported:
-                        log.error("the %s process imported torch; it must not", name)
                     if status.state == state:
                         return status
                     continue

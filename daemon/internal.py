@@ -155,12 +155,14 @@ class ChildStatus(Struct, array_like=True, frozen=True, gc=False):
 
     ``started``: the child's internal sockets are bound. ``serving`` (front door only): the
     client socket is bound at ``endpoint`` (the resolved address, e.g. a TCP port chosen by
-    the system for port 0). ``torch_imported`` must be False: children never import torch.
+    the system for port 0). ``alive``: a heartbeat from the child's event loop, every
+    ``CHILD_HEARTBEAT_S`` (child_runtime.py). ``torch_imported`` must be False: children
+    never import torch.
     """
 
     child: Literal["frontdoor", "detokenizer"]
     pid: int
-    state: Literal["started", "serving"]
+    state: Literal["started", "serving", "alive"]
     torch_imported: bool
     endpoint: str = ""
 

@@ -86,6 +86,7 @@ class Daemon:
         self._last_heartbeat = 0.0
         self._last_watchdog = 0.0
         self._watchdog_interval = notifier.watchdog_interval()
+        self._unhealthy = ""
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -174,11 +175,23 @@ class Daemon:
             self.children.check()
             self.sockets.send_control(Heartbeat(self.engine.scheduler.counters()))
         interval = self._watchdog_interval
-        if interval is not None and now - self._last_watchdog >= interval:
-            started = self.engine.loop.oldest_step_started
-            if started == 0.0 or now - started < self.config.step_timeout:
-                self._last_watchdog = now
-                self.notifier.watchdog()
+        if interval is not None and now - self._last_watchdog >= interval and self._healthy(now):
+            self._last_watchdog = now
+            self.notifier.watchdog()
+
+    def _healthy(self, now: float) -> bool:
+        """The watchdog condition: no step older than --step-timeout, every child heard from
+        lately. Once unhealthy, the pings stop and systemd's watchdog restarts the unit."""
+        started = self.engine.loop.oldest_step_started
+        problem = ""
+        if started != 0.0 and now - started >= self.config.step_timeout:
+            problem = f"a step has run longer than --step-timeout ({self.config.step_timeout} s)"
+        elif hung := self.children.hung():
+            problem = f"no heartbeat from the {' and the '.join(hung)} process"
+        if problem and problem != self._unhealthy:
+            log.error("%s: the watchdog pings stop", problem)
+        self._unhealthy = problem
+        return not problem
 
 
 class DaemonSockets:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -67,8 +68,12 @@ def daemon_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     }
     env.update(OMP_NUM_THREADS="1", OUTRIDER_DEBUG_KV_CHECK="1", PYTHONUNBUFFERED="1")
     if TEST_DEVICE == "cuda":
-        # The whole suite against CUDA daemons, any host sync inside a step raising.
-        env.update(OUTRIDER_DEVICE="cuda", OUTRIDER_DEBUG_SYNC_CHECK="1")
+        # The whole suite against CUDA daemons, any host sync inside a step raising. The pool
+        # is kept at the CPU size: sized from free GPU memory it holds max_running contexts,
+        # and the per-step integrity check walks every page (about 0.1 s a step).
+        env.update(
+            OUTRIDER_DEVICE="cuda", OUTRIDER_DEBUG_SYNC_CHECK="1", OUTRIDER_KV_CACHE_TOKENS="16384"
+        )
     env.update(extra or {})
     return env
 
@@ -140,6 +145,12 @@ class Daemon:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def child_pid(self, name: str) -> int:
+        """The pid of child ``name`` ("frontdoor" or "detokenizer"), from its log lines."""
+        found = re.search(rf"{name}\[(\d+)\]", self.log())
+        assert found is not None, self.log()
+        return int(found.group(1))
 
     def _describe(self) -> str:
         return f"{' '.join(self.command)}\n--- log ---\n{self.log()[-6000:]}"

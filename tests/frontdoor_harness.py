@@ -249,13 +249,18 @@ class Stack:
         return self.eps["client"]
 
     async def status(self, child: str, timeout: float = 20.0) -> ChildStatus:
-        """The next ``ChildStatus`` the child reports over its spawn pipe."""
+        """The next ``ChildStatus`` the child reports over its spawn pipe, heartbeats
+        (``alive``) skipped."""
         conn = self.pipes[child]
-        if not await asyncio.to_thread(conn.poll, timeout):
-            raise TimeoutError(f"{child} reported nothing in {timeout} s")
-        status = child_status_codec().decode(conn.recv_bytes())
-        self.statuses.setdefault(child, []).append(status)
-        return status
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await asyncio.to_thread(conn.poll, left):
+                raise TimeoutError(f"{child} reported nothing in {timeout} s")
+            status = child_status_codec().decode(conn.recv_bytes())
+            if status.state != "alive":
+                self.statuses.setdefault(child, []).append(status)
+                return status
 
     def raw(self, rcvhwm: int = 1000) -> RawClient:
         return RawClient(self.ctx, self.client_endpoint, rcvhwm)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import re
 import signal
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -522,6 +522,20 @@ def test_notify_second_daemon_and_drain(spawn: Callable[..., Daemon], notify: No
         assert len(result.output_ids) <= 5 and result.finish_reason in ("length", "stop")
         assert "STOPPING=1" not in notify.assignments
 
+        # A hung child (its event loop stopped) stops the pings until it beats again.
+        detokenizer = daemon.child_pid("detokenizer")
+        os.kill(detokenizer, signal.SIGSTOP)
+        try:
+            hung = "no heartbeat from the detokenizer process: the watchdog pings stop"
+            poll_until(lambda: hung in daemon.log(), 15, "the hung child noticed")
+            silent = len(notify.drain())
+            time.sleep(2.5)  # more than two watchdog intervals
+            assert "WATCHDOG=1" not in notify.drain()[silent:]
+        finally:
+            os.kill(detokenizer, signal.SIGCONT)
+        notify.wait_for("WATCHDOG=1", 5, after=silent)
+        assert client.generate(input_ids=[5, 6], max_new_tokens=2).finish_reason == "length"
+
         # SIGTERM with a long request in flight: STOPPING=1, new requests refused, the
         # running one completes, exit 0.
         long_stream = client.stream(
@@ -698,9 +712,7 @@ def test_tcp_with_curve_keys(spawn: Callable[..., Daemon], tmp_path: Path) -> No
 def test_a_dead_child_stops_the_daemon(spawn: Callable[..., Daemon]) -> None:
     daemon = spawn("orphaned")
     daemon.wait_serving()
-    found = re.search(r"frontdoor\[(\d+)\]", daemon.log())
-    assert found is not None, daemon.log()
-    os.kill(int(found.group(1)), signal.SIGKILL)
+    os.kill(daemon.child_pid("frontdoor"), signal.SIGKILL)
     # Never serve half-alive: the daemon exits non-zero so that systemd restarts it.
     assert daemon.wait_exit(30) == 1, daemon.log()
     daemon.wait_group_gone()

@@ -511,7 +511,7 @@ def test_cuda_matches_cpu_and_replays_in_a_graph() -> None:
     )
     on_cpu = sample(logits.cpu(), cpu_batch, position.cpu(), vocab_limit=4000)
     assert torch.equal(on_cuda.tokens.cpu(), on_cpu.tokens)
-    row = slice(5, 6)  # a batch of one compiles its own kernels
+    row = slice(5, 6)  # a batch of one draws the same tokens
     alone = SamplingBatch(
         batch.temperature[row], batch.top_p[row], batch.top_k[row], batch.seed[row], False, 0
     )

@@ -137,7 +137,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         overlap=config.overlap,
         check_kv=bool(debug_knob("OUTRIDER_DEBUG_KV_CHECK")),
     )
-    # NOTE: warm-up compiles kernels (torch.compile, JIT backends), and compilers synchronise:
+    # NOTE: warm-up compiles kernels (JIT backends, later CUDA graphs), and compilers synchronise:
     # the sync check starts after it.
     _warm_up(loop)
     runner.enable_sync_check(bool(debug_knob("OUTRIDER_DEBUG_SYNC_CHECK")))

@@ -28,15 +28,16 @@ Hash construction (all on int64 tensors holding 32-bit words, no overflow anywhe
   ``U = ((h >> 9) + 0.5) / 2^23``: odd multiples of 2^-24, exact in float32, strictly in
   (0, 1) (the extremes are 2^-24 and 1 - 2^-24).
 
-On CUDA the per-element hash and the race compile into one fused kernel (``_fused``); CPU runs
-the same functions eagerly. The hash is for statistical quality, not cryptography. Changing any
-constant here changes every seeded output: tests pin a few values.
+Everything runs eagerly: a compiled kernel would recompile for new shape families in the
+middle of serving (seconds of stall, and a host sync), and the sort over the vocabulary costs
+more than the hash anyway. CUDA graphs remove the launches. The hash is for statistical
+quality, not cryptography. Changing any constant here changes every seeded output: tests pin
+a few values.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -105,23 +106,6 @@ def _mix32(x: _Word) -> _Word:
     return x ^ (x >> 15)
 
 
-@functools.cache
-def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    return torch.compile(fn, dynamic=True, fullgraph=True)
-
-
-def _fused(fn: Callable[..., torch.Tensor], like: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """``fn`` compiled into one fused kernel on CUDA; as is elsewhere (the eager reference).
-
-    NOTE: the first call of each shape family compiles (seconds; batch size 1 is its own
-    family), so warm-up must run ``sample`` and ``uniform`` before serving and before graph
-    capture. Only the hash and the race go through here: integer ops are exact, so uniforms
-    stay bitwise equal to the eager ones; the race's logs may differ in the last bit, which
-    can change a winner only at an exact tie of scores.
-    """
-    return _compiled(fn) if like.is_cuda else fn
-
-
 def _row_keys(seed: torch.Tensor, position: torch.Tensor, draw: int) -> torch.Tensor:
     """The 64-bit key of each row as two 32-bit lanes: [n, 2] int64."""
     if not 0 <= draw <= _MASK32:
@@ -152,7 +136,7 @@ def uniform(seed: torch.Tensor, position: torch.Tensor, draw: int, vocab: int) -
     """
     keys = _row_keys(seed, position, draw)
     ids = torch.arange(vocab, dtype=torch.int64, device=seed.device)
-    return _fused(_uniform_at, keys)(keys, ids)
+    return _uniform_at(keys, ids)
 
 
 def _check_limits(logits: torch.Tensor, vocab_limit: int, max_logprobs: int = 0) -> None:
@@ -220,7 +204,7 @@ def sample(
     if not batch.all_greedy:
         values, ids = _filtered_sorted(logits, batch)
         keys = _row_keys(batch.seed, position, draw)
-        winner = _fused(_race, keys)(values, ids, keys)
+        winner = _race(values, ids, keys)
         sampled = ids.gather(-1, winner).squeeze(-1)
         tokens = torch.where(batch.temperature > 0, sampled, tokens)
 
