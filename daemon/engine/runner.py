@@ -5,7 +5,10 @@ Buffers (DESIGN.md 4.3):
   place from host staging buffers (pinned on CUDA). Staging is double-buffered: the set used by
   step n is refilled by step n + 2, which is launched only after step n's result event was
   waited (the loop processes n before it plans n + 2).
-- the per-slot relay buffer: the token sampled for a slot, read as the slot's next input.
+- the per-slot relay: the slot's next input token (the last committed one, whose KV is not
+  written yet), its KV length on the device and its output count. A STEP reads all three, so
+  its positions and randomness counters never come from the host, which plans a step before
+  it knows how many tokens the previous one committed (speculative decoding).
 - per-slot sampling parameters, written when a request is admitted.
 Input copies, the forward, sampling and relay writes run on the compute stream; only the result
 copy (device -> host) runs on a side stream, gated by an event.
@@ -22,7 +25,13 @@ import torch
 
 from outrider.daemon.engine.forward import ForwardBatch, KVCache
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.engine.sampling import SamplingBatch, sample
+from outrider.daemon.engine.sampling import SampleResult, SamplingBatch, sample
+from outrider.daemon.engine.speculative import (
+    ExtendView,
+    SpeculativeWorker,
+    StepView,
+    accept_chain,
+)
 from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend
 
@@ -44,12 +53,14 @@ class RunnerLimits:
 
 @dataclass
 class StepOutput:
-    """Host results of one step, one entry per sampled row (``plan.sample_rows`` order)."""
+    """Host results of one step, one entry per sampled row (``plan.sample_rows`` order): the
+    tokens the row committed (one for EXTEND; accepted drafts plus the bonus for a
+    speculative STEP), each with its logprob and top logprobs."""
 
-    tokens: list[int]
-    logprobs: list[float]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    top_ids: list[list[list[int]]]
+    top_logprobs: list[list[list[float]]]
 
 
 @dataclass
@@ -93,6 +104,11 @@ class ModelRunner:
         device: torch.device,
     ) -> None:
         self.model = model
+        # Set by attach_worker: STEP rows then verify ``width`` tokens and commit up to
+        # ``max_commit``; without a worker both are 1.
+        self.worker: SpeculativeWorker | None = None
+        self.width = 1
+        self.max_commit = 1
         self.sync_check = False
         # Debug: released slots' relay rows are poisoned (-1) and every STEP asserts (with a
         # host sync) that it reads only rows rewritten since.
@@ -114,35 +130,50 @@ class ModelRunner:
         def dev(n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, device=device)
 
-        def host(n: int, dtype: torch.dtype, cols: int = 0) -> torch.Tensor:
-            shape = (n, cols) if cols else (n,)
+        def host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, pin_memory=cuda)
 
         # Page 0 is scratch: empty table entries point there.
         self.page_table = torch.zeros(
             (n_slots, limits.max_pages), dtype=torch.int32, device=device
         )  # [max_slots, max_pages]
-        self.relay_tokens = dev(n_slots)  # [max_slots]
+        self.relay_tokens = dev(n_slots)  # [max_slots]: the next input token
+        self.relay_seq_len = dev(n_slots)  # [max_slots]: KV length (the next input's position)
+        self.relay_out_len = dev(n_slots)  # [max_slots]: output tokens committed
         self.slot_temperature = dev(n_slots, torch.float32)
         self.slot_top_p = dev(n_slots, torch.float32)
         self.slot_top_k = dev(n_slots)
         self.slot_seed = dev(n_slots)
         self.inputs = {name: dev(capacity[cls], dtype) for name, (dtype, cls) in _INPUTS.items()}
         self.staging = [
-            {name: host(capacity[cls], dtype) for name, (dtype, cls) in _INPUTS.items()}
+            {name: host((capacity[cls],), dtype) for name, (dtype, cls) in _INPUTS.items()}
             for _ in range(2)
         ]
+        self._host = host
+        self._allocate_results()
+        self._parity = 0
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+
+    def attach_worker(self, worker: SpeculativeWorker) -> None:
+        """Speculative STEPs from now on (before the first step)."""
+        self.worker = worker
+        self.width, self.max_commit = worker.width, worker.max_commit
+        self._allocate_results()
+
+    def _allocate_results(self) -> None:
+        rows, m = self.limits.max_slots + 1, self.max_commit
+        # Double-buffered like the staging: step n's results are read before step n + 2.
         self.results = [
             {
-                "tokens": host(row_cap, torch.int64),
-                "logprob": host(row_cap, torch.float32),
-                "top_ids": host(row_cap, torch.int64, MAX_LOGPROBS),
-                "top_logprobs": host(row_cap, torch.float32, MAX_LOGPROBS),
+                "tokens": self._host((rows, m), torch.int64),
+                "commit_lens": self._host((rows,), torch.int64),
+                "logprob": self._host((rows, m), torch.float32),
+                "top_ids": self._host((rows, m, MAX_LOGPROBS), torch.int64),
+                "top_logprobs": self._host((rows, m, MAX_LOGPROBS), torch.float32),
             }
             for _ in range(2)
         ]
-        self._parity = 0
-        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        self.step_offsets = torch.arange(self.width, device=self.device)  # [W]
 
     def enable_sync_check(self, on: bool) -> None:
         """Debug: make any host synchronisation inside ``launch`` raise (CUDA only)."""
@@ -171,77 +202,148 @@ class ModelRunner:
         lengths = self._stage(plan, self.staging[parity])
         inp = {name: self.inputs[name][:n] for name, n in lengths.items()}
         self._apply_admissions(inp)
-        if plan.kind == "step":
-            # input_ids: [bs] from the relay (the CPU does not know them yet)
-            torch.index_select(self.relay_tokens, 0, inp["slots"], out=inp["input_ids"])
-            if self.relay_check and not bool((inp["input_ids"] >= 0).all()):
-                raise AssertionError("a STEP read a relay row that was not rewritten")
+        results = self.results[parity]
+        if plan.kind == "extend":
+            event = self._extend(plan, inp, results)
+        else:
+            event = self._step(plan, inp, results)
+        return Launched(plan=plan, event=event, host=results)
+
+    def _extend(
+        self, plan: StepPlan, inp: dict[str, torch.Tensor], results: dict[str, torch.Tensor]
+    ) -> Any:
+        """Prompt chunks: the forward, then one sampled token per finishing row, which seeds
+        the row's relay (next input, KV length, output count)."""
+        fb = self._forward_batch(plan, inp, "extend")
+        hidden = self.model.forward(inp["input_ids"], fb)  # [T, H]
+        if self.worker is not None:
+            self.worker.after_extend(ExtendView(inp["input_ids"], fb.out_loc))
+        if not plan.sample_rows:
+            return None
+        logits = self.model.compute_logits(hidden[inp["sample_index"]])  # [n, V]
+        sample_slots = inp["sample_slots"]
+        out = self._sample(logits, sample_slots, inp["sample_positions"], plan)
+        self.relay_tokens.index_copy_(0, sample_slots, out.tokens)
+        self.relay_seq_len.index_copy_(0, sample_slots, inp["positions"][inp["sample_index"]] + 1)
+        self.relay_out_len.index_copy_(0, sample_slots, inp["sample_positions"] + 1)
+        return self._copy_results(
+            results,
+            {
+                "tokens": out.tokens.unsqueeze(1),
+                "logprob": out.logprob.unsqueeze(1),
+                "top_ids": out.top_ids.unsqueeze(1),
+                "top_logprobs": out.top_logprobs.unsqueeze(1),
+            },
+        )
+
+    def _step(
+        self, plan: StepPlan, inp: dict[str, torch.Tensor], results: dict[str, torch.Tensor]
+    ) -> Any:
+        """Every row verifies ``width`` tokens (root + drafts) at positions taken from the
+        relay, and commits ``commit_len`` of them (speculative.py)."""
+        bs, width = plan.bs, self.width
+        slots = inp["slots"]
+        seq = self.relay_seq_len[slots]  # [bs]
+        out_len = self.relay_out_len[slots]  # [bs]
+        view = StepView(slots=slots, roots=self.relay_tokens[slots], seq_lens=seq)
+        if self.relay_check and not bool((view.roots >= 0).all()):
+            raise AssertionError("a STEP read a relay row that was not rewritten")
+        tokens = inp["input_ids"].view(bs, width)
+        tokens[:, 0] = view.roots
+        if self.worker is not None:
+            tokens[:, 1:] = self.worker.draft(view)  # [bs, W - 1]
+        torch.add(seq.unsqueeze(1), self.step_offsets, out=inp["positions"].view(bs, width))
+        torch.add(seq, width, out=inp["seq_lens"])
+        phase: Phase = "verify" if self.worker is not None else "decode"
+        fb = self._forward_batch(plan, inp, phase)
+        hidden = self.model.forward(inp["input_ids"], fb)  # [bs * W, H]
+        logits = self.model.compute_logits(hidden)  # [bs * W, V]
+        draw_positions = (out_len.unsqueeze(1) + self.step_offsets).view(-1)  # [bs * W]
+        out = self._sample(logits, inp["token_slots"], draw_positions, plan)
+        choices = out.tokens.view(bs, width)  # [bs, W]: the target's token at each node
+        commit_lens = accept_chain(tokens[:, 1:], choices)  # [bs]; 1 without drafts
+        bonus = choices.gather(1, (commit_lens - 1).unsqueeze(1)).squeeze(1)
+        self.relay_tokens.index_copy_(0, slots, bonus)
+        self.relay_seq_len.index_copy_(0, slots, seq + commit_lens)
+        self.relay_out_len.index_copy_(0, slots, out_len + commit_lens)
+        if self.worker is not None:
+            self.worker.after_accept(view, choices, commit_lens)
+        k = out.top_ids.shape[-1]
+        return self._copy_results(
+            results,
+            {
+                "tokens": choices,
+                "commit_lens": commit_lens,
+                "logprob": out.logprob.view(bs, width),
+                "top_ids": out.top_ids.view(bs, width, k),
+                "top_logprobs": out.top_logprobs.view(bs, width, k),
+            },
+        )
+
+    def _forward_batch(
+        self, plan: StepPlan, inp: dict[str, torch.Tensor], phase: Phase
+    ) -> ForwardBatch:
         ps = self.kv.page_size
-        page_idx = torch.div(inp["positions"], ps, rounding_mode="floor")
+        positions = inp["positions"]
+        page_idx = torch.div(positions, ps, rounding_mode="floor")
         out_loc = self.page_table[inp["token_slots"], page_idx].to(torch.int64) * ps + (
-            inp["positions"] % ps
+            positions % ps
         )  # [T]
-        phase: Phase = "extend" if plan.kind == "extend" else "decode"
         backend = self.backends[phase]
         fb = ForwardBatch(
             backend=backend,
             kv=self.kv,
             page_table=self.page_table,
             slots=inp["slots"],
-            positions=inp["positions"],
+            positions=positions,
             out_loc=out_loc,
             q_start=inp["q_start"],
             seq_lens=inp["seq_lens"],
             q_pad_index=inp["q_pad_index"],
             bs=plan.bs,
             max_q=max(plan.q_lens),
+            # STEP starts are the host's upper bounds on each row's KV length.
             max_kv=max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True)),
         )
         backend.prepare(fb)
-        hidden = self.model.forward(inp["input_ids"], fb)  # [T, H]
-        results = self.results[parity]
-        event = None
-        if plan.sample_rows:
-            logits = self.model.compute_logits(hidden[inp["sample_index"]])  # [n, V]
-            sample_slots = inp["sample_slots"]
-            batch = SamplingBatch(
-                temperature=self.slot_temperature[sample_slots],
-                top_p=self.slot_top_p[sample_slots],
-                top_k=self.slot_top_k[sample_slots],
-                seed=self.slot_seed[sample_slots],
-                all_greedy=plan.all_greedy,
-                max_logprobs=plan.max_logprobs,
-            )
-            out = sample(
-                logits,
-                batch,
-                inp["sample_positions"],
-                vocab_limit=self.limits.vocab_limit,
-            )
-            self.relay_tokens.index_copy_(0, sample_slots, out.tokens)
-            event = self._copy_results(
-                results,
-                {
-                    "tokens": out.tokens,
-                    "logprob": out.logprob,
-                    "top_ids": out.top_ids,
-                    "top_logprobs": out.top_logprobs,
-                },
-            )
-        return Launched(plan=plan, event=event, host=results)
+        return fb
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        row_slots: torch.Tensor,
+        positions: torch.Tensor,
+        plan: StepPlan,
+    ) -> SampleResult:
+        """Sample each row of ``logits`` with the parameters of slot ``row_slots[r]`` and the
+        randomness counter ``positions[r]`` (the output index drawn)."""
+        batch = SamplingBatch(
+            temperature=self.slot_temperature[row_slots],
+            top_p=self.slot_top_p[row_slots],
+            top_k=self.slot_top_k[row_slots],
+            seed=self.slot_seed[row_slots],
+            all_greedy=plan.all_greedy,
+            max_logprobs=plan.max_logprobs,
+        )
+        return sample(logits, batch, positions, vocab_limit=self.limits.vocab_limit)
 
     def collect(self, launched: Launched) -> StepOutput:
         """Wait for ``launched``'s results and return them on the host."""
         if launched.event is not None:
             launched.event.synchronize()
-        n = len(launched.plan.sample_rows)
-        k = launched.plan.max_logprobs
+        plan = launched.plan
+        n, k = len(plan.sample_rows), plan.max_logprobs
         host = launched.host
+        counts = [1] * n if plan.kind == "extend" else host["commit_lens"][:n].tolist()
+        tokens = host["tokens"][:n].tolist()
+        logprobs = host["logprob"][:n].tolist()
+        top_ids = host["top_ids"][:n, :, :k].tolist()
+        top_logprobs = host["top_logprobs"][:n, :, :k].tolist()
         return StepOutput(
-            tokens=host["tokens"][:n].tolist(),
-            logprobs=host["logprob"][:n].tolist(),
-            top_ids=host["top_ids"][:n, :k].tolist() if k else [[] for _ in range(n)],
-            top_logprobs=host["top_logprobs"][:n, :k].tolist() if k else [[] for _ in range(n)],
+            tokens=[row[:c] for row, c in zip(tokens, counts, strict=True)],
+            logprobs=[row[:c] for row, c in zip(logprobs, counts, strict=True)],
+            top_ids=[row[:c] for row, c in zip(top_ids, counts, strict=True)],
+            top_logprobs=[row[:c] for row, c in zip(top_logprobs, counts, strict=True)],
         )
 
     # --- helpers -------------------------------------------------------------------------
@@ -261,16 +363,19 @@ class ModelRunner:
         slots = np.asarray(plan.slots, dtype=np.int64)
         sample_rows = np.asarray(plan.sample_rows, dtype=np.int64)
         admitted = plan.slot_params
+        extend = plan.kind == "extend"
+        empty: list[int] = []
+        # A STEP's tokens, positions and KV lengths come from the relay (filled on the device).
         values: dict[str, np.ndarray | list[int] | list[float]] = {
-            "input_ids": plan.input_ids if plan.kind == "extend" else [],
-            "positions": starts[row_of_token] + offset,
+            "input_ids": plan.input_ids if extend else empty,
+            "positions": starts[row_of_token] + offset if extend else empty,
             "token_slots": slots[row_of_token],
             "q_pad_index": row_of_token * max_q + offset,
             "slots": slots,
-            "seq_lens": starts + q_lens,
+            "seq_lens": starts + q_lens if extend else empty,
             "q_start": q_start,
-            "sample_index": q_start[sample_rows + 1] - 1,
-            "sample_slots": slots[sample_rows],
+            "sample_index": q_start[sample_rows + 1] - 1 if extend else empty,
+            "sample_slots": slots[sample_rows] if extend else empty,
             "sample_positions": plan.sample_positions,
             "admit_slots": [p.slot for p in admitted],
             "admit_temperature": [p.temperature for p in admitted],
@@ -288,8 +393,7 @@ class ModelRunner:
             if n:
                 staging[name].numpy()[:n] = value
                 self.inputs[name][:n].copy_(staging[name][:n], non_blocking=True)
-        # A STEP's input_ids come from the relay, one per row.
-        lengths["input_ids"] = n_tok
+        lengths.update(input_ids=n_tok, positions=n_tok, seq_lens=plan.bs)
         return lengths
 
     def _apply_admissions(self, inp: dict[str, torch.Tensor]) -> None:
@@ -324,7 +428,4 @@ class ModelRunner:
 
     @staticmethod
     def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-        if src.dim() == 2:
-            dst[: src.shape[0], : src.shape[1]].copy_(src, non_blocking=True)
-        else:
-            dst[: src.shape[0]].copy_(src, non_blocking=True)
+        dst[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)

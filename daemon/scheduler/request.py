@@ -7,7 +7,8 @@ KV index ranges of one request (logical positions, all in its page list)::
     | pages (shared)| request (private)  | launched-not-planned |
 
 - ``committed_len``: positions whose KV is written by a *launched* step (the host plans ahead
-  of the device: the step may still be running).
+  of the device: the step may still be running). For a decoding row under speculative
+  decoding, an upper bound (scheduler.py).
 - ``allocated_len``: positions covered by ``pages`` (``len(pages) * page_size``).
 - ``output_ids``: tokens the host has processed; under overlap the device knows one step
   more (the relay buffer holds the next input token).
@@ -51,6 +52,8 @@ class Request:
     finished: bool = False
     admitted_once: bool = False
     streamed: int = 0  # output tokens already sent to the detokenizer
+    spec_drafts: int = 0  # verify steps applied to this request
+    spec_accepted_tokens: int = 0
     first_token_time: float = 0.0
     admit_time: float = 0.0
 

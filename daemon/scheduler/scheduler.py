@@ -11,11 +11,17 @@ something about it):
 |------------------------------|-------------------------------|------------------------------|
 | finished (EOS, stop, length) | processing the step that ends | ignored in the next step     |
 | aborted / client vanished    | when the abort arrives        | ignored when processed       |
-| retracted (KV ran out)       | planning the next step        | its token is still appended  |
+| retracted (KV ran out)       | planning the next step        | its tokens are still appended|
 
 Pages and slots are released on the host at once: every device write of a later step is
 queued after the in-flight step on the same stream, so reuse is safe. A retracted request is
 re-admitted only once no step of it is in flight, so all its tokens are known on the host.
+
+Speculative STEPs commit between 1 and ``max_commit`` tokens per row, and the host learns how
+many one step late. So for a decoding row ``committed_len`` and ``planned_outputs`` are upper
+bounds: planning a STEP adds ``max_commit`` to both, processing it takes back what was not
+committed. Pages cover the bound plus the step's ``width``; the device reads the exact
+lengths from its relay.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from outrider.daemon.engine.plan import SlotParams, StepPlan
 from outrider.daemon.engine.runner import StepOutput
@@ -49,6 +55,29 @@ class SchedulerLimits:
     chunked_prefill_tokens: int
     context_length: int
     retract_every: int = 0  # debug: retract the youngest running request every N plans
+    step_width: int = 1  # KV positions a STEP row writes (the verify width)
+    max_commit: int = 1  # tokens a STEP row commits at most
+
+
+@dataclass
+class SpecCounters:
+    """Speculative counters over requests' applied verify steps (prefill counts nothing)."""
+
+    max_drafts: int
+    drafts: int = 0  # verify results applied (one per request per step)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0  # before finish truncation
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.max_drafts
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
 
 
 @dataclass
@@ -68,7 +97,12 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.free_slots = list(range(limits.max_running - 1, -1, -1))
         self.finished_by_reason: dict[str, int] = {}
+        self.spec = SpecCounters(limits.max_commit - 1) if limits.step_width > 1 else None
         self._plans = 0
+        # Pages one STEP may add to a row: its bound grows by max_commit, and the pages must
+        # cover the bound plus the step's width.
+        width, commit = limits.step_width, limits.max_commit
+        self._step_pages = (commit + width - 1 + self.page_size - 1) // self.page_size
         self._pending: list[RequestUpdate] = []
         self._released_slots: list[int] = []
 
@@ -178,8 +212,8 @@ class Scheduler:
         # it succeeds.
         cached = self.cache.match(known, record=False)
         need = (len(known) + 1 + self.page_size - 1) // self.page_size - len(cached)
-        # Headroom: every decoding request may need a fresh page in the next step.
-        headroom = sum(1 for r in self.running if r.decoding)
+        # Headroom: every decoding request may need fresh pages in the next step.
+        headroom = self._step_pages * sum(1 for r in self.running if r.decoding)
         if need + headroom > self.cache.available() and self.running:
             self.cache.release(cached)
             return False
@@ -207,29 +241,27 @@ class Scheduler:
         page_writes: list[int] = []
         page_values: list[int] = []
         rows: list[Request] = []
+        width, commit = self.limits.step_width, self.limits.max_commit
         for req in list(self.running):
             if req.slot < 0 or not req.decoding or self._planned_to_end(req):
                 continue
-            if req.committed_len == len(req.pages) * self.page_size and not self._grow(
-                req, page_writes, page_values
-            ):
+            if not self._grow(req, req.committed_len + width, page_writes, page_values):
                 continue
             rows.append(req)
         if not rows:
             return None
-        starts = [r.committed_len for r in rows]
-        positions = [r.planned_outputs for r in rows]
+        starts = [r.committed_len for r in rows]  # upper bounds: the device has the lengths
         for req in rows:
-            req.committed_len += 1
-            req.planned_outputs += 1
+            req.committed_len += commit
+            req.planned_outputs += commit
         plan = StepPlan(
             kind="step",
             slots=[r.slot for r in rows],
             starts=starts,
-            q_lens=[1] * len(rows),
+            q_lens=[width] * len(rows),
             input_ids=[],
             sample_rows=list(range(len(rows))),
-            sample_positions=positions,
+            sample_positions=[],
             page_writes=page_writes,
             page_values=page_values,
             slot_params=[],
@@ -249,10 +281,12 @@ class Scheduler:
             return True
         return len(req.prompt_ids) + req.planned_outputs >= self.limits.context_length
 
-    def _grow(self, req: Request, page_writes: list[int], page_values: list[int]) -> bool:
-        """One more page for ``req``, retracting the youngest other requests if needed.
-        Returns False when ``req`` itself was retracted."""
-        while True:
+    def _grow(
+        self, req: Request, positions: int, page_writes: list[int], page_values: list[int]
+    ) -> bool:
+        """Pages for ``req`` to cover ``positions`` KV positions, retracting the youngest
+        other requests if needed. Returns False when ``req`` itself was retracted."""
+        while len(req.pages) * self.page_size < positions:
             try:
                 (page,) = self.cache.allocate(1)
             except OutOfPages:
@@ -264,7 +298,7 @@ class Scheduler:
                 continue
             req.pages.append(page)
             self._write_pages(req, len(req.pages) - 1, page_writes, page_values)
-            return True
+        return True
 
     def _write_pages(
         self, req: Request, first: int, page_writes: list[int], page_values: list[int]
@@ -295,21 +329,34 @@ class Scheduler:
         wait in ``take_updates``."""
         for req in planned.requests:
             req.inflight -= 1
+        step = planned.plan.kind == "step"
         for i, row in enumerate(planned.plan.sample_rows):
             req = planned.requests[row]
             if req.finished:
                 continue
+            tokens = out.tokens[i]
+            if step and req.slot >= 0:
+                # Take back the part of the bound that was not committed.
+                unused = self.limits.max_commit - len(tokens)
+                req.committed_len -= unused
+                req.planned_outputs -= unused
+            if step and self.spec is not None:
+                self.spec.record(self.limits.step_width - 1, len(tokens) - 1)
+                req.spec_drafts += 1
+                req.spec_accepted_tokens += len(tokens) - 1
             if not req.output_ids:
                 req.first_token_time = time.time()
-            start = len(req.output_ids)
-            kept, finish = self.finish.append(req, [out.tokens[i]])
+            kept, finish = self.finish.append(req, tokens)
             if req.want_logprobs:
                 # NOTE: the batch computes the largest top-n any row asked for; trim to ours.
                 n = req.sampling.logprobs
-                top = list(zip(out.top_ids[i][:n], out.top_logprobs[i][:n], strict=True))
                 req.logprobs.extend(
-                    TokenLogprob(t, out.logprobs[i], top)
-                    for t in req.output_ids[start : start + kept]
+                    TokenLogprob(
+                        tokens[j],
+                        out.logprobs[i][j],
+                        list(zip(out.top_ids[i][j][:n], out.top_logprobs[i][j][:n], strict=True)),
+                    )
+                    for j in range(kept)
                 )
             if finish is not None:
                 self._finish(req, finish)
@@ -333,6 +380,8 @@ class Scheduler:
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_len,
+            spec_drafts=req.spec_drafts,
+            spec_accepted_tokens=req.spec_accepted_tokens,
         )
         info = FinishInfo(finish.reason, finish.matched_stop, usage, finish.text_cut)
         update = RequestUpdate(
@@ -389,6 +438,7 @@ class Scheduler:
     # --- state ---------------------------------------------------------------------------
 
     def counters(self) -> Counters:
+        spec = self.spec or SpecCounters(0)
         return Counters(
             running=len(self.running),
             waiting=len(self.waiting),
@@ -397,6 +447,10 @@ class Scheduler:
             prefix_cache_queries=self.cache.queries,
             prefix_cache_hits=self.cache.hits,
             requests_finished=dict(self.finished_by_reason),
+            spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )
 
     def check_integrity(self) -> None:
