@@ -38,6 +38,11 @@ class ServeConfig:
     draft_attention_backend: str = ""
     attention_config: tuple[str, ...] = ()  # NAME='{...}' options for attention backends
     speculative_algorithm: str = "none"
+    speculative_num_draft_tokens: int = 0  # 0: from --speculative-num-steps or the plugin
+    speculative_num_steps: int = 0
+    speculative_topk: int = 0
+    speculative_config: str = ""  # the plugin's options as JSON
+    draft_model: str = ""
     no_overlap: bool = False
     chunked_prefill_tokens: int = 2048
     max_message_bytes: int = 64 * 2**20
@@ -53,6 +58,13 @@ class ServeConfig:
     @property
     def overlap(self) -> bool:
         return not self.no_overlap
+
+    @property
+    def speculative_width(self) -> int:
+        """Verify tokens per row from the flags; 0 when they leave it to the plugin."""
+        if self.speculative_num_draft_tokens:
+            return self.speculative_num_draft_tokens
+        return self.speculative_num_steps + 1 if self.speculative_num_steps else 0
 
     @property
     def attention_routes(self) -> dict[Phase, str]:
@@ -79,6 +91,12 @@ _HELP: dict[str, str] = {
     "listen": "client endpoint: ipc://PATH or tcp://HOST:PORT (default: the runtime socket)",
     "attention_backend": "attention backend for every phase",
     "attention_config": "NAME='{json}' options for an attention backend (repeatable)",
+    "speculative_algorithm": "speculative plugin (see `outrider plugins`), or none",
+    "speculative_num_draft_tokens": "tokens verified per row, the root included (N)",
+    "speculative_num_steps": "draft steps S (a chain verifies S + 1 tokens)",
+    "speculative_topk": "branching per draft step (1: a chain)",
+    "speculative_config": "the speculative plugin's options as JSON",
+    "draft_model": "draft model directory (EAGLE-3, DFlash, standalone)",
     "no_overlap": "run the serial loop (same tokens, no CPU/GPU overlap)",
     "chunked_prefill_tokens": "most prompt tokens in one EXTEND batch",
     "max_message_bytes": "largest client frame (ZMQ_MAXMSGSIZE)",
@@ -171,6 +189,15 @@ def validate(config: ServeConfig) -> list[str]:
         problems.append("--chunked-prefill-tokens must be at least --page-size")
     if not 0.0 < config.gpu_memory_fraction <= 1.0:
         problems.append("--gpu-memory-fraction must be in (0, 1]")
+    if (
+        min(
+            config.speculative_num_draft_tokens,
+            config.speculative_num_steps,
+            config.speculative_topk,
+        )
+        < 0
+    ):
+        problems.append("--speculative-num-draft-tokens, -num-steps and -topk must be >= 0")
     if config.kv_cache_tokens < 0 or config.context_length < 0:
         problems.append("--kv-cache-tokens and --context-length must be >= 0")
     for item in config.attention_config:

@@ -53,6 +53,12 @@ class CheckContext:
     speculative_algorithm: str
     # Compute capability (major, minor) of the CUDA device, None on CPU.
     cuda_capability: tuple[int, int] | None = None
+    # The speculative flags as given (0 / "": not given).
+    speculative_num_draft_tokens: int = 0
+    speculative_num_steps: int = 0
+    speculative_topk: int = 0
+    speculative_config: str = ""
+    draft_model: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,18 @@ class AttentionCapabilities:
 
 
 @dataclass(frozen=True)
+class SpeculativeCapabilities:
+    needs_draft_model: bool = False
+    tree: bool = False  # takes --speculative-topk > 1
+    sampling: bool = True
+    logprobs: bool = True
+    # Drafting reads tokens on the host: impossible under the overlap loop.
+    needs_host_tokens: bool = False
+    # Verify tokens per row (the root included) when no flag sets them.
+    default_width: int = 4
+
+
+@dataclass(frozen=True)
 class PluginSpec:
     """The light description an entry point names.
 
@@ -98,6 +116,7 @@ class PluginSpec:
     api_version: int = API_VERSION
     options: type[msgspec.Struct] = NoOptions
     attention: AttentionCapabilities | None = None
+    speculative: SpeculativeCapabilities | None = None
     check: Callable[[PluginSpec, CheckContext], list[Problem]] = field(
         default=lambda spec, ctx: default_check(spec, ctx)
     )
@@ -113,7 +132,10 @@ class PluginSpec:
 
 
 def default_check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
-    """Capability-driven checks shared by attention backends; speculative specs extend it."""
+    """Capability-driven checks shared by all plugins of a kind; a spec's own ``check`` may
+    add to them."""
+    if spec.speculative is not None:
+        return _speculative_check(spec, spec.speculative, ctx)
     problems: list[Problem] = []
     caps = spec.attention
     if caps is None:
@@ -131,4 +153,35 @@ def default_check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
     for phase, name in ctx.attention_routes.items():
         if name == spec.name and phase not in caps.phases:
             problems.append(Problem(flag, f"{spec.name} cannot run the {phase} phase"))
+    return problems
+
+
+def _speculative_check(
+    spec: PluginSpec, caps: SpeculativeCapabilities, ctx: CheckContext
+) -> list[Problem]:
+    problems: list[Problem] = []
+    name = spec.name
+    if caps.needs_draft_model and not ctx.draft_model:
+        problems.append(Problem("--draft-model", f"{name} needs a draft model directory"))
+    if not caps.needs_draft_model and ctx.draft_model:
+        problems.append(Problem("--draft-model", f"{name} uses no draft model; leave it out"))
+    if ctx.speculative_topk > 1 and not caps.tree:
+        problems.append(
+            Problem(
+                "--speculative-topk",
+                f"{name} drafts chains only: use 1, not {ctx.speculative_topk}",
+            )
+        )
+    if caps.needs_host_tokens and ctx.overlap:
+        problems.append(
+            Problem("--no-overlap", f"{name} reads tokens on the host: it needs the serial loop")
+        )
+    if ctx.speculative_num_draft_tokens == 1:
+        problems.append(
+            Problem("--speculative-num-draft-tokens", "must be at least 2 (the root and a draft)")
+        )
+    try:
+        spec.parse_options(ctx.speculative_config)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        problems.append(Problem("--speculative-config", f"{name}: {exc}"))
     return problems

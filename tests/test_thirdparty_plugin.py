@@ -64,8 +64,9 @@ def test_listed_as_json_with_options_problems_and_the_broken_one(site: Path) -> 
     if report["machine"]["device"] == "cpu":
         assert {"--device", "--dtype"} <= options
 
-    [broken] = report["speculative"]
-    assert broken["name"] == "broken"
+    speculative = {p["name"]: p for p in report["speculative"]}
+    assert speculative["ngram"]["usable"] is True
+    broken = speculative["broken"]
     assert broken["usable"] is False
     assert "No module named 'outrider_example_missing_dependency'" in broken["error"]
 

@@ -13,6 +13,7 @@ import msgspec
 import torch
 
 from outrider.daemon.config import ConfigError, ServeConfig, debug_knob
+from outrider.daemon.engine.accept import step_reservation
 from outrider.daemon.engine.forward import KVCache
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
 from outrider.daemon.internal import ModelFacts, SamplingSpec, TokenizedRequest
@@ -25,7 +26,8 @@ from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
 from outrider.daemon.tokenizer import load_tokenizer
 from outrider.plugins.api import CheckContext, Phase
 from outrider.plugins.attention.base import AttentionBackend, AttentionShape
-from outrider.plugins.registry import discover
+from outrider.plugins.registry import SPECULATIVE_FLAG, discover
+from outrider.plugins.speculative.base import SpeculativeWorker, WorkerContext
 
 log = logging.getLogger("outrider.engine")
 
@@ -65,6 +67,11 @@ def check_plugins(config: ServeConfig, dtype: str) -> None:
         attention_routes=config.attention_routes,
         speculative_algorithm=config.speculative_algorithm,
         cuda_capability=capability,
+        speculative_num_draft_tokens=config.speculative_num_draft_tokens,
+        speculative_num_steps=config.speculative_num_steps,
+        speculative_topk=config.speculative_topk,
+        speculative_config=config.speculative_config,
+        draft_model=config.draft_model,
     )
     problems = discover().check(ctx)
     if problems:
@@ -79,7 +86,9 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     check_plugins(config, dtype_name)
     device = torch.device(config.device)
     context_length = config.context_length or model_config.max_position_embeddings
-    reservation = config.page_size  # KV written ahead of committed_len by one step
+    speculative = _speculative_plugin(config)
+    width = speculative.width if speculative is not None else 1
+    reservation = step_reservation(width, width, config.page_size)
     model, model_config = load_model(
         config.model,
         dtype=_DTYPES[dtype_name],
@@ -109,10 +118,21 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     limits = RunnerLimits(
         max_slots=config.max_running,
         max_pages=max_pages,
-        max_tokens=max(config.chunked_prefill_tokens, config.max_running),
+        max_tokens=max(config.chunked_prefill_tokens, config.max_running * width),
         vocab_limit=vocab_limit,
     )
     runner = ModelRunner(model, kv, _backends(config, model_config, device), limits, device)
+    if speculative is not None:
+        worker_context = WorkerContext(
+            device=device,
+            width=width,
+            max_slots=config.max_running,
+            page_table=runner.page_table,
+            page_size=page_size,
+            num_pages=num_pages,
+            context_length=context_length,
+        )
+        runner.attach_worker(speculative.worker_class(worker_context, speculative.options))
     eos = load_eos_ids(config.model, model_config)
     decoder_factory: Callable[[], TextDecoder] | None = (
         tokenizer.decoder if tokenizer is not None else None
@@ -126,6 +146,8 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
                 chunked_prefill_tokens=config.chunked_prefill_tokens,
                 context_length=context_length,
                 retract_every=debug_knob("OUTRIDER_DEBUG_RETRACT_EVERY"),
+                step_width=width,
+                max_commit=runner.max_commit,
             ),
             PrefixCache(num_pages, page_size),
             FinishChecker(eos, context_length, decoder_factory),
@@ -161,12 +183,39 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
             "overlap": config.overlap,
             "chunked_prefill_tokens": config.chunked_prefill_tokens,
             "load_format": config.load_format,
+            "speculative_num_draft_tokens": width if speculative is not None else 0,
         },
         plugins={f"attention.{phase}": name for phase, name in config.attention_routes.items()}
         | {"speculative": config.speculative_algorithm},
         speculative_algorithm=config.speculative_algorithm,
     )
     return Engine(config, model_config, facts, loop, context_length)
+
+
+@dataclass(frozen=True)
+class _Speculative:
+    worker_class: type[SpeculativeWorker]
+    options: msgspec.Struct
+    width: int
+
+
+def _speculative_plugin(config: ServeConfig) -> _Speculative | None:
+    """The chosen speculative plugin (already checked), its options and verify width."""
+    if config.speculative_algorithm == "none":
+        return None
+    spec = discover().get("speculative", config.speculative_algorithm)
+    assert spec.speculative is not None, "the registry admits speculative specs with caps"
+    options = spec.parse_options(config.speculative_config)
+    width = config.speculative_width
+    if not width:
+        width = spec.speculative.default_width
+        log.info("speculative %s: %d tokens verified per row (its default)", spec.name, width)
+    worker_class = spec.load()
+    if not (isinstance(worker_class, type) and issubclass(worker_class, SpeculativeWorker)):
+        raise ConfigError(
+            f"{SPECULATIVE_FLAG} {spec.name}: {spec.implementation} is not a SpeculativeWorker"
+        )
+    return _Speculative(worker_class, options, width)
 
 
 def _backends(

@@ -23,17 +23,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from outrider.daemon.engine.accept import accept_chain
 from outrider.daemon.engine.forward import ForwardBatch, KVCache
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.sampling import SampleResult, SamplingBatch, sample
-from outrider.daemon.engine.speculative import (
+from outrider.plugins.api import Phase
+from outrider.plugins.attention.base import AttentionBackend
+from outrider.plugins.speculative.base import (
     ExtendView,
     SpeculativeWorker,
     StepView,
-    accept_chain,
 )
-from outrider.plugins.api import Phase
-from outrider.plugins.attention.base import AttentionBackend
 
 MAX_LOGPROBS = 20
 

@@ -1,24 +1,17 @@
-"""Speculative decoding inside a STEP (DESIGN.md 4.4): the worker interface that speculative
-plugins implement, and the accept rule the runner applies.
+"""Base class of the device side of speculative plugins (loaded in the daemon only).
 
 A STEP row of width ``W`` holds the slot's root (its relay token: the last committed token,
-whose KV is not written yet, at position ``seq``) followed by ``W - 1`` drafts at positions
-``seq + 1 ..``. The target verifies all ``W`` tokens in one forward. At node ``j`` the target's
-own choice ``y[j]`` is drawn with the randomness counter of output index ``out_len + j``:
-exactly the draw that decoding without speculation makes there. Chain accept takes drafts
-while ``draft[j] == y[j]``; with ``a`` accepted, ``commit_len = a + 1`` tokens ``y[0 .. a]``
-are committed, the last being the bonus. Deterministic drafts (argmax chains, n-gram, DFlash
-blocks) are therefore lossless by construction: greedy and seeded sampled outputs equal the
-target-only outputs token for token, with no q needed.
-
-Everything here runs on the device without a host sync; the CPU learns ``commit_len`` one step
-late, through the step's result copy.
+whose KV is not written yet, at position ``seq``) followed by the ``W - 1`` drafts a worker
+returns, at positions ``seq + 1 ..``. The runner verifies them with the target, accepts
+(outrider.daemon.engine.accept) and hands the committed tokens back for the worker's
+catch-up. Every method only queues device work: a host sync inside is a bug.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -58,20 +51,14 @@ class StepView:
 
 
 class SpeculativeWorker(ABC):
-    """The device side of a speculative plugin. ``width`` tokens per row are verified, at
-    most ``max_commit`` committed. Every method only queues device work: a host sync inside
-    is a bug."""
+    """The device side of a speculative plugin: ``width`` tokens per row are verified (the
+    root included), at most ``max_commit`` committed."""
 
-    def __init__(self, ctx: WorkerContext) -> None:
+    def __init__(self, ctx: WorkerContext, options: Any) -> None:
         self.ctx = ctx
+        self.options = options  # the plugin's validated options struct
         self.width = ctx.width
-        self.max_commit = ctx.width
-
-    def reserve_tokens(self, page_size: int) -> int:
-        """KV positions a STEP may write past the host's bound on a row's committed length:
-        the verify block, plus one step's commit under overlap, page aligned."""
-        need = self.width + self.max_commit
-        return (need + page_size - 1) // page_size * page_size
+        self.max_commit = ctx.width  # a chain commits at most all drafts plus the bonus
 
     @abstractmethod
     def after_extend(self, view: ExtendView) -> None:
@@ -88,10 +75,3 @@ class SpeculativeWorker(ABC):
     ) -> None:
         """Catch-up after the accept. ``committed``: [bs, width] (the first ``commit_lens``
         of each row are committed, at positions ``seq_lens + 1 ..``)."""
-
-
-def accept_chain(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``commit_len`` per row: 1 + the number of leading drafts equal to the target's choice
-    at their parent node. drafts: [bs, W - 1]; target: [bs, W]. Returns [bs] int64."""
-    matches = (drafts == target[:, :-1]).to(torch.int64)  # [bs, W - 1]
-    return torch.cumprod(matches, dim=1).sum(dim=1) + 1

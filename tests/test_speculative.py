@@ -1,0 +1,240 @@
+"""Speculative decoding in process (scheduler + engine, float32 on CPU): every algorithm's
+output equals the target-only output token for token, greedy and seeded sampled."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from engine_harness import Outcome, engine_for, request, run
+from model_fixtures import VOCAB, save_tiny_model
+
+from outrider.daemon.config import ConfigError
+from outrider.daemon.engine.accept import accept_chain
+from outrider.daemon.engine.build import Engine
+from outrider.daemon.internal import TokenizedRequest
+
+NEW_TOKENS = 40
+WIDTH = 6
+
+
+@pytest.fixture(autouse=True)
+def _debug_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTRIDER_DEBUG_KV_CHECK", "1")
+    monkeypatch.setenv("OUTRIDER_DEBUG_RELAY_CHECK", "1")
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    """Half random, half repeating a short random phrase (text n-gram drafting can follow)."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        if i % 2:
+            phrase = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 6))]
+            prompts.append(phrase * rng.randint(3, 6))
+        else:
+            prompts.append([rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 40))])
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    directory = tmp_path_factory.mktemp("llama")
+    with torch.no_grad():
+        save_tiny_model("llama", directory)
+    return str(directory)
+
+
+def _requests(prompts: list[list[int]], **kwargs: object) -> list[TokenizedRequest]:
+    return [request(i, p, **kwargs) for i, p in enumerate(prompts)]  # type: ignore[arg-type]
+
+
+def _tokens(outcomes: dict[int, Outcome]) -> dict[int, list[int]]:
+    return {rid: outcome.token_ids for rid, outcome in outcomes.items()}
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir: str) -> dict[int, list[int]]:
+    """The target-only greedy outputs of the 18 prompts."""
+    engine = engine_for(model_dir)
+    return _tokens(run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS)))
+
+
+def _ngram(model_dir: str, **overrides: object) -> Engine:
+    settings: dict[str, object] = {
+        "speculative_algorithm": "ngram",
+        "speculative_num_draft_tokens": WIDTH,
+    }
+    settings.update(overrides)
+    return engine_for(model_dir, **settings)
+
+
+def test_accept_chain_counts_leading_matches() -> None:
+    drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 6, 7], [5, 6, 7]])
+    target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 0, 8]])
+    assert accept_chain(drafts, target).tolist() == [4, 2, 1, 3]
+    # Without drafts every row commits one token.
+    assert accept_chain(drafts[:, :0], target[:, :1]).tolist() == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_ngram_greedy_equals_target_only(
+    model_dir: str, plain: dict[int, list[int]], page_size: int, overlap: bool
+) -> None:
+    engine = _ngram(model_dir, page_size=page_size, no_overlap=not overlap)
+    outcomes = run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
+    assert _tokens(outcomes) == plain
+    counters = engine.scheduler.counters()
+    drafts = sum(o.finish.usage.spec_drafts for o in outcomes.values())
+    accepted = sum(o.finish.usage.spec_accepted_tokens for o in outcomes.values())
+    assert (counters.spec_drafts, counters.spec_accepted_tokens) == (drafts, accepted)
+    assert counters.spec_draft_tokens == drafts * (WIDTH - 1)
+    per_position = counters.spec_accepted_per_position
+    assert len(per_position) == WIDTH - 1 and sum(per_position) == accepted
+    assert per_position == sorted(per_position, reverse=True)
+    # Every output token but the first (from prefill) came out of a verify step; the last
+    # step may accept past max_new_tokens (counted before the finish truncation).
+    for outcome in outcomes.values():
+        usage = outcome.finish.usage
+        made = usage.spec_drafts + usage.spec_accepted_tokens
+        assert usage.completion_tokens - 1 <= made < usage.completion_tokens - 1 + WIDTH
+    # Repetitive text: several tokens per verify on average.
+    assert 1 + accepted / drafts >= 1.5
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_ngram_prefix_hits_and_chunks(model_dir: str, overlap: bool) -> None:
+    shared = _prompts(5, 2)[1]  # a repeating phrase as the shared prefix
+    prompts = [shared + tail for tail in _prompts(6, 8)]
+    reference = _tokens(run(engine_for(model_dir), _requests(prompts, max_new_tokens=24)))
+    engine = _ngram(model_dir, page_size=4, chunked_prefill_tokens=8, no_overlap=not overlap)
+    first = run(engine, _requests(prompts[:1], max_new_tokens=24))
+    assert first[0].token_ids == reference[0]
+    rest = run(engine, [request(i, p, max_new_tokens=24) for i, p in enumerate(prompts)][1:])
+    assert _tokens(rest) == {i: reference[i] for i in range(1, len(prompts))}
+    assert all(o.finish.usage.cached_tokens > 0 for o in rest.values())
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_ngram_retraction(
+    model_dir: str, plain: dict[int, list[int]], monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "5")
+    # A pool of 320 tokens cannot hold 18 growing requests at once: real retraction too.
+    engine = _ngram(
+        model_dir, page_size=4, kv_cache_tokens=320, context_length=96, no_overlap=not overlap
+    )
+    outcomes = run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
+    assert _tokens(outcomes) == plain
+
+
+def test_ngram_seeded_sampling_equals_target_only(model_dir: str) -> None:
+    prompts = _prompts(2, 12)
+    params = [
+        {"temperature": 0.7, "seed": 11},
+        {"temperature": 1.0, "top_k": 5, "seed": 12},
+        {"temperature": 1.3, "top_p": 0.8, "seed": 13},
+    ]
+    reqs = [
+        request(i, p, max_new_tokens=30, **params[i % 3])  # type: ignore[arg-type]
+        for i, p in enumerate(prompts)
+    ]
+    expected = _tokens(run(engine_for(model_dir), reqs))
+    engine = _ngram(model_dir)
+    assert _tokens(run(engine, reqs)) == expected
+    assert engine.scheduler.counters().spec_accepted_tokens > 0
+
+
+def test_ngram_stops_inside_an_accepted_run(model_dir: str, plain: dict[int, list[int]]) -> None:
+    prompts = _prompts(1, 18)
+    engine = _ngram(model_dir, speculative_num_draft_tokens=8)
+    # Rows 1, 3, ... repeat a phrase: their outputs come several tokens per step.
+    reqs = []
+    for rid in (1, 3, 5):
+        expected = plain[rid]
+        stop_at = expected[9]
+        reqs.append(request(100 + rid, prompts[rid], stop_token_ids=[stop_at], max_new_tokens=40))
+        reqs.append(request(200 + rid, prompts[rid], max_new_tokens=7))
+        reqs.append(request(300 + rid, prompts[rid], max_new_tokens=40, logprobs=2, stream=True))
+    outcomes = run(engine, reqs)
+    for rid in (1, 3, 5):
+        expected = plain[rid]
+        cut = expected.index(expected[9]) + 1
+        assert outcomes[100 + rid].token_ids == expected[:cut]
+        assert outcomes[100 + rid].finish.reason == "stop"
+        assert outcomes[200 + rid].token_ids == expected[:7]
+        assert outcomes[200 + rid].finish.usage.completion_tokens == 7
+        streamed = outcomes[300 + rid]
+        assert streamed.token_ids == expected
+        logprobs = [lp for u in streamed.updates for lp in (u.logprobs or [])]
+        assert [lp.token_id for lp in logprobs] == expected
+        for lp in logprobs:
+            assert lp.top[0][0] == lp.token_id and lp.top[0][1] == pytest.approx(lp.logprob)
+        # Streaming sends runs of several committed tokens: fewer updates than tokens.
+        assert len(streamed.updates) < len(expected)
+
+
+def test_overlap_and_serial_count_the_same(model_dir: str) -> None:
+    prompts = _prompts(3, 10)
+    counters = []
+    for overlap in (True, False):
+        engine = _ngram(model_dir, no_overlap=not overlap)
+        run(engine, _requests(prompts, max_new_tokens=20))
+        counters.append(engine.scheduler.counters())
+    overlapped, serial = counters
+    assert overlapped.spec_drafts == serial.spec_drafts
+    assert overlapped.spec_accepted_per_position == serial.spec_accepted_per_position
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"draft_model": "/nowhere"}, "--draft-model: ngram uses no draft model; leave it out"),
+        ({"speculative_topk": 4}, "--speculative-topk: ngram drafts chains only: use 1, not 4"),
+        (
+            {"speculative_num_draft_tokens": 1},
+            "--speculative-num-draft-tokens: must be at least 2 (the root and a draft)",
+        ),
+        (
+            {"speculative_config": '{"max_match": 3, "min_match": 4}'},
+            "--speculative-config: ngram: need 1 <= min_match <= max_match < window, got 4, 3, "
+            "1024",
+        ),
+        (
+            {"speculative_config": '{"depth": 3}'},
+            "--speculative-config: ngram: Object contains unknown field `depth`",
+        ),
+    ],
+)
+def test_ngram_refusals_name_the_flag(
+    model_dir: str, overrides: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        _ngram(model_dir, **overrides)
+    assert message in str(refused.value)
+
+
+def test_unknown_algorithm_lists_the_available_ones(model_dir: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        engine_for(model_dir, speculative_algorithm="medusa")
+    assert "--speculative-algorithm: unknown speculative algorithm 'medusa'; available: " in str(
+        refused.value
+    )
+    assert "ngram" in str(refused.value)
+
+
+def test_problems_are_reported_together(model_dir: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        _ngram(model_dir, draft_model="/nowhere", speculative_topk=2)
+    text = str(refused.value)
+    assert "--draft-model" in text and "--speculative-topk" in text
+
+
+def test_a_step_verifies_the_configured_width(model_dir: str) -> None:
+    engine = _ngram(model_dir, speculative_num_steps=3, speculative_num_draft_tokens=0)
+    runner = engine.loop.runner
+    assert (runner.width, runner.max_commit) == (4, 4)
+    default = _ngram(model_dir, speculative_num_draft_tokens=0)
+    assert default.loop.runner.width == 8
