@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from outrider.plugins.api import PHASES, Phase
+from outrider.plugins.api import PHASES, CheckContext, Phase
 
 Device = Literal["cpu", "cuda"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -65,6 +65,25 @@ class ServeConfig:
         if self.speculative_num_draft_tokens:
             return self.speculative_num_draft_tokens
         return self.speculative_num_steps + 1 if self.speculative_num_steps else 0
+
+    def check_context(
+        self, dtype: str, cuda_capability: tuple[int, int] | None = None
+    ) -> CheckContext:
+        """What plugins' ``check`` sees of this configuration, in the resolved ``dtype``."""
+        return CheckContext(
+            device=self.device,
+            dtype=dtype,
+            page_size=self.page_size,
+            overlap=self.overlap,
+            attention_routes=self.attention_routes,
+            speculative_algorithm=self.speculative_algorithm,
+            cuda_capability=cuda_capability,
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
+            speculative_num_steps=self.speculative_num_steps,
+            speculative_topk=self.speculative_topk,
+            speculative_config=self.speculative_config,
+            draft_model=self.draft_model,
+        )
 
     @property
     def attention_routes(self) -> dict[Phase, str]:

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
+from outrider.daemon.config import EXIT_CONFIG, ConfigError, add_serve_arguments, resolve
 from outrider.plugins.api import ENTRY_POINT_GROUPS, PHASES, CheckContext, PluginKind, Problem
 from outrider.plugins.registry import (
     ATTENTION_FLAG,
@@ -64,15 +66,52 @@ def add_plugins_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--page-size", type=int, default=16, help="KV page size to check plugins against"
     )
+    parser.add_argument(
+        "--check",
+        nargs=argparse.REMAINDER,
+        metavar="SERVE_FLAGS",
+        help="check these `outrider serve` flags (and OUTRIDER_* settings) without starting: "
+        f"prints every problem and exits {EXIT_CONFIG} if there is one (--model is not read)",
+    )
 
 
 def run_plugins(args: argparse.Namespace) -> int:
-    """Print every discovered plugin per group; always exits 0 (the listing is the answer)."""
+    """Print every discovered plugin per group; always exits 0 (the listing is the answer).
+    With ``--check``, the verdict on a serving configuration instead."""
+    if args.check is not None:
+        return run_serve_check(args.check)
     report = build_report(discover(), machine_context(args.page_size))
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(report), indent=2).decode())
     else:
         print(format_report(report))
+    return 0
+
+
+def run_serve_check(argv: list[str], environ: Mapping[str, str] | None = None) -> int:
+    """The plugin verdict on ``outrider serve`` flags, as the daemon would reach it at start
+    (``--dtype auto`` taken as float32 on CPU, bfloat16 on CUDA)."""
+    parser = argparse.ArgumentParser(prog="outrider plugins --check")
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.model is None:
+        args.model = "(not read)"
+    try:
+        config = resolve(args, environ)
+    except ConfigError as exc:
+        print(f"outrider plugins --check: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    capability = _cuda_capability() if config.device == "cuda" else None
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "float32" if config.device == "cpu" else "bfloat16"
+    problems = discover().check(config.check_context(dtype, capability))
+    if problems:
+        print("the configuration cannot run:")
+        print("\n".join(f"  {problem}" for problem in problems))
+        return EXIT_CONFIG
+    routes = ", ".join(f"{phase} {name}" for phase, name in config.attention_routes.items())
+    print(f"the configuration can run: speculative {config.speculative_algorithm}; {routes}")
     return 0
 
 

@@ -222,6 +222,44 @@ async def test_many_concurrent_requests_match_the_engine(
         assert all(isinstance(f, ServerInfo) for f in others), others
 
 
+@pytest.mark.e2e
+async def test_ngram_daemon_serves_the_workload_losslessly(
+    spawn: Callable[..., Daemon], workload: Workload, reference: Reference
+) -> None:
+    """The whole mixed workload (greedy, seeded sampling, stop strings and tokens, EOS,
+    logprobs, chat) through a daemon drafting with n-gram: results equal the target-only
+    engine's, and the speculative counters add up."""
+    daemon = spawn(
+        "ngram",
+        *SHARED_ARGS,
+        "--speculative-algorithm", "ngram",
+        "--speculative-num-draft-tokens", "5",
+    )  # fmt: skip
+    daemon.wait_serving()
+    jobs = [
+        (f"case{i}-{'stream' if stream else 'generate'}", case, expected, stream)
+        for i, (case, expected) in enumerate(zip(workload.cases, workload.expected, strict=True))
+        for stream in (False, True)
+    ]
+    async with AsyncClient(daemon.endpoint) as client:
+        info = await _info(client)
+        assert info.configuration["speculative_num_draft_tokens"] == 5
+        assert info.plugins["speculative"] == "ngram"
+        results = await asyncio.gather(
+            *(_submit(client, spec, rid, stream) for rid, spec, _, stream in jobs)
+        )
+        after = await _wait_idle(client)
+    for (request_id, spec, want, _), (result, _chunks) in zip(jobs, results, strict=True):
+        check_result(result, spec, want, request_id, reference.decode)
+    usages = [result.usage for result, _ in results]
+    assert after.spec_drafts == sum(u.spec_drafts for u in usages) > 0
+    assert after.spec_accepted_tokens == sum(u.spec_accepted_tokens for u in usages) > 0
+    assert after.spec_draft_tokens == 4 * after.spec_drafts
+    assert sum(after.spec_accepted_per_position) == after.spec_accepted_tokens
+    assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log()
+
+
 # --- 2. bad input -------------------------------------------------------------------------
 
 BAD_REQUESTS: list[tuple[str, dict[str, Any], str, str]] = [

@@ -10,10 +10,11 @@ import torch
 from engine_harness import Outcome, engine_for, request, run
 from model_fixtures import VOCAB, save_tiny_model
 
-from outrider.daemon.config import ConfigError
+from outrider.daemon.config import EXIT_CONFIG, ConfigError
 from outrider.daemon.engine.accept import accept_chain
 from outrider.daemon.engine.build import Engine
 from outrider.daemon.internal import TokenizedRequest
+from outrider.daemon.plugins_cmd import run_serve_check
 
 NEW_TOKENS = 40
 WIDTH = 6
@@ -238,3 +239,23 @@ def test_a_step_verifies_the_configured_width(model_dir: str) -> None:
     assert (runner.width, runner.max_commit) == (4, 4)
     default = _ngram(model_dir, speculative_num_draft_tokens=0)
     assert default.loop.runner.width == 8
+
+
+def test_plugins_check_prints_the_verdict_without_starting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    refused = run_serve_check(
+        ["--speculative-algorithm", "ngram", "--speculative-topk", "3", "--draft-model", "x"],
+        environ={},
+    )
+    assert refused == EXIT_CONFIG
+    assert capsys.readouterr().out.splitlines() == [
+        "the configuration cannot run:",
+        "  --draft-model: ngram uses no draft model; leave it out",
+        "  --speculative-topk: ngram drafts chains only: use 1, not 3",
+    ]
+    ok = run_serve_check(["--page-size", "1"], environ={"OUTRIDER_SPECULATIVE_ALGORITHM": "ngram"})
+    assert ok == 0
+    assert capsys.readouterr().out.startswith(
+        "the configuration can run: speculative ngram; extend torch, decode torch, verify torch"
+    )

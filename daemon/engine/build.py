@@ -24,7 +24,7 @@ from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
 from outrider.daemon.tokenizer import load_tokenizer
-from outrider.plugins.api import CheckContext, Phase
+from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend, AttentionShape
 from outrider.plugins.registry import SPECULATIVE_FLAG, discover
 from outrider.plugins.speculative.base import SpeculativeWorker, WorkerContext
@@ -59,20 +59,7 @@ def resolve_dtype(config: ServeConfig, model_config: ModelConfig) -> str:
 
 def check_plugins(config: ServeConfig, dtype: str) -> None:
     capability = torch.cuda.get_device_capability() if config.device == "cuda" else None
-    ctx = CheckContext(
-        device=config.device,
-        dtype=dtype,
-        page_size=config.page_size,
-        overlap=config.overlap,
-        attention_routes=config.attention_routes,
-        speculative_algorithm=config.speculative_algorithm,
-        cuda_capability=capability,
-        speculative_num_draft_tokens=config.speculative_num_draft_tokens,
-        speculative_num_steps=config.speculative_num_steps,
-        speculative_topk=config.speculative_topk,
-        speculative_config=config.speculative_config,
-        draft_model=config.draft_model,
-    )
+    ctx = config.check_context(dtype, capability)
     problems = discover().check(ctx)
     if problems:
         raise ConfigError("the configuration cannot run:\n  " + "\n  ".join(map(str, problems)))
