@@ -112,12 +112,18 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     if speculative is not None:
         worker_context = WorkerContext(
             device=device,
+            dtype=_DTYPES[dtype_name],
             width=width,
             max_slots=config.max_running,
             page_table=runner.page_table,
             page_size=page_size,
             num_pages=num_pages,
             context_length=context_length,
+            max_positions=context_length + reservation,
+            target=model,
+            draft_model=config.draft_model,
+            load_format=config.load_format,
+            make_backend=lambda phase, shape: _backend(config, phase, shape, device),
         )
         runner.attach_worker(speculative.worker_class(worker_context, speculative.options))
     eos = load_eos_ids(config.model, model_config)
@@ -135,6 +141,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
                 retract_every=debug_knob("OUTRIDER_DEBUG_RETRACT_EVERY"),
                 step_width=width,
                 max_commit=runner.max_commit,
+                prefix_margin_pages=runner.worker.prefix_margin_pages if runner.worker else 0,
             ),
             PrefixCache(num_pages, page_size),
             FinishChecker(eos, context_length, decoder_factory),
@@ -209,8 +216,6 @@ def _backends(
     config: ServeConfig, model_config: ModelConfig, device: torch.device
 ) -> dict[Phase, AttentionBackend]:
     """One backend instance per distinct name, shared by the phases routed to it."""
-    registry = discover()
-    options_by_name = dict(item.split("=", 1) for item in config.attention_config)
     shape = AttentionShape(
         num_q_heads=model_config.num_q_heads,
         num_kv_heads=model_config.num_kv_heads,
@@ -221,14 +226,24 @@ def _backends(
     routes: dict[Phase, AttentionBackend] = {}
     for phase, name in config.attention_routes.items():
         if name not in instances:
-            spec = registry.get("attention", name)
-            try:
-                options = spec.parse_options(options_by_name.get(name))
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                raise ConfigError(f"--attention-config {name}: {exc}") from None
-            instances[name] = spec.load()(shape, options, device)
+            instances[name] = _backend(config, phase, shape, device)
         routes[phase] = instances[name]
     return routes
+
+
+def _backend(
+    config: ServeConfig, phase: Phase, shape: AttentionShape, device: torch.device
+) -> AttentionBackend:
+    """A new instance of the backend routed to ``phase``, with its options."""
+    name = config.attention_routes[phase]
+    spec = discover().get("attention", name)
+    options_by_name = dict(item.split("=", 1) for item in config.attention_config)
+    try:
+        options = spec.parse_options(options_by_name.get(name))
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"--attention-config {name}: {exc}") from None
+    backend: AttentionBackend = spec.load()(shape, options, device)
+    return backend
 
 
 def _pool_tokens(

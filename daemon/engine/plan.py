@@ -39,6 +39,9 @@ class StepPlan(Struct, array_like=True, frozen=True):
     all_greedy: bool
     # Slots released since the previous plan (debug: their relay rows are poisoned).
     released_slots: list[int] = []
+    # EXTEND: per row, the token after its chunk when the host knows it (0 where the chunk
+    # ends the prompt: that token is sampled on the device).
+    next_ids: list[int] = []
 
     @property
     def bs(self) -> int:

@@ -82,6 +82,8 @@ _INPUTS: dict[str, tuple[torch.dtype, str]] = {
     "q_start": (torch.int64, "row"),
     "sample_index": (torch.int64, "row"),
     "sample_slots": (torch.int64, "row"),
+    "sample_rows": (torch.int64, "row"),
+    "next_tokens": (torch.int64, "row"),
     "sample_positions": (torch.int64, "row"),
     "admit_slots": (torch.int64, "row"),
     "admit_temperature": (torch.float32, "row"),
@@ -216,16 +218,17 @@ class ModelRunner:
         the row's relay (next input, KV length, output count)."""
         fb = self._forward_batch(plan, inp, "extend")
         hidden = self.model.forward(inp["input_ids"], fb)  # [T, H]
-        if self.worker is not None:
-            self.worker.after_extend(ExtendView(inp["input_ids"], fb.out_loc))
+        sample_slots = inp["sample_slots"]
         if not plan.sample_rows:
+            self._after_extend(fb, inp)
             return None
         logits = self.model.compute_logits(hidden[inp["sample_index"]])  # [n, V]
-        sample_slots = inp["sample_slots"]
         out = self._sample(logits, sample_slots, inp["sample_positions"], plan)
         self.relay_tokens.index_copy_(0, sample_slots, out.tokens)
         self.relay_seq_len.index_copy_(0, sample_slots, inp["positions"][inp["sample_index"]] + 1)
         self.relay_out_len.index_copy_(0, sample_slots, inp["sample_positions"] + 1)
+        inp["next_tokens"].index_copy_(0, inp["sample_rows"], out.tokens)
+        self._after_extend(fb, inp)
         return self._copy_results(
             results,
             {
@@ -236,6 +239,13 @@ class ModelRunner:
             },
         )
 
+    def _after_extend(self, fb: ForwardBatch, inp: dict[str, torch.Tensor]) -> None:
+        if self.worker is not None:
+            view = ExtendView(
+                fb, inp["input_ids"], inp["next_tokens"], inp["sample_rows"], inp["sample_slots"]
+            )
+            self.worker.after_extend(view)
+
     def _step(
         self, plan: StepPlan, inp: dict[str, torch.Tensor], results: dict[str, torch.Tensor]
     ) -> Any:
@@ -245,7 +255,8 @@ class ModelRunner:
         slots = inp["slots"]
         seq = self.relay_seq_len[slots]  # [bs]
         out_len = self.relay_out_len[slots]  # [bs]
-        view = StepView(slots=slots, roots=self.relay_tokens[slots], seq_lens=seq)
+        max_kv = max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True))
+        view = StepView(slots=slots, roots=self.relay_tokens[slots], seq_lens=seq, max_kv=max_kv)
         if self.relay_check and not bool((view.roots >= 0).all()):
             raise AssertionError("a STEP read a relay row that was not rewritten")
         tokens = inp["input_ids"].view(bs, width)
@@ -267,7 +278,7 @@ class ModelRunner:
         self.relay_seq_len.index_copy_(0, slots, seq + commit_lens)
         self.relay_out_len.index_copy_(0, slots, out_len + commit_lens)
         if self.worker is not None:
-            self.worker.after_accept(view, choices, commit_lens)
+            self.worker.after_accept(view, fb, choices, commit_lens)
         k = out.top_ids.shape[-1]
         return self._copy_results(
             results,
@@ -304,6 +315,7 @@ class ModelRunner:
             max_q=max(plan.q_lens),
             # STEP starts are the host's upper bounds on each row's KV length.
             max_kv=max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True)),
+            capture_layers=self.worker.capture_layers if self.worker is not None else (),
         )
         backend.prepare(fb)
         return fb
@@ -376,6 +388,8 @@ class ModelRunner:
             "q_start": q_start,
             "sample_index": q_start[sample_rows + 1] - 1 if extend else empty,
             "sample_slots": slots[sample_rows] if extend else empty,
+            "sample_rows": sample_rows if extend else empty,
+            "next_tokens": plan.next_ids,
             "sample_positions": plan.sample_positions,
             "admit_slots": [p.slot for p in admitted],
             "admit_temperature": [p.temperature for p in admitted],

@@ -57,6 +57,7 @@ class SchedulerLimits:
     retract_every: int = 0  # debug: retract the youngest running request every N plans
     step_width: int = 1  # KV positions a STEP row writes (the verify width)
     max_commit: int = 1  # tokens a STEP row commits at most
+    prefix_margin_pages: int = 0  # last pages of a prefix hit recomputed (speculative drafts)
 
 
 @dataclass
@@ -188,6 +189,10 @@ class Scheduler:
                 req.planned_outputs += 1
         requests = [req for req, _ in rows]
         sampled = [requests[i] for i in sample_rows]
+        next_ids = [
+            req.known_ids()[req.committed_len] if req.committed_len < req.extend_end else 0
+            for req in requests
+        ]
         plan = StepPlan(
             kind="extend",
             slots=[r.slot for r in requests],
@@ -202,6 +207,7 @@ class Scheduler:
             max_logprobs=self._max_logprobs(sampled),
             all_greedy=self._all_greedy(sampled),
             released_slots=self._take_released_slots(),
+            next_ids=next_ids,
         )
         return Planned(plan, requests)
 
@@ -211,6 +217,10 @@ class Scheduler:
         # NOTE: an admission that backs out is retried next step: count the query only once
         # it succeeds.
         cached = self.cache.match(known, record=False)
+        if self.limits.prefix_margin_pages and cached:
+            give_back = cached[max(0, len(cached) - self.limits.prefix_margin_pages) :]
+            self.cache.release(give_back)
+            cached = cached[: len(cached) - len(give_back)]
         need = (len(known) + 1 + self.page_size - 1) // self.page_size - len(cached)
         # Headroom: every decoding request may need fresh pages in the next step.
         headroom = self._step_pages * sum(1 for r in self.running if r.decoding)

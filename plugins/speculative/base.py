@@ -10,10 +10,18 @@ catch-up. Every method only queues device work: a host sync inside is a bug.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+
+from outrider.plugins.api import Phase
+from outrider.plugins.attention.base import AttentionBackend, AttentionShape
+
+if TYPE_CHECKING:
+    from outrider.daemon.engine.forward import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -21,20 +29,32 @@ class WorkerContext:
     """What a worker is built with (besides its plugin options)."""
 
     device: torch.device
+    dtype: torch.dtype  # the target's serving dtype
     width: int  # verify tokens per row, the root included (--speculative-num-draft-tokens)
     max_slots: int
     page_table: torch.Tensor  # [max_slots, max_pages] int32, shared with the target
     page_size: int
     num_pages: int  # of the target's KV pool, the scratch page included
     context_length: int
+    max_positions: int  # positions a STEP may reach: context length plus the reservation
+    target: nn.Module  # the target model (embedding and LM head may be shared)
+    draft_model: str  # --draft-model ("" when none)
+    load_format: str  # --load-format, for the draft too
+    # An attention backend instance for one of the draft phases, for the draft's shape.
+    make_backend: Callable[[Phase, AttentionShape], AttentionBackend]
 
 
 @dataclass(frozen=True)
 class ExtendView:
-    """An EXTEND batch after the target's forward: every token's id and flat KV index."""
+    """An EXTEND batch after the target's forward and sampling."""
 
+    fb: ForwardBatch  # the target's: positions, out_loc, rows, captured hidden states
     input_ids: torch.Tensor  # [T] int64
-    out_loc: torch.Tensor  # [T] int64: flat KV index the token's K/V went to
+    # [bs] int64: the token after each row's chunk: the next chunk's first token, or the
+    # token just sampled when the chunk ends the prompt.
+    next_tokens: torch.Tensor
+    sample_rows: torch.Tensor  # [n] int64: rows whose chunk ended the prompt
+    sample_slots: torch.Tensor  # [n] int64: their slots
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,7 @@ class StepView:
     slots: torch.Tensor  # [bs] int64
     roots: torch.Tensor  # [bs] int64: the relay token of each slot
     seq_lens: torch.Tensor  # [bs] int64: committed KV length = the root's position
+    max_kv: int  # host bound on any row's KV length after the verify
 
     @property
     def bs(self) -> int:
@@ -53,6 +74,13 @@ class StepView:
 class SpeculativeWorker(ABC):
     """The device side of a speculative plugin: ``width`` tokens per row are verified (the
     root included), at most ``max_commit`` committed."""
+
+    # Target layers (output-of-layer convention) whose hidden states EXTEND and verify
+    # forwards capture into ``fb.captured`` for the worker.
+    capture_layers: tuple[int, ...] = ()
+    # Whole pages a prefix-cache hit gives back to be recomputed: a draft whose cached state
+    # at the last hit position depends on the token after it sets 1.
+    prefix_margin_pages: int = 0
 
     def __init__(self, ctx: WorkerContext, options: Any) -> None:
         self.ctx = ctx
@@ -71,7 +99,12 @@ class SpeculativeWorker(ABC):
 
     @abstractmethod
     def after_accept(
-        self, view: StepView, committed: torch.Tensor, commit_lens: torch.Tensor
+        self,
+        view: StepView,
+        verify: ForwardBatch,
+        committed: torch.Tensor,
+        commit_lens: torch.Tensor,
     ) -> None:
-        """Catch-up after the accept. ``committed``: [bs, width] (the first ``commit_lens``
-        of each row are committed, at positions ``seq_lens + 1 ..``)."""
+        """Catch-up after the accept. ``verify``: the target's verify forward (``width``
+        tokens per row at ``seq_lens ..``, with its captures). ``committed``: [bs, width],
+        the first ``commit_lens`` of each row committed, at positions ``seq_lens + 1 ..``."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from outrider.daemon.engine.forward import ForwardBatch
 from outrider.plugins.speculative.base import (
     ExtendView,
     SpeculativeWorker,
@@ -39,7 +40,7 @@ class NgramWorker(SpeculativeWorker):
         self.block_offsets = torch.arange(self.width, device=ctx.device)  # [W]
 
     def after_extend(self, view: ExtendView) -> None:
-        self.tokens.index_copy_(0, view.out_loc, view.input_ids)
+        self.tokens.index_copy_(0, view.fb.out_loc, view.input_ids)
 
     def draft(self, view: StepView) -> torch.Tensor:
         history = self._history(view)  # [bs, window]
@@ -51,7 +52,11 @@ class NgramWorker(SpeculativeWorker):
         return torch.where(found.unsqueeze(1), drafts, view.roots.unsqueeze(1))
 
     def after_accept(
-        self, view: StepView, committed: torch.Tensor, commit_lens: torch.Tensor
+        self,
+        view: StepView,
+        verify: ForwardBatch,
+        committed: torch.Tensor,
+        commit_lens: torch.Tensor,
     ) -> None:
         # committed[:, j] sits at position seq + 1 + j; the block starts with the root.
         block = torch.cat([view.roots.unsqueeze(1), committed[:, :-1]], dim=1)  # [bs, W]
