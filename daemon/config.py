@@ -78,6 +78,7 @@ class ServeConfig:
             attention_routes=self.attention_routes,
             speculative_algorithm=self.speculative_algorithm,
             cuda_capability=cuda_capability,
+            model=self.model,
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
             speculative_num_steps=self.speculative_num_steps,
             speculative_topk=self.speculative_topk,

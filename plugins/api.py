@@ -53,6 +53,8 @@ class CheckContext:
     speculative_algorithm: str
     # Compute capability (major, minor) of the CUDA device, None on CPU.
     cuda_capability: tuple[int, int] | None = None
+    # --model (a directory or config.json path; "" when unknown).
+    model: str = ""
     # The speculative flags as given (0 / "": not given).
     speculative_num_draft_tokens: int = 0
     speculative_num_steps: int = 0

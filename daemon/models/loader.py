@@ -183,7 +183,7 @@ def load_weights(
     log.info("loaded %.2f GB of weights in %.1f s", size / 1e9, time.monotonic() - start)
 
 
-def init_dummy(model: DecoderForCausalLM, seed: int = 0) -> None:
+def init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights, deterministic per device: norms 1, everything else N(0, 0.02)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)

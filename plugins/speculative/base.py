@@ -37,7 +37,10 @@ class WorkerContext:
     num_pages: int  # of the target's KV pool, the scratch page included
     context_length: int
     max_positions: int  # positions a STEP may reach: context length plus the reservation
-    target: nn.Module  # the target model (embedding and LM head may be shared)
+    # The target's parts a draft may share.
+    target_layers: int
+    embed: nn.Module  # token ids [T] -> embeddings [T, H]
+    lm_head: Callable[[torch.Tensor], torch.Tensor]  # normed hidden [n, H] -> logits [n, V]
     draft_model: str  # --draft-model ("" when none)
     load_format: str  # --load-format, for the draft too
     # An attention backend instance for one of the draft phases, for the draft's shape.

@@ -1,0 +1,399 @@
+"""The EAGLE-3 draft model, its loader and its exporter (DESIGN.md 4.2 and 4.5). Imported
+inside the daemon only.
+
+One Llama decoder layer whose q/k/v read a 2H-wide input::
+
+    feat = fc(concat(h_low, h_mid, h_high))                  [T, 3*H_t] -> [T, H]
+    x    = concat(input_layernorm(embed), hidden_norm(feat))  [T, 2H], embedding first
+    h    = feat + attention(x)                                residual: feat, un-normed
+    y    = h + mlp(post_attention_layernorm(h))               fed back as the next feat
+    logits = lm_head(norm(y))                                 [T, draft_vocab]
+
+The embedding is the target's (shared, not in the draft). The draft owns a one-layer
+``KVCache`` in the target's page layout and writes its K/V into layer 0 at ``fb.out_loc``.
+Its RoPE comes from its own config.json, its tables are sized by ``max_positions``.
+
+Public checkpoint layout::
+
+    fc.weight                                 [H, 3*H_t]
+    midlayer.self_attn.{q,k,v}_proj.weight    [Hq*D | Hkv*D, 2H]  -> our fused qkv_proj
+    midlayer.self_attn.o_proj.weight          [H, Hq*D]
+    midlayer.mlp.{gate,up}_proj.weight        [I, H]              -> our fused gate_up_proj
+    midlayer.mlp.down_proj.weight             [H, I]
+    midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight   [H]
+    norm.weight [H], lm_head.weight [draft_vocab, H]
+    d2t [draft_vocab] int64 (target_id - draft_id), t2d [vocab] bool (in the draft vocab)
+
+``d2t``/``t2d`` may be absent when ``draft_vocab_size == vocab_size`` (identity);
+``embed_tokens.weight`` is skipped (the target's is used). Any other unknown or missing
+tensor is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from outrider.daemon.models.config import ModelConfig, model_dir
+from outrider.daemon.models.layers import MLP, Attention, FusedLinear, RMSNorm, RotaryEmbedding
+from outrider.daemon.models.loader import Slot, checkpoint_files, checkpoint_name, init_dummy
+from outrider.plugins.attention.base import AttentionShape
+
+if TYPE_CHECKING:
+    from outrider.daemon.engine.forward import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+NUM_TAPS = 3  # fc reads three target layers
+# Public checkpoint tensors we skip: the target's embedding is shared.
+_IGNORED = frozenset({"embed_tokens.weight"})
+_VOCAB_MAP = ("d2t", "t2d")
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """A draft's config.json, parsed once."""
+
+    model: ModelConfig  # decoder shape and RoPE; vocab_size = the target's vocab
+    draft_vocab_size: int
+    target_hidden_size: int  # H_t: fc takes NUM_TAPS * H_t
+    # eagle_config.eagle_aux_hidden_state_layer_ids exactly as written (engines disagree by
+    # one on their convention: the caller interprets them); None when absent.
+    aux_layer_ids: tuple[int, ...] | None
+
+    @property
+    def identity_vocab(self) -> bool:
+        return self.draft_vocab_size == self.model.vocab_size
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Eagle3Config:
+        """Parse a draft directory or its config.json (through transformers' AutoConfig, as
+        ``ModelConfig`` does). Raises ValueError for a config that is not an EAGLE-3 draft."""
+        from transformers import AutoConfig
+
+        return cls.from_dict(AutoConfig.from_pretrained(str(path)).to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Eagle3Config:
+        model = ModelConfig.from_dict(d)
+        if model.architecture != ARCHITECTURE:
+            raise ValueError(
+                f"an EAGLE-3 draft has architectures [{ARCHITECTURE!r}], "
+                f"not [{model.architecture!r}]"
+            )
+        if model.model_type != "llama":
+            raise ValueError(f"an EAGLE-3 draft has model_type 'llama', not {model.model_type!r}")
+        if model.num_layers != 1:
+            raise ValueError(f"an EAGLE-3 draft has num_hidden_layers 1, not {model.num_layers}")
+        draft_vocab_size = int(d.get("draft_vocab_size") or model.vocab_size)
+        if not 0 < draft_vocab_size <= model.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {draft_vocab_size} must be in 1..vocab_size ({model.vocab_size})"
+            )
+        written = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        aux_layer_ids = None if written is None else tuple(int(i) for i in written)
+        if aux_layer_ids is not None and len(aux_layer_ids) != NUM_TAPS:
+            raise ValueError(
+                f"eagle_config.eagle_aux_hidden_state_layer_ids must name {NUM_TAPS} layers, "
+                f"got {list(aux_layer_ids)}"
+            )
+        return cls(
+            model=model,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=int(d.get("target_hidden_size") or model.hidden_size),
+            aux_layer_ids=aux_layer_ids,
+        )
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
+    """The default taps ``[1, N//2 - 1, N - 4]`` in the output-of-layer convention. Raises
+    ValueError where they collide (N < 7): such targets need explicit ids."""
+    n = num_target_layers
+    taps = (1, n // 2 - 1, n - 4)
+    if not taps[0] < taps[1] < taps[2]:
+        raise ValueError(
+            f"the default EAGLE-3 taps of a {n}-layer target collide ({list(taps)}): "
+            "write eagle_config.eagle_aux_hidden_state_layer_ids explicitly"
+        )
+    return taps
+
+
+class Eagle3Attention(Attention):
+    """``Attention`` whose q/k/v read the 2H-wide concat; o_proj still returns H."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, layer_id=0)
+        # NOTE: replaces the H-wide qkv_proj built above; build on the meta device (as
+        # build_eagle3 does) so the discarded one costs no memory.
+        q_rows = config.num_q_heads * config.head_dim
+        kv_rows = config.num_kv_heads * config.head_dim
+        rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+        self.qkv_proj = FusedLinear(2 * config.hidden_size, rows, config.attention_bias)
+
+
+class Eagle3Layer(nn.Module):
+    """The draft's decoder layer: HF's ``midlayer.`` prefix."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        feat: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        # embeds, feat: [T, H]; never updated in place (captures may alias them).
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(feat)), dim=-1)  # [T, 2H]
+        h = feat + self.self_attn(x, cos, sin, fb)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    """The EAGLE-3 draft. Parameter names follow the public layout except for the fused
+    ``qkv_proj`` and ``gate_up_proj`` (mapped in ``eagle3_tensors``)."""
+
+    d2t: torch.Tensor  # [draft_vocab] int64: target_id - draft_id
+    t2d: torch.Tensor  # [vocab] bool: target id is in the draft vocab
+
+    def __init__(self, config: Eagle3Config, max_positions: int) -> None:
+        super().__init__()
+        m = config.model
+        self.config = config
+        self.fc = nn.Linear(NUM_TAPS * config.target_hidden_size, m.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(m)
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.lm_head = nn.Linear(m.hidden_size, config.draft_vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(m.head_dim, m.rope, max_positions)
+        # NOTE: uninitialised after build_eagle3's to_empty; the load paths always fill them.
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(m.vocab_size, dtype=torch.bool))
+
+    @property
+    def num_layers(self) -> int:
+        return 1
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.model.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.model.head_dim
+
+    @property
+    def attention_shape(self) -> AttentionShape:
+        m = self.config.model
+        return AttentionShape(m.num_q_heads, m.num_kv_heads, m.head_dim, m.head_dim**-0.5)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """``features: [T, 3*H_t]`` (the tapped target layers, low to high, concatenated)
+        -> ``feat: [T, H]``."""
+        return self.fc(features)
+
+    def forward(self, embeds: torch.Tensor, feat: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """``embeds: [T, H]`` the target's embedding of the input tokens, ``feat: [T, H]``
+        (``project``'s output, or the draft's own previous output while drafting) -> ``y:
+        [T, H]`` before the final norm. Writes K/V into layer 0 of ``fb.kv`` at
+        ``fb.out_loc``; positions are ``fb.positions``."""
+        cos, sin = self.rotary_emb(fb.positions)  # [T, D/2] each
+        return self.midlayer(embeds, feat, cos, sin, fb)
+
+    def compute_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """``y: [n, H]`` -> ``[n, draft_vocab]`` float32."""
+        return self.lm_head(self.norm(y)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids (any shape, int64) -> target ids (identity when the
+        vocabularies are the same)."""
+        return draft_ids + self.d2t[draft_ids]
+
+
+def eagle3_tensors(model: Eagle3Draft) -> dict[str, torch.Tensor]:
+    """Public checkpoint name -> the model tensor (or fused rows, as a view) it loads into."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}"
+            if isinstance(module, FusedLinear):
+                for shard, rows in module.shards.items():
+                    out[checkpoint_name(Slot(full, shard))] = param.data[rows]
+            else:
+                out[full] = param.data
+    out["d2t"], out["t2d"] = model.d2t, model.t2d
+    return out
+
+
+def build_eagle3(
+    config: Eagle3Config, *, max_positions: int, dtype: torch.dtype, device: torch.device | str
+) -> Eagle3Draft:
+    """The draft with uninitialised weights in ``dtype`` on ``device`` (meta: no memory).
+    ``d2t``/``t2d`` keep their integer and bool dtypes."""
+    with torch.device("meta"):
+        model = Eagle3Draft(config, max_positions)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.rotary_emb.init_table()
+    model.requires_grad_(False)
+    return model
+
+
+def load_eagle3(
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int,
+    load_format: Literal["auto", "dummy"] = "auto",
+) -> Eagle3Draft:
+    """Load the draft at ``path`` (a directory or its config.json). ``max_positions`` sizes
+    the rotary tables: the serving context length plus the largest reservation. ``dummy``
+    fills random weights (norms 1, the rest N(0, 0.02)) and maps draft id i to target id i."""
+    config = Eagle3Config.from_pretrained(path)
+    model = build_eagle3(config, max_positions=max_positions, dtype=dtype, device=device)
+    if load_format == "dummy":
+        init_dummy(model)
+        model.d2t.zero_()
+        model.t2d.copy_(
+            torch.arange(model.t2d.shape[0], device=model.t2d.device) < config.draft_vocab_size
+        )
+    else:
+        files = checkpoint_files(model_dir(path))
+        fill_eagle3(model, _read(files, torch.device(device)))
+        log.info("loaded the EAGLE-3 draft from %s", ", ".join(str(f) for f in files))
+    _check_vocab_map(model)
+    return model
+
+
+def _read(files: list[Path], device: torch.device) -> Iterable[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as shard:
+            for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, shard.get_tensor(name)
+
+
+def fill_eagle3(model: Eagle3Draft, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy public-layout ``(name, tensor)`` pairs into ``model``. Raises ValueError naming
+    every unexpected, repeated or missing tensor, or the first one of a wrong shape."""
+    dests = eagle3_tensors(model)
+    pending = set(dests)
+    unexpected: list[str] = []
+    for name, tensor in tensors:
+        if name in _IGNORED:
+            log.info("EAGLE-3 checkpoint: skipping %s (the target's embedding is shared)", name)
+            continue
+        if name not in pending:
+            unexpected.append(f"{name} (twice)" if name in dests else name)
+            continue
+        dest = dests[name]
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        pending.discard(name)
+    if model.config.identity_vocab and pending & set(_VOCAB_MAP) == set(_VOCAB_MAP):
+        model.d2t.zero_()
+        model.t2d.fill_(True)
+        pending -= set(_VOCAB_MAP)
+    problems = []
+    if unexpected:
+        problems.append(f"unexpected checkpoint tensors: {', '.join(sorted(unexpected))}")
+    if pending:
+        problems.append(f"missing checkpoint tensors: {', '.join(sorted(pending))}")
+    if problems:
+        raise ValueError("EAGLE-3 draft: " + "; ".join(problems))
+
+
+def _check_vocab_map(model: Eagle3Draft) -> None:
+    """``d2t`` maps the draft ids one to one onto target ids, and ``t2d`` marks exactly
+    those. Syncs with the host: load time only."""
+    draft_vocab, vocab = model.d2t.shape[0], model.t2d.shape[0]
+    targets = model.to_target_ids(torch.arange(draft_vocab, device=model.d2t.device))
+    if not bool(((targets >= 0) & (targets < vocab)).all()):
+        raise ValueError("EAGLE-3 draft: d2t maps draft ids outside the target vocab")
+    if targets.unique().numel() != draft_vocab:
+        raise ValueError("EAGLE-3 draft: d2t maps two draft ids onto one target id")
+    if not bool(model.t2d[targets].all()) or int(model.t2d.sum()) != draft_vocab:
+        raise ValueError("EAGLE-3 draft: t2d does not mark exactly the targets of d2t")
+
+
+def save_eagle3(model: Eagle3Draft, directory: str | Path, config_json: dict[str, Any]) -> None:
+    """Write ``config.json`` and ``model.safetensors`` in the public layout. ``config_json``
+    gives the keys the model cannot know (e.g. eos ids); ``architectures``, ``model_type``,
+    ``num_hidden_layers`` and ``tie_word_embeddings`` are set, and the model's shape, RoPE
+    (where ``config_json`` names none) and taps filled in. A shape, RoPE or tap value of
+    ``config_json`` that contradicts the model raises ValueError naming it."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = _export_config(model, config_json)
+    tensors = {name: t.detach().to("cpu").clone() for name, t in eagle3_tensors(model).items()}
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _export_config(model: Eagle3Draft, config_json: dict[str, Any]) -> dict[str, Any]:
+    c, m = model.config, model.config.model
+    # What makes it an EAGLE-3 draft is set; shape keys the caller gives must agree.
+    out = {
+        **config_json,
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+    }
+    shape: dict[str, Any] = {
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "num_attention_heads": m.num_q_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "rms_norm_eps": m.rms_norm_eps,
+        "vocab_size": m.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "attention_bias": m.attention_bias,
+        "hidden_act": "silu",
+    }
+    for key, value in shape.items():
+        if key in out and out[key] != value:
+            raise ValueError(f"config_json[{key!r}] = {out[key]!r}, the model has {value!r}")
+        out[key] = value
+    if not {"rope_theta", "rope_scaling", "rope_parameters"} & out.keys():
+        out["rope_theta"] = m.rope.theta
+        if m.rope.llama3 is not None:
+            out["rope_scaling"] = {"rope_type": "llama3", **asdict(m.rope.llama3)}
+    out.setdefault("max_position_embeddings", m.max_position_embeddings)
+    out.setdefault("torch_dtype", str(model.fc.weight.dtype).removeprefix("torch."))
+    if c.aux_layer_ids is not None:
+        eagle = dict(out.get("eagle_config") or {})
+        ids = list(c.aux_layer_ids)
+        if eagle.setdefault("eagle_aux_hidden_state_layer_ids", ids) != ids:
+            raise ValueError(
+                "config_json's eagle_config.eagle_aux_hidden_state_layer_ids "
+                f"{eagle['eagle_aux_hidden_state_layer_ids']} differ from the model's {ids}"
+            )
+        out["eagle_config"] = eagle
+    written = Eagle3Config.from_dict(out)
+    if written.model.rope != m.rope:
+        raise ValueError(f"config_json's RoPE ({written.model.rope}) is not the model's ({m.rope})")
+    return out
