@@ -101,6 +101,8 @@ class SpeculativeCapabilities:
     needs_host_tokens: bool = False
     # Verify tokens per row (the root included) when no flag sets them.
     default_width: int = 4
+    # A key of the draft's config.json holding the width instead (e.g. a block size).
+    width_key: str = ""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ builds ``ForwardBatch``es the way the engine will (pages from a counter starting
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -165,3 +166,70 @@ class PagedRows:
             capture_layers=capture_layers,
         )
         return tensor(ids), fb
+
+
+def save_random_eagle3(directory: Path) -> Path:
+    """A random EAGLE-3 draft for the tiny targets (hidden 64, 3 layers), in the public
+    layout, with a draft vocabulary half the target's: draft id i stands for target id 2i."""
+    from outrider.plugins.speculative.eagle3_model import load_eagle3, save_eagle3
+
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": TINY["hidden_size"],
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": VOCAB // 2,
+        "rope_theta": 5000.0,
+        "max_position_embeddings": 256,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
+    }
+    source = directory / "source"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(3)
+    draft = load_eagle3(
+        source, dtype=torch.float32, device="cpu", max_positions=256, load_format="dummy"
+    )
+    draft.d2t.copy_(torch.arange(VOCAB // 2))
+    draft.t2d.zero_()
+    draft.t2d[::2] = True
+    save_eagle3(draft, directory, config)
+    return directory
+
+
+def save_random_dflash(directory: Path, block_size: int = 4) -> Path:
+    """A random DFlash draft (two Qwen3 layers) for the tiny targets, tapping layers 0 and 1,
+    with the last id as its mask token."""
+    from outrider.plugins.speculative.dflash_model import load_dflash, save_dflash
+
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": TINY["hidden_size"],
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "block_size": block_size,
+        "num_target_layers": TINY["num_hidden_layers"],
+        "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 1]},
+    }
+    source = directory / "source"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(4)
+    draft = load_dflash(
+        source, dtype=torch.float32, device="cpu", max_positions=256, load_format="dummy"
+    )
+    save_dflash(draft, directory, config)
+    return directory

@@ -3,20 +3,18 @@ output equals the target-only output token for token, greedy and seeded sampled.
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 import torch
 from engine_harness import Outcome, engine_for, request, run
-from model_fixtures import VOCAB, save_tiny_model
+from model_fixtures import VOCAB, save_random_dflash, save_random_eagle3, save_tiny_model
 
 from outrider.daemon.config import EXIT_CONFIG, ConfigError
 from outrider.daemon.engine.accept import accept_chain
 from outrider.daemon.engine.build import Engine
 from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.plugins_cmd import run_serve_check
-from outrider.plugins.speculative.eagle3_model import load_eagle3, save_eagle3
 
 NEW_TOKENS = 40
 WIDTH = 6
@@ -268,37 +266,7 @@ def test_plugins_check_prints_the_verdict_without_starting(
 
 @pytest.fixture(scope="module")
 def eagle3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A random EAGLE-3 draft for the tiny Llama target, in the public layout, with a
-    draft vocabulary half the target's (a non-trivial d2t)."""
-    source = tmp_path_factory.mktemp("eagle3-config")
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB,
-        "draft_vocab_size": VOCAB // 2,
-        "rope_theta": 5000.0,
-        "max_position_embeddings": 256,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
-    }
-    (source / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(3)
-    draft = load_eagle3(
-        source, dtype=torch.float32, device=torch.device("cpu"), max_positions=256,
-        load_format="dummy",
-    )  # fmt: skip
-    # Draft id i stands for target id 2i: every other target token can be drafted.
-    draft.d2t.copy_(torch.arange(VOCAB // 2))
-    draft.t2d.zero_()
-    draft.t2d[::2] = True
-    directory = tmp_path_factory.mktemp("eagle3")
-    save_eagle3(draft, directory, config)
-    return str(directory)
+    return str(save_random_eagle3(tmp_path_factory.mktemp("eagle3")))
 
 
 def _eagle3(model_dir: str, eagle3_dir: str, **overrides: object) -> Engine:
@@ -352,3 +320,73 @@ def test_eagle3_refusals_name_the_flag(model_dir: str, eagle3_dir: str) -> None:
     with pytest.raises(ConfigError) as refused:
         engine_for(model_dir, speculative_algorithm="eagle3", draft_model=model_dir)
     assert "--draft-model: eagle3 needs a LlamaForCausalLMEagle3 draft, not" in str(refused.value)
+
+
+# --- DFlash -------------------------------------------------------------------------------
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_random_dflash(tmp_path_factory.mktemp("dflash"), block_size=BLOCK))
+
+
+def _dflash(model_dir: str, dflash_dir: str, **overrides: object) -> Engine:
+    settings: dict[str, object] = {"speculative_algorithm": "dflash", "draft_model": dflash_dir}
+    settings.update(overrides)
+    return engine_for(model_dir, **settings)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_dflash_greedy_equals_target_only(
+    model_dir: str, dflash_dir: str, plain: dict[int, list[int]], page_size: int, overlap: bool
+) -> None:
+    engine = _dflash(model_dir, dflash_dir, page_size=page_size, no_overlap=not overlap)
+    assert engine.loop.runner.width == BLOCK  # the draft's block size
+    outcomes = run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
+    assert _tokens(outcomes) == plain
+    counters = engine.scheduler.counters()
+    assert counters.spec_draft_tokens == (BLOCK - 1) * counters.spec_drafts > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_dflash_prefix_hits_chunks_retraction_sampling_and_logprobs(
+    model_dir: str, dflash_dir: str, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    shared = _prompts(5, 2)[1]
+    prompts = [shared + tail for tail in _prompts(6, 8)]
+    sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 9, "logprobs": 2}
+    reqs = [request(i, p, max_new_tokens=24) for i, p in enumerate(prompts)]
+    reqs += [request(100 + i, p, max_new_tokens=24, **sampled) for i, p in enumerate(prompts)]
+    expected = run(engine_for(model_dir), reqs)
+    monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "9")
+    engine = _dflash(
+        model_dir, dflash_dir, page_size=4, chunked_prefill_tokens=16, no_overlap=not overlap
+    )
+    first = run(engine, reqs[:1])
+    assert first[0].token_ids == expected[0].token_ids
+    rest = run(engine, reqs[1:])
+    assert _tokens(rest) == {r.rid: expected[r.rid].token_ids for r in reqs[1:]}
+    assert any(o.finish.usage.cached_tokens > 0 for o in rest.values())
+    # Logprobs of sampled requests come from the verify logits: the same values.
+    for rid in range(100, 100 + len(prompts)):
+        got = [lp for u in rest[rid].updates for lp in (u.logprobs or [])]
+        want = [lp for u in expected[rid].updates for lp in (u.logprobs or [])]
+        assert [lp.token_id for lp in got] == [lp.token_id for lp in want]
+        assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-4)
+
+
+def test_dflash_refusals_name_the_flag(model_dir: str, dflash_dir: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        _dflash(model_dir, dflash_dir, speculative_num_draft_tokens=8)
+    assert (
+        "--speculative-num-draft-tokens: dflash verifies whole blocks: the draft's block_size "
+        "is 4, not 8" in str(refused.value)
+    )
+    with pytest.raises(ConfigError) as refused:
+        _dflash(model_dir, model_dir)
+    assert "--draft-model: dflash needs a DFlashDraftModel draft, not ['LlamaForCausalLM']" in str(
+        refused.value
+    )

@@ -24,10 +24,11 @@ from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
 from outrider.daemon.tokenizer import load_tokenizer
-from outrider.plugins.api import Phase
+from outrider.plugins.api import Phase, SpeculativeCapabilities
 from outrider.plugins.attention.base import AttentionBackend, AttentionShape
 from outrider.plugins.registry import SPECULATIVE_FLAG, discover
 from outrider.plugins.speculative.base import SpeculativeWorker, WorkerContext
+from outrider.plugins.speculative.draft_config import read_config
 
 log = logging.getLogger("outrider.engine")
 
@@ -204,7 +205,7 @@ def _speculative_plugin(config: ServeConfig) -> _Speculative | None:
     options = spec.parse_options(config.speculative_config)
     width = config.speculative_width
     if not width:
-        width = spec.speculative.default_width
+        width = _default_width(spec.speculative, config.draft_model)
         log.info("speculative %s: %d tokens verified per row (its default)", spec.name, width)
     worker_class = spec.load()
     if not (isinstance(worker_class, type) and issubclass(worker_class, SpeculativeWorker)):
@@ -212,6 +213,15 @@ def _speculative_plugin(config: ServeConfig) -> _Speculative | None:
             f"{SPECULATIVE_FLAG} {spec.name}: {spec.implementation} is not a SpeculativeWorker"
         )
     return _Speculative(worker_class, options, width)
+
+
+def _default_width(caps: SpeculativeCapabilities, draft_model: str) -> int:
+    if not caps.width_key:
+        return caps.default_width
+    config = read_config(draft_model)
+    if config is None or not isinstance(config.get(caps.width_key), int):
+        raise ConfigError(f"--draft-model: no {caps.width_key} in {draft_model}")
+    return int(config[caps.width_key])
 
 
 def _backends(

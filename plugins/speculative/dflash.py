@@ -1,0 +1,88 @@
+"""The built-in ``dflash`` speculative plugin's spec: a DFlash draft drafts a whole block in
+one non-causal forward, its context K/V materialised from target features."""
+
+from __future__ import annotations
+
+from outrider.plugins.api import (
+    CheckContext,
+    NoOptions,
+    PluginSpec,
+    Problem,
+    SpeculativeCapabilities,
+    default_check,
+)
+from outrider.plugins.speculative.draft_config import (
+    DRAFT_FLAG,
+    check_draft,
+    feature_size_problem,
+)
+
+ARCHITECTURE = "DFlashDraftModel"
+_WIDTH_FLAG = "--speculative-num-draft-tokens"
+
+
+def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
+    problems = default_check(spec, ctx)
+    draft, target, draft_problems = check_draft(spec.name, ARCHITECTURE, ctx)
+    problems += draft_problems
+    if draft is None:
+        return problems
+    problems += feature_size_problem(draft, target)
+    block = draft.get("block_size")
+    if not isinstance(block, int) or block < 2:
+        problems.append(Problem(DRAFT_FLAG, f"the draft's block_size {block!r} is not an int >= 2"))
+    else:
+        width = ctx.speculative_num_draft_tokens or (
+            ctx.speculative_num_steps + 1 if ctx.speculative_num_steps else block
+        )
+        if width != block:
+            problems.append(
+                Problem(
+                    _WIDTH_FLAG,
+                    f"dflash verifies whole blocks: the draft's block_size is {block}, not {width}",
+                )
+            )
+    layers = draft.get("num_target_layers")
+    if target is not None and layers is not None and layers != target.get("num_hidden_layers"):
+        problems.append(
+            Problem(
+                DRAFT_FLAG,
+                f"the draft was made for a {layers}-layer target, this one has "
+                f"{target.get('num_hidden_layers')}",
+            )
+        )
+    mask = (draft.get("dflash_config") or {}).get("mask_token_id")
+    if mask is None:
+        problems.append(Problem(DRAFT_FLAG, "the draft names no dflash_config.mask_token_id"))
+    problems += _non_causal_problems(ctx)
+    return problems
+
+
+def _non_causal_problems(ctx: CheckContext) -> list[Problem]:
+    """The draft phases attend non-causally: their backend must say it can."""
+    from outrider.plugins.registry import PluginError, discover
+
+    name = ctx.attention_routes["draft_decode"]
+    try:
+        caps = discover().get("attention", name).attention
+    except PluginError:
+        return []  # the attention check reports an unknown backend
+    if caps is not None and not caps.non_causal:
+        return [
+            Problem(
+                "--draft-attention-backend",
+                f"dflash drafts with non-causal attention, which {name} cannot do",
+            )
+        ]
+    return []
+
+
+SPEC = PluginSpec(
+    name="dflash",
+    kind="speculative",
+    summary="DFlash: block drafting in one non-causal forward over target-feature context",
+    implementation="outrider.plugins.speculative.dflash_impl:DFlashWorker",
+    options=NoOptions,
+    speculative=SpeculativeCapabilities(needs_draft_model=True, width_key="block_size"),
+    check=_check,
+)

@@ -1,0 +1,101 @@
+"""``dflash`` on the device: block drafting with the draft's own paged KV cache.
+
+For every committed position the draft's KV holds context K/V materialised from the target's
+tapped features (K and V only): after each EXTEND chunk for its positions, and after each
+verify for the whole verified block (positions past the accepted ones are rewritten by later
+steps before they are read). A STEP drafts the block ``[root, MASK, ..., MASK]`` at the root's
+position onwards in one non-causal forward: each block query sees the committed context and
+the whole block. The target's LM head turns slots 1 .. B - 1 into the B - 1 drafts (greedy,
+so the accept rule needs no draft probabilities). Context K/V depend on target features only,
+so prefix-cache pages carry valid draft KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from outrider.daemon.engine.forward import ForwardBatch, KVCache
+from outrider.plugins.api import NoOptions
+from outrider.plugins.speculative.base import (
+    ExtendView,
+    SpeculativeWorker,
+    StepView,
+    WorkerContext,
+)
+from outrider.plugins.speculative.dflash_model import DFlashConfig, DFlashDraft, load_dflash
+
+
+class DFlashWorker(SpeculativeWorker):
+    def __init__(self, ctx: WorkerContext, options: NoOptions) -> None:
+        super().__init__(ctx, options)
+        config = DFlashConfig.from_pretrained(ctx.draft_model)
+        if config.mask_token_id is None:
+            raise ValueError("the DFlash draft names no dflash_config.mask_token_id")
+        self.capture_layers = config.target_layer_ids
+        self.model: DFlashDraft = load_dflash(
+            ctx.draft_model,
+            dtype=ctx.dtype,
+            device=ctx.device,
+            max_positions=ctx.max_positions,
+            load_format="dummy" if ctx.load_format == "dummy" else "auto",
+        )
+        shape = self.model.attention_shape
+        self.kv = KVCache.allocate(
+            self.model.num_layers, ctx.num_pages, ctx.page_size, shape.num_kv_heads,
+            shape.head_dim, ctx.dtype, ctx.device,
+        )  # fmt: skip
+        self.backend = ctx.make_backend("draft_decode", shape)
+        self.block_offsets = torch.arange(self.width, device=ctx.device)  # [B]
+        self.token_ids = torch.arange((ctx.max_slots + 1) * self.width, device=ctx.device)
+        # The block's input: the root, then the mask token in every other slot.
+        self.block = torch.full(
+            (ctx.max_slots, self.width), config.mask_token_id, dtype=torch.int64,
+            device=ctx.device,
+        )  # fmt: skip
+
+    def after_extend(self, view: ExtendView) -> None:
+        self._materialize(view.fb)
+
+    def draft(self, view: StepView) -> torch.Tensor:
+        bs, width, page_size = view.bs, self.width, self.ctx.page_size
+        block = self.block[:bs]
+        block[:, 0] = view.roots
+        positions = view.seq_lens.unsqueeze(1) + self.block_offsets  # [bs, B]
+        slots = view.slots.unsqueeze(1)
+        pages = self.ctx.page_table[slots, positions // page_size].to(torch.int64)
+        flat = self.token_ids[: bs * width]
+        fb = ForwardBatch(
+            backend=self.backend,
+            kv=self.kv,
+            page_table=self.ctx.page_table,
+            slots=view.slots,
+            positions=positions.view(-1),
+            out_loc=(pages * page_size + positions % page_size).view(-1),
+            q_start=self.token_ids[: bs + 1] * width,
+            seq_lens=view.seq_lens + width,
+            q_pad_index=flat,
+            bs=bs,
+            max_q=width,
+            max_kv=view.max_kv,
+            causal=False,
+        )
+        self.backend.prepare(fb)
+        hidden = self.model(self.ctx.embed(block.reshape(-1)), fb)  # [bs * B, H]
+        logits = self.ctx.lm_head(hidden.view(bs, width, -1)[:, 1:].reshape(-1, hidden.shape[-1]))
+        return logits.argmax(dim=-1).view(bs, width - 1)
+
+    def after_accept(
+        self,
+        view: StepView,
+        verify: ForwardBatch,
+        committed: torch.Tensor,
+        commit_lens: torch.Tensor,
+    ) -> None:
+        self._materialize(verify)
+
+    def _materialize(self, fb: ForwardBatch) -> None:
+        """Context K/V of ``fb``'s positions from the target's captured features."""
+        taps = torch.cat([fb.captured[layer] for layer in self.capture_layers], dim=-1)
+        self.model.materialize(taps, dataclasses.replace(fb, kv=self.kv, captured={}))

@@ -1,0 +1,408 @@
+"""The DFlash draft model, its loader and its exporter (DESIGN.md 4.2 and 4.5). Imported
+inside the daemon only.
+
+A stack of D Qwen3 decoder layers (per-head q/k RMSNorm, GQA, SwiGLU) that drafts a block of
+B tokens in one forward. It has no embedding and no LM head: the target's are shared.
+
+Context (``materialize``), once per committed position t, no attention computed::
+
+    ctx_t = hidden_norm(fc(concat(target features of the tapped layers at t)))   [H]
+    layer i:  K = rope(k_norm(k_proj_i(ctx_t)), t),  V = v_proj_i(ctx_t)  -> draft KV at t
+
+Block (``forward``): ``[root, MASK * (B-1)]`` embedded by the target at positions p .. p+B-1;
+every layer is a plain decoder layer whose attention is non-causal (``fb.causal`` False): each
+block query sees the whole cached context below ``fb.seq_lens``, the block included. The
+output is ``norm`` of the last layer, ``[T, H]``; the caller applies the target's LM head.
+
+The draft owns a ``KVCache`` of D layers in the target's page layout; layer i of the draft
+is layer i of that cache. Its RoPE comes from its own config.json, its tables are sized by
+``max_positions``.
+
+Public checkpoint layout (the attribute names of the public ``DFlashDraftModel`` class, saved
+without a prefix)::
+
+    fc.weight                                    [H, L_tap * H_t]
+    hidden_norm.weight, norm.weight              [H]
+    layers.{i}.self_attn.{q,k,v}_proj.weight     [Hq*D | Hkv*D, H]  -> our fused qkv_proj
+    layers.{i}.self_attn.o_proj.weight           [H, Hq*D]
+    layers.{i}.self_attn.{q,k}_norm.weight       [D]
+    layers.{i}.mlp.{gate,up}_proj.weight         [I, H]             -> our fused gate_up_proj
+    layers.{i}.mlp.down_proj.weight              [H, I]
+    layers.{i}.{input,post_attention}_layernorm.weight   [H]
+
+plus ``.bias`` rows of q/k/v/o when ``attention_bias`` is set. An embedding or LM head in the
+checkpoint is skipped with a log line; any other unknown or missing tensor is an error naming
+it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from outrider.daemon.models.config import ModelConfig, model_dir
+from outrider.daemon.models.layers import (
+    Attention,
+    DecoderLayer,
+    FusedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
+from outrider.daemon.models.loader import Slot, checkpoint_files, checkpoint_name, init_dummy
+from outrider.plugins.attention.base import AttentionShape
+
+if TYPE_CHECKING:
+    from outrider.daemon.engine.forward import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "DFlashDraftModel"
+# Public checkpoint tensors we skip: the target's embedding and LM head are shared.
+_SHARED = frozenset({"embed_tokens.weight", "model.embed_tokens.weight", "lm_head.weight"})
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """A draft's config.json, parsed once."""
+
+    model: ModelConfig  # the draft decoder's shape and RoPE; vocab_size = the target's
+    block_size: int  # B: tokens per drafted block, root included
+    mask_token_id: int | None  # dflash_config.mask_token_id; wins over mask_token
+    mask_token: str | None  # a token string the caller resolves through the target's tokenizer
+    target_layer_ids: tuple[int, ...]  # output-of-layer convention, in fc's concat order
+    num_target_layers: int
+    target_hidden_size: int  # H_t: fc takes len(target_layer_ids) * H_t
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> DFlashConfig:
+        """Parse a draft directory or its config.json (through transformers' AutoConfig, as
+        ``ModelConfig`` does). Raises ValueError for a config that is not a DFlash draft."""
+        from transformers import AutoConfig
+
+        return cls.from_dict(AutoConfig.from_pretrained(str(path)).to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
+        architectures = d.get("architectures") or [None]
+        if architectures[0] != ARCHITECTURE:
+            raise ValueError(
+                f"not a DFlash draft: architectures is {d.get('architectures')!r}, "
+                f"a DFlash draft has [{ARCHITECTURE!r}]"
+            )
+        if d.get("model_type") != "qwen3":
+            raise ValueError(
+                f"a DFlash draft has model_type 'qwen3' (q/k norm layers), "
+                f"not {d.get('model_type')!r}"
+            )
+        model = ModelConfig.from_dict(d)
+        dflash = d.get("dflash_config") or {}
+        block_size = dflash.get("block_size", d.get("block_size"))
+        if block_size is None or int(block_size) < 2:
+            raise ValueError(f"a DFlash draft needs block_size >= 2, got {block_size!r}")
+        if d.get("num_target_layers") is None:
+            raise ValueError("a DFlash draft config names num_target_layers")
+        num_target_layers = int(d["num_target_layers"])
+        written = dflash.get("target_layer_ids")
+        if written is None:
+            target_layer_ids = default_target_layers(num_target_layers, model.num_layers)
+        else:
+            target_layer_ids = tuple(int(i) for i in written)
+            _check_taps(target_layer_ids, num_target_layers, "dflash_config.target_layer_ids")
+        mask_token_id = dflash.get("mask_token_id")
+        mask_token = dflash.get("mask_token", d.get("mask_token"))
+        if mask_token_id is None and not mask_token:
+            raise ValueError(
+                "a DFlash draft names its mask token: dflash_config.mask_token_id, or a "
+                "mask_token string"
+            )
+        if mask_token_id is not None and not 0 <= int(mask_token_id) < model.vocab_size:
+            raise ValueError(
+                f"dflash_config.mask_token_id {mask_token_id} is not a row of the "
+                f"{model.vocab_size}-row embedding"
+            )
+        return cls(
+            model=model,
+            block_size=int(block_size),
+            mask_token_id=None if mask_token_id is None else int(mask_token_id),
+            mask_token=str(mask_token) if mask_token else None,
+            target_layer_ids=target_layer_ids,
+            num_target_layers=num_target_layers,
+            target_hidden_size=int(d.get("target_hidden_size") or model.hidden_size),
+        )
+
+
+def default_target_layers(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The default taps in the output-of-layer convention: ``[N // 2]`` for one draft layer,
+    else ``round(1 + i * (N - 4) / (D - 1))`` for i < D (Python's round, half to even).
+    Raises ValueError where they collide or leave the target (small N): such targets need
+    explicit ids."""
+    n, d = num_target_layers, num_draft_layers
+    if d < 1:
+        raise ValueError(f"a DFlash draft has at least one layer, got {d}")
+    if d == 1:
+        taps: tuple[int, ...] = (n // 2,)
+    else:
+        taps = tuple(round(1 + i * (n - 4) / (d - 1)) for i in range(d))
+    _check_taps(taps, n, f"the default taps of a {n}-layer target for {d} draft layers")
+    return taps
+
+
+def _check_taps(taps: tuple[int, ...], num_target_layers: int, what: str) -> None:
+    # NOTE: the public drafts were trained on HF hidden_states[L + 1]; for the last layer that
+    # is after the target's final norm, which our captures never are: refuse it.
+    last = num_target_layers - 2
+    if not taps or len(set(taps)) != len(taps) or not all(0 <= t <= last for t in taps):
+        raise ValueError(
+            f"{what} ({list(taps)}) must be distinct layers in 0..{last}: write "
+            "dflash_config.target_layer_ids explicitly"
+        )
+
+
+class DFlashDraft(nn.Module):
+    """The DFlash draft. Parameter names follow the public layout except for the fused
+    ``qkv_proj`` and ``gate_up_proj`` (mapped in ``dflash_tensors``)."""
+
+    def __init__(self, config: DFlashConfig, max_positions: int) -> None:
+        super().__init__()
+        m = config.model
+        self.config = config
+        self.fc = nn.Linear(config.num_taps * config.target_hidden_size, m.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(m, i) for i in range(m.num_layers))
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(m.head_dim, m.rope, max_positions)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.model.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.model.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.model.head_dim
+
+    @property
+    def attention_shape(self) -> AttentionShape:
+        m = self.config.model
+        return AttentionShape(m.num_q_heads, m.num_kv_heads, m.head_dim, m.head_dim**-0.5)
+
+    def materialize(self, features: torch.Tensor, fb: ForwardBatch) -> None:
+        """``features: [T, L_tap * H_t]`` (the tapped target layers at ``fb.positions``, in
+        ``target_layer_ids`` order, concatenated) -> the context K/V of every draft layer,
+        written at ``fb.out_loc`` into ``fb.kv``. Reads ``fb.kv``, ``fb.positions`` and
+        ``fb.out_loc`` only: the attention backend is not involved (no ``prepare``)."""
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, H]
+        cos, sin = self.rotary_emb(fb.positions)  # [T, D/2] each
+        for layer_id, layer in enumerate(self.layers):
+            attn = cast("Attention", layer.self_attn)
+            k, v = _context_kv(attn, ctx, cos, sin)  # [T, Hkv, D] each
+            # NOTE: writes in the pool layout every backend shares (DESIGN.md 4.2), as the
+            # backends' own forward does; a backend with another physical layout needs a hook.
+            k_cache = fb.kv.k[layer_id].view(-1, self.num_kv_heads, self.head_dim)
+            v_cache = fb.kv.v[layer_id].view(-1, self.num_kv_heads, self.head_dim)
+            k_cache.index_copy_(0, fb.out_loc, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, fb.out_loc, v.to(v_cache.dtype))
+
+    def forward(self, embeds: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """``embeds: [T, H]`` the target's embedding of each row's block ``[root, MASK, ...]``
+        at ``fb.positions`` -> the final-norm hidden states ``[T, H]``. Writes the block's K/V
+        at ``fb.out_loc``; each block query attends to its row's KV below ``fb.seq_lens``
+        (context materialised before, plus the whole block). ``fb.causal`` must be False."""
+        if fb.causal:
+            raise ValueError("the DFlash block attends non-causally: build it with causal=False")
+        cos, sin = self.rotary_emb(fb.positions)  # [T, D/2] each
+        x = embeds.to(self.fc.weight.dtype)  # never updated in place (captures may alias it)
+        for layer in self.layers:
+            x = layer(x, cos, sin, fb)
+        return self.norm(x)
+
+
+def _context_kv(
+    attn: Attention, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the context vectors ``ctx: [T, H]`` through the k/v rows of the layer's
+    fused projection, k_norm and RoPE: exactly what the layer computes for a block token."""
+    qkv = attn.qkv_proj
+    rows = slice(qkv.shards["k"].start, qkv.shards["v"].stop)  # k then v: contiguous rows
+    bias = None if qkv.bias is None else qkv.bias[rows]
+    k, v = F.linear(ctx, qkv.weight[rows], bias).split(qkv.sizes[1:], dim=-1)
+    k = k.view(-1, attn.num_kv_heads, attn.head_dim)  # [T, Hkv, D]
+    v = v.view(-1, attn.num_kv_heads, attn.head_dim)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    return apply_rotary(k, cos, sin), v
+
+
+def dflash_tensors(model: DFlashDraft) -> dict[str, torch.Tensor]:
+    """Public checkpoint name -> the model tensor (or fused rows, as a view) it loads into."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}"
+            if isinstance(module, FusedLinear):
+                for shard, rows in module.shards.items():
+                    out[checkpoint_name(Slot(full, shard))] = param.data[rows]
+            else:
+                out[full] = param.data
+    return out
+
+
+def build_dflash(
+    config: DFlashConfig, *, max_positions: int, dtype: torch.dtype, device: torch.device | str
+) -> DFlashDraft:
+    """The draft with uninitialised weights in ``dtype`` on ``device`` (meta: no memory)."""
+    with torch.device("meta"):
+        model = DFlashDraft(config, max_positions)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.rotary_emb.init_table()
+    model.requires_grad_(False)
+    return model
+
+
+def load_dflash(
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_positions: int,
+    load_format: Literal["auto", "dummy"] = "auto",
+) -> DFlashDraft:
+    """Load the draft at ``path`` (a directory or its config.json). ``max_positions`` sizes
+    the rotary tables: the serving context length plus the largest reservation. ``dummy``
+    fills random weights (norms 1, the rest N(0, 0.02))."""
+    config = DFlashConfig.from_pretrained(path)
+    model = build_dflash(config, max_positions=max_positions, dtype=dtype, device=device)
+    if load_format == "dummy":
+        init_dummy(model)
+    else:
+        files = checkpoint_files(model_dir(path))
+        fill_dflash(model, _read(files, torch.device(device)))
+        log.info("loaded the DFlash draft from %s", ", ".join(str(f) for f in files))
+    return model
+
+
+def _read(files: list[Path], device: torch.device) -> Iterable[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as shard:
+            for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, shard.get_tensor(name)
+
+
+def fill_dflash(model: DFlashDraft, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy public-layout ``(name, tensor)`` pairs into ``model``. Raises ValueError naming
+    every unexpected, repeated or missing tensor, or the first one of a wrong shape."""
+    dests = dflash_tensors(model)
+    pending = set(dests)
+    unexpected: list[str] = []
+    for name, tensor in tensors:
+        if name in _SHARED:
+            log.info("DFlash checkpoint: skipping %s (the target's is shared)", name)
+            continue
+        if name not in pending:
+            unexpected.append(f"{name} (twice)" if name in dests else name)
+            continue
+        dest = dests[name]
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        pending.discard(name)
+    problems = []
+    if unexpected:
+        problems.append(f"unexpected checkpoint tensors: {', '.join(sorted(unexpected))}")
+    if pending:
+        problems.append(f"missing checkpoint tensors: {', '.join(sorted(pending))}")
+    if problems:
+        raise ValueError("DFlash draft: " + "; ".join(problems))
+
+
+def save_dflash(model: DFlashDraft, directory: str | Path, config_json: dict[str, Any]) -> None:
+    """Write ``config.json`` and ``model.safetensors`` in the public layout. ``config_json``
+    gives the keys the model cannot know (e.g. eos ids); ``architectures``, ``model_type``,
+    ``num_hidden_layers``, ``layer_types`` and ``tie_word_embeddings`` are set, and the
+    model's shape, RoPE (where ``config_json`` names none), block size, taps and mask token
+    filled in. A value of ``config_json`` that contradicts the model raises ValueError
+    naming it."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = _export_config(model, config_json)
+    tensors = {name: t.detach().to("cpu").clone() for name, t in dflash_tensors(model).items()}
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _export_config(model: DFlashDraft, config_json: dict[str, Any]) -> dict[str, Any]:
+    c, m = model.config, model.config.model
+    # What makes it a DFlash draft is set; shape keys the caller gives must agree.
+    out = {
+        **config_json,
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "num_hidden_layers": m.num_layers,
+        "layer_types": ["full_attention"] * m.num_layers,
+        "tie_word_embeddings": False,
+    }
+    shape: dict[str, Any] = {
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "num_attention_heads": m.num_q_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "rms_norm_eps": m.rms_norm_eps,
+        "vocab_size": m.vocab_size,
+        "attention_bias": m.attention_bias,
+        "hidden_act": "silu",
+        "block_size": c.block_size,
+        "num_target_layers": c.num_target_layers,
+        "target_hidden_size": c.target_hidden_size,
+    }
+    for key, value in shape.items():
+        if key in out and out[key] != value:
+            raise ValueError(f"config_json[{key!r}] = {out[key]!r}, the model has {value!r}")
+        out[key] = value
+    if not {"rope_theta", "rope_scaling", "rope_parameters"} & out.keys():
+        out["rope_theta"] = m.rope.theta
+        if m.rope.llama3 is not None:
+            out["rope_scaling"] = {"rope_type": "llama3", **asdict(m.rope.llama3)}
+    out.setdefault("max_position_embeddings", m.max_position_embeddings)
+    out.setdefault("torch_dtype", str(model.fc.weight.dtype).removeprefix("torch."))
+    # Taps are always written: readers disagree on the default rule, never on explicit ids.
+    dflash = dict(out.get("dflash_config") or {})
+    written: dict[str, Any] = {"target_layer_ids": list(c.target_layer_ids)}
+    if c.mask_token_id is not None:
+        written["mask_token_id"] = c.mask_token_id
+    if c.mask_token is not None:
+        written["mask_token"] = c.mask_token
+    for key, value in written.items():
+        if dflash.setdefault(key, value) != value:
+            raise ValueError(
+                f"config_json's dflash_config.{key} {dflash[key]!r} differs from the model's "
+                f"{value!r}"
+            )
+    out["dflash_config"] = dflash
+    parsed = DFlashConfig.from_dict(out)
+    if parsed.model.rope != m.rope:
+        raise ValueError(f"config_json's RoPE ({parsed.model.rope}) is not the model's ({m.rope})")
+    return out

@@ -1,0 +1,68 @@
+"""Light checks of a draft model's config.json against the target's (no torch): what the
+specs of draft-model plugins share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from outrider.plugins.api import CheckContext, Problem
+
+DRAFT_FLAG = "--draft-model"
+
+
+def read_config(path: str) -> dict[str, Any] | None:
+    """A model directory's (or config.json path's) config; None when unreadable."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    try:
+        loaded = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def check_draft(
+    name: str, architecture: str, ctx: CheckContext
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[Problem]]:
+    """(draft config, target config, problems): the draft is readable, has
+    ``architecture`` and the target's vocabulary. Either config is None when unreadable."""
+    if not ctx.draft_model:
+        return None, None, []
+    draft = read_config(ctx.draft_model)
+    if draft is None:
+        return None, None, [Problem(DRAFT_FLAG, f"no readable config.json at {ctx.draft_model}")]
+    problems = []
+    architectures = draft.get("architectures") or []
+    if architecture not in architectures:
+        problems.append(
+            Problem(DRAFT_FLAG, f"{name} needs a {architecture} draft, not {architectures}")
+        )
+    target = read_config(ctx.model) if ctx.model else None
+    if target is not None and draft.get("vocab_size") != target.get("vocab_size"):
+        problems.append(
+            Problem(
+                DRAFT_FLAG,
+                f"the draft's vocab_size {draft.get('vocab_size')} is not the target's "
+                f"{target.get('vocab_size')}",
+            )
+        )
+    return draft, target, problems
+
+
+def feature_size_problem(draft: dict[str, Any], target: dict[str, Any] | None) -> list[Problem]:
+    """The draft reads target features of ``target_hidden_size`` (default its hidden size)."""
+    if target is None:
+        return []
+    hidden = draft.get("target_hidden_size") or draft.get("hidden_size")
+    if hidden == target.get("hidden_size"):
+        return []
+    return [
+        Problem(
+            DRAFT_FLAG,
+            f"the draft reads target features of size {hidden}, the target's hidden_size is "
+            f"{target.get('hidden_size')}",
+        )
+    ]
