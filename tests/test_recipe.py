@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # after site-packages: the checkout shadows nothing
 
 from model_fixtures import PagedRows, torch_backend  # noqa: E402
 
@@ -171,15 +171,28 @@ def test_tokenizer_reproducible_with_template_and_unused_mask(
     assert hf.eos_token == chat.IM_END
     assert [hf.convert_tokens_to_ids(t) for t in chat.SPECIAL_TOKENS] == [0, 1, 2, 3]
     messages = [{"role": "user", "content": "Hi there?"}, {"role": "assistant", "content": "Yes."}]
-    ids = hf.apply_chat_template(messages[:1], add_generation_prompt=True, return_dict=False)
-    expected = chat.render(messages[:1], add_generation_prompt=True)
-    assert ids == hf(expected, add_special_tokens=False)["input_ids"]
+    templated = hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    expected = chat.render(messages, add_generation_prompt=True)
+    ids = hf(expected, add_special_tokens=False)["input_ids"]
+    assert templated == ids and ids[0] == chat.SPECIAL_TOKENS.index(chat.IM_START)
     assert hf.decode(ids) == expected
     mask = hf.convert_tokens_to_ids(chat.MASK)
     for split in (data.TRAIN, data.HELDOUT):
         stream = packing.encode_file(hf, pipeline / "data" / split)
         assert len(stream) > SEQ_LEN and mask not in stream
         assert (stream == hf.convert_tokens_to_ids(chat.ENDOFTEXT)).sum() > 0
+
+
+def test_schedule() -> None:
+    config = target.TargetConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=40, steps=140)
+    assert target.lr_at(0, 140, config) == pytest.approx(1 / 40)
+    assert target.lr_at(40, 140, config) == pytest.approx(1.0)
+    assert target.lr_at(90, 140, config) == pytest.approx(0.55)
+    assert target.lr_at(140, 140, config) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="sized"):
+        target.lr_at(40, 0, config)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        target.TargetConfig(steps=0, warmup_steps=10)
 
 
 def test_target_resumes_to_the_same_weights(pipeline: Path, tmp_path: Path) -> None:
