@@ -3,7 +3,10 @@ output equals the target-only output token for token, greedy and seeded sampled.
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -390,3 +393,101 @@ def test_dflash_refusals_name_the_flag(model_dir: str, dflash_dir: str) -> None:
     assert "--draft-model: dflash needs a DFlashDraftModel draft, not ['LlamaForCausalLM']" in str(
         refused.value
     )
+
+
+# --- standalone ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Another random tiny model with the target's vocabulary (a Qwen2 this time)."""
+    directory = tmp_path_factory.mktemp("qwen2-draft")
+    with torch.no_grad():
+        save_tiny_model("qwen2", directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_standalone_greedy_and_sampled_equal_target_only(
+    model_dir: str,
+    small_draft_dir: str,
+    plain: dict[int, list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    overlap: bool,
+) -> None:
+    engine = engine_for(
+        model_dir,
+        speculative_algorithm="standalone",
+        draft_model=small_draft_dir,
+        page_size=4,
+        no_overlap=not overlap,
+    )
+    assert engine.loop.runner.width == 4
+    outcomes = run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
+    assert _tokens(outcomes) == plain
+    sampled = [
+        request(i, p, max_new_tokens=20, temperature=0.9, seed=i)
+        for i, p in enumerate(_prompts(2, 6))
+    ]
+    monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "7")
+    expected = _tokens(run(engine_for(model_dir), sampled))
+    again = engine_for(
+        model_dir, speculative_algorithm="standalone", draft_model=small_draft_dir,
+        chunked_prefill_tokens=16, no_overlap=not overlap,
+    )  # fmt: skip
+    assert _tokens(run(again, sampled)) == expected
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_the_target_as_its_own_draft_accepts_every_draft(
+    model_dir: str, plain: dict[int, list[int]], overlap: bool
+) -> None:
+    """A draft equal to the target proposes exactly the target's greedy tokens: every verify
+    commits all of them, and stops and length limits land inside accepted runs."""
+    engine = engine_for(
+        model_dir,
+        speculative_algorithm="standalone",
+        draft_model=model_dir,
+        speculative_num_draft_tokens=5,
+        no_overlap=not overlap,
+    )
+    prompts = _prompts(1, 18)
+    reqs = _requests(prompts, max_new_tokens=NEW_TOKENS)
+    reqs += [request(100 + i, p, max_new_tokens=7) for i, p in enumerate(prompts[:6])]
+    reqs += [
+        request(200 + i, p, stop_token_ids=[plain[i][10]], max_new_tokens=NEW_TOKENS)
+        for i, p in enumerate(prompts[:6])
+    ]
+    outcomes = run(engine, reqs)
+    for i in range(len(prompts)):
+        assert outcomes[i].token_ids == plain[i]
+    for i in range(6):
+        assert outcomes[100 + i].token_ids == plain[i][:7]
+        cut = plain[i].index(plain[i][10]) + 1
+        assert outcomes[200 + i].token_ids == plain[i][:cut]
+        assert outcomes[200 + i].finish.reason == "stop"
+    counters = engine.scheduler.counters()
+    tau = 1 + counters.spec_accepted_tokens / counters.spec_drafts
+    assert tau > 4.9  # 5 tokens per verify, but for float32 near-ties between the two paths
+    assert counters.spec_accepted_per_position[-1] > 0.9 * counters.spec_drafts
+
+
+def test_standalone_refuses_a_draft_with_other_token_ids(
+    model_dir: str, small_draft_dir: str, tmp_path: Path
+) -> None:
+    other = tmp_path / "draft"
+    shutil.copytree(small_draft_dir, other)
+    # Tokenizer files: the target's, with two ids swapped in the draft's copy.
+    target_tokenizer = {"model": {"vocab": {"a": 3, "b": 4, "c": 5}}, "added_tokens": []}
+    (Path(model_dir) / "tokenizer.json").write_text(json.dumps(target_tokenizer))
+    try:
+        swapped = {"model": {"vocab": {"a": 4, "b": 3, "c": 5}}, "added_tokens": []}
+        (other / "tokenizer.json").write_text(json.dumps(swapped))
+        with pytest.raises(ConfigError) as refused:
+            engine_for(model_dir, speculative_algorithm="standalone", draft_model=str(other))
+        assert (
+            "--draft-model: the draft's tokenizer maps tokens to other ids (2 differ, e.g. "
+            "'a': target 3, draft 4)" in str(refused.value)
+        )
+    finally:
+        (Path(model_dir) / "tokenizer.json").unlink()

@@ -120,6 +120,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
             page_size=page_size,
             num_pages=num_pages,
             context_length=context_length,
+            vocab_limit=vocab_limit,
             max_positions=context_length + reservation,
             target_layers=model_config.num_layers,
             embed=model.model.embed_tokens,

@@ -36,6 +36,7 @@ class WorkerContext:
     page_size: int
     num_pages: int  # of the target's KV pool, the scratch page included
     context_length: int
+    vocab_limit: int  # token ids the target may emit are below this
     max_positions: int  # positions a STEP may reach: context length plus the reservation
     # The target's parts a draft may share.
     target_layers: int

@@ -1,0 +1,82 @@
+"""The built-in ``standalone`` speculative plugin's spec: any small causal LM whose tokenizer
+gives every token the target's id drafts a chain, greedily."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from outrider.plugins.api import (
+    CheckContext,
+    NoOptions,
+    PluginSpec,
+    Problem,
+    SpeculativeCapabilities,
+    default_check,
+)
+from outrider.plugins.speculative.draft_config import DRAFT_FLAG, read_config
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def _vocab(path: str) -> dict[str, int] | None:
+    """The token -> id map of a model directory's tokenizer.json (added tokens included)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        directory = directory.parent
+    try:
+        data: dict[str, Any] = json.loads((directory / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = dict(data.get("model", {}).get("vocab", {}))
+    vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+    return vocab
+
+
+def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
+    problems = default_check(spec, ctx)
+    if not ctx.draft_model:
+        return problems
+    draft = read_config(ctx.draft_model)
+    if draft is None:
+        return [*problems, Problem(DRAFT_FLAG, f"no readable config.json at {ctx.draft_model}")]
+    architectures = draft.get("architectures") or []
+    if not set(architectures) & set(SUPPORTED):
+        problems.append(
+            Problem(
+                DRAFT_FLAG, f"standalone drafts with {', '.join(SUPPORTED)}, not {architectures}"
+            )
+        )
+    target_vocab, draft_vocab = _vocab(ctx.model), _vocab(ctx.draft_model)
+    if (target_vocab is None) != (draft_vocab is None):
+        problems.append(
+            Problem(
+                DRAFT_FLAG, "one of the target and the draft has a tokenizer.json, the other not"
+            )
+        )
+    elif target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab:
+        differing = sorted(
+            t for t in target_vocab.keys() | draft_vocab.keys()
+            if target_vocab.get(t) != draft_vocab.get(t)
+        )  # fmt: skip
+        first = differing[0]
+        problems.append(
+            Problem(
+                DRAFT_FLAG,
+                f"the draft's tokenizer maps tokens to other ids ({len(differing)} differ, e.g. "
+                f"{first!r}: target {target_vocab.get(first)}, draft {draft_vocab.get(first)})",
+            )
+        )
+    return problems
+
+
+SPEC = PluginSpec(
+    name="standalone",
+    kind="speculative",
+    summary="a small causal LM with the target's tokenizer drafts a chain (greedy)",
+    implementation="outrider.plugins.speculative.standalone_impl:StandaloneWorker",
+    options=NoOptions,
+    speculative=SpeculativeCapabilities(needs_draft_model=True, default_width=4),
+    check=_check,
+)

@@ -1,0 +1,100 @@
+"""``standalone`` on the device: a small causal LM drafts a chain greedily, with its own paged
+KV cache at the target's positions.
+
+The draft's KV at position p holds its K/V of the token at p, exactly as the target's does, so
+it depends on the prefix tokens only: prefix-cache pages carry valid draft KV. EXTEND runs the
+draft over the chunk. A STEP feeds the root and each draft in turn (positions ``seq ..
+seq + S - 1``); accepted drafts are the committed tokens, so after the accept the draft's KV
+is final up to ``seq + a - 1``, and one more token (the last accepted one, at ``seq + a``)
+completes it; that rewrite is idempotent unless all ``S`` drafts were accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from outrider.daemon.engine.forward import ForwardBatch, KVCache
+from outrider.daemon.models.layers import DecoderForCausalLM
+from outrider.daemon.models.loader import load_model
+from outrider.plugins.api import NoOptions
+from outrider.plugins.speculative.base import (
+    ExtendView,
+    SpeculativeWorker,
+    StepView,
+    WorkerContext,
+)
+
+
+class StandaloneWorker(SpeculativeWorker):
+    def __init__(self, ctx: WorkerContext, options: NoOptions) -> None:
+        super().__init__(ctx, options)
+        self.model: DecoderForCausalLM
+        self.model, config = load_model(
+            ctx.draft_model,
+            dtype=ctx.dtype,
+            device=ctx.device,
+            load_format="dummy" if ctx.load_format == "dummy" else "auto",
+            max_positions=ctx.max_positions,
+        )
+        shape = self.model.attention_shape
+        self.kv = KVCache.allocate(
+            config.num_layers, ctx.num_pages, ctx.page_size, shape.num_kv_heads,
+            shape.head_dim, ctx.dtype, ctx.device,
+        )  # fmt: skip
+        self.extend_backend = ctx.make_backend("draft_extend", shape)
+        self.decode_backend = ctx.make_backend("draft_decode", shape)
+        self.row_ids = torch.arange(ctx.max_slots + 1, device=ctx.device)
+
+    def after_extend(self, view: ExtendView) -> None:
+        fb = dataclasses.replace(
+            view.fb, kv=self.kv, backend=self.extend_backend, capture_layers=(), captured={}
+        )
+        self.extend_backend.prepare(fb)
+        self.model(view.input_ids, fb)
+
+    def draft(self, view: StepView) -> torch.Tensor:
+        token, drafts = view.roots, []
+        for k in range(self.width - 1):
+            token = self._next(token, view.seq_lens + k, view)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    def after_accept(
+        self,
+        view: StepView,
+        verify: ForwardBatch,
+        committed: torch.Tensor,
+        commit_lens: torch.Tensor,
+    ) -> None:
+        accepted = commit_lens - 1
+        # The token at seq + a: the root when nothing was accepted, else the last draft taken.
+        block = torch.cat([view.roots.unsqueeze(1), committed], dim=1)
+        last = block.gather(1, accepted.unsqueeze(1)).squeeze(1)
+        self._next(last, view.seq_lens + accepted, view)
+
+    def _next(self, tokens: torch.Tensor, positions: torch.Tensor, view: StepView) -> torch.Tensor:
+        """Feed ``tokens`` [bs] at ``positions`` [bs]; the draft's greedy next tokens, kept
+        below the target's vocabulary limit."""
+        bs, page_size = view.bs, self.ctx.page_size
+        pages = self.ctx.page_table[view.slots, positions // page_size].to(torch.int64)
+        rows = self.row_ids[: bs + 1]
+        fb = ForwardBatch(
+            backend=self.decode_backend,
+            kv=self.kv,
+            page_table=self.ctx.page_table,
+            slots=view.slots,
+            positions=positions,
+            out_loc=pages * page_size + positions % page_size,
+            q_start=rows,
+            seq_lens=positions + 1,
+            q_pad_index=rows[:bs],
+            bs=bs,
+            max_q=1,
+            max_kv=view.max_kv,
+        )
+        self.decode_backend.prepare(fb)
+        hidden = self.model(tokens, fb)
+        logits = self.model.compute_logits(hidden)[:, : self.ctx.vocab_limit]
+        return logits.argmax(dim=-1)
