@@ -12,12 +12,15 @@ import pytest
 import torch
 from engine_harness import Outcome, engine_for, request, run
 from model_fixtures import VOCAB, save_random_dflash, save_random_eagle3, save_tiny_model
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
 from outrider.daemon.config import EXIT_CONFIG, ConfigError
 from outrider.daemon.engine.accept import accept_chain
 from outrider.daemon.engine.build import Engine
 from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.plugins_cmd import run_serve_check
+from outrider.plugins.speculative.dflash_impl import DFlashWorker
 
 NEW_TOKENS = 40
 WIDTH = 6
@@ -491,3 +494,30 @@ def test_standalone_refuses_a_draft_with_other_token_ids(
         )
     finally:
         (Path(model_dir) / "tokenizer.json").unlink()
+
+
+def test_dflash_mask_token_string_resolves_through_the_target_tokenizer(
+    model_dir: str, dflash_dir: str, tmp_path: Path
+) -> None:
+    draft = tmp_path / "draft"
+    shutil.copytree(dflash_dir, draft)
+    config = json.loads((draft / "config.json").read_text())
+    del config["dflash_config"]["mask_token_id"]
+    config["dflash_config"]["mask_token"] = "<|mask|>"
+    (draft / "config.json").write_text(json.dumps(config))
+    target = tmp_path / "target"
+    shutil.copytree(model_dir, target)
+    vocab = {f"t{i}": i for i in range(VOCAB - 1)}
+    Tokenizer(WordLevel(vocab, unk_token="t0")).save(str(target / "tokenizer.json"))
+    with pytest.raises(ConfigError) as refused:
+        _dflash(str(target), str(draft))
+    assert "--draft-model: the target's tokenizer has no mask token '<|mask|>'" in str(
+        refused.value
+    )
+    vocab["<|mask|>"] = VOCAB - 1
+    Tokenizer(WordLevel(vocab, unk_token="t0")).save(str(target / "tokenizer.json"))
+    engine = _dflash(str(target), str(draft))
+    worker = engine.loop.runner.worker
+    assert isinstance(worker, DFlashWorker) and int(worker.block[0, 1]) == VOCAB - 1
+    reqs = _requests(_prompts(1, 4), max_new_tokens=NEW_TOKENS)
+    assert _tokens(run(engine, reqs)) == _tokens(run(engine_for(str(target)), reqs))

@@ -125,6 +125,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
             target_layers=model_config.num_layers,
             embed=model.model.embed_tokens,
             lm_head=model.compute_logits,
+            model=config.model,
             draft_model=config.draft_model,
             load_format=config.load_format,
             make_backend=lambda phase, shape: _backend(config, phase, shape, device),

@@ -42,6 +42,7 @@ class WorkerContext:
     target_layers: int
     embed: nn.Module  # token ids [T] -> embeddings [T, H]
     lm_head: Callable[[torch.Tensor], torch.Tensor]  # normed hidden [n, H] -> logits [n, V]
+    model: str  # --model, the target (a directory or config.json path)
     draft_model: str  # --draft-model ("" when none)
     load_format: str  # --load-format, for the draft too
     # An attention backend instance for one of the draft phases, for the draft's shape.

@@ -3,6 +3,8 @@ one non-causal forward, its context K/V materialised from target features."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from outrider.plugins.api import (
     CheckContext,
     NoOptions,
@@ -15,6 +17,7 @@ from outrider.plugins.speculative.draft_config import (
     DRAFT_FLAG,
     check_draft,
     feature_size_problem,
+    tokenizer_vocab,
 )
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -51,11 +54,30 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
                 f"{target.get('num_hidden_layers')}",
             )
         )
-    mask = (draft.get("dflash_config") or {}).get("mask_token_id")
-    if mask is None:
-        problems.append(Problem(DRAFT_FLAG, "the draft names no dflash_config.mask_token_id"))
+    problems += _mask_problems(draft, ctx)
     problems += _non_causal_problems(ctx)
     return problems
+
+
+def _mask_problems(draft: dict[str, Any], ctx: CheckContext) -> list[Problem]:
+    """A mask token id, or a mask token string the target's tokenizer knows."""
+    dflash = draft.get("dflash_config") or {}
+    if dflash.get("mask_token_id") is not None:
+        return []
+    token = dflash.get("mask_token", draft.get("mask_token"))
+    if not token:
+        return [
+            Problem(DRAFT_FLAG, "the draft names no dflash_config.mask_token_id nor mask_token")
+        ]
+    if resolve_mask_token(token, ctx.model) is None:
+        return [Problem(DRAFT_FLAG, f"the target's tokenizer has no mask token {token!r}")]
+    return []
+
+
+def resolve_mask_token(token: str, model: str) -> int | None:
+    """The id of the draft's mask token string in the target's tokenizer."""
+    vocab = tokenizer_vocab(model) if model else None
+    return None if vocab is None else vocab.get(token)
 
 
 def _non_causal_problems(ctx: CheckContext) -> list[Problem]:

@@ -24,6 +24,7 @@ from outrider.plugins.speculative.base import (
     StepView,
     WorkerContext,
 )
+from outrider.plugins.speculative.dflash import resolve_mask_token
 from outrider.plugins.speculative.dflash_model import DFlashConfig, DFlashDraft, load_dflash
 
 
@@ -31,8 +32,11 @@ class DFlashWorker(SpeculativeWorker):
     def __init__(self, ctx: WorkerContext, options: NoOptions) -> None:
         super().__init__(ctx, options)
         config = DFlashConfig.from_pretrained(ctx.draft_model)
-        if config.mask_token_id is None:
-            raise ValueError("the DFlash draft names no dflash_config.mask_token_id")
+        mask_id = config.mask_token_id
+        if mask_id is None and config.mask_token is not None:
+            mask_id = resolve_mask_token(config.mask_token, ctx.model)
+        if mask_id is None:
+            raise ValueError(f"the DFlash draft's mask token {config.mask_token!r} is unknown")
         self.capture_layers = config.target_layer_ids
         self.model: DFlashDraft = load_dflash(
             ctx.draft_model,
@@ -51,7 +55,7 @@ class DFlashWorker(SpeculativeWorker):
         self.token_ids = torch.arange((ctx.max_slots + 1) * self.width, device=ctx.device)
         # The block's input: the root, then the mask token in every other slot.
         self.block = torch.full(
-            (ctx.max_slots, self.width), config.mask_token_id, dtype=torch.int64,
+            (ctx.max_slots, self.width), mask_id, dtype=torch.int64,
             device=ctx.device,
         )  # fmt: skip
 

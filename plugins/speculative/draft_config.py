@@ -24,6 +24,21 @@ def read_config(path: str) -> dict[str, Any] | None:
     return loaded if isinstance(loaded, dict) else None
 
 
+def tokenizer_vocab(path: str) -> dict[str, int] | None:
+    """The token -> id map of a model's tokenizer.json (added tokens included); None when
+    the model has no readable tokenizer.json."""
+    directory = Path(path)
+    if not directory.is_dir():
+        directory = directory.parent
+    try:
+        data = json.loads((directory / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab: dict[str, int] = dict(data.get("model", {}).get("vocab", {}))
+    vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
+    return vocab
+
+
 def check_draft(
     name: str, architecture: str, ctx: CheckContext
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[Problem]]:

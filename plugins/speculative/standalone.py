@@ -3,10 +3,6 @@ gives every token the target's id drafts a chain, greedily."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
 from outrider.plugins.api import (
     CheckContext,
     NoOptions,
@@ -15,23 +11,9 @@ from outrider.plugins.api import (
     SpeculativeCapabilities,
     default_check,
 )
-from outrider.plugins.speculative.draft_config import DRAFT_FLAG, read_config
+from outrider.plugins.speculative.draft_config import DRAFT_FLAG, read_config, tokenizer_vocab
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-def _vocab(path: str) -> dict[str, int] | None:
-    """The token -> id map of a model directory's tokenizer.json (added tokens included)."""
-    directory = Path(path)
-    if not directory.is_dir():
-        directory = directory.parent
-    try:
-        data: dict[str, Any] = json.loads((directory / "tokenizer.json").read_text())
-    except (OSError, ValueError):
-        return None
-    vocab = dict(data.get("model", {}).get("vocab", {}))
-    vocab.update({t["content"]: t["id"] for t in data.get("added_tokens", [])})
-    return vocab
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
@@ -48,7 +30,7 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
                 DRAFT_FLAG, f"standalone drafts with {', '.join(SUPPORTED)}, not {architectures}"
             )
         )
-    target_vocab, draft_vocab = _vocab(ctx.model), _vocab(ctx.draft_model)
+    target_vocab, draft_vocab = tokenizer_vocab(ctx.model), tokenizer_vocab(ctx.draft_model)
     if (target_vocab is None) != (draft_vocab is None):
         problems.append(
             Problem(
