@@ -41,24 +41,33 @@ def llama3_rope(theta: float = 10000.0) -> dict[str, Any]:
     }
 
 
-def save_tiny_model(kind: str, directory: Path, max_shard_size: str = "1GB") -> torch.nn.Module:
+def save_tiny_model(
+    kind: str,
+    directory: Path,
+    max_shard_size: str = "1GB",
+    *,
+    vocab_size: int = VOCAB,
+    seed: int = 0,
+) -> torch.nn.Module:
     """Build a random float32 HF model of ``kind`` (llama / qwen2 / qwen3), save it to
     ``directory`` and return it (eval mode, eager attention: the reference)."""
     import transformers
 
+    shape = TINY | {"vocab_size": vocab_size}
+
     if kind == "llama":
-        config: Any = transformers.LlamaConfig(**TINY, rope_parameters=llama3_rope())
+        config: Any = transformers.LlamaConfig(**shape, rope_parameters=llama3_rope())
     elif kind == "qwen2":
-        config = transformers.Qwen2Config(**TINY, rope_parameters={"rope_theta": 5000.0})
+        config = transformers.Qwen2Config(**shape, rope_parameters={"rope_theta": 5000.0})
     elif kind == "qwen3":
         # head_dim 24 != hidden_size / heads = 16, tied embeddings.
         config = transformers.Qwen3Config(
-            **TINY, head_dim=24, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}
+            **shape, head_dim=24, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}
         )
     else:
         raise ValueError(kind)
     config._attn_implementation = "eager"
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     # HF initialises biases to 0 and norms to 1; randomise everything so each is exercised.
     with torch.no_grad():

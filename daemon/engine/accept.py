@@ -7,11 +7,25 @@ accepted, ``commit_len = a + 1`` tokens ``y[0 .. a]`` are committed, the last be
 Deterministic drafts (argmax chains, n-gram, DFlash blocks) are therefore lossless by
 construction: greedy and seeded sampled outputs equal the target-only outputs token for token,
 and no draft probability is needed.
+
+A draft that truly samples (token ``x_j`` drawn from ``q_j``) goes through ``accept_sampled``
+instead: ``x_j`` is kept with probability ``min(1, p_j(x_j) / q_j(x_j))``, the first rejected
+node draws from ``normalize(max(0, p_j - q_j))``, and when every draft is kept the last node
+draws from ``p``. Each committed token is then distributed as the target's, but seeded outputs
+no longer equal the target-only ones. With greedy rows ``p`` and ``q`` are one-hot and the rule
+is the greedy walk. Using a deterministic draft's softmax as ``q`` is NOT lossless.
 """
 
 from __future__ import annotations
 
 import torch
+
+from outrider.daemon.engine.sampling import sample_probs, uniform_at
+
+# Draw indices at one output position (plain sampling draws 0 there).
+DRAW_ACCEPT = 1  # the acceptance uniform of a sampled draft
+DRAW_RESIDUAL = 2  # the replacement token after a rejection
+DRAW_DRAFT = 3  # a sampling draft's own token
 
 
 def accept_chain(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -26,3 +40,37 @@ def step_reservation(width: int, max_commit: int, page_size: int) -> int:
     verify block plus one step's commit (overlap), page aligned."""
     need = width + max_commit
     return (need + page_size - 1) // page_size * page_size
+
+
+def accept_sampled(
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    seed: torch.Tensor,
+    out_len: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``commit_len`` [bs], committed tokens [bs, W]) for drafts sampled from
+    ``draft_probs``. drafts: [bs, W - 1]; draft_probs: [bs, W - 1, V]; target_probs: [bs, W, V]
+    (processed as the requests sample); seed, out_len: [bs] (node j draws at output index
+    ``out_len + j``)."""
+    bs, width, vocab = target_probs.shape
+    offsets = torch.arange(width, device=drafts.device)
+    positions = out_len.unsqueeze(1) + offsets  # [bs, W]
+    index = drafts.unsqueeze(-1)
+    p_x = target_probs[:, :-1].gather(-1, index).squeeze(-1)  # [bs, W - 1]
+    q_x = draft_probs.gather(-1, index).squeeze(-1)
+    seeds = seed.unsqueeze(1).expand(bs, width - 1).reshape(-1)
+    u = uniform_at(seeds, positions[:, :-1].reshape(-1), DRAW_ACCEPT, drafts.reshape(-1, 1))
+    kept = (u.view(bs, width - 1) * q_x <= p_x).to(torch.int64)
+    accepted = torch.cumprod(kept, dim=1).sum(dim=1)  # [bs]
+    residual = (target_probs[:, :-1] - draft_probs).clamp_(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    # Zero mass only where p == q, where nothing is ever rejected: any row does.
+    residual = torch.where(mass > 0, residual / mass, target_probs[:, :-1])
+    dists = torch.cat([residual, target_probs[:, -1:]], dim=1)  # [bs, W, V]
+    replacement = sample_probs(
+        dists.view(-1, vocab), seed.repeat_interleave(width), positions.reshape(-1), DRAW_RESIDUAL
+    ).view(bs, width)
+    padded = torch.cat([drafts, drafts[:, -1:]], dim=1)  # [bs, W]
+    committed = torch.where(offsets < accepted.unsqueeze(1), padded, replacement)
+    return accepted + 1, committed

@@ -121,6 +121,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
             num_pages=num_pages,
             context_length=context_length,
             vocab_limit=vocab_limit,
+            logits_width=model_config.vocab_size,
             max_positions=context_length + reservation,
             target_layers=model_config.num_layers,
             embed=model.model.embed_tokens,

@@ -23,10 +23,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from outrider.daemon.engine.accept import accept_chain
+from outrider.daemon.engine.accept import accept_chain, accept_sampled
 from outrider.daemon.engine.forward import ForwardBatch, KVCache
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.engine.sampling import SampleResult, SamplingBatch, sample
+from outrider.daemon.engine.sampling import SampleResult, SamplingBatch, processed_probs, sample
 from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.speculative.base import (
@@ -256,13 +256,21 @@ class ModelRunner:
         seq = self.relay_seq_len[slots]  # [bs]
         out_len = self.relay_out_len[slots]  # [bs]
         max_kv = max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True))
-        view = StepView(slots=slots, roots=self.relay_tokens[slots], seq_lens=seq, max_kv=max_kv)
+        view = StepView(
+            slots=slots,
+            roots=self.relay_tokens[slots],
+            seq_lens=seq,
+            out_lens=out_len,
+            sampling=self._sampling(slots, plan),
+            max_kv=max_kv,
+        )
         if self.relay_check and not bool((view.roots >= 0).all()):
             raise AssertionError("a STEP read a relay row that was not rewritten")
         tokens = inp["input_ids"].view(bs, width)
         tokens[:, 0] = view.roots
-        if self.worker is not None:
-            tokens[:, 1:] = self.worker.draft(view)  # [bs, W - 1]
+        drafts = self.worker.draft(view) if self.worker is not None else None
+        if drafts is not None:
+            tokens[:, 1:] = drafts.tokens  # [bs, W - 1]
         torch.add(seq.unsqueeze(1), self.step_offsets, out=inp["positions"].view(bs, width))
         torch.add(seq, width, out=inp["seq_lens"])
         phase: Phase = "verify" if self.worker is not None else "decode"
@@ -271,8 +279,21 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [bs * W, V]
         draw_positions = (out_len.unsqueeze(1) + self.step_offsets).view(-1)  # [bs * W]
         out = self._sample(logits, inp["token_slots"], draw_positions, plan)
-        choices = out.tokens.view(bs, width)  # [bs, W]: the target's token at each node
-        commit_lens = accept_chain(tokens[:, 1:], choices)  # [bs]; 1 without drafts
+        logprob = out.logprob.view(bs, width)
+        if drafts is None or drafts.probs is None:
+            choices = out.tokens.view(bs, width)  # [bs, W]: the target's token at each node
+            commit_lens = accept_chain(tokens[:, 1:], choices)  # [bs]; 1 without drafts
+        else:
+            batch = self._sampling(inp["token_slots"], plan)
+            target_probs = processed_probs(logits, batch, vocab_limit=self.limits.vocab_limit)
+            commit_lens, choices = accept_sampled(
+                drafts.tokens, drafts.probs, target_probs.view(bs, width, -1), view.sampling.seed,
+                out_len,
+            )  # fmt: skip
+            limited = logits[:, : self.limits.vocab_limit]
+            log_norm = torch.logsumexp(limited, dim=-1)  # [bs * W]
+            picked = limited.gather(-1, choices.view(-1, 1)).squeeze(-1)
+            logprob = (picked - log_norm).view(bs, width)
         bonus = choices.gather(1, (commit_lens - 1).unsqueeze(1)).squeeze(1)
         self.relay_tokens.index_copy_(0, slots, bonus)
         self.relay_seq_len.index_copy_(0, slots, seq + commit_lens)
@@ -285,7 +306,7 @@ class ModelRunner:
             {
                 "tokens": choices,
                 "commit_lens": commit_lens,
-                "logprob": out.logprob.view(bs, width),
+                "logprob": logprob,
                 "top_ids": out.top_ids.view(bs, width, k),
                 "top_logprobs": out.top_logprobs.view(bs, width, k),
             },
@@ -329,7 +350,12 @@ class ModelRunner:
     ) -> SampleResult:
         """Sample each row of ``logits`` with the parameters of slot ``row_slots[r]`` and the
         randomness counter ``positions[r]`` (the output index drawn)."""
-        batch = SamplingBatch(
+        batch = self._sampling(row_slots, plan)
+        return sample(logits, batch, positions, vocab_limit=self.limits.vocab_limit)
+
+    def _sampling(self, row_slots: torch.Tensor, plan: StepPlan) -> SamplingBatch:
+        """The sampling parameters of slot ``row_slots[r]`` for each row."""
+        return SamplingBatch(
             temperature=self.slot_temperature[row_slots],
             top_p=self.slot_top_p[row_slots],
             top_k=self.slot_top_k[row_slots],
@@ -337,7 +363,6 @@ class ModelRunner:
             all_greedy=plan.all_greedy,
             max_logprobs=plan.max_logprobs,
         )
-        return sample(logits, batch, positions, vocab_limit=self.limits.vocab_limit)
 
     def collect(self, launched: Launched) -> StepOutput:
         """Wait for ``launched``'s results and return them on the host."""

@@ -139,6 +139,22 @@ def uniform(seed: torch.Tensor, position: torch.Tensor, draw: int, vocab: int) -
     return _uniform_at(keys, ids)
 
 
+def uniform_at(
+    seed: torch.Tensor, position: torch.Tensor, draw: int, ids: torch.Tensor
+) -> torch.Tensor:
+    """The uniforms of ``uniform`` at token ``ids`` only: ids [n, k] int64 -> [n, k]."""
+    return _uniform_at(_row_keys(seed, position, draw), ids)
+
+
+def sample_probs(
+    probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, draw: int
+) -> torch.Tensor:
+    """One token per row drawn from ``probs`` [n, V] (rows summing to 1) by the exponential
+    race over the counter-based uniforms of ``(seed, position, draw)``: [n] int64."""
+    ids = torch.arange(probs.shape[-1], dtype=torch.int64, device=probs.device)
+    return _race(torch.log(probs), ids, _row_keys(seed, position, draw)).squeeze(-1)
+
+
 def _check_limits(logits: torch.Tensor, vocab_limit: int, max_logprobs: int = 0) -> None:
     if not 0 < vocab_limit <= logits.shape[-1]:
         raise ValueError(f"vocab_limit {vocab_limit} outside [1, {logits.shape[-1]}]")

@@ -22,6 +22,7 @@ from outrider.plugins.attention.base import AttentionBackend, AttentionShape
 
 if TYPE_CHECKING:
     from outrider.daemon.engine.forward import ForwardBatch
+    from outrider.daemon.engine.sampling import SamplingBatch
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class WorkerContext:
     num_pages: int  # of the target's KV pool, the scratch page included
     context_length: int
     vocab_limit: int  # token ids the target may emit are below this
+    logits_width: int  # the target's logits (its embedding rows)
     max_positions: int  # positions a STEP may reach: context length plus the reservation
     # The target's parts a draft may share.
     target_layers: int
@@ -69,11 +71,23 @@ class StepView:
     slots: torch.Tensor  # [bs] int64
     roots: torch.Tensor  # [bs] int64: the relay token of each slot
     seq_lens: torch.Tensor  # [bs] int64: committed KV length = the root's position
+    out_lens: torch.Tensor  # [bs] int64: output tokens committed (the randomness counter)
+    sampling: SamplingBatch  # each row's sampling parameters
     max_kv: int  # host bound on any row's KV length after the verify
 
     @property
     def bs(self) -> int:
         return self.slots.shape[0]
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """What ``draft`` returns. ``probs``: only for drafts sampled at random, the processed
+    distribution each was drawn from (the verify then keeps a draft with probability
+    ``min(1, p/q)``); None for deterministic drafts, which need no probabilities."""
+
+    tokens: torch.Tensor  # [bs, width - 1] int64
+    probs: torch.Tensor | None = None  # [bs, width - 1, V] float32, V the target's logits width
 
 
 class SpeculativeWorker(ABC):
@@ -99,8 +113,8 @@ class SpeculativeWorker(ABC):
         re-admissions)."""
 
     @abstractmethod
-    def draft(self, view: StepView) -> torch.Tensor:
-        """The drafts of each row: [bs, width - 1] int64 token ids."""
+    def draft(self, view: StepView) -> Drafts:
+        """The drafts of each row."""
 
     @abstractmethod
     def after_accept(

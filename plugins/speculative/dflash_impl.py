@@ -19,6 +19,7 @@ import torch
 from outrider.daemon.engine.forward import ForwardBatch, KVCache
 from outrider.plugins.api import NoOptions
 from outrider.plugins.speculative.base import (
+    Drafts,
     ExtendView,
     SpeculativeWorker,
     StepView,
@@ -62,7 +63,7 @@ class DFlashWorker(SpeculativeWorker):
     def after_extend(self, view: ExtendView) -> None:
         self._materialize(view.fb)
 
-    def draft(self, view: StepView) -> torch.Tensor:
+    def draft(self, view: StepView) -> Drafts:
         bs, width, page_size = view.bs, self.width, self.ctx.page_size
         block = self.block[:bs]
         block[:, 0] = view.roots
@@ -88,7 +89,7 @@ class DFlashWorker(SpeculativeWorker):
         self.backend.prepare(fb)
         hidden = self.model(self.ctx.embed(block.reshape(-1)), fb)  # [bs * B, H]
         logits = self.ctx.lm_head(hidden.view(bs, width, -1)[:, 1:].reshape(-1, hidden.shape[-1]))
-        return logits.argmax(dim=-1).view(bs, width - 1)
+        return Drafts(logits.argmax(dim=-1).view(bs, width - 1))
 
     def after_accept(
         self,

@@ -23,6 +23,7 @@ from outrider.daemon.engine.forward import ForwardBatch, KVCache
 from outrider.plugins.api import NoOptions
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.speculative.base import (
+    Drafts,
     ExtendView,
     SpeculativeWorker,
     StepView,
@@ -79,7 +80,7 @@ class Eagle3Worker(SpeculativeWorker):
 
     # --- STEP ----------------------------------------------------------------------------
 
-    def draft(self, view: StepView) -> torch.Tensor:
+    def draft(self, view: StepView) -> Drafts:
         bs = view.bs
         token = self.next_draft[view.slots]  # [bs]: d1, from the last catch-up
         feat = self.feat[view.slots]  # [bs, H]
@@ -91,7 +92,7 @@ class Eagle3Worker(SpeculativeWorker):
             feat = self._run(token, feat, fb, self.decode_backend)  # [bs, H]
             token = self._predict(feat)
             drafts.append(token)
-        return torch.stack(drafts, dim=1).view(bs, self.width - 1)
+        return Drafts(torch.stack(drafts, dim=1).view(bs, self.width - 1))
 
     def after_accept(
         self,

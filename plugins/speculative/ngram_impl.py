@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from outrider.daemon.engine.forward import ForwardBatch
 from outrider.plugins.speculative.base import (
+    Drafts,
     ExtendView,
     SpeculativeWorker,
     StepView,
@@ -42,14 +43,14 @@ class NgramWorker(SpeculativeWorker):
     def after_extend(self, view: ExtendView) -> None:
         self.tokens.index_copy_(0, view.fb.out_loc, view.input_ids)
 
-    def draft(self, view: StepView) -> torch.Tensor:
+    def draft(self, view: StepView) -> Drafts:
         history = self._history(view)  # [bs, window]
         end, found = self._latest_longest_match(history)  # [bs], [bs]
         last = history.shape[1] - 1
         # The tokens after the match; past the root the history ends: repeat the root.
         index = (end.unsqueeze(1) + self.draft_offsets).clamp_(max=last)  # [bs, W - 1]
         drafts = history.gather(1, index)
-        return torch.where(found.unsqueeze(1), drafts, view.roots.unsqueeze(1))
+        return Drafts(torch.where(found.unsqueeze(1), drafts, view.roots.unsqueeze(1)))
 
     def after_accept(
         self,

@@ -2,7 +2,9 @@
 KV cache at the target's positions.
 
 The draft's KV at position p holds its K/V of the token at p, exactly as the target's does, so
-it depends on the prefix tokens only: prefix-cache pages carry valid draft KV. EXTEND runs the
+it depends on the prefix tokens only: prefix-cache pages carry valid draft KV. With
+``{"sample": true}`` sampled requests draw their drafts from the draft's processed
+distribution (see accept.py for the rule that keeps them). EXTEND runs the
 draft over the chunk. A STEP feeds the root and each draft in turn (positions ``seq ..
 seq + S - 1``); accepted drafts are the committed tokens, so after the accept the draft's KV
 is final up to ``seq + a - 1``, and one more token (the last accepted one, at ``seq + a``)
@@ -15,20 +17,23 @@ import dataclasses
 
 import torch
 
+from outrider.daemon.engine.accept import DRAW_DRAFT
 from outrider.daemon.engine.forward import ForwardBatch, KVCache
+from outrider.daemon.engine.sampling import processed_probs, sample_probs
 from outrider.daemon.models.layers import DecoderForCausalLM
 from outrider.daemon.models.loader import load_model
-from outrider.plugins.api import NoOptions
 from outrider.plugins.speculative.base import (
+    Drafts,
     ExtendView,
     SpeculativeWorker,
     StepView,
     WorkerContext,
 )
+from outrider.plugins.speculative.standalone import StandaloneOptions
 
 
 class StandaloneWorker(SpeculativeWorker):
-    def __init__(self, ctx: WorkerContext, options: NoOptions) -> None:
+    def __init__(self, ctx: WorkerContext, options: StandaloneOptions) -> None:
         super().__init__(ctx, options)
         self.model: DecoderForCausalLM
         self.model, config = load_model(
@@ -46,6 +51,10 @@ class StandaloneWorker(SpeculativeWorker):
         self.extend_backend = ctx.make_backend("draft_extend", shape)
         self.decode_backend = ctx.make_backend("draft_decode", shape)
         self.row_ids = torch.arange(ctx.max_slots + 1, device=ctx.device)
+        # Draft logits in the target's width; ids from the vocabulary limit on stay -inf.
+        self.logits = torch.full(
+            (ctx.max_slots, ctx.logits_width), float("-inf"), device=ctx.device
+        )
 
     def after_extend(self, view: ExtendView) -> None:
         fb = dataclasses.replace(
@@ -54,12 +63,20 @@ class StandaloneWorker(SpeculativeWorker):
         self.extend_backend.prepare(fb)
         self.model(view.input_ids, fb)
 
-    def draft(self, view: StepView) -> torch.Tensor:
-        token, drafts = view.roots, []
+    def draft(self, view: StepView) -> Drafts:
+        token, drafts, probs = view.roots, [], []
         for k in range(self.width - 1):
-            token = self._next(token, view.seq_lens + k, view)
+            logits = self._next(token, view.seq_lens + k, view)  # [bs, V]
+            if self.options.sample:
+                q = processed_probs(logits, view.sampling, vocab_limit=self.ctx.vocab_limit)
+                token = sample_probs(q, view.sampling.seed, view.out_lens + k, DRAW_DRAFT)
+                probs.append(q)
+            else:
+                token = logits.argmax(dim=-1)
             drafts.append(token)
-        return torch.stack(drafts, dim=1)
+        return Drafts(
+            torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if self.options.sample else None
+        )
 
     def after_accept(
         self,
@@ -75,8 +92,8 @@ class StandaloneWorker(SpeculativeWorker):
         self._next(last, view.seq_lens + accepted, view)
 
     def _next(self, tokens: torch.Tensor, positions: torch.Tensor, view: StepView) -> torch.Tensor:
-        """Feed ``tokens`` [bs] at ``positions`` [bs]; the draft's greedy next tokens, kept
-        below the target's vocabulary limit."""
+        """Feed ``tokens`` [bs] at ``positions`` [bs]; the draft's next-token logits as wide
+        as the target's, -inf from the target's vocabulary limit on."""
         bs, page_size = view.bs, self.ctx.page_size
         pages = self.ctx.page_table[view.slots, positions // page_size].to(torch.int64)
         rows = self.row_ids[: bs + 1]
@@ -95,6 +112,8 @@ class StandaloneWorker(SpeculativeWorker):
             max_kv=view.max_kv,
         )
         self.decode_backend.prepare(fb)
-        hidden = self.model(tokens, fb)
-        logits = self.model.compute_logits(hidden)[:, : self.ctx.vocab_limit]
-        return logits.argmax(dim=-1)
+        logits = self.model.compute_logits(self.model(tokens, fb))  # [bs, V_draft]
+        limit = min(logits.shape[-1], self.ctx.vocab_limit)
+        wide = self.logits.narrow(0, 0, view.bs)
+        wide[:, :limit] = logits[:, :limit]
+        return wide
