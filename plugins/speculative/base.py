@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from outrider.daemon.engine.forward import ForwardBatch, KVCache
 from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend, AttentionShape
 
 if TYPE_CHECKING:
-    from outrider.daemon.engine.forward import ForwardBatch
     from outrider.daemon.engine.sampling import SamplingBatch
 
 
@@ -106,6 +106,37 @@ class SpeculativeWorker(ABC):
         self.options = options  # the plugin's validated options struct
         self.width = ctx.width
         self.max_commit = ctx.width  # a chain commits at most all drafts plus the bonus
+        self.row_ids = torch.arange(ctx.max_slots + 1, device=ctx.device)
+
+    def allocate_kv(self, num_layers: int, shape: AttentionShape) -> KVCache:
+        """A draft's own paged KV: the target's pages and page size, the draft's heads."""
+        ctx = self.ctx
+        return KVCache.allocate(
+            num_layers, ctx.num_pages, ctx.page_size, shape.num_kv_heads, shape.head_dim,
+            ctx.dtype, ctx.device,
+        )  # fmt: skip
+
+    def one_token_batch(
+        self, view: StepView, positions: torch.Tensor, kv: KVCache, backend: AttentionBackend
+    ) -> ForwardBatch:
+        """A draft forward of one token per row at ``positions`` [bs], into ``kv``."""
+        bs, page_size = view.bs, self.ctx.page_size
+        pages = self.ctx.page_table[view.slots, positions // page_size].to(torch.int64)
+        rows = self.row_ids[: bs + 1]
+        return ForwardBatch(
+            backend=backend,
+            kv=kv,
+            page_table=self.ctx.page_table,
+            slots=view.slots,
+            positions=positions,
+            out_loc=pages * page_size + positions % page_size,
+            q_start=rows,
+            seq_lens=positions + 1,
+            q_pad_index=rows[:bs],
+            bs=bs,
+            max_q=1,
+            max_kv=view.max_kv,
+        )
 
     @abstractmethod
     def after_extend(self, view: ExtendView) -> None:

@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from outrider.daemon.engine.forward import ForwardBatch, KVCache
+from outrider.daemon.engine.forward import ForwardBatch
 from outrider.plugins.api import NoOptions
 from outrider.plugins.speculative.base import (
     Drafts,
@@ -47,10 +47,7 @@ class DFlashWorker(SpeculativeWorker):
             load_format="dummy" if ctx.load_format == "dummy" else "auto",
         )
         shape = self.model.attention_shape
-        self.kv = KVCache.allocate(
-            self.model.num_layers, ctx.num_pages, ctx.page_size, shape.num_kv_heads,
-            shape.head_dim, ctx.dtype, ctx.device,
-        )  # fmt: skip
+        self.kv = self.allocate_kv(self.model.num_layers, shape)
         self.backend = ctx.make_backend("draft_decode", shape)
         self.block_offsets = torch.arange(self.width, device=ctx.device)  # [B]
         self.token_ids = torch.arange((ctx.max_slots + 1) * self.width, device=ctx.device)

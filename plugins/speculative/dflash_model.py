@@ -59,6 +59,7 @@ from outrider.daemon.models.layers import (
 )
 from outrider.daemon.models.loader import Slot, checkpoint_files, checkpoint_name, init_dummy
 from outrider.plugins.attention.base import AttentionShape
+from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
 
 if TYPE_CHECKING:
     from outrider.daemon.engine.forward import ForwardBatch
@@ -292,48 +293,15 @@ def load_dflash(
         init_dummy(model)
     else:
         files = checkpoint_files(model_dir(path))
-        fill_dflash(model, _read(files, torch.device(device)))
+        fill_dflash(model, read_safetensors(files, torch.device(device)))
         log.info("loaded the DFlash draft from %s", ", ".join(str(f) for f in files))
     return model
-
-
-def _read(files: list[Path], device: torch.device) -> Iterable[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as shard:
-            for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, shard.get_tensor(name)
 
 
 def fill_dflash(model: DFlashDraft, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy public-layout ``(name, tensor)`` pairs into ``model``. Raises ValueError naming
     every unexpected, repeated or missing tensor, or the first one of a wrong shape."""
-    dests = dflash_tensors(model)
-    pending = set(dests)
-    unexpected: list[str] = []
-    for name, tensor in tensors:
-        if name in _SHARED:
-            log.info("DFlash checkpoint: skipping %s (the target's is shared)", name)
-            continue
-        if name not in pending:
-            unexpected.append(f"{name} (twice)" if name in dests else name)
-            continue
-        dest = dests[name]
-        if dest.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        pending.discard(name)
-    problems = []
-    if unexpected:
-        problems.append(f"unexpected checkpoint tensors: {', '.join(sorted(unexpected))}")
-    if pending:
-        problems.append(f"missing checkpoint tensors: {', '.join(sorted(pending))}")
-    if problems:
-        raise ValueError("DFlash draft: " + "; ".join(problems))
+    fill_public("DFlash", dflash_tensors(model), tensors, shared=_SHARED)
 
 
 def save_dflash(model: DFlashDraft, directory: str | Path, config_json: dict[str, Any]) -> None:

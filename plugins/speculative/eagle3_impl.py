@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from outrider.daemon.engine.forward import ForwardBatch, KVCache
+from outrider.daemon.engine.forward import ForwardBatch
 from outrider.plugins.api import NoOptions
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.speculative.base import (
@@ -52,17 +52,13 @@ class Eagle3Worker(SpeculativeWorker):
             load_format="dummy" if ctx.load_format == "dummy" else "auto",
         )
         shape = self.model.attention_shape
-        self.kv = KVCache.allocate(
-            1, ctx.num_pages, ctx.page_size, shape.num_kv_heads, shape.head_dim, ctx.dtype,
-            ctx.device,
-        )  # fmt: skip
+        self.kv = self.allocate_kv(1, shape)
         self.extend_backend = ctx.make_backend("draft_extend", shape)
         self.decode_backend = ctx.make_backend("draft_decode", shape)
         self.embed = ctx.embed
         hidden = config.model.hidden_size
         self.feat = torch.zeros(ctx.max_slots, hidden, dtype=ctx.dtype, device=ctx.device)
         self.next_draft = torch.zeros(ctx.max_slots, dtype=torch.int64, device=ctx.device)
-        self.row_ids = torch.arange(ctx.max_slots + 1, device=ctx.device)
 
     # --- EXTEND --------------------------------------------------------------------------
 
@@ -88,7 +84,7 @@ class Eagle3Worker(SpeculativeWorker):
         for k in range(1, self.width - 1):
             # d_k sits at seq + k; its draft row is the position before.
             positions = view.seq_lens + (k - 1)
-            fb = self._decode_batch(view, positions)
+            fb = self.one_token_batch(view, positions, self.kv, self.decode_backend)
             feat = self._run(token, feat, fb, self.decode_backend)  # [bs, H]
             token = self._predict(feat)
             drafts.append(token)
@@ -136,23 +132,3 @@ class Eagle3Worker(SpeculativeWorker):
         position."""
         self.feat.index_copy_(0, slots, y)
         self.next_draft.index_copy_(0, slots, self._predict(y))
-
-    def _decode_batch(self, view: StepView, positions: torch.Tensor) -> ForwardBatch:
-        """One query per row at ``positions`` [bs]."""
-        bs, page_size = view.bs, self.ctx.page_size
-        pages = self.ctx.page_table[view.slots, positions // page_size].to(torch.int64)
-        rows = self.row_ids[: bs + 1]
-        return ForwardBatch(
-            backend=self.decode_backend,
-            kv=self.kv,
-            page_table=self.ctx.page_table,
-            slots=view.slots,
-            positions=positions,
-            out_loc=pages * page_size + positions % page_size,
-            q_start=rows,
-            seq_lens=positions + 1,
-            q_pad_index=rows[:bs],
-            bs=bs,
-            max_q=1,
-            max_kv=view.max_kv,
-        )

@@ -45,6 +45,7 @@ from outrider.daemon.models.config import ModelConfig, model_dir
 from outrider.daemon.models.layers import MLP, Attention, FusedLinear, RMSNorm, RotaryEmbedding
 from outrider.daemon.models.loader import Slot, checkpoint_files, checkpoint_name, init_dummy
 from outrider.plugins.attention.base import AttentionShape
+from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
 
 if TYPE_CHECKING:
     from outrider.daemon.engine.forward import ForwardBatch
@@ -273,53 +274,26 @@ def load_eagle3(
         )
     else:
         files = checkpoint_files(model_dir(path))
-        fill_eagle3(model, _read(files, torch.device(device)))
+        fill_eagle3(model, read_safetensors(files, torch.device(device)))
         log.info("loaded the EAGLE-3 draft from %s", ", ".join(str(f) for f in files))
     _check_vocab_map(model)
     return model
 
 
-def _read(files: list[Path], device: torch.device) -> Iterable[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as shard:
-            for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, shard.get_tensor(name)
-
-
 def fill_eagle3(model: Eagle3Draft, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy public-layout ``(name, tensor)`` pairs into ``model``. Raises ValueError naming
-    every unexpected, repeated or missing tensor, or the first one of a wrong shape."""
-    dests = eagle3_tensors(model)
-    pending = set(dests)
-    unexpected: list[str] = []
-    for name, tensor in tensors:
-        if name in _IGNORED:
-            log.info("EAGLE-3 checkpoint: skipping %s (the target's embedding is shared)", name)
-            continue
-        if name not in pending:
-            unexpected.append(f"{name} (twice)" if name in dests else name)
-            continue
-        dest = dests[name]
-        if dest.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        pending.discard(name)
-    if model.config.identity_vocab and pending & set(_VOCAB_MAP) == set(_VOCAB_MAP):
+    every unexpected, repeated or missing tensor, or the first one of a wrong shape. With one
+    vocabulary, ``d2t`` and ``t2d`` may both be absent (the identity)."""
+    vocab_map = frozenset(_VOCAB_MAP)
+    optional = vocab_map if model.config.identity_vocab else frozenset()
+    missing = fill_public(
+        "EAGLE-3", eagle3_tensors(model), tensors, shared=_IGNORED, optional=optional
+    )
+    if missing and missing != vocab_map:
+        raise ValueError(f"EAGLE-3 draft: missing checkpoint tensors: {', '.join(sorted(missing))}")
+    if missing:
         model.d2t.zero_()
         model.t2d.fill_(True)
-        pending -= set(_VOCAB_MAP)
-    problems = []
-    if unexpected:
-        problems.append(f"unexpected checkpoint tensors: {', '.join(sorted(unexpected))}")
-    if pending:
-        problems.append(f"missing checkpoint tensors: {', '.join(sorted(pending))}")
-    if problems:
-        raise ValueError("EAGLE-3 draft: " + "; ".join(problems))
 
 
 def _check_vocab_map(model: Eagle3Draft) -> None:

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from outrider.daemon.engine.accept import DRAW_DRAFT
-from outrider.daemon.engine.forward import ForwardBatch, KVCache
+from outrider.daemon.engine.forward import ForwardBatch
 from outrider.daemon.engine.sampling import processed_probs, sample_probs
 from outrider.daemon.models.layers import DecoderForCausalLM
 from outrider.daemon.models.loader import load_model
@@ -44,13 +44,9 @@ class StandaloneWorker(SpeculativeWorker):
             max_positions=ctx.max_positions,
         )
         shape = self.model.attention_shape
-        self.kv = KVCache.allocate(
-            config.num_layers, ctx.num_pages, ctx.page_size, shape.num_kv_heads,
-            shape.head_dim, ctx.dtype, ctx.device,
-        )  # fmt: skip
+        self.kv = self.allocate_kv(config.num_layers, shape)
         self.extend_backend = ctx.make_backend("draft_extend", shape)
         self.decode_backend = ctx.make_backend("draft_decode", shape)
-        self.row_ids = torch.arange(ctx.max_slots + 1, device=ctx.device)
         # Draft logits in the target's width; ids from the vocabulary limit on stay -inf.
         self.logits = torch.full(
             (ctx.max_slots, ctx.logits_width), float("-inf"), device=ctx.device
@@ -94,23 +90,7 @@ class StandaloneWorker(SpeculativeWorker):
     def _next(self, tokens: torch.Tensor, positions: torch.Tensor, view: StepView) -> torch.Tensor:
         """Feed ``tokens`` [bs] at ``positions`` [bs]; the draft's next-token logits as wide
         as the target's, -inf from the target's vocabulary limit on."""
-        bs, page_size = view.bs, self.ctx.page_size
-        pages = self.ctx.page_table[view.slots, positions // page_size].to(torch.int64)
-        rows = self.row_ids[: bs + 1]
-        fb = ForwardBatch(
-            backend=self.decode_backend,
-            kv=self.kv,
-            page_table=self.ctx.page_table,
-            slots=view.slots,
-            positions=positions,
-            out_loc=pages * page_size + positions % page_size,
-            q_start=rows,
-            seq_lens=positions + 1,
-            q_pad_index=rows[:bs],
-            bs=bs,
-            max_q=1,
-            max_kv=view.max_kv,
-        )
+        fb = self.one_token_batch(view, positions, self.kv, self.decode_backend)
         self.decode_backend.prepare(fb)
         logits = self.model.compute_logits(self.model(tokens, fb))  # [bs, V_draft]
         limit = min(logits.shape[-1], self.ctx.vocab_limit)
