@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from draft_fixtures import DenseShape, dense_eagle3, draft_logits
 from model_fixtures import PagedRows, torch_backend
 from safetensors.torch import load_file, save_file
 
@@ -60,6 +60,7 @@ PUBLIC_KEYS = {
 }
 SLOTS, PREFILL = (3, 0, 5), (5, 9, 2)
 ATOL = 1e-5
+SHAPE = DenseShape(HQ, HKV, D, THETA, TINY["rms_norm_eps"])
 
 
 @pytest.fixture(autouse=True)
@@ -91,43 +92,6 @@ def _random_draft(config: dict[str, Any] = TINY) -> Eagle3Draft:
     model.t2d.zero_()
     model.t2d[targets] = True
     return model
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + TINY["rms_norm_eps"])
-
-
-def _rope(x: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D], positions 0 .. T-1, rotate-half convention
-    inv_freq = 1.0 / THETA ** (torch.arange(0, D, 2).float() / D)
-    angles = torch.arange(x.shape[0]).float()[:, None] * inv_freq  # [T, D/2]
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def _dense(w: dict[str, torch.Tensor], embeds: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
-    """One sequence from position 0, plain causal attention: ``y [T, H]``."""
-    a, p = "midlayer.self_attn", "midlayer.mlp"
-    x = torch.cat(
-        (
-            _rms(embeds, w["midlayer.input_layernorm.weight"]),
-            _rms(feat, w["midlayer.hidden_norm.weight"]),
-        ),
-        dim=-1,
-    )  # [T, 2H]
-    n = x.shape[0]
-    q = _rope((x @ w[f"{a}.q_proj.weight"].T).view(n, HQ, D)).transpose(0, 1)  # [HQ, T, D]
-    k = _rope((x @ w[f"{a}.k_proj.weight"].T).view(n, HKV, D)).transpose(0, 1)  # [HKV, T, D]
-    v = (x @ w[f"{a}.v_proj.weight"].T).view(n, HKV, D).transpose(0, 1)
-    k, v = k.repeat_interleave(HQ // HKV, 0), v.repeat_interleave(HQ // HKV, 0)
-    scores = (q @ k.transpose(1, 2)) / D**0.5  # [HQ, T, T]
-    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, HQ * D)
-    h = feat + attn @ w[f"{a}.o_proj.weight"].T
-    m = _rms(h, w["midlayer.post_attention_layernorm.weight"])
-    gate, up = m @ w[f"{p}.gate_proj.weight"].T, m @ w[f"{p}.up_proj.weight"].T
-    return h + (F.silu(gate) * up) @ w[f"{p}.down_proj.weight"].T
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,18 +129,19 @@ def test_forward_matches_dense_reference() -> None:
     torch.testing.assert_close(feat, features @ w["fc.weight"].T, atol=ATOL, rtol=0)
     starts = [0, *torch.tensor(PREFILL).cumsum(0).tolist()]
     for row, (a, b) in enumerate(itertools.pairwise(starts)):
-        ref = _dense(w, embeds[a:b], feat[a:b])
+        ref = dense_eagle3(w, embeds[a:b], feat[a:b], SHAPE)
         torch.testing.assert_close(y[a:b], ref, atol=ATOL, rtol=0)
         # The step token reads the cached K/V of the row's prefill.
-        ref_step = _dense(
+        ref_step = dense_eagle3(
             w,
             torch.cat((embeds[a:b], step_embeds[row : row + 1])),
             torch.cat((feat[a:b], ref[-1:])),
+            SHAPE,
         )
         torch.testing.assert_close(y_step[row], ref_step[-1], atol=ATOL, rtol=0)
     with torch.no_grad():
         logits = model.compute_logits(y)
-    ref_logits = _rms(y, w["norm.weight"]) @ w["lm_head.weight"].T
+    ref_logits = draft_logits(w, y, SHAPE)
     assert logits.dtype == torch.float32 and logits.shape == (sum(PREFILL), DRAFT_VOCAB)
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
 

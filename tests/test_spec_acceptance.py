@@ -1,0 +1,171 @@
+"""EAGLE-3 with a distilled draft (``draft_fixtures.distill_eagle3``) in process (scheduler +
+engine, float32 on CPU): greedy output equals the target alone token for token, and the draft
+is accepted (mean acceptance length ``tau = 1 + accepted / drafts``) across page sizes,
+overlap, prefix-cache hits and chunked prefill."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from draft_fixtures import (
+    DenseShape,
+    distill_eagle3,
+    random_prompts,
+    target_continuations,
+    unrolled_logits,
+)
+from engine_harness import Outcome, engine_for, request, run
+from model_fixtures import VOCAB, save_tiny_model
+
+from outrider.daemon.engine.build import Engine
+from outrider.daemon.internal import Counters, TokenizedRequest
+from outrider.plugins.speculative.eagle3_model import eagle3_tensors, load_eagle3
+
+NEW_TOKENS = 48
+STEPS = 3
+MIN_TAU = 1.5
+
+
+@pytest.fixture(autouse=True)
+def _debug_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTRIDER_DEBUG_KV_CHECK", "1")
+    monkeypatch.setenv("OUTRIDER_DEBUG_RELAY_CHECK", "1")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """The tiny Llama target and its distilled draft."""
+    target = tmp_path_factory.mktemp("llama")
+    with torch.no_grad():
+        save_tiny_model("llama", target)
+    draft = distill_eagle3(target, tmp_path_factory.mktemp("eagle3"))
+    return str(target), str(draft)
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    """Prompts the distillation (seed 0) never saw."""
+    return random_prompts(random.Random(1000 + seed), count, VOCAB)
+
+
+def _requests(prompts: list[list[int]], first_rid: int = 0) -> list[TokenizedRequest]:
+    return [request(first_rid + i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(prompts)]
+
+
+def _tokens(outcomes: dict[int, Outcome]) -> dict[int, list[int]]:
+    return {rid: outcome.token_ids for rid, outcome in outcomes.items()}
+
+
+def _eagle3(dirs: tuple[str, str], **overrides: object) -> Engine:
+    target, draft = dirs
+    settings: dict[str, object] = {
+        "speculative_algorithm": "eagle3",
+        "draft_model": draft,
+        "speculative_num_steps": STEPS,
+    }
+    settings.update(overrides)
+    return engine_for(target, **settings)
+
+
+def _tau(counters: Counters) -> float:
+    assert counters.spec_drafts > 0
+    return 1 + counters.spec_accepted_tokens / counters.spec_drafts
+
+
+PROMPTS = _prompts(1, 18)
+
+
+def _dense_chain_counts(
+    target_dir: Path, draft_dir: Path, prompts: Sequence[Sequence[int]], new_tokens: int
+) -> tuple[int, list[int]]:
+    """What a greedy ``STEPS``-draft chain of the draft at ``draft_dir`` should count
+    serving ``prompts`` for ``new_tokens`` each, from the dense reference over the target's
+    own continuations: ``(drafts, accepted per position)``, as the scheduler counts them
+    (the last step of a request may accept past ``new_tokens``)."""
+    import transformers
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(
+        target_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    draft = load_eagle3(draft_dir, dtype=torch.float32, device="cpu", max_positions=256)
+    embedding = target.get_input_embeddings().weight
+    drafts, per_position = 0, [0] * STEPS
+    with torch.no_grad():
+        # Tokens past new_tokens settle the last step's drafts.
+        data = target_continuations(target, prompts, new_tokens + STEPS)
+        logits = unrolled_logits(
+            eagle3_tensors(draft), embedding, data.tokens, data.taps, STEPS,
+            DenseShape.of(draft.config),
+        )  # fmt: skip
+    guesses = torch.stack([step.argmax(-1) for step in logits], dim=-1)  # [B, n, STEPS]
+    for row, prompt in enumerate(prompts):
+        # The root (the last committed token, KV not yet written) sits at ``seq``; the draft
+        # row before it predicts the token after it.
+        seq, made = len(prompt), 1
+        while made < new_tokens:
+            truth = data.tokens[row, seq + 1 : seq + 1 + STEPS]
+            hits = (guesses[row, seq - 1] == truth).int().cumprod(0)
+            accepted = int(hits.sum())
+            drafts += 1
+            for k in range(accepted):
+                per_position[k] += 1
+            seq += accepted + 1
+            made += accepted + 1
+    return drafts, per_position
+
+
+@pytest.fixture(scope="module")
+def plain(dirs: tuple[str, str]) -> dict[int, list[int]]:
+    """The target-only greedy outputs of ``PROMPTS``."""
+    return _tokens(run(engine_for(dirs[0]), _requests(PROMPTS)))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_chain_is_lossless_and_accepted(
+    dirs: tuple[str, str], plain: dict[int, list[int]], page_size: int
+) -> None:
+    counters = []
+    for overlap in (True, False):
+        engine = _eagle3(dirs, page_size=page_size, no_overlap=not overlap)
+        assert _tokens(run(engine, _requests(PROMPTS))) == plain
+        counters.append(engine.scheduler.counters())
+    overlapped, serial = counters
+    assert overlapped.spec_drafts == serial.spec_drafts
+    assert overlapped.spec_accepted_per_position == serial.spec_accepted_per_position
+    per_position = serial.spec_accepted_per_position
+    assert len(per_position) == STEPS and sum(per_position) == serial.spec_accepted_tokens
+    # Some step committed 3+ tokens (two drafts and the bonus), some all four.
+    assert per_position[1] > 0 and per_position[2] > 0
+    assert _tau(serial) >= MIN_TAU, per_position
+
+
+def test_engine_drafts_what_the_dense_reference_drafts(dirs: tuple[str, str]) -> None:
+    """The worker's positions and features against ``draft_fixtures``' convention: the
+    engine accepts exactly what the dense draft over the target's continuations predicts
+    (an off-by-one position, tap or fed-back feature shows up here as a count mismatch)."""
+    engine = _eagle3(dirs, no_overlap=True)
+    run(engine, _requests(PROMPTS))
+    counters = engine.scheduler.counters()
+    drafts, per_position = _dense_chain_counts(Path(dirs[0]), Path(dirs[1]), PROMPTS, NEW_TOKENS)
+    assert (counters.spec_drafts, counters.spec_accepted_per_position) == (drafts, per_position)
+
+
+def test_prefix_hits_and_chunks_are_lossless_and_accepted(dirs: tuple[str, str]) -> None:
+    # Two pages of 4 shared: a hit keeps one (the last comes back to be recomputed, its draft
+    # KV having been made with the publishing request's next token).
+    shared = _prompts(50, 1)[0][:8]
+    prompts = [shared + prompt for prompt in PROMPTS]
+    reference = _tokens(run(engine_for(dirs[0]), _requests(prompts)))
+    expected = _dense_chain_counts(Path(dirs[0]), Path(dirs[1]), prompts, NEW_TOKENS)
+    for overlap in (True, False):
+        engine = _eagle3(dirs, page_size=4, chunked_prefill_tokens=8, no_overlap=not overlap)
+        first = run(engine, _requests(prompts[:1]))
+        rest = run(engine, _requests(prompts[1:], first_rid=1))
+        assert _tokens(first) | _tokens(rest) == reference
+        assert all(o.finish.usage.cached_tokens > 0 for o in rest.values())
+        counters = engine.scheduler.counters()
+        assert (counters.spec_drafts, counters.spec_accepted_per_position) == expected
+        assert _tau(counters) >= MIN_TAU, counters.spec_accepted_per_position
