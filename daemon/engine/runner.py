@@ -26,7 +26,13 @@ import torch
 from outrider.daemon.engine.accept import accept_chain, accept_sampled
 from outrider.daemon.engine.forward import ForwardBatch, KVCache
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.engine.sampling import SampleResult, SamplingBatch, processed_probs, sample
+from outrider.daemon.engine.sampling import (
+    SampleResult,
+    SamplingBatch,
+    processed_probs,
+    sample,
+    token_logprobs,
+)
 from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.speculative.base import (
@@ -250,26 +256,21 @@ class ModelRunner:
         self, plan: StepPlan, inp: dict[str, torch.Tensor], results: dict[str, torch.Tensor]
     ) -> Any:
         """Every row verifies ``width`` tokens (root + drafts) at positions taken from the
-        relay, and commits ``commit_len`` of them (speculative.py)."""
+        relay, and commits ``commit_len`` of them (accept.py)."""
         bs, width = plan.bs, self.width
         slots = inp["slots"]
         seq = self.relay_seq_len[slots]  # [bs]
         out_len = self.relay_out_len[slots]  # [bs]
-        max_kv = max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True))
-        view = StepView(
-            slots=slots,
-            roots=self.relay_tokens[slots],
-            seq_lens=seq,
-            out_lens=out_len,
-            sampling=self._sampling(slots, plan),
-            max_kv=max_kv,
-        )
-        if self.relay_check and not bool((view.roots >= 0).all()):
+        roots = self.relay_tokens[slots]  # [bs]
+        if self.relay_check and not bool((roots >= 0).all()):
             raise AssertionError("a STEP read a relay row that was not rewritten")
         tokens = inp["input_ids"].view(bs, width)
-        tokens[:, 0] = view.roots
-        drafts = self.worker.draft(view) if self.worker is not None else None
-        if drafts is not None:
+        tokens[:, 0] = roots
+        view, drafts = None, None
+        if self.worker is not None:
+            max_kv = max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True))
+            view = StepView(slots, roots, seq, out_len, self._sampling(slots, plan), max_kv)
+            drafts = self.worker.draft(view)
             tokens[:, 1:] = drafts.tokens  # [bs, W - 1]
         torch.add(seq.unsqueeze(1), self.step_offsets, out=inp["positions"].view(bs, width))
         torch.add(seq, width, out=inp["seq_lens"])
@@ -277,28 +278,26 @@ class ModelRunner:
         fb = self._forward_batch(plan, inp, phase)
         hidden = self.model.forward(inp["input_ids"], fb)  # [bs * W, H]
         logits = self.model.compute_logits(hidden)  # [bs * W, V]
-        draw_positions = (out_len.unsqueeze(1) + self.step_offsets).view(-1)  # [bs * W]
-        out = self._sample(logits, inp["token_slots"], draw_positions, plan)
-        logprob = out.logprob.view(bs, width)
+        batch = self._sampling(inp["token_slots"], plan)  # per token
+        limit = self.limits.vocab_limit
         if drafts is None or drafts.probs is None:
-            choices = out.tokens.view(bs, width)  # [bs, W]: the target's token at each node
+            # The target's own draw at each node: output index out_len + j.
+            draw_positions = (out_len.unsqueeze(1) + self.step_offsets).view(-1)  # [bs * W]
+            out = sample(logits, batch, draw_positions, vocab_limit=limit)
+            choices = out.tokens.view(bs, width)  # [bs, W]
             commit_lens = accept_chain(tokens[:, 1:], choices)  # [bs]; 1 without drafts
         else:
-            batch = self._sampling(inp["token_slots"], plan)
-            target_probs = processed_probs(logits, batch, vocab_limit=self.limits.vocab_limit)
+            target_probs = processed_probs(logits, batch, vocab_limit=limit).view(bs, width, -1)
+            seed = self.slot_seed[slots]
             commit_lens, choices = accept_sampled(
-                drafts.tokens, drafts.probs, target_probs.view(bs, width, -1), view.sampling.seed,
-                out_len,
-            )  # fmt: skip
-            limited = logits[:, : self.limits.vocab_limit]
-            log_norm = torch.logsumexp(limited, dim=-1)  # [bs * W]
-            picked = limited.gather(-1, choices.view(-1, 1)).squeeze(-1)
-            logprob = (picked - log_norm).view(bs, width)
+                drafts.tokens, drafts.probs, target_probs, seed, out_len
+            )
+            out = token_logprobs(logits, choices.view(-1), plan.max_logprobs, vocab_limit=limit)
         bonus = choices.gather(1, (commit_lens - 1).unsqueeze(1)).squeeze(1)
         self.relay_tokens.index_copy_(0, slots, bonus)
         self.relay_seq_len.index_copy_(0, slots, seq + commit_lens)
         self.relay_out_len.index_copy_(0, slots, out_len + commit_lens)
-        if self.worker is not None:
+        if self.worker is not None and view is not None:  # a worker always made a view
             self.worker.after_accept(view, fb, choices, commit_lens)
         k = out.top_ids.shape[-1]
         return self._copy_results(
@@ -306,7 +305,7 @@ class ModelRunner:
             {
                 "tokens": choices,
                 "commit_lens": commit_lens,
-                "logprob": logprob,
+                "logprob": out.logprob.view(bs, width),
                 "top_ids": out.top_ids.view(bs, width, k),
                 "top_logprobs": out.top_logprobs.view(bs, width, k),
             },

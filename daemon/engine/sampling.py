@@ -223,11 +223,19 @@ def sample(
         winner = _race(values, ids, keys)
         sampled = ids.gather(-1, winner).squeeze(-1)
         tokens = torch.where(batch.temperature > 0, sampled, tokens)
+    return token_logprobs(logits, tokens, batch.max_logprobs, vocab_limit=vocab_limit)
 
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, max_logprobs: int, *, vocab_limit: int
+) -> SampleResult:
+    """``tokens`` [n] with their raw log-softmax over the first ``vocab_limit`` ids of
+    ``logits`` [n, V], and the ``max_logprobs`` largest (ids and logprobs)."""
+    logits = logits[:, :vocab_limit].float()
     log_norm = torch.logsumexp(logits, dim=-1)  # [n]
     logprob = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
-    if batch.max_logprobs > 0:
-        top_values, top_ids = torch.topk(logits, batch.max_logprobs, dim=-1)
+    if max_logprobs > 0:
+        top_values, top_ids = torch.topk(logits, max_logprobs, dim=-1)
         top_logprobs = top_values - log_norm.unsqueeze(-1)
     else:
         top_ids = torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)

@@ -14,13 +14,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
 from outrider.daemon.models import model_class
 from outrider.daemon.models.config import ModelConfig, model_dir
-from outrider.daemon.models.layers import DecoderForCausalLM, FusedLinear, RMSNorm
+from outrider.daemon.models.layers import DecoderForCausalLM, FusedLinear, RMSNorm, RotaryEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +123,40 @@ def build_model(
     config: ModelConfig, *, max_positions: int, dtype: torch.dtype, device: torch.device | str
 ) -> DecoderForCausalLM:
     """The model with uninitialised parameters in ``dtype`` on ``device`` (meta: no memory)."""
+    return materialize(
+        lambda: model_class(config.architecture)(config, max_positions), dtype, device
+    )
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def materialize(build: Callable[[], M], dtype: torch.dtype, device: torch.device | str) -> M:
+    """``build()`` on the meta device, then given uninitialised storage in ``dtype`` (floating
+    tensors only) on ``device``, rotary tables computed, gradients off."""
     with torch.device("meta"):
-        model = model_class(config.architecture)(config, max_positions)
+        model = build()
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.model.rotary_emb.init_table()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.init_table()
     model.requires_grad_(False)
     return model
+
+
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> the parameter (or a fused parameter's rows, as a view) it loads
+    into, for a model named in the HF layout."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}"
+            if isinstance(module, FusedLinear):
+                for shard, rows in module.shards.items():
+                    out[checkpoint_name(Slot(full, shard))] = param.data[rows]
+            else:
+                out[full] = param.data
+    return out
 
 
 def load_model(

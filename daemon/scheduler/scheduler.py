@@ -179,20 +179,21 @@ class Scheduler:
         input_ids: list[int] = []
         sample_rows: list[int] = []
         sample_positions: list[int] = []
+        # Per row, the token after the chunk (0 where the chunk ends the prompt: sampled).
+        next_ids: list[int] = []
         for i, (req, chunk) in enumerate(rows):
-            start = req.committed_len
-            input_ids.extend(req.known_ids()[start : start + chunk])
+            start, known = req.committed_len, req.known_ids()
+            input_ids.extend(known[start : start + chunk])
             req.committed_len += chunk
             if req.committed_len == req.extend_end:
                 sample_rows.append(i)
                 sample_positions.append(req.planned_outputs)
                 req.planned_outputs += 1
+                next_ids.append(0)
+            else:
+                next_ids.append(known[req.committed_len])
         requests = [req for req, _ in rows]
         sampled = [requests[i] for i in sample_rows]
-        next_ids = [
-            req.known_ids()[req.committed_len] if req.committed_len < req.extend_end else 0
-            for req in requests
-        ]
         plan = StepPlan(
             kind="extend",
             slots=[r.slot for r in requests],

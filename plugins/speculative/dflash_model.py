@@ -52,12 +52,16 @@ from outrider.daemon.models.config import ModelConfig, model_dir
 from outrider.daemon.models.layers import (
     Attention,
     DecoderLayer,
-    FusedLinear,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
 )
-from outrider.daemon.models.loader import Slot, checkpoint_files, checkpoint_name, init_dummy
+from outrider.daemon.models.loader import (
+    checkpoint_files,
+    checkpoint_tensors,
+    init_dummy,
+    materialize,
+)
 from outrider.plugins.attention.base import AttentionShape
 from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
 
@@ -252,28 +256,14 @@ def _context_kv(
 
 def dflash_tensors(model: DFlashDraft) -> dict[str, torch.Tensor]:
     """Public checkpoint name -> the model tensor (or fused rows, as a view) it loads into."""
-    out: dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{name}"
-            if isinstance(module, FusedLinear):
-                for shard, rows in module.shards.items():
-                    out[checkpoint_name(Slot(full, shard))] = param.data[rows]
-            else:
-                out[full] = param.data
-    return out
+    return checkpoint_tensors(model)
 
 
 def build_dflash(
     config: DFlashConfig, *, max_positions: int, dtype: torch.dtype, device: torch.device | str
 ) -> DFlashDraft:
     """The draft with uninitialised weights in ``dtype`` on ``device`` (meta: no memory)."""
-    with torch.device("meta"):
-        model = DFlashDraft(config, max_positions)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.rotary_emb.init_table()
-    model.requires_grad_(False)
-    return model
+    return materialize(lambda: DFlashDraft(config, max_positions), dtype, device)
 
 
 def load_dflash(

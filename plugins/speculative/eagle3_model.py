@@ -43,7 +43,12 @@ from torch import nn
 
 from outrider.daemon.models.config import ModelConfig, model_dir
 from outrider.daemon.models.layers import MLP, Attention, FusedLinear, RMSNorm, RotaryEmbedding
-from outrider.daemon.models.loader import Slot, checkpoint_files, checkpoint_name, init_dummy
+from outrider.daemon.models.loader import (
+    checkpoint_files,
+    checkpoint_tensors,
+    init_dummy,
+    materialize,
+)
 from outrider.plugins.attention.base import AttentionShape
 from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
 
@@ -227,15 +232,7 @@ class Eagle3Draft(nn.Module):
 
 def eagle3_tensors(model: Eagle3Draft) -> dict[str, torch.Tensor]:
     """Public checkpoint name -> the model tensor (or fused rows, as a view) it loads into."""
-    out: dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{name}"
-            if isinstance(module, FusedLinear):
-                for shard, rows in module.shards.items():
-                    out[checkpoint_name(Slot(full, shard))] = param.data[rows]
-            else:
-                out[full] = param.data
+    out = checkpoint_tensors(model)
     out["d2t"], out["t2d"] = model.d2t, model.t2d
     return out
 
@@ -245,12 +242,7 @@ def build_eagle3(
 ) -> Eagle3Draft:
     """The draft with uninitialised weights in ``dtype`` on ``device`` (meta: no memory).
     ``d2t``/``t2d`` keep their integer and bool dtypes."""
-    with torch.device("meta"):
-        model = Eagle3Draft(config, max_positions)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.rotary_emb.init_table()
-    model.requires_grad_(False)
-    return model
+    return materialize(lambda: Eagle3Draft(config, max_positions), dtype, device)
 
 
 def load_eagle3(
