@@ -46,6 +46,8 @@ def _engine(args: argparse.Namespace, algorithm: str, batch: int) -> Engine:
         speculative_algorithm=algorithm,
         draft_model=args.draft_model if spec else "",
         speculative_num_draft_tokens=args.num_draft_tokens if spec else 0,
+        speculative_num_steps=args.num_steps if spec else 0,
+        speculative_topk=args.topk if spec else 0,
     )
     return build_engine(config)
 
@@ -118,6 +120,8 @@ def main() -> None:
     parser.add_argument("--algorithm", required=True)
     parser.add_argument("--draft-model", default="")
     parser.add_argument("--num-draft-tokens", type=int, default=0)
+    parser.add_argument("--num-steps", type=int, default=0)
+    parser.add_argument("--topk", type=int, default=0, help="> 1: a tree (needs the two above)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompt", type=int, default=128)

@@ -59,13 +59,6 @@ class ServeConfig:
     def overlap(self) -> bool:
         return not self.no_overlap
 
-    @property
-    def speculative_width(self) -> int:
-        """Verify tokens per row from the flags; 0 when they leave it to the plugin."""
-        if self.speculative_num_draft_tokens:
-            return self.speculative_num_draft_tokens
-        return self.speculative_num_steps + 1 if self.speculative_num_steps else 0
-
     def check_context(
         self, dtype: str, cuda_capability: tuple[int, int] | None = None
     ) -> CheckContext:

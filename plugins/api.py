@@ -62,6 +62,21 @@ class CheckContext:
     speculative_config: str = ""
     draft_model: str = ""
 
+    @property
+    def speculative_width(self) -> int:
+        return verify_width(
+            self.speculative_num_draft_tokens, self.speculative_num_steps, self.speculative_topk
+        )
+
+
+def verify_width(num_draft_tokens: int, num_steps: int, topk: int) -> int:
+    """Tokens verified per row (N, the root included) as the flags set them; 0 when they
+    leave it to the plugin. A chain (topk <= 1) of S steps verifies S + 1, whatever
+    ``--speculative-num-draft-tokens`` says; a tree verifies N."""
+    if topk <= 1 and num_steps:
+        return num_steps + 1
+    return num_draft_tokens
+
 
 @dataclass(frozen=True)
 class RequestFacts:
@@ -176,6 +191,8 @@ def _speculative_check(
                 f"{name} drafts chains only: use 1, not {ctx.speculative_topk}",
             )
         )
+    elif ctx.speculative_topk > 1:
+        problems += _tree_problems(name, ctx)
     if caps.needs_host_tokens and ctx.overlap:
         problems.append(
             Problem("--no-overlap", f"{name} reads tokens on the host: it needs the serial loop")
@@ -188,4 +205,31 @@ def _speculative_check(
         spec.parse_options(ctx.speculative_config)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         problems.append(Problem("--speculative-config", f"{name}: {exc}"))
+    return problems
+
+
+def _tree_problems(name: str, ctx: CheckContext) -> list[Problem]:
+    """A tree (topk K > 1) needs its depth S and size N, at most as many nodes as its
+    K + (S - 1) K^2 scored candidates, and tree masks in the verify and draft phases."""
+    from outrider.plugins.registry import backend_lacks
+
+    k, s, n = ctx.speculative_topk, ctx.speculative_num_steps, ctx.speculative_num_draft_tokens
+    problems = []
+    if s < 1:
+        problems.append(Problem("--speculative-num-steps", f"a tree (topk {k}) needs its depth"))
+    if n < 2:
+        problems.append(
+            Problem("--speculative-num-draft-tokens", f"a tree (topk {k}) needs its size N")
+        )
+    elif s >= 1 and n - 1 > k + (s - 1) * k * k:
+        problems.append(
+            Problem(
+                "--speculative-num-draft-tokens",
+                f"a tree of depth {s} and topk {k} scores {k + (s - 1) * k * k} candidates: "
+                f"at most {k + (s - 1) * k * k + 1}, not {n}",
+            )
+        )
+    need = f"{name} with --speculative-topk {k} verifies a tree"
+    problems += backend_lacks(ctx, "verify", "tree_mask", need + " (a tree mask)")
+    problems += backend_lacks(ctx, "draft_decode", "tree_mask", need + " (a tree mask)")
     return problems

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from typing import Literal
 
 from outrider.plugins.api import (
     API_VERSION,
@@ -149,6 +150,21 @@ def discover() -> Registry:
     return Registry(
         {kind: tuple(entry_points(group=group)) for kind, group in ENTRY_POINT_GROUPS.items()}
     )
+
+
+def backend_lacks(
+    ctx: CheckContext, phase: Phase, capability: Literal["non_causal", "tree_mask"], need: str
+) -> list[Problem]:
+    """A problem naming ``phase``'s flag when its routed backend lacks ``capability``;
+    ``need`` says what needs it ("..., which NAME cannot do")."""
+    name = ctx.attention_routes[phase]
+    try:
+        caps = discover().get("attention", name).attention
+    except PluginError:
+        return []  # the attention check reports an unknown backend
+    if caps is None or getattr(caps, capability):
+        return []
+    return [Problem(PHASE_FLAGS[phase], f"{need}, which {name} cannot do")]
 
 
 def run_check(spec: PluginSpec, ctx: CheckContext, option: str) -> list[Problem]:

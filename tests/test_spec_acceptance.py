@@ -1,7 +1,7 @@
 """EAGLE-3 with a distilled draft (``draft_fixtures.distill_eagle3``) in process (scheduler +
 engine, float32 on CPU): greedy output equals the target alone token for token, and the draft
 is accepted (mean acceptance length ``tau = 1 + accepted / drafts``) across page sizes,
-overlap, prefix-cache hits and chunked prefill."""
+overlap, prefix-cache hits and chunked prefill, as a chain and as a tree."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from draft_fixtures import (
 from engine_harness import Outcome, engine_for, request, run
 from model_fixtures import VOCAB, save_tiny_model
 
+from outrider.daemon.engine import runner
 from outrider.daemon.engine.build import Engine
 from outrider.daemon.internal import Counters, TokenizedRequest
 from outrider.plugins.speculative.eagle3_model import eagle3_tensors, load_eagle3
@@ -28,6 +29,7 @@ from outrider.plugins.speculative.eagle3_model import eagle3_tensors, load_eagle
 NEW_TOKENS = 48
 STEPS = 3
 MIN_TAU = 1.5
+TREE = {"speculative_num_steps": STEPS, "speculative_topk": 3, "speculative_num_draft_tokens": 8}
 
 
 @pytest.fixture(autouse=True)
@@ -169,3 +171,73 @@ def test_prefix_hits_and_chunks_are_lossless_and_accepted(dirs: tuple[str, str])
         counters = engine.scheduler.counters()
         assert (counters.spec_drafts, counters.spec_accepted_per_position) == expected
         assert _tau(counters) >= MIN_TAU, counters.spec_accepted_per_position
+
+
+def _side_branch_commits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts, per tree accept, the rows whose accepted path leaves the first branch (a node
+    ``path[j] != j`` below the commit length): their KV had to move."""
+    counts: list[int] = []
+    accept_tree = runner.accept_tree
+
+    def recording(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        lens, path = accept_tree(*args, **kwargs)  # type: ignore[arg-type]
+        depth = torch.arange(path.shape[1])
+        moved = (path != depth) & (depth < lens.unsqueeze(1))
+        counts.append(int(moved.any(dim=1).sum()))
+        return lens, path
+
+    monkeypatch.setattr(runner, "accept_tree", recording)
+    return counts
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tree_is_lossless_and_accepts_more_than_the_chain(
+    dirs: tuple[str, str],
+    plain: dict[int, list[int]],
+    page_size: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    chain = _eagle3(dirs, page_size=page_size, no_overlap=True)
+    run(chain, _requests(PROMPTS))
+    moved = _side_branch_commits(monkeypatch)
+    counters = []
+    for overlap in (True, False):
+        engine = _eagle3(dirs, page_size=page_size, no_overlap=not overlap, **TREE)
+        assert _tokens(run(engine, _requests(PROMPTS))) == plain
+        counters.append(engine.scheduler.counters())
+    overlapped, serial = counters
+    assert overlapped.spec_drafts == serial.spec_drafts
+    assert overlapped.spec_accepted_per_position == serial.spec_accepted_per_position
+    assert serial.spec_draft_tokens == 7 * serial.spec_drafts
+    # Accepted paths through later branches: the compaction moved KV, and outputs held.
+    assert sum(moved) > 0
+    tau, chain_tau = _tau(serial), _tau(chain.scheduler.counters())
+    assert tau >= MIN_TAU and tau > chain_tau, (tau, chain_tau)
+
+
+def test_tree_prefix_hits_chunks_sampling_and_logprobs(dirs: tuple[str, str]) -> None:
+    """Greedy and seeded sampled requests (with logprobs, from the verify logits along the
+    accepted path) equal the target alone, across prefix hits and chunks."""
+    shared = _prompts(50, 1)[0][:8]
+    prompts = [shared + prompt for prompt in PROMPTS[:10]]
+    sampled = {"temperature": 0.7, "top_k": 8, "seed": 3, "logprobs": 2}
+    reqs = _requests(prompts)
+    reqs += [
+        request(100 + i, p, max_new_tokens=NEW_TOKENS, **sampled)  # type: ignore[arg-type]
+        for i, p in enumerate(prompts)
+    ]
+    expected = run(engine_for(dirs[0]), reqs)
+    engine = _eagle3(dirs, page_size=4, chunked_prefill_tokens=8, **TREE)
+    first = run(engine, reqs[:1])
+    rest = run(engine, reqs[1:])
+    assert _tokens(first) | _tokens(rest) == _tokens(expected)
+    assert all(o.finish.usage.cached_tokens > 0 for o in rest.values())
+    for rid in range(100, 100 + len(prompts)):
+        got = [lp for u in rest[rid].updates for lp in (u.logprobs or [])]
+        want = [lp for u in expected[rid].updates for lp in (u.logprobs or [])]
+        assert [(lp.token_id, lp.top[0][0]) for lp in got] == [
+            (lp.token_id, lp.top[0][0]) for lp in want
+        ]
+        assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-4)
+    # Whole paths were accepted (sampled rows accept less than greedy ones).
+    assert engine.scheduler.counters().spec_accepted_per_position[STEPS - 1] > 0

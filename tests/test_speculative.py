@@ -285,22 +285,39 @@ def _eagle3(model_dir: str, eagle3_dir: str, **overrides: object) -> Engine:
     return engine_for(model_dir, **settings)
 
 
+# (S, K, N): a chain, and a tree whose node slots (S - 1) K outnumber its N.
+TREE = {"speculative_num_steps": 4, "speculative_topk": 3, "speculative_num_draft_tokens": 8}
+SHAPES = {"chain": {}, "tree": TREE}
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize("shape", SHAPES)
 def test_eagle3_greedy_equals_target_only(
-    model_dir: str, eagle3_dir: str, plain: dict[int, list[int]], page_size: int, overlap: bool
+    model_dir: str,
+    eagle3_dir: str,
+    plain: dict[int, list[int]],
+    page_size: int,
+    overlap: bool,
+    shape: str,
 ) -> None:
-    engine = _eagle3(model_dir, eagle3_dir, page_size=page_size, no_overlap=not overlap)
-    assert (engine.loop.runner.width, engine.loop.runner.max_commit) == (4, 4)
+    engine = _eagle3(
+        model_dir, eagle3_dir, page_size=page_size, no_overlap=not overlap, **SHAPES[shape]
+    )
+    runner = engine.loop.runner
+    width, span, commit = (8, 9, 5) if shape == "tree" else (4, 4, 4)
+    assert (runner.width, runner.kv_span, runner.max_commit) == (width, span, commit)
     outcomes = run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
     assert _tokens(outcomes) == plain
     counters = engine.scheduler.counters()
-    assert counters.spec_draft_tokens == 3 * counters.spec_drafts > 0
+    assert counters.spec_draft_tokens == (width - 1) * counters.spec_drafts > 0
+    assert len(counters.spec_accepted_per_position) == commit - 1
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize("shape", SHAPES)
 def test_eagle3_prefix_hits_chunks_retraction_and_sampling(
-    model_dir: str, eagle3_dir: str, monkeypatch: pytest.MonkeyPatch, overlap: bool
+    model_dir: str, eagle3_dir: str, monkeypatch: pytest.MonkeyPatch, overlap: bool, shape: str
 ) -> None:
     shared = _prompts(5, 2)[1]
     prompts = [shared + tail for tail in _prompts(6, 8)]
@@ -310,13 +327,50 @@ def test_eagle3_prefix_hits_chunks_retraction_and_sampling(
     reference = _tokens(run(engine_for(model_dir), reqs))
     monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "9")
     engine = _eagle3(
-        model_dir, eagle3_dir, page_size=4, chunked_prefill_tokens=16, no_overlap=not overlap
+        model_dir,
+        eagle3_dir,
+        page_size=4,
+        chunked_prefill_tokens=16,
+        no_overlap=not overlap,
+        **SHAPES[shape],
     )
     first = run(engine, reqs[:1])
     assert first[0].token_ids == reference[0]
     rest = run(engine, reqs[1:])
     assert _tokens(rest) == {r.rid: reference[r.rid] for r in reqs[1:]}
     assert any(o.finish.usage.cached_tokens > 0 for o in rest.values())
+
+
+@pytest.mark.parametrize(
+    ("flags", "problems"),
+    [
+        (
+            {"speculative_topk": 2},
+            [
+                "--speculative-num-steps: a tree (topk 2) needs its depth",
+                "--speculative-num-draft-tokens: a tree (topk 2) needs its size N",
+            ],
+        ),
+        (
+            {"speculative_topk": 2, "speculative_num_steps": 2, "speculative_num_draft_tokens": 8},
+            [
+                "--speculative-num-draft-tokens: a tree of depth 2 and topk 2 scores 6 "
+                "candidates: at most 7, not 8"
+            ],
+        ),
+    ],
+)
+def test_eagle3_tree_refusals_name_the_flag(
+    model_dir: str, eagle3_dir: str, flags: dict[str, int], problems: list[str]
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        engine_for(model_dir, speculative_algorithm="eagle3", draft_model=eagle3_dir, **flags)
+    assert str(refused.value).splitlines()[1:] == [f"  {p}" for p in problems]
+
+
+def test_a_chain_verifies_its_steps_plus_one(model_dir: str, eagle3_dir: str) -> None:
+    engine = _eagle3(model_dir, eagle3_dir, speculative_num_draft_tokens=8)
+    assert (engine.loop.runner.width, engine.loop.runner.max_commit) == (4, 4)
 
 
 def test_eagle3_refusals_name_the_flag(model_dir: str, eagle3_dir: str) -> None:

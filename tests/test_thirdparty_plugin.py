@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -99,6 +100,42 @@ def test_registry_refuses_it_on_cpu(site: Path, monkeypatch: pytest.MonkeyPatch)
     assert problems["--page-size"] == "example-sdpa takes page sizes 16, not 1"
     assert "--dtype" in problems
     assert "speculative algorithm 'broken' cannot be used" in problems["--speculative-algorithm"]
+
+
+def test_trees_and_blocks_need_its_missing_masks(
+    site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """example-sdpa declares neither tree masks nor non-causal attention: a tree verified
+    by it, and DFlash drafting with it, are refused naming the phase's flag."""
+    monkeypatch.syspath_prepend(str(site))
+    routes = {phase: "torch" for phase in PHASES}
+    tree = CheckContext(
+        device="cpu",
+        dtype="float32",
+        page_size=16,
+        overlap=True,
+        attention_routes=routes | {"verify": "example-sdpa"},
+        speculative_algorithm="eagle3",
+        speculative_num_steps=3,
+        speculative_topk=2,
+        speculative_num_draft_tokens=6,
+    )
+    problems = {p.option: p.message for p in discover().check(tree)}
+    assert problems["--verify-attention-backend"] == (
+        "eagle3 with --speculative-topk 2 verifies a tree (a tree mask), which example-sdpa "
+        "cannot do"
+    )
+    block = dataclasses.replace(
+        tree,
+        attention_routes=routes | {"draft_decode": "example-sdpa", "draft_extend": "example-sdpa"},
+        speculative_algorithm="dflash",
+        speculative_topk=0,
+        speculative_num_steps=0,
+    )
+    problems = {p.option: p.message for p in discover().check(block)}
+    assert problems["--draft-attention-backend"] == (
+        "dflash drafts with non-causal attention, which example-sdpa cannot do"
+    )
 
 
 def test_implementation_subclasses_the_builtin_backend(

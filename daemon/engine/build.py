@@ -24,10 +24,10 @@ from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
 from outrider.daemon.tokenizer import load_tokenizer
-from outrider.plugins.api import Phase, SpeculativeCapabilities
+from outrider.plugins.api import Phase, SpeculativeCapabilities, verify_width
 from outrider.plugins.attention.base import AttentionBackend, AttentionShape
 from outrider.plugins.registry import SPECULATIVE_FLAG, discover
-from outrider.plugins.speculative.base import SpeculativeWorker, WorkerContext
+from outrider.plugins.speculative.base import SpeculativeWorker, StepShape, WorkerContext
 from outrider.plugins.speculative.draft_config import read_config
 
 log = logging.getLogger("outrider.engine")
@@ -75,8 +75,9 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     device = torch.device(config.device)
     context_length = config.context_length or model_config.max_position_embeddings
     speculative = _speculative_plugin(config)
-    width = speculative.width if speculative is not None else 1
-    reservation = step_reservation(width, width, config.page_size)
+    shape = speculative.shape if speculative is not None else StepShape(1, 0, 1)
+    width = shape.width
+    reservation = step_reservation(shape.kv_span, shape.max_commit, config.page_size)
     model, model_config = load_model(
         config.model,
         dtype=_DTYPES[dtype_name],
@@ -114,7 +115,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         worker_context = WorkerContext(
             device=device,
             dtype=_DTYPES[dtype_name],
-            width=width,
+            shape=shape,
             max_slots=config.max_running,
             page_table=runner.page_table,
             page_size=page_size,
@@ -146,6 +147,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
                 context_length=context_length,
                 retract_every=debug_knob("OUTRIDER_DEBUG_RETRACT_EVERY"),
                 step_width=width,
+                step_span=runner.kv_span,
                 max_commit=runner.max_commit,
                 prefix_margin_pages=runner.worker.prefix_margin_pages if runner.worker else 0,
             ),
@@ -196,7 +198,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
 class _Speculative:
     worker_class: type[SpeculativeWorker]
     options: msgspec.Struct
-    width: int
+    shape: StepShape
 
 
 def _speculative_plugin(config: ServeConfig) -> _Speculative | None:
@@ -206,16 +208,32 @@ def _speculative_plugin(config: ServeConfig) -> _Speculative | None:
     spec = discover().get("speculative", config.speculative_algorithm)
     assert spec.speculative is not None, "the registry admits speculative specs with caps"
     options = spec.parse_options(config.speculative_config)
-    width = config.speculative_width
-    if not width:
-        width = _default_width(spec.speculative, config.draft_model)
-        log.info("speculative %s: %d tokens verified per row (its default)", spec.name, width)
     worker_class = spec.load()
     if not (isinstance(worker_class, type) and issubclass(worker_class, SpeculativeWorker)):
         raise ConfigError(
             f"{SPECULATIVE_FLAG} {spec.name}: {spec.implementation} is not a SpeculativeWorker"
         )
-    return _Speculative(worker_class, options, width)
+    return _Speculative(worker_class, options, _step_shape(config, spec.speculative))
+
+
+def _step_shape(config: ServeConfig, caps: SpeculativeCapabilities) -> StepShape:
+    """N, S and K from the flags (already checked), the plugin's default width where they
+    leave it open."""
+    name = config.speculative_algorithm
+    topk = max(config.speculative_topk, 1)
+    given = config.speculative_num_draft_tokens
+    width = verify_width(given, config.speculative_num_steps, topk)
+    if not width:
+        width = _default_width(caps, config.draft_model)
+        log.info("speculative %s: %d tokens verified per row (its default)", name, width)
+    if given and given != width:
+        log.info(
+            "speculative %s: a chain of %d steps verifies %d tokens, not "
+            "--speculative-num-draft-tokens %d",
+            name, width - 1, width, given,
+        )  # fmt: skip
+    steps = config.speculative_num_steps if topk > 1 else width - 1
+    return StepShape(width, steps, topk)
 
 
 def _default_width(caps: SpeculativeCapabilities, draft_model: str) -> int:

@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 SCRATCH_PAGE = 0
 
 
+def flat_kv_index(
+    page_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Flat KV index of logical ``positions`` (>= 0) of the requests in ``slots`` (the two
+    broadcast together)."""
+    pages = page_table[slots, torch.div(positions, page_size, rounding_mode="floor")]
+    return pages.to(torch.int64) * page_size + positions % page_size
+
+
 @dataclass
 class KVCache:
     """One model's paged K/V storage (target and draft each own one)."""
@@ -35,6 +44,13 @@ class KVCache:
     @property
     def num_pages(self) -> int:
         return self.k[0].shape[0]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V at flat indices ``src`` to ``dst`` (all reads first, so a
+        destination may be another pair's source)."""
+        for cache in (*self.k, *self.v):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, dst, flat[src])
 
     @classmethod
     def allocate(
@@ -74,6 +90,11 @@ class ForwardBatch:
     max_q: int  # upper bound on query tokens per row
     max_kv: int  # upper bound on KV length per row (allocated_len)
     causal: bool = True
+    # A tree (speculative verify and tree drafting): each row's last ``block`` KV positions
+    # (``seq_lens - block ..``) form the block; query ``i`` of a row attends to every position
+    # before the block and to block position ``j`` where ``tree_mask[row, i, j]``. Positions
+    # then only place RoPE, and ``out_loc`` the K/V. None: causal by position (or ``causal``).
+    tree_mask: torch.Tensor | None = None  # [bs, max_q, block] bool
     # Layers (output-of-layer convention) whose hidden states the caller wants back.
     capture_layers: tuple[int, ...] = ()
     captured: dict[int, torch.Tensor] = field(default_factory=dict)

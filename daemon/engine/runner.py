@@ -23,8 +23,14 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from outrider.daemon.engine.accept import accept_chain, accept_sampled
-from outrider.daemon.engine.forward import ForwardBatch, KVCache
+from outrider.daemon.engine.accept import (
+    accept_chain,
+    accept_sampled,
+    accept_tree,
+    check_tree,
+    tree_geometry,
+)
+from outrider.daemon.engine.forward import ForwardBatch, KVCache, flat_kv_index
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.sampling import (
     SampleResult,
@@ -36,6 +42,7 @@ from outrider.daemon.engine.sampling import (
 from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.speculative.base import (
+    Accepted,
     ExtendView,
     SpeculativeWorker,
     StepView,
@@ -112,14 +119,16 @@ class ModelRunner:
         device: torch.device,
     ) -> None:
         self.model = model
-        # Set by attach_worker: STEP rows then verify ``width`` tokens and commit up to
-        # ``max_commit``; without a worker both are 1.
+        # Set by attach_worker: STEP rows then verify ``width`` tokens, write KV over
+        # ``kv_span`` positions and commit up to ``max_commit``; without a worker all are 1.
         self.worker: SpeculativeWorker | None = None
         self.width = 1
+        self.kv_span = 1
         self.max_commit = 1
         self.sync_check = False
         # Debug: released slots' relay rows are poisoned (-1) and every STEP asserts (with a
-        # host sync) that it reads only rows rewritten since.
+        # host sync) that it reads only rows rewritten since, and that a worker's trees are
+        # well formed.
         self.relay_check = False
         self.kv = kv
         self.backends = backends
@@ -166,6 +175,7 @@ class ModelRunner:
         """Speculative STEPs from now on (before the first step)."""
         self.worker = worker
         self.width, self.max_commit = worker.width, worker.max_commit
+        self.kv_span = worker.kv_span
         self._allocate_results()
 
     def _allocate_results(self) -> None:
@@ -266,26 +276,39 @@ class ModelRunner:
             raise AssertionError("a STEP read a relay row that was not rewritten")
         tokens = inp["input_ids"].view(bs, width)
         tokens[:, 0] = roots
-        view, drafts = None, None
+        offsets = self.step_offsets.expand(bs, width)  # [bs, W]
+        depth, visible, drafts, view = offsets, None, None, None
         if self.worker is not None:
-            max_kv = max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True))
-            view = StepView(slots, roots, seq, out_len, self._sampling(slots, plan), max_kv)
+            view = StepView(
+                slots, roots, seq, out_len, self._sampling(slots, plan), self._max_kv(plan)
+            )
             drafts = self.worker.draft(view)
             tokens[:, 1:] = drafts.tokens  # [bs, W - 1]
-        torch.add(seq.unsqueeze(1), self.step_offsets, out=inp["positions"].view(bs, width))
+            if drafts.parents is not None:
+                if self.relay_check:
+                    check_tree(drafts.tokens, drafts.parents)
+                depth, visible = tree_geometry(drafts.parents, self.max_commit - 1)
+        torch.add(seq.unsqueeze(1), depth, out=inp["positions"].view(bs, width))
         torch.add(seq, width, out=inp["seq_lens"])
         phase: Phase = "verify" if self.worker is not None else "decode"
-        fb = self._forward_batch(plan, inp, phase)
+        fb = self._forward_batch(plan, inp, phase, seq.unsqueeze(1) + offsets, visible)
         hidden = self.model.forward(inp["input_ids"], fb)  # [bs * W, H]
         logits = self.model.compute_logits(hidden)  # [bs * W, V]
         batch = self._sampling(inp["token_slots"], plan)  # per token
         limit = self.limits.vocab_limit
+        path = offsets[:, : self.max_commit]  # a chain's accepted nodes: 0, 1, ..
         if drafts is None or drafts.probs is None:
-            # The target's own draw at each node: output index out_len + j.
-            draw_positions = (out_len.unsqueeze(1) + self.step_offsets).view(-1)  # [bs * W]
+            # The target's own draw at each node: output index out_len + depth.
+            draw_positions = (out_len.unsqueeze(1) + depth).view(-1)  # [bs * W]
             out = sample(logits, batch, draw_positions, vocab_limit=limit)
             choices = out.tokens.view(bs, width)  # [bs, W]
-            commit_lens = accept_chain(tokens[:, 1:], choices)  # [bs]; 1 without drafts
+            if drafts is not None and drafts.parents is not None:
+                commit_lens, path = accept_tree(
+                    drafts.tokens, drafts.parents, choices, self.max_commit - 1
+                )
+                self._compact(slots, seq, path)
+            else:
+                commit_lens = accept_chain(tokens[:, 1:], choices)  # [bs]; 1 without drafts
         else:
             target_probs = processed_probs(logits, batch, vocab_limit=limit).view(bs, width, -1)
             seed = self.slot_seed[slots]
@@ -293,33 +316,51 @@ class ModelRunner:
                 drafts.tokens, drafts.probs, target_probs, seed, out_len
             )
             out = token_logprobs(logits, choices.view(-1), plan.max_logprobs, vocab_limit=limit)
-        bonus = choices.gather(1, (commit_lens - 1).unsqueeze(1)).squeeze(1)
+        committed = choices.gather(1, path)  # [bs, max_commit]
+        bonus = committed.gather(1, (commit_lens - 1).unsqueeze(1)).squeeze(1)
         self.relay_tokens.index_copy_(0, slots, bonus)
         self.relay_seq_len.index_copy_(0, slots, seq + commit_lens)
         self.relay_out_len.index_copy_(0, slots, out_len + commit_lens)
         if self.worker is not None and view is not None:  # a worker always made a view
-            self.worker.after_accept(view, fb, choices, commit_lens)
+            self.worker.after_accept(view, fb, Accepted(committed, commit_lens, path))
         k = out.top_ids.shape[-1]
+        node = path.unsqueeze(2).expand(bs, self.max_commit, k)
         return self._copy_results(
             results,
             {
-                "tokens": choices,
+                "tokens": committed,
                 "commit_lens": commit_lens,
-                "logprob": out.logprob.view(bs, width),
-                "top_ids": out.top_ids.view(bs, width, k),
-                "top_logprobs": out.top_logprobs.view(bs, width, k),
+                "logprob": out.logprob.view(bs, width).gather(1, path),
+                "top_ids": out.top_ids.view(bs, width, k).gather(1, node),
+                "top_logprobs": out.top_logprobs.view(bs, width, k).gather(1, node),
             },
         )
 
+    def _compact(self, slots: torch.Tensor, seq: torch.Tensor, path: torch.Tensor) -> None:
+        """Move the KV of a tree's accepted path (node ``path[:, j]`` at ``seq + path[:, j]``)
+        to ``seq + j``, so that committed positions stay contiguous. Entries past a row's
+        commit length move KV that is never read."""
+        table, page_size = self.page_table, self.kv.page_size
+        rows = slots.unsqueeze(1)
+        src = flat_kv_index(table, rows, seq.unsqueeze(1) + path, page_size)
+        dst = flat_kv_index(
+            table, rows, seq.unsqueeze(1) + self.step_offsets[: path.shape[1]], page_size
+        )
+        self.kv.move(src.view(-1), dst.view(-1))
+
     def _forward_batch(
-        self, plan: StepPlan, inp: dict[str, torch.Tensor], phase: Phase
+        self,
+        plan: StepPlan,
+        inp: dict[str, torch.Tensor],
+        phase: Phase,
+        kv_slots: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> ForwardBatch:
-        ps = self.kv.page_size
+        """``kv_slots``: where each token's K/V goes (default: its position); a tree's nodes
+        share positions but not slots."""
         positions = inp["positions"]
-        page_idx = torch.div(positions, ps, rounding_mode="floor")
-        out_loc = self.page_table[inp["token_slots"], page_idx].to(torch.int64) * ps + (
-            positions % ps
-        )  # [T]
+        where = positions if kv_slots is None else kv_slots.reshape(-1)
+        out_loc = flat_kv_index(self.page_table, inp["token_slots"], where, self.kv.page_size)
         backend = self.backends[phase]
         fb = ForwardBatch(
             backend=backend,
@@ -333,12 +374,19 @@ class ModelRunner:
             q_pad_index=inp["q_pad_index"],
             bs=plan.bs,
             max_q=max(plan.q_lens),
-            # STEP starts are the host's upper bounds on each row's KV length.
-            max_kv=max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True)),
+            max_kv=self._max_kv(plan),
+            tree_mask=tree_mask,
             capture_layers=self.worker.capture_layers if self.worker is not None else (),
         )
         backend.prepare(fb)
         return fb
+
+    def _max_kv(self, plan: StepPlan) -> int:
+        """The host's bound on any row's KV length during ``plan``; STEP starts are upper
+        bounds on the committed lengths."""
+        if plan.kind == "extend":
+            return max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True))
+        return max(plan.starts) + self.kv_span
 
     def _sample(
         self,

@@ -55,7 +55,8 @@ class SchedulerLimits:
     chunked_prefill_tokens: int
     context_length: int
     retract_every: int = 0  # debug: retract the youngest running request every N plans
-    step_width: int = 1  # KV positions a STEP row writes (the verify width)
+    step_width: int = 1  # tokens a STEP row verifies
+    step_span: int = 1  # KV positions a STEP row writes from its committed length
     max_commit: int = 1  # tokens a STEP row commits at most
     prefix_margin_pages: int = 0  # last pages of a prefix hit recomputed (speculative drafts)
 
@@ -101,9 +102,9 @@ class Scheduler:
         self.spec = SpecCounters(limits.max_commit - 1) if limits.step_width > 1 else None
         self._plans = 0
         # Pages one STEP may add to a row: its bound grows by max_commit, and the pages must
-        # cover the bound plus the step's width.
-        width, commit = limits.step_width, limits.max_commit
-        self._step_pages = (commit + width - 1 + self.page_size - 1) // self.page_size
+        # cover the bound plus the step's span.
+        span, commit = limits.step_span, limits.max_commit
+        self._step_pages = (commit + span - 1 + self.page_size - 1) // self.page_size
         self._pending: list[RequestUpdate] = []
         self._released_slots: list[int] = []
 
@@ -256,7 +257,9 @@ class Scheduler:
         for req in list(self.running):
             if req.slot < 0 or not req.decoding or self._planned_to_end(req):
                 continue
-            if not self._grow(req, req.committed_len + width, page_writes, page_values):
+            if not self._grow(
+                req, req.committed_len + self.limits.step_span, page_writes, page_values
+            ):
                 continue
             rows.append(req)
         if not rows:

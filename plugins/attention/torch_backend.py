@@ -16,7 +16,7 @@ SPEC = PluginSpec(
         page_sizes=None,
         causal=True,
         non_causal=True,
-        tree_mask=False,
+        tree_mask=True,
         cuda_graphs=False,
         needs_host_lengths=False,
     ),

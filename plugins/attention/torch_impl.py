@@ -46,13 +46,28 @@ class TorchAttention(AttentionBackend):
         q_pos[fb.q_pad_index] = fb.positions
         q_pos = q_pos.view(fb.bs, fb.max_q, 1)  # [bs, max_q, 1]; -1: padding
         is_query = q_pos >= 0
-        if fb.causal:
+        if fb.tree_mask is not None:
+            mask = self._tree_mask(fb, kv_pos)
+        elif fb.causal:
             mask = kv_pos <= q_pos  # [bs, max_q, max_kv]
         else:
             mask = (kv_pos < fb.seq_lens.view(fb.bs, 1, 1)).expand(fb.bs, fb.max_q, fb.max_kv)
         # Padded query cells see kv 0 only, so their softmax has a finite row (no NaN).
         mask = torch.where(is_query, mask, kv_pos == 0)
         self.metadata = TorchAttentionMetadata(kv_index=kv_index, mask=mask.unsqueeze(1))
+
+    @staticmethod
+    def _tree_mask(fb: ForwardBatch, kv_pos: torch.Tensor) -> torch.Tensor:
+        """``[bs, max_q, max_kv]``: the prefix before each row's block, and the block's cells
+        that ``fb.tree_mask`` opens."""
+        tree = fb.tree_mask
+        assert tree is not None
+        block = tree.shape[-1]
+        start = (fb.seq_lens - block).view(fb.bs, 1, 1)  # [bs, 1, 1]
+        offset = kv_pos - start  # [bs, 1, max_kv]: position within the block
+        in_block = (offset >= 0) & (offset < block)
+        opened = tree.gather(2, offset.clamp(0, block - 1).expand(fb.bs, fb.max_q, fb.max_kv))
+        return (offset < 0) | (in_block & opened)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch

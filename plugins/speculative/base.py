@@ -2,9 +2,17 @@
 
 A STEP row of width ``W`` holds the slot's root (its relay token: the last committed token,
 whose KV is not written yet, at position ``seq``) followed by the ``W - 1`` drafts a worker
-returns, at positions ``seq + 1 ..``. The runner verifies them with the target, accepts
-(outrider.daemon.engine.accept) and hands the committed tokens back for the worker's
-catch-up. Every method only queues device work: a host sync inside is a bug.
+returns. A chain's draft ``j`` sits at position ``seq + j``. A tree's nodes carry their
+parent's index: node ``i`` sits at position ``seq + depth(i)`` and its KV at ``seq + i``, and it
+attends to the committed prefix, its ancestors and itself. The runner verifies the row with
+the target, accepts (outrider.daemon.engine.accept), moves a tree's accepted path to the KV
+slots ``seq ..`` and hands the committed tokens back for the worker's catch-up. Every method
+only queues device work: a host sync inside is a bug.
+
+KV of a row with committed length ``seq`` during a STEP::
+
+    seq ............... seq + kv_span - 1
+    | verify block (W)  |  (tree drafts: a draft model's own node slots, up to kv_span)
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from outrider.daemon.engine.forward import ForwardBatch, KVCache
+from outrider.daemon.engine.forward import ForwardBatch, KVCache, flat_kv_index
 from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend, AttentionShape
 
@@ -26,12 +34,36 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """The geometry of a STEP, resolved from the speculative flags."""
+
+    width: int  # N: verify tokens per row, the root included
+    steps: int  # S: draft depth; a chain has S = N - 1
+    topk: int  # K: branching per draft step; 1 is a chain
+
+    @property
+    def tree(self) -> bool:
+        return self.topk > 1
+
+    @property
+    def max_commit(self) -> int:
+        """Tokens a row commits at most: the drafts of the deepest path plus the bonus."""
+        return min(self.steps, self.width - 1) + 1
+
+    @property
+    def kv_span(self) -> int:
+        """KV positions a STEP writes from a row's committed length: the verify block, and a
+        tree drafter's ``K`` node slots for each of its ``S - 1`` forward steps."""
+        return max(self.width, (self.steps - 1) * self.topk) if self.tree else self.width
+
+
+@dataclass(frozen=True)
 class WorkerContext:
     """What a worker is built with (besides its plugin options)."""
 
     device: torch.device
     dtype: torch.dtype  # the target's serving dtype
-    width: int  # verify tokens per row, the root included (--speculative-num-draft-tokens)
+    shape: StepShape
     max_slots: int
     page_table: torch.Tensor  # [max_slots, max_pages] int32, shared with the target
     page_size: int
@@ -73,7 +105,7 @@ class StepView:
     seq_lens: torch.Tensor  # [bs] int64: committed KV length = the root's position
     out_lens: torch.Tensor  # [bs] int64: output tokens committed (the randomness counter)
     sampling: SamplingBatch  # each row's sampling parameters
-    max_kv: int  # host bound on any row's KV length after the verify
+    max_kv: int  # host bound on any row's KV length during the STEP (seq + kv_span)
 
     @property
     def bs(self) -> int:
@@ -82,12 +114,28 @@ class StepView:
 
 @dataclass(frozen=True)
 class Drafts:
-    """What ``draft`` returns. ``probs``: only for drafts sampled at random, the processed
-    distribution each was drawn from (the verify then keeps a draft with probability
-    ``min(1, p/q)``); None for deterministic drafts, which need no probabilities."""
+    """What ``draft`` returns. ``probs``: only for chain drafts sampled at random, the
+    processed distribution each was drawn from (the verify then keeps a draft with
+    probability ``min(1, p/q)``); None for deterministic drafts, which need no probabilities.
+    ``parents``: a tree's shape, None for a chain. Node ``i`` (1-based: the root is node 0)
+    is ``tokens[:, i - 1]``; its parent's index is below ``i`` (parents before children), and
+    siblings carry distinct tokens."""
 
     tokens: torch.Tensor  # [bs, width - 1] int64
     probs: torch.Tensor | None = None  # [bs, width - 1, V] float32, V the target's logits width
+    parents: torch.Tensor | None = None  # [bs, width - 1] int64
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The accept's result, handed to ``after_accept``. Committed token ``j`` (``j <
+    lens``) is the target's choice at verify node ``path[:, j]``, the node of depth ``j`` on
+    the accepted path; it sits at position ``seq + 1 + j``. After a tree's compaction the KV
+    of node ``path[:, j]`` is at ``seq + j``; a chain's path is ``0, 1, ..``."""
+
+    tokens: torch.Tensor  # [bs, max_commit] int64
+    lens: torch.Tensor  # [bs] int64: commit_len, 1 .. max_commit
+    path: torch.Tensor  # [bs, max_commit] int64: verify node indices
 
 
 class SpeculativeWorker(ABC):
@@ -104,9 +152,12 @@ class SpeculativeWorker(ABC):
     def __init__(self, ctx: WorkerContext, options: Any) -> None:
         self.ctx = ctx
         self.options = options  # the plugin's validated options struct
-        self.width = ctx.width
-        self.max_commit = ctx.width  # a chain commits at most all drafts plus the bonus
-        self.row_ids = torch.arange(ctx.max_slots + 1, device=ctx.device)
+        self.width = ctx.shape.width
+        self.max_commit = ctx.shape.max_commit
+        self.kv_span = ctx.shape.kv_span
+        self.token_ids = torch.arange(
+            (ctx.max_slots + 1) * max(self.width, ctx.shape.kv_span), device=ctx.device
+        )
 
     def allocate_kv(self, num_layers: int, shape: AttentionShape) -> KVCache:
         """A draft's own paged KV: the target's pages and page size, the draft's heads."""
@@ -116,26 +167,42 @@ class SpeculativeWorker(ABC):
             ctx.dtype, ctx.device,
         )  # fmt: skip
 
-    def one_token_batch(
-        self, view: StepView, positions: torch.Tensor, kv: KVCache, backend: AttentionBackend
+    def row_batch(
+        self,
+        view: StepView,
+        positions: torch.Tensor,
+        kv: KVCache,
+        backend: AttentionBackend,
+        *,
+        kv_slots: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        causal: bool = True,
+        tree_mask: torch.Tensor | None = None,
     ) -> ForwardBatch:
-        """A draft forward of one token per row at ``positions`` [bs], into ``kv``."""
-        bs, page_size = view.bs, self.ctx.page_size
-        pages = self.ctx.page_table[view.slots, positions // page_size].to(torch.int64)
-        rows = self.row_ids[: bs + 1]
+        """A draft forward of ``q`` tokens per row at ``positions: [bs, q]``, writing their
+        K/V at ``kv_slots`` (default: the positions) into ``kv``. ``seq_lens`` [bs]: each
+        row's KV length after it (default: last position + 1). The caller prepares
+        ``backend`` with it."""
+        bs, q = positions.shape
+        page_size = self.ctx.page_size
+        where = positions if kv_slots is None else kv_slots
+        out_loc = flat_kv_index(self.ctx.page_table, view.slots.unsqueeze(1), where, page_size)
+        flat = self.token_ids[: bs * q]
         return ForwardBatch(
             backend=backend,
             kv=kv,
             page_table=self.ctx.page_table,
             slots=view.slots,
-            positions=positions,
-            out_loc=pages * page_size + positions % page_size,
-            q_start=rows,
-            seq_lens=positions + 1,
-            q_pad_index=rows[:bs],
+            positions=positions.reshape(-1),
+            out_loc=out_loc.view(-1),
+            q_start=self.token_ids[: bs + 1] * q,
+            seq_lens=positions[:, -1] + 1 if seq_lens is None else seq_lens,
+            q_pad_index=flat,
             bs=bs,
-            max_q=1,
+            max_q=q,
             max_kv=view.max_kv,
+            causal=causal,
+            tree_mask=tree_mask,
         )
 
     @abstractmethod
@@ -148,13 +215,6 @@ class SpeculativeWorker(ABC):
         """The drafts of each row."""
 
     @abstractmethod
-    def after_accept(
-        self,
-        view: StepView,
-        verify: ForwardBatch,
-        committed: torch.Tensor,
-        commit_lens: torch.Tensor,
-    ) -> None:
+    def after_accept(self, view: StepView, verify: ForwardBatch, accepted: Accepted) -> None:
         """Catch-up after the accept. ``verify``: the target's verify forward (``width``
-        tokens per row at ``seq_lens ..``, with its captures). ``committed``: [bs, width],
-        the first ``commit_lens`` of each row committed, at positions ``seq_lens + 1 ..``."""
+        nodes per row, with its captures, one row per verify node)."""

@@ -13,6 +13,7 @@ from outrider.plugins.api import (
     SpeculativeCapabilities,
     default_check,
 )
+from outrider.plugins.registry import backend_lacks
 from outrider.plugins.speculative.draft_config import (
     DRAFT_FLAG,
     check_draft,
@@ -26,6 +27,9 @@ _WIDTH_FLAG = "--speculative-num-draft-tokens"
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
     problems = default_check(spec, ctx)
+    problems += backend_lacks(
+        ctx, "draft_decode", "non_causal", "dflash drafts with non-causal attention"
+    )
     draft, target, draft_problems = check_draft(spec.name, ARCHITECTURE, ctx)
     problems += draft_problems
     if draft is None:
@@ -35,9 +39,7 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
     if not isinstance(block, int) or block < 2:
         problems.append(Problem(DRAFT_FLAG, f"the draft's block_size {block!r} is not an int >= 2"))
     else:
-        width = ctx.speculative_num_draft_tokens or (
-            ctx.speculative_num_steps + 1 if ctx.speculative_num_steps else block
-        )
+        width = ctx.speculative_width or block
         if width != block:
             problems.append(
                 Problem(
@@ -55,7 +57,6 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
             )
         )
     problems += _mask_problems(draft, ctx)
-    problems += _non_causal_problems(ctx)
     return problems
 
 
@@ -78,25 +79,6 @@ def resolve_mask_token(token: str, model: str) -> int | None:
     """The id of the draft's mask token string in the target's tokenizer."""
     vocab = tokenizer_vocab(model) if model else None
     return None if vocab is None else vocab.get(token)
-
-
-def _non_causal_problems(ctx: CheckContext) -> list[Problem]:
-    """The draft phases attend non-causally: their backend must say it can."""
-    from outrider.plugins.registry import PluginError, discover
-
-    name = ctx.attention_routes["draft_decode"]
-    try:
-        caps = discover().get("attention", name).attention
-    except PluginError:
-        return []  # the attention check reports an unknown backend
-    if caps is not None and not caps.non_causal:
-        return [
-            Problem(
-                "--draft-attention-backend",
-                f"dflash drafts with non-causal attention, which {name} cannot do",
-            )
-        ]
-    return []
 
 
 SPEC = PluginSpec(

@@ -19,6 +19,7 @@ import torch
 from outrider.daemon.engine.forward import ForwardBatch
 from outrider.plugins.api import NoOptions
 from outrider.plugins.speculative.base import (
+    Accepted,
     Drafts,
     ExtendView,
     SpeculativeWorker,
@@ -50,7 +51,6 @@ class DFlashWorker(SpeculativeWorker):
         self.kv = self.allocate_kv(self.model.num_layers, shape)
         self.backend = ctx.make_backend("draft_decode", shape)
         self.block_offsets = torch.arange(self.width, device=ctx.device)  # [B]
-        self.token_ids = torch.arange((ctx.max_slots + 1) * self.width, device=ctx.device)
         # The block's input: the root, then the mask token in every other slot.
         self.block = torch.full(
             (ctx.max_slots, self.width), mask_id, dtype=torch.int64,
@@ -61,40 +61,17 @@ class DFlashWorker(SpeculativeWorker):
         self._materialize(view.fb)
 
     def draft(self, view: StepView) -> Drafts:
-        bs, width, page_size = view.bs, self.width, self.ctx.page_size
+        bs, width = view.bs, self.width
         block = self.block[:bs]
         block[:, 0] = view.roots
         positions = view.seq_lens.unsqueeze(1) + self.block_offsets  # [bs, B]
-        slots = view.slots.unsqueeze(1)
-        pages = self.ctx.page_table[slots, positions // page_size].to(torch.int64)
-        flat = self.token_ids[: bs * width]
-        fb = ForwardBatch(
-            backend=self.backend,
-            kv=self.kv,
-            page_table=self.ctx.page_table,
-            slots=view.slots,
-            positions=positions.view(-1),
-            out_loc=(pages * page_size + positions % page_size).view(-1),
-            q_start=self.token_ids[: bs + 1] * width,
-            seq_lens=view.seq_lens + width,
-            q_pad_index=flat,
-            bs=bs,
-            max_q=width,
-            max_kv=view.max_kv,
-            causal=False,
-        )
+        fb = self.row_batch(view, positions, self.kv, self.backend, causal=False)
         self.backend.prepare(fb)
         hidden = self.model(self.ctx.embed(block.reshape(-1)), fb)  # [bs * B, H]
         logits = self.ctx.lm_head(hidden.view(bs, width, -1)[:, 1:].reshape(-1, hidden.shape[-1]))
         return Drafts(logits.argmax(dim=-1).view(bs, width - 1))
 
-    def after_accept(
-        self,
-        view: StepView,
-        verify: ForwardBatch,
-        committed: torch.Tensor,
-        commit_lens: torch.Tensor,
-    ) -> None:
+    def after_accept(self, view: StepView, verify: ForwardBatch, accepted: Accepted) -> None:
         self._materialize(verify)
 
     def _materialize(self, fb: ForwardBatch) -> None:

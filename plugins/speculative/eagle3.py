@@ -1,5 +1,5 @@
 """The built-in ``eagle3`` speculative plugin's spec: an EAGLE-3 draft (one decoder layer over
-three tapped target layers) drafting a chain."""
+three tapped target layers) drafting a chain, or a top-K tree."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
 SPEC = PluginSpec(
     name="eagle3",
     kind="speculative",
-    summary="EAGLE-3: a one-layer draft over three tapped target layers, drafting a chain",
+    summary="EAGLE-3: a one-layer draft over three tapped target layers; chains and trees",
     implementation="outrider.plugins.speculative.eagle3_impl:Eagle3Worker",
     options=NoOptions,
-    speculative=SpeculativeCapabilities(needs_draft_model=True, default_width=4),
+    speculative=SpeculativeCapabilities(needs_draft_model=True, tree=True, default_width=4),
     check=_check,
 )

@@ -1,13 +1,19 @@
-"""``eagle3`` on the device: an EAGLE-3 draft chain with its own paged KV cache.
+"""``eagle3`` on the device: an EAGLE-3 draft with its own paged KV cache, drafting a chain
+(K = 1) or a top-K tree (tree.py).
 
 Convention: the draft row at position ``t`` takes the token at ``t + 1`` and the target's
 feature at ``t`` (``fc`` of the three tapped layers, output-of-layer convention) and predicts
 the token at ``t + 2``. So after a target forward over positions ``s .. e - 1`` the draft can
 fill its rows ``s .. e - 1`` once the token at ``e`` is known: the next chunk's first token,
 the token sampled at the end of the prompt, or, after a verify, the bonus. The draft's KV at
-positions below a row's KV length is then always final, and two per-slot relays carry the
-drafting state: ``feat`` (the draft's output at the row of the last committed position) and
-``next_draft`` (the first draft it predicts).
+positions below a row's KV length is then always final, and a per-slot relay carries the
+drafting state: ``feat``, the draft's output at the row of the last committed position.
+
+Drafting, with ``seq`` the root's position: forward step ``k`` (1 .. S - 1) runs the ``K``
+frontier nodes of depth ``k`` at position ``seq + k - 1`` (siblings share it) and writes
+their K/V at the node slots ``seq + (k - 1) K + i``; each attends to the committed rows and
+to its ancestors' node slots. The catch-up after a verify rewrites rows ``seq ..`` along the
+accepted path from the target's features, so node slots never need moving.
 
 A prefix-cache hit gives its last page back (``prefix_margin_pages``): the draft's KV at the
 last cached position was computed with the publishing request's next token.
@@ -23,6 +29,7 @@ from outrider.daemon.engine.forward import ForwardBatch
 from outrider.plugins.api import NoOptions
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.speculative.base import (
+    Accepted,
     Drafts,
     ExtendView,
     SpeculativeWorker,
@@ -35,6 +42,7 @@ from outrider.plugins.speculative.eagle3_model import (
     default_aux_layers,
     load_eagle3,
 )
+from outrider.plugins.speculative.tree import best, select_tree
 
 
 class Eagle3Worker(SpeculativeWorker):
@@ -56,9 +64,11 @@ class Eagle3Worker(SpeculativeWorker):
         self.extend_backend = ctx.make_backend("draft_extend", shape)
         self.decode_backend = ctx.make_backend("draft_decode", shape)
         self.embed = ctx.embed
+        self.steps, self.topk = ctx.shape.steps, ctx.shape.topk
         hidden = config.model.hidden_size
         self.feat = torch.zeros(ctx.max_slots, hidden, dtype=ctx.dtype, device=ctx.device)
-        self.next_draft = torch.zeros(ctx.max_slots, dtype=torch.int64, device=ctx.device)
+        self.node_offsets = torch.arange(self.topk, device=ctx.device)  # [K]
+        self.commit_offsets = torch.arange(self.max_commit, device=ctx.device)  # [M]
 
     # --- EXTEND --------------------------------------------------------------------------
 
@@ -71,39 +81,93 @@ class Eagle3Worker(SpeculativeWorker):
         last = fb.q_start[1:] - 1  # [bs]: each row's last token
         tokens[last] = view.next_tokens
         y = self._run(tokens, feats, fb, self.extend_backend)  # [T, H]
-        ended = y[last[view.sample_rows]]  # [n, H]: rows whose chunk ended the prompt
-        self._seed(view.sample_slots, ended)
+        self.feat.index_copy_(0, view.sample_slots, y[last[view.sample_rows]])
 
     # --- STEP ----------------------------------------------------------------------------
 
     def draft(self, view: StepView) -> Drafts:
-        bs = view.bs
-        token = self.next_draft[view.slots]  # [bs]: d1, from the last catch-up
-        feat = self.feat[view.slots]  # [bs, H]
-        drafts = [token]
-        for k in range(1, self.width - 1):
-            # d_k sits at seq + k; its draft row is the position before.
-            positions = view.seq_lens + (k - 1)
-            fb = self.one_token_batch(view, positions, self.kv, self.decode_backend)
-            feat = self._run(token, feat, fb, self.decode_backend)  # [bs, H]
-            token = self._predict(feat)
-            drafts.append(token)
-        return Drafts(torch.stack(drafts, dim=1).view(bs, self.width - 1))
+        bs, k = view.bs, self.topk
+        y = self.feat[view.slots].unsqueeze(1)  # [bs, 1, H]: the root's row
+        score, token = self._expand(y.squeeze(1))  # [bs, K] each: the depth-1 candidates
+        cand_tokens, cand_scores = [token], [score]
+        cand_parents = [torch.full_like(token, -1)]
+        node = self.node_offsets.expand(bs, k)  # [bs, K]: the frontier's candidate indices
+        ancestors = torch.zeros(bs, k, (self.steps - 1) * k, dtype=torch.bool, device=y.device)
+        for step in range(1, self.steps):
+            first = (step - 1) * k  # this step's node slots: seq + first ..
+            ancestors[:, :, first : first + k] |= torch.eye(k, dtype=torch.bool, device=y.device)
+            y = self._frontier(view, step, token, y, ancestors[:, :, : first + k])  # [bs, K, H]
+            child_score, child_token = self._expand(y.view(bs * k, -1))  # [bs * K, K] each
+            child_score = (score.unsqueeze(2) + child_score.view(bs, k, k)).view(bs, k * k)
+            cand_tokens.append(child_token.view(bs, k * k))
+            cand_scores.append(child_score)
+            cand_parents.append(node.repeat_interleave(k, dim=1))
+            keep = best(child_score, k)  # [bs, K]: the next frontier
+            parent = keep // k  # [bs, K]: its parents' places in this frontier
+            token = cand_tokens[-1].gather(1, keep)
+            score = child_score.gather(1, keep)
+            node = k + (step - 1) * k * k + keep
+            y = y.gather(1, parent.unsqueeze(2).expand(-1, -1, y.shape[2]))
+            ancestors = ancestors.gather(1, parent.unsqueeze(2).expand_as(ancestors))
+        tokens = torch.cat(cand_tokens, dim=1)
+        if k == 1:  # a chain: every candidate, in depth order
+            return Drafts(tokens)
+        drafts, parents = select_tree(
+            tokens, torch.cat(cand_scores, dim=1), torch.cat(cand_parents, dim=1), self.width - 1
+        )
+        return Drafts(drafts, parents=parents)
 
-    def after_accept(
-        self,
-        view: StepView,
-        verify: ForwardBatch,
-        committed: torch.Tensor,
-        commit_lens: torch.Tensor,
-    ) -> None:
-        # Row j of a slot (position seq + j) takes committed[j], the token at seq + 1 + j, and
-        # the target's feature at seq + j; rows past the accepted ones are rewritten later.
-        y = self._run(committed.view(-1), self._features(verify), verify, self.extend_backend)
-        last = self.row_ids[: view.bs] * self.width + commit_lens - 1  # the bonus's row
-        self._seed(view.slots, y[last])
+    def after_accept(self, view: StepView, verify: ForwardBatch, accepted: Accepted) -> None:
+        # Row j (position seq + j) takes committed token j, the token at seq + 1 + j, and the
+        # target's feature at the path's node of depth j; rows past the commit are rewritten
+        # later.
+        bs, m = view.bs, self.max_commit
+        feats = self._features(verify).view(bs, self.width, -1)
+        feats = feats.gather(1, accepted.path.unsqueeze(2).expand(-1, -1, feats.shape[2]))
+        positions = view.seq_lens.unsqueeze(1) + self.commit_offsets  # [bs, M]
+        fb = self.row_batch(view, positions, self.kv, self.extend_backend)
+        y = self._run(accepted.tokens.view(-1), feats.view(bs * m, -1), fb, self.extend_backend)
+        last = self.token_ids[:bs] * m + accepted.lens - 1  # the bonus's row
+        self.feat.index_copy_(0, view.slots, y[last])
 
     # --- helpers -------------------------------------------------------------------------
+
+    def _frontier(
+        self,
+        view: StepView,
+        step: int,
+        tokens: torch.Tensor,
+        feats: torch.Tensor,
+        ancestors: torch.Tensor,
+    ) -> torch.Tensor:
+        """Draft forward step ``step`` over the frontier ``tokens: [bs, K]`` (depth
+        ``step``) with their parents' outputs ``feats: [bs, K or 1, H]`` -> ``[bs, K, H]``.
+        ``ancestors: [bs, K, step * K]``: the node slots each node sees, itself included."""
+        bs, k = tokens.shape
+        seq = view.seq_lens.unsqueeze(1)  # [bs, 1]
+        positions = (seq + (step - 1)).expand(bs, k)
+        if k == 1:  # a chain: the node slot is the position, and attention plain causal
+            fb = self.row_batch(view, positions, self.kv, self.decode_backend)
+        else:
+            fb = self.row_batch(
+                view,
+                positions,
+                self.kv,
+                self.decode_backend,
+                kv_slots=seq + (step - 1) * k + self.node_offsets,
+                seq_lens=view.seq_lens + step * k,
+                tree_mask=ancestors,
+            )
+        feats = feats.expand(bs, k, feats.shape[2]).reshape(bs * k, -1)
+        return self._run(tokens.view(-1), feats, fb, self.decode_backend).view(bs, k, -1)
+
+    def _expand(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``K`` best next tokens (target ids) after rows ``y: [n, H]`` and their
+        log-probabilities under the draft, best first: ``[n, K]`` each."""
+        logprobs = torch.log_softmax(self.model.compute_logits(y), dim=-1)
+        # Siblings' order is free (neither is the other's ancestor): topk, not a full sort.
+        top = logprobs.topk(self.topk, dim=-1)
+        return top.values, self.model.to_target_ids(top.indices)
 
     def _features(self, fb: ForwardBatch) -> torch.Tensor:
         taps = [fb.captured[layer] for layer in self.capture_layers]
@@ -122,13 +186,3 @@ class Eagle3Worker(SpeculativeWorker):
         )
         fb.backend.prepare(fb)
         return self.model(self.embed(tokens), feats, fb)
-
-    def _predict(self, y: torch.Tensor) -> torch.Tensor:
-        """The draft's greedy next token (target ids) from its outputs ``y: [n, H]``."""
-        return self.model.to_target_ids(self.model.compute_logits(y).argmax(dim=-1))
-
-    def _seed(self, slots: torch.Tensor, y: torch.Tensor) -> None:
-        """The drafting state of ``slots`` from the draft's output at their last committed
-        position."""
-        self.feat.index_copy_(0, slots, y)
-        self.next_draft.index_copy_(0, slots, self._predict(y))

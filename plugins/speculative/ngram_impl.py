@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from outrider.daemon.engine.forward import ForwardBatch
+from outrider.daemon.engine.forward import ForwardBatch, flat_kv_index
 from outrider.plugins.speculative.base import (
+    Accepted,
     Drafts,
     ExtendView,
     SpeculativeWorker,
@@ -52,29 +53,22 @@ class NgramWorker(SpeculativeWorker):
         drafts = history.gather(1, index)
         return Drafts(torch.where(found.unsqueeze(1), drafts, view.roots.unsqueeze(1)))
 
-    def after_accept(
-        self,
-        view: StepView,
-        verify: ForwardBatch,
-        committed: torch.Tensor,
-        commit_lens: torch.Tensor,
-    ) -> None:
-        # committed[:, j] sits at position seq + 1 + j; the block starts with the root.
-        block = torch.cat([view.roots.unsqueeze(1), committed[:, :-1]], dim=1)  # [bs, W]
+    def after_accept(self, view: StepView, verify: ForwardBatch, accepted: Accepted) -> None:
+        # Committed token j sits at position seq + 1 + j; the block starts with the root.
+        block = torch.cat([view.roots.unsqueeze(1), accepted.tokens[:, :-1]], dim=1)  # [bs, W]
         positions = view.seq_lens.unsqueeze(1) + self.block_offsets  # [bs, W]
-        self.tokens.index_copy_(0, self._flat_index(view.slots, positions).view(-1), block.view(-1))
+        self.tokens.index_copy_(0, self._flat_index(view, positions).view(-1), block.view(-1))
 
-    def _flat_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _flat_index(self, view: StepView, positions: torch.Tensor) -> torch.Tensor:
         """Flat table index of ``positions`` [bs, n] (>= 0) of each row's slot."""
-        page_size = self.ctx.page_size
-        pages = self.ctx.page_table[slots.unsqueeze(1), positions // page_size].to(torch.int64)
-        return pages * page_size + positions % page_size
+        table, page_size = self.ctx.page_table, self.ctx.page_size
+        return flat_kv_index(table, view.slots.unsqueeze(1), positions, page_size)
 
     def _history(self, view: StepView) -> torch.Tensor:
         """The last ``window`` tokens of each row, the root last; -1 before the text."""
         positions = view.seq_lens.unsqueeze(1) + self.window_offsets  # [bs, window]
         valid = positions >= 0
-        tokens = self.tokens[self._flat_index(view.slots, positions.clamp(min=0))]
+        tokens = self.tokens[self._flat_index(view, positions.clamp(min=0))]
         history = torch.where(valid, tokens, -1)
         history[:, -1] = view.roots
         return history

@@ -23,6 +23,7 @@ from outrider.daemon.engine.sampling import processed_probs, sample_probs
 from outrider.daemon.models.layers import DecoderForCausalLM
 from outrider.daemon.models.loader import load_model
 from outrider.plugins.speculative.base import (
+    Accepted,
     Drafts,
     ExtendView,
     SpeculativeWorker,
@@ -74,23 +75,17 @@ class StandaloneWorker(SpeculativeWorker):
             torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if self.options.sample else None
         )
 
-    def after_accept(
-        self,
-        view: StepView,
-        verify: ForwardBatch,
-        committed: torch.Tensor,
-        commit_lens: torch.Tensor,
-    ) -> None:
-        accepted = commit_lens - 1
+    def after_accept(self, view: StepView, verify: ForwardBatch, accepted: Accepted) -> None:
+        drafts_taken = accepted.lens - 1
         # The token at seq + a: the root when nothing was accepted, else the last draft taken.
-        block = torch.cat([view.roots.unsqueeze(1), committed], dim=1)
-        last = block.gather(1, accepted.unsqueeze(1)).squeeze(1)
-        self._next(last, view.seq_lens + accepted, view)
+        block = torch.cat([view.roots.unsqueeze(1), accepted.tokens], dim=1)
+        last = block.gather(1, drafts_taken.unsqueeze(1)).squeeze(1)
+        self._next(last, view.seq_lens + drafts_taken, view)
 
     def _next(self, tokens: torch.Tensor, positions: torch.Tensor, view: StepView) -> torch.Tensor:
         """Feed ``tokens`` [bs] at ``positions`` [bs]; the draft's next-token logits as wide
         as the target's, -inf from the target's vocabulary limit on."""
-        fb = self.one_token_batch(view, positions, self.kv, self.decode_backend)
+        fb = self.row_batch(view, positions.unsqueeze(1), self.kv, self.decode_backend)
         self.decode_backend.prepare(fb)
         logits = self.model.compute_logits(self.model(tokens, fb))  # [bs, V_draft]
         limit = min(logits.shape[-1], self.ctx.vocab_limit)
