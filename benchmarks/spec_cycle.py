@@ -80,7 +80,9 @@ def _drain(engine: Engine) -> None:
         engine.loop.iterate()
 
 
-def measure(engine: Engine, algorithm: str, batch: int, steps: int, prompt: int) -> Row:
+def measure(
+    engine: Engine, algorithm: str, batch: int, steps: int, prompt: int, profile: bool = False
+) -> Row:
     loop = engine.loop
     # Correctness pass: every launch under the sync check.
     loop.runner.enable_sync_check(True)
@@ -103,6 +105,14 @@ def measure(engine: Engine, algorithm: str, batch: int, steps: int, prompt: int)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     after = engine.scheduler.counters()
+    if profile:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            for _ in range(3):
+                loop.iterate()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
     drafts = after.spec_drafts - before.spec_drafts
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     _drain(engine)
@@ -126,12 +136,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--profile", action="store_true", help="print a profile of 3 turns")
     args = parser.parse_args()
     rows = []
     for algorithm in ("none", args.algorithm):
         for batch in args.batch:
             engine = _engine(args, algorithm, batch)
-            rows.append(measure(engine, algorithm, batch, args.steps, args.prompt))
+            rows.append(measure(engine, algorithm, batch, args.steps, args.prompt, args.profile))
             print(json.dumps(asdict(rows[-1])), flush=True)
             del engine
             torch.cuda.empty_cache()

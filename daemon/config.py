@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from outrider.daemon.family import family_defaults
 from outrider.plugins.api import PHASES, CheckContext, Phase
 
 Device = Literal["cpu", "cuda"]
@@ -184,7 +185,13 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
                 )
             values[f.name] = value
     if "model" not in values:
-        raise ConfigError("--model is required (or OUTRIDER_MODEL)")
+        defaults = family_defaults(values)
+        if defaults is None:
+            raise ConfigError(
+                "--model is required (or OUTRIDER_MODEL): the embedded model family that "
+                "serves without it is not installed (pip install ./family)"
+            )
+        values |= defaults
     config = ServeConfig(**values)
     problems = validate(config)
     if problems:
