@@ -48,10 +48,10 @@ SHAPES: dict[str, ModelShape] = {
         head_dim=64,
         intermediate_size=768,
     ),
-    # For the CPU smoke tests.
+    # For the CPU smoke tests; four layers leave three distinct draft taps in 0..N-2.
     "tiny": ModelShape(
         hidden_size=64,
-        num_layers=2,
+        num_layers=4,
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,

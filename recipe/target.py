@@ -154,7 +154,11 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: Path, key: str, net: torch.nn.Module, opt: torch.optim.Optimizer
+    path: Path,
+    key: str,
+    net: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    stage: str = "target",
 ) -> TrainState:
     if not path.is_file():
         return TrainState()
@@ -166,7 +170,7 @@ def load_checkpoint(
     net.load_state_dict(payload["model"])
     opt.load_state_dict(payload["optimizer"])
     state = TrainState(**payload["state"])
-    print(f"[target] resumed at step {state.step}/{state.total_steps or '?'}")
+    print(f"[{stage}] resumed at step {state.step}/{state.total_steps or '?'}")
     return state
 
 

