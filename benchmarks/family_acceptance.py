@@ -25,8 +25,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from decode import wait_ready  # benchmarks/ is sys.path[0] when run as a script
+
 from outrider.daemon.family import embedded_family
-from outrider.protocol import AsyncClient, Client, Timeout
+from outrider.protocol import AsyncClient
 
 PROMPTS_FILE = "heldout_prompts.jsonl"
 
@@ -97,20 +99,6 @@ async def run_form(
         tokens_per_s=sum(len(o) for o in outputs) / seconds,
         outputs_sha256=digest,
     )
-
-
-def wait_ready(endpoint: str, proc: subprocess.Popen[bytes], limit: float) -> None:
-    deadline = time.monotonic() + limit
-    with Client(endpoint) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"the daemon exited with code {proc.returncode}")
-            try:
-                if client.health(timeout=2.0).status == "serving":
-                    return
-            except Timeout:
-                continue
-    raise SystemExit("the daemon did not become ready")
 
 
 def main() -> None:

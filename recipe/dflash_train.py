@@ -32,7 +32,7 @@ from recipe.dflash_net import DFlashNet
 from recipe.draft_data import Sequences, TargetTaps
 from recipe.draft_layers import DraftShape, init_weights
 from recipe.eagle3_train import CONVENTION
-from recipe.manifest import Manifest, Produced, input_hashes, require, run_once, stage_key
+from recipe.manifest import Manifest, Produced, run_once, stage_key
 
 STAGE = "dflash"
 EXPORT_DIR = "model"
@@ -325,11 +325,7 @@ def _train_and_export(
 def run(config: DFlashStageConfig, runtime: draft_loop.DraftRuntime, out: Path) -> Manifest | None:
     """Stage 5b: needs stages 1, 3 and 4. None when this call stopped before the end."""
     started = time.monotonic()
-    inputs = input_hashes(
-        require(out / "data", "data"),
-        require(out / "target", "target"),
-        require(out / "regenerate", "regenerate"),
-    )
+    inputs = draft_loop.draft_stage_inputs(out)
     identity = asdict(config) | {"version": VERSION}
     key = stage_key(identity, inputs)
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from recipe import target
 from recipe.draft_data import Sequences
+from recipe.manifest import input_hashes, require
 
 CHECKPOINT = target.CHECKPOINT
 LOG = target.LOG
@@ -185,3 +186,12 @@ def stats(
         "device": device_name(device),
         **versions(),
     }
+
+
+def draft_stage_inputs(out: Path) -> dict[str, str]:
+    """What a draft stage reads: the outputs of ``data``, ``target`` and ``regenerate``."""
+    return input_hashes(
+        require(out / "data", "data"),
+        require(out / "target", "target"),
+        require(out / "regenerate", "regenerate"),
+    )

@@ -32,7 +32,7 @@ from recipe import draft_data, draft_loop, model, packing, regenerate, target
 from recipe.draft_data import Sequences, TargetTaps
 from recipe.draft_layers import DraftShape, init_weights
 from recipe.eagle3_net import Eagle3Net
-from recipe.manifest import Manifest, Produced, input_hashes, require, run_once, stage_key
+from recipe.manifest import Manifest, Produced, run_once, stage_key
 
 STAGE = "eagle3"
 EXPORT_DIR = "model"
@@ -344,11 +344,7 @@ def _train_and_export(
 def run(config: Eagle3StageConfig, runtime: draft_loop.DraftRuntime, out: Path) -> Manifest | None:
     """Stage 5a: needs stages 1, 3 and 4. None when this call stopped before the end."""
     started = time.monotonic()
-    inputs = input_hashes(
-        require(out / "data", "data"),
-        require(out / "target", "target"),
-        require(out / "regenerate", "regenerate"),
-    )
+    inputs = draft_loop.draft_stage_inputs(out)
     identity = asdict(config) | {"version": VERSION}
     key = stage_key(identity, inputs)
 
