@@ -43,6 +43,7 @@ from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.speculative.base import (
     Accepted,
+    Drafts,
     ExtendView,
     SpeculativeWorker,
     StepView,
@@ -294,28 +295,9 @@ class ModelRunner:
         fb = self._forward_batch(plan, inp, phase, seq.unsqueeze(1) + offsets, visible)
         hidden = self.model.forward(inp["input_ids"], fb)  # [bs * W, H]
         logits = self.model.compute_logits(hidden)  # [bs * W, V]
-        batch = self._sampling(inp["token_slots"], plan)  # per token
-        limit = self.limits.vocab_limit
-        path = offsets[:, : self.max_commit]  # a chain's accepted nodes: 0, 1, ..
-        if drafts is None or drafts.probs is None:
-            # The target's own draw at each node: output index out_len + depth.
-            draw_positions = (out_len.unsqueeze(1) + depth).view(-1)  # [bs * W]
-            out = sample(logits, batch, draw_positions, vocab_limit=limit)
-            choices = out.tokens.view(bs, width)  # [bs, W]
-            if drafts is not None and drafts.parents is not None:
-                commit_lens, path = accept_tree(
-                    drafts.tokens, drafts.parents, choices, self.max_commit - 1
-                )
-                self._compact(slots, seq, path)
-            else:
-                commit_lens = accept_chain(tokens[:, 1:], choices)  # [bs]; 1 without drafts
-        else:
-            target_probs = processed_probs(logits, batch, vocab_limit=limit).view(bs, width, -1)
-            seed = self.slot_seed[slots]
-            commit_lens, choices = accept_sampled(
-                drafts.tokens, drafts.probs, target_probs, seed, out_len
-            )
-            out = token_logprobs(logits, choices.view(-1), plan.max_logprobs, vocab_limit=limit)
+        out, choices, commit_lens, path = self._accept(
+            plan, inp, logits, drafts, (seq, out_len, depth)
+        )
         committed = choices.gather(1, path)  # [bs, max_commit]
         bonus = committed.gather(1, (commit_lens - 1).unsqueeze(1)).squeeze(1)
         self.relay_tokens.index_copy_(0, slots, bonus)
@@ -335,6 +317,45 @@ class ModelRunner:
                 "top_logprobs": out.top_logprobs.view(bs, width, k).gather(1, node),
             },
         )
+
+    def _accept(
+        self,
+        plan: StepPlan,
+        inp: dict[str, torch.Tensor],
+        logits: torch.Tensor,
+        drafts: Drafts | None,
+        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> tuple[SampleResult, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the target's choice at every node with its logprobs, ``choices`` [bs, W],
+        ``commit_lens`` [bs], ``path`` [bs, max_commit]) of a verify: the chain, tree or
+        sampled-draft rule (accept.py). ``rows``: each row's ``seq``, ``out_len`` [bs] and its
+        nodes' depths [bs, W]. A tree's accepted KV is moved to the front here."""
+        bs, width, limit = plan.bs, self.width, self.limits.vocab_limit
+        seq, out_len, depth = rows
+        slots = inp["slots"]
+        batch = self._sampling(inp["token_slots"], plan)  # per token
+        path = self.step_offsets[: self.max_commit].expand(bs, -1)  # a chain: 0, 1, ..
+        if drafts is not None and drafts.probs is not None:
+            target_probs = processed_probs(logits, batch, vocab_limit=limit).view(bs, width, -1)
+            seed = self.slot_seed[slots]
+            commit_lens, choices = accept_sampled(
+                drafts.tokens, drafts.probs, target_probs, seed, out_len
+            )
+            out = token_logprobs(logits, choices.view(-1), plan.max_logprobs, vocab_limit=limit)
+            return out, choices, commit_lens, path
+        # The target's own draw at each node: output index out_len + depth.
+        draw_positions = (out_len.unsqueeze(1) + depth).view(-1)  # [bs * W]
+        out = sample(logits, batch, draw_positions, vocab_limit=limit)
+        choices = out.tokens.view(bs, width)  # [bs, W]
+        if drafts is not None and drafts.parents is not None:
+            commit_lens, path = accept_tree(
+                drafts.tokens, drafts.parents, choices, self.max_commit - 1
+            )
+            self._compact(slots, seq, path)
+        else:
+            tokens = inp["input_ids"].view(bs, width)
+            commit_lens = accept_chain(tokens[:, 1:], choices)  # [bs]; 1 without drafts
+        return out, choices, commit_lens, path
 
     def _compact(self, slots: torch.Tensor, seq: torch.Tensor, path: torch.Tensor) -> None:
         """Move the KV of a tree's accepted path (node ``path[:, j]`` at ``seq + path[:, j]``)
