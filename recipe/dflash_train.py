@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from recipe import chat, draft_data, draft_loop, model, packing, regenerate, target
+from recipe import chat, draft_data, draft_loop, model
 from recipe.dflash_net import DFlashNet
 from recipe.draft_data import Sequences, TargetTaps
 from recipe.draft_layers import DraftShape, init_weights
@@ -38,7 +38,6 @@ STAGE = "dflash"
 EXPORT_DIR = "model"
 EXPORT_FILES = ("config.json", "model.safetensors", "README.md")
 VERSION = 2  # bump when the outputs for a given config change (2: held-out forms)
-_RESERVE_S = 40.0  # budget kept back for the held-out measurement and the export
 _EVAL_ROWS = 8  # held-out rows per forward
 
 
@@ -255,13 +254,10 @@ def _prepare(
     config: DFlashStageConfig, out: Path, device: str
 ) -> tuple[Any, Any, Sequences, Frozen, DFlashNet]:
     """(tokenizer, target, training sequences, frozen parts, initialised draft)."""
-    target_dir = out / "target" / target.EXPORT_DIR
-    tokenizer = packing.load_tokenizer(target_dir)
-    target_net = regenerate.load_target(target_dir, device).requires_grad_(False)
+    tokenizer, target_net, sequences = draft_loop.load_target_and_answers(
+        out, config.target_layer_ids, "target_layer_ids", device
+    )
     target_config = target_net.config
-    what = "target_layer_ids"
-    draft_data.check_taps(config.target_layer_ids, target_config.num_hidden_layers, what)
-    sequences = draft_data.regenerated(out, tokenizer)
     if bool((sequences.tokens == config.mask_token_id).any()):
         raise ValueError(f"mask token {config.mask_token_id} occurs in the training data")
     frozen = Frozen(
@@ -291,13 +287,10 @@ def _train_and_export(
     def loss_fn(index: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
         return block_loss(net, frozen, on_device.rows(index), config, step)
 
-    optim = config.optim
-    opt = draft_loop.make_optimizer(net, optim, device)
-    job = draft_loop.Job(
-        STAGE, net, opt, optim, loss_fn, len(sequences), config.seed, device, stage_dir
-    )
-    deadline = started + runtime.budget_s - _RESERVE_S
-    state = draft_loop.train(job, key, deadline, runtime.max_steps_this_call)
+    state = draft_loop.fit(
+        (STAGE, net, loss_fn, len(sequences)), config.optim, config.seed, runtime, stage_dir,
+        key, started,
+    )  # fmt: skip
     if state is None:
         return None
     heldout = draft_data.heldout_sets(

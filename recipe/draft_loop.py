@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recipe import target
+from recipe import draft_data, packing, regenerate, target
 from recipe.draft_data import Sequences
 from recipe.manifest import input_hashes, require
 
@@ -195,3 +195,35 @@ def draft_stage_inputs(out: Path) -> dict[str, str]:
         require(out / "target", "target"),
         require(out / "regenerate", "regenerate"),
     )
+
+
+MEASURE_RESERVE_S = 40.0  # budget kept back for the held-out measurement and the export
+
+
+def load_target_and_answers(
+    out: Path, taps: tuple[int, ...], what: str, device: str
+) -> tuple[Any, Any, Sequences]:
+    """(tokenizer, frozen target, the regenerated training sequences), the taps checked."""
+    target_dir = out / "target" / target.EXPORT_DIR
+    tokenizer = packing.load_tokenizer(target_dir)
+    target_net = regenerate.load_target(target_dir, device).requires_grad_(False)
+    draft_data.check_taps(taps, target_net.config.num_hidden_layers, what)
+    return tokenizer, target_net, draft_data.regenerated(out, tokenizer)
+
+
+def fit(
+    job_parts: tuple[str, nn.Module, LossFn, int],
+    optim: Optim,
+    seed: int,
+    runtime: DraftRuntime,
+    stage_dir: Path,
+    key: str,
+    started: float,
+) -> target.TrainState | None:
+    """Train ``(stage, net, loss_fn, items)`` with AdamW within this call's budget, keeping
+    ``MEASURE_RESERVE_S`` back; resumable like ``train``."""
+    stage, net, loss_fn, items = job_parts
+    opt = make_optimizer(net, optim, runtime.device)
+    job = Job(stage, net, opt, optim, loss_fn, items, seed, runtime.device, stage_dir)
+    deadline = started + runtime.budget_s - MEASURE_RESERVE_S
+    return train(job, key, deadline, runtime.max_steps_this_call)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from recipe import draft_data, draft_loop, model, packing, regenerate, target
+from recipe import draft_data, draft_loop, model
 from recipe.draft_data import Sequences, TargetTaps
 from recipe.draft_layers import DraftShape, init_weights
 from recipe.eagle3_net import Eagle3Net
@@ -42,7 +42,6 @@ CONVENTION = (
     "output-of-layer: id L is the residual stream after decoder layer L (0-based), which is "
     "Hugging Face hidden_states[L + 1], before the final norm"
 )
-_RESERVE_S = 40.0  # budget kept back for the held-out measurement and the export
 _EVAL_ROWS = 25  # held-out rows per unroll
 
 
@@ -268,13 +267,10 @@ def _prepare(
     config: Eagle3StageConfig, out: Path, device: str
 ) -> tuple[Any, Any, Sequences, Frozen, Eagle3Net]:
     """(tokenizer, target, training sequences, frozen parts, initialised draft)."""
-    target_dir = out / "target" / target.EXPORT_DIR
-    tokenizer = packing.load_tokenizer(target_dir)
-    target_net = regenerate.load_target(target_dir, device).requires_grad_(False)
+    tokenizer, target_net, sequences = draft_loop.load_target_and_answers(
+        out, config.aux_layer_ids, "aux_layer_ids", device
+    )
     target_config = target_net.config
-    what = "aux_layer_ids"
-    draft_data.check_taps(config.aux_layer_ids, target_config.num_hidden_layers, what)
-    sequences = draft_data.regenerated(out, tokenizer)
     counts = draft_data.answer_token_counts(sequences, target_config.vocab_size)
     vocab = select_vocab(counts, config.draft_vocab_size)
     frozen = Frozen(
@@ -305,13 +301,10 @@ def _train_and_export(
     def loss_fn(index: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
         return ttt_loss(net, frozen, on_device.rows(index), config)
 
-    optim = config.optim
-    opt = draft_loop.make_optimizer(net, optim, device)
-    job = draft_loop.Job(
-        STAGE, net, opt, optim, loss_fn, len(sequences), config.seed, device, stage_dir
-    )
-    deadline = started + runtime.budget_s - _RESERVE_S
-    state = draft_loop.train(job, key, deadline, runtime.max_steps_this_call)
+    state = draft_loop.fit(
+        (STAGE, net, loss_fn, len(sequences)), config.optim, config.seed, runtime, stage_dir,
+        key, started,
+    )  # fmt: skip
     if state is None:
         return None
     heldout = draft_data.heldout_sets(
