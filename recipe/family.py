@@ -6,6 +6,10 @@ evaluation prompts, ``heldout_prompts.jsonl``: the first ``count`` held-out conv
 order) whose opening user turn, rendered through the chat template with the generation prompt,
 takes at most ``max_prompt_tokens`` tokens. Rows: ``{"id", "messages"}`` (that one user turn).
 The held-out split is never trained on, so these prompts measure acceptance honestly.
+
+``adopt_target`` goes the other way: it records the shipped target as the ``target`` stage's
+output under the default config, so that the later stages (answers, drafts) can be rerun
+against the very weights the family ships, without retraining the target.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from recipe import chat, data
-from recipe.manifest import Manifest, Produced, input_hashes, require, run_once
+from recipe import chat, data, model, target
+from recipe.manifest import Manifest, Produced, input_hashes, require, run_once, sha256_file
 from recipe.regenerate import encode_prompt
 
 PROMPTS = "heldout_prompts.jsonl"
@@ -66,3 +70,37 @@ def run(config: FamilyConfig, out: Path, dest: Path) -> Manifest | None:
 
     config_dict = {**asdict(config), "version": VERSION}
     return run_once("family", dest, config_dict, input_hashes(*upstream), produce)
+
+
+def adopt_target(out: Path, source: Path) -> Manifest | None:
+    """Stage 3 from the shipped family in ``source``: its target files, checked against the
+    hashes its manifest records, become ``out/target/model``, provided ``out``'s data and
+    tokenizer are the ones the family was built from."""
+    shipped = Manifest.read(source)
+    if shipped is None:
+        raise FileNotFoundError(f"no family manifest in {source}")
+    part = PARTS["target"]
+    upstream = input_hashes(require(out / "data", "data"), require(out / "tokenizer", "tokenizer"))
+    expected = {name: shipped.inputs[name] for name in upstream if name.startswith("data/")}
+    expected |= {
+        f"tokenizer/{name}": shipped.inputs[f"{part}/{name}"]
+        for name in model.EXPORT_FILES
+        if f"tokenizer/{name}" in upstream
+    }
+    differing = sorted(name for name, digest in expected.items() if upstream[name] != digest)
+    if differing:
+        raise ValueError(f"{out} was not what the family was built from: {differing} differ")
+    for name in model.EXPORT_FILES:
+        if sha256_file(source / "target" / name) != shipped.outputs[f"target/{name}"]:
+            raise ValueError(f"{source / 'target' / name} differs from the family manifest")
+
+    def produce(stage_dir: Path) -> Produced:
+        export = stage_dir / target.EXPORT_DIR
+        export.mkdir(exist_ok=True)
+        for name in model.EXPORT_FILES:
+            shutil.copyfile(source / "target" / name, export / name)
+        stats = {"adopted_from": str(source), "family_key": shipped.key}
+        return Produced([f"{target.EXPORT_DIR}/{name}" for name in model.EXPORT_FILES], stats)
+
+    identity = target.stage_identity(target.TargetConfig())
+    return run_once("target", out / "target", identity, upstream, produce)

@@ -1,12 +1,12 @@
 """Stage 4 (``regenerate``): the target's own answers to train prompts (draft training data).
 
-For a seeded sample of train conversations, the prompt is the longest prefix that ends with a
-user turn and, rendered through the chat template with the generation prompt, leaves room for
-``max_new_tokens`` within the target's context; conversations whose first question is already
-too long are passed over. Answers are greedy, generated in left-padded batches with
-transformers' ``generate``, and cut after the first ``<|im_end|>`` (kept). Rows of
-``regenerated.jsonl``: ``{"id", "messages", "answer_ids", "finished"}`` in sample order;
-``finished`` is false when the answer hit ``max_new_tokens``.
+For every train conversation (or a seeded sample of ``count``), the prompt is the longest
+prefix that ends with a user turn and, rendered through the chat template with the generation
+prompt, leaves room for ``max_new_tokens`` within the target's context; conversations whose
+first question is already too long are passed over. Answers are greedy, generated in
+left-padded batches with transformers' ``generate``, and cut after the first ``<|im_end|>``
+(kept). Rows of ``regenerated.jsonl``: ``{"id", "messages", "answer_ids", "finished"}``
+in sample order; ``finished`` is false when the answer hit ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ VERSION = 1  # bump when the outputs for a given config change
 
 @dataclass(frozen=True)
 class RegenerateConfig:
-    count: int = 3072  # the drafts' training set (91 s on one H100)
+    count: int = 0  # the drafts' training set; 0: every conversation with a prompt (13,690)
     max_new_tokens: int = 256
-    batch_size: int = 512  # batch composition can change bf16 greedy answers: part of the key
+    batch_size: int = 2048  # batch composition can change bf16 greedy answers: part of the key
     seed: int = 0
 
 
@@ -77,7 +77,7 @@ def select_prompts(
         prompt = prompt_for(conversations[index], tokenizer, max_tokens)
         if prompt is not None:
             prompts.append(prompt)
-            if len(prompts) == config.count:
+            if len(prompts) == config.count:  # never true for count 0
                 break
     return prompts
 

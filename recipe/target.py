@@ -345,14 +345,19 @@ def _stats(run: _Run, state: TrainState, heldout_loss: float) -> dict[str, Any]:
     }
 
 
+def stage_identity(config: TargetConfig) -> dict[str, Any]:
+    return asdict(config) | {"model_shape": asdict(model.SHAPES[config.shape]), "version": VERSION}
+
+
+def stage_inputs(out: Path) -> dict[str, str]:
+    return input_hashes(require(out / "data", "data"), require(out / "tokenizer", "tokenizer"))
+
+
 def run(config: TargetConfig, runtime: TargetRuntime, out: Path) -> Manifest | None:
     """Stage 3: needs stages 1 and 2. Returns None when this call stopped before the end."""
     started = time.monotonic()
-    inputs = input_hashes(require(out / "data", "data"), require(out / "tokenizer", "tokenizer"))
-    identity = asdict(config) | {
-        "model_shape": asdict(model.SHAPES[config.shape]),
-        "version": VERSION,
-    }
+    inputs = stage_inputs(out)
+    identity = stage_identity(config)
     key = stage_key(identity, inputs)
     cache_id = stage_key({"version": VERSION}, inputs)[:16]  # token files: inputs only
 

@@ -80,6 +80,10 @@ def _regenerate(args: argparse.Namespace) -> None:
     regenerate.run(config, args.out, args.device or target.TargetRuntime.device)
 
 
+def _adopt_target(args: argparse.Namespace) -> None:
+    family.adopt_target(args.out, args.family)
+
+
 def _family(args: argparse.Namespace) -> None:
     config = family.FamilyConfig(count=args.count, max_prompt_tokens=args.max_prompt_tokens)
     family.run(config, args.out, args.dest)
@@ -222,6 +226,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-steps-this-call", type=int)
     p.set_defaults(run=_target)
+
+    p = stages.add_parser(
+        "adopt-target", parents=[common], help="the shipped target as the target stage's output"
+    )
+    p.add_argument("--family", type=Path, default=DEFAULT_FAMILY, help="the package directory")
+    p.set_defaults(run=_adopt_target)
 
     defaults_r = regenerate.RegenerateConfig()
     p = stages.add_parser("regenerate", parents=[common], help="the target's own answers")

@@ -7,6 +7,7 @@ run resumes to the same weights."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ from recipe import (
     draft_data,
     draft_loop,
     eagle3_train,
+    family,
+    model,
     packing,
     regenerate,
     target,
@@ -32,7 +35,7 @@ from recipe import (
 from recipe.dflash_net import DFlashNet
 from recipe.draft_layers import DraftShape
 from recipe.eagle3_net import Eagle3Net
-from recipe.manifest import Manifest
+from recipe.manifest import Manifest, stage_key
 
 REGENERATE = regenerate.RegenerateConfig(count=24, max_new_tokens=24, batch_size=24)
 EAGLE3 = eagle3_train.Eagle3StageConfig(
@@ -243,3 +246,36 @@ def test_eagle3_resumes_to_the_same_weights(out: Path, eagle3: Manifest, tmp_pat
     assert resumed.stats["heldout_acceptance"] == eagle3.stats["heldout_acceptance"]
     again = eagle3_train.run(EAGLE3, draft_loop.DraftRuntime(device="cpu"), tmp_path)
     assert again is not None and (again.key, again.outputs) == (resumed.key, resumed.outputs)
+
+
+def _upstream_copy(out: Path, root: Path) -> Path:
+    for stage in ("data", "tokenizer", "regenerate"):
+        shutil.copytree(out / stage, root / stage)
+    return root
+
+
+def test_family_target_adopted_for_the_drafts(
+    out: Path, eagle3: Manifest, dflash: Manifest, tmp_path: Path
+) -> None:
+    """``adopt-target`` takes a family's target as stage 3 of an output root built from the
+    same data and tokenizer (the draft stages then read it), and refuses tampered weights."""
+    dest = tmp_path / "family"
+    assert family.run(family.FamilyConfig(count=2), out, dest) is not None
+    fresh = _upstream_copy(out, tmp_path / "fresh")
+    adopted = family.adopt_target(fresh, dest)
+    assert adopted is not None and adopted.stats["adopted_from"] == str(dest)
+    assert adopted.key == stage_key(
+        target.stage_identity(target.TargetConfig()), target.stage_inputs(fresh)
+    )
+    for name in model.EXPORT_FILES:
+        copied = fresh / "target" / target.EXPORT_DIR / name
+        assert copied.read_bytes() == (dest / "target" / name).read_bytes()
+    inputs = draft_loop.draft_stage_inputs(fresh)
+    assert inputs["target/model/model.safetensors"] == adopted.outputs["model/model.safetensors"]
+    assert family.adopt_target(fresh, dest) == adopted  # complete: skipped
+
+    weights = dest / "target" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(ValueError, match="differs from the family manifest"):
+        family.adopt_target(_upstream_copy(out, tmp_path / "other"), dest)
