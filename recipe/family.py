@@ -79,13 +79,12 @@ def adopt_target(out: Path, source: Path) -> Manifest | None:
     shipped = Manifest.read(source)
     if shipped is None:
         raise FileNotFoundError(f"no family manifest in {source}")
-    part = PARTS["target"]
-    upstream = input_hashes(require(out / "data", "data"), require(out / "tokenizer", "tokenizer"))
-    expected = {name: shipped.inputs[name] for name in upstream if name.startswith("data/")}
-    expected |= {
-        f"tokenizer/{name}": shipped.inputs[f"{part}/{name}"]
-        for name in model.EXPORT_FILES
-        if f"tokenizer/{name}" in upstream
+    upstream = target.stage_inputs(out)
+    # data/<file> was recorded as is, tokenizer/<file> as its copy in the target's export
+    expected = {
+        name: shipped.inputs[name if stage == "data" else f"{PARTS['target']}/{file}"]
+        for name in upstream
+        for stage, _, file in [name.partition("/")]
     }
     differing = sorted(name for name, digest in expected.items() if upstream[name] != digest)
     if differing:

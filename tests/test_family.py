@@ -3,7 +3,7 @@ held-out prompts, 128 new tokens each, sent through the chat template as ``messa
 every draft's greedy output equals the target alone token for token, and the mean acceptance
 length stays above floors a little under the measured figures (MODEL_CARD.md: 2.827, 2.451
 and 3.316). Raw ``prompt=`` text is measured by ``benchmarks/family_acceptance.py``; it is
-left out here to keep the suite short (both forms take about 7 min on 2 cores)."""
+left out here to keep the suite short (both forms take about 3.5 min on 2 cores)."""
 
 from __future__ import annotations
 
