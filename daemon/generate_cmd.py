@@ -7,14 +7,17 @@ in a light install (no torch).
 from __future__ import annotations
 
 import argparse
-import os
+import math
 import sys
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
 from outrider.protocol import Client, RequestError, TokenStream, default_endpoint
-from outrider.protocol.endpoints import ipc_path
+
+DEFAULT_TIMEOUT_S: Final = 300.0
+# NOTE: the daemon's front door answers health itself, never queued behind generation.
+HEALTH_DEADLINE_S: Final = 5.0
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +42,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the result as one JSON object (with --stream: one line per chunk first)",
     )
     parser.add_argument(
-        "--timeout", type=float, metavar="S", help="give up after S seconds (default: wait)"
+        "--timeout",
+        type=_timeout_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"give up after S seconds (default: {DEFAULT_TIMEOUT_S:g}; 0 or inf: wait forever)",
     )
 
 
@@ -61,11 +68,13 @@ def run_generate(args: argparse.Namespace) -> int:
         "stop": args.stop,
     }
     endpoint = args.connect if args.connect is not None else default_endpoint()
-    path = ipc_path(endpoint)
-    if path is not None and not os.path.exists(path):
-        print(f"waiting for a daemon to bind {endpoint}", file=sys.stderr)
+    timeout: float | None = args.timeout
+    health_deadline = HEALTH_DEADLINE_S if timeout is None else min(HEALTH_DEADLINE_S, timeout)
     try:
-        with Client(endpoint, timeout=args.timeout) as client:
+        with Client(endpoint, timeout=timeout) as client:
+            # NOTE: with no daemon bound, ZeroMQ would hold the request until the deadline;
+            # the health check ends that within seconds, saying which failure it was.
+            client.health(timeout=health_deadline)
             if args.stream:
                 _print_stream(client.stream(prompt, **sampling), as_json=args.json)
             else:
@@ -80,6 +89,17 @@ def run_generate(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _timeout_seconds(text: str) -> float | None:
+    """``--timeout``: seconds, None (0 or inf) for no limit."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if math.isnan(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}")
+    return None if seconds == 0 or math.isinf(seconds) else seconds
 
 
 def _print_stream(stream: TokenStream, *, as_json: bool) -> None:

@@ -7,7 +7,7 @@ from outrider.protocol._client_common import GenerateResult, TokenChunk
 from outrider.protocol.async_client import AsyncClient, AsyncTokenStream
 from outrider.protocol.client import Client, TokenStream
 from outrider.protocol.endpoints import default_endpoint
-from outrider.protocol.errors import RequestError, Timeout
+from outrider.protocol.errors import NotListening, RequestError, Timeout
 from outrider.protocol.messages import (
     PROTOCOL_VERSION,
     ChatMessage,
@@ -25,6 +25,7 @@ __all__ = [
     "Client",
     "GenerateResult",
     "Health",
+    "NotListening",
     "RequestError",
     "ServerInfo",
     "Timeout",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import uuid
 import weakref
 from collections import deque
@@ -35,8 +36,8 @@ from outrider.protocol._client_common import (
     to_chunk,
     to_result,
 )
-from outrider.protocol.endpoints import default_endpoint
-from outrider.protocol.errors import RequestError, Timeout
+from outrider.protocol.endpoints import default_endpoint, ipc_path
+from outrider.protocol.errors import NotListening, RequestError, Timeout
 from outrider.protocol.frames import FrameError, reply_codec, request_codec
 from outrider.protocol.messages import (
     Chunk,
@@ -56,7 +57,10 @@ HEARTBEAT_IVL_MS: Final = 2_000
 HEARTBEAT_TIMEOUT_MS: Final = 10_000
 
 _MONITOR_EVENTS: Final = (
-    zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 )
 
 
@@ -106,6 +110,7 @@ class Connection:
         self._abandoned: deque[Inbox] = deque()
         self._lost_since_boot = False
         self._handshake_failure = ""
+        self._connected = False  # the DEALER holds a connection to the endpoint now
         self._closed = False
         # NOTE: only the owners may close the sockets. A socket closed through another
         # object is closed again by its owner when collected, by then perhaps a new socket
@@ -176,6 +181,11 @@ class Connection:
 
     def _close_sockets(self, linger: int | None = None) -> None:
         self._closed = True
+        # NOTE: libzmq sends monitor events from its I/O thread, blocking: once the reading
+        # PAIR is closed, one more event from the DEALER (lingering, retrying a failed CURVE
+        # handshake) blocks that thread for good, and every socket of the context with it.
+        # The monitor must stop before its reader closes.
+        self._sock.disable_monitor()
         for sock in self._owners:
             sock.close(linger=linger)
 
@@ -187,7 +197,9 @@ class Connection:
         return None if seconds is None else self._now() + seconds
 
     def _timeout_error(self, request_id: str) -> Timeout:
-        return Timeout(f"no answer from {self.endpoint} in time", request_id)
+        if self._connected:
+            return Timeout(f"the daemon at {self.endpoint} did not answer in time", request_id)
+        return NotListening(_not_listening_message(self.endpoint), request_id)
 
     def _register(self, request_id: str) -> Inbox:
         self._service()
@@ -249,13 +261,17 @@ class Connection:
 
     def _dispatch(self, frame: bytes) -> None:
         try:
-            reply = self._replies.decode(frame)
+            reply: ClientReply = self._replies.decode(frame)
         except FrameError as exc:
-            # A reply body names its request only once decoded: a daemon speaking another
-            # protocol version fails every call; any other unreadable frame is dropped.
+            # A daemon speaking another protocol version fails every call; any other
+            # undecodable frame ends the request it still names, or is dropped.
             if exc.code == "unsupported_version":
                 self._fail_all("unsupported_version", exc.message)
-            return
+                return
+            if not exc.request_id:
+                return
+            message = f"undecodable reply from {self.endpoint}: {exc.message}"
+            reply = Error(request_id=exc.request_id, code="malformed", message=message)
         if isinstance(reply, Health | ServerInfo):
             self._note_boot(reply.boot_id, reply.request_id)
         inbox = self._pending.get(reply.request_id)
@@ -268,11 +284,14 @@ class Connection:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
             except zmq.Again:
                 return
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._handshake_failure = " (handshake failed: authentication)"
             elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 self._handshake_failure = " (handshake failed: protocol)"
             else:
+                self._connected = False
                 # NOTE: replies that arrived before the link dropped are queued ahead of
                 # this event; deliver them first so that only unanswered calls fail.
                 self._drain()
@@ -331,6 +350,18 @@ class StreamState(Generic[C]):
         self._done = True
         if self._inbox is not None:
             self._client._release(self._inbox, abort=True)
+
+
+def _not_listening_message(endpoint: str) -> str:
+    """Why a client that never got a connection to ``endpoint`` had no answer."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return f"no daemon is listening at {endpoint}"
+    if not os.path.exists(path):
+        return f"no daemon is listening at {endpoint} (no socket file)"
+    if not os.access(path, os.W_OK):
+        return f"cannot connect to {endpoint} (no write permission on the socket file)"
+    return f"no daemon is listening at {endpoint} (stale socket file: nothing accepts on it)"
 
 
 def _key_bytes(key: CurveKey) -> bytes:

@@ -69,8 +69,10 @@ class Client(Connection):
 
     ``timeout`` (seconds) is the default for calls that take one; a call's own ``timeout``
     overrides it; None everywhere (or ``math.inf``) waits forever. A request sent before the
-    daemon binds is queued by ZeroMQ and delivered once it does. CURVE is used when
-    ``curve_server_key`` is given, with ``curve_keypair = (public, secret)`` or a fresh one.
+    daemon binds is queued by ZeroMQ and delivered once it does; a call that times out
+    meanwhile raises ``NotListening``, one that a connected daemon leaves unanswered a plain
+    ``Timeout``. CURVE is used when ``curve_server_key`` is given, with
+    ``curve_keypair = (public, secret)`` or a fresh one.
     """
 
     def __init__(
@@ -158,7 +160,8 @@ class Client(Connection):
         expect(self._call(abort_request(request_id), timeout), Ack)
 
     def health(self, timeout: float | None = 5.0) -> Health:
-        """The daemon's liveness answer; raises ``Timeout`` while no daemon is bound."""
+        """The daemon's liveness answer; raises ``NotListening`` (a ``Timeout``) while no
+        daemon is bound."""
         return expect(self._call(health_query(), timeout), Health)
 
     def server_info(self, timeout: float | None = None) -> ServerInfo:

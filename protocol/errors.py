@@ -14,7 +14,15 @@ class RequestError(Exception):
 
 
 class Timeout(RequestError, TimeoutError):
-    """No final answer arrived within the caller's timeout."""
+    """No final answer arrived within the caller's timeout. A plain ``Timeout``: the client
+    was connected to a daemon that did not answer in time; ``NotListening``: it was not."""
 
     def __init__(self, message: str, request_id: str = "") -> None:
         super().__init__("timeout", message, request_id)
+
+
+class NotListening(Timeout):
+    """A ``Timeout`` while the client had no connection to the endpoint: no daemon listens
+    there (none was started, it has not bound yet, or one that exited left its socket file
+    behind), or this process may not connect to it; the message says which. Still code
+    ``timeout``: ``except Timeout`` catches it too."""

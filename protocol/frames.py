@@ -33,6 +33,14 @@ class _IdOnly(msgspec.Struct):
     request_id: str = ""
 
 
+# NOTE: everything msgspec's msgpack decoder raises for bad input (msgspec 0.22, by experiment
+# and from its source): DecodeError (ValidationError included) for bad msgpack and wrong
+# types; UnicodeDecodeError, passed through from CPython, for a str that is not UTF-8 (a value,
+# a map key, a tag, a Literal); RecursionError past the interpreter's recursion limit, even in
+# a value it only skips (an unknown field, a Raw). Anything else (MemoryError) is not input.
+_UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
 class FrameCodec(Generic[T]):
     """Encodes and decodes one message type (usually a tagged union) of one family."""
 
@@ -43,37 +51,47 @@ class FrameCodec(Generic[T]):
         self.version = version
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_)
-        self._id_decoder = msgspec.msgpack.Decoder(_IdOnly)
+        self._id_decoder = msgspec.msgpack.Decoder(_IdOnly | list[msgspec.Raw])
+        self._str_decoder = msgspec.msgpack.Decoder(str)
 
     def encode(self, msg: T) -> bytes:
         return self.header + self._encoder.encode(msg)
 
     def decode(self, frame: bytes | memoryview) -> T:
-        """Decode one frame or raise ``FrameError`` (``malformed``, ``unsupported_version``
-        or ``invalid_request``, with the request id when the body still yields one)."""
+        """Decode one frame. Raises nothing but ``FrameError`` (``malformed``,
+        ``unsupported_version`` or ``invalid_request``, with the request id when the body
+        still yields one), whatever the bytes."""
         data = memoryview(frame)
         if len(data) == 0:
             raise FrameError("malformed", "empty frame")
         family, version = data[0] >> 4, data[0] & 0x0F
         if family != self.family:
             raise FrameError("malformed", f"unknown frame kind {data[0]:#04x}")
+        body = data[1:]
         if version != self.version:
             raise FrameError(
                 "unsupported_version",
                 f"protocol version {version} is not supported (this peer speaks {self.version})",
-                self._request_id(data[1:]),
+                self._request_id(body),
             )
         try:
-            return self._decoder.decode(data[1:])
+            return self._decoder.decode(body)
         except msgspec.ValidationError as exc:
-            raise FrameError("invalid_request", str(exc), self._request_id(data[1:])) from None
-        except msgspec.DecodeError as exc:
-            raise FrameError("malformed", f"undecodable body: {exc}") from None
+            raise FrameError("invalid_request", str(exc), self._request_id(body)) from None
+        except _UNDECODABLE as exc:
+            message = f"undecodable body: {exc}"
+            raise FrameError("malformed", message, self._request_id(body)) from None
 
     def _request_id(self, body: memoryview) -> str:
+        """The request id of a body that failed to decode: field ``request_id`` of a map body
+        (requests), the element after the tag of an array body (the ``array_like`` tagged
+        replies); "" when none is readable."""
         try:
-            return self._id_decoder.decode(body).request_id
-        except (msgspec.DecodeError, msgspec.ValidationError):
+            head = self._id_decoder.decode(body)
+            if isinstance(head, _IdOnly):
+                return head.request_id
+            return self._str_decoder.decode(head[1]) if len(head) > 1 else ""
+        except _UNDECODABLE:
             return ""
 
 

@@ -11,14 +11,18 @@ import asyncio
 import gc
 import io
 import json
+import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 import zmq
 
+from outrider.daemon import generate_cmd
 from outrider.daemon.generate_cmd import add_generate_arguments, run_generate
 from outrider.protocol import (
     AsyncClient,
@@ -26,12 +30,14 @@ from outrider.protocol import (
     Client,
     GenerateResult,
     Health,
+    NotListening,
     RequestError,
     ServerInfo,
     Timeout,
     TokenChunk,
     Usage,
 )
+from outrider.protocol.client import LINGER_MS
 from outrider.protocol.endpoints import default_endpoint, ipc_path
 from outrider.protocol.frames import reply_codec, request_codec
 from outrider.protocol.messages import (
@@ -72,7 +78,10 @@ class Peer:
         return self
 
     def send(self, identity: bytes, reply: ClientReply) -> None:
-        self._sock.send_multipart([identity, self._replies.encode(reply)])
+        self.send_raw(identity, self._replies.encode(reply))
+
+    def send_raw(self, identity: bytes, frame: bytes) -> None:
+        self._sock.send_multipart([identity, frame])
 
     def close_now(self) -> None:
         """Vanish without answering (called from the handler, on the peer's thread)."""
@@ -128,6 +137,38 @@ def echo(peer: Peer, identity: bytes, req: ClientRequest) -> None:
 
 def server_info(request_id: str, boot_id: str) -> ServerInfo:
     return ServerInfo(request_id, boot_id, "tiny", {}, {}, 0, 0, 0, 100, 0, 0, {})
+
+
+def silent(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+    """A daemon that is there but never answers."""
+
+
+REPLY_HEADER = reply_codec().header
+
+
+def garbled(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+    """``echo``, but every reply comes after the daemon's liveness probe (an ``Ack`` with an
+    empty id); prompt "utf8" gets a ``Finished`` whose text is not UTF-8 (its request id still
+    readable); prompt "deep" gets first a ``Chunk`` nested too deeply to read even its request
+    id, then an ``Ack`` whose id is not UTF-8."""
+    peer.send(identity, Ack(""))
+    packed_id = msgspec.msgpack.encode(req.request_id)
+    if isinstance(req, Generate) and req.prompt == "utf8":
+        peer.send_raw(
+            identity, REPLY_HEADER + b"\x95\x02" + packed_id + b"\x90\xa2\xc3\x28\xa4stop"
+        )
+        return
+    if isinstance(req, Generate) and req.prompt == "deep":
+        deep = b"\x91" * 5_000 + b"\x90"
+        peer.send_raw(identity, REPLY_HEADER + b"\x94\x01" + packed_id + deep + b"\xa1x")
+        peer.send_raw(identity, REPLY_HEADER + b"\x92\x04\xa2\xff\xfe")
+    echo(peer, identity, req)
+
+
+def leave_stale_socket_file(path: str) -> None:
+    """What a daemon that exited leaves behind: a socket file nothing listens on."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(path)
 
 
 @pytest.fixture
@@ -390,6 +431,59 @@ def test_curve(endpoint: str, peers: list[Peer]) -> None:
         Client(endpoint, curve_keypair=zmq.curve_keypair())
 
 
+def test_a_failed_curve_handshake_leaves_later_clients_working(
+    tmp_path_factory: pytest.TempPathFactory, peers: list[Peer]
+) -> None:
+    ipc = tmp_path_factory.mktemp("ipc")
+    _, server_secret = zmq.curve_keypair()
+    peers.append(Peer(f"ipc://{ipc}/curve.sock", echo, curve_secret=server_secret).start())
+    wrong_key, _ = zmq.curve_keypair()
+    refused = Client(f"ipc://{ipc}/curve.sock", curve_server_key=wrong_key)
+    with refused, pytest.raises(RequestError):
+        refused.health(timeout=1)
+    time.sleep(LINGER_MS / 1000)  # the closed DEALER lingers, retrying its handshake
+    run_peer(peers, f"ipc://{ipc}/plain.sock", echo)
+    with Client(f"ipc://{ipc}/plain.sock", timeout=2) as client:
+        assert client.health().status == "serving"
+
+
+def test_undecodable_replies_fail_only_their_request(endpoint: str, peers: list[Peer]) -> None:
+    run_peer(peers, endpoint, garbled)
+    with Client(endpoint, timeout=5) as client:
+        started = time.monotonic()
+        with pytest.raises(RequestError) as err:
+            client.generate("utf8", request_id="u1")
+        assert (err.value.code, err.value.request_id) == ("malformed", "u1")
+        assert err.value.message.startswith(f"undecodable reply from {endpoint}: ")
+        assert time.monotonic() - started < 2  # at once, not at the timeout
+        assert client.generate("deep").text == "deep"
+        assert client.health().status == "serving"
+
+
+def test_timeout_tells_not_listening_from_slow(endpoint: str, peers: list[Peer]) -> None:
+    path = ipc_path(endpoint)
+    assert path is not None
+    with Client(endpoint, timeout=0.3) as client:
+        with pytest.raises(NotListening) as err:
+            client.health(timeout=0.3)
+        assert (err.value.code, err.value.message) == (
+            "timeout",
+            f"no daemon is listening at {endpoint} (no socket file)",
+        )
+        leave_stale_socket_file(path)
+        with pytest.raises(NotListening) as err:
+            client.generate("x")
+        assert err.value.message == (
+            f"no daemon is listening at {endpoint} (stale socket file: nothing accepts on it)"
+        )
+    os.unlink(path)
+    run_peer(peers, endpoint, silent)
+    with Client(endpoint, timeout=0.3) as client, pytest.raises(Timeout) as err:
+        client.health(timeout=0.3)
+    assert not isinstance(err.value, NotListening)
+    assert err.value.message == f"the daemon at {endpoint} did not answer in time"
+
+
 # --- AsyncClient -------------------------------------------------------------------------
 
 
@@ -467,6 +561,49 @@ async def test_async_timeout_and_connection_lost(endpoint: str, peers: list[Peer
         assert (await client.generate("back", timeout=5)).text == "back"
 
 
+async def test_async_failed_curve_handshake_leaves_later_clients_working(
+    tmp_path_factory: pytest.TempPathFactory, peers: list[Peer]
+) -> None:
+    ipc = tmp_path_factory.mktemp("ipc")
+    _, server_secret = zmq.curve_keypair()
+    peers.append(Peer(f"ipc://{ipc}/curve.sock", echo, curve_secret=server_secret).start())
+    wrong_key, _ = zmq.curve_keypair()
+    async with AsyncClient(f"ipc://{ipc}/curve.sock", curve_server_key=wrong_key) as refused:
+        with pytest.raises(RequestError):
+            await refused.health(timeout=1)
+    await asyncio.sleep(LINGER_MS / 1000)
+    run_peer(peers, f"ipc://{ipc}/plain.sock", echo)
+    async with AsyncClient(f"ipc://{ipc}/plain.sock", timeout=2) as client:
+        assert (await client.health()).status == "serving"
+
+
+async def test_async_client_survives_undecodable_replies(endpoint: str, peers: list[Peer]) -> None:
+    run_peer(peers, endpoint, garbled)
+    async with AsyncClient(endpoint, timeout=5) as client:
+        with pytest.raises(RequestError) as err:
+            await client.generate("utf8", request_id="u1")
+        assert (err.value.code, err.value.request_id) == ("malformed", "u1")
+        assert (await client.generate("deep")).text == "deep"
+        assert (await client.health()).status == "serving"
+
+
+async def test_async_timeout_tells_not_listening_from_slow(
+    endpoint: str, peers: list[Peer]
+) -> None:
+    path = ipc_path(endpoint)
+    assert path is not None
+    leave_stale_socket_file(path)
+    async with AsyncClient(endpoint, timeout=0.3) as client:
+        with pytest.raises(NotListening, match="stale socket file"):
+            await client.health(timeout=0.3)
+    os.unlink(path)
+    run_peer(peers, endpoint, silent)
+    async with AsyncClient(endpoint, timeout=0.3) as client:
+        with pytest.raises(Timeout) as err:
+            await client.generate("x")
+    assert not isinstance(err.value, NotListening)
+
+
 # --- outrider generate -------------------------------------------------------------------
 
 
@@ -485,7 +622,8 @@ def test_cli_json(endpoint: str, peers: list[Peer], capsys: pytest.CaptureFixtur
     out = json.loads(capsys.readouterr().out)
     assert out["text"] == "hey" and out["finish_reason"] == "stop"
     assert out["usage"]["prompt_tokens"] == 3 and out["output_ids"] == [104, 101, 121]
-    [req] = peer.requests
+    health, req = peer.requests  # a health check first: is a daemon listening at all?
+    assert isinstance(health, HealthQuery)
     assert isinstance(req, Generate) and (req.stop, req.seed) == (["a", "b"], 3)
 
 
@@ -509,3 +647,49 @@ def test_cli_error(endpoint: str, peers: list[Peer], capsys: pytest.CaptureFixtu
     assert capsys.readouterr().err == "error: overloaded: too busy\n"
     assert run_generate(cli("--connect", endpoint, "--timeout", "0.1", "--stream", "x")) == 1
     assert run_generate(cli("--connect", "nonsense", "x")) == 2
+
+
+def run_cli_within(seconds: float, *argv: str) -> int:
+    """``run_generate`` on ``argv``; fails the test if it has not returned after ``seconds``."""
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(run_generate(cli(*argv))), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert status, f"outrider generate {' '.join(argv)} still runs after {seconds} s"
+    return status[0]
+
+
+def test_cli_timeout_argument() -> None:
+    assert cli("x").timeout == generate_cmd.DEFAULT_TIMEOUT_S == 300
+    assert cli("--timeout", "2.5", "x").timeout == 2.5
+    assert cli("--timeout", "0", "x").timeout is None
+    assert cli("--timeout", "inf", "x").timeout is None
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            cli("--timeout", bad, "x")
+
+
+def test_cli_says_why_nothing_answers(
+    endpoint: str,
+    peers: list[Peer],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(generate_cmd, "HEALTH_DEADLINE_S", 0.3)
+    path = ipc_path(endpoint)
+    assert path is not None
+    assert run_cli_within(5, "--connect", endpoint, "x") == 1
+    err = capsys.readouterr().err
+    assert err == f"error: timeout: no daemon is listening at {endpoint} (no socket file)\n"
+    leave_stale_socket_file(path)
+    assert run_cli_within(5, "--connect", endpoint, "--stream", "x") == 1
+    assert capsys.readouterr().err == (
+        f"error: timeout: no daemon is listening at {endpoint} "
+        "(stale socket file: nothing accepts on it)\n"
+    )
+    os.unlink(path)
+    run_peer(peers, endpoint, silent)
+    assert run_cli_within(5, "--connect", endpoint, "x") == 1
+    assert capsys.readouterr().err == (
+        f"error: timeout: the daemon at {endpoint} did not answer in time\n"
+    )
