@@ -35,7 +35,8 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from outrider.daemon.internal import ChildStatus, child_status_codec
+from outrider.daemon.internal import ChildState, ChildStatus, child_status_codec
+from outrider.daemon.logs import configure_logging
 from outrider.daemon.tokenizer import child_environment_setup
 
 ChildName = Literal["frontdoor", "detokenizer"]
@@ -51,11 +52,8 @@ def child_setup(name: ChildName, log_level: str) -> None:
     child_environment_setup()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        level=log_level.upper(),
-        format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
+    fmt = f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s"
+    configure_logging(log_level, fmt)
 
 
 class ParentPipe:
@@ -66,10 +64,10 @@ class ParentPipe:
         self._child = child
         self._codec = child_status_codec()
 
-    def report(self, state: Literal["started", "serving", "alive"], endpoint: str = "") -> None:
+    def report(self, state: ChildState, endpoint: str = "", error: str = "") -> None:
         # torch is blocked in children with a None entry (tokenizer.child_environment_setup).
         torch_imported = sys.modules.get("torch") is not None
-        status = ChildStatus(self._child, os.getpid(), state, torch_imported, endpoint)
+        status = ChildStatus(self._child, os.getpid(), state, torch_imported, endpoint, error)
         # OSError: the parent is gone, and the pipe watcher ends this child.
         with contextlib.suppress(OSError):
             self._conn.send_bytes(self._codec.encode(status))

@@ -10,36 +10,47 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import select
 import time
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from typing import Any, Literal
 
 from outrider.daemon.detokenizer import DetokenizerConfig, run_detokenizer
 from outrider.daemon.frontdoor import FrontDoorConfig, run_frontdoor
-from outrider.daemon.internal import ChildStatus, child_status_codec
+from outrider.daemon.internal import ChildState, ChildStatus, child_status_codec
 
 log = logging.getLogger("outrider.daemon")
 
 HEARTBEAT_STALE_S = 5.0
+
+ChildName = Literal["frontdoor", "detokenizer"]
+# A child's entry point: ``target(config, pipe_end)``, run in a spawned process.
+ChildTarget = Callable[[Any, Connection], None]
 
 
 class ChildDied(RuntimeError):
     pass
 
 
+class ClientBindFailed(RuntimeError):
+    """The front door could not bind the client socket; the message is its error text."""
+
+
 class Children:
     """The front door and the detokenizer: spawned, watched, stopped in order."""
 
-    def __init__(self, front: FrontDoorConfig, detok: DetokenizerConfig) -> None:
+    def __init__(self, targets: Mapping[ChildName, tuple[ChildTarget, object]]) -> None:
+        """Spawn ``target(config, pipe_end)`` per child, in the mapping's order."""
         ctx = multiprocessing.get_context("spawn")
         self._status_codec = child_status_codec()
         self._pipes: dict[str, Connection] = {}
         self.procs: dict[str, BaseProcess] = {}
         self._heard_at: dict[str, float] = {}
-        for name, target, cfg in (
-            ("detokenizer", run_detokenizer, detok),
-            ("frontdoor", run_frontdoor, front),
-        ):
+        self._exits = select.poll()
+        self._name_of_sentinel: dict[int, str] = {}
+        for name, (target, cfg) in targets.items():
             # Duplex: the child reports ChildStatus on it and sees EOF when the parent goes.
             child_end, parent_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=target, args=(cfg, child_end), name=f"outrider-{name}")
@@ -48,13 +59,30 @@ class Children:
             self._pipes[name] = parent_end
             self.procs[name] = proc
             self._heard_at[name] = time.monotonic()
+            self._exits.register(proc.sentinel, select.POLLIN)
+            self._name_of_sentinel[proc.sentinel] = name
+
+    @classmethod
+    def spawn(cls, front: FrontDoorConfig, detok: DetokenizerConfig) -> Children:
+        return cls({"detokenizer": (run_detokenizer, detok), "frontdoor": (run_frontdoor, front)})
+
+    @property
+    def sentinels(self) -> list[int]:
+        """File descriptors that become readable when a child exits."""
+        return list(self._name_of_sentinel)
+
+    def raise_if_exited(self) -> None:
+        """Raise ChildDied if a child exited: one poll(2), cheap enough for every iteration
+        of the engine loop."""
+        for fd, _event in self._exits.poll(0):
+            name = self._name_of_sentinel[fd]
+            proc = self.procs[name]
+            proc.join(1)
+            raise ChildDied(f"the {name} process exited with code {proc.exitcode}")
 
     def check(self) -> None:
         """Raise ChildDied if a child exited; take in the statuses (heartbeats) waiting."""
-        dead = wait([p.sentinel for p in self.procs.values()], timeout=0)
-        for name, proc in self.procs.items():
-            if proc.sentinel in dead:
-                raise ChildDied(f"the {name} process exited with code {proc.exitcode}")
+        self.raise_if_exited()
         for name, conn in self._pipes.items():
             # EOF means the child is exiting: its sentinel tells at the next check.
             with contextlib.suppress(EOFError):
@@ -73,8 +101,9 @@ class Children:
             log.error("the %s process imported torch; it must not", name)
         return status
 
-    def wait_status(self, name: str, state: str, timeout: float) -> ChildStatus:
-        """Block until child ``name`` reports ``state`` (raises ChildDied if it exits)."""
+    def wait_status(self, name: str, state: ChildState, timeout: float) -> ChildStatus:
+        """Block until child ``name`` reports ``state``. Raises ChildDied if it exits first,
+        ClientBindFailed if it reports ``bind_failed`` instead."""
         conn, proc = self._pipes[name], self.procs[name]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -87,6 +116,8 @@ class Children:
                 else:
                     if status.state == state:
                         return status
+                    if status.state == "bind_failed":
+                        raise ClientBindFailed(status.error or "unknown error")
                     continue
             if proc.sentinel in ready:
                 proc.join(1)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import sys
 
 from outrider.daemon.config import EXIT_CONFIG, ConfigError, add_serve_arguments, resolve
 from outrider.daemon.generate_cmd import add_generate_arguments, run_generate
+from outrider.daemon.logs import configure_logging
 from outrider.daemon.plugins_cmd import add_plugins_arguments, run_plugins
 
 _DAEMON_EXTRA = ("torch", "transformers", "safetensors", "uvloop")
@@ -43,10 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"outrider serve: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(config.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     from outrider.daemon.server import main
 
     return main(config)

@@ -46,13 +46,15 @@ class ServeConfig:
     draft_model: str = ""
     no_overlap: bool = False
     chunked_prefill_tokens: int = 2048
-    max_message_bytes: int = 64 * 2**20
+    max_message_bytes: int = 8 * 2**20  # a prompt of a 128k context is about 1 MiB
     max_inflight_per_client: int = 1024
     max_inflight: int = 4096
     drain_timeout: float = 60.0
     step_timeout: float = 120.0
     insecure_tcp: bool = False
     curve_secret_key_file: str = ""
+    curve_client_keys: str = ""  # directory of allowed client public certificates (*.key)
+    socket_mode: int = 0o600  # an ipc:// client socket's file mode
     log_level: str = "info"
     seed: int = 0  # seed of dummy weights
 
@@ -117,7 +119,9 @@ _HELP: dict[str, str] = {
     "drain_timeout": "seconds in-flight requests may finish after SIGTERM",
     "step_timeout": "a step older than this stops the systemd watchdog pings",
     "insecure_tcp": "allow a non-loopback TCP bind without CURVE keys",
-    "curve_secret_key_file": "CURVE secret key file (zmq.auth format) for TCP",
+    "curve_secret_key_file": "CURVE secret key file (zmq.auth format, mode 0600) for TCP",
+    "curve_client_keys": "directory of the client public certificates (*.key) CURVE lets in",
+    "socket_mode": "file mode of an ipc:// client socket, octal: 0600 (default) or 0660",
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -156,6 +160,11 @@ def _convert(name: str, type_name: str, raw: Any) -> Any:
         if raw.lower() in ("0", "false", "no", "off", ""):
             return False
         raise ValueError(f"{env_name(name)}: expected a boolean, got {raw!r}")
+    if name == "socket_mode":
+        try:
+            return int(raw, 8)
+        except ValueError:
+            raise ValueError(f"expected an octal mode such as 0660, got {raw!r}") from None
     if type_name == "int":
         return int(raw)
     if type_name == "float":
@@ -226,6 +235,18 @@ def validate(config: ServeConfig) -> list[str]:
             problems.append(f"--attention-config {item!r}: expected NAME='{{json}}'")
     if config.device == "cpu" and config.dtype not in ("auto", "float32"):
         problems.append(f"--dtype {config.dtype} is not supported on CPU (use float32)")
+    if config.curve_secret_key_file and not config.curve_client_keys:
+        problems.append(
+            "--curve-secret-key-file needs --curve-client-keys DIR (the client public "
+            "certificates allowed in)"
+        )
+    if config.curve_client_keys and not config.curve_secret_key_file:
+        problems.append("--curve-client-keys needs --curve-secret-key-file (CURVE is off)")
+    if config.socket_mode & ~0o660:
+        problems.append(
+            f"--socket-mode {config.socket_mode:04o}: only owner and group read/write bits "
+            "(a subset of 0660) may be set"
+        )
     return problems
 
 

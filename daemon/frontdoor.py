@@ -13,12 +13,15 @@ It owns client identities and live request ids, validates and tokenizes requests
 - Every request gets exactly one final frame: an ``Error`` here, ``Finished`` for
   ``max_new_tokens=0``, or the one its final update becomes. Anything for a rid after its
   final update is dropped.
-- A client that vanishes (its connection closes, or a send answers EHOSTUNREACH) or stops
+- A client that vanishes (a send to it, a reply or a probe, answers EHOSTUNREACH) or stops
   reading for ``slow_consumer_timeout`` has its live requests aborted in the daemon.
+- No client input can stop the front door: a message whose handling raises is answered
+  ``internal`` and logged, and the front door goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -31,6 +34,7 @@ import zmq
 import zmq.asyncio
 
 from outrider.daemon.child_runtime import (
+    EXIT_LINGER_MS,
     ChildTasks,
     ParentPipe,
     child_setup,
@@ -39,8 +43,15 @@ from outrider.daemon.child_runtime import (
     run_child,
 )
 from outrider.daemon.frontdoor_clients import ClientPort
+from outrider.daemon.frontdoor_info import server_info
 from outrider.daemon.frontdoor_requests import LiveRequest, LiveRequests
-from outrider.daemon.frontdoor_validation import Rejected, Validator, speculative_request_check
+from outrider.daemon.frontdoor_validation import (
+    Prompt,
+    PromptTokenizer,
+    Rejected,
+    Validator,
+    speculative_request_check,
+)
 from outrider.daemon.internal import (
     AbortRid,
     Control,
@@ -70,15 +81,16 @@ from outrider.protocol.messages import (
     Generate,
     Health,
     HealthQuery,
-    ServerInfo,
     ServerInfoQuery,
     Usage,
 )
 
 log = logging.getLogger("outrider.frontdoor")
 
-FINISH_REASONS = ("stop", "length", "abort")
 HEARTBEAT_FRESH_S = 5.0  # health() says "serving" only with a heartbeat younger than this
+# Sent to clients with requests in flight to learn whether they are still connected; no
+# request has an empty id, so every client drops it.
+PROBE = Ack("")
 
 
 @dataclass(frozen=True)
@@ -93,8 +105,10 @@ class FrontDoorConfig:
     control_endpoint: str  # PULL bind: Control from the daemon (.control)
     boot_id: str
     version: str
-    max_message_bytes: int = 64 * 2**20  # ZMQ_MAXMSGSIZE: a larger frame drops the client
+    max_message_bytes: int = 8 * 2**20  # ZMQ_MAXMSGSIZE: a larger frame drops the client
     curve_server_keys: tuple[bytes, bytes] | None = None  # (public, secret), Z85
+    curve_client_keys: tuple[bytes, ...] = ()  # Z85 public keys allowed in (with CURVE)
+    socket_mode: int = 0o600  # an ipc:// client socket's file mode, whatever the umask
     max_inflight_per_client: int = 1024
     max_inflight: int = 4096
     slow_consumer_timeout: float = 2.0
@@ -126,11 +140,12 @@ class FrontDoor:
         self._live = LiveRequests()
         self._facts: ModelFacts | None = None
         self._validator: Validator | None = None
+        self._prompts: PromptTokenizer | None = None
         self._state: Literal["loading", "ready", "draining"] = "loading"
         self._heartbeat_at = -math.inf
         self._info_queries: dict[int, tuple[bytes, str]] = {}  # query id -> (client, id)
         self._next_query = 0
-        # Finals answered here without the daemon (max_new_tokens=0), by finish reason.
+        # Finals given here without the daemon (max_new_tokens=0, aborted while tokenized).
         self._finished_here: Counter[str] = Counter()
         self._tasks = ChildTasks(parent)
 
@@ -139,7 +154,11 @@ class FrontDoor:
         self._tasks.spawn(self._outputs_loop())
         self._parent.report("started")
         log.info("front door started; waiting for the model")
-        await self._tasks.run(parent_gone=self._parent_gone, flushed=self._replies_delivered)
+        try:
+            await self._tasks.run(parent_gone=self._parent_gone, flushed=self._replies_delivered)
+        finally:
+            if self._client is not None:
+                self._client.close(EXIT_LINGER_MS)
 
     def _parent_gone(self) -> None:
         # No daemon to run new requests: refuse them while the last replies go out.
@@ -170,6 +189,9 @@ class FrontDoor:
         check = speculative_request_check(facts.speculative_algorithm)
         self._facts = facts
         self._validator = Validator(facts, tokenizer, check)
+        # The worker thread's own instance: one tokenizer must not serve two threads.
+        worker = load_tokenizer(facts.tokenizer_dir) if facts.tokenizer_dir else None
+        self._prompts = PromptTokenizer(tokenizer, worker)
         log.info(
             "model %s: vocab_size %d, context %d, %s",
             facts.model,
@@ -187,16 +209,32 @@ class FrontDoor:
         log.info("state: %s", state)
 
     def _bind_client(self) -> None:
-        port = ClientPort(self._ctx, self.cfg, self._on_client_message, self._client_gone)
+        try:
+            port = ClientPort(self._ctx, self.cfg, self._on_client_message, self._client_gone)
+        except zmq.ZMQError as exc:
+            # The daemon checked the endpoint before loading; another process took it since.
+            reason = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
+            log.error("cannot bind %s: %s", self.cfg.client_endpoint, reason)
+            self._parent.report("bind_failed", error=reason)
+            return
         self._client = port
         self._tasks.spawn(port.receive_loop())
         self._tasks.spawn(port.flush_loop())
+        self._tasks.spawn(port.probe_loop(self._live.clients, self._replies_codec.encode(PROBE)))
         self._parent.report("serving", port.endpoint)
         log.info("serving on %s", port.endpoint)
 
     # --- clients ------------------------------------------------------------------------
 
     def _on_client_message(self, identity: bytes, parts: list[zmq.Frame]) -> None:
+        try:
+            self._handle(identity, parts)
+        except Exception as exc:
+            # NOTE: a bug met by one message must cost that message, not every client.
+            log.exception("a message from client %s failed", identity.hex())
+            self._reply(identity, Error("", "internal", f"{type(exc).__name__}: {exc}"))
+
+    def _handle(self, identity: bytes, parts: list[zmq.Frame]) -> None:
         if len(parts) != 1:
             # Requests are one frame: message buffers of the wire format are for replies.
             message = f"expected one message frame after the routing id, got {len(parts)}"
@@ -217,45 +255,66 @@ class FrontDoor:
             self._on_info_query(identity, msg)
 
     def _on_generate(self, identity: bytes, msg: Generate) -> None:
-        assert self._validator is not None  # the client socket exists only after ModelFacts
-        request_id = msg.request_id
-        cfg = self.cfg
+        # The client socket exists only after ModelFacts.
+        assert self._validator is not None and self._prompts is not None
         try:
-            if self._state == "draining":
-                raise Rejected("shutting_down", "the daemon is shutting down (draining)")
-            if self._live.by_request_id(request_id) is not None:
-                raise Rejected(
-                    "duplicate_request_id", f"request_id {request_id!r} is already in flight"
-                )
-            if self._live.client_count(identity) >= cfg.max_inflight_per_client:
-                raise Rejected(
-                    "overloaded",
-                    f"this client has {cfg.max_inflight_per_client} requests in flight "
-                    "(the per-client limit)",
-                )
-            if len(self._live) >= cfg.max_inflight:
-                raise Rejected(
-                    "overloaded", f"{cfg.max_inflight} requests in flight (the global limit)"
-                )
-            admitted = self._validator.admit(msg)
+            self._check_room(identity, msg.request_id)
+            prompt = self._validator.check(msg)
+            self._prompts.check_room(prompt)
         except Rejected as exc:
-            self._reply(identity, Error(request_id, exc.code, exc.message))
+            self._reply(identity, Error(msg.request_id, exc.code, exc.message))
+            return
+        req = LiveRequest(
+            self._live.new_rid(), msg.request_id, identity, msg.stream, msg.logprobs > 0
+        )
+        self._live.add(req)  # from here its request_id is taken, also while it is tokenized
+        self._prompts.tokenize(msg, prompt, lambda ids: self._admit(req, msg, prompt, ids))
+
+    def _check_room(self, identity: bytes, request_id: str) -> None:
+        cfg = self.cfg
+        if self._state == "draining":
+            raise Rejected("shutting_down", "the daemon is shutting down (draining)")
+        if self._live.by_request_id(request_id) is not None:
+            raise Rejected(
+                "duplicate_request_id", f"request_id {request_id!r} is already in flight"
+            )
+        if self._live.client_count(identity) >= cfg.max_inflight_per_client:
+            raise Rejected(
+                "overloaded",
+                f"this client has {cfg.max_inflight_per_client} requests in flight "
+                "(the per-client limit)",
+            )
+        if len(self._live) >= cfg.max_inflight:
+            message = f"{cfg.max_inflight} requests in flight (the global limit)"
+            raise Rejected("overloaded", message)
+
+    def _admit(
+        self, req: LiveRequest, msg: Generate, prompt: Prompt, input_ids: asyncio.Future[list[int]]
+    ) -> None:
+        """Forward ``req`` once its prompt is tokenized, or end it here with its final frame."""
+        assert self._validator is not None
+        if req.aborting:  # aborted, or its client vanished, while it was tokenized
+            self._end_here(req, Finished(req.request_id, [], "", "abort"))
+            return
+        try:
+            admitted = self._validator.admit(msg, prompt, input_ids.result())
+        except Rejected as exc:
+            self._end_here(req, Error(req.request_id, exc.code, exc.message))
             return
         except Exception as exc:  # tokenizer code on client input: fail the request only
-            log.exception("request %r failed validation with an internal error", request_id)
-            self._reply(identity, Error(request_id, "internal", f"{type(exc).__name__}: {exc}"))
+            log.exception("request %r failed validation with an internal error", req.request_id)
+            message = f"{type(exc).__name__}: {exc}"
+            self._end_here(req, Error(req.request_id, "internal", message))
             return
         if admitted.max_new_tokens == 0:
             usage = Usage(prompt_tokens=len(admitted.input_ids))
-            self._finished_here["length"] += 1
-            self._reply(identity, Finished(request_id, [], "", "length", usage=usage))
+            self._end_here(req, Finished(req.request_id, [], "", "length", usage=usage))
             return
-        req = LiveRequest(self._live.new_rid(), request_id, identity, msg.stream, msg.logprobs > 0)
-        self._live.add(req)
+        req.forwarded = True
         self._send_daemon(
             TokenizedRequest(
                 rid=req.rid,
-                request_id=request_id,
+                request_id=req.request_id,
                 input_ids=admitted.input_ids,
                 sampling=admitted.sampling,
                 max_new_tokens=admitted.max_new_tokens,
@@ -267,6 +326,14 @@ class FrontDoor:
                 arrival=time.time(),
             )
         )
+
+    def _end_here(self, req: LiveRequest, final: Error | Finished) -> None:
+        """End ``req``, which the daemon never saw, with ``final``."""
+        self._live.pop(req.rid)
+        if isinstance(final, Finished):
+            self._finished_here[final.finish_reason] += 1
+        if req.identity is not None:
+            self._reply(req.identity, final)
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         # Only the owner may abort: another client's request is "unknown" to this one.
@@ -300,41 +367,10 @@ class FrontDoor:
         asked = self._info_queries.pop(query_id, None)
         if asked is None:
             return  # its client is gone
-        facts = self._facts
-        assert facts is not None
+        assert self._facts is not None
         identity, request_id = asked
-        info = ServerInfo(
-            request_id=request_id,
-            boot_id=self.cfg.boot_id,
-            model=facts.model,
-            configuration=facts.configuration,
-            plugins=facts.plugins,
-            running=c.running,
-            waiting=c.waiting,
-            kv_used_tokens=c.kv_used_tokens,
-            kv_total_tokens=c.kv_total_tokens,
-            prefix_cache_queries=c.prefix_cache_queries,
-            prefix_cache_hits=c.prefix_cache_hits,
-            requests_finished=self._requests_finished(c),
-            spec_drafts=c.spec_drafts,
-            spec_draft_tokens=c.spec_draft_tokens,
-            spec_accepted_tokens=c.spec_accepted_tokens,
-            spec_accepted_per_position=c.spec_accepted_per_position,
-        )
+        info = server_info(request_id, self.cfg.boot_id, self._facts, c, self._finished_here)
         self._reply(identity, info)
-
-    def _requests_finished(self, c: Counters) -> dict[str, int]:
-        """The daemon's count plus the finals answered here.
-
-        NOTE: the daemon counts a request when it emits its final update, before any client
-        can receive that final, and a client asks only after receiving it; so whatever final
-        frame the caller has received is counted, and so is a request whose client vanished.
-        """
-        counts = dict.fromkeys(FINISH_REASONS, 0)
-        for source in (c.requests_finished, self._finished_here):
-            for reason, count in source.items():
-                counts[reason] = counts.get(reason, 0) + count
-        return counts
 
     def _reply(self, identity: bytes, reply: ClientReply) -> bool:
         """Send one frame to a client; False if the client turned out to be gone."""
@@ -353,9 +389,12 @@ class FrontDoor:
             log.info("%s: aborted %d requests of client %s", reason, len(reqs), identity.hex())
 
     def _abort(self, req: LiveRequest, reason: str) -> None:
-        if not req.aborting:
-            req.aborting = True
+        if req.aborting:
+            return
+        req.aborting = True
+        if req.forwarded:
             self._send_daemon(AbortRid(req.rid, reason))
+        # else it is being tokenized, and _admit ends it once that is done
 
     def _send_daemon(self, msg: ToDaemon) -> None:
         # An internal pipe is unbounded: the send completes at once, in call order (an abort

@@ -4,24 +4,41 @@
   waits in that client's backlog and every later frame to that client queues behind it, so a
   client sees its frames in order. The backlogs are retried every ``FLUSH_INTERVAL_S``; a
   client whose backlog has not emptied for ``slow_consumer_timeout`` is a slow consumer.
-- A client is gone when its connection closes, when a send to it answers EHOSTUNREACH
-  (``ROUTER_MANDATORY``), or when it is a slow consumer: ``on_gone(identity, reason)`` is
-  called once and the port forgets its backlog.
+- A client is gone when a send to it answers EHOSTUNREACH (``ROUTER_MANDATORY``: the ROUTER
+  holds no connection with its routing id) or when it is a slow consumer: ``on_gone(identity,
+  reason)`` is called once and the port forgets its backlog. Each watched client (one with
+  requests in flight) is sent a probe frame that clients ignore, ``PROBE_FIRST_S`` after it
+  became watched and then at doubling intervals up to ``PROBE_MAX_S``, so that a client that
+  vanished while its request runs is noticed even when nothing else is sent to it, and one
+  that waits long before reading finds only a few probes queued.
+- Every message is handed on, whatever the state of its connection: a reply to a client that
+  is gone fails its send, which is how the front door learns of it.
+
+NOTE: the socket monitor cannot say which client vanished. Its ACCEPTED / DISCONNECTED events
+name a file descriptor only, and they reach the reader in no fixed order with the messages: a
+new connection's first message can be read before its ACCEPTED event, and a closed
+connection's DISCONNECTED after a message of the new connection that reused its descriptor.
+A message's source descriptor (ZMQ_SRCFD) is absent for ZMTP 1.0/2.0 peers. EHOSTUNREACH is
+exact.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
+from zmq.auth.thread import ThreadAuthenticator
+
+from outrider.daemon.curve_auth import start_client_auth
+from outrider.protocol.endpoints import ipc_path
 
 if TYPE_CHECKING:
     from outrider.daemon.frontdoor import FrontDoorConfig
@@ -29,6 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("outrider.frontdoor")
 
 FLUSH_INTERVAL_S = 0.005  # backlog retry period while any client's pipe is full
+PROBE_FIRST_S = 0.5  # a client with requests in flight is first probed after this long
+PROBE_MAX_S = 8.0  # the longest interval between its probes
 RECV_BATCH = 64  # client messages handled before yielding to the other tasks
 
 T = TypeVar("T")
@@ -40,8 +59,14 @@ class _Backlog:
     frames: deque[bytes] = field(default_factory=deque)
 
 
+@dataclass
+class _ProbeDue:
+    at: float  # monotonic time of the next probe
+    interval: float = PROBE_FIRST_S / 2  # doubled before each probe
+
+
 class ClientPort:
-    """The bound client ROUTER and everything about its peers' connections."""
+    """The bound client ROUTER and what is known about its peers."""
 
     def __init__(
         self,
@@ -57,30 +82,29 @@ class ClientPort:
         sock.maxmsgsize = cfg.max_message_bytes
         sock.heartbeat_ivl = cfg.heartbeat_ivl_ms  # a silent TCP peer is disconnected
         sock.heartbeat_timeout = 3 * cfg.heartbeat_ivl_ms
+        self._auth: ThreadAuthenticator | None = None
         if cfg.curve_server_keys is not None:
             sock.curve_server = True
             sock.curve_publickey, sock.curve_secretkey = cfg.curve_server_keys
-        monitor_address = f"inproc://frontdoor-monitor-{id(self)}"
-        sock.monitor(monitor_address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._monitor = ctx.socket(zmq.PAIR)
-        # NOTE: libzmq's I/O thread blocks when the monitor pipe is full: keep it unbounded.
-        self._monitor.rcvhwm = 0
-        self._monitor.linger = 0
-        self._monitor.connect(monitor_address)
-        sock.bind(cfg.client_endpoint)
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._auth = start_client_auth(ctx, cfg.curve_client_keys)
         self._sock = sock
+        try:
+            _bind(sock, cfg.client_endpoint, cfg.socket_mode)
+        except BaseException:
+            self.close(0)
+            raise
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._on_message = on_message
         self._on_gone = on_gone
         self._slow_after = cfg.slow_consumer_timeout
         self._backlogs: dict[bytes, _Backlog] = {}
         self._pending = asyncio.Event()  # set while any backlog is non-empty
-        # Which client vanished, from each message's source fd (ZMQ_SRCFD) and the monitor's
-        # ACCEPTED / DISCONNECTED events. ROUTER_NOTIFY would say it directly, but it is a
-        # libzmq draft API, absent from pyzmq's wheels.
-        self._open_fds: set[int] = set()
-        self._fd_of: dict[bytes, int] = {}
-        self._identity_on_fd: dict[int, bytes] = {}
+
+    def close(self, linger_ms: int) -> None:
+        """Close the socket, then stop the ZAP handler (with none, any CURVE client gets in)."""
+        self._sock.close(linger=linger_ms)
+        if self._auth is not None:
+            self._auth.stop()
 
     @property
     def backlogged(self) -> bool:
@@ -104,21 +128,33 @@ class ClientPort:
     async def receive_loop(self) -> None:
         poller = zmq.asyncio.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
         while True:
             await poller.poll()
             for _ in range(RECV_BATCH):
-                # NOTE: monitor events first. libzmq queues ACCEPTED before it reads from a
-                # new fd and DISCONNECTED before it closes one, so when a message is handled
-                # every earlier event about its fd has been seen, even if the fd number was
-                # reused by a new connection.
-                self._read_connection_events()
                 try:
                     frames = _nowait(self._sock.recv_multipart(zmq.DONTWAIT, copy=False))
                 except zmq.Again:
                     break
-                self._on_frames(frames)
+                self._on_message(frames[0].bytes, frames[1:])
             await asyncio.sleep(0)  # a ready poll() does not yield: let the other tasks run
+
+    async def probe_loop(self, watched: Callable[[], Collection[bytes]], probe: bytes) -> None:
+        """Send ``probe`` to the clients in ``watched()`` when they are due; one whose pipe is
+        backlogged is already being tried by ``flush_loop``."""
+        due: dict[bytes, _ProbeDue] = {}
+        while True:
+            await asyncio.sleep(PROBE_FIRST_S / 4)
+            now = time.monotonic()
+            clients = watched()
+            for identity in [known for known in due if known not in clients]:
+                del due[identity]
+            for identity in list(clients):
+                next_probe = due.setdefault(identity, _ProbeDue(now + PROBE_FIRST_S))
+                if now < next_probe.at or identity in self._backlogs:
+                    continue
+                next_probe.interval = min(2 * next_probe.interval, PROBE_MAX_S)
+                next_probe.at = now + next_probe.interval
+                self.send(identity, probe)
 
     async def flush_loop(self) -> None:
         while True:
@@ -144,38 +180,8 @@ class ClientPort:
             if not self._backlogs:
                 self._pending.clear()
 
-    def _on_frames(self, frames: list[zmq.Frame]) -> None:
-        identity = frames[0].bytes
-        fd = frames[-1].get(zmq.SRCFD)
-        if fd not in self._open_fds:
-            # Read after its connection closed: nobody is left to answer.
-            self._gone(identity, "client disconnected")
-            return
-        if self._fd_of.get(identity) != fd:
-            self._fd_of[identity] = fd
-            self._identity_on_fd[fd] = identity
-        self._on_message(identity, frames[1:])
-
-    def _read_connection_events(self) -> None:
-        while True:
-            try:
-                event = parse_monitor_message(_nowait(self._monitor.recv_multipart(zmq.DONTWAIT)))
-            except zmq.Again:
-                return
-            fd = event["value"]
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                self._open_fds.add(fd)
-                continue
-            self._open_fds.discard(fd)
-            identity = self._identity_on_fd.pop(fd, None)
-            if identity is not None and self._fd_of.get(identity) == fd:
-                self._gone(identity, "client disconnected")
-
     def _gone(self, identity: bytes, reason: str) -> None:
         self._backlogs.pop(identity, None)
-        fd = self._fd_of.pop(identity, None)
-        if fd is not None and self._identity_on_fd.get(fd) == identity:
-            del self._identity_on_fd[fd]
         self._on_gone(identity, reason)
 
     def _try_send(self, identity: bytes, frame: bytes) -> bool | None:
@@ -192,6 +198,26 @@ class ClientPort:
                 return False
             raise
         return True
+
+
+def _bind(sock: zmq.asyncio.Socket, endpoint: str, mode: int) -> None:
+    """Bind ``endpoint``; an ``ipc://`` socket file gets ``mode``, whatever the umask.
+
+    NOTE: the file is created under a umask that leaves only the owner's bits and widened to
+    ``mode`` after, so no process outside ``mode`` can connect at any moment. An abstract
+    socket (``ipc://@name``) has no file: any process in the network namespace may connect.
+    """
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        sock.bind(endpoint)
+        return
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(endpoint)
+    finally:
+        os.umask(old_umask)
+    path = ipc_path(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    assert path is not None
+    os.chmod(path, mode)
 
 
 def _nowait(call: Awaitable[T]) -> T:

@@ -1,13 +1,15 @@
 """The front door's live requests: who owns each rid, and the client frames its updates become.
 
-A request is live from the moment it is forwarded to the daemon until its final update comes
-back (daemon -> detokenizer -> front door), even after an abort or after its client vanished:
-its ``request_id`` stays taken and it counts against the global in-flight limit until the
-daemon has let go of it.
+A request is live from the moment it is accepted for tokenizing until its final frame: given
+by the front door when the daemon never saw it (refused after tokenizing, aborted while
+tokenized, ``max_new_tokens=0``), else made from its final update (daemon -> detokenizer ->
+front door), even after an abort or after its client vanished. Until then its ``request_id``
+stays taken and it counts against the in-flight limits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from outrider.daemon.internal import RequestUpdate
@@ -21,7 +23,8 @@ class LiveRequest:
     identity: bytes | None  # None: the client is gone; its frames are dropped
     stream: bool
     want_logprobs: bool
-    aborting: bool = False  # an AbortRid has been forwarded
+    forwarded: bool = False  # the daemon has it (else it is being tokenized)
+    aborting: bool = False  # aborted: an AbortRid went to the daemon once it was forwarded
     output_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -86,6 +89,10 @@ class LiveRequests:
     def by_request_id(self, request_id: str) -> LiveRequest | None:
         rid = self._rid_of.get(request_id)
         return None if rid is None else self._by_rid[rid]
+
+    def clients(self) -> Collection[bytes]:
+        """The identities of the clients with live requests."""
+        return self._of_client.keys()
 
     def client_count(self, identity: bytes) -> int:
         return len(self._of_client.get(identity, ()))

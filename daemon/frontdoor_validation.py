@@ -5,14 +5,21 @@ with a wire error code and a message that names the field. What msgspec already 
 while decoding (the ``Meta`` bounds in protocol/messages.py) is not repeated here: both float
 fields carry lower and upper bounds, so NaN and +-inf never decode; seed < 2**63; logprobs
 <= 20; max_new_tokens >= 0; at most 16 stop strings; token ids in [0, 2**31).
+
+Admission has two halves around tokenization, which may run on another thread for a long
+prompt: ``check`` decides everything the text itself can (and refuses a prompt with more
+characters than the context can hold before any tokenizing), ``admit`` the rest.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 from outrider.daemon.internal import ModelFacts, SamplingSpec
 from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer
@@ -24,6 +31,10 @@ log = logging.getLogger("outrider.frontdoor")
 
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
+# NFC / NFKC compose at most four characters into one (e.g. U+1F82 from alpha and three marks).
+NORMALIZER_COMPOSITION = 4
+INLINE_PROMPT_CHARS = 16_384  # tokenized on the event loop: about 10 ms at worst
+MAX_WAITING_PROMPTS = 8  # longer prompts queued for the tokenizing thread
 
 RequestCheck = Callable[[RequestFacts], "str | None"]
 
@@ -46,6 +57,17 @@ class Admitted:
     max_new_tokens: int | None  # None: until a stop condition or the context limit
 
 
+PromptSource = Literal["prompt", "input_ids", "messages"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Where a request's prompt comes from and how many characters tokenizing it reads."""
+
+    source: PromptSource
+    chars: int  # 0 for input_ids
+
+
 def speculative_request_check(algorithm: str) -> RequestCheck | None:
     """The ``check_request`` of the speculative plugin ``algorithm`` (None for "none").
 
@@ -57,6 +79,84 @@ def speculative_request_check(algorithm: str) -> RequestCheck | None:
     return discover().get("speculative", algorithm).check_request
 
 
+def prompt_char_limit(tokenizer: Tokenizer, context_length: int) -> int:
+    """The most characters a prompt that fits in the context can have.
+
+    Byte-level BPE and SentencePiece keep every character, and a token covers at most as many
+    characters as its text in the vocabulary has (a byte-level token shows one character per
+    UTF-8 byte), so a longer prompt cannot fit in ``context_length - 1`` tokens. A normalizer
+    may compose up to ``NORMALIZER_COMPOSITION`` characters into one (Unicode NFC / NFKC).
+    """
+    per_token = tokenizer.longest_token_chars
+    if tokenizer.has_normalizer:
+        per_token *= NORMALIZER_COMPOSITION
+    return (context_length - 1) * per_token
+
+
+def tokenize(tokenizer: Tokenizer, msg: Generate) -> list[int]:
+    """The token ids of a ``prompt`` or ``messages`` request that ``check`` accepted; raises
+    ``Rejected`` when the chat template fails. Safe on any thread that owns ``tokenizer``."""
+    if msg.prompt is not None:
+        return tokenizer.encode_prompt(msg.prompt)
+    assert msg.messages is not None
+    turns = [{"role": m.role, "content": m.content} for m in msg.messages]
+    try:
+        return tokenizer.apply_chat_template(turns)
+    except ChatTemplateError as exc:
+        raise Rejected("invalid_request", f"messages: chat template failed: {exc}") from None
+
+
+class PromptTokenizer:
+    """Tokenizes prompts without stalling the front door's event loop: up to
+    ``INLINE_PROMPT_CHARS`` characters at once on the calling thread, longer prompts on one
+    worker thread in arrival order, at most ``MAX_WAITING_PROMPTS`` of them waiting.
+
+    NOTE: the worker uses its own tokenizer instance: a transformers tokenizer must not be
+    used from two threads at once. The tokenizers library releases the GIL while it encodes.
+    """
+
+    def __init__(self, inline: Tokenizer | None, worker: Tokenizer | None) -> None:
+        self._inline = inline
+        self._worker = worker
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._waiting = 0
+
+    def check_room(self, prompt: Prompt) -> None:
+        if prompt.chars > INLINE_PROMPT_CHARS and self._waiting >= MAX_WAITING_PROMPTS:
+            raise Rejected(
+                "overloaded",
+                f"{self._waiting} long prompts are waiting to be tokenized (the limit)",
+            )
+
+    def tokenize(
+        self, msg: Generate, prompt: Prompt, done: Callable[[asyncio.Future[list[int]]], None]
+    ) -> None:
+        """Call ``done`` with the future of ``msg``'s token ids (it raises ``Rejected`` for a
+        failing chat template): before returning, or from the event loop once the worker is
+        done. ``check`` and ``check_room`` accepted ``msg``."""
+        loop = asyncio.get_running_loop()
+        if prompt.chars > INLINE_PROMPT_CHARS:
+            assert self._worker is not None
+            self._waiting += 1
+            future = loop.run_in_executor(self._pool, tokenize, self._worker, msg)
+            future.add_done_callback(self._finished)
+            future.add_done_callback(done)
+            return
+        future = loop.create_future()
+        try:
+            if msg.input_ids is not None:
+                future.set_result(msg.input_ids)
+            else:
+                assert self._inline is not None
+                future.set_result(tokenize(self._inline, msg))
+        except Exception as exc:  # tokenizer code on client input: this request fails
+            future.set_exception(exc)
+        done(future)
+
+    def _finished(self, _: asyncio.Future[list[int]]) -> None:
+        self._waiting -= 1
+
+
 class Validator:
     def __init__(
         self,
@@ -65,14 +165,29 @@ class Validator:
         request_check: RequestCheck | None,
     ) -> None:
         self.facts = facts
-        self.tokenizer = tokenizer
+        self.has_tokenizer = tokenizer is not None
         self.request_check = request_check
+        self.max_prompt_chars = (
+            prompt_char_limit(tokenizer, facts.context_length) if tokenizer is not None else 0
+        )
 
-    def admit(self, msg: Generate) -> Admitted:
-        """Validate ``msg``, tokenize it, run the plugin check; raises ``Rejected``."""
+    def check(self, msg: Generate) -> Prompt:
+        """What can be decided before tokenizing; raises ``Rejected``."""
         self._check_sampling(msg)
         self._check_stops(msg)
-        source, input_ids = self._input_ids(msg)
+        prompt = self._prompt(msg)
+        if prompt.chars > self.max_prompt_chars:
+            raise Rejected(
+                "prompt_too_long",
+                f"{prompt.source} has {prompt.chars} characters; at most "
+                f"{self.max_prompt_chars} can fit in the context length of "
+                f"{self.facts.context_length} tokens",
+            )
+        return prompt
+
+    def admit(self, msg: Generate, prompt: Prompt, input_ids: list[int]) -> Admitted:
+        """The daemon's inputs for ``msg``, checked and tokenized; raises ``Rejected``."""
+        source = prompt.source
         if not input_ids:
             raise Rejected("invalid_request", f"{source} is empty: the prompt has no tokens")
         self._check_vocab(source, input_ids)
@@ -126,23 +241,19 @@ class Validator:
                     "invalid_request",
                     f"stop[{i}] has {len(stop)} characters; the limit is {MAX_STOP_STRING_CHARS}",
                 )
-        if msg.stop and self.tokenizer is None:
+        if msg.stop and not self.has_tokenizer:
             raise Rejected(
                 "unsupported",
                 "stop strings need a tokenizer and this model has none; use stop_token_ids",
             )
 
-    def _input_ids(self, msg: Generate) -> tuple[str, list[int]]:
-        """(the field the prompt came from, its token ids)."""
-        given = [
-            name
-            for name, value in (
-                ("prompt", msg.prompt),
-                ("input_ids", msg.input_ids),
-                ("messages", msg.messages),
-            )
-            if value is not None
-        ]
+    def _prompt(self, msg: Generate) -> Prompt:
+        fields: tuple[tuple[PromptSource, object], ...] = (
+            ("prompt", msg.prompt),
+            ("input_ids", msg.input_ids),
+            ("messages", msg.messages),
+        )
+        given = [name for name, value in fields if value is not None]
         if len(given) != 1:
             got = " and ".join(given) if given else "none of them"
             raise Rejected(
@@ -151,22 +262,18 @@ class Validator:
             )
         source = given[0]
         if msg.input_ids is not None:
-            return source, msg.input_ids
-        if self.tokenizer is None:
+            return Prompt(source, 0)
+        if not self.has_tokenizer:
             raise Rejected(
                 "unsupported",
                 f"{source} needs a tokenizer and this model has none; send input_ids",
             )
         if msg.prompt is not None:
-            return source, self.tokenizer.encode_prompt(msg.prompt)
+            return Prompt(source, len(msg.prompt))
         assert msg.messages is not None
         if not msg.messages:
             raise Rejected("invalid_request", "messages is an empty list")
-        turns = [{"role": m.role, "content": m.content} for m in msg.messages]
-        try:
-            return source, self.tokenizer.apply_chat_template(turns)
-        except ChatTemplateError as exc:
-            raise Rejected("invalid_request", f"messages: chat template failed: {exc}") from None
+        return Prompt(source, sum(len(m.role) + len(m.content) for m in msg.messages))
 
     def _check_vocab(self, source: str, input_ids: list[int]) -> None:
         vocab = self.facts.vocab_size

@@ -150,21 +150,27 @@ def control_codec() -> FrameCodec[Control]:
 FAMILY_CHILD_STATUS = 6
 
 
+ChildState = Literal["started", "serving", "alive", "bind_failed"]
+
+
 class ChildStatus(Struct, array_like=True, frozen=True, gc=False):
     """A child's report to the daemon over its spawn pipe (``Connection.send_bytes``).
 
     ``started``: the child's internal sockets are bound. ``serving`` (front door only): the
     client socket is bound at ``endpoint`` (the resolved address, e.g. a TCP port chosen by
-    the system for port 0). ``alive``: a heartbeat from the child's event loop, every
-    ``CHILD_HEARTBEAT_S`` (child_runtime.py). ``torch_imported`` must be False: children
-    never import torch.
+    the system for port 0). ``bind_failed`` (front door only): the client socket could not
+    be bound; ``error`` says why (``zmq.strerror(exc.errno)``, e.g. "Address already in use"),
+    and the child stays up, without a client socket, until the daemon stops it. ``alive``: a
+    heartbeat from the child's event loop, every ``CHILD_HEARTBEAT_S`` (child_runtime.py).
+    ``torch_imported`` must be False: children never import torch.
     """
 
     child: Literal["frontdoor", "detokenizer"]
     pid: int
-    state: Literal["started", "serving", "alive"]
+    state: ChildState
     torch_imported: bool
     endpoint: str = ""
+    error: str = ""
 
 
 def child_status_codec() -> FrameCodec[ChildStatus]:

@@ -6,17 +6,24 @@
   runtime directory also holds the client socket, which operators may open to a group, while
   the internal pipes carry already-validated requests and must stay private to the daemon.
 - ``lock_client_endpoint``: an ``ipc://`` client socket is guarded by ``<socket>.lock`` so a
-  second daemon refuses to start instead of silently stealing the socket.
+  second daemon refuses to start instead of silently stealing the socket; the socket file is
+  removed under that lock, at start (a stale one) and at exit.
 - ``tcp_bind_problem``: a TCP bind beyond loopback needs CURVE keys or ``--insecure-tcp``.
+- ``check_can_listen``: a ``tcp://`` or abstract ``ipc://@name`` endpoint that another process
+  holds is refused before anything is loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import ipaddress
 import os
 import shutil
+import socket
 import stat
+import struct
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,17 +84,23 @@ class EndpointLock:
     and another a new file, both believing they own the socket.
     """
 
-    def __init__(self, endpoint: str, lock_path: Path, fd: int) -> None:
+    def __init__(self, endpoint: str, socket_path: Path, lock_path: Path, fd: int) -> None:
         self.endpoint = endpoint
+        self.socket_path = socket_path
         self.lock_path = lock_path
         self._fd: int | None = fd
 
     def release(self) -> None:
+        """Remove the socket file (once nothing serves on it) and release the lock."""
         if self._fd is None:
             return
-        os.ftruncate(self._fd, 0)
-        os.close(self._fd)
-        self._fd = None
+        try:
+            # NOTE: only while the lock is held: after it, the path may be another daemon's.
+            _remove_socket_file(self.socket_path)
+        finally:
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)
+            self._fd = None
 
 
 def lock_client_endpoint(endpoint: str) -> EndpointLock | None:
@@ -118,7 +131,7 @@ def lock_client_endpoint(endpoint: str) -> EndpointLock | None:
     except BaseException:
         os.close(fd)
         raise
-    return EndpointLock(endpoint, lock_path, fd)
+    return EndpointLock(endpoint, socket_path, lock_path, fd)
 
 
 def tcp_bind_problem(endpoint: str, *, curve_keys: bool, insecure_tcp: bool) -> str | None:
@@ -173,3 +186,100 @@ def _remove_stale_socket(socket_path: Path) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise EndpointError(f"{socket_path} exists and is not a socket; not removing it")
     socket_path.unlink(missing_ok=True)
+
+
+def _remove_socket_file(socket_path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(socket_path.lstat().st_mode):
+            socket_path.unlink()
+
+
+def check_can_listen(endpoint: str) -> None:
+    """Raise ``EndpointError`` unless ``endpoint`` can be bound now. Judged: ``tcp://HOST:PORT``
+    (resolved as libzmq resolves a bind: ``*``, an interface name, then an IPv4 address or host
+    name; the client socket is IPv4 only) and abstract ``ipc://@name``; an ``ipc://`` path is
+    decided by its lock (``lock_client_endpoint``).
+
+    The probe binds a plain socket (SO_REUSEADDR, as libzmq's listener) and closes it at once;
+    it never listens, so no client can connect to it.
+    """
+    address: tuple[str, int] | bytes
+    if endpoint.startswith("tcp://"):
+        family, address = socket.AF_INET, _tcp_bind_address(endpoint)
+    elif endpoint.startswith("ipc://@"):
+        name = endpoint.removeprefix("ipc://@")
+        family, address = socket.AF_UNIX, b"\0" + os.fsencode(name)
+    else:
+        return
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        if family == socket.AF_INET:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise EndpointError(f"cannot listen on {endpoint}: {_bind_error(exc)}") from None
+
+
+def _tcp_bind_address(endpoint: str) -> tuple[str, int]:
+    host, sep, port_text = endpoint.removeprefix("tcp://").rpartition(":")
+    if not sep or not host:
+        raise EndpointError(f"cannot listen on {endpoint}: expected tcp://HOST:PORT")
+    if port_text in ("*", "0"):
+        port = 0
+    elif port_text.isdigit() and 0 < int(port_text) < 65536:
+        port = int(port_text)
+    else:
+        raise EndpointError(f"cannot listen on {endpoint}: the port must be 1 to 65535 or *")
+    host = host.removeprefix("[").removesuffix("]")
+    if host == "*":
+        return "0.0.0.0", port
+    address = _interface_ipv4(host) or _resolve_ipv4(host)
+    if address is None:
+        raise EndpointError(
+            f"cannot listen on {endpoint}: no interface, IPv4 address or host named {host!r} "
+            "(the client socket listens on IPv4 only)"
+        )
+    return address, port
+
+
+# <linux/sockios.h>: an interface's (first) IPv4 address, as libzmq's bind takes it.
+_SIOCGIFADDR = 0x8915
+_IFNAMSIZ = 16
+
+
+def _interface_ipv4(name: str) -> str | None:
+    try:
+        socket.if_nametoindex(name)
+    except OSError:
+        return None
+    request = struct.pack("256s", os.fsencode(name)[: _IFNAMSIZ - 1])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
+        except OSError:
+            return None  # the interface has no IPv4 address
+    # struct ifreq: the name, then a sockaddr_in (family, port, address).
+    return socket.inet_ntoa(reply[_IFNAMSIZ + 4 : _IFNAMSIZ + 8])
+
+
+def _resolve_ipv4(host: str) -> str | None:
+    try:
+        found = socket.getaddrinfo(
+            host, None, socket.AF_INET, socket.SOCK_STREAM, 0, socket.AI_PASSIVE
+        )
+    except (socket.gaierror, UnicodeError):
+        return None
+    return str(found[0][4][0]) if found else None
+
+
+_BIND_HINTS = {
+    errno.EADDRINUSE: "another process holds it",
+    errno.EADDRNOTAVAIL: "not an address of this host",
+    errno.EACCES: "a port below 1024 needs CAP_NET_BIND_SERVICE",
+}
+
+
+def _bind_error(exc: OSError) -> str:
+    text = (exc.strerror or str(exc)).lower()
+    hint = _BIND_HINTS.get(exc.errno or 0)
+    return f"{text} ({hint})" if hint else text

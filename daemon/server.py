@@ -1,8 +1,9 @@
 """The daemon process: owns the device, runs the engine loop, supervises the two children and
 is the only process that talks to systemd.
 
-Start-up order: lock the client socket, make the runtime directory, spawn the front door and
-the detokenizer, load the model and warm up, send the model facts, say "ready" (the front
+Start-up order: check the files (model, draft, CURVE keys) and that the client endpoint is
+free, lock the client socket, make the runtime directory, spawn the front door and the
+detokenizer, load the model and warm up, send the model facts, say "ready" (the front
 door binds the client socket only then), READY=1. SIGTERM: STOPPING=1, "draining", let
 running requests finish until ``--drain-timeout``, abort the rest with a final frame, stop the
 children (detokenizer first, so every final frame reaches the front door), exit.
@@ -22,10 +23,10 @@ import uuid
 import uvloop
 import zmq
 import zmq.asyncio
-import zmq.auth
 
-from outrider.daemon.children import ChildDied, Children
+from outrider.daemon.children import ChildDied, Children, ClientBindFailed
 from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
+from outrider.daemon.curve_auth import CurveKeyError, load_client_keys, load_server_keys
 from outrider.daemon.detokenizer import DetokenizerConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.frontdoor import FrontDoorConfig
@@ -47,9 +48,11 @@ from outrider.daemon.internal import (
 )
 from outrider.daemon.models.config import model_dir
 from outrider.daemon.models.loader import LoadProgress, default_progress
+from outrider.daemon.preflight import preflight
 from outrider.daemon.runtime import (
     EndpointError,
     RuntimeDir,
+    check_can_listen,
     lock_client_endpoint,
     tcp_bind_problem,
 )
@@ -63,6 +66,8 @@ log = logging.getLogger("outrider.daemon")
 
 VERSION = "0.1.0"
 HEARTBEAT_SECONDS = 1.0
+# How long the final frames of a drained daemon may take to reach the children at exit.
+FLUSH_LINGER_MS = 5000
 # While loading, ask systemd for this much more start time before each window ends.
 _LOAD_EXTEND_USEC = 120_000_000
 
@@ -94,6 +99,7 @@ class Daemon:
             loop.add_signal_handler(sig, self._start_drain)
         engine_loop = self.engine.loop
         while True:
+            self.children.raise_if_exited()
             self._receive()
             self._tick()
             if self.draining and self._drained():
@@ -208,7 +214,7 @@ class DaemonSockets:
         self._control = sync_ctx.socket(zmq.PUSH)
         self._control.connect(control)
         for sock in (self._outputs, self._control):
-            sock.setsockopt(zmq.LINGER, 5000)
+            sock.setsockopt(zmq.LINGER, FLUSH_LINGER_MS)
         self._poller = zmq.asyncio.Poller()
         self._poller.register(self._inbox, zmq.POLLIN)
         self._to_daemon = to_daemon_codec()
@@ -232,6 +238,16 @@ class DaemonSockets:
         self._inbox.close(linger=0)
         self._outputs.close()
         self._control.close()
+
+    def drop_unsent(self) -> None:
+        """Let ``close`` drop what the pipes still hold instead of lingering to deliver it."""
+        for sock in (self._outputs, self._control):
+            sock.setsockopt(zmq.LINGER, 0)
+
+    def wake_on(self, fds: list[int]) -> None:
+        """Let ``wait_inbox`` also return once one of ``fds`` is readable."""
+        for fd in fds:
+            self._poller.register(fd, zmq.POLLIN)
 
     async def wait_inbox(self, timeout: float) -> None:
         await self._poller.poll(int(timeout * 1000))
@@ -259,15 +275,6 @@ def _tokenizer_dir(model: str) -> str | None:
     return str(path) if any((path / name).is_file() for name in TOKENIZER_FILES) else None
 
 
-def _curve_keys(config: ServeConfig) -> tuple[bytes, bytes] | None:
-    if not config.curve_secret_key_file:
-        return None
-    public, secret = zmq.auth.load_certificate(config.curve_secret_key_file)
-    if secret is None:
-        raise ConfigError(f"--curve-secret-key-file {config.curve_secret_key_file}: no secret key")
-    return public, secret
-
-
 class _StopWhileStarting(Exception):
     """SIGTERM or SIGINT arrived before the event loop took the signals over."""
 
@@ -286,12 +293,16 @@ def serve(config: ServeConfig) -> int:
     )
     if problem is not None:
         raise ConfigError(problem)
+    problems = preflight(config)
+    if problems:
+        raise ConfigError("; ".join(problems))
     # NOTE: callbacks run last-registered first: sockets flush to the still running
     # children, then the children stop, then the runtime directory and the lock go.
     with contextlib.ExitStack() as cleanup:
         lock = lock_client_endpoint(endpoint)
         if lock is not None:
             cleanup.callback(lock.release)
+        check_can_listen(endpoint)
         runtime = RuntimeDir()
         cleanup.callback(runtime.cleanup)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -326,7 +337,8 @@ def _serve(
     boot_id = uuid.uuid4().hex
     notifier.status("starting")
     notifier.extend_timeout(_LOAD_EXTEND_USEC)
-    children = Children(
+    secret_file, clients_dir = config.curve_secret_key_file, config.curve_client_keys
+    children = Children.spawn(
         FrontDoorConfig(
             client_endpoint=endpoint,
             daemon_endpoint=pipes.to_daemon,
@@ -335,7 +347,9 @@ def _serve(
             boot_id=boot_id,
             version=VERSION,
             max_message_bytes=config.max_message_bytes,
-            curve_server_keys=_curve_keys(config),
+            curve_server_keys=load_server_keys(secret_file) if secret_file else None,
+            curve_client_keys=load_client_keys(clients_dir) if clients_dir else (),
+            socket_mode=config.socket_mode,
             max_inflight_per_client=config.max_inflight_per_client,
             max_inflight=config.max_inflight,
             log_level=config.log_level,
@@ -358,16 +372,25 @@ def _serve(
     # health() says "serving" only with a fresh heartbeat: one goes out before "ready".
     sockets.send_control(Heartbeat(engine.scheduler.counters()))
     sockets.send_control(StateChange("ready"))
-    bound = children.wait_status("frontdoor", "serving", timeout=60.0).endpoint
-    notifier.ready(f"serving {config.model} on {bound}")
-    log.info("serving %s on %s (boot %s)", config.model, bound, boot_id)
-    uvloop.run(Daemon(config, engine, children, notifier, sockets).run())
+    sockets.wake_on(children.sentinels)
+    try:
+        bound = children.wait_status("frontdoor", "serving", timeout=60.0).endpoint
+        notifier.ready(f"serving {config.model} on {bound}")
+        log.info("serving %s on %s (boot %s)", config.model, bound, boot_id)
+        uvloop.run(Daemon(config, engine, children, notifier, sockets).run())
+    except ClientBindFailed as exc:
+        raise EndpointError(f"cannot listen on {endpoint}: {exc}") from None
+    except ChildDied:
+        # NOTE: a dead child never reads its pipe: lingering there would hold the exit, and
+        # the clients' connection_lost (the front door stops after), for the whole linger.
+        sockets.drop_unsent()
+        raise
     return 0
 
 
 def main(config: ServeConfig) -> int:
     try:
         return serve(config)
-    except (ConfigError, EndpointError) as exc:
+    except (ConfigError, EndpointError, CurveKeyError) as exc:
         print(f"outrider serve: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -66,6 +66,15 @@ class Tokenizer:
     def backend(self) -> BackendTokenizer:
         return self._hf.backend_tokenizer
 
+    @property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest token text in the vocabulary, added tokens included."""
+        return max(len(text) for text in self._hf.get_vocab())
+
+    @property
+    def has_normalizer(self) -> bool:
+        return self.backend.normalizer is not None
+
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a ``prompt`` string, with the tokenizer's default special-token
         behaviour: whatever its post-processor adds (e.g. BOS for Llama 3) is added."""

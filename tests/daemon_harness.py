@@ -31,7 +31,7 @@ from model_fixtures import save_tiny_model
 
 from outrider.protocol import AsyncClient, Client, Health, Timeout
 from outrider.protocol.frames import FrameError, reply_codec
-from outrider.protocol.messages import ClientReply, is_final
+from outrider.protocol.messages import Ack, ClientReply, is_final
 
 T = TypeVar("T")
 
@@ -337,9 +337,12 @@ class RawDealer:
         self._replies = reply_codec()
 
     async def call(self, *parts: bytes) -> ClientReply:
+        """Send one message; its reply (liveness probes, ``Ack("")``, skipped)."""
         await self.sock.send_multipart(list(parts))
-        frame = await asyncio.wait_for(self.sock.recv(), 10.0)
-        return self._replies.decode(frame)
+        while True:
+            reply = self._replies.decode(await asyncio.wait_for(self.sock.recv(), 10.0))
+            if reply != Ack(""):
+                return reply
 
 
 class RecordingClient(AsyncClient):

@@ -44,7 +44,7 @@ from outrider.daemon.internal import (
     to_daemon_codec,
 )
 from outrider.protocol.frames import reply_codec, request_codec
-from outrider.protocol.messages import ClientReply, ClientRequest, TokenLogprob, Usage
+from outrider.protocol.messages import Ack, ClientReply, ClientRequest, TokenLogprob, Usage
 
 SENTENCES = [
     "hello world, the quick brown fox jumps over the lazy dog",
@@ -222,8 +222,12 @@ class RawClient:
         await self.sock.send(msg)
 
     async def recv(self, timeout: float = 5.0) -> ClientReply:
-        frame = await asyncio.wait_for(self.sock.recv(), timeout)
-        return self._replies.decode(frame)
+        """The next reply; liveness probes (``Ack("")``) are skipped."""
+        async with asyncio.timeout(timeout):
+            while True:
+                reply = self._replies.decode(await self.sock.recv())
+                if reply != Ack(""):
+                    return reply
 
     async def call(self, msg: ClientRequest | dict[str, Any] | bytes) -> ClientReply:
         await self.send(msg)

@@ -606,6 +606,10 @@ def test_notify_second_daemon_and_drain(spawn: Callable[..., Daemon], notify: No
     assert daemon.wait_exit(30) == 0
     daemon.wait_group_gone()
     assert "Traceback" not in daemon.log()
+    # The socket file went with it (removed under the lock); the lock file stays.
+    socket_path = Path(daemon.endpoint.removeprefix("ipc://"))
+    assert not socket_path.exists()
+    assert socket_path.with_name(socket_path.name + ".lock").exists()
     sent = notify.drain()
     assert (sent.count("READY=1"), sent.count("STOPPING=1")) == (1, 1)
     assert "WATCHDOG=trigger" not in sent
@@ -673,32 +677,114 @@ def test_restart_and_drain_deadline(
 # --- 4. start-up refusals -----------------------------------------------------------------
 
 
+def _curve_files(directory: Path, secret_mode: int = 0o600) -> tuple[str, Path, Path]:
+    """A server secret certificate (``secret_mode``), a directory with one client public
+    certificate, and that client's secret certificate (kept outside it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    _, server_secret = zmq.auth.create_certificates(directory, "server")
+    os.chmod(server_secret, secret_mode)
+    clients = directory / "clients"
+    clients.mkdir()
+    _, client_secret = zmq.auth.create_certificates(clients, "client")
+    moved = directory / "client.key_secret"
+    os.rename(client_secret, moved)
+    return server_secret, clients, moved
+
+
 @pytest.mark.e2e
-def test_start_up_refusals(spawn: Callable[..., Daemon]) -> None:
-    cases = {
+def test_start_up_refusals(spawn: Callable[..., Daemon], tmp_path: Path) -> None:
+    empty_model = tmp_path / "empty-model"
+    empty_model.mkdir()
+    missing_model = tmp_path / "no-such-model"
+    secret, _, _ = _curve_files(tmp_path / "curve")
+    open_secret, open_clients, _ = _curve_files(tmp_path / "curve-0644", secret_mode=0o644)
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken_tcp = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    taken_name = f"outrider-e2e-{os.getpid()}"
+    abstract.bind(b"\0" + taken_name.encode())
+    abstract.listen()
+    in_use = "address already in use (another process holds it)"
+    # name: (flags, spawn options, the one line on stderr, refused before spawning children)
+    cases: dict[str, tuple[list[str], dict[str, str], str, bool]] = {
         "backend": (
             ["--attention-backend", "nope"],
+            {},
             "outrider serve: the configuration cannot run:\n"
             "  --attention-backend: unknown attention backend 'nope'; available: torch",
+            False,
         ),
         "dtype": (
             ["--dtype", "bfloat16", "--device", "cpu"],
+            {},
             "outrider serve: --dtype bfloat16 is not supported on CPU (use float32)",
+            True,
+        ),
+        "no-model": (
+            ["--model", str(missing_model)],
+            {},
+            f"outrider serve: --model {missing_model}: no such file or directory",
+            True,
+        ),
+        "empty-model": (
+            ["--model", str(empty_model)],
+            {},
+            f"outrider serve: --model {empty_model}: no config.json in the directory",
+            True,
+        ),
+        "taken-tcp": (
+            [],
+            {"endpoint": taken_tcp},
+            f"outrider serve: cannot listen on {taken_tcp}: {in_use}",
+            True,
+        ),
+        "taken-abstract": (
+            [],
+            {"endpoint": f"ipc://@{taken_name}"},
+            f"outrider serve: cannot listen on ipc://@{taken_name}: {in_use}",
+            True,
+        ),
+        "no-client-keys": (
+            ["--curve-secret-key-file", secret],
+            {},
+            "outrider serve: --curve-secret-key-file needs --curve-client-keys DIR (the client "
+            "public certificates allowed in)",
+            True,
+        ),
+        "open-secret-key": (
+            ["--curve-secret-key-file", open_secret, "--curve-client-keys", str(open_clients)],
+            {},
+            f"outrider serve: --curve-secret-key-file {open_secret}: mode 0644 lets other users "
+            "at the secret key; chmod 600 it",
+            True,
         ),
     }
     if not torch.cuda.is_available():
         cases["cuda"] = (
             ["--device", "cuda"],
+            {},
             "outrider serve: --device cuda: no CUDA device is available",
+            False,
         )
-    daemons = {name: spawn(name, *args) for name, (args, _) in cases.items()}  # all at once
-    for name, daemon in daemons.items():
-        assert daemon.wait_exit(90) == EXIT_CONFIG, (name, daemon.log())
-        log = daemon.log()
-        assert cases[name][1] in log, (name, log)
-        assert "Traceback" not in log, (name, log)
-        # Children spawned before the check were stopped, not orphaned.
-        daemon.wait_group_gone()
+    try:
+        daemons = {  # all at once
+            name: spawn(name, *args, **options) for name, (args, options, _, _) in cases.items()
+        }
+        for name, daemon in daemons.items():
+            assert daemon.wait_exit(90) == EXIT_CONFIG, (name, daemon.log())
+            log = daemon.log()
+            _, _, line, before_children = cases[name]
+            assert line + "\n" in log, (name, log)
+            assert "Traceback" not in log, (name, log)
+            if before_children:  # no child ever logged: nothing was spawned, nor loaded
+                assert "frontdoor[" not in log and "detokenizer[" not in log, (name, log)
+            # Children spawned before the check were stopped, not orphaned.
+            daemon.wait_group_gone()
+    finally:
+        holder.close()
+        abstract.close()
 
 
 @pytest.mark.e2e
@@ -725,26 +811,38 @@ def _free_tcp_port() -> int:
         return port
 
 
+def _wait_serving(daemon: Daemon, client: Client) -> None:
+    """``wait_serving`` for a daemon that needs client options (CURVE keys)."""
+
+    def serving() -> bool:
+        if daemon.proc.poll() is not None:
+            raise RuntimeError(daemon.log())
+        try:
+            return client.health(timeout=0.5).status == "serving"
+        except Timeout:
+            return False
+
+    poll_until(serving, START_TIMEOUT_S, f"the daemon at {daemon.endpoint} serving")
+
+
 @pytest.mark.e2e
 def test_tcp_with_curve_keys(spawn: Callable[..., Daemon], tmp_path: Path) -> None:
-    public_file, secret_file = zmq.auth.create_certificates(str(tmp_path), "server")
-    server_public, _ = zmq.auth.load_certificate(public_file)
+    secret_file, clients, client_secret_file = _curve_files(tmp_path)
+    server_public, _ = zmq.auth.load_certificate(secret_file)
+    client_public, client_secret = zmq.auth.load_certificate(client_secret_file)
+    assert client_secret is not None
     endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
-    daemon = spawn("curve", "--curve-secret-key-file", secret_file, endpoint=endpoint)
+    daemon = spawn(
+        "curve",
+        *("--curve-secret-key-file", secret_file, "--curve-client-keys", str(clients)),
+        endpoint=endpoint,
+    )
     # Beyond loopback without keys: refused before anything is bound.
     open_bind = spawn("open", endpoint="tcp://0.0.0.0:9")
-    with Client(endpoint, timeout=60, curve_server_key=server_public) as client:
-
-        def serving() -> bool:
-            if daemon.proc.poll() is not None:
-                raise RuntimeError(daemon.log())
-            try:
-                return client.health(timeout=0.5).status == "serving"
-            except Timeout:
-                return False
-
-        poll_until(serving, START_TIMEOUT_S, "the CURVE daemon serving")
-        result = client.generate(input_ids=[5, 6, 7], max_new_tokens=4, temperature=0.0)
+    listed = (client_public, client_secret)
+    with Client(endpoint, timeout=60, curve_server_key=server_public, curve_keypair=listed) as ok:
+        _wait_serving(daemon, ok)
+        result = ok.generate(input_ids=[5, 6, 7], max_new_tokens=4, temperature=0.0)
         assert result.finish_reason == "length" and len(result.output_ids) == 4
     # A client without the server's key fails the handshake: the server drops it.
     with Client(endpoint) as plain, pytest.raises(RequestError) as refused:
@@ -755,11 +853,70 @@ def test_tcp_with_curve_keys(spawn: Callable[..., Daemon], tmp_path: Path) -> No
 
 
 @pytest.mark.e2e
-def test_a_dead_child_stops_the_daemon(spawn: Callable[..., Daemon]) -> None:
-    daemon = spawn("orphaned")
+def test_curve_refuses_an_unlisted_client_key(spawn: Callable[..., Daemon], tmp_path: Path) -> None:
+    secret_file, clients, _ = _curve_files(tmp_path)
+    server_public, _ = zmq.auth.load_certificate(secret_file)
+    endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
+    daemon = spawn(
+        "curve-allow-list",
+        *("--curve-secret-key-file", secret_file, "--curve-client-keys", str(clients)),
+        endpoint=endpoint,
+    )
+    poll_until(lambda: "serving on" in daemon.log(), START_TIMEOUT_S, "the daemon serving")
+    stranger = zmq.curve_keypair()
+    with (
+        Client(endpoint, curve_server_key=server_public, curve_keypair=stranger) as client,
+        pytest.raises(RequestError) as refused,
+    ):
+        client.health(timeout=10.0)
+    assert refused.value.code == "connection_lost"
+    assert "authentication" in refused.value.message
+    assert "refused a CURVE client: public key" in daemon.log()
+
+
+@pytest.mark.e2e
+def test_a_port_taken_while_loading_is_refused_in_one_line(
+    spawn: Callable[..., Daemon],
+) -> None:
+    endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
+    daemon = spawn("raced", endpoint=endpoint)
+    poll_until(lambda: "waiting for the model" in daemon.log(), 60, "the front door starting")
+    # The front door binds once the model is loaded; held stopped, it cannot bind before us.
+    front_door = daemon.child_pid("frontdoor")
+    os.kill(front_door, signal.SIGSTOP)
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        assert "serving on" not in daemon.log()
+        holder.bind(("127.0.0.1", int(endpoint.rpartition(":")[2])))
+        holder.listen()
+    finally:
+        os.kill(front_door, signal.SIGCONT)
+    with holder:
+        assert daemon.wait_exit(90) == EXIT_CONFIG, daemon.log()
+    daemon.wait_group_gone()
+    log = daemon.log()
+    refusal = f"outrider serve: cannot listen on {endpoint}: Address already in use"
+    assert [line for line in log.splitlines() if "outrider serve:" in line] == [refusal], log
+    assert "Traceback" not in log, log
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("child", ["frontdoor", "detokenizer"])
+def test_a_dead_child_stops_the_daemon(spawn: Callable[..., Daemon], child: str) -> None:
+    daemon = spawn(f"without-{child}")
     daemon.wait_serving()
-    os.kill(daemon.child_pid("frontdoor"), signal.SIGKILL)
+    with Client(daemon.endpoint, timeout=60) as client:
+        stream = client.stream(input_ids=[5, 6, 7], max_new_tokens=1500, ignore_eos=True)
+        assert next(stream).token_ids
+        os.kill(daemon.child_pid(child), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(RequestError) as lost:
+            list(stream)
+        waited = time.monotonic() - killed
+    assert lost.value.code == "connection_lost"
+    # The client learns it at once, not after the internal pipes' linger.
+    assert waited < 1.5, (waited, daemon.log())
     # Never serve half-alive: the daemon exits non-zero so that systemd restarts it.
     assert daemon.wait_exit(30) == 1, daemon.log()
     daemon.wait_group_gone()
-    assert "the frontdoor process exited with code -9" in daemon.log()
+    assert f"the {child} process exited with code -9" in daemon.log()

@@ -34,6 +34,7 @@ from frontdoor_harness import (
 )
 
 from outrider.daemon.frontdoor import FrontDoorConfig, run_frontdoor
+from outrider.daemon.frontdoor_clients import PROBE_FIRST_S
 from outrider.daemon.internal import ErrorInfo, RequestUpdate, StateChange
 from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
 from outrider.protocol import (
@@ -138,13 +139,19 @@ async def test_children_report_their_state_and_never_import_torch(stack: Stack) 
 async def test_lifecycle_curve_token_ids_only_plugin_check_and_draining(tmp_path: Path) -> None:
     spec_path = install_speculative_spec(tmp_path / "site", "test-spec")
     public, secret = zmq.curve_keypair()
+    allowed = zmq.curve_keypair()
     s = start_stack(
-        None, list(range(10, 30)), extra_sys_path=spec_path, curve_server_keys=(public, secret)
+        None,
+        list(range(10, 30)),
+        extra_sys_path=spec_path,
+        curve_server_keys=(public, secret),
+        curve_client_keys=(allowed[0],),
     )
     try:
         await s.status("frontdoor")
         # Not ready: no client socket at all, so health() times out.
-        with Client(s.client_endpoint, curve_server_key=public) as early, pytest.raises(Timeout):
+        early = Client(s.client_endpoint, curve_server_key=public, curve_keypair=allowed)
+        with early, pytest.raises(Timeout):
             await call(early.health, timeout=0.5)
         assert not os.path.exists(s.client_endpoint.removeprefix("ipc://"))
 
@@ -155,7 +162,13 @@ async def test_lifecycle_curve_token_ids_only_plugin_check_and_draining(tmp_path
             await plaintext.send(HealthQuery("plain"))
             await plaintext.recv(timeout=0.3)
         plaintext.close()
-        with Client(s.client_endpoint, timeout=5.0, curve_server_key=public) as c:
+        stranger = Client(s.client_endpoint, timeout=5.0, curve_server_key=public)
+        with stranger, pytest.raises(RequestError) as refused:  # a keypair not listed
+            await call(stranger.health)
+        assert refused.value.code == "connection_lost"
+        with Client(
+            s.client_endpoint, timeout=5.0, curve_server_key=public, curve_keypair=allowed
+        ) as c:
             health = await call(c.health)
             assert (health.status, health.boot_id, health.version) == (
                 "serving",
@@ -402,13 +415,12 @@ async def test_client_disconnect_aborts_its_requests(stack: Stack) -> None:
     await until(lambda: rids <= {a.rid for a in stack.daemon.aborts})
     assert {a.reason for a in stack.daemon.aborts if a.rid in rids} == {"client disconnected"}
 
-    # Sent, then gone before the front door read it: never run, or aborted.
+    # Sent, then gone before the front door read it: run, and aborted at the next probe.
     hasty = stack.raw()
     await hasty.send(Generate("hasty", input_ids=[5]))
     hasty.sock.close(linger=1000)  # the request does leave
-    await asyncio.sleep(0.3)
-    hasty_req = stack.daemon.requests.get("hasty")
-    assert hasty_req is None or hasty_req.rid in {a.rid for a in stack.daemon.aborts}
+    hasty_rid = (await stack.daemon.request("hasty")).rid
+    await until(lambda: hasty_rid in {a.rid for a in stack.daemon.aborts}, 3 * PROBE_FIRST_S)
 
 
 async def test_slow_consumer_is_cut_off(stack: Stack) -> None:

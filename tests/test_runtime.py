@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from outrider.daemon.runtime import (
     EndpointError,
     RuntimeDir,
+    check_can_listen,
     lock_client_endpoint,
     tcp_bind_problem,
 )
@@ -119,6 +121,28 @@ def test_stale_socket_is_removed_under_the_lock(tmp_path: Path) -> None:
     lock.release()
 
 
+def test_release_removes_the_socket_file_but_keeps_the_lock_file(tmp_path: Path) -> None:
+    path = tmp_path / "outrider.sock"
+    lock = lock_client_endpoint(f"ipc://{path}")
+    assert lock is not None
+    served = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    served.bind(str(path))  # what the front door leaves behind
+    served.close()
+    lock.release()
+    assert not path.exists()
+    assert lock.lock_path.exists()
+    lock.release()  # twice is harmless
+
+
+def test_release_keeps_what_is_not_a_socket(tmp_path: Path) -> None:
+    path = tmp_path / "outrider.sock"
+    lock = lock_client_endpoint(f"ipc://{path}")
+    assert lock is not None
+    path.write_text("not a socket")
+    lock.release()
+    assert path.read_text() == "not a socket"
+
+
 def test_a_regular_file_in_the_way_is_kept(tmp_path: Path) -> None:
     path = tmp_path / "outrider.sock"
     path.write_text("not a socket")
@@ -168,3 +192,65 @@ def test_tcp_beyond_loopback_needs_curve_or_insecure_tcp(endpoint: str) -> None:
 
 def test_ipc_is_not_judged_as_tcp() -> None:
     assert tcp_bind_problem("ipc:///tmp/x.sock", curve_keys=False, insecure_tcp=False) is None
+
+
+@pytest.fixture
+def listening_tcp_port() -> Iterator[int]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "*", "lo"])
+def test_a_taken_tcp_port_is_refused(listening_tcp_port: int, host: str) -> None:
+    endpoint = f"tcp://{host}:{listening_tcp_port}"
+    with pytest.raises(EndpointError) as refused:
+        check_can_listen(endpoint)
+    assert str(refused.value) == (
+        f"cannot listen on {endpoint}: address already in use (another process holds it)"
+    )
+
+
+def test_a_free_tcp_port_passes_and_stays_free() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for _ in range(2):  # the probe released what it bound
+        check_can_listen(f"tcp://127.0.0.1:{port}")
+    check_can_listen("tcp://127.0.0.1:*")
+    check_can_listen("tcp://localhost:0")
+
+
+def test_a_taken_abstract_name_is_refused() -> None:
+    name = f"outrider-test-{os.getpid()}"
+    check_can_listen(f"ipc://@{name}")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as holder:
+        holder.bind(b"\0" + name.encode())
+        with pytest.raises(EndpointError) as refused:
+            check_can_listen(f"ipc://@{name}")
+    assert str(refused.value) == (
+        f"cannot listen on ipc://@{name}: address already in use (another process holds it)"
+    )
+    check_can_listen(f"ipc://@{name}")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "reason"),
+    [
+        ("tcp://[::1]:5557", "no interface, IPv4 address or host named '::1'"),
+        ("tcp://no-such-host.invalid:5557", "no interface, IPv4 address or host named"),
+        ("tcp://127.0.0.1:65536", "the port must be 1 to 65535 or *"),
+        ("tcp://127.0.0.1:http", "the port must be 1 to 65535 or *"),
+        ("tcp://203.0.113.254:5557", "cannot assign requested address (not an address of this"),
+    ],
+)
+def test_unusable_tcp_endpoints_are_refused(endpoint: str, reason: str) -> None:
+    with pytest.raises(EndpointError) as refused:
+        check_can_listen(endpoint)
+    assert str(refused.value).startswith(f"cannot listen on {endpoint}: {reason}")
+
+
+def test_socket_paths_are_left_to_the_lock(tmp_path: Path) -> None:
+    check_can_listen(f"ipc://{tmp_path}/outrider.sock")
+    check_can_listen("ipc://*")

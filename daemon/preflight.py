@@ -1,0 +1,85 @@
+"""What a serving configuration needs from the file system, checked before anything is
+spawned or loaded: the model and draft directories and the CURVE key files.
+
+Each problem is one line naming its flag and path; ``preflight`` returns them all at once.
+Nothing here imports torch or transformers, so a light install can run it too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from outrider.daemon.config import ServeConfig
+from outrider.daemon.curve_auth import CurveKeyError, load_client_keys, load_server_keys
+
+_INDEX = "model.safetensors.index.json"
+
+
+def preflight(config: ServeConfig) -> list[str]:
+    """Every problem of ``config``'s files; empty when serving may start."""
+    problems = model_problems("--model", config.model, config.load_format)
+    if config.draft_model:
+        problems += model_problems("--draft-model", config.draft_model, config.load_format)
+    if config.curve_secret_key_file:
+        problems += _curve_problem(lambda: load_server_keys(config.curve_secret_key_file))
+    if config.curve_client_keys:
+        problems += _curve_problem(lambda: load_client_keys(config.curve_client_keys))
+    return problems
+
+
+def model_problems(flag: str, path: str, load_format: str) -> list[str]:
+    """``path`` is a model directory with a config.json, or a config.json file; with
+    ``--load-format auto`` its directory holds safetensors weights (what the loader reads)."""
+    where = f"{flag} {path}"
+    given = Path(path)
+    if given.is_dir():
+        directory, config_file = given, given / "config.json"
+        if not config_file.is_file():
+            return [f"{where}: no config.json in the directory"]
+    elif given.is_file():
+        directory, config_file = given.parent, given
+    elif given.exists():
+        return [f"{where}: neither a directory nor a config.json file"]
+    else:
+        return [f"{where}: no such file or directory"]
+    problem = _config_problem(config_file)
+    if problem is None and load_format == "auto":
+        problem = _weights_problem(directory)
+    return [] if problem is None else [f"{where}: {problem}"]
+
+
+def _config_problem(config_file: Path) -> str | None:
+    try:
+        loaded = json.loads(config_file.read_text())
+    except OSError as exc:
+        return f"cannot read {config_file.name}: {exc.strerror}"
+    except ValueError:
+        return f"{config_file.name} is not JSON"
+    return None if isinstance(loaded, dict) else f"{config_file.name} is not a JSON object"
+
+
+def _weights_problem(directory: Path) -> str | None:
+    index = directory / _INDEX
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"{_INDEX} is unreadable or has no weight_map"
+        missing = sorted(name for name in shards if not (directory / name).is_file())
+        return f"{_INDEX} names missing shards: {', '.join(missing)}" if missing else None
+    if any(directory.glob("*.safetensors")):
+        return None
+    problem = "no *.safetensors weights (--load-format dummy runs without them)"
+    if any(directory.glob("*.bin")):
+        problem += "; *.bin checkpoints are not read: convert them to safetensors"
+    return problem
+
+
+def _curve_problem(load: Callable[[], object]) -> list[str]:
+    try:
+        load()
+    except CurveKeyError as exc:
+        return [str(exc)]
+    return []

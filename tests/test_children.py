@@ -1,0 +1,63 @@
+"""daemon/children.py with stand-in children: a front door that cannot bind the client socket,
+and a child that exits."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+
+from outrider.daemon.children import ChildDied, Children, ClientBindFailed
+from outrider.daemon.internal import ChildStatus, child_status_codec
+
+
+def _wait_for_parent(_cfg: object, conn: Connection) -> None:
+    with contextlib.suppress(EOFError):
+        conn.recv_bytes()
+
+
+def _front_door_that_cannot_bind(error: str, conn: Connection) -> None:
+    codec = child_status_codec()
+    for status in (
+        ChildStatus("frontdoor", os.getpid(), "started", False),
+        ChildStatus("frontdoor", os.getpid(), "bind_failed", False, error=error),
+    ):
+        conn.send_bytes(codec.encode(status))
+    _wait_for_parent(None, conn)
+
+
+def _exit_with(code: int, _conn: Connection) -> None:
+    sys.exit(code)
+
+
+def test_a_failed_client_bind_is_reported_not_a_death() -> None:
+    children = Children(
+        {
+            "detokenizer": (_wait_for_parent, None),
+            "frontdoor": (_front_door_that_cannot_bind, "Address already in use"),
+        }
+    )
+    try:
+        with pytest.raises(ClientBindFailed, match=r"^Address already in use$"):
+            children.wait_status("frontdoor", "serving", timeout=60.0)
+        children.check()  # both still run
+    finally:
+        children.stop()
+    assert [proc.exitcode for proc in children.procs.values()] == [0, 0]
+
+
+def test_an_exited_child_is_noticed_by_the_per_iteration_check() -> None:
+    children = Children({"detokenizer": (_exit_with, 3), "frontdoor": (_wait_for_parent, None)})
+    try:
+        deadline = time.monotonic() + 60.0
+        with pytest.raises(ChildDied, match=r"^the detokenizer process exited with code 3$"):
+            while time.monotonic() < deadline:
+                children.raise_if_exited()
+                time.sleep(0.01)
+        assert len(children.sentinels) == 2
+    finally:
+        children.stop()
