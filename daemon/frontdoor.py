@@ -11,7 +11,8 @@ It owns client identities and live request ids, validates and tokenizes requests
 - The client socket exists only once the daemon has sent ``ModelFacts`` and then
   ``StateChange("ready")``; the front door then reports ``serving`` to its parent.
 - Every request gets exactly one final frame: an ``Error`` here, ``Finished`` for
-  ``max_new_tokens=0``, or the one its final update becomes. Anything for a rid after its
+  ``max_new_tokens=0`` or for one aborted while its prompt was tokenized, or the one its
+  final update becomes. Anything for a rid after its
   final update is dropped.
 - A client that vanishes (a send to it, a reply or a probe, answers EHOSTUNREACH) or stops
   reading for ``slow_consumer_timeout`` has its live requests aborted in the daemon.

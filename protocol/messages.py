@@ -134,6 +134,9 @@ class Error(Struct, array_like=True, tag=3, frozen=True):
 
 
 class Ack(Struct, array_like=True, tag=4, frozen=True):
+    """An abort was done. ``Ack("")`` is the daemon's probe of a client with requests in
+    flight (a send to a vanished client fails); no request has an empty id: ignore it."""
+
     request_id: str
 
 
