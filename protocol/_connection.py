@@ -110,6 +110,7 @@ class Connection:
         self._abandoned: deque[Inbox] = deque()
         self._lost_since_boot = False
         self._handshake_failure = ""
+        self._link_dead = ""  # why the socket will never connect again
         self._connected = False  # the DEALER holds a connection to the endpoint now
         self._closed = False
         # NOTE: only the owners may close the sockets. A socket closed through another
@@ -203,6 +204,8 @@ class Connection:
 
     def _register(self, request_id: str) -> Inbox:
         self._service()
+        if self._link_dead:
+            raise RequestError("connection_lost", self._link_dead, request_id)
         if request_id in self._pending:
             raise RequestError(
                 "duplicate_request_id", "already in flight on this client", request_id
@@ -296,8 +299,13 @@ class Connection:
                 # this event; deliver them first so that only unanswered calls fail.
                 self._drain()
                 reason, self._handshake_failure = self._handshake_failure, ""
-                self._fail_all("connection_lost", f"connection to {self.endpoint} lost{reason}")
+                message = f"connection to {self.endpoint} lost{reason}"
+                self._fail_all("connection_lost", message)
                 self._lost_since_boot = True
+                if reason == " (handshake failed: protocol)":
+                    # NOTE: libzmq never reconnects after a protocol failure (e.g. a plain
+                    # client at a CURVE server): every later call would wait for nothing.
+                    self._link_dead = message
 
     def _note_boot(self, boot_id: str, request_id: str) -> None:
         # NOTE: a restart always drops the link, which fails the calls in flight; a new boot

@@ -693,3 +693,26 @@ def test_cli_says_why_nothing_answers(
     assert capsys.readouterr().err == (
         f"error: timeout: the daemon at {endpoint} did not answer in time\n"
     )
+
+
+def test_a_protocol_handshake_failure_fails_later_calls_at_once() -> None:
+    """libzmq never reconnects after a protocol failure (a plain client at a CURVE server):
+    a call made after it fails with ``connection_lost`` instead of waiting for nothing."""
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.curve_server = True
+    server.curve_publickey, server.curve_secretkey = zmq.curve_keypair()
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with Client(f"tcp://127.0.0.1:{port}") as client:
+            time.sleep(0.5)  # the handshake fails before any call
+            for _ in range(2):
+                started = time.monotonic()
+                with pytest.raises(RequestError) as err:
+                    client.health(timeout=5.0)
+                assert err.value.code == "connection_lost"
+                assert err.value.message.endswith("lost (handshake failed: protocol)")
+                assert time.monotonic() - started < 1.0
+    finally:
+        server.close(0)
+        ctx.term()
