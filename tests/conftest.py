@@ -1,10 +1,15 @@
-"""Shared test setup: one torch thread per process, GPU tests skipped without a GPU."""
+"""Shared test setup: one torch thread per process, GPU tests skipped without a GPU, the front
+door tests' tokenizer."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+from frontdoor_harness import build_tokenizer
+
+from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -26,3 +31,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not CUDA:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    tok = load_tokenizer(tokenizer_dir)
+    assert tok is not None
+    return tok

@@ -25,7 +25,6 @@ from frontdoor_harness import (
     CONTEXT_LENGTH,
     REPLY_TEXT,
     Stack,
-    build_tokenizer,
     finish,
     install_speculative_spec,
     model_facts,
@@ -36,7 +35,7 @@ from frontdoor_harness import (
 from outrider.daemon.frontdoor import FrontDoorConfig, run_frontdoor
 from outrider.daemon.frontdoor_clients import PROBE_FIRST_S
 from outrider.daemon.internal import ErrorInfo, RequestUpdate, StateChange
-from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
+from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol import (
     Client,
     GenerateResult,
@@ -61,20 +60,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 T = TypeVar("T")
 
 SLOW_CONSUMER_S = 0.5
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> Tokenizer:
-    tok = load_tokenizer(tokenizer_dir)
-    assert tok is not None
-    return tok
 
 
 @pytest.fixture(scope="module")

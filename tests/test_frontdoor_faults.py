@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import msgspec
 import pytest
 import pytest_asyncio
-from frontdoor_harness import Stack, build_tokenizer, model_facts, start_stack, until
+from frontdoor_harness import Stack, model_facts, start_stack, until
 
 from outrider.daemon.frontdoor_clients import PROBE_FIRST_S
 from outrider.daemon.frontdoor_validation import (
@@ -25,7 +25,7 @@ from outrider.daemon.frontdoor_validation import (
     MAX_WAITING_PROMPTS,
     prompt_char_limit,
 )
-from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
+from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol import Client, RequestError
 from outrider.protocol.frames import request_codec
 from outrider.protocol.messages import Abort, Ack, Error, Finished, Generate, Health, HealthQuery
@@ -34,20 +34,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 T = TypeVar("T")
 
 REPLY_IDS = [7, 8, 9]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> Tokenizer:
-    tok = load_tokenizer(tokenizer_dir)
-    assert tok is not None
-    return tok
 
 
 async def serving_stack(
