@@ -302,9 +302,10 @@ class Connection:
                 message = f"connection to {self.endpoint} lost{reason}"
                 self._fail_all("connection_lost", message)
                 self._lost_since_boot = True
-                if reason == " (handshake failed: protocol)":
-                    # NOTE: libzmq never reconnects after a protocol failure (e.g. a plain
-                    # client at a CURVE server): every later call would wait for nothing.
+                if reason:
+                    # NOTE: libzmq never reconnects after a failed handshake (a plain client
+                    # at a CURVE server, a key the server refuses): every later call would
+                    # wait for nothing. The events often arrive before the first call.
                     self._link_dead = message
 
     def _note_boot(self, boot_id: str, request_id: str) -> None:

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 import msgspec
 import pytest
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from outrider.daemon import generate_cmd
 from outrider.daemon.generate_cmd import add_generate_arguments, run_generate
@@ -695,24 +697,40 @@ def test_cli_says_why_nothing_answers(
     )
 
 
-def test_a_protocol_handshake_failure_fails_later_calls_at_once() -> None:
-    """libzmq never reconnects after a protocol failure (a plain client at a CURVE server):
-    a call made after it fails with ``connection_lost`` instead of waiting for nothing."""
+@pytest.mark.parametrize("failure", ["protocol", "authentication"])
+def test_a_failed_handshake_fails_later_calls_at_once(failure: str) -> None:
+    """libzmq never reconnects after a failed handshake (a plain client at a CURVE server, a
+    client key the server refuses): a call made after it fails with ``connection_lost``
+    instead of waiting for nothing."""
     ctx = zmq.Context()
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+    auth.configure_curve_callback(domain="*", credentials_provider=_RefuseAll())
     server = ctx.socket(zmq.ROUTER)
     server.curve_server = True
-    server.curve_publickey, server.curve_secretkey = zmq.curve_keypair()
+    server_public, server.curve_secretkey = zmq.curve_keypair()
+    server.curve_publickey = server_public
     port = server.bind_to_random_port("tcp://127.0.0.1")
+    server_key = server_public if failure == "authentication" else None
     try:
-        with Client(f"tcp://127.0.0.1:{port}") as client:
+        with Client(f"tcp://127.0.0.1:{port}", curve_server_key=server_key) as client:
             time.sleep(0.5)  # the handshake fails before any call
             for _ in range(2):
                 started = time.monotonic()
                 with pytest.raises(RequestError) as err:
                     client.health(timeout=5.0)
                 assert err.value.code == "connection_lost"
-                assert err.value.message.endswith("lost (handshake failed: protocol)")
+                assert err.value.message.endswith(f"lost (handshake failed: {failure})")
                 assert time.monotonic() - started < 1.0
     finally:
         server.close(0)
+        auth.stop()
         ctx.term()
+
+
+class _RefuseAll:
+    """A CURVE credentials provider that refuses every client key."""
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return False

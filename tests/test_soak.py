@@ -88,6 +88,7 @@ def soak_daemon(model_dir: Path, tmp_path: Path) -> Iterator[Daemon]:
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(SOAK_SECONDS + 300)
 async def test_fault_soak(soak_daemon: Daemon, model_dir: Path) -> None:
     daemon = soak_daemon
     pids = {
