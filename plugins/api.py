@@ -79,6 +79,39 @@ def verify_width(num_draft_tokens: int, num_steps: int, topk: int) -> int:
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """The geometry of a decode batch row, resolved once from the speculative flags and handed
+    to the scheduler, the runner and the speculative worker."""
+
+    width: int  # N: tokens verified per row, the root included (1: plain decoding)
+    depth: int  # S: draft depth; a chain has S = N - 1
+    topk: int  # K: branching per draft step; 1 is a chain
+
+    @property
+    def speculative(self) -> bool:
+        return self.width > 1
+
+    @property
+    def tree(self) -> bool:
+        return self.topk > 1
+
+    @property
+    def max_commit(self) -> int:
+        """Tokens a row commits at most: the drafts of the deepest path plus the bonus."""
+        return min(self.depth, self.width - 1) + 1
+
+    @property
+    def kv_span(self) -> int:
+        """KV positions a decode batch writes from a row's start: the verify block, and a tree
+        drafter's ``K`` node slots for each of its ``S - 1`` forward steps."""
+        return max(self.width, (self.depth - 1) * self.topk) if self.tree else self.width
+
+
+# Plain decoding: one token per row, nothing drafted.
+NO_DRAFT = StepShape(width=1, depth=0, topk=1)
+
+
+@dataclass(frozen=True)
 class RequestFacts:
     """What a plugin's ``check_request`` may look at: one validated request, no tokens."""
 

@@ -24,10 +24,10 @@ from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
 from outrider.daemon.tokenizer import load_tokenizer
-from outrider.plugins.api import Phase, SpeculativeCapabilities, verify_width
+from outrider.plugins.api import NO_DRAFT, Phase, SpeculativeCapabilities, StepShape, verify_width
 from outrider.plugins.attention.base import AttentionBackend, AttentionShape
 from outrider.plugins.registry import SPECULATIVE_FLAG, discover
-from outrider.plugins.speculative.base import SpeculativeWorker, StepShape, WorkerContext
+from outrider.plugins.speculative.base import SpeculativeWorker, WorkerContext
 from outrider.plugins.speculative.draft_config import read_config
 
 log = logging.getLogger("outrider.engine")
@@ -75,7 +75,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     device = torch.device(config.device)
     context_length = config.context_length or model_config.max_position_embeddings
     speculative = _speculative_plugin(config)
-    shape = speculative.shape if speculative is not None else StepShape(1, 0, 1)
+    shape = speculative.shape if speculative is not None else NO_DRAFT
     width = shape.width
     reservation = step_reservation(shape.kv_span, shape.max_commit, config.page_size)
     model, model_config = load_model(
@@ -232,8 +232,8 @@ def _step_shape(config: ServeConfig, caps: SpeculativeCapabilities) -> StepShape
             "--speculative-num-draft-tokens %d",
             name, width - 1, width, given,
         )  # fmt: skip
-    steps = config.speculative_num_steps if topk > 1 else width - 1
-    return StepShape(width, steps, topk)
+    depth = config.speculative_num_steps if topk > 1 else width - 1
+    return StepShape(width, depth, topk)
 
 
 def _default_width(caps: SpeculativeCapabilities, draft_model: str) -> int:

@@ -1,5 +1,6 @@
 """``StepPlan``: what the scheduler hands the executor for one step (msgspec-encodable, so a
-tensor-parallel rank's executor can receive the same plan over a pipe)."""
+tensor-parallel rank's executor can receive the same plan over a pipe), and ``StepOutput``:
+what the executor hands back."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Literal
 
 from msgspec import Struct
 
-StepKind = Literal["extend", "step"]
+StepKind = Literal["extend", "decode"]
 
 
 class SlotParams(Struct, array_like=True, frozen=True, gc=False):
@@ -50,3 +51,14 @@ class StepPlan(Struct, array_like=True, frozen=True):
     @property
     def num_tokens(self) -> int:
         return sum(self.q_lens)
+
+
+class StepOutput(Struct, frozen=True):
+    """Host results of one step, one entry per sampled row (``plan.sample_rows`` order): the
+    tokens the row committed (one for EXTEND; accepted drafts plus the bonus for a
+    speculative decode batch), each with its logprob and top logprobs."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    top_ids: list[list[list[int]]]
+    top_logprobs: list[list[list[float]]]

@@ -31,7 +31,7 @@ from outrider.daemon.engine.accept import (
     tree_geometry,
 )
 from outrider.daemon.engine.forward import ForwardBatch, KVCache, flat_kv_index
-from outrider.daemon.engine.plan import StepPlan
+from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.sampling import (
     SampleResult,
     SamplingBatch,
@@ -63,18 +63,6 @@ class RunnerLimits:
     max_pages: int  # per request: ceil((context_length + reservation) / page_size)
     max_tokens: int  # per step
     vocab_limit: int  # sampled ids stay below this (the tokenizer's length)
-
-
-@dataclass
-class StepOutput:
-    """Host results of one step, one entry per sampled row (``plan.sample_rows`` order): the
-    tokens the row committed (one for EXTEND; accepted drafts plus the bonus for a
-    speculative STEP), each with its logprob and top logprobs."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    top_ids: list[list[list[int]]]
-    top_logprobs: list[list[list[float]]]
 
 
 @dataclass

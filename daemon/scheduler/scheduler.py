@@ -31,8 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from outrider.daemon.engine.plan import SlotParams, StepPlan
-from outrider.daemon.engine.runner import StepOutput
+from outrider.daemon.engine.plan import SlotParams, StepOutput, StepPlan
 from outrider.daemon.internal import (
     Counters,
     ErrorInfo,
@@ -269,7 +268,7 @@ class Scheduler:
             req.committed_len += commit
             req.planned_outputs += commit
         plan = StepPlan(
-            kind="step",
+            kind="decode",
             slots=[r.slot for r in rows],
             starts=starts,
             q_lens=[width] * len(rows),
@@ -343,7 +342,7 @@ class Scheduler:
         wait in ``take_updates``."""
         for req in planned.requests:
             req.inflight -= 1
-        step = planned.plan.kind == "step"
+        step = planned.plan.kind == "decode"
         for i, row in enumerate(planned.plan.sample_rows):
             req = planned.requests[row]
             if req.finished:

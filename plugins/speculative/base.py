@@ -26,35 +26,11 @@ import torch
 from torch import nn
 
 from outrider.daemon.engine.forward import ForwardBatch, KVCache, flat_kv_index
-from outrider.plugins.api import Phase
+from outrider.plugins.api import Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend, AttentionShape
 
 if TYPE_CHECKING:
     from outrider.daemon.engine.sampling import SamplingBatch
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """The geometry of a STEP, resolved from the speculative flags."""
-
-    width: int  # N: verify tokens per row, the root included
-    steps: int  # S: draft depth; a chain has S = N - 1
-    topk: int  # K: branching per draft step; 1 is a chain
-
-    @property
-    def tree(self) -> bool:
-        return self.topk > 1
-
-    @property
-    def max_commit(self) -> int:
-        """Tokens a row commits at most: the drafts of the deepest path plus the bonus."""
-        return min(self.steps, self.width - 1) + 1
-
-    @property
-    def kv_span(self) -> int:
-        """KV positions a STEP writes from a row's committed length: the verify block, and a
-        tree drafter's ``K`` node slots for each of its ``S - 1`` forward steps."""
-        return max(self.width, (self.steps - 1) * self.topk) if self.tree else self.width
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ class Eagle3Worker(SpeculativeWorker):
         self.extend_backend = ctx.make_backend("draft_extend", shape)
         self.decode_backend = ctx.make_backend("draft_decode", shape)
         self.embed = ctx.embed
-        self.steps, self.topk = ctx.shape.steps, ctx.shape.topk
+        self.depth, self.topk = ctx.shape.depth, ctx.shape.topk
         hidden = config.model.hidden_size
         self.feat = torch.zeros(ctx.max_slots, hidden, dtype=ctx.dtype, device=ctx.device)
         self.node_offsets = torch.arange(self.topk, device=ctx.device)  # [K]
@@ -92,8 +92,8 @@ class Eagle3Worker(SpeculativeWorker):
         cand_tokens, cand_scores = [token], [score]
         cand_parents = [torch.full_like(token, -1)]
         node = self.node_offsets.expand(bs, k)  # [bs, K]: the frontier's candidate indices
-        ancestors = torch.zeros(bs, k, (self.steps - 1) * k, dtype=torch.bool, device=y.device)
-        for step in range(1, self.steps):
+        ancestors = torch.zeros(bs, k, (self.depth - 1) * k, dtype=torch.bool, device=y.device)
+        for step in range(1, self.depth):
             first = (step - 1) * k  # this step's node slots: seq + first ..
             ancestors[:, :, first : first + k] |= torch.eye(k, dtype=torch.bool, device=y.device)
             y = self._frontier(view, step, token, y, ancestors[:, :, : first + k])  # [bs, K, H]
