@@ -1,9 +1,9 @@
-"""One speculative STEP (draft + verify + accept + draft catch-up) next to one plain decode
-STEP, in process on the GPU, with dummy weights.
+"""One speculative decode step (draft + verify + accept + draft catch-up) next to one plain
+decode step, in process on the GPU, with dummy weights.
 
 First a short pass with any host synchronisation inside a step raising
 (``OUTRIDER_DEBUG_SYNC_CHECK``), then steady-state timing: ``batch`` requests decoding, the
-overlap loop, the mean wall time of one loop turn (= one STEP) over ``--steps`` turns.
+overlap loop, the mean wall time of one loop turn (= one step) over ``--steps`` turns.
 
     python benchmarks/spec_cycle.py --model Llama-3.1-8B-Instruct.config.json \\
         --algorithm eagle3 --draft-model Llama-3.1-8B-EAGLE3.config.json --batch 1 32
@@ -29,7 +29,7 @@ class Row:
     algorithm: str
     batch: int
     step_ms: float
-    tokens_per_step: float  # committed per request per STEP (1 + mean accepted drafts)
+    tokens_per_step: float  # committed per request per step (1 + mean accepted drafts)
 
 
 def _engine(args: argparse.Namespace, algorithm: str, batch: int) -> Engine:

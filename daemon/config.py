@@ -80,6 +80,7 @@ class ServeConfig:
             speculative_topk=self.speculative_topk,
             speculative_config=self.speculative_config,
             draft_model=self.draft_model,
+            attention_config=dict(item.split("=", 1) for item in self.attention_config),
         )
 
     @property
@@ -263,7 +264,9 @@ DEBUG_KNOBS: dict[str, str] = {
     "OUTRIDER_DEBUG_KV_CHECK": "run the KV integrity check after every step (tests)",
     "OUTRIDER_DEBUG_RETRACT_EVERY": "retract the youngest running request every N steps",
     "OUTRIDER_DEBUG_SYNC_CHECK": "raise on any host synchronisation inside a step (CUDA)",
-    "OUTRIDER_DEBUG_RELAY_CHECK": "poison released relay rows; assert STEPs read none (syncs)",
+    "OUTRIDER_DEBUG_RELAY_CHECK": (
+        "poison released relay rows; assert decode batches read none (syncs)"
+    ),
 }
 
 

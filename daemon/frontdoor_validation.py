@@ -14,6 +14,7 @@ characters than the context can hold before any tokenizing), ``admit`` the rest.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from typing import Literal
 from outrider.daemon.internal import ModelFacts, SamplingSpec
 from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer
 from outrider.plugins.api import RequestFacts
-from outrider.plugins.registry import discover
+from outrider.plugins.registry import discover, request_refusal
 from outrider.protocol.messages import MAX_STOP_STRING_CHARS, ErrorCode, Generate
 
 log = logging.getLogger("outrider.frontdoor")
@@ -69,14 +70,16 @@ class Prompt:
 
 
 def speculative_request_check(algorithm: str) -> RequestCheck | None:
-    """The ``check_request`` of the speculative plugin ``algorithm`` (None for "none").
+    """What the speculative plugin ``algorithm`` refuses per request: its declared
+    capabilities, then its own ``check_request`` (None for "none"). The front door's one
+    discovery.
 
     Raises ``PluginError`` when the plugin cannot be found: the daemon already checked it at
     start, so this is fatal for the front door, never a per-request error.
     """
     if algorithm == "none":
         return None
-    return discover().get("speculative", algorithm).check_request
+    return functools.partial(request_refusal, discover().get("speculative", algorithm))
 
 
 def prompt_char_limit(tokenizer: Tokenizer, context_length: int) -> int:

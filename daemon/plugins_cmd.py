@@ -14,15 +14,23 @@ from typing import Any
 import msgspec
 
 from outrider.daemon.config import EXIT_CONFIG, ConfigError, add_serve_arguments, resolve
-from outrider.plugins.api import ENTRY_POINT_GROUPS, PHASES, CheckContext, PluginKind, Problem
+from outrider.plugins.api import (
+    ENTRY_POINT_GROUPS,
+    PHASES,
+    AttentionCapabilities,
+    CheckContext,
+    PluginKind,
+    Problem,
+    SpeculativeCapabilities,
+)
 from outrider.plugins.registry import (
     ATTENTION_FLAG,
     KIND_NAMES,
     SPECULATIVE_FLAG,
     Entry,
+    PluginProblems,
     Registry,
     discover,
-    run_check,
 )
 
 # The built-in backend that speculative plugins are checked against.
@@ -43,6 +51,7 @@ class PluginReport(msgspec.Struct, frozen=True):
     target: str
     summary: str | None
     options: list[OptionField]
+    capabilities: AttentionCapabilities | SpeculativeCapabilities | None
     usable: bool
     problems: list[Problem]
     error: str | None  # set when the entry point cannot be used at all
@@ -82,7 +91,8 @@ def run_plugins(args: argparse.Namespace) -> int:
         return run_serve_check(args.check)
     report = build_report(discover(), machine_context(args.page_size))
     if args.json:
-        print(msgspec.json.format(msgspec.json.encode(report), indent=2).decode())
+        encoded = msgspec.json.encode(report, order="deterministic")
+        print(msgspec.json.format(encoded, indent=2).decode())
     else:
         print(format_report(report))
     return 0
@@ -105,13 +115,17 @@ def run_serve_check(argv: list[str], environ: Mapping[str, str] | None = None) -
     dtype = config.dtype
     if dtype == "auto":
         dtype = "float32" if config.device == "cpu" else "bfloat16"
-    problems = discover().check(config.check_context(dtype, capability))
-    if problems:
+    try:
+        plugins = discover().resolve(config.check_context(dtype, capability))
+    except PluginProblems as exc:
         print("the configuration cannot run:")
-        print("\n".join(f"  {problem}" for problem in problems))
+        print("\n".join(f"  {problem}" for problem in exc.problems))
         return EXIT_CONFIG
-    routes = ", ".join(f"{phase} {name}" for phase, name in config.attention_routes.items())
-    print(f"the configuration can run: speculative {config.speculative_algorithm}; {routes}")
+    routes = ", ".join(f"{phase} {p.spec.name}" for phase, p in plugins.attention.items())
+    verdict = f"the configuration can run: speculative {config.speculative_algorithm}; {routes}"
+    if plugins.shape.speculative:
+        verdict += f"; {plugins.shape.width} tokens verified per row"
+    print(verdict)
     return 0
 
 
@@ -133,8 +147,8 @@ def build_report(registry: Registry, ctx: CheckContext) -> Report:
     machine = MachineReport(ctx.device, ctx.dtype, ctx.page_size, ctx.cuda_capability)
     return Report(
         machine,
-        attention=[_plugin_report(e, ctx) for e in registry.entries("attention")],
-        speculative=[_plugin_report(e, ctx) for e in registry.entries("speculative")],
+        attention=[_plugin_report(registry, e, ctx) for e in registry.entries("attention")],
+        speculative=[_plugin_report(registry, e, ctx) for e in registry.entries("speculative")],
     )
 
 
@@ -161,22 +175,35 @@ def format_report(report: Report) -> str:
             for o in p.options:
                 default = "required" if o.required else f"= {o.default!r}"
                 lines.append(f"        {o.name}: {o.type} {default}")
+            if p.capabilities is not None:
+                first, *rest = _capability_lines(p.capabilities)
+                lines.append(f"      capabilities: {first}")
+                lines += [f"        {line}" for line in rest]
             lines += [f"      {problem}" for problem in p.problems]
     return "\n".join(lines)
 
 
-def _plugin_report(entry: Entry, ctx: CheckContext) -> PluginReport:
+def _plugin_report(registry: Registry, entry: Entry, ctx: CheckContext) -> PluginReport:
     spec = entry.spec
     if spec is None:
         return PluginReport(
-            entry.name, entry.dist, entry.version, entry.target, None, [], False, [], entry.error
+            entry.name,
+            entry.dist,
+            entry.version,
+            entry.target,
+            None,
+            [],
+            None,
+            False,
+            [],
+            entry.error,
         )
     if entry.kind == "attention":
         ctx = dataclasses.replace(ctx, attention_routes={phase: spec.name for phase in PHASES})
-        problems = run_check(spec, ctx, ATTENTION_FLAG)
+        problems = registry.check_spec(spec, ctx, ATTENTION_FLAG)
     else:
         ctx = dataclasses.replace(ctx, speculative_algorithm=spec.name)
-        problems = run_check(spec, ctx, SPECULATIVE_FLAG)
+        problems = registry.check_spec(spec, ctx, SPECULATIVE_FLAG)
     return PluginReport(
         entry.name,
         entry.dist,
@@ -184,10 +211,36 @@ def _plugin_report(entry: Entry, ctx: CheckContext) -> PluginReport:
         entry.target,
         spec.summary,
         _options(spec.options),
+        spec.attention if entry.kind == "attention" else spec.speculative,
         not problems,
         problems,
         None,
     )
+
+
+def _capability_lines(caps: AttentionCapabilities | SpeculativeCapabilities) -> list[str]:
+    if isinstance(caps, SpeculativeCapabilities):
+        width = f"the draft's {caps.width_key}" if caps.width_key else str(caps.default_width)
+        return [
+            f"draft model {_yes(caps.needs_draft_model)}; trees {_yes(caps.tree)}; "
+            f"non-causal draft {_yes(caps.non_causal_draft)}; "
+            f"host tokens {_yes(caps.needs_host_tokens)}",
+            f"sampling {_yes(caps.sampling)}; logprobs {_yes(caps.logprobs)}; "
+            f"default width {width}",
+        ]
+    pages = "any" if caps.page_sizes is None else ", ".join(map(str, sorted(caps.page_sizes)))
+    phases = [phase for phase in PHASES if phase in caps.phases]
+    return [
+        f"devices {', '.join(sorted(caps.devices))}; dtypes {', '.join(sorted(caps.dtypes))}; "
+        f"page sizes {pages}",
+        f"phases {'all' if len(phases) == len(PHASES) else ', '.join(phases)}; "
+        f"non-causal {_yes(caps.non_causal)}; tree mask {_yes(caps.tree_mask)}; "
+        f"CUDA graphs {_yes(caps.cuda_graphs)}",
+    ]
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
 
 
 def _options(options: type[msgspec.Struct]) -> list[OptionField]:

@@ -61,6 +61,8 @@ class CheckContext:
     speculative_topk: int = 0
     speculative_config: str = ""
     draft_model: str = ""
+    # --attention-config: the options (JSON) per backend name.
+    attention_config: dict[str, str] = field(default_factory=dict)
 
     @property
     def speculative_width(self) -> int:
@@ -125,25 +127,32 @@ class RequestFacts:
 
 @dataclass(frozen=True)
 class AttentionCapabilities:
+    """What an attention backend can do; the registry checks the configuration against it.
+    Causal attention is not declared: every phase needs it."""
+
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
     # None: any page size.
     page_sizes: frozenset[int] | None = None
-    causal: bool = True
     non_causal: bool = False
     tree_mask: bool = False
+    # Its launches may be captured in CUDA graphs.
     cuda_graphs: bool = False
-    # The backend reads per-row kv lengths on the host; the overlap loop then waits for the
-    # step's "lengths published" event before launching it.
-    needs_host_lengths: bool = False
     phases: frozenset[Phase] = frozenset(PHASES)
 
 
 @dataclass(frozen=True)
 class SpeculativeCapabilities:
+    """What a speculative algorithm can do and needs; the registry checks the configuration
+    against it, and the front door each request."""
+
     needs_draft_model: bool = False
     tree: bool = False  # takes --speculative-topk > 1
+    # Drafts with non-causal attention: its draft_decode backend needs ``non_causal``.
+    non_causal_draft: bool = False
+    # False: a request with temperature > 0 is refused.
     sampling: bool = True
+    # False: a request with logprobs > 0 is refused.
     logprobs: bool = True
     # Drafting reads tokens on the host: impossible under the overlap loop.
     needs_host_tokens: bool = False
@@ -157,8 +166,10 @@ class SpeculativeCapabilities:
 class PluginSpec:
     """The light description an entry point names.
 
-    ``check`` returns every problem at once (empty: usable); ``check_request`` returns a
-    message for a request this plugin cannot honour (answered ``unsupported``), else None.
+    The registry checks a configuration against the declared capabilities itself; ``check``
+    adds the plugin's own problems to those (every one at once; empty: none to add).
+    ``check_request`` returns a message for a request this plugin cannot honour beyond what its
+    capabilities say (answered ``unsupported``), else None.
     """
 
     name: str
@@ -167,11 +178,11 @@ class PluginSpec:
     implementation: str  # "module:attribute", imported by load()
     api_version: int = API_VERSION
     options: type[msgspec.Struct] = NoOptions
+    # Those of its kind are required: the registry loads no attention spec without, and its
+    # check refuses a speculative spec without.
     attention: AttentionCapabilities | None = None
     speculative: SpeculativeCapabilities | None = None
-    check: Callable[[PluginSpec, CheckContext], list[Problem]] = field(
-        default=lambda spec, ctx: default_check(spec, ctx)
-    )
+    check: Callable[[PluginSpec, CheckContext], list[Problem]] = field(default=lambda spec, ctx: [])
     check_request: Callable[[RequestFacts], str | None] = field(default=lambda facts: None)
 
     def load(self) -> Any:
@@ -181,88 +192,3 @@ class PluginSpec:
     def parse_options(self, raw: bytes | str | None) -> msgspec.Struct:
         """Validate ``--*-config`` JSON against the options struct (raises ValidationError)."""
         return msgspec.json.decode(raw or b"{}", type=self.options)
-
-
-def default_check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
-    """Capability-driven checks shared by all plugins of a kind; a spec's own ``check`` may
-    add to them."""
-    if spec.speculative is not None:
-        return _speculative_check(spec, spec.speculative, ctx)
-    problems: list[Problem] = []
-    caps = spec.attention
-    if caps is None:
-        return problems
-    flag = f"--attention-backend {spec.name}"
-    if ctx.device not in caps.devices:
-        problems.append(Problem("--device", f"{spec.name} does not run on {ctx.device}"))
-    if ctx.dtype not in caps.dtypes:
-        problems.append(Problem("--dtype", f"{spec.name} does not support {ctx.dtype}"))
-    if caps.page_sizes is not None and ctx.page_size not in caps.page_sizes:
-        sizes = ", ".join(str(p) for p in sorted(caps.page_sizes))
-        problems.append(
-            Problem("--page-size", f"{spec.name} takes page sizes {sizes}, not {ctx.page_size}")
-        )
-    for phase, name in ctx.attention_routes.items():
-        if name == spec.name and phase not in caps.phases:
-            problems.append(Problem(flag, f"{spec.name} cannot run the {phase} phase"))
-    return problems
-
-
-def _speculative_check(
-    spec: PluginSpec, caps: SpeculativeCapabilities, ctx: CheckContext
-) -> list[Problem]:
-    problems: list[Problem] = []
-    name = spec.name
-    if caps.needs_draft_model and not ctx.draft_model:
-        problems.append(Problem("--draft-model", f"{name} needs a draft model directory"))
-    if not caps.needs_draft_model and ctx.draft_model:
-        problems.append(Problem("--draft-model", f"{name} uses no draft model; leave it out"))
-    if ctx.speculative_topk > 1 and not caps.tree:
-        problems.append(
-            Problem(
-                "--speculative-topk",
-                f"{name} drafts chains only: use 1, not {ctx.speculative_topk}",
-            )
-        )
-    elif ctx.speculative_topk > 1:
-        problems += _tree_problems(name, ctx)
-    if caps.needs_host_tokens and ctx.overlap:
-        problems.append(
-            Problem("--no-overlap", f"{name} reads tokens on the host: it needs the serial loop")
-        )
-    if ctx.speculative_num_draft_tokens == 1:
-        problems.append(
-            Problem("--speculative-num-draft-tokens", "must be at least 2 (the root and a draft)")
-        )
-    try:
-        spec.parse_options(ctx.speculative_config)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        problems.append(Problem("--speculative-config", f"{name}: {exc}"))
-    return problems
-
-
-def _tree_problems(name: str, ctx: CheckContext) -> list[Problem]:
-    """A tree (topk K > 1) needs its depth S and size N, at most as many nodes as its
-    K + (S - 1) K^2 scored candidates, and tree masks in the verify and draft phases."""
-    from outrider.plugins.registry import backend_lacks
-
-    k, s, n = ctx.speculative_topk, ctx.speculative_num_steps, ctx.speculative_num_draft_tokens
-    problems = []
-    if s < 1:
-        problems.append(Problem("--speculative-num-steps", f"a tree (topk {k}) needs its depth"))
-    if n < 2:
-        problems.append(
-            Problem("--speculative-num-draft-tokens", f"a tree (topk {k}) needs its size N")
-        )
-    elif s >= 1 and n - 1 > k + (s - 1) * k * k:
-        problems.append(
-            Problem(
-                "--speculative-num-draft-tokens",
-                f"a tree of depth {s} and topk {k} scores {k + (s - 1) * k * k} candidates: "
-                f"at most {k + (s - 1) * k * k + 1}, not {n}",
-            )
-        )
-    need = f"{name} with --speculative-topk {k} verifies a tree"
-    problems += backend_lacks(ctx, "verify", "tree_mask", need + " (a tree mask)")
-    problems += backend_lacks(ctx, "draft_decode", "tree_mask", need + " (a tree mask)")
-    return problems

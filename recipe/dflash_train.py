@@ -217,13 +217,10 @@ def export_config(
 
 
 def export(net: DFlashNet, config_json: dict[str, Any], directory: Path) -> None:
-    """Through the daemon's own filler and writer: a layout its loader accepts as is."""
-    from outrider.plugins.speculative.dflash_model import (
-        DFlashConfig,
-        build_dflash,
-        fill_dflash,
-        save_dflash,
-    )
+    """Through the daemon's own filler and ``recipe.export``'s writer: a layout the daemon's
+    loader accepts as is."""
+    from outrider.plugins.speculative.dflash_model import DFlashConfig, build_dflash, fill_dflash
+    from recipe.export import save_dflash
 
     dtype = getattr(torch, config_json["torch_dtype"])
     parsed = DFlashConfig.from_dict(config_json)

@@ -227,13 +227,10 @@ def export_config(
 
 
 def export(net: Eagle3Net, vocab: DraftVocab, config_json: dict[str, Any], directory: Path) -> None:
-    """Through the daemon's own filler and writer: a layout its loader accepts as is."""
-    from outrider.plugins.speculative.eagle3_model import (
-        Eagle3Config,
-        build_eagle3,
-        fill_eagle3,
-        save_eagle3,
-    )
+    """Through the daemon's own filler and ``recipe.export``'s writer: a layout the daemon's
+    loader accepts as is."""
+    from outrider.plugins.speculative.eagle3_model import Eagle3Config, build_eagle3, fill_eagle3
+    from recipe.export import save_eagle3
 
     dtype = getattr(torch, config_json["torch_dtype"])
     parsed = Eagle3Config.from_dict(config_json)

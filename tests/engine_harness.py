@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import pytest
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
-from outrider.daemon.internal import FinishInfo, RequestUpdate, SamplingSpec, TokenizedRequest
+from outrider.daemon.internal import (
+    Counters,
+    FinishInfo,
+    RequestUpdate,
+    SamplingSpec,
+    TokenizedRequest,
+)
 
 
 @dataclass
@@ -73,6 +81,38 @@ def request(
         want_logprobs=logprobs > 0,
         arrival=time.time(),
     )
+
+
+def requests_for(
+    prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None, first_rid: int = 0
+) -> list[TokenizedRequest]:
+    """One greedy ``request`` per prompt (eos ignored), rids counting up from ``first_rid``."""
+    return [request(first_rid + i, p, max_new_tokens=max_new_tokens) for i, p in enumerate(prompts)]
+
+
+def tokens_of(outcomes: Mapping[int, Outcome]) -> dict[int, list[int]]:
+    """The tokens each request got, by rid."""
+    return {rid: outcome.token_ids for rid, outcome in outcomes.items()}
+
+
+def tau_of(counters: Counters) -> float:
+    """The mean acceptance length ``1 + accepted / drafts``; asserts there was a draft."""
+    assert counters.spec_drafts > 0
+    return 1 + counters.spec_accepted_tokens / counters.spec_drafts
+
+
+def debug_checks_fixture(*, relay_check: bool = True) -> Callable[..., object]:
+    """An autouse fixture for the test module that assigns it: every test runs with the KV
+    check (``OUTRIDER_DEBUG_KV_CHECK``) and, unless ``relay_check`` is False, the relay check
+    (``OUTRIDER_DEBUG_RELAY_CHECK``)."""
+
+    @pytest.fixture(autouse=True)
+    def debug_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("OUTRIDER_DEBUG_KV_CHECK", "1")
+        if relay_check:
+            monkeypatch.setenv("OUTRIDER_DEBUG_RELAY_CHECK", "1")
+
+    return debug_checks
 
 
 def run(

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from outrider.daemon.engine.forward import ForwardBatch, KVCache
 from outrider.plugins.api import NoOptions
-from outrider.plugins.attention.base import AttentionBackend, AttentionShape
+from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.attention.torch_impl import TorchAttention
+from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, KVCache
 
 VOCAB = 300
 TINY: dict[str, Any] = {
@@ -107,8 +107,7 @@ class PagedRows:
             num_layers,
             num_pages=1 + max_slots * max_pages,
             page_size=page_size,
-            kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
+            shape=shape,
             dtype=dtype,
             device=self.device,
         )
@@ -158,10 +157,9 @@ class PagedRows:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        fb = ForwardBatch(
-            backend=backend,
-            kv=self.kv,
+        layout = BatchLayout(
             page_table=self.page_table,
+            page_size=self.page_size,
             slots=tensor([slot for slot, _ in rows]),
             positions=tensor(positions),
             out_loc=tensor(out_loc),
@@ -172,15 +170,15 @@ class PagedRows:
             max_q=max_q,
             max_kv=max(seq_lens) + kv_slack,
             causal=causal,
-            capture_layers=capture_layers,
         )
-        return tensor(ids), fb
+        return tensor(ids), ForwardBatch.bind(layout, backend, self.kv, capture_layers)
 
 
 def save_random_eagle3(directory: Path) -> Path:
     """A random EAGLE-3 draft for the tiny targets (hidden 64, 3 layers), in the public
     layout, with a draft vocabulary half the target's: draft id i stands for target id 2i."""
-    from outrider.plugins.speculative.eagle3_model import load_eagle3, save_eagle3
+    from outrider.plugins.speculative.eagle3_model import load_eagle3
+    from recipe.export import save_eagle3
 
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -214,7 +212,8 @@ def save_random_eagle3(directory: Path) -> Path:
 def save_random_dflash(directory: Path, block_size: int = 4) -> Path:
     """A random DFlash draft (two Qwen3 layers) for the tiny targets, tapping layers 0 and 1,
     with the last id as its mask token."""
-    from outrider.plugins.speculative.dflash_model import load_dflash, save_dflash
+    from outrider.plugins.speculative.dflash_model import load_dflash
+    from recipe.export import save_dflash
 
     config = {
         "architectures": ["DFlashDraftModel"],

@@ -23,8 +23,8 @@ from outrider.plugins.speculative.dflash_model import (
     default_target_layers,
     dflash_tensors,
     load_dflash,
-    save_dflash,
 )
+from recipe.export import save_dflash
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 REFERENCE = CONFIGS / "Qwen3-8B-DFlash-b16.config.json"
@@ -154,10 +154,9 @@ def _draft_twice(model: DFlashDraft) -> tuple[torch.Tensor, torch.Tensor]:
 
     def step(lengths: Sequence[int], features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         _, fb = rows.batch(backend, [(s, [0] * n) for s, n in zip(SLOTS, lengths, strict=True)])
-        model.materialize(features, fb)
+        model.materialize(features, fb.layout, fb.kv)
         block = [(s, [MASK] * BLOCK) for s in SLOTS]
         _, fb = rows.batch(backend, block, causal=False, kv_slack=5)
-        backend.prepare(fb)
         out = model(embeds, fb)
         for slot in SLOTS:  # the block is not committed: the next context overwrites it
             rows.lengths[slot] -= BLOCK

@@ -23,8 +23,8 @@ from outrider.plugins.speculative.eagle3_model import (
     default_aux_layers,
     eagle3_tensors,
     load_eagle3,
-    save_eagle3,
 )
+from recipe.export import save_eagle3
 
 REFERENCE = Path(__file__).parent / "fixtures" / "configs" / "Llama-3.1-8B-EAGLE3.config.json"
 H, HQ, HKV, D, HT = 64, 4, 2, 16, 48
@@ -111,12 +111,10 @@ def _prefill_then_step(model: Eagle3Draft) -> tuple[torch.Tensor, torch.Tensor, 
     backend = torch_backend(model.attention_shape)
     with torch.no_grad():
         _, fb = rows.batch(backend, [(s, [0] * n) for s, n in zip(SLOTS, PREFILL, strict=True)])
-        backend.prepare(fb)
         feat = model.project(features)
         y = model(embeds, feat, fb)
         last = torch.tensor(PREFILL).cumsum(0) - 1
         _, fb = rows.batch(backend, [(s, [0]) for s in SLOTS], kv_slack=3)
-        backend.prepare(fb)
         y_step = model(step_embeds, y[last], fb)
     return feat, y, y_step
 

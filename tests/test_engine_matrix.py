@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CUDA
-from engine_harness import engine_for, request, run
+from engine_harness import debug_checks_fixture, engine_for, request, requests_for, run
 from model_fixtures import VOCAB, save_tiny_model
 
 from outrider.daemon.config import ConfigError, resolve
@@ -19,11 +19,8 @@ from outrider.daemon.engine.runner import Launched
 NEW_TOKENS = 10
 
 
-@pytest.fixture(autouse=True)
-def _debug_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OUTRIDER_DEBUG_KV_CHECK", "1")
-    if not CUDA:  # the relay check syncs; the CUDA tests run the sync check instead
-        monkeypatch.setenv("OUTRIDER_DEBUG_RELAY_CHECK", "1")
+# The relay check syncs; the CUDA tests run the sync check instead.
+debug_checks = debug_checks_fixture(relay_check=not CUDA)
 
 
 def _prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
@@ -69,7 +66,7 @@ def reference(
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 def test_greedy_matches_transformers(reference: Reference, page_size: int, overlap: bool) -> None:
     engine = engine_for(reference.directory, page_size=page_size, no_overlap=not overlap)
-    reqs = [request(i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(reference.prompts)]
+    reqs = requests_for(reference.prompts, max_new_tokens=NEW_TOKENS)
     outcomes = run(engine, reqs)
     for i, expected in enumerate(reference.expected):
         assert outcomes[i].token_ids == expected, f"prompt {i}"
@@ -79,9 +76,7 @@ def test_greedy_matches_transformers(reference: Reference, page_size: int, overl
     # Prefix hits: the first prefixed request publishes the shared pages, the rest reuse them.
     first = run(engine, [request(100, reference.prefixed[0], max_new_tokens=NEW_TOKENS)])
     assert first[100].token_ids == reference.expected_prefixed[0]
-    rest = [
-        request(101 + i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(reference.prefixed[1:])
-    ]
+    rest = requests_for(reference.prefixed[1:], max_new_tokens=NEW_TOKENS, first_rid=101)
     outcomes = run(engine, rest)
     for i, expected in enumerate(reference.expected_prefixed[1:]):
         outcome = outcomes[101 + i]
@@ -96,7 +91,7 @@ def test_chunked_prefill_and_staggered_arrivals(reference: Reference, overlap: b
     engine = engine_for(
         reference.directory, page_size=4, chunked_prefill_tokens=8, no_overlap=not overlap
     )
-    reqs = [request(i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(reference.prompts)]
+    reqs = requests_for(reference.prompts, max_new_tokens=NEW_TOKENS)
     outcomes = run(engine, reqs, stagger=3)
     for i, expected in enumerate(reference.expected):
         assert outcomes[i].token_ids == expected, f"prompt {i}"
@@ -113,7 +108,7 @@ def test_retraction(reference: Reference, overlap: bool, monkeypatch: pytest.Mon
         context_length=64,
         no_overlap=not overlap,
     )
-    reqs = [request(i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(reference.prompts)]
+    reqs = requests_for(reference.prompts, max_new_tokens=NEW_TOKENS)
     outcomes = run(engine, reqs)
     for i, expected in enumerate(reference.expected):
         assert outcomes[i].token_ids == expected, f"prompt {i}"
@@ -182,7 +177,7 @@ def test_cuda_greedy_matches_transformers(
     """float32 on CUDA with overlap, any host sync inside a step raising."""
     monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
     engine = engine_for(reference.directory, page_size=page_size, device="cuda")
-    reqs = [request(i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(reference.prompts)]
+    reqs = requests_for(reference.prompts, max_new_tokens=NEW_TOKENS)
     reqs += [
         request(100 + i, p, max_new_tokens=NEW_TOKENS, temperature=0.9, top_k=20, top_p=0.9)
         for i, p in enumerate(reference.prompts)
@@ -209,8 +204,8 @@ def test_failed_step_ends_its_batch_with_internal(reference: Reference, overlap:
 
     runner.launch = failing_launch  # type: ignore[method-assign]  # fault injection
     prompts = reference.prompts
-    first = run(engine, [request(i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(prompts)])
-    # Launch 1 is the EXTEND of all six, launch 2 their first STEP, launch 3 fails.
+    first = run(engine, requests_for(prompts, max_new_tokens=NEW_TOKENS))
+    # Launch 1 is the EXTEND of all six, launch 2 their first decode batch, launch 3 fails.
     for outcome in first.values():
         error = outcome.final.error
         assert error is not None and error.code == "internal"

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from engine_harness import engine_for, run
-from engine_harness import request as make_request
+from engine_harness import engine_for, requests_for, run, tau_of, tokens_of
 from transformers import AutoTokenizer
 
 from outrider.daemon.family import Family, embedded_family
-from outrider.daemon.internal import Counters, TokenizedRequest
+from outrider.daemon.internal import TokenizedRequest
 
 NEW_TOKENS = 128
 # (flags, floor on 1 + accepted / drafts)
@@ -55,20 +54,12 @@ def requests(family: Family) -> list[TokenizedRequest]:
         list(template(m, add_generation_prompt=True, tokenize=True)["input_ids"])
         for m in conversations
     ]
-    return [
-        make_request(rid, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-        for rid, prompt in enumerate(ids)
-    ]
+    return requests_for(ids, max_new_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def plain(family: Family, requests: list[TokenizedRequest]) -> dict[int, list[int]]:
-    outcomes = run(engine_for(str(family.target)), requests)
-    return {rid: o.token_ids for rid, o in outcomes.items()}
-
-
-def _tau(counters: Counters) -> float:
-    return 1 + counters.spec_accepted_tokens / counters.spec_drafts
+    return tokens_of(run(engine_for(str(family.target)), requests))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -81,7 +72,6 @@ def test_drafts_are_lossless_and_accepted(
     flags, floor = CONFIGS[name]
     algorithm = str(flags["speculative_algorithm"])
     engine = engine_for(str(family.target), draft_model=str(family.drafts[algorithm]), **flags)
-    outcomes = run(engine, requests)
-    assert {rid: o.token_ids for rid, o in outcomes.items()} == plain
+    assert tokens_of(run(engine, requests)) == plain
     counters = engine.scheduler.counters()
-    assert _tau(counters) >= floor, (name, _tau(counters), counters.spec_accepted_per_position)
+    assert tau_of(counters) >= floor, (name, tau_of(counters), counters.spec_accepted_per_position)

@@ -13,7 +13,6 @@ import torch
 from model_fixtures import VOCAB, PagedRows, llama3_rope, save_tiny_model, torch_backend
 from safetensors.torch import load_file, save_file
 
-from outrider.daemon.engine.forward import ForwardBatch
 from outrider.daemon.models import model_class
 from outrider.daemon.models.config import ModelConfig, load_eos_ids
 from outrider.daemon.models.layers import DecoderForCausalLM
@@ -22,7 +21,8 @@ from outrider.daemon.models.loader import (
     expected_checkpoint_shapes,
     load_model,
 )
-from outrider.plugins.attention.base import AttentionShape
+from outrider.plugins.attention.torch_impl import TorchAttentionMetadata
+from outrider.plugins.device import AttentionShape, ForwardBatch
 
 REFERENCE = Path(__file__).parent / "fixtures" / "configs"
 KINDS = ("llama", "qwen2", "qwen3")
@@ -86,7 +86,6 @@ def _run(
     """One step through ``model``: per-row logits ``[len, vocab]`` and the batch."""
     backend = torch_backend(model.attention_shape)
     input_ids, fb = rows.batch(backend, batch, kv_slack=kv_slack, capture_layers=capture_layers)
-    backend.prepare(fb)
     with torch.no_grad():
         logits = model.compute_logits(model(input_ids, fb))
     return logits.split([len(tokens) for _, tokens in batch]), fb
@@ -144,9 +143,8 @@ def test_non_causal_attention_matches_dense() -> None:
     batch = [(slot, [0] * n) for slot, n in zip((1, 2), lens, strict=True)]
     _, fb = rows.batch(backend, batch, causal=False, kv_slack=5)
     q, k, v = torch.randn(10, hq, dim), torch.randn(10, hkv, dim), torch.randn(10, hkv, dim)
-    backend.prepare(fb)
-    assert backend.metadata is not None
-    assert backend.metadata.mask.any(dim=-1).all()  # padded query cells see kv 0: no NaN
+    assert isinstance(fb.metadata, TorchAttentionMetadata)
+    assert fb.metadata.mask.any(dim=-1).all()  # padded query cells see kv 0: no NaN
     out = backend.forward(0, q, k, v, fb)
     for start, n in ((0, 3), (3, 7)):
         rq, rk, rv = (t[start : start + n].transpose(0, 1) for t in (q, k, v))

@@ -251,7 +251,6 @@ def _outrider_greedy(directory: Path, prompt: list[int], steps: int) -> list[int
     tokens, feed = [], prompt
     for _ in range(steps):
         input_ids, fb = rows.batch(backend, [(0, feed)])
-        backend.prepare(fb)
         with torch.no_grad():
             logits = net.compute_logits(net(input_ids, fb))  # [len(feed), vocab]
         feed = [int(logits[-1].argmax())]

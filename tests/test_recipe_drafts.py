@@ -197,9 +197,8 @@ def test_dflash_twin_matches_the_daemon_draft(out: Path, dflash: Manifest) -> No
     backend = torch_backend(draft.attention_shape)
     with torch.no_grad():
         _, fb = rows.batch(backend, [(0, [0] * context)])
-        draft.materialize(features, fb)
+        draft.materialize(features, fb.layout, fb.kv)
         _, fb = rows.batch(backend, [(0, [3] * block)], causal=False)
-        backend.prepare(fb)
         daemon = draft(embeds, fb)
         # The twin sees the features at every position and masks those from the anchor on.
         taps = torch.cat((features, torch.randn(block, 2 * 64, generator=gen)))[None]

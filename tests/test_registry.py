@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import textwrap
 import uuid
@@ -8,12 +10,34 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+from frontdoor_harness import model_facts
 
-from outrider.plugins.api import PHASES, CheckContext, Phase, Problem
-from outrider.plugins.registry import PluginError, Registry, discover
+from outrider.daemon import frontdoor_validation, plugins_cmd
+from outrider.daemon.config import EXIT_CONFIG
+from outrider.daemon.frontdoor_validation import Rejected, Validator, speculative_request_check
+from outrider.plugins.api import (
+    NO_DRAFT,
+    PHASES,
+    CheckContext,
+    Phase,
+    Problem,
+    RequestFacts,
+    StepShape,
+)
+from outrider.plugins.registry import (
+    PluginError,
+    PluginProblems,
+    Registry,
+    discover,
+    request_refusal,
+)
+from outrider.plugins.speculative.ngram import NgramOptions
+from outrider.protocol.messages import Generate
 
 SPECS = """
-from outrider.plugins.api import AttentionCapabilities, PluginSpec, Problem
+from outrider.plugins.api import (
+    AttentionCapabilities, PluginSpec, Problem, SpeculativeCapabilities,
+)
 
 ALPHA = PluginSpec(
     name="alpha", kind="attention", summary="any device", implementation="x:Y",
@@ -28,13 +52,32 @@ FUTURE = PluginSpec(
     name="future", kind="attention", summary="", implementation="x:Y", api_version=99,
     attention=AttentionCapabilities(),
 )
+QUIET = PluginSpec(
+    name="quiet", kind="attention", summary="cuda, pages of 16, an own check that finds nothing",
+    implementation="x:Y", check=lambda spec, ctx: [],
+    attention=AttentionCapabilities(devices=frozenset({"cuda"}), page_sizes=frozenset({16})),
+)
 CHAIN = PluginSpec(
     name="chain", kind="speculative", summary="", implementation="x:Y",
+    speculative=SpeculativeCapabilities(),
     check=lambda spec, ctx: [Problem("--speculative-config", "chain needs a draft model")],
 )
 RAISING = PluginSpec(
     name="raising", kind="speculative", summary="", implementation="x:Y",
+    speculative=SpeculativeCapabilities(),
     check=lambda spec, ctx: 1 / 0,
+)
+STRICT = PluginSpec(
+    name="strict", kind="speculative", summary="greedy, no logprobs, short prompts",
+    implementation="x:Y", check=lambda spec, ctx: [],
+    speculative=SpeculativeCapabilities(needs_draft_model=True, sampling=False, logprobs=False),
+    check_request=lambda facts: "strict takes 100 prompt tokens at most"
+    if facts.prompt_tokens > 100 else None,
+)
+UNDECLARED = PluginSpec(name="undeclared", kind="speculative", summary="", implementation="x:Y")
+WINDOWED = PluginSpec(
+    name="windowed", kind="speculative", summary="its width from the draft", implementation="x:Y",
+    speculative=SpeculativeCapabilities(needs_draft_model=True, width_key="block_size"),
 )
 NOT_A_SPEC = 42
 """
@@ -68,13 +111,20 @@ def registry(specs_module: str) -> Registry:
         {
             "alpha": ":ALPHA",
             "cuda-only": ":CUDA_ONLY",
+            "quiet": ":QUIET",
             "no-caps": ":NO_CAPS",
             "future": ":FUTURE",
             "chain": ":CHAIN",  # a speculative spec in the attention group
             "number": ":NOT_A_SPEC",
             "broken": "_broken:SPEC",
         },
-        {"chain": ":CHAIN", "raising": ":RAISING"},
+        {
+            "chain": ":CHAIN",
+            "raising": ":RAISING",
+            "strict": ":STRICT",
+            "undeclared": ":UNDECLARED",
+            "windowed": ":WINDOWED",
+        },
     )
 
 
@@ -182,3 +232,185 @@ def test_discover_finds_the_builtin_backend() -> None:
     [torch_entry] = [e for e in discover().entries("attention") if e.name == "torch"]
     assert torch_entry.dist == "outrider"
     assert torch_entry.target == "outrider.plugins.attention.torch_backend:SPEC"
+
+
+# --- the capability checks the registry runs --------------------------------------------
+
+
+def test_capability_checks_run_whatever_the_own_check_returns(registry: Registry) -> None:
+    assert registry.check(_ctx("quiet", page_size=1)) == [
+        Problem("--device", "quiet does not run on cpu"),
+        Problem("--page-size", "quiet takes page sizes 16, not 1"),
+    ]
+    assert registry.check(_ctx(speculative="strict")) == [
+        Problem("--draft-model", "strict needs a draft model directory")
+    ]
+
+
+def test_a_raising_check_is_reported_beside_the_capability_problems(registry: Registry) -> None:
+    ctx = dataclasses.replace(_ctx(speculative="raising"), draft_model="draft")
+    assert registry.check(ctx) == [
+        Problem("--draft-model", "raising uses no draft model; leave it out"),
+        Problem(
+            "--speculative-algorithm",
+            "raising: check raised ZeroDivisionError: division by zero",
+        ),
+    ]
+
+
+def test_a_speculative_spec_must_declare_capabilities(registry: Registry) -> None:
+    assert registry.check(_ctx(speculative="undeclared")) == [
+        Problem("--speculative-algorithm", "undeclared declares no SpeculativeCapabilities")
+    ]
+
+
+def test_attention_options_are_checked(registry: Registry) -> None:
+    ctx = dataclasses.replace(_ctx("alpha"), attention_config={"alpha": '{"x": 1}'})
+    assert registry.check(ctx) == [
+        Problem("--attention-config alpha", "Object contains unknown field `x`")
+    ]
+
+
+# --- requests the capabilities refuse ---------------------------------------------------
+
+SAMPLED = RequestFacts(
+    temperature=0.7, top_p=1.0, top_k=0, logprobs=2, has_stop_strings=False, prompt_tokens=5
+)
+
+
+def test_requests_are_refused_by_the_capabilities_then_the_own_check(registry: Registry) -> None:
+    strict = registry.get("speculative", "strict")
+    assert request_refusal(strict, SAMPLED) == (
+        "speculative algorithm 'strict' decodes greedily only: temperature must be 0, got 0.7"
+    )
+    greedy = dataclasses.replace(SAMPLED, temperature=0.0)
+    assert request_refusal(strict, greedy) == (
+        "speculative algorithm 'strict' returns no logprobs: logprobs must be 0, got 2"
+    )
+    plain = dataclasses.replace(greedy, logprobs=0)
+    assert request_refusal(strict, plain) is None
+    long = dataclasses.replace(plain, prompt_tokens=101)
+    assert request_refusal(strict, long) == "strict takes 100 prompt tokens at most"
+    assert request_refusal(registry.get("speculative", "chain"), SAMPLED) is None
+
+
+def test_the_front_door_answers_a_refusal_unsupported(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(frontdoor_validation, "discover", lambda: registry)
+    check = speculative_request_check("strict")
+    validator = Validator(model_facts(None, 100, speculative_algorithm="strict"), None, check)
+    msg = Generate(request_id="r", input_ids=[5, 6], temperature=0.5)
+    with pytest.raises(Rejected) as refused:
+        validator.admit(msg, validator.check(msg), [5, 6])
+    assert refused.value.code == "unsupported"
+    assert refused.value.message == (
+        "speculative algorithm 'strict' decodes greedily only: temperature must be 0, got 0.5"
+    )
+    greedy = Generate(request_id="g", input_ids=[5, 6], temperature=0.0)
+    assert validator.admit(greedy, validator.check(greedy), [5, 6]).input_ids == [5, 6]
+
+
+# --- resolution -------------------------------------------------------------------------
+
+
+def _builtin_ctx(**overrides: object) -> CheckContext:
+    ctx = CheckContext(
+        device="cpu",
+        dtype="float32",
+        page_size=16,
+        overlap=True,
+        attention_routes={phase: "torch" for phase in PHASES},
+        speculative_algorithm="ngram",
+    )
+    return dataclasses.replace(ctx, **overrides)  # type: ignore[arg-type]  # test overrides
+
+
+def test_resolve_gives_a_frozen_result_with_the_step_shape() -> None:
+    plugins = discover().resolve(
+        _builtin_ctx(speculative_num_steps=3, speculative_config='{"window": 64}')
+    )
+    assert plugins.shape == StepShape(width=4, depth=3, topk=1)
+    assert plugins.speculative is not None
+    assert plugins.speculative.spec.name == "ngram"
+    assert plugins.speculative.options == NgramOptions(window=64)
+    assert [plugins.attention[phase].spec.name for phase in PHASES] == ["torch"] * len(PHASES)
+    assert plugins.attention["extend"] is plugins.attention["draft_decode"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plugins.shape = NO_DRAFT  # type: ignore[misc]  # frozen
+    with pytest.raises(TypeError):
+        plugins.attention["decode"] = plugins.attention["extend"]  # type: ignore[index]
+
+    assert discover().resolve(_builtin_ctx()).shape == StepShape(width=8, depth=7, topk=1)
+    plain = discover().resolve(_builtin_ctx(speculative_algorithm="none"))
+    assert (plain.speculative, plain.shape) == (None, NO_DRAFT)
+
+
+def test_resolve_raises_every_problem() -> None:
+    with pytest.raises(PluginProblems) as refused:
+        discover().resolve(_builtin_ctx(speculative_topk=3, draft_model="x"))
+    assert refused.value.problems == [
+        Problem("--draft-model", "ngram uses no draft model; leave it out"),
+        Problem("--speculative-topk", "ngram drafts chains only: use 1, not 3"),
+    ]
+
+
+def test_resolve_reads_the_width_from_the_draft(registry: Registry, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"block_size": 6}))
+    ctx = dataclasses.replace(_ctx(speculative="windowed"), draft_model=str(tmp_path))
+    assert registry.resolve(ctx).shape == StepShape(width=6, depth=5, topk=1)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(PluginProblems) as refused:
+        registry.resolve(ctx)
+    assert refused.value.problems == [Problem("--draft-model", f"no block_size in {tmp_path}")]
+
+
+# --- one discovery per process path -----------------------------------------------------
+
+
+@pytest.fixture
+def registries(monkeypatch: pytest.MonkeyPatch) -> list[Registry]:
+    """Every ``Registry`` made while the test runs (``discover()`` makes one)."""
+    made: list[Registry] = []
+    init = Registry.__init__
+
+    def counting(self: Registry, *args: object) -> None:
+        made.append(self)
+        init(self, *args)  # type: ignore[arg-type]  # Registry's own arguments
+
+    monkeypatch.setattr(Registry, "__init__", counting)
+    return made
+
+
+def test_outrider_plugins_discovers_once(
+    registries: list[Registry], capsys: pytest.CaptureFixture[str]
+) -> None:
+    tree = ["--speculative-algorithm", "eagle3", "--speculative-topk", "2"]
+    tree += ["--speculative-num-steps", "2", "--speculative-num-draft-tokens", "4"]
+    assert plugins_cmd.run_serve_check([*tree, "--draft-model", "/nonexistent"], {}) == (
+        EXIT_CONFIG
+    )
+    assert len(registries) == 1
+    assert plugins_cmd.main([]) == 0
+    assert len(registries) == 2
+    assert "capabilities:" in capsys.readouterr().out
+
+
+def test_the_front_door_discovers_once(registries: list[Registry]) -> None:
+    assert speculative_request_check("ngram") is not None
+    assert len(registries) == 1
+
+
+def test_the_engine_discovers_once(
+    registries: list[Registry], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    pytest.importorskip("torch")
+    from engine_harness import engine_for
+    from model_fixtures import save_tiny_model
+
+    directory = tmp_path_factory.mktemp("llama")
+    save_tiny_model("llama", directory)
+    registries.clear()
+    engine = engine_for(str(directory), speculative_algorithm="ngram", speculative_num_steps=3)
+    assert len(registries) == 1
+    assert engine.facts.configuration["speculative_num_draft_tokens"] == 4

@@ -18,12 +18,19 @@ from draft_fixtures import (
     target_continuations,
     unrolled_logits,
 )
-from engine_harness import Outcome, engine_for, request, run
+from engine_harness import (
+    debug_checks_fixture,
+    engine_for,
+    request,
+    requests_for,
+    run,
+    tau_of,
+    tokens_of,
+)
 from model_fixtures import VOCAB, save_tiny_model
 
-from outrider.daemon.engine import runner
+from outrider.daemon.engine import verify
 from outrider.daemon.engine.build import Engine
-from outrider.daemon.internal import Counters, TokenizedRequest
 from outrider.plugins.speculative.eagle3_model import eagle3_tensors, load_eagle3
 
 NEW_TOKENS = 48
@@ -32,10 +39,7 @@ MIN_TAU = 1.5
 TREE = {"speculative_num_steps": STEPS, "speculative_topk": 3, "speculative_num_draft_tokens": 8}
 
 
-@pytest.fixture(autouse=True)
-def _debug_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OUTRIDER_DEBUG_KV_CHECK", "1")
-    monkeypatch.setenv("OUTRIDER_DEBUG_RELAY_CHECK", "1")
+debug_checks = debug_checks_fixture()
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +57,6 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
     return random_prompts(random.Random(1000 + seed), count, VOCAB)
 
 
-def _requests(prompts: list[list[int]], first_rid: int = 0) -> list[TokenizedRequest]:
-    return [request(first_rid + i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(prompts)]
-
-
-def _tokens(outcomes: dict[int, Outcome]) -> dict[int, list[int]]:
-    return {rid: outcome.token_ids for rid, outcome in outcomes.items()}
-
-
 def _eagle3(dirs: tuple[str, str], **overrides: object) -> Engine:
     target, draft = dirs
     settings: dict[str, object] = {
@@ -70,11 +66,6 @@ def _eagle3(dirs: tuple[str, str], **overrides: object) -> Engine:
     }
     settings.update(overrides)
     return engine_for(target, **settings)
-
-
-def _tau(counters: Counters) -> float:
-    assert counters.spec_drafts > 0
-    return 1 + counters.spec_accepted_tokens / counters.spec_drafts
 
 
 PROMPTS = _prompts(1, 18)
@@ -122,7 +113,7 @@ def _dense_chain_counts(
 @pytest.fixture(scope="module")
 def plain(dirs: tuple[str, str]) -> dict[int, list[int]]:
     """The target-only greedy outputs of ``PROMPTS``."""
-    return _tokens(run(engine_for(dirs[0]), _requests(PROMPTS)))
+    return tokens_of(run(engine_for(dirs[0]), requests_for(PROMPTS, max_new_tokens=NEW_TOKENS)))
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -132,7 +123,7 @@ def test_chain_is_lossless_and_accepted(
     counters = []
     for overlap in (True, False):
         engine = _eagle3(dirs, page_size=page_size, no_overlap=not overlap)
-        assert _tokens(run(engine, _requests(PROMPTS))) == plain
+        assert tokens_of(run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))) == plain
         counters.append(engine.scheduler.counters())
     overlapped, serial = counters
     assert overlapped.spec_drafts == serial.spec_drafts
@@ -141,7 +132,7 @@ def test_chain_is_lossless_and_accepted(
     assert len(per_position) == STEPS and sum(per_position) == serial.spec_accepted_tokens
     # Some step committed 3+ tokens (two drafts and the bonus), some all four.
     assert per_position[1] > 0 and per_position[2] > 0
-    assert _tau(serial) >= MIN_TAU, per_position
+    assert tau_of(serial) >= MIN_TAU, per_position
 
 
 def test_engine_drafts_what_the_dense_reference_drafts(dirs: tuple[str, str]) -> None:
@@ -149,7 +140,7 @@ def test_engine_drafts_what_the_dense_reference_drafts(dirs: tuple[str, str]) ->
     engine accepts exactly what the dense draft over the target's continuations predicts
     (an off-by-one position, tap or fed-back feature shows up here as a count mismatch)."""
     engine = _eagle3(dirs, no_overlap=True)
-    run(engine, _requests(PROMPTS))
+    run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
     counters = engine.scheduler.counters()
     drafts, per_position = _dense_chain_counts(Path(dirs[0]), Path(dirs[1]), PROMPTS, NEW_TOKENS)
     assert (counters.spec_drafts, counters.spec_accepted_per_position) == (drafts, per_position)
@@ -160,24 +151,26 @@ def test_prefix_hits_and_chunks_are_lossless_and_accepted(dirs: tuple[str, str])
     # KV having been made with the publishing request's next token).
     shared = _prompts(50, 1)[0][:8]
     prompts = [shared + prompt for prompt in PROMPTS]
-    reference = _tokens(run(engine_for(dirs[0]), _requests(prompts)))
+    reference = tokens_of(
+        run(engine_for(dirs[0]), requests_for(prompts, max_new_tokens=NEW_TOKENS))
+    )
     expected = _dense_chain_counts(Path(dirs[0]), Path(dirs[1]), prompts, NEW_TOKENS)
     for overlap in (True, False):
         engine = _eagle3(dirs, page_size=4, chunked_prefill_tokens=8, no_overlap=not overlap)
-        first = run(engine, _requests(prompts[:1]))
-        rest = run(engine, _requests(prompts[1:], first_rid=1))
-        assert _tokens(first) | _tokens(rest) == reference
+        first = run(engine, requests_for(prompts[:1], max_new_tokens=NEW_TOKENS))
+        rest = run(engine, requests_for(prompts[1:], max_new_tokens=NEW_TOKENS, first_rid=1))
+        assert tokens_of(first) | tokens_of(rest) == reference
         assert all(o.finish.usage.cached_tokens > 0 for o in rest.values())
         counters = engine.scheduler.counters()
         assert (counters.spec_drafts, counters.spec_accepted_per_position) == expected
-        assert _tau(counters) >= MIN_TAU, counters.spec_accepted_per_position
+        assert tau_of(counters) >= MIN_TAU, counters.spec_accepted_per_position
 
 
 def _side_branch_commits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts, per tree accept, the rows whose accepted path leaves the first branch (a node
     ``path[j] != j`` below the commit length): their KV had to move."""
     counts: list[int] = []
-    accept_tree = runner.accept_tree
+    accept_tree = verify.accept_tree
 
     def recording(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         lens, path = accept_tree(*args, **kwargs)  # type: ignore[arg-type]
@@ -186,7 +179,7 @@ def _side_branch_commits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         counts.append(int(moved.any(dim=1).sum()))
         return lens, path
 
-    monkeypatch.setattr(runner, "accept_tree", recording)
+    monkeypatch.setattr(verify, "accept_tree", recording)
     return counts
 
 
@@ -198,12 +191,12 @@ def test_tree_is_lossless_and_accepts_more_than_the_chain(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     chain = _eagle3(dirs, page_size=page_size, no_overlap=True)
-    run(chain, _requests(PROMPTS))
+    run(chain, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
     moved = _side_branch_commits(monkeypatch)
     counters = []
     for overlap in (True, False):
         engine = _eagle3(dirs, page_size=page_size, no_overlap=not overlap, **TREE)
-        assert _tokens(run(engine, _requests(PROMPTS))) == plain
+        assert tokens_of(run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))) == plain
         counters.append(engine.scheduler.counters())
     overlapped, serial = counters
     assert overlapped.spec_drafts == serial.spec_drafts
@@ -211,7 +204,7 @@ def test_tree_is_lossless_and_accepts_more_than_the_chain(
     assert serial.spec_draft_tokens == 7 * serial.spec_drafts
     # Accepted paths through later branches: the compaction moved KV, and outputs held.
     assert sum(moved) > 0
-    tau, chain_tau = _tau(serial), _tau(chain.scheduler.counters())
+    tau, chain_tau = tau_of(serial), tau_of(chain.scheduler.counters())
     assert tau >= MIN_TAU and tau > chain_tau, (tau, chain_tau)
 
 
@@ -221,7 +214,7 @@ def test_tree_prefix_hits_chunks_sampling_and_logprobs(dirs: tuple[str, str]) ->
     shared = _prompts(50, 1)[0][:8]
     prompts = [shared + prompt for prompt in PROMPTS[:10]]
     sampled = {"temperature": 0.7, "top_k": 8, "seed": 3, "logprobs": 2}
-    reqs = _requests(prompts)
+    reqs = requests_for(prompts, max_new_tokens=NEW_TOKENS)
     reqs += [
         request(100 + i, p, max_new_tokens=NEW_TOKENS, **sampled)  # type: ignore[arg-type]
         for i, p in enumerate(prompts)
@@ -230,7 +223,7 @@ def test_tree_prefix_hits_chunks_sampling_and_logprobs(dirs: tuple[str, str]) ->
     engine = _eagle3(dirs, page_size=4, chunked_prefill_tokens=8, **TREE)
     first = run(engine, reqs[:1])
     rest = run(engine, reqs[1:])
-    assert _tokens(first) | _tokens(rest) == _tokens(expected)
+    assert tokens_of(first) | tokens_of(rest) == tokens_of(expected)
     assert all(o.finish.usage.cached_tokens > 0 for o in rest.values())
     for rid in range(100, 100 + len(prompts)):
         got = [lp for u in rest[rid].updates for lp in (u.logprobs or [])]

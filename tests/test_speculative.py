@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import Outcome, engine_for, request, run
+from engine_harness import debug_checks_fixture, engine_for, request, requests_for, run, tokens_of
 from model_fixtures import VOCAB, save_random_dflash, save_random_eagle3, save_tiny_model
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -18,7 +18,6 @@ from tokenizers.models import WordLevel
 from outrider.daemon.config import EXIT_CONFIG, ConfigError
 from outrider.daemon.engine.accept import accept_chain
 from outrider.daemon.engine.build import Engine
-from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.plugins_cmd import run_serve_check
 from outrider.plugins.speculative.dflash_impl import DFlashWorker
 
@@ -26,10 +25,7 @@ NEW_TOKENS = 40
 WIDTH = 6
 
 
-@pytest.fixture(autouse=True)
-def _debug_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OUTRIDER_DEBUG_KV_CHECK", "1")
-    monkeypatch.setenv("OUTRIDER_DEBUG_RELAY_CHECK", "1")
+debug_checks = debug_checks_fixture()
 
 
 def _prompts(seed: int, count: int) -> list[list[int]]:
@@ -53,19 +49,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(directory)
 
 
-def _requests(prompts: list[list[int]], **kwargs: object) -> list[TokenizedRequest]:
-    return [request(i, p, **kwargs) for i, p in enumerate(prompts)]  # type: ignore[arg-type]
-
-
-def _tokens(outcomes: dict[int, Outcome]) -> dict[int, list[int]]:
-    return {rid: outcome.token_ids for rid, outcome in outcomes.items()}
-
-
 @pytest.fixture(scope="module")
 def plain(model_dir: str) -> dict[int, list[int]]:
     """The target-only greedy outputs of the 18 prompts."""
     engine = engine_for(model_dir)
-    return _tokens(run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS)))
+    return tokens_of(run(engine, requests_for(_prompts(1, 18), max_new_tokens=NEW_TOKENS)))
 
 
 def _ngram(model_dir: str, **overrides: object) -> Engine:
@@ -91,8 +79,8 @@ def test_ngram_greedy_equals_target_only(
     model_dir: str, plain: dict[int, list[int]], page_size: int, overlap: bool
 ) -> None:
     engine = _ngram(model_dir, page_size=page_size, no_overlap=not overlap)
-    outcomes = run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
-    assert _tokens(outcomes) == plain
+    outcomes = run(engine, requests_for(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
+    assert tokens_of(outcomes) == plain
     counters = engine.scheduler.counters()
     drafts = sum(o.finish.usage.spec_drafts for o in outcomes.values())
     accepted = sum(o.finish.usage.spec_accepted_tokens for o in outcomes.values())
@@ -115,12 +103,12 @@ def test_ngram_greedy_equals_target_only(
 def test_ngram_prefix_hits_and_chunks(model_dir: str, overlap: bool) -> None:
     shared = _prompts(5, 2)[1]  # a repeating phrase as the shared prefix
     prompts = [shared + tail for tail in _prompts(6, 8)]
-    reference = _tokens(run(engine_for(model_dir), _requests(prompts, max_new_tokens=24)))
+    reference = tokens_of(run(engine_for(model_dir), requests_for(prompts, max_new_tokens=24)))
     engine = _ngram(model_dir, page_size=4, chunked_prefill_tokens=8, no_overlap=not overlap)
-    first = run(engine, _requests(prompts[:1], max_new_tokens=24))
+    first = run(engine, requests_for(prompts[:1], max_new_tokens=24))
     assert first[0].token_ids == reference[0]
-    rest = run(engine, [request(i, p, max_new_tokens=24) for i, p in enumerate(prompts)][1:])
-    assert _tokens(rest) == {i: reference[i] for i in range(1, len(prompts))}
+    rest = run(engine, requests_for(prompts, max_new_tokens=24)[1:])
+    assert tokens_of(rest) == {i: reference[i] for i in range(1, len(prompts))}
     assert all(o.finish.usage.cached_tokens > 0 for o in rest.values())
 
 
@@ -133,8 +121,8 @@ def test_ngram_retraction(
     engine = _ngram(
         model_dir, page_size=4, kv_cache_tokens=320, context_length=96, no_overlap=not overlap
     )
-    outcomes = run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
-    assert _tokens(outcomes) == plain
+    outcomes = run(engine, requests_for(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
+    assert tokens_of(outcomes) == plain
 
 
 def test_ngram_seeded_sampling_equals_target_only(model_dir: str) -> None:
@@ -148,9 +136,9 @@ def test_ngram_seeded_sampling_equals_target_only(model_dir: str) -> None:
         request(i, p, max_new_tokens=30, **params[i % 3])  # type: ignore[arg-type]
         for i, p in enumerate(prompts)
     ]
-    expected = _tokens(run(engine_for(model_dir), reqs))
+    expected = tokens_of(run(engine_for(model_dir), reqs))
     engine = _ngram(model_dir)
-    assert _tokens(run(engine, reqs)) == expected
+    assert tokens_of(run(engine, reqs)) == expected
     assert engine.scheduler.counters().spec_accepted_tokens > 0
 
 
@@ -188,7 +176,7 @@ def test_overlap_and_serial_count_the_same(model_dir: str) -> None:
     counters = []
     for overlap in (True, False):
         engine = _ngram(model_dir, no_overlap=not overlap)
-        run(engine, _requests(prompts, max_new_tokens=20))
+        run(engine, requests_for(prompts, max_new_tokens=20))
         counters.append(engine.scheduler.counters())
     overlapped, serial = counters
     assert overlapped.spec_drafts == serial.spec_drafts
@@ -242,9 +230,9 @@ def test_problems_are_reported_together(model_dir: str) -> None:
 def test_a_step_verifies_the_configured_width(model_dir: str) -> None:
     engine = _ngram(model_dir, speculative_num_steps=3, speculative_num_draft_tokens=0)
     runner = engine.loop.runner
-    assert (runner.width, runner.max_commit) == (4, 4)
+    assert (runner.shape.width, runner.shape.max_commit) == (4, 4)
     default = _ngram(model_dir, speculative_num_draft_tokens=0)
-    assert default.loop.runner.width == 8
+    assert default.loop.runner.shape.width == 8
 
 
 def test_plugins_check_prints_the_verdict_without_starting(
@@ -306,9 +294,10 @@ def test_eagle3_greedy_equals_target_only(
     )
     runner = engine.loop.runner
     width, span, commit = (8, 9, 5) if shape == "tree" else (4, 4, 4)
-    assert (runner.width, runner.kv_span, runner.max_commit) == (width, span, commit)
-    outcomes = run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
-    assert _tokens(outcomes) == plain
+    geometry = runner.shape
+    assert (geometry.width, geometry.kv_span, geometry.max_commit) == (width, span, commit)
+    outcomes = run(engine, requests_for(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
+    assert tokens_of(outcomes) == plain
     counters = engine.scheduler.counters()
     assert counters.spec_draft_tokens == (width - 1) * counters.spec_drafts > 0
     assert len(counters.spec_accepted_per_position) == commit - 1
@@ -322,9 +311,9 @@ def test_eagle3_prefix_hits_chunks_retraction_and_sampling(
     shared = _prompts(5, 2)[1]
     prompts = [shared + tail for tail in _prompts(6, 8)]
     sampled = {"temperature": 0.9, "top_k": 20, "seed": 5}
-    reqs = [request(i, p, max_new_tokens=24) for i, p in enumerate(prompts)]
+    reqs = requests_for(prompts, max_new_tokens=24)
     reqs += [request(100 + i, p, max_new_tokens=24, **sampled) for i, p in enumerate(prompts)]
-    reference = _tokens(run(engine_for(model_dir), reqs))
+    reference = tokens_of(run(engine_for(model_dir), reqs))
     monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "9")
     engine = _eagle3(
         model_dir,
@@ -337,7 +326,7 @@ def test_eagle3_prefix_hits_chunks_retraction_and_sampling(
     first = run(engine, reqs[:1])
     assert first[0].token_ids == reference[0]
     rest = run(engine, reqs[1:])
-    assert _tokens(rest) == {r.rid: reference[r.rid] for r in reqs[1:]}
+    assert tokens_of(rest) == {r.rid: reference[r.rid] for r in reqs[1:]}
     assert any(o.finish.usage.cached_tokens > 0 for o in rest.values())
 
 
@@ -370,7 +359,7 @@ def test_eagle3_tree_refusals_name_the_flag(
 
 def test_a_chain_verifies_its_steps_plus_one(model_dir: str, eagle3_dir: str) -> None:
     engine = _eagle3(model_dir, eagle3_dir, speculative_num_draft_tokens=8)
-    assert (engine.loop.runner.width, engine.loop.runner.max_commit) == (4, 4)
+    assert (engine.loop.runner.shape.width, engine.loop.runner.shape.max_commit) == (4, 4)
 
 
 def test_eagle3_refusals_name_the_flag(model_dir: str, eagle3_dir: str) -> None:
@@ -404,9 +393,9 @@ def test_dflash_greedy_equals_target_only(
     model_dir: str, dflash_dir: str, plain: dict[int, list[int]], page_size: int, overlap: bool
 ) -> None:
     engine = _dflash(model_dir, dflash_dir, page_size=page_size, no_overlap=not overlap)
-    assert engine.loop.runner.width == BLOCK  # the draft's block size
-    outcomes = run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
-    assert _tokens(outcomes) == plain
+    assert engine.loop.runner.shape.width == BLOCK  # the draft's block size
+    outcomes = run(engine, requests_for(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
+    assert tokens_of(outcomes) == plain
     counters = engine.scheduler.counters()
     assert counters.spec_draft_tokens == (BLOCK - 1) * counters.spec_drafts > 0
 
@@ -418,7 +407,7 @@ def test_dflash_prefix_hits_chunks_retraction_sampling_and_logprobs(
     shared = _prompts(5, 2)[1]
     prompts = [shared + tail for tail in _prompts(6, 8)]
     sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 9, "logprobs": 2}
-    reqs = [request(i, p, max_new_tokens=24) for i, p in enumerate(prompts)]
+    reqs = requests_for(prompts, max_new_tokens=24)
     reqs += [request(100 + i, p, max_new_tokens=24, **sampled) for i, p in enumerate(prompts)]
     expected = run(engine_for(model_dir), reqs)
     monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "9")
@@ -428,7 +417,7 @@ def test_dflash_prefix_hits_chunks_retraction_sampling_and_logprobs(
     first = run(engine, reqs[:1])
     assert first[0].token_ids == expected[0].token_ids
     rest = run(engine, reqs[1:])
-    assert _tokens(rest) == {r.rid: expected[r.rid].token_ids for r in reqs[1:]}
+    assert tokens_of(rest) == {r.rid: expected[r.rid].token_ids for r in reqs[1:]}
     assert any(o.finish.usage.cached_tokens > 0 for o in rest.values())
     # Logprobs of sampled requests come from the verify logits: the same values.
     for rid in range(100, 100 + len(prompts)):
@@ -479,20 +468,20 @@ def test_standalone_greedy_and_sampled_equal_target_only(
         page_size=4,
         no_overlap=not overlap,
     )
-    assert engine.loop.runner.width == 4
-    outcomes = run(engine, _requests(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
-    assert _tokens(outcomes) == plain
+    assert engine.loop.runner.shape.width == 4
+    outcomes = run(engine, requests_for(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
+    assert tokens_of(outcomes) == plain
     sampled = [
         request(i, p, max_new_tokens=20, temperature=0.9, seed=i)
         for i, p in enumerate(_prompts(2, 6))
     ]
     monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "7")
-    expected = _tokens(run(engine_for(model_dir), sampled))
+    expected = tokens_of(run(engine_for(model_dir), sampled))
     again = engine_for(
         model_dir, speculative_algorithm="standalone", draft_model=small_draft_dir,
         chunked_prefill_tokens=16, no_overlap=not overlap,
     )  # fmt: skip
-    assert _tokens(run(again, sampled)) == expected
+    assert tokens_of(run(again, sampled)) == expected
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
@@ -509,8 +498,8 @@ def test_the_target_as_its_own_draft_accepts_every_draft(
         no_overlap=not overlap,
     )
     prompts = _prompts(1, 18)
-    reqs = _requests(prompts, max_new_tokens=NEW_TOKENS)
-    reqs += [request(100 + i, p, max_new_tokens=7) for i, p in enumerate(prompts[:6])]
+    reqs = requests_for(prompts, max_new_tokens=NEW_TOKENS)
+    reqs += requests_for(prompts[:6], max_new_tokens=7, first_rid=100)
     reqs += [
         request(200 + i, p, stop_token_ids=[plain[i][10]], max_new_tokens=NEW_TOKENS)
         for i, p in enumerate(prompts[:6])
@@ -573,5 +562,5 @@ def test_dflash_mask_token_string_resolves_through_the_target_tokenizer(
     engine = _dflash(str(target), str(draft))
     worker = engine.loop.runner.worker
     assert isinstance(worker, DFlashWorker) and int(worker.block[0, 1]) == VOCAB - 1
-    reqs = _requests(_prompts(1, 4), max_new_tokens=NEW_TOKENS)
-    assert _tokens(run(engine, reqs)) == _tokens(run(engine_for(str(target)), reqs))
+    reqs = requests_for(_prompts(1, 4), max_new_tokens=NEW_TOKENS)
+    assert tokens_of(run(engine, reqs)) == tokens_of(run(engine_for(str(target)), reqs))

@@ -59,6 +59,15 @@ def test_listed_as_json_with_options_problems_and_the_broken_one(site: Path) -> 
         {"name": "max_pages_per_call", "type": "int", "default": 0, "required": False},
         {"name": "enable_gqa", "type": "bool", "default": True, "required": False},
     ]
+    assert sdpa["capabilities"] == {
+        "devices": ["cuda"],
+        "dtypes": ["bfloat16", "float16"],
+        "page_sizes": [16],
+        "non_causal": False,
+        "tree_mask": False,
+        "cuda_graphs": False,
+        "phases": ["decode", "draft_decode", "draft_extend", "extend", "verify"],
+    }
     assert sdpa["usable"] is False
     options = {p["option"] for p in sdpa["problems"]}
     assert "--page-size" in options
@@ -76,6 +85,10 @@ def test_listed_as_text(site: Path) -> None:
     text = _plugins_cmd(site)
     assert "example-sdpa  [outrider-example-plugin 0.1.0]" in text
     assert "max_pages_per_call: int = 0" in text
+    assert (
+        "      capabilities: devices cuda; dtypes bfloat16, float16; page sizes 16\n"
+        "        phases all; non-causal no; tree mask no; CUDA graphs no\n"
+    ) in text
     assert "broken  [outrider-example-plugin 0.1.0]  failed to load" in text
     assert "ModuleNotFoundError" in text
     if "device cpu" in text:
@@ -83,6 +96,7 @@ def test_listed_as_text(site: Path) -> None:
 
 
 def test_registry_refuses_it_on_cpu(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own check finds nothing here: the declared capabilities are checked all the same."""
     monkeypatch.syspath_prepend(str(site))
     registry = discover()
     entry = {e.name: e for e in registry.entries("attention")}["example-sdpa"]
@@ -100,6 +114,15 @@ def test_registry_refuses_it_on_cpu(site: Path, monkeypatch: pytest.MonkeyPatch)
     assert problems["--page-size"] == "example-sdpa takes page sizes 16, not 1"
     assert "--dtype" in problems
     assert "speculative algorithm 'broken' cannot be used" in problems["--speculative-algorithm"]
+    assert "--attention-config example-sdpa" not in problems
+
+    options = {"example-sdpa": '{"max_pages_per_call": -1}'}
+    problems = {
+        p.option: p.message
+        for p in registry.check(dataclasses.replace(ctx, attention_config=options))
+    }
+    assert problems["--attention-config example-sdpa"] == "max_pages_per_call must be >= 0, not -1"
+    assert problems["--device"] == "example-sdpa does not run on cpu"
 
 
 def test_trees_and_blocks_need_its_missing_masks(
@@ -145,3 +168,58 @@ def test_implementation_subclasses_the_builtin_backend(
     monkeypatch.syspath_prepend(str(site))
     implementation = discover().get("attention", "example-sdpa").load()
     assert issubclass(implementation, torch_impl.TorchAttention)
+
+
+ROUTES = {
+    "every phase": {"attention_backend": "example-dense"},
+    "verify and drafts only": {
+        "verify_attention_backend": "example-dense",
+        "draft_attention_backend": "example-dense",
+    },
+}
+DRAFTS = {
+    "none": {},
+    "eagle3 tree": {"speculative_num_steps": 3, "speculative_topk": 2,
+                    "speculative_num_draft_tokens": 6},
+    "dflash": {},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("routes", ROUTES)
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_a_backend_on_the_public_surface_serves_the_engine(
+    site: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+    routes: str,
+    draft: str,
+) -> None:
+    """example-dense imports only the public plugin surface; routed to any phase, the engine
+    serves the same greedy tokens and the same acceptance as with the built-in backend."""
+    pytest.importorskip("torch")
+    from engine_harness import engine_for, requests_for, run, tokens_of
+    from model_fixtures import save_random_dflash, save_random_eagle3, save_tiny_model
+
+    monkeypatch.syspath_prepend(str(site))
+    source = (site / "outrider_example_plugin" / "dense.py").read_text()
+    imports = [line for line in source.splitlines() if line.startswith(("import", "from"))]
+    assert [line for line in imports if "outrider" in line] == [
+        "from outrider.plugins.attention.base import AttentionBackend",
+        "from outrider.plugins.device import BatchLayout, ForwardBatch",
+    ]
+    root = tmp_path_factory.mktemp("dense")
+    save_tiny_model("llama", root / "target")
+    settings: dict[str, object] = dict(DRAFTS[draft])
+    if draft == "eagle3 tree":
+        settings |= {"speculative_algorithm": "eagle3",
+                     "draft_model": str(save_random_eagle3(root / "eagle3"))}  # fmt: skip
+    elif draft == "dflash":
+        settings |= {"speculative_algorithm": "dflash",
+                     "draft_model": str(save_random_dflash(root / "dflash"))}  # fmt: skip
+    prompts = [[3 + (7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(6)]
+    requests = requests_for(prompts, max_new_tokens=12)
+    builtin = engine_for(str(root / "target"), **settings)
+    dense = engine_for(str(root / "target"), **settings, **ROUTES[routes])
+    assert dense.facts.plugins["attention.verify"] == "example-dense"
+    assert tokens_of(run(dense, requests)) == tokens_of(run(builtin, requests))
+    assert dense.scheduler.counters() == builtin.scheduler.counters()

@@ -1,5 +1,5 @@
-"""Tree pieces of a speculative STEP: geometry, selection, accept, KV moves and the tree mask
-in the torch backend (against a dense reference)."""
+"""Tree pieces of a speculative decode batch: geometry, selection, accept, KV moves and the
+tree mask in the torch backend (against a dense reference)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from outrider.daemon.engine.accept import accept_chain, accept_tree, check_tree, tree_geometry
-from outrider.daemon.engine.forward import ForwardBatch, KVCache
-from outrider.plugins.attention.base import AttentionShape
 from outrider.plugins.attention.torch_impl import TorchAttention
+from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, KVCache
 from outrider.plugins.speculative.tree import best, select_tree
 
 # One row: the root 0; nodes 1 and 2 under it, 3 under 1, 4 under 2, 5 under 3.
@@ -96,7 +95,7 @@ def test_selected_trees_are_ancestor_closed_under_ties() -> None:
 
 
 def test_kv_move_reads_every_source_before_writing() -> None:
-    kv = KVCache.allocate(2, 3, 4, 1, 2, torch.float32, torch.device("cpu"))
+    kv = KVCache.allocate(2, 3, 4, AttentionShape(1, 1, 2, 1.0), torch.float32, torch.device("cpu"))
     for cache in (*kv.k, *kv.v):
         cache.copy_(torch.arange(24.0).view(3, 4, 1, 2))
     # 5 -> 4 and 6 -> 5: slot 5 is both a source and a destination.
@@ -115,8 +114,9 @@ def test_torch_backend_tree_mask_matches_dense(page_size: int) -> None:
     gen = torch.Generator().manual_seed(1)
     depth, visible = tree_geometry(PARENTS.expand(2, -1), max_depth=3)
     max_pages = (max(seqs) + width + page_size - 1) // page_size
+    shape = AttentionShape(heads, heads, dim, dim**-0.5)
     kv = KVCache.allocate(
-        1, 1 + 2 * max_pages, page_size, heads, dim, torch.float32, torch.device("cpu")
+        1, 1 + 2 * max_pages, page_size, shape, torch.float32, torch.device("cpu")
     )
     table = torch.zeros(2, max_pages, dtype=torch.int32)
     table[0] = torch.arange(1, 1 + max_pages)
@@ -135,10 +135,9 @@ def test_torch_backend_tree_mask_matches_dense(page_size: int) -> None:
     q = torch.randn(2 * width, heads, dim, generator=gen)
     k = torch.randn(2 * width, heads, dim, generator=gen)
     v = torch.randn(2 * width, heads, dim, generator=gen)
-    fb = ForwardBatch(
-        backend=TorchAttention(AttentionShape(heads, heads, dim, dim**-0.5), None, q.device),
-        kv=kv,
+    layout = BatchLayout(
         page_table=table,
+        page_size=page_size,
         slots=torch.arange(2),
         positions=(seq_t.unsqueeze(1) + depth).view(-1),
         out_loc=out_loc,
@@ -150,8 +149,8 @@ def test_torch_backend_tree_mask_matches_dense(page_size: int) -> None:
         max_kv=max(seqs) + width,
         tree_mask=visible,
     )
-    fb.backend.prepare(fb)
-    out = fb.backend.forward(0, q, k, v, fb).view(2, width, heads, dim)
+    fb = ForwardBatch.bind(layout, TorchAttention(shape, None, q.device), kv)
+    out = fb.attend(0, q, k, v).view(2, width, heads, dim)
     for row in range(2):
         for node in range(width):
             seen = visible[row, node].nonzero().flatten() + row * width

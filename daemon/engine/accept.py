@@ -1,4 +1,4 @@
-"""The accept rule of a speculative STEP (DESIGN.md 4.4).
+"""The accept rule of a speculative decode batch (DESIGN.md 4.4).
 
 At node ``j`` of a row (the root is node 0) the target's own choice ``y[j]`` is drawn with the
 randomness counter of output index ``out_len + j``: exactly the draw that decoding without
@@ -22,12 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from outrider.daemon.engine.sampling import sample_probs, uniform_at
-
-# Draw indices at one output position (plain sampling draws 0 there).
-DRAW_ACCEPT = 1  # the acceptance uniform of a sampled draft
-DRAW_RESIDUAL = 2  # the replacement token after a rejection
-DRAW_DRAFT = 3  # a sampling draft's own token
+from outrider.plugins.sampling import DRAW_ACCEPT, DRAW_RESIDUAL, sample_probs, uniform_at
 
 
 def accept_chain(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -89,7 +84,7 @@ def accept_tree(
 
 
 def step_reservation(kv_span: int, max_commit: int, page_size: int) -> int:
-    """KV positions a STEP may write past the host's bound on a row's committed length: its
+    """KV positions a decode batch may write past the host's bound on a row's committed length: its
     span (the verify block, or a tree drafter's node slots) plus one step's commit
     (overlap), page aligned."""
     need = kv_span + max_commit

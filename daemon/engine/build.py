@@ -14,8 +14,8 @@ import torch
 
 from outrider.daemon.config import ConfigError, ServeConfig, debug_knob
 from outrider.daemon.engine.accept import step_reservation
-from outrider.daemon.engine.forward import KVCache
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
+from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.internal import ModelFacts, SamplingSpec, TokenizedRequest
 from outrider.daemon.models.config import ModelConfig, load_eos_ids, model_dir
 from outrider.daemon.models.loader import LoadProgress, load_model
@@ -24,11 +24,11 @@ from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
 from outrider.daemon.tokenizer import load_tokenizer
-from outrider.plugins.api import NO_DRAFT, Phase, SpeculativeCapabilities, StepShape, verify_width
-from outrider.plugins.attention.base import AttentionBackend, AttentionShape
-from outrider.plugins.registry import SPECULATIVE_FLAG, discover
-from outrider.plugins.speculative.base import SpeculativeWorker, WorkerContext
-from outrider.plugins.speculative.draft_config import read_config
+from outrider.plugins.api import Phase
+from outrider.plugins.attention.base import AttentionBackend
+from outrider.plugins.device import AttentionShape, KVCache
+from outrider.plugins.registry import SPECULATIVE_FLAG, PluginProblems, ResolvedPlugins, discover
+from outrider.plugins.speculative.base import NoDraft, SpeculativeWorker, WorkerContext
 
 log = logging.getLogger("outrider.engine")
 
@@ -58,12 +58,14 @@ def resolve_dtype(config: ServeConfig, model_config: ModelConfig) -> str:
     return model_config.dtype if model_config.dtype in _DTYPES else "bfloat16"
 
 
-def check_plugins(config: ServeConfig, dtype: str) -> None:
+def resolve_plugins(config: ServeConfig, dtype: str) -> ResolvedPlugins:
+    """The plugins ``config`` routes, checked and resolved: the daemon's one discovery."""
     capability = torch.cuda.get_device_capability() if config.device == "cuda" else None
-    ctx = config.check_context(dtype, capability)
-    problems = discover().check(ctx)
-    if problems:
-        raise ConfigError("the configuration cannot run:\n  " + "\n  ".join(map(str, problems)))
+    try:
+        return discover().resolve(config.check_context(dtype, capability))
+    except PluginProblems as exc:
+        problems = "\n  ".join(map(str, exc.problems))
+        raise ConfigError(f"the configuration cannot run:\n  {problems}") from None
 
 
 def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> Engine:
@@ -71,11 +73,11 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         raise ConfigError("--device cuda: no CUDA device is available")
     model_config = ModelConfig.from_pretrained(config.model)
     dtype_name = resolve_dtype(config, model_config)
-    check_plugins(config, dtype_name)
+    plugins = resolve_plugins(config, dtype_name)
     device = torch.device(config.device)
     context_length = config.context_length or model_config.max_position_embeddings
-    speculative = _speculative_plugin(config)
-    shape = speculative.shape if speculative is not None else NO_DRAFT
+    speculative = _speculative_plugin(plugins)
+    shape = plugins.shape
     width = shape.width
     reservation = step_reservation(shape.kv_span, shape.max_commit, config.page_size)
     model, model_config = load_model(
@@ -90,14 +92,9 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     context_length = _fit_check(config, pool_tokens, context_length, reservation)
     page_size = config.page_size
     num_pages = pool_tokens // page_size + 1  # + the scratch page
+    attention_shape = _attention_shape(model_config)
     kv = KVCache.allocate(
-        model_config.num_layers,
-        num_pages,
-        page_size,
-        model_config.num_kv_heads,
-        model_config.head_dim,
-        _DTYPES[dtype_name],
-        device,
+        model_config.num_layers, num_pages, page_size, attention_shape, _DTYPES[dtype_name], device
     )
     tokenizer = load_tokenizer(model_dir(config.model))
     vocab_limit = model_config.vocab_size
@@ -110,29 +107,34 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         max_tokens=max(config.chunked_prefill_tokens, config.max_running * width),
         vocab_limit=vocab_limit,
     )
-    runner = ModelRunner(model, kv, _backends(config, model_config, device), limits, device)
-    if speculative is not None:
-        worker_context = WorkerContext(
-            device=device,
-            dtype=_DTYPES[dtype_name],
-            shape=shape,
-            max_slots=config.max_running,
-            page_table=runner.page_table,
-            page_size=page_size,
-            num_pages=num_pages,
-            context_length=context_length,
-            vocab_limit=vocab_limit,
-            logits_width=model_config.vocab_size,
-            max_positions=context_length + reservation,
-            target_layers=model_config.num_layers,
-            embed=model.model.embed_tokens,
-            lm_head=model.compute_logits,
-            model=config.model,
-            draft_model=config.draft_model,
-            load_format=config.load_format,
-            make_backend=lambda phase, shape: _backend(config, phase, shape, device),
-        )
-        runner.attach_worker(speculative.worker_class(worker_context, speculative.options))
+    slots = SlotState(config.max_running, max_pages, device)
+    worker_context = WorkerContext(
+        device=device,
+        dtype=_DTYPES[dtype_name],
+        shape=shape,
+        max_slots=config.max_running,
+        page_table=slots.page_table,
+        page_size=page_size,
+        num_pages=num_pages,
+        context_length=context_length,
+        vocab_limit=vocab_limit,
+        logits_width=model_config.vocab_size,
+        max_positions=context_length + reservation,
+        target_layers=model_config.num_layers,
+        embed=model.model.embed_tokens,
+        lm_head=model.compute_logits,
+        model=config.model,
+        draft_model=config.draft_model,
+        load_format=config.load_format,
+        make_backend=lambda phase, shape: _backend(plugins, phase, shape, device),
+    )
+    worker = (
+        speculative.worker_class(worker_context, speculative.options)
+        if speculative is not None
+        else NoDraft(worker_context)
+    )
+    backends = _backends(plugins, attention_shape, device)
+    runner = ModelRunner(model, kv, backends, slots, worker, shape, limits, device)
     eos = load_eos_ids(config.model, model_config)
     decoder_factory: Callable[[], TextDecoder] | None = (
         tokenizer.decoder if tokenizer is not None else None
@@ -146,11 +148,9 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
                 chunked_prefill_tokens=config.chunked_prefill_tokens,
                 context_length=context_length,
                 retract_every=debug_knob("OUTRIDER_DEBUG_RETRACT_EVERY"),
-                step_width=width,
-                step_span=runner.kv_span,
-                max_commit=runner.max_commit,
-                prefix_margin_pages=runner.worker.prefix_margin_pages if runner.worker else 0,
+                prefix_margin_pages=worker.prefix_margin_pages,
             ),
+            shape,
             PrefixCache(num_pages, page_size),
             FinishChecker(eos, context_length, decoder_factory),
         )
@@ -166,7 +166,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     _warm_up(loop)
     runner.enable_sync_check(bool(debug_knob("OUTRIDER_DEBUG_SYNC_CHECK")))
     if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
-        runner.enable_relay_check()
+        slots.enable_relay_check()
     loop.scheduler = new_scheduler()  # forget the warm-up's cache entries and counters
     facts = ModelFacts(
         model=config.model,
@@ -198,84 +198,50 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
 class _Speculative:
     worker_class: type[SpeculativeWorker]
     options: msgspec.Struct
-    shape: StepShape
 
 
-def _speculative_plugin(config: ServeConfig) -> _Speculative | None:
-    """The chosen speculative plugin (already checked), its options and verify width."""
-    if config.speculative_algorithm == "none":
+def _speculative_plugin(plugins: ResolvedPlugins) -> _Speculative | None:
+    """The resolved speculative plugin's worker class and options."""
+    if plugins.speculative is None:
         return None
-    spec = discover().get("speculative", config.speculative_algorithm)
-    assert spec.speculative is not None, "the registry admits speculative specs with caps"
-    options = spec.parse_options(config.speculative_config)
+    spec = plugins.speculative.spec
     worker_class = spec.load()
     if not (isinstance(worker_class, type) and issubclass(worker_class, SpeculativeWorker)):
         raise ConfigError(
             f"{SPECULATIVE_FLAG} {spec.name}: {spec.implementation} is not a SpeculativeWorker"
         )
-    return _Speculative(worker_class, options, _step_shape(config, spec.speculative))
+    return _Speculative(worker_class, plugins.speculative.options)
 
 
-def _step_shape(config: ServeConfig, caps: SpeculativeCapabilities) -> StepShape:
-    """N, S and K from the flags (already checked), the plugin's default width where they
-    leave it open."""
-    name = config.speculative_algorithm
-    topk = max(config.speculative_topk, 1)
-    given = config.speculative_num_draft_tokens
-    width = verify_width(given, config.speculative_num_steps, topk)
-    if not width:
-        width = _default_width(caps, config.draft_model)
-        log.info("speculative %s: %d tokens verified per row (its default)", name, width)
-    if given and given != width:
-        log.info(
-            "speculative %s: a chain of %d steps verifies %d tokens, not "
-            "--speculative-num-draft-tokens %d",
-            name, width - 1, width, given,
-        )  # fmt: skip
-    depth = config.speculative_num_steps if topk > 1 else width - 1
-    return StepShape(width, depth, topk)
-
-
-def _default_width(caps: SpeculativeCapabilities, draft_model: str) -> int:
-    if not caps.width_key:
-        return caps.default_width
-    config = read_config(draft_model)
-    if config is None or not isinstance(config.get(caps.width_key), int):
-        raise ConfigError(f"--draft-model: no {caps.width_key} in {draft_model}")
-    return int(config[caps.width_key])
-
-
-def _backends(
-    config: ServeConfig, model_config: ModelConfig, device: torch.device
-) -> dict[Phase, AttentionBackend]:
-    """One backend instance per distinct name, shared by the phases routed to it."""
-    shape = AttentionShape(
+def _attention_shape(model_config: ModelConfig) -> AttentionShape:
+    return AttentionShape(
         num_q_heads=model_config.num_q_heads,
         num_kv_heads=model_config.num_kv_heads,
         head_dim=model_config.head_dim,
         scale=model_config.head_dim**-0.5,
     )
+
+
+def _backends(
+    plugins: ResolvedPlugins, shape: AttentionShape, device: torch.device
+) -> dict[Phase, AttentionBackend]:
+    """One backend instance per distinct name, shared by the phases routed to it."""
     instances: dict[str, AttentionBackend] = {}
     routes: dict[Phase, AttentionBackend] = {}
-    for phase, name in config.attention_routes.items():
+    for phase, resolved in plugins.attention.items():
+        name = resolved.spec.name
         if name not in instances:
-            instances[name] = _backend(config, phase, shape, device)
+            instances[name] = _backend(plugins, phase, shape, device)
         routes[phase] = instances[name]
     return routes
 
 
 def _backend(
-    config: ServeConfig, phase: Phase, shape: AttentionShape, device: torch.device
+    plugins: ResolvedPlugins, phase: Phase, shape: AttentionShape, device: torch.device
 ) -> AttentionBackend:
     """A new instance of the backend routed to ``phase``, with its options."""
-    name = config.attention_routes[phase]
-    spec = discover().get("attention", name)
-    options_by_name = dict(item.split("=", 1) for item in config.attention_config)
-    try:
-        options = spec.parse_options(options_by_name.get(name))
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ConfigError(f"--attention-config {name}: {exc}") from None
-    backend: AttentionBackend = spec.load()(shape, options, device)
+    resolved = plugins.attention[phase]
+    backend: AttentionBackend = resolved.spec.load()(shape, resolved.options, device)
     return backend
 
 
@@ -328,7 +294,7 @@ def _fit_check(config: ServeConfig, pool_tokens: int, context_length: int, reser
 
 
 def _warm_up(loop: EngineLoop) -> None:
-    """EXTEND and STEP batches of one and of two sampled rows through every routed phase
+    """EXTEND and decode batches of one and of two sampled rows through every routed phase
     before READY, so that no kernel compiles while serving."""
     started = time.monotonic()
     for rid in (-1, -2):

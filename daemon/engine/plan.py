@@ -22,14 +22,14 @@ class SlotParams(Struct, array_like=True, frozen=True, gc=False):
 
 
 class StepPlan(Struct, array_like=True, frozen=True):
-    """One batch. EXTEND rows carry their tokens; STEP rows advance by one token read from the
+    """One batch. EXTEND rows carry their tokens; decode rows start from the token read from the
     relay buffer. Row ``r`` computes positions ``starts[r] .. starts[r] + q_lens[r] - 1``."""
 
     kind: StepKind
     slots: list[int]
     starts: list[int]
     q_lens: list[int]
-    input_ids: list[int]  # EXTEND: flat, row after row; STEP: empty
+    input_ids: list[int]  # EXTEND: flat, row after row; decode: empty
     # Rows whose last query token is sampled, with the output index of each draw.
     sample_rows: list[int]
     sample_positions: list[int]

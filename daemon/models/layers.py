@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.plugins.attention.base import AttentionShape
+from outrider.plugins.device import AttentionShape
 
 if TYPE_CHECKING:
-    from outrider.daemon.engine.forward import ForwardBatch
     from outrider.daemon.models.config import ModelConfig, RopeConfig
+    from outrider.plugins.device import ForwardBatch
 
 
 class RMSNorm(nn.Module):
@@ -140,7 +140,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = fb.backend.forward(self.layer_id, q, k, v, fb)  # [T, Hq, D]
+        out = fb.attend(self.layer_id, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_q_heads * self.head_dim))
 
 
@@ -183,7 +183,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope, max_positions)
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        cos, sin = self.rotary_emb(fb.positions)  # [T, D/2] each
+        cos, sin = self.rotary_emb(fb.layout.positions)  # [T, D/2] each
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer_id, layer in enumerate(self.layers):
             x = layer(x, cos, sin, fb)

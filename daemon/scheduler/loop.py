@@ -16,7 +16,8 @@ import torch
 
 from outrider.daemon.engine.runner import Launched, ModelRunner
 from outrider.daemon.internal import RequestUpdate
-from outrider.daemon.scheduler.scheduler import Planned, Scheduler
+from outrider.daemon.scheduler.planner import Planned
+from outrider.daemon.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("outrider.loop")
 
@@ -33,33 +34,33 @@ class EngineLoop:
         self.runner = runner
         self.overlap = overlap
         self.check_kv = check_kv
-        self.inflight: tuple[Planned, Launched] | None = None
+        self.in_flight: tuple[Planned, Launched] | None = None
         # Launch time of the oldest step not yet processed (watchdog); 0 when none.
         self.oldest_step_started = 0.0
 
     @property
     def has_work(self) -> bool:
-        return self.inflight is not None or self.scheduler.has_work
+        return self.in_flight is not None or self.scheduler.has_work
 
     def iterate(self) -> list[RequestUpdate]:
         """One turn of the loop; returns the updates to send to the detokenizer."""
         planned = self.scheduler.schedule()
         launched = self._launch(planned) if planned is not None else None
-        previous, self.inflight = self.inflight, launched
+        previous, self.in_flight = self.in_flight, launched
         if self.overlap:
             if previous is not None:
                 self._process(*previous)
         elif launched is not None:
-            self.inflight = None
+            self.in_flight = None
             self._process(*launched)
-        self.oldest_step_started = time.monotonic() if self.inflight is not None else 0.0
+        self.oldest_step_started = time.monotonic() if self.in_flight is not None else 0.0
         if self.check_kv:
             self.scheduler.check_integrity()
         return self.scheduler.take_updates()
 
     def idle_check(self) -> None:
         """Run when nothing is in flight: leaks are bugs, not noise."""
-        assert self.inflight is None
+        assert self.in_flight is None
         self.scheduler.check_integrity()
 
     def _launch(self, planned: Planned) -> tuple[Planned, Launched] | None:
@@ -84,7 +85,7 @@ class EngineLoop:
             raise StepFailed(f"CUDA error, the device context is lost: {exc}") from exc
         log.exception("step failed; ending its %d requests", len(planned.requests))
         for req in planned.requests:
-            req.inflight -= 1
+            req.steps_in_flight -= 1
         self.scheduler.fail_all(planned.requests, f"step failed: {type(exc).__name__}: {exc}")
 
 

@@ -1,15 +1,19 @@
 """A request inside the daemon: explicit counters, no phase enum.
 
-KV index ranges of one request (logical positions, all in its page list)::
+KV index ranges of one admitted request (logical positions; ``pages[i]`` holds positions
+``i * page_size .. (i + 1) * page_size - 1``)::
 
-    0 ......... cached_len ......... committed_len ......... allocated_len
-    | prefix-cache | computed by this   | reserved, written by |
-    | pages (shared)| request (private)  | launched-not-planned |
+    0 ..... num_cached_pages * page_size ..... scheduled_len ..... allocated_len
+    | prefix-cache pages    | written by launched   | reserved; a decode   |
+    | (shared, read only)   | steps (private pages) | step's scratch too   |
 
-- ``committed_len``: positions whose KV is written by a *launched* step (the host plans ahead
-  of the device: the step may still be running). For a decoding row under speculative
-  decoding, an upper bound (scheduler.py).
-- ``allocated_len``: positions covered by ``pages`` (``len(pages) * page_size``).
+- ``scheduled_len``: positions whose KV launched steps write (the host plans ahead of the
+  device: a step may still be running). For a decoding row under speculative decoding an
+  upper bound (planner.py).
+- ``allocated_len``: positions covered by ``pages`` (``len(pages) * page_size``); only
+  ``PageManager`` (pages.py) changes the two, and ``check_integrity`` asserts they agree.
+- ``cached_len``: the prefix-cache hit of the first admission (reported in usage); a
+  re-admission may hit more or less.
 - ``output_ids``: tokens the host has processed; under overlap the device knows one step
   more (the relay buffer holds the next input token).
 """
@@ -40,15 +44,17 @@ class Request:
     slot: int = -1
     pages: list[int] = field(default_factory=list)
     num_cached_pages: int = 0  # leading entries of ``pages`` owned by the prefix cache
-    cached_len: int = 0  # prefix-cache hit of the first admission (reported in usage)
-    committed_len: int = 0
-    # Positions the EXTEND phase of the current admission computes (prompt + processed
-    # output at admission); STEP batches take the request once committed_len reaches it.
+    allocated_len: int = 0
+    cached_len: int = 0
+    scheduled_len: int = 0
+    # Positions the extend phase of the current admission computes (prompt + processed
+    # output at admission); decode batches take the request once scheduled_len reaches it.
     extend_end: int = 0
-    # Output tokens that launched steps will produce (>= len(output_ids)).
-    planned_outputs: int = 0
+    # Output tokens that launched steps will produce (>= len(output_ids)); for a decoding
+    # row under speculative decoding an upper bound, like scheduled_len.
+    scheduled_outputs: int = 0
     # Steps launched and not yet processed that include this request.
-    inflight: int = 0
+    steps_in_flight: int = 0
     finished: bool = False
     admitted_once: bool = False
     streamed: int = 0  # output tokens already sent to the detokenizer
@@ -79,5 +85,5 @@ class Request:
 
     @property
     def decoding(self) -> bool:
-        """Admitted and past its EXTEND phase: its next input token is in the relay buffer."""
-        return self.slot >= 0 and self.committed_len >= self.extend_end
+        """Admitted and past its extend phase: its next input token is in the relay buffer."""
+        return self.slot >= 0 and self.scheduled_len >= self.extend_end

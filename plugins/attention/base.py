@@ -1,30 +1,46 @@
-"""Base class of attention backend implementations (loaded in the daemon only)."""
+"""Base class of attention backend implementations (loaded in the daemon only).
+
+A backend turns a ``BatchLayout`` into its own metadata (``build``), once per forward, and
+attends one layer at a time with that metadata (``forward``). Metadata belongs to the batch
+(``ForwardBatch.metadata``), never to the backend instance, so one instance serves several
+phases and models side by side.
+
+CUDA graphs (declared by the spec's ``AttentionCapabilities.cuda_graphs``; the graph runner
+calls these only then):
+
+```
+init_graph_buffers(bounds)        once: buffers for the largest captured batch
+capture_metadata(layout) -> meta  per captured batch size: metadata viewing those buffers
+replay_metadata(layout, meta)     before each replay: rewrite those buffers in place
+```
+A replay only writes into buffers allocated by ``init_graph_buffers``: every tensor of the
+captured metadata keeps its address (``data_ptr()``) for the life of the backend.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
-    from outrider.daemon.engine.forward import ForwardBatch
+from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
 
 
 @dataclass(frozen=True)
-class AttentionShape:
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
+class GraphBounds:
+    """The largest batch a backend's graph buffers must hold."""
+
+    max_bs: int  # rows
+    max_q: int  # query tokens per row
+    max_kv: int  # KV positions per row: every captured layout is built with this bound
 
 
 class AttentionBackend(ABC):
-    """Paged attention for one model. ``prepare`` runs once per step (before the first layer),
-    ``forward`` once per layer. Neither may synchronise with the host (no ``.item()``,
-    ``.tolist()``, ``.cpu()``, no data-dependent shapes): sizes come from the host-known bounds
-    of the ``ForwardBatch`` and validity from its device tensors."""
+    """Paged attention for models of one ``AttentionShape``. Neither method may synchronise
+    with the host (no ``.item()``, ``.tolist()``, ``.cpu()``, no data-dependent shapes): sizes
+    come from the layout's host-known bounds and validity from its device tensors."""
 
     def __init__(self, shape: AttentionShape, options: Any, device: torch.device) -> None:
         self.shape = shape
@@ -32,13 +48,27 @@ class AttentionBackend(ABC):
         self.device = device
 
     @abstractmethod
-    def prepare(self, fb: ForwardBatch) -> None:
-        """Build this step's metadata from ``fb`` (called once, before layer 0)."""
+    def build(self, layout: BatchLayout) -> object:
+        """This backend's metadata for ``layout`` (called once per forward, before layer 0)."""
 
     @abstractmethod
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
-        """Write ``k, v: [T, kv_heads, head_dim]`` at ``fb.out_loc`` into layer ``layer`` of
-        ``fb.kv``, then attend ``q: [T, q_heads, head_dim]`` over each row's KV (causal by
-        position when ``fb.causal``). Returns ``[T, q_heads, head_dim]``."""
+        """Store ``k, v: [T, kv_heads, head_dim]`` at ``fb.layout.out_loc`` into layer
+        ``layer`` of ``fb.kv`` (``KVCache.store``), then attend ``q: [T, q_heads, head_dim]``
+        over each row's KV with ``fb.metadata``. Returns ``[T, q_heads, head_dim]``."""
+
+    def init_graph_buffers(self, bounds: GraphBounds) -> None:
+        """Allocate the metadata buffers of every captured batch (once)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
+
+    def capture_metadata(self, layout: BatchLayout) -> object:
+        """Metadata for ``layout`` (``layout.max_kv`` is the bounds' ``max_kv``) whose tensors
+        view the graph buffers, filled for ``layout``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
+
+    def replay_metadata(self, layout: BatchLayout, metadata: object) -> None:
+        """Rewrite ``metadata`` (from ``capture_metadata`` for the same batch size) in place
+        for ``layout``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")

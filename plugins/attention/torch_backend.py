@@ -14,10 +14,8 @@ SPEC = PluginSpec(
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
         page_sizes=None,
-        causal=True,
         non_causal=True,
         tree_mask=True,
-        cuda_graphs=False,
-        needs_host_lengths=False,
+        cuda_graphs=True,
     ),
 )

@@ -9,18 +9,16 @@ KVCache pages start zeroed and only ever receive K/V.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from outrider.plugins.attention.base import AttentionBackend, AttentionShape
-
-if TYPE_CHECKING:
-    from outrider.daemon.engine.forward import ForwardBatch
+from outrider.plugins.attention.base import AttentionBackend, GraphBounds
+from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
 
 
-@dataclass
+@dataclass(frozen=True)
 class TorchAttentionMetadata:
     kv_index: torch.Tensor  # [bs, max_kv] int64: flat KV index of each row's logical position
     mask: torch.Tensor  # [bs, 1, max_q, max_kv] bool: True = attend
@@ -29,8 +27,7 @@ class TorchAttentionMetadata:
 class TorchAttention(AttentionBackend):
     def __init__(self, shape: AttentionShape, options: Any, device: torch.device) -> None:
         super().__init__(shape, options, device)
-        # This step's metadata: one ForwardBatch at a time per instance.
-        self.metadata: TorchAttentionMetadata | None = None
+        self._graph: TorchAttentionMetadata | None = None  # buffers of the largest batch
         if device.type == "cuda":
             # NOTE: SDPA prefers cuDNN for masked attention, and cuDNN builds an execution
             # plan on the host for every new shape: the KV bound grows every step, so each
@@ -39,53 +36,84 @@ class TorchAttention(AttentionBackend):
             # the daemon's attention is this backend's when it is loaded.
             torch.backends.cuda.enable_cudnn_sdp(False)
 
-    def prepare(self, fb: ForwardBatch) -> None:
-        device = fb.positions.device
-        page_size = fb.kv.page_size
-        kv_pos = torch.arange(fb.max_kv, device=device)  # [max_kv]
+    def build(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        device = layout.positions.device
+        page_size = layout.page_size
+        kv_pos = torch.arange(layout.max_kv, device=device)  # [max_kv]
         # Positions past the table width (max_kv is only a bound) read its last column;
         # the mask hides them.
-        page_col = (kv_pos // page_size).clamp_(max=fb.page_table.shape[1] - 1)
-        pages = fb.page_table[fb.slots][:, page_col].long()  # [bs, max_kv]
+        page_col = (kv_pos // page_size).clamp_(max=layout.page_table.shape[1] - 1)
+        pages = layout.page_table[layout.slots][:, page_col].long()  # [bs, max_kv]
         kv_index = pages * page_size + kv_pos % page_size  # [bs, max_kv]
 
-        q_pos = torch.full((fb.bs * fb.max_q,), -1, dtype=torch.long, device=device)
-        q_pos[fb.q_pad_index] = fb.positions
-        q_pos = q_pos.view(fb.bs, fb.max_q, 1)  # [bs, max_q, 1]; -1: padding
+        q_pos = torch.full((layout.bs * layout.max_q,), -1, dtype=torch.long, device=device)
+        q_pos[layout.q_pad_index] = layout.positions
+        q_pos = q_pos.view(layout.bs, layout.max_q, 1)  # [bs, max_q, 1]; -1: padding
         is_query = q_pos >= 0
-        if fb.tree_mask is not None:
-            mask = self._tree_mask(fb, kv_pos)
-        elif fb.causal:
+        if layout.tree_mask is not None:
+            mask = self._tree_mask(layout, kv_pos)
+        elif layout.causal:
             mask = kv_pos <= q_pos  # [bs, max_q, max_kv]
         else:
-            mask = (kv_pos < fb.seq_lens.view(fb.bs, 1, 1)).expand(fb.bs, fb.max_q, fb.max_kv)
+            mask = (kv_pos < layout.seq_lens.view(layout.bs, 1, 1)).expand(
+                layout.bs, layout.max_q, layout.max_kv
+            )
         # Padded query cells see kv 0 only, so their softmax has a finite row (no NaN).
         mask = torch.where(is_query, mask, kv_pos == 0)
-        self.metadata = TorchAttentionMetadata(kv_index=kv_index, mask=mask.unsqueeze(1))
+        return TorchAttentionMetadata(kv_index=kv_index, mask=mask.unsqueeze(1))
+
+    def init_graph_buffers(self, bounds: GraphBounds) -> None:
+        self._graph = TorchAttentionMetadata(
+            kv_index=torch.zeros(
+                bounds.max_bs, bounds.max_kv, dtype=torch.int64, device=self.device
+            ),
+            mask=torch.zeros(
+                bounds.max_bs, 1, bounds.max_q, bounds.max_kv, dtype=torch.bool, device=self.device
+            ),
+        )
+
+    def capture_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        graph = self._graph
+        assert graph is not None, "init_graph_buffers comes first"
+        assert layout.max_kv == graph.kv_index.shape[1], "captured layouts use the KV bound"
+        metadata = TorchAttentionMetadata(
+            kv_index=graph.kv_index[: layout.bs],
+            mask=graph.mask[: layout.bs, :, : layout.max_q],
+        )
+        self.replay_metadata(layout, metadata)
+        return metadata
+
+    def replay_metadata(self, layout: BatchLayout, metadata: object) -> None:
+        assert isinstance(metadata, TorchAttentionMetadata)
+        eager = self.build(layout)
+        metadata.kv_index.copy_(eager.kv_index)
+        metadata.mask.copy_(eager.mask)
 
     @staticmethod
-    def _tree_mask(fb: ForwardBatch, kv_pos: torch.Tensor) -> torch.Tensor:
+    def _tree_mask(layout: BatchLayout, kv_pos: torch.Tensor) -> torch.Tensor:
         """``[bs, max_q, max_kv]``: the prefix before each row's block, and the block's cells
-        that ``fb.tree_mask`` opens."""
-        tree = fb.tree_mask
+        that ``layout.tree_mask`` opens."""
+        tree = layout.tree_mask
         assert tree is not None
         block = tree.shape[-1]
-        start = (fb.seq_lens - block).view(fb.bs, 1, 1)  # [bs, 1, 1]
+        start = (layout.seq_lens - block).view(layout.bs, 1, 1)  # [bs, 1, 1]
         offset = kv_pos - start  # [bs, 1, max_kv]: position within the block
         in_block = (offset >= 0) & (offset < block)
-        opened = tree.gather(2, offset.clamp(0, block - 1).expand(fb.bs, fb.max_q, fb.max_kv))
+        opened = tree.gather(
+            2, offset.clamp(0, block - 1).expand(layout.bs, layout.max_q, layout.max_kv)
+        )
         return (offset < 0) | (in_block & opened)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
-        meta = self.metadata
-        assert meta is not None, "prepare(fb) must run before the first layer"
+        meta = fb.metadata
+        assert isinstance(meta, TorchAttentionMetadata), "metadata built by another backend"
+        layout = fb.layout
+        fb.kv.store(layer, layout.out_loc, k, v)
         num_q_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
         k_cache = fb.kv.k[layer].view(-1, num_kv_heads, head_dim)  # [pages * page_size, Hkv, D]
         v_cache = fb.kv.v[layer].view(-1, num_kv_heads, head_dim)
-        k_cache.index_copy_(0, fb.out_loc, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, fb.out_loc, v.to(v_cache.dtype))
 
         # GQA by repeating K/V: SDPA's enable_gqa is served only by the flash kernel (no
         # masks) and the math one; repeated heads let CUDA pick memory-efficient attention.
@@ -96,12 +124,13 @@ class TorchAttention(AttentionBackend):
             keys = keys.repeat_interleave(groups, dim=1)  # [bs, Hq, max_kv, D]
             values = values.repeat_interleave(groups, dim=1)
 
-        q_grid = q.new_zeros(fb.bs * fb.max_q, num_q_heads, head_dim)
-        q_grid[fb.q_pad_index] = q
-        q_grid = q_grid.view(fb.bs, fb.max_q, num_q_heads, head_dim).transpose(1, 2)
+        bs, max_q = layout.bs, layout.max_q
+        q_grid = q.new_zeros(bs * max_q, num_q_heads, head_dim)
+        q_grid[layout.q_pad_index] = q
+        q_grid = q_grid.view(bs, max_q, num_q_heads, head_dim).transpose(1, 2)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = F.scaled_dot_product_attention(
             q_grid, keys, values, attn_mask=meta.mask, scale=self.shape.scale
         )  # [bs, Hq, max_q, D]
-        out = out.transpose(1, 2).reshape(fb.bs * fb.max_q, num_q_heads, head_dim)
-        return out[fb.q_pad_index]  # [T, Hq, D]
+        out = out.transpose(1, 2).reshape(bs * max_q, num_q_heads, head_dim)
+        return out[layout.q_pad_index]  # [T, Hq, D]

@@ -1,15 +1,15 @@
 """Base class of the device side of speculative plugins (loaded in the daemon only).
 
-A STEP row of width ``W`` holds the slot's root (its relay token: the last committed token,
-whose KV is not written yet, at position ``seq``) followed by the ``W - 1`` drafts a worker
-returns. A chain's draft ``j`` sits at position ``seq + j``. A tree's nodes carry their
-parent's index: node ``i`` sits at position ``seq + depth(i)`` and its KV at ``seq + i``, and it
-attends to the committed prefix, its ancestors and itself. The runner verifies the row with
-the target, accepts (outrider.daemon.engine.accept), moves a tree's accepted path to the KV
-slots ``seq ..`` and hands the committed tokens back for the worker's catch-up. Every method
-only queues device work: a host sync inside is a bug.
+A decode row of width ``W`` holds the slot's root (its relay token: the last committed
+token, whose KV is not written yet, at the row's start ``seq``) followed by the ``W - 1``
+drafts a worker returns. A chain's draft ``j`` sits at position ``seq + j``. A tree's nodes
+carry their parent's index: node ``i`` sits at position ``seq + depth(i)`` and its KV at
+``seq + i``, and it attends to the committed prefix, its ancestors and itself. The runner
+verifies the row with the target, accepts (outrider.daemon.engine.accept), moves a tree's
+accepted path to the KV slots ``seq ..`` and hands the committed tokens back for the worker's
+catch-up. Every method only queues device work: a host sync inside is a bug.
 
-KV of a row with committed length ``seq`` during a STEP::
+KV of a row starting at ``seq`` (its committed length) during a decode batch::
 
     seq ............... seq + kv_span - 1
     | verify block (W)  |  (tree drafts: a draft model's own node slots, up to kv_span)
@@ -20,17 +20,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from outrider.daemon.engine.forward import ForwardBatch, KVCache, flat_kv_index
-from outrider.plugins.api import Phase, StepShape
-from outrider.plugins.attention.base import AttentionBackend, AttentionShape
-
-if TYPE_CHECKING:
-    from outrider.daemon.engine.sampling import SamplingBatch
+from outrider.plugins.api import NoOptions, Phase, StepShape
+from outrider.plugins.attention.base import AttentionBackend
+from outrider.plugins.device import (
+    AttentionShape,
+    BatchLayout,
+    ForwardBatch,
+    KVCache,
+    SamplingBatch,
+    flat_kv_index,
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class WorkerContext:
     context_length: int
     vocab_limit: int  # token ids the target may emit are below this
     logits_width: int  # the target's logits (its embedding rows)
-    max_positions: int  # positions a STEP may reach: context length plus the reservation
+    max_positions: int  # positions a decode batch may reach: context length plus the reservation
     # The target's parts a draft may share.
     target_layers: int
     embed: nn.Module  # token ids [T] -> embeddings [T, H]
@@ -73,15 +77,15 @@ class ExtendView:
 
 
 @dataclass(frozen=True)
-class StepView:
-    """A STEP batch before verification, as the relay holds it."""
+class DecodeView:
+    """A decode batch before verification, as the relay holds it."""
 
     slots: torch.Tensor  # [bs] int64
     roots: torch.Tensor  # [bs] int64: the relay token of each slot
-    seq_lens: torch.Tensor  # [bs] int64: committed KV length = the root's position
+    starts: torch.Tensor  # [bs] int64: the root's position = the committed KV length
     out_lens: torch.Tensor  # [bs] int64: output tokens committed (the randomness counter)
     sampling: SamplingBatch  # each row's sampling parameters
-    max_kv: int  # host bound on any row's KV length during the STEP (seq + kv_span)
+    max_kv: int  # host bound on any row's KV length during the batch (start + kv_span)
 
     @property
     def bs(self) -> int:
@@ -115,8 +119,8 @@ class Accepted:
 
 
 class SpeculativeWorker(ABC):
-    """The device side of a speculative plugin: ``width`` tokens per row are verified (the
-    root included), at most ``max_commit`` committed."""
+    """The device side of a speculative plugin: ``shape.width`` tokens per row are verified
+    (the root included), at most ``shape.max_commit`` committed."""
 
     # Target layers (output-of-layer convention) whose hidden states EXTEND and verify
     # forwards capture into ``fb.captured`` for the worker.
@@ -127,47 +131,40 @@ class SpeculativeWorker(ABC):
 
     def __init__(self, ctx: WorkerContext, options: Any) -> None:
         self.ctx = ctx
+        self.shape = ctx.shape
         self.options = options  # the plugin's validated options struct
-        self.width = ctx.shape.width
-        self.max_commit = ctx.shape.max_commit
-        self.kv_span = ctx.shape.kv_span
         self.token_ids = torch.arange(
-            (ctx.max_slots + 1) * max(self.width, ctx.shape.kv_span), device=ctx.device
+            (ctx.max_slots + 1) * max(self.shape.width, self.shape.kv_span), device=ctx.device
         )
 
     def allocate_kv(self, num_layers: int, shape: AttentionShape) -> KVCache:
         """A draft's own paged KV: the target's pages and page size, the draft's heads."""
         ctx = self.ctx
         return KVCache.allocate(
-            num_layers, ctx.num_pages, ctx.page_size, shape.num_kv_heads, shape.head_dim,
-            ctx.dtype, ctx.device,
-        )  # fmt: skip
+            num_layers, ctx.num_pages, ctx.page_size, shape, ctx.dtype, ctx.device
+        )
 
-    def row_batch(
+    def row_layout(
         self,
-        view: StepView,
+        view: DecodeView,
         positions: torch.Tensor,
-        kv: KVCache,
-        backend: AttentionBackend,
         *,
         kv_slots: torch.Tensor | None = None,
         seq_lens: torch.Tensor | None = None,
         causal: bool = True,
         tree_mask: torch.Tensor | None = None,
-    ) -> ForwardBatch:
-        """A draft forward of ``q`` tokens per row at ``positions: [bs, q]``, writing their
-        K/V at ``kv_slots`` (default: the positions) into ``kv``. ``seq_lens`` [bs]: each
-        row's KV length after it (default: last position + 1). The caller prepares
-        ``backend`` with it."""
+    ) -> BatchLayout:
+        """A draft batch of ``q`` tokens per row at ``positions: [bs, q]``, their K/V stored
+        at ``kv_slots`` (default: the positions). ``seq_lens`` [bs]: each row's KV length
+        after it (default: last position + 1)."""
         bs, q = positions.shape
         page_size = self.ctx.page_size
         where = positions if kv_slots is None else kv_slots
         out_loc = flat_kv_index(self.ctx.page_table, view.slots.unsqueeze(1), where, page_size)
         flat = self.token_ids[: bs * q]
-        return ForwardBatch(
-            backend=backend,
-            kv=kv,
+        return BatchLayout(
             page_table=self.ctx.page_table,
+            page_size=page_size,
             slots=view.slots,
             positions=positions.reshape(-1),
             out_loc=out_loc.view(-1),
@@ -187,10 +184,28 @@ class SpeculativeWorker(ABC):
         re-admissions)."""
 
     @abstractmethod
-    def draft(self, view: StepView) -> Drafts:
+    def draft(self, view: DecodeView) -> Drafts:
         """The drafts of each row."""
 
     @abstractmethod
-    def after_accept(self, view: StepView, verify: ForwardBatch, accepted: Accepted) -> None:
+    def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         """Catch-up after the accept. ``verify``: the target's verify forward (``width``
         nodes per row, with its captures, one row per verify node)."""
+
+
+class NoDraft(SpeculativeWorker):
+    """Plain decoding: a decode row is its root alone, and nothing is drafted."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        super().__init__(ctx, NoOptions())
+        assert not ctx.shape.speculative, "plain decoding has width 1"
+        self.no_tokens = torch.zeros(ctx.max_slots + 1, 0, dtype=torch.int64, device=ctx.device)
+
+    def after_extend(self, view: ExtendView) -> None:
+        pass
+
+    def draft(self, view: DecodeView) -> Drafts:
+        return Drafts(self.no_tokens[: view.bs])
+
+    def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
+        pass

@@ -11,9 +11,7 @@ from outrider.plugins.api import (
     PluginSpec,
     Problem,
     SpeculativeCapabilities,
-    default_check,
 )
-from outrider.plugins.registry import backend_lacks
 from outrider.plugins.speculative.draft_config import (
     DRAFT_FLAG,
     check_draft,
@@ -26,12 +24,7 @@ _WIDTH_FLAG = "--speculative-num-draft-tokens"
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
-    problems = default_check(spec, ctx)
-    problems += backend_lacks(
-        ctx, "draft_decode", "non_causal", "dflash drafts with non-causal attention"
-    )
-    draft, target, draft_problems = check_draft(spec.name, ARCHITECTURE, ctx)
-    problems += draft_problems
+    draft, target, problems = check_draft(spec.name, ARCHITECTURE, ctx)
     if draft is None:
         return problems
     problems += feature_size_problem(draft, target)
@@ -87,6 +80,8 @@ SPEC = PluginSpec(
     summary="DFlash: block drafting in one non-causal forward over target-feature context",
     implementation="outrider.plugins.speculative.dflash_impl:DFlashWorker",
     options=NoOptions,
-    speculative=SpeculativeCapabilities(needs_draft_model=True, width_key="block_size"),
+    speculative=SpeculativeCapabilities(
+        needs_draft_model=True, non_causal_draft=True, width_key="block_size"
+    ),
     check=_check,
 )

@@ -3,27 +3,25 @@
 For every committed position the draft's KV holds context K/V materialised from the target's
 tapped features (K and V only): after each EXTEND chunk for its positions, and after each
 verify for the whole verified block (positions past the accepted ones are rewritten by later
-steps before they are read). A STEP drafts the block ``[root, MASK, ..., MASK]`` at the root's
-position onwards in one non-causal forward: each block query sees the committed context and
-the whole block. The target's LM head turns slots 1 .. B - 1 into the B - 1 drafts (greedy,
-so the accept rule needs no draft probabilities). Context K/V depend on target features only,
-so prefix-cache pages carry valid draft KV.
+steps before they are read). A decode batch drafts the block ``[root, MASK, ..., MASK]`` at
+the root's position onwards in one non-causal forward: each block query sees the committed
+context and the whole block. The target's LM head turns slots 1 .. B - 1 into the B - 1
+drafts (greedy, so the accept rule needs no draft probabilities). Context K/V depend on target
+features only, so prefix-cache pages carry valid draft KV.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from outrider.daemon.engine.forward import ForwardBatch
 from outrider.plugins.api import NoOptions
+from outrider.plugins.device import ForwardBatch
 from outrider.plugins.speculative.base import (
     Accepted,
+    DecodeView,
     Drafts,
     ExtendView,
     SpeculativeWorker,
-    StepView,
     WorkerContext,
 )
 from outrider.plugins.speculative.dflash import resolve_mask_token
@@ -50,31 +48,31 @@ class DFlashWorker(SpeculativeWorker):
         shape = self.model.attention_shape
         self.kv = self.allocate_kv(self.model.num_layers, shape)
         self.backend = ctx.make_backend("draft_decode", shape)
-        self.block_offsets = torch.arange(self.width, device=ctx.device)  # [B]
+        self.block_offsets = torch.arange(self.shape.width, device=ctx.device)  # [B]
         # The block's input: the root, then the mask token in every other slot.
         self.block = torch.full(
-            (ctx.max_slots, self.width), mask_id, dtype=torch.int64,
+            (ctx.max_slots, self.shape.width), mask_id, dtype=torch.int64,
             device=ctx.device,
         )  # fmt: skip
 
     def after_extend(self, view: ExtendView) -> None:
         self._materialize(view.fb)
 
-    def draft(self, view: StepView) -> Drafts:
-        bs, width = view.bs, self.width
+    def draft(self, view: DecodeView) -> Drafts:
+        bs, width = view.bs, self.shape.width
         block = self.block[:bs]
         block[:, 0] = view.roots
-        positions = view.seq_lens.unsqueeze(1) + self.block_offsets  # [bs, B]
-        fb = self.row_batch(view, positions, self.kv, self.backend, causal=False)
-        self.backend.prepare(fb)
+        positions = view.starts.unsqueeze(1) + self.block_offsets  # [bs, B]
+        layout = self.row_layout(view, positions, causal=False)
+        fb = ForwardBatch.bind(layout, self.backend, self.kv)
         hidden = self.model(self.ctx.embed(block.reshape(-1)), fb)  # [bs * B, H]
         logits = self.ctx.lm_head(hidden.view(bs, width, -1)[:, 1:].reshape(-1, hidden.shape[-1]))
         return Drafts(logits.argmax(dim=-1).view(bs, width - 1))
 
-    def after_accept(self, view: StepView, verify: ForwardBatch, accepted: Accepted) -> None:
+    def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         self._materialize(verify)
 
     def _materialize(self, fb: ForwardBatch) -> None:
         """Context K/V of ``fb``'s positions from the target's captured features."""
         taps = torch.cat([fb.captured[layer] for layer in self.capture_layers], dim=-1)
-        self.model.materialize(taps, dataclasses.replace(fb, kv=self.kv, captured={}))
+        self.model.materialize(taps, fb.layout, self.kv)

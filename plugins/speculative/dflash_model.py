@@ -1,5 +1,5 @@
-"""The DFlash draft model, its loader and its exporter (DESIGN.md 4.2 and 4.5). Imported
-inside the daemon only.
+"""The DFlash draft model and its loader (DESIGN.md 4.2 and 4.5). Imported inside the
+daemon only.
 
 A stack of D Qwen3 decoder layers (per-head q/k RMSNorm, GQA, SwiGLU) that drafts a block of
 B tokens in one forward. It has no embedding and no LM head: the target's are shared.
@@ -10,8 +10,8 @@ Context (``materialize``), once per committed position t, no attention computed:
     layer i:  K = rope(k_norm(k_proj_i(ctx_t)), t),  V = v_proj_i(ctx_t)  -> draft KV at t
 
 Block (``forward``): ``[root, MASK * (B-1)]`` embedded by the target at positions p .. p+B-1;
-every layer is a plain decoder layer whose attention is non-causal (``fb.causal`` False): each
-block query sees the whole cached context below ``fb.seq_lens``, the block included. The
+every layer is a plain decoder layer whose attention is non-causal (``causal`` False): each
+block query sees the whole cached context below ``seq_lens``, the block included. The
 output is ``norm`` of the last layer, ``[T, H]``; the caller applies the target's LM head.
 
 The draft owns a ``KVCache`` of D layers in the target's page layout; layer i of the draft
@@ -37,10 +37,9 @@ it.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -62,11 +61,11 @@ from outrider.daemon.models.loader import (
     init_dummy,
     materialize,
 )
-from outrider.plugins.attention.base import AttentionShape
+from outrider.plugins.device import AttentionShape, BatchLayout, KVCache
 from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
 
 if TYPE_CHECKING:
-    from outrider.daemon.engine.forward import ForwardBatch
+    from outrider.plugins.device import ForwardBatch
 
 log = logging.getLogger(__name__)
 
@@ -207,31 +206,26 @@ class DFlashDraft(nn.Module):
         m = self.config.model
         return AttentionShape(m.num_q_heads, m.num_kv_heads, m.head_dim, m.head_dim**-0.5)
 
-    def materialize(self, features: torch.Tensor, fb: ForwardBatch) -> None:
-        """``features: [T, L_tap * H_t]`` (the tapped target layers at ``fb.positions``, in
-        ``target_layer_ids`` order, concatenated) -> the context K/V of every draft layer,
-        written at ``fb.out_loc`` into ``fb.kv``. Reads ``fb.kv``, ``fb.positions`` and
-        ``fb.out_loc`` only: the attention backend is not involved (no ``prepare``)."""
+    def materialize(self, features: torch.Tensor, layout: BatchLayout, kv: KVCache) -> None:
+        """``features: [T, L_tap * H_t]`` (the tapped target layers at ``layout.positions``,
+        in ``target_layer_ids`` order, concatenated) -> the context K/V of every draft layer,
+        stored at ``layout.out_loc`` into ``kv``. No attention runs."""
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, H]
-        cos, sin = self.rotary_emb(fb.positions)  # [T, D/2] each
+        cos, sin = self.rotary_emb(layout.positions)  # [T, D/2] each
         for layer_id, layer in enumerate(self.layers):
             attn = cast("Attention", layer.self_attn)
             k, v = _context_kv(attn, ctx, cos, sin)  # [T, Hkv, D] each
-            # NOTE: writes in the pool layout every backend shares (DESIGN.md 4.2), as the
-            # backends' own forward does; a backend with another physical layout needs a hook.
-            k_cache = fb.kv.k[layer_id].view(-1, self.num_kv_heads, self.head_dim)
-            v_cache = fb.kv.v[layer_id].view(-1, self.num_kv_heads, self.head_dim)
-            k_cache.index_copy_(0, fb.out_loc, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, fb.out_loc, v.to(v_cache.dtype))
+            kv.store(layer_id, layout.out_loc, k, v)
 
     def forward(self, embeds: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """``embeds: [T, H]`` the target's embedding of each row's block ``[root, MASK, ...]``
-        at ``fb.positions`` -> the final-norm hidden states ``[T, H]``. Writes the block's K/V
-        at ``fb.out_loc``; each block query attends to its row's KV below ``fb.seq_lens``
-        (context materialised before, plus the whole block). ``fb.causal`` must be False."""
-        if fb.causal:
+        at ``fb.layout.positions`` -> the final-norm hidden states ``[T, H]``. Stores the
+        block's K/V at ``fb.layout.out_loc``; each block query attends to its row's KV below
+        ``fb.layout.seq_lens`` (context materialised before, plus the whole block). The layout
+        must not be causal."""
+        if fb.layout.causal:
             raise ValueError("the DFlash block attends non-causally: build it with causal=False")
-        cos, sin = self.rotary_emb(fb.positions)  # [T, D/2] each
+        cos, sin = self.rotary_emb(fb.layout.positions)  # [T, D/2] each
         x = embeds.to(self.fc.weight.dtype)  # never updated in place (captures may alias it)
         for layer in self.layers:
             x = layer(x, cos, sin, fb)
@@ -292,75 +286,3 @@ def fill_dflash(model: DFlashDraft, tensors: Iterable[tuple[str, torch.Tensor]])
     """Copy public-layout ``(name, tensor)`` pairs into ``model``. Raises ValueError naming
     every unexpected, repeated or missing tensor, or the first one of a wrong shape."""
     fill_public("DFlash", dflash_tensors(model), tensors, shared=_SHARED)
-
-
-def save_dflash(model: DFlashDraft, directory: str | Path, config_json: dict[str, Any]) -> None:
-    """Write ``config.json`` and ``model.safetensors`` in the public layout. ``config_json``
-    gives the keys the model cannot know (e.g. eos ids); ``architectures``, ``model_type``,
-    ``num_hidden_layers``, ``layer_types`` and ``tie_word_embeddings`` are set, and the
-    model's shape, RoPE (where ``config_json`` names none), block size, taps and mask token
-    filled in. A value of ``config_json`` that contradicts the model raises ValueError
-    naming it."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = _export_config(model, config_json)
-    tensors = {name: t.detach().to("cpu").clone() for name, t in dflash_tensors(model).items()}
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _export_config(model: DFlashDraft, config_json: dict[str, Any]) -> dict[str, Any]:
-    c, m = model.config, model.config.model
-    # What makes it a DFlash draft is set; shape keys the caller gives must agree.
-    out = {
-        **config_json,
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
-        "num_hidden_layers": m.num_layers,
-        "layer_types": ["full_attention"] * m.num_layers,
-        "tie_word_embeddings": False,
-    }
-    shape: dict[str, Any] = {
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.intermediate_size,
-        "num_attention_heads": m.num_q_heads,
-        "num_key_value_heads": m.num_kv_heads,
-        "head_dim": m.head_dim,
-        "rms_norm_eps": m.rms_norm_eps,
-        "vocab_size": m.vocab_size,
-        "attention_bias": m.attention_bias,
-        "hidden_act": "silu",
-        "block_size": c.block_size,
-        "num_target_layers": c.num_target_layers,
-        "target_hidden_size": c.target_hidden_size,
-    }
-    for key, value in shape.items():
-        if key in out and out[key] != value:
-            raise ValueError(f"config_json[{key!r}] = {out[key]!r}, the model has {value!r}")
-        out[key] = value
-    if not {"rope_theta", "rope_scaling", "rope_parameters"} & out.keys():
-        out["rope_theta"] = m.rope.theta
-        if m.rope.llama3 is not None:
-            out["rope_scaling"] = {"rope_type": "llama3", **asdict(m.rope.llama3)}
-    out.setdefault("max_position_embeddings", m.max_position_embeddings)
-    out.setdefault("torch_dtype", str(model.fc.weight.dtype).removeprefix("torch."))
-    # Taps are always written: readers disagree on the default rule, never on explicit ids.
-    dflash = dict(out.get("dflash_config") or {})
-    written: dict[str, Any] = {"target_layer_ids": list(c.target_layer_ids)}
-    if c.mask_token_id is not None:
-        written["mask_token_id"] = c.mask_token_id
-    if c.mask_token is not None:
-        written["mask_token"] = c.mask_token
-    for key, value in written.items():
-        if dflash.setdefault(key, value) != value:
-            raise ValueError(
-                f"config_json's dflash_config.{key} {dflash[key]!r} differs from the model's "
-                f"{value!r}"
-            )
-    out["dflash_config"] = dflash
-    parsed = DFlashConfig.from_dict(out)
-    if parsed.model.rope != m.rope:
-        raise ValueError(f"config_json's RoPE ({parsed.model.rope}) is not the model's ({m.rope})")
-    return out

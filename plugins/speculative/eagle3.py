@@ -9,7 +9,6 @@ from outrider.plugins.api import (
     PluginSpec,
     Problem,
     SpeculativeCapabilities,
-    default_check,
 )
 from outrider.plugins.speculative.draft_config import check_draft, feature_size_problem
 
@@ -17,9 +16,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
-    problems = default_check(spec, ctx)
-    draft, target, draft_problems = check_draft(spec.name, ARCHITECTURE, ctx)
-    problems += draft_problems
+    draft, target, problems = check_draft(spec.name, ARCHITECTURE, ctx)
     if draft is not None:
         problems += feature_size_problem(draft, target)
     return problems

@@ -21,19 +21,17 @@ last cached position was computed with the publishing request's next token.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from outrider.daemon.engine.forward import ForwardBatch
 from outrider.plugins.api import NoOptions
 from outrider.plugins.attention.base import AttentionBackend
+from outrider.plugins.device import BatchLayout, ForwardBatch
 from outrider.plugins.speculative.base import (
     Accepted,
+    DecodeView,
     Drafts,
     ExtendView,
     SpeculativeWorker,
-    StepView,
     WorkerContext,
 )
 from outrider.plugins.speculative.eagle3_model import (
@@ -68,7 +66,7 @@ class Eagle3Worker(SpeculativeWorker):
         hidden = config.model.hidden_size
         self.feat = torch.zeros(ctx.max_slots, hidden, dtype=ctx.dtype, device=ctx.device)
         self.node_offsets = torch.arange(self.topk, device=ctx.device)  # [K]
-        self.commit_offsets = torch.arange(self.max_commit, device=ctx.device)  # [M]
+        self.commit_offsets = torch.arange(ctx.shape.max_commit, device=ctx.device)  # [M]
 
     # --- EXTEND --------------------------------------------------------------------------
 
@@ -78,14 +76,14 @@ class Eagle3Worker(SpeculativeWorker):
         # Each position takes the token after it: the row's next input, and at the row's
         # end the token after the chunk.
         tokens = torch.roll(view.input_ids, -1)
-        last = fb.q_start[1:] - 1  # [bs]: each row's last token
+        last = fb.layout.q_start[1:] - 1  # [bs]: each row's last token
         tokens[last] = view.next_tokens
-        y = self._run(tokens, feats, fb, self.extend_backend)  # [T, H]
+        y = self._run(tokens, feats, fb.layout, self.extend_backend)  # [T, H]
         self.feat.index_copy_(0, view.sample_slots, y[last[view.sample_rows]])
 
-    # --- STEP ----------------------------------------------------------------------------
+    # --- decode --------------------------------------------------------------------------
 
-    def draft(self, view: StepView) -> Drafts:
+    def draft(self, view: DecodeView) -> Drafts:
         bs, k = view.bs, self.topk
         y = self.feat[view.slots].unsqueeze(1)  # [bs, 1, H]: the root's row
         score, token = self._expand(y.squeeze(1))  # [bs, K] each: the depth-1 candidates
@@ -113,20 +111,23 @@ class Eagle3Worker(SpeculativeWorker):
         if k == 1:  # a chain: every candidate, in depth order
             return Drafts(tokens)
         drafts, parents = select_tree(
-            tokens, torch.cat(cand_scores, dim=1), torch.cat(cand_parents, dim=1), self.width - 1
+            tokens,
+            torch.cat(cand_scores, dim=1),
+            torch.cat(cand_parents, dim=1),
+            self.shape.width - 1,
         )
         return Drafts(drafts, parents=parents)
 
-    def after_accept(self, view: StepView, verify: ForwardBatch, accepted: Accepted) -> None:
+    def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         # Row j (position seq + j) takes committed token j, the token at seq + 1 + j, and the
         # target's feature at the path's node of depth j; rows past the commit are rewritten
         # later.
-        bs, m = view.bs, self.max_commit
-        feats = self._features(verify).view(bs, self.width, -1)
+        bs, m = view.bs, self.shape.max_commit
+        feats = self._features(verify).view(bs, self.shape.width, -1)
         feats = feats.gather(1, accepted.path.unsqueeze(2).expand(-1, -1, feats.shape[2]))
-        positions = view.seq_lens.unsqueeze(1) + self.commit_offsets  # [bs, M]
-        fb = self.row_batch(view, positions, self.kv, self.extend_backend)
-        y = self._run(accepted.tokens.view(-1), feats.view(bs * m, -1), fb, self.extend_backend)
+        positions = view.starts.unsqueeze(1) + self.commit_offsets  # [bs, M]
+        layout = self.row_layout(view, positions)
+        y = self._run(accepted.tokens.view(-1), feats.view(bs * m, -1), layout, self.extend_backend)
         last = self.token_ids[:bs] * m + accepted.lens - 1  # the bonus's row
         self.feat.index_copy_(0, view.slots, y[last])
 
@@ -134,7 +135,7 @@ class Eagle3Worker(SpeculativeWorker):
 
     def _frontier(
         self,
-        view: StepView,
+        view: DecodeView,
         step: int,
         tokens: torch.Tensor,
         feats: torch.Tensor,
@@ -144,22 +145,20 @@ class Eagle3Worker(SpeculativeWorker):
         ``step``) with their parents' outputs ``feats: [bs, K or 1, H]`` -> ``[bs, K, H]``.
         ``ancestors: [bs, K, step * K]``: the node slots each node sees, itself included."""
         bs, k = tokens.shape
-        seq = view.seq_lens.unsqueeze(1)  # [bs, 1]
+        seq = view.starts.unsqueeze(1)  # [bs, 1]
         positions = (seq + (step - 1)).expand(bs, k)
         if k == 1:  # a chain: the node slot is the position, and attention plain causal
-            fb = self.row_batch(view, positions, self.kv, self.decode_backend)
+            layout = self.row_layout(view, positions)
         else:
-            fb = self.row_batch(
+            layout = self.row_layout(
                 view,
                 positions,
-                self.kv,
-                self.decode_backend,
                 kv_slots=seq + (step - 1) * k + self.node_offsets,
-                seq_lens=view.seq_lens + step * k,
+                seq_lens=view.starts + step * k,
                 tree_mask=ancestors,
             )
         feats = feats.expand(bs, k, feats.shape[2]).reshape(bs * k, -1)
-        return self._run(tokens.view(-1), feats, fb, self.decode_backend).view(bs, k, -1)
+        return self._run(tokens.view(-1), feats, layout, self.decode_backend).view(bs, k, -1)
 
     def _expand(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``K`` best next tokens (target ids) after rows ``y: [n, H]`` and their
@@ -177,12 +176,9 @@ class Eagle3Worker(SpeculativeWorker):
         self,
         tokens: torch.Tensor,
         feats: torch.Tensor,
-        geometry: ForwardBatch,
+        layout: BatchLayout,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """The draft over ``tokens`` at ``geometry``'s positions, into its own KV."""
-        fb = dataclasses.replace(
-            geometry, kv=self.kv, backend=backend, capture_layers=(), captured={}
-        )
-        fb.backend.prepare(fb)
+        """The draft over ``tokens`` at ``layout``'s positions, into its own KV."""
+        fb = ForwardBatch.bind(layout, backend, self.kv)
         return self.model(self.embed(tokens), feats, fb)

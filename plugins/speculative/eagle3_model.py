@@ -1,5 +1,5 @@
-"""The EAGLE-3 draft model, its loader and its exporter (DESIGN.md 4.2 and 4.5). Imported
-inside the daemon only.
+"""The EAGLE-3 draft model and its loader (DESIGN.md 4.2 and 4.5). Imported inside the
+daemon only.
 
 One Llama decoder layer whose q/k/v read a 2H-wide input::
 
@@ -10,7 +10,7 @@ One Llama decoder layer whose q/k/v read a 2H-wide input::
     logits = lm_head(norm(y))                                 [T, draft_vocab]
 
 The embedding is the target's (shared, not in the draft). The draft owns a one-layer
-``KVCache`` in the target's page layout and writes its K/V into layer 0 at ``fb.out_loc``.
+``KVCache`` in the target's page layout and writes its K/V into layer 0 at ``fb.layout.out_loc``.
 Its RoPE comes from its own config.json, its tables are sized by ``max_positions``.
 
 Public checkpoint layout::
@@ -31,10 +31,9 @@ tensor is an error naming it.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -49,11 +48,11 @@ from outrider.daemon.models.loader import (
     init_dummy,
     materialize,
 )
-from outrider.plugins.attention.base import AttentionShape
+from outrider.plugins.device import AttentionShape
 from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
 
 if TYPE_CHECKING:
-    from outrider.daemon.engine.forward import ForwardBatch
+    from outrider.plugins.device import ForwardBatch
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +215,8 @@ class Eagle3Draft(nn.Module):
         """``embeds: [T, H]`` the target's embedding of the input tokens, ``feat: [T, H]``
         (``project``'s output, or the draft's own previous output while drafting) -> ``y:
         [T, H]`` before the final norm. Writes K/V into layer 0 of ``fb.kv`` at
-        ``fb.out_loc``; positions are ``fb.positions``."""
-        cos, sin = self.rotary_emb(fb.positions)  # [T, D/2] each
+        ``fb.layout.out_loc``; positions are ``fb.layout.positions``."""
+        cos, sin = self.rotary_emb(fb.layout.positions)  # [T, D/2] each
         return self.midlayer(embeds, feat, cos, sin, fb)
 
     def compute_logits(self, y: torch.Tensor) -> torch.Tensor:
@@ -299,67 +298,3 @@ def _check_vocab_map(model: Eagle3Draft) -> None:
         raise ValueError("EAGLE-3 draft: d2t maps two draft ids onto one target id")
     if not bool(model.t2d[targets].all()) or int(model.t2d.sum()) != draft_vocab:
         raise ValueError("EAGLE-3 draft: t2d does not mark exactly the targets of d2t")
-
-
-def save_eagle3(model: Eagle3Draft, directory: str | Path, config_json: dict[str, Any]) -> None:
-    """Write ``config.json`` and ``model.safetensors`` in the public layout. ``config_json``
-    gives the keys the model cannot know (e.g. eos ids); ``architectures``, ``model_type``,
-    ``num_hidden_layers`` and ``tie_word_embeddings`` are set, and the model's shape, RoPE
-    (where ``config_json`` names none) and taps filled in. A shape, RoPE or tap value of
-    ``config_json`` that contradicts the model raises ValueError naming it."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    config = _export_config(model, config_json)
-    tensors = {name: t.detach().to("cpu").clone() for name, t in eagle3_tensors(model).items()}
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _export_config(model: Eagle3Draft, config_json: dict[str, Any]) -> dict[str, Any]:
-    c, m = model.config, model.config.model
-    # What makes it an EAGLE-3 draft is set; shape keys the caller gives must agree.
-    out = {
-        **config_json,
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "tie_word_embeddings": False,
-    }
-    shape: dict[str, Any] = {
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.intermediate_size,
-        "num_attention_heads": m.num_q_heads,
-        "num_key_value_heads": m.num_kv_heads,
-        "head_dim": m.head_dim,
-        "rms_norm_eps": m.rms_norm_eps,
-        "vocab_size": m.vocab_size,
-        "draft_vocab_size": c.draft_vocab_size,
-        "target_hidden_size": c.target_hidden_size,
-        "attention_bias": m.attention_bias,
-        "hidden_act": "silu",
-    }
-    for key, value in shape.items():
-        if key in out and out[key] != value:
-            raise ValueError(f"config_json[{key!r}] = {out[key]!r}, the model has {value!r}")
-        out[key] = value
-    if not {"rope_theta", "rope_scaling", "rope_parameters"} & out.keys():
-        out["rope_theta"] = m.rope.theta
-        if m.rope.llama3 is not None:
-            out["rope_scaling"] = {"rope_type": "llama3", **asdict(m.rope.llama3)}
-    out.setdefault("max_position_embeddings", m.max_position_embeddings)
-    out.setdefault("torch_dtype", str(model.fc.weight.dtype).removeprefix("torch."))
-    if c.aux_layer_ids is not None:
-        eagle = dict(out.get("eagle_config") or {})
-        ids = list(c.aux_layer_ids)
-        if eagle.setdefault("eagle_aux_hidden_state_layer_ids", ids) != ids:
-            raise ValueError(
-                "config_json's eagle_config.eagle_aux_hidden_state_layer_ids "
-                f"{eagle['eagle_aux_hidden_state_layer_ids']} differ from the model's {ids}"
-            )
-        out["eagle_config"] = eagle
-    written = Eagle3Config.from_dict(out)
-    if written.model.rope != m.rope:
-        raise ValueError(f"config_json's RoPE ({written.model.rope}) is not the model's ({m.rope})")
-    return out

@@ -9,7 +9,6 @@ from outrider.plugins.api import (
     PluginSpec,
     Problem,
     SpeculativeCapabilities,
-    default_check,
 )
 
 
@@ -24,21 +23,20 @@ class NgramOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
-    problems = default_check(spec, ctx)
     try:
         options = spec.parse_options(ctx.speculative_config)
     except (msgspec.ValidationError, msgspec.DecodeError):
-        return problems  # reported by default_check
+        return []  # the registry reports it
     assert isinstance(options, NgramOptions)
     if not 1 <= options.min_match <= options.max_match < options.window:
-        problems.append(
+        return [
             Problem(
                 "--speculative-config",
                 "ngram: need 1 <= min_match <= max_match < window, got "
                 f"{options.min_match}, {options.max_match}, {options.window}",
             )
-        )
-    return problems
+        ]
+    return []
 
 
 SPEC = PluginSpec(

@@ -3,9 +3,10 @@ KV pool, so drafting needs no host tokens and no sync.
 
 The table holds, at each flat KV index, the token whose K/V is there. Invariant: for a slot
 with KV length ``seq``, positions ``0 .. seq - 1`` hold the row's committed tokens, and the
-root (position ``seq``) is in the relay. EXTEND writes its input tokens; a STEP writes its
-whole verify block (root and drafts at ``seq .. seq + W - 1``) after the accept. Entries past
-the new KV length hold rejected drafts and are rewritten by the next STEP before any read.
+root (position ``seq``) is in the relay. EXTEND writes its input tokens; a decode batch writes
+its whole verify block (root and drafts at ``seq .. seq + W - 1``) after the accept. Entries
+past the new KV length hold rejected drafts and are rewritten by the next decode batch before
+any read.
 Prefix-cache pages carry their tokens with them, since the request that computed a page wrote
 them.
 """
@@ -15,13 +16,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from outrider.daemon.engine.forward import ForwardBatch, flat_kv_index
+from outrider.plugins.device import ForwardBatch, flat_kv_index
 from outrider.plugins.speculative.base import (
     Accepted,
+    DecodeView,
     Drafts,
     ExtendView,
     SpeculativeWorker,
-    StepView,
     WorkerContext,
 )
 from outrider.plugins.speculative.ngram import NgramOptions
@@ -38,13 +39,13 @@ class NgramWorker(SpeculativeWorker):
         )
         self.window_offsets = torch.arange(1 - window, 1, device=ctx.device)  # [window]
         self.candidate_ends = torch.arange(window - 1, device=ctx.device)  # [window - 1]
-        self.draft_offsets = torch.arange(1, self.width, device=ctx.device)  # [W - 1]
-        self.block_offsets = torch.arange(self.width, device=ctx.device)  # [W]
+        self.draft_offsets = torch.arange(1, self.shape.width, device=ctx.device)  # [W - 1]
+        self.block_offsets = torch.arange(self.shape.width, device=ctx.device)  # [W]
 
     def after_extend(self, view: ExtendView) -> None:
-        self.tokens.index_copy_(0, view.fb.out_loc, view.input_ids)
+        self.tokens.index_copy_(0, view.fb.layout.out_loc, view.input_ids)
 
-    def draft(self, view: StepView) -> Drafts:
+    def draft(self, view: DecodeView) -> Drafts:
         history = self._history(view)  # [bs, window]
         end, found = self._latest_longest_match(history)  # [bs], [bs]
         last = history.shape[1] - 1
@@ -53,20 +54,20 @@ class NgramWorker(SpeculativeWorker):
         drafts = history.gather(1, index)
         return Drafts(torch.where(found.unsqueeze(1), drafts, view.roots.unsqueeze(1)))
 
-    def after_accept(self, view: StepView, verify: ForwardBatch, accepted: Accepted) -> None:
+    def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         # Committed token j sits at position seq + 1 + j; the block starts with the root.
         block = torch.cat([view.roots.unsqueeze(1), accepted.tokens[:, :-1]], dim=1)  # [bs, W]
-        positions = view.seq_lens.unsqueeze(1) + self.block_offsets  # [bs, W]
+        positions = view.starts.unsqueeze(1) + self.block_offsets  # [bs, W]
         self.tokens.index_copy_(0, self._flat_index(view, positions).view(-1), block.view(-1))
 
-    def _flat_index(self, view: StepView, positions: torch.Tensor) -> torch.Tensor:
+    def _flat_index(self, view: DecodeView, positions: torch.Tensor) -> torch.Tensor:
         """Flat table index of ``positions`` [bs, n] (>= 0) of each row's slot."""
         table, page_size = self.ctx.page_table, self.ctx.page_size
         return flat_kv_index(table, view.slots.unsqueeze(1), positions, page_size)
 
-    def _history(self, view: StepView) -> torch.Tensor:
+    def _history(self, view: DecodeView) -> torch.Tensor:
         """The last ``window`` tokens of each row, the root last; -1 before the text."""
-        positions = view.seq_lens.unsqueeze(1) + self.window_offsets  # [bs, window]
+        positions = view.starts.unsqueeze(1) + self.window_offsets  # [bs, window]
         valid = positions >= 0
         tokens = self.tokens[self._flat_index(view, positions.clamp(min=0))]
         history = torch.where(valid, tokens, -1)

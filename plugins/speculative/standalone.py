@@ -10,7 +10,6 @@ from outrider.plugins.api import (
     PluginSpec,
     Problem,
     SpeculativeCapabilities,
-    default_check,
 )
 from outrider.plugins.speculative.draft_config import DRAFT_FLAG, read_config, tokenizer_vocab
 
@@ -28,12 +27,12 @@ class StandaloneOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
-    problems = default_check(spec, ctx)
     if not ctx.draft_model:
-        return problems
+        return []
     draft = read_config(ctx.draft_model)
     if draft is None:
-        return [*problems, Problem(DRAFT_FLAG, f"no readable config.json at {ctx.draft_model}")]
+        return [Problem(DRAFT_FLAG, f"no readable config.json at {ctx.draft_model}")]
+    problems = []
     architectures = draft.get("architectures") or []
     if not set(architectures) & set(SUPPORTED):
         problems.append(

@@ -5,7 +5,7 @@ The draft's KV at position p holds its K/V of the token at p, exactly as the tar
 it depends on the prefix tokens only: prefix-cache pages carry valid draft KV. With
 ``{"sample": true}`` sampled requests draw their drafts from the draft's processed
 distribution (see accept.py for the rule that keeps them). EXTEND runs the
-draft over the chunk. A STEP feeds the root and each draft in turn (positions ``seq ..
+draft over the chunk. A decode batch feeds the root and each draft in turn (positions ``seq ..
 seq + S - 1``); accepted drafts are the committed tokens, so after the accept the draft's KV
 is final up to ``seq + a - 1``, and one more token (the last accepted one, at ``seq + a``)
 completes it; that rewrite is idempotent unless all ``S`` drafts were accepted.
@@ -13,21 +13,17 @@ completes it; that rewrite is idempotent unless all ``S`` drafts were accepted.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from outrider.daemon.engine.accept import DRAW_DRAFT
-from outrider.daemon.engine.forward import ForwardBatch
-from outrider.daemon.engine.sampling import processed_probs, sample_probs
 from outrider.daemon.models.layers import DecoderForCausalLM
 from outrider.daemon.models.loader import load_model
+from outrider.plugins.device import DRAW_DRAFT, ForwardBatch, processed_probs, sample_probs
 from outrider.plugins.speculative.base import (
     Accepted,
+    DecodeView,
     Drafts,
     ExtendView,
     SpeculativeWorker,
-    StepView,
     WorkerContext,
 )
 from outrider.plugins.speculative.standalone import StandaloneOptions
@@ -54,16 +50,12 @@ class StandaloneWorker(SpeculativeWorker):
         )
 
     def after_extend(self, view: ExtendView) -> None:
-        fb = dataclasses.replace(
-            view.fb, kv=self.kv, backend=self.extend_backend, capture_layers=(), captured={}
-        )
-        self.extend_backend.prepare(fb)
-        self.model(view.input_ids, fb)
+        self.model(view.input_ids, ForwardBatch.bind(view.fb.layout, self.extend_backend, self.kv))
 
-    def draft(self, view: StepView) -> Drafts:
+    def draft(self, view: DecodeView) -> Drafts:
         token, drafts, probs = view.roots, [], []
-        for k in range(self.width - 1):
-            logits = self._next(token, view.seq_lens + k, view)  # [bs, V]
+        for k in range(self.shape.width - 1):
+            logits = self._next(token, view.starts + k, view)  # [bs, V]
             if self.options.sample:
                 q = processed_probs(logits, view.sampling, vocab_limit=self.ctx.vocab_limit)
                 token = sample_probs(q, view.sampling.seed, view.out_lens + k, DRAW_DRAFT)
@@ -75,18 +67,20 @@ class StandaloneWorker(SpeculativeWorker):
             torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if self.options.sample else None
         )
 
-    def after_accept(self, view: StepView, verify: ForwardBatch, accepted: Accepted) -> None:
+    def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         drafts_taken = accepted.lens - 1
         # The token at seq + a: the root when nothing was accepted, else the last draft taken.
         block = torch.cat([view.roots.unsqueeze(1), accepted.tokens], dim=1)
         last = block.gather(1, drafts_taken.unsqueeze(1)).squeeze(1)
-        self._next(last, view.seq_lens + drafts_taken, view)
+        self._next(last, view.starts + drafts_taken, view)
 
-    def _next(self, tokens: torch.Tensor, positions: torch.Tensor, view: StepView) -> torch.Tensor:
+    def _next(
+        self, tokens: torch.Tensor, positions: torch.Tensor, view: DecodeView
+    ) -> torch.Tensor:
         """Feed ``tokens`` [bs] at ``positions`` [bs]; the draft's next-token logits as wide
         as the target's, -inf from the target's vocabulary limit on."""
-        fb = self.row_batch(view, positions.unsqueeze(1), self.kv, self.decode_backend)
-        self.decode_backend.prepare(fb)
+        layout = self.row_layout(view, positions.unsqueeze(1))
+        fb = ForwardBatch.bind(layout, self.decode_backend, self.kv)
         logits = self.model.compute_logits(self.model(tokens, fb))  # [bs, V_draft]
         limit = min(logits.shape[-1], self.ctx.vocab_limit)
         wide = self.logits.narrow(0, 0, view.bs)

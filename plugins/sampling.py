@@ -55,6 +55,13 @@ _U_SCALE = 2.0**-23
 
 _Word = TypeVar("_Word", torch.Tensor, int)
 
+# Draw indices at one output position: plain sampling draws 0 there; a speculative step
+# draws its acceptance uniform, a replacement after a rejection and a sampling draft's own
+# token with the others (accept.py).
+DRAW_ACCEPT = 1
+DRAW_RESIDUAL = 2
+DRAW_DRAFT = 3
+
 
 @dataclass
 class SamplingBatch:

@@ -1,0 +1,165 @@
+"""Typed step inputs: one field list for the fixed device buffers, their pinned host staging
+and the host values a plan yields (DESIGN.md 4.3).
+
+Each field is a flat 1-D buffer sized by what it counts: query tokens, batch rows or
+request-table writes. A step's inputs are the leading views of the device buffers, so every
+input keeps its address from step to step (what CUDA graphs need). Staging is double-buffered:
+the set filled for step n is refilled for step n + 2, launched only after step n's results
+were waited for (the loop processes n before it plans n + 2).
+
+A decode batch's tokens, positions and KV lengths come from the relay on the device, not from
+the host: for it ``input_ids``, ``positions`` and ``seq_lens`` are filled in place by the runner
+and their host values are empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Final, Generic, Literal, TypeVar
+
+import numpy as np
+import torch
+
+from outrider.daemon.engine.plan import StepPlan
+
+T = TypeVar("T")
+Per = Literal["token", "row", "page"]
+
+
+# Each field's dtype and what its capacity counts.
+_TOKEN: Final = {"dtype": torch.int64, "per": "token"}
+_ROW: Final = {"dtype": torch.int64, "per": "row"}
+_ROW_F32: Final = {"dtype": torch.float32, "per": "row"}
+_PAGE: Final = {"dtype": torch.int64, "per": "page"}
+_PAGE_I32: Final = {"dtype": torch.int32, "per": "page"}
+
+
+@dataclass(frozen=True)
+class StepInputs(Generic[T]):
+    """One step's inputs (``T``: a device or staging tensor, or a host array)."""
+
+    input_ids: T = field(metadata=_TOKEN)  # [T] the query tokens
+    positions: T = field(metadata=_TOKEN)  # [T] each token's position
+    token_slots: T = field(metadata=_TOKEN)  # [T] each token's slot
+    q_pad_index: T = field(metadata=_TOKEN)  # [T] row * max_q + offset in the row
+    slots: T = field(metadata=_ROW)  # [bs]
+    seq_lens: T = field(metadata=_ROW)  # [bs] KV length after the step
+    q_start: T = field(metadata=_ROW)  # [bs + 1] cumulative query lengths
+    # EXTEND rows whose chunk ends the prompt, and sample there:
+    sample_index: T = field(metadata=_ROW)  # [n] flat index of the row's last token
+    sample_slots: T = field(metadata=_ROW)  # [n]
+    sample_rows: T = field(metadata=_ROW)  # [n]
+    sample_positions: T = field(metadata=_ROW)  # [n] output index drawn
+    # [bs] EXTEND: the token after each row's chunk (sampled rows: written on the device).
+    next_tokens: T = field(metadata=_ROW)
+    # Sampling parameters of the slots admitted by this step.
+    admit_slots: T = field(metadata=_ROW)
+    admit_temperature: T = field(metadata=_ROW_F32)
+    admit_top_p: T = field(metadata=_ROW_F32)
+    admit_top_k: T = field(metadata=_ROW)
+    admit_seed: T = field(metadata=_ROW)
+    released_slots: T = field(metadata=_ROW)  # debug: relay rows to poison
+    page_writes: T = field(metadata=_PAGE)  # flat request-table indices
+    page_values: T = field(metadata=_PAGE_I32)
+
+
+_FIELDS = fields(StepInputs)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What each kind of input buffer holds at most."""
+
+    tokens: int  # query tokens per step
+    rows: int  # batch rows per step
+    pages: int  # request-table writes per step
+
+    def of(self, per: Per) -> int:
+        return {"token": self.tokens, "row": self.rows, "page": self.pages}[per]
+
+
+def host_values(plan: StepPlan, *, poison_released: bool) -> StepInputs[np.ndarray]:
+    """The host's part of ``plan``'s inputs."""
+    q_lens = np.asarray(plan.q_lens, dtype=np.int64)
+    starts = np.asarray(plan.starts, dtype=np.int64)
+    n_tok = int(q_lens.sum())
+    max_q = int(q_lens.max())
+    row_of_token = np.repeat(np.arange(plan.bs, dtype=np.int64), q_lens)
+    q_start = np.zeros(plan.bs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=q_start[1:])
+    offset = np.arange(n_tok, dtype=np.int64) - q_start[row_of_token]
+    slots = np.asarray(plan.slots, dtype=np.int64)
+    sample_rows = np.asarray(plan.sample_rows, dtype=np.int64)
+    admitted = plan.slot_params
+    extend = plan.kind == "extend"
+    empty = np.zeros(0, dtype=np.int64)
+    return StepInputs(
+        input_ids=np.asarray(plan.input_ids, dtype=np.int64) if extend else empty,
+        positions=starts[row_of_token] + offset if extend else empty,
+        token_slots=slots[row_of_token],
+        q_pad_index=row_of_token * max_q + offset,
+        slots=slots,
+        seq_lens=starts + q_lens if extend else empty,
+        q_start=q_start,
+        sample_index=q_start[sample_rows + 1] - 1 if extend else empty,
+        sample_slots=slots[sample_rows] if extend else empty,
+        sample_rows=sample_rows if extend else empty,
+        sample_positions=np.asarray(plan.sample_positions, dtype=np.int64),
+        next_tokens=np.asarray(plan.next_ids, dtype=np.int64),
+        admit_slots=np.asarray([p.slot for p in admitted], dtype=np.int64),
+        admit_temperature=np.asarray([p.temperature for p in admitted], dtype=np.float32),
+        admit_top_p=np.asarray([p.top_p for p in admitted], dtype=np.float32),
+        admit_top_k=np.asarray([p.top_k for p in admitted], dtype=np.int64),
+        admit_seed=np.asarray([p.seed for p in admitted], dtype=np.int64),
+        released_slots=np.asarray(plan.released_slots if poison_released else [], np.int64),
+        page_writes=np.asarray(plan.page_writes, dtype=np.int64),
+        page_values=np.asarray(plan.page_values, dtype=np.int32),
+    )
+
+
+class InputBuffers:
+    """The fixed device buffers of every input and their double-buffered host staging."""
+
+    def __init__(self, capacity: Capacity, device: torch.device) -> None:
+        self.capacity = capacity
+        pin = device.type == "cuda"
+        self.device_buffers = self._allocate(
+            lambda n, dtype: torch.zeros(n, dtype=dtype, device=device)
+        )
+        self._staging = [
+            self._allocate(lambda n, dtype: torch.zeros(n, dtype=dtype, pin_memory=pin))
+            for _ in range(2)
+        ]
+        self._parity = 0
+
+    def stage(self, plan: StepPlan, values: StepInputs[np.ndarray]) -> StepInputs[torch.Tensor]:
+        """Copy ``values`` into the next staging set and from there into the device buffers
+        (queued on the current stream); returns this step's views of the device buffers."""
+        assert plan.num_tokens <= self.capacity.tokens, "plan exceeds the step token budget"
+        staging, self._parity = self._staging[self._parity], self._parity ^ 1
+        views: dict[str, torch.Tensor] = {}
+        for f in _FIELDS:
+            value: np.ndarray = getattr(values, f.name)
+            n = len(value)
+            device = getattr(self.device_buffers, f.name)
+            if n:
+                host = getattr(staging, f.name)
+                host.numpy()[:n] = value
+                device[:n].copy_(host[:n], non_blocking=True)
+            views[f.name] = device[:n]
+        # Filled on the device for a decode batch (module docstring).
+        n_tok, bs = plan.num_tokens, plan.bs
+        views.update(
+            input_ids=self.device_buffers.input_ids[:n_tok],
+            positions=self.device_buffers.positions[:n_tok],
+            seq_lens=self.device_buffers.seq_lens[:bs],
+        )
+        return StepInputs(**views)
+
+    def _allocate(self, make: Any) -> StepInputs[torch.Tensor]:
+        return StepInputs(
+            **{
+                f.name: make(self.capacity.of(f.metadata["per"]), f.metadata["dtype"])
+                for f in _FIELDS
+            }
+        )

@@ -1,0 +1,110 @@
+"""Result copies: a step's committed tokens and logprobs, device -> pinned host.
+
+Only these copies run on a side stream, gated by an event; everything else of a step runs on
+the compute stream. Host buffers are double-buffered like the input staging: step n's results
+are read before step n + 2 is launched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from outrider.daemon.engine.plan import StepOutput, StepPlan
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StepResults:
+    """Per sampled row: up to ``max_commit`` committed tokens with their logprobs."""
+
+    tokens: torch.Tensor  # [n, m] int64
+    commit_lens: torch.Tensor | None  # [n] int64; None for EXTEND (every row commits one)
+    logprob: torch.Tensor  # [n, m] float32
+    top_ids: torch.Tensor  # [n, m, k] int64
+    top_logprobs: torch.Tensor  # [n, m, k] float32
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step queued on the device: its plan, where its results land and when."""
+
+    plan: StepPlan
+    results: StepResults  # pinned host buffers
+    done: torch.cuda.Event | None  # None: the copies already ran (CPU)
+
+
+class ResultCopies:
+    def __init__(self, max_rows: int, max_commit: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+
+        def host(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+
+        rows, m, k = max_rows, max_commit, MAX_LOGPROBS
+        self._host = [
+            StepResults(
+                tokens=host(rows, m),
+                commit_lens=host(rows),
+                logprob=host(rows, m, dtype=torch.float32),
+                top_ids=host(rows, m, k),
+                top_logprobs=host(rows, m, k, dtype=torch.float32),
+            )
+            for _ in range(2)
+        ]
+        self._parity = 0
+        self._device = device
+        self._stream = torch.cuda.Stream(device) if cuda else None
+
+    def copy(self, plan: StepPlan, values: StepResults | None) -> Launched:
+        """Queue the copy of ``values`` (None: nothing sampled) to the next host set."""
+        host, self._parity = self._host[self._parity], self._parity ^ 1
+        if values is None:
+            return Launched(plan, host, None)
+        stream = self._stream
+        if stream is None:
+            self._copy_all(host, values)
+            return Launched(plan, host, None)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            for src, _ in self._pairs(host, values):
+                # NOTE: the source was produced on the compute stream; keep it alive until the
+                # side stream has read it.
+                src.record_stream(stream)
+            self._copy_all(host, values)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return Launched(plan, host, done)
+
+    @staticmethod
+    def collect(launched: Launched) -> StepOutput:
+        """Wait for ``launched``'s results and return them on the host."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        plan, host = launched.plan, launched.results
+        n, k = len(plan.sample_rows), plan.max_logprobs
+        lens = host.commit_lens
+        counts = [1] * n if plan.kind == "extend" or lens is None else lens[:n].tolist()
+        tokens = host.tokens[:n].tolist()
+        logprobs = host.logprob[:n].tolist()
+        top_ids = host.top_ids[:n, :, :k].tolist()
+        top_logprobs = host.top_logprobs[:n, :, :k].tolist()
+        return StepOutput(
+            tokens=[row[:c] for row, c in zip(tokens, counts, strict=True)],
+            logprobs=[row[:c] for row, c in zip(logprobs, counts, strict=True)],
+            top_ids=[row[:c] for row, c in zip(top_ids, counts, strict=True)],
+            top_logprobs=[row[:c] for row, c in zip(top_logprobs, counts, strict=True)],
+        )
+
+    @staticmethod
+    def _pairs(host: StepResults, values: StepResults) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source, host buffer) of every result ``values`` carries."""
+        pairs = [(getattr(values, f.name), getattr(host, f.name)) for f in fields(StepResults)]
+        return [(src, dst) for src, dst in pairs if src is not None]
+
+    @classmethod
+    def _copy_all(cls, host: StepResults, values: StepResults) -> None:
+        for src, dst in cls._pairs(host, values):
+            dst[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)

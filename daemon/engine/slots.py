@@ -1,0 +1,96 @@
+"""Per-slot device state: the request table, the relay and the sampling parameters.
+
+The relay holds, per slot, what the next decode batch reads: the next input token (the last
+committed one, whose KV is not written yet), the committed KV length (that token's position,
+the row's next start) and the output tokens committed (the randomness counter). A decode
+batch reads all three, so its positions and draws never come from the host, which plans a
+step before it knows how many tokens the previous one committed (speculative decoding).
+Sampling parameters are written when a request is admitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from outrider.daemon.engine.inputs import StepInputs
+from outrider.daemon.engine.plan import StepPlan
+from outrider.plugins.device import SamplingBatch
+
+
+@dataclass(frozen=True)
+class RelayRows:
+    """The relay of a batch's slots, read before the step."""
+
+    roots: torch.Tensor  # [bs] int64: the next input token
+    starts: torch.Tensor  # [bs] int64: the committed KV length = the root's position
+    out_lens: torch.Tensor  # [bs] int64: output tokens committed
+
+
+class SlotState:
+    def __init__(self, max_slots: int, max_pages: int, device: torch.device) -> None:
+        def zeros(dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(max_slots, dtype=dtype, device=device)
+
+        # Page 0 is scratch: empty table entries point there.
+        self.page_table = torch.zeros(
+            (max_slots, max_pages), dtype=torch.int32, device=device
+        )  # [max_slots, max_pages]
+        self.relay_tokens = zeros()  # [max_slots]
+        self.relay_starts = zeros()  # [max_slots]
+        self.relay_out_lens = zeros()  # [max_slots]
+        self.temperature = zeros(torch.float32)
+        self.top_p = zeros(torch.float32)
+        self.top_k = zeros()
+        self.seed = zeros()
+        # Debug: released slots' relay rows are poisoned (-1) and every decode batch asserts
+        # (with a host sync) that it reads only rows rewritten since.
+        self.relay_check = False
+
+    def enable_relay_check(self) -> None:
+        """Debug: poison every relay row now (all slots must be free) and on each release."""
+        self.relay_check = True
+        self.relay_tokens.fill_(-1)
+
+    def apply(self, inputs: StepInputs[torch.Tensor]) -> None:
+        """Relay poisoning (debug), request-table writes and the sampling parameters of newly
+        admitted slots; released slots are poisoned before an admission may reuse them."""
+        self.relay_tokens.index_fill_(0, inputs.released_slots, -1)
+        self.page_table.view(-1).index_copy_(0, inputs.page_writes, inputs.page_values)
+        slots = inputs.admit_slots
+        self.temperature.index_copy_(0, slots, inputs.admit_temperature)
+        self.top_p.index_copy_(0, slots, inputs.admit_top_p)
+        self.top_k.index_copy_(0, slots, inputs.admit_top_k)
+        self.seed.index_copy_(0, slots, inputs.admit_seed)
+
+    def read(self, slots: torch.Tensor) -> RelayRows:
+        rows = RelayRows(
+            self.relay_tokens[slots], self.relay_starts[slots], self.relay_out_lens[slots]
+        )
+        if self.relay_check and not bool((rows.roots >= 0).all()):
+            raise AssertionError("a decode batch read a relay row that was not rewritten")
+        return rows
+
+    def write(
+        self,
+        slots: torch.Tensor,
+        tokens: torch.Tensor,
+        starts: torch.Tensor,
+        out_lens: torch.Tensor,
+    ) -> None:
+        """Seed or advance the relay of ``slots``."""
+        self.relay_tokens.index_copy_(0, slots, tokens)
+        self.relay_starts.index_copy_(0, slots, starts)
+        self.relay_out_lens.index_copy_(0, slots, out_lens)
+
+    def sampling(self, row_slots: torch.Tensor, plan: StepPlan) -> SamplingBatch:
+        """The sampling parameters of slot ``row_slots[r]`` for each row."""
+        return SamplingBatch(
+            temperature=self.temperature[row_slots],
+            top_p=self.top_p[row_slots],
+            top_k=self.top_k[row_slots],
+            seed=self.seed[row_slots],
+            all_greedy=plan.all_greedy,
+            max_logprobs=plan.max_logprobs,
+        )

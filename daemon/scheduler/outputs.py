@@ -1,0 +1,148 @@
+"""Step results: tokens appended, speculative counters, streaming, finish with usage, release.
+
+Lifetime rules under overlap (a step of a request may be in flight when the host learns
+something about it):
+
+| event                        | when the host acts            | the in-flight step's row      |
+|------------------------------|-------------------------------|-------------------------------|
+| finished (EOS, stop, length) | processing the step that ends | ignored in the next step      |
+| aborted / client vanished    | when the abort arrives        | ignored when processed        |
+| retracted (KV ran out)       | planning the next step        | its tokens are still appended |
+
+Pages and slots go back at once in every case (admission.py says why that is safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from outrider.daemon.engine.plan import StepOutput
+from outrider.daemon.internal import ErrorInfo, FinishInfo, RequestUpdate
+from outrider.daemon.scheduler.admission import Admission
+from outrider.daemon.scheduler.counters import SchedulerStats
+from outrider.daemon.scheduler.finish import Finish, FinishChecker
+from outrider.daemon.scheduler.planner import Planned
+from outrider.daemon.scheduler.request import Request
+from outrider.plugins.api import StepShape
+from outrider.protocol.messages import TokenLogprob, Usage
+
+log = logging.getLogger("outrider.scheduler")
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        shape: StepShape,
+        finish: FinishChecker,
+        admission: Admission,
+        stats: SchedulerStats,
+    ) -> None:
+        self.shape = shape
+        self.finish = finish
+        self.admission = admission
+        self.stats = stats
+        self._updates: list[RequestUpdate] = []
+
+    def take_updates(self) -> list[RequestUpdate]:
+        updates, self._updates = self._updates, []
+        return updates
+
+    def process(self, planned: Planned, out: StepOutput) -> None:
+        """Apply one step's committed tokens to its sampled rows (rows of requests that
+        already finished are ignored)."""
+        decode = planned.plan.kind == "decode"
+        for i, row in enumerate(planned.plan.sample_rows):
+            req = planned.requests[row]
+            if not req.finished:
+                self._apply(req, out, i, decode=decode)
+
+    def _apply(self, req: Request, out: StepOutput, i: int, *, decode: bool) -> None:
+        tokens = out.tokens[i]
+        if decode and req.slot >= 0:
+            # Take back the part of the bound that was not committed.
+            unused = self.shape.max_commit - len(tokens)
+            req.scheduled_len -= unused
+            req.scheduled_outputs -= unused
+        if decode and self.shape.speculative:
+            self.stats.verified(len(tokens) - 1)
+            req.spec_drafts += 1
+            req.spec_accepted_tokens += len(tokens) - 1
+        if not req.output_ids:
+            req.first_token_time = time.time()
+        kept, finish = self.finish.append(req, tokens)
+        if req.want_logprobs:
+            # NOTE: the batch computes the largest top-n any row asked for; trim to ours.
+            n = req.sampling.logprobs
+            req.logprobs.extend(
+                TokenLogprob(
+                    tokens[j],
+                    out.logprobs[i][j],
+                    list(zip(out.top_ids[i][j][:n], out.top_logprobs[i][j][:n], strict=True)),
+                )
+                for j in range(kept)
+            )
+        if finish is not None:
+            self.finish_request(req, finish)
+        elif req.stream:
+            self._stream(req)
+
+    def _stream(self, req: Request) -> None:
+        upto = self.finish.streamable(req)
+        if upto > req.streamed:
+            self._updates.append(
+                RequestUpdate(
+                    req.rid,
+                    req.output_ids[req.streamed : upto],
+                    logprobs=req.logprobs[req.streamed : upto] if req.want_logprobs else None,
+                )
+            )
+            req.streamed = upto
+
+    def finish_request(self, req: Request, finish: Finish) -> None:
+        """The final update of ``req`` (its unstreamed tokens, the finish and usage); its
+        pages are published to the prefix cache."""
+        usage = Usage(
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_len,
+            spec_drafts=req.spec_drafts,
+            spec_accepted_tokens=req.spec_accepted_tokens,
+        )
+        info = FinishInfo(finish.reason, finish.matched_stop, usage, finish.text_cut)
+        update = RequestUpdate(
+            req.rid,
+            req.output_ids[req.streamed :],
+            logprobs=req.logprobs[req.streamed :] if req.want_logprobs else None,
+            finish=info,
+        )
+        self.stats.finished(finish.reason)
+        self._log_finished(req, finish)
+        self._end(req, update)
+
+    def fail(self, req: Request, message: str) -> None:
+        """End ``req`` with the ``internal`` error."""
+        self._end(req, RequestUpdate(req.rid, [], error=ErrorInfo("internal", message)))
+
+    def _end(self, req: Request, update: RequestUpdate) -> None:
+        req.finished = True
+        self._updates.append(update)
+        self.finish.forget(req)
+        self.admission.remove(req)
+
+    def _log_finished(self, req: Request, finish: Finish) -> None:
+        now = time.time()
+        ttft = req.first_token_time - req.arrival if req.first_token_time else -1.0
+        log.info(
+            "finished id=%s rid=%d prompt=%d output=%d cached=%d queue=%.4f ttft=%.4f "
+            "e2e=%.4f reason=%s",
+            req.request_id,
+            req.rid,
+            len(req.prompt_ids),
+            len(req.output_ids),
+            req.cached_len,
+            (req.admit_time - req.arrival) if req.admit_time else -1.0,
+            ttft,
+            now - req.arrival,
+            finish.reason,
+        )

@@ -1,0 +1,189 @@
+"""Plans: extend batches (prompt chunks, prefix-hit remainders, re-admissions; rows of any
+length) and decode batches (every decoding row verifies the step's ``width`` tokens, its input
+read from the relay buffer). They are never mixed, and an extend batch goes first when there
+is extend work.
+
+A speculative decode step commits between 1 and ``max_commit`` tokens per row, and the host
+learns how many one step late. So for a decoding row ``scheduled_len`` and
+``scheduled_outputs`` are upper bounds: planning a decode batch adds ``max_commit`` to both,
+processing it takes back what was not committed (outputs.py). Pages cover the bound plus the
+step's ``kv_span``; the device reads the exact lengths from its relay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from outrider.daemon.engine.plan import SlotParams, StepPlan
+from outrider.daemon.scheduler.admission import Admission
+from outrider.daemon.scheduler.pages import PageDelta, PageManager
+from outrider.daemon.scheduler.request import Request
+from outrider.daemon.scheduler.slots import SlotTable
+from outrider.plugins.api import StepShape
+
+if TYPE_CHECKING:
+    from outrider.daemon.scheduler.scheduler import SchedulerLimits
+
+
+@dataclass
+class Planned:
+    plan: StepPlan
+    requests: list[Request]  # one per plan row
+
+
+@dataclass(frozen=True)
+class ExtendRow:
+    req: Request
+    chunk: int  # tokens this step computes, from the request's scheduled_len
+
+
+class Planner:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        shape: StepShape,
+        admission: Admission,
+        pages: PageManager,
+        slots: SlotTable,
+    ) -> None:
+        self.limits = limits
+        self.shape = shape
+        self.admission = admission
+        self.pages = pages
+        self.slots = slots
+        self._plans = 0
+
+    def next_plan(self) -> Planned | None:
+        """The next batch: extend work first, else a decode batch; None when idle."""
+        self._plans += 1
+        every, running = self.limits.retract_every, self.admission.running
+        if every and self._plans % every == 0 and len(running) > 1:
+            self.admission.retract(running[-1])
+        return self._extend() or self._decode()
+
+    # --- extend ------------------------------------------------------------------------
+
+    def _extend(self) -> Planned | None:
+        """Running requests' next prompt chunks, then admissions, within the token budget."""
+        budget = self.limits.chunked_prefill_tokens
+        rows: list[ExtendRow] = []
+        for req in self.admission.running:
+            if budget == 0:
+                break
+            if not req.decoding:
+                rows.append(ExtendRow(req, min(budget, req.extend_end - req.scheduled_len)))
+                budget -= rows[-1].chunk
+        delta = PageDelta()
+        admitted: list[SlotParams] = []
+        while budget > 0 and (new := self.admission.admit_next(delta)) is not None:
+            s = new.sampling
+            admitted.append(SlotParams(new.slot, s.temperature, s.top_p, s.top_k, s.seed))
+            rows.append(ExtendRow(new, min(budget, new.extend_end - new.scheduled_len)))
+            budget -= rows[-1].chunk
+        return self._extend_plan(rows, delta, admitted) if rows else None
+
+    def _extend_plan(
+        self, rows: list[ExtendRow], delta: PageDelta, admitted: list[SlotParams]
+    ) -> Planned:
+        starts: list[int] = []
+        input_ids: list[int] = []
+        sample_rows: list[int] = []
+        sample_positions: list[int] = []
+        # Per row, the token after the chunk (0 where the chunk ends the prompt: sampled).
+        next_ids: list[int] = []
+        for i, row in enumerate(rows):
+            req, start, known = row.req, row.req.scheduled_len, row.req.known_ids()
+            starts.append(start)
+            input_ids.extend(known[start : start + row.chunk])
+            req.scheduled_len += row.chunk
+            if req.scheduled_len == req.extend_end:
+                sample_rows.append(i)
+                sample_positions.append(req.scheduled_outputs)
+                req.scheduled_outputs += 1
+                next_ids.append(0)
+            else:
+                next_ids.append(known[req.scheduled_len])
+        requests = [row.req for row in rows]
+        sampled = [requests[i] for i in sample_rows]
+        plan = StepPlan(
+            kind="extend",
+            slots=[r.slot for r in requests],
+            starts=starts,
+            q_lens=[row.chunk for row in rows],
+            input_ids=input_ids,
+            sample_rows=sample_rows,
+            sample_positions=sample_positions,
+            page_writes=delta.writes,
+            page_values=delta.values,
+            slot_params=admitted,
+            max_logprobs=_max_logprobs(sampled),
+            all_greedy=_all_greedy(sampled),
+            released_slots=self.slots.take_released(),
+            next_ids=next_ids,
+        )
+        return Planned(plan, requests)
+
+    # --- decode ------------------------------------------------------------------------
+
+    def _decode(self) -> Planned | None:
+        """Every decoding request not yet scheduled to its end, with pages for one more step."""
+        delta = PageDelta()
+        rows: list[Request] = []
+        for req in list(self.admission.running):
+            # NOTE: growing a row may retract requests later in this list: they have no slot
+            # then, so they are not decoding.
+            if not req.decoding or self._scheduled_to_end(req):
+                continue
+            if self._grow(req, req.scheduled_len + self.shape.kv_span, delta):
+                rows.append(req)
+        if not rows:
+            return None
+        starts = [r.scheduled_len for r in rows]  # upper bounds: the device has the lengths
+        for req in rows:
+            req.scheduled_len += self.shape.max_commit
+            req.scheduled_outputs += self.shape.max_commit
+        plan = StepPlan(
+            kind="decode",
+            slots=[r.slot for r in rows],
+            starts=starts,
+            q_lens=[self.shape.width] * len(rows),
+            input_ids=[],
+            sample_rows=list(range(len(rows))),
+            sample_positions=[],
+            page_writes=delta.writes,
+            page_values=delta.values,
+            slot_params=[],
+            max_logprobs=_max_logprobs(rows),
+            all_greedy=_all_greedy(rows),
+            released_slots=self.slots.take_released(),
+        )
+        return Planned(plan, rows)
+
+    def _scheduled_to_end(self, req: Request) -> bool:
+        """Launched steps already produce this request's last possible token."""
+        if req.max_new_tokens is not None and req.scheduled_outputs >= req.max_new_tokens:
+            return True
+        return len(req.prompt_ids) + req.scheduled_outputs >= self.limits.context_length
+
+    def _grow(self, req: Request, positions: int, delta: PageDelta) -> bool:
+        """Pages for ``req`` to cover ``positions`` KV positions, retracting the youngest
+        running requests while the pool is short. False when ``req`` itself was retracted."""
+        running = self.admission.running
+        while req.allocated_len < positions:
+            if self.pages.add_page(req, delta):
+                continue
+            victim = running[-1]
+            assert len(running) > 1, "the pool cannot hold one request (fit check)"
+            self.admission.retract(victim)
+            if victim is req:
+                return False
+        return True
+
+
+def _max_logprobs(requests: list[Request]) -> int:
+    return max((r.sampling.logprobs for r in requests), default=0)
+
+
+def _all_greedy(requests: list[Request]) -> bool:
+    return all(r.sampling.temperature == 0.0 for r in requests)

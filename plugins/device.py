@@ -1,0 +1,176 @@
+"""The device surface of plugins: what an attention backend or a speculative worker may use.
+
+Token layout: the ``T`` query tokens of a batch are flat, row after row. Row ``r`` owns tokens
+``q_start[r] .. q_start[r] + q_len[r]``. Host-known sizes (``max_q``, ``max_kv``) are upper
+bounds that size the work; validity always comes from the device tensors (``positions``,
+``seq_lens``), so a batch never needs a host sync.
+
+KV layout (DESIGN.md 4.2): per layer ``k, v: [num_pages, page_size, kv_heads, head_dim]``.
+Logical position ``p`` of the request in slot ``s`` lives at flat index
+``page_table[s, p // page_size] * page_size + p % page_size``. Page 0 is a scratch page that is
+never handed out: padded tokens write there.
+
+A ``BatchLayout`` says where a batch's tokens sit and what they attend; a ``ForwardBatch`` is
+one layout run by one attention backend over one KV cache, with the metadata that backend
+built for it. A draft that runs its own model over the target's layout binds the same layout
+to its own backend and cache: metadata never outlives its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from outrider.plugins.sampling import (
+    DRAW_DRAFT,
+    SamplingBatch,
+    processed_probs,
+    sample_probs,
+)
+
+__all__ = [
+    "DRAW_DRAFT",
+    "SCRATCH_PAGE",
+    "Attention",
+    "AttentionShape",
+    "BatchLayout",
+    "ForwardBatch",
+    "KVCache",
+    "SamplingBatch",
+    "flat_kv_index",
+    "processed_probs",
+    "sample_probs",
+]
+
+SCRATCH_PAGE = 0
+
+
+def flat_kv_index(
+    page_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Flat KV index of logical ``positions`` (>= 0) of the requests in ``slots`` (the two
+    broadcast together)."""
+    pages = page_table[slots, torch.div(positions, page_size, rounding_mode="floor")]
+    return pages.to(torch.int64) * page_size + positions % page_size
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+@dataclass
+class KVCache:
+    """One model's paged K/V storage (target and draft each own one)."""
+
+    k: list[torch.Tensor]  # per layer [num_pages, page_size, kv_heads, head_dim]
+    v: list[torch.Tensor]
+    page_size: int
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k, v: [T, kv_heads, head_dim]`` of layer ``layer`` at flat indices ``loc``
+        ``[T]`` (in the cache's dtype)."""
+        for cache, value in ((self.k[layer], k), (self.v[layer], v)):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, loc, value.to(flat.dtype))
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V at flat indices ``src`` to ``dst`` (all reads first, so a
+        destination may be another pair's source)."""
+        for cache in (*self.k, *self.v):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, dst, flat[src])
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        shape: AttentionShape,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        size = (num_pages, page_size, shape.num_kv_heads, shape.head_dim)
+        return cls(
+            k=[torch.zeros(size, dtype=dtype, device=device) for _ in range(num_layers)],
+            v=[torch.zeros(size, dtype=dtype, device=device) for _ in range(num_layers)],
+            page_size=page_size,
+        )
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where one batch's query tokens sit, where their K/V go and what they attend."""
+
+    page_table: torch.Tensor  # [max_slots, max_pages] int32, shared by target and draft
+    page_size: int
+    slots: torch.Tensor  # [bs] int64: request-table rows
+    positions: torch.Tensor  # [T] int64: logical position of each query token
+    out_loc: torch.Tensor  # [T] int64: flat KV index each token's K/V is written to
+    q_start: torch.Tensor  # [bs + 1] int64: cumulative query lengths
+    seq_lens: torch.Tensor  # [bs] int64: KV length of each row after this batch
+    # [T] int64: row * max_q + offset within the row; places flat tokens into a padded
+    # [bs, max_q] grid.
+    q_pad_index: torch.Tensor
+    bs: int
+    max_q: int  # upper bound on query tokens per row
+    max_kv: int  # upper bound on KV length per row
+    causal: bool = True
+    # A tree (speculative verify and tree drafting): each row's last ``block`` KV positions
+    # (``seq_lens - block ..``) form the block; query ``i`` of a row attends to every position
+    # before the block and to block position ``j`` where ``tree_mask[row, i, j]``. Positions
+    # then only place RoPE, and ``out_loc`` the K/V. None: causal by position (or ``causal``).
+    tree_mask: torch.Tensor | None = None  # [bs, max_q, block] bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+class Attention(Protocol):
+    """What a ``ForwardBatch`` needs of its attention backend (``AttentionBackend`` in
+    ``outrider.plugins.attention.base`` is the base class to implement)."""
+
+    def build(self, layout: BatchLayout) -> object: ...
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One forward pass: everything besides ``input_ids`` (an explicit model argument)."""
+
+    layout: BatchLayout
+    kv: KVCache
+    backend: Attention
+    metadata: object  # built by ``backend`` for ``layout``
+    # Layers (output-of-layer convention) whose hidden states the caller wants back.
+    capture_layers: tuple[int, ...] = ()
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def bind(
+        cls,
+        layout: BatchLayout,
+        backend: Attention,
+        kv: KVCache,
+        capture_layers: tuple[int, ...] = (),
+    ) -> ForwardBatch:
+        """``layout`` run by ``backend`` over ``kv``; the backend builds its metadata now."""
+        return cls(layout, kv, backend, backend.build(layout), capture_layers)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store ``k, v`` of layer ``layer`` and attend ``q`` (the backend's contract)."""
+        return self.backend.forward(layer, q, k, v, self)

@@ -1,0 +1,225 @@
+"""The attention backends' CUDA-graph hooks, driven by a fake graph runner on CPU: buffers
+allocated once for the largest batch, one capture per batch size, replays that only write in
+place; the metadata a replay leaves equals the eager build, and attention over the captured
+bound equals attention over the batch's own bound."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import torch
+from model_fixtures import PagedRows, torch_backend
+
+from outrider.daemon.engine.accept import tree_geometry
+from outrider.plugins.api import NoOptions
+from outrider.plugins.attention.base import AttentionBackend, GraphBounds
+from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
+from outrider.plugins.registry import discover
+
+SHAPE = AttentionShape(num_q_heads=4, num_kv_heads=2, head_dim=8, scale=8**-0.5)
+PAGE = 4
+MAX_BS = 4
+MAX_LEN = 40  # a row's committed length plus its block stays below this
+BUCKETS = (1, 2, 4)
+# Node i's parent (node 0 is the root): a tree of six nodes and depth 3.
+TREE_PARENTS = torch.tensor([0, 0, 1, 1, 3])
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One batch kind a graph is captured for: ``width`` query tokens per row."""
+
+    name: str
+    width: int
+    causal: bool = True
+    tree: bool = False
+
+
+KINDS = [
+    Kind("decode", 1),
+    Kind("chain verify", 4),
+    Kind("tree verify", 6, tree=True),
+    Kind("dflash block", 8, causal=False),
+]
+
+
+class FakeGraphRunner:
+    """What the CUDA-graph runner does with a backend, without the graphs: layout inputs in
+    fixed buffers sized for ``MAX_BS``, one capture per bucket, replays that write into
+    them. Refuses a backend whose spec does not declare ``cuda_graphs``."""
+
+    def __init__(self, name: str, kind: Kind, rows: PagedRows) -> None:
+        spec = discover().get("attention", name)
+        assert spec.attention is not None and spec.attention.cuda_graphs, name
+        self.backend: AttentionBackend = spec.load()(SHAPE, NoOptions(), rows.device)
+        self.kind, self.rows = kind, rows
+        self.bounds = GraphBounds(MAX_BS, kind.width, MAX_LEN)
+        self.backend.init_graph_buffers(self.bounds)
+        n, w = MAX_BS * kind.width, kind.width
+
+        def buffer(size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.int64, device=rows.device)
+
+        self.positions, self.out_loc, self.q_pad_index = buffer(n), buffer(n), buffer(n)
+        self.slots, self.seq_lens, self.q_start = buffer(MAX_BS), buffer(MAX_BS), buffer(MAX_BS + 1)
+        self.tree_mask = (
+            torch.zeros(MAX_BS, w, w, dtype=torch.bool, device=rows.device) if kind.tree else None
+        )
+        self.captured: dict[int, tuple[BatchLayout, object]] = {}
+
+    def layout(self, bs: int) -> BatchLayout:
+        n = bs * self.kind.width
+        return BatchLayout(
+            page_table=self.rows.page_table,
+            page_size=PAGE,
+            slots=self.slots[:bs],
+            positions=self.positions[:n],
+            out_loc=self.out_loc[:n],
+            q_start=self.q_start[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            q_pad_index=self.q_pad_index[:n],
+            bs=bs,
+            max_q=self.kind.width,
+            max_kv=self.bounds.max_kv,
+            causal=self.kind.causal,
+            tree_mask=self.tree_mask[:bs] if self.tree_mask is not None else None,
+        )
+
+    def capture(self, batch: BatchLayout) -> tuple[BatchLayout, object]:
+        self._write(batch)
+        layout = self.layout(batch.bs)
+        self.captured[batch.bs] = (layout, self.backend.capture_metadata(layout))
+        return self.captured[batch.bs]
+
+    def replay(self, batch: BatchLayout) -> tuple[BatchLayout, object]:
+        self._write(batch)
+        layout, metadata = self.captured[batch.bs]
+        self.backend.replay_metadata(layout, metadata)
+        return layout, metadata
+
+    def _write(self, batch: BatchLayout) -> None:
+        """The batch's inputs into the fixed buffers, in place."""
+        target = self.layout(batch.bs)
+        for name in ("slots", "positions", "out_loc", "q_start", "seq_lens", "q_pad_index"):
+            getattr(target, name).copy_(getattr(batch, name))
+        if target.tree_mask is not None:
+            assert batch.tree_mask is not None
+            target.tree_mask.copy_(batch.tree_mask)
+
+
+def make_batch(kind: Kind, rows: PagedRows, bs: int, gen: torch.Generator) -> BatchLayout:
+    """``bs`` rows of random committed lengths, each verifying ``kind.width`` tokens, with the
+    tight KV bound an eager batch gets."""
+    w = kind.width
+    table = rows.page_table.cpu()
+    slots = torch.randperm(MAX_BS, generator=gen)[:bs]
+    starts = torch.randint(1, MAX_LEN - w, (bs,), generator=gen)
+    offsets = torch.arange(w).expand(bs, w)
+    depth, tree_mask = offsets, None
+    if kind.tree:
+        depth, tree_mask = tree_geometry(TREE_PARENTS.expand(bs, -1), max_depth=3)
+    kv_slots = starts.unsqueeze(1) + offsets  # [bs, W]
+    pages = table[slots.unsqueeze(1), kv_slots // PAGE].long()
+    seq_lens = starts + w
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        return t.to(rows.device)
+
+    return BatchLayout(
+        page_table=rows.page_table,
+        page_size=PAGE,
+        slots=on(slots),
+        positions=on((starts.unsqueeze(1) + depth).reshape(-1)),
+        out_loc=on((pages * PAGE + kv_slots % PAGE).reshape(-1)),
+        q_start=on(torch.arange(bs + 1) * w),
+        seq_lens=on(seq_lens),
+        q_pad_index=on(torch.arange(bs * w)),
+        bs=bs,
+        max_q=w,
+        max_kv=int(seq_lens.max()),
+        causal=kind.causal,
+        tree_mask=on(tree_mask) if tree_mask is not None else None,
+    )
+
+
+def paged_rows(gen: torch.Generator, device: str = "cpu") -> PagedRows:
+    """Every slot holds ``MAX_LEN`` positions of random K/V."""
+    rows = PagedRows(
+        num_layers=1, shape=SHAPE, page_size=PAGE, max_len=MAX_LEN, max_slots=MAX_BS, device=device
+    )
+    rows.batch(torch_backend(SHAPE, device), [(slot, [0] * MAX_LEN) for slot in range(MAX_BS)])
+    for cache in (*rows.kv.k, *rows.kv.v):
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    return rows
+
+
+def qkv(n: int, gen: torch.Generator, device: str = "cpu") -> list[torch.Tensor]:
+    heads = (SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.num_kv_heads)
+    return [torch.randn(n, h, SHAPE.head_dim, generator=gen).to(device) for h in heads]
+
+
+def tensors(metadata: object) -> dict[str, torch.Tensor]:
+    assert dataclasses.is_dataclass(metadata)
+    fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
+    return {name: value for name, value in fields.items() if isinstance(value, torch.Tensor)}
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
+def test_replays_write_in_place_and_match_the_eager_build(kind: Kind) -> None:
+    gen = torch.Generator().manual_seed(7)
+    rows = paged_rows(gen)
+    runner = FakeGraphRunner("torch", kind, rows)
+    storages: set[int] = set()
+    for bs in BUCKETS:
+        _, metadata = runner.capture(make_batch(kind, rows, bs, gen))
+        addresses = {name: t.data_ptr() for name, t in tensors(metadata).items()}
+        storages |= {t.untyped_storage().data_ptr() for t in tensors(metadata).values()}
+        for _ in range(3):
+            batch = make_batch(kind, rows, bs, gen)
+            layout, replayed = runner.replay(batch)
+            assert replayed is metadata
+            assert {n: t.data_ptr() for n, t in tensors(metadata).items()} == addresses
+            eager = runner.backend.build(layout)
+            for name, value in tensors(metadata).items():
+                assert torch.equal(value, tensors(eager)[name]), name
+            # Attention over the captured bound equals attention over the batch's own.
+            q, k, v = qkv(bs * kind.width, gen)
+            graph = ForwardBatch(layout, rows.kv, runner.backend, metadata).attend(0, q, k, v)
+            own = ForwardBatch.bind(batch, runner.backend, rows.kv).attend(0, q, k, v)
+            torch.testing.assert_close(graph, own, atol=1e-5, rtol=1e-5)
+    # Every bucket's metadata lives in the buffers allocated once, for the largest.
+    assert len(storages) == len(tensors(runner.captured[MAX_BS][1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
+def test_cuda_graph_replays_equal_eager_attention(kind: Kind) -> None:
+    """The same hooks under a real CUDA graph: one capture per bucket, then replays over new
+    batches give what an eager forward over each batch gives."""
+    gen = torch.Generator().manual_seed(11)
+    rows = paged_rows(gen, "cuda")
+    runner = FakeGraphRunner("torch", kind, rows)
+    static = qkv(MAX_BS * kind.width, gen, "cuda")
+    for bs in BUCKETS:
+        n = bs * kind.width
+        q, k, v = (t[:n] for t in static)
+        layout, metadata = runner.capture(make_batch(kind, rows, bs, gen))
+        fb = ForwardBatch(layout, rows.kv, runner.backend, metadata)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fb.attend(0, q, k, v)  # warm-up, as capture requires
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fb.attend(0, q, k, v)
+        for _ in range(3):
+            batch = make_batch(kind, rows, bs, gen)
+            runner.replay(batch)
+            for buffer, value in zip((q, k, v), qkv(n, gen, "cuda"), strict=True):
+                buffer.copy_(value)
+            graph.replay()
+            own = ForwardBatch.bind(batch, runner.backend, rows.kv).attend(0, q, k, v)
+            torch.testing.assert_close(out, own, atol=1e-4, rtol=1e-4)

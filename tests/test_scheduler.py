@@ -1,0 +1,381 @@
+"""The scheduler alone, driven with fake step outputs and no model: exact plans, exact updates,
+and the integrity check (no leaked page or slot) after every step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from outrider.daemon.engine.plan import SlotParams, StepOutput
+from outrider.daemon.internal import FinishInfo, RequestUpdate, SamplingSpec, TokenizedRequest
+from outrider.daemon.scheduler.finish import FinishChecker
+from outrider.daemon.scheduler.planner import Planned
+from outrider.daemon.scheduler.radix import PrefixCache
+from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
+from outrider.plugins.api import NO_DRAFT, StepShape
+from outrider.protocol.messages import FinishReason, Usage
+
+PAGE = 4
+MAX_PAGES = 8  # page-table entries per slot: entry = slot * MAX_PAGES + page index
+EOS = 99
+SPEC = StepShape(width=3, depth=2, topk=1)  # a chain: verifies 3 tokens, commits 1 to 3
+
+
+def make(
+    *,
+    pages: int = 16,
+    running: int = 4,
+    chunk: int = 64,
+    shape: StepShape = NO_DRAFT,
+    margin: int = 0,
+    retract_every: int = 0,
+) -> Scheduler:
+    """A scheduler over ``pages`` usable pages of ``PAGE`` tokens."""
+    limits = SchedulerLimits(running, MAX_PAGES, chunk, 32, retract_every, margin)
+    finish = FinishChecker(frozenset({EOS}), 32, None)
+    return Scheduler(limits, shape, PrefixCache(pages + 1, PAGE), finish)
+
+
+def request(rid: int, prompt: list[int], max_new: int = 8) -> TokenizedRequest:
+    return TokenizedRequest(
+        rid=rid,
+        request_id=f"r{rid}",
+        input_ids=prompt,
+        sampling=SamplingSpec(),
+        max_new_tokens=max_new,
+        stop=[],
+        stop_token_ids=[],
+        ignore_eos=False,
+        stream=False,
+        want_logprobs=False,
+        arrival=time.time(),
+    )
+
+
+def ids(first: int, count: int) -> list[int]:
+    return list(range(first, first + count))
+
+
+def out(*rows: list[int]) -> StepOutput:
+    """The tokens each sampled row committed (no logprobs asked for)."""
+    return StepOutput([*rows], [[0.0] * len(r) for r in rows], [], [])
+
+
+def planned(s: Scheduler) -> Planned:
+    p = s.schedule()
+    assert p is not None
+    return p
+
+
+def step(s: Scheduler, *rows: list[int]) -> Planned:
+    """Serial order: plan, process ``rows`` as its results, check integrity."""
+    p = planned(s)
+    s.process(p, out(*rows))
+    s.check_integrity()
+    return p
+
+
+def final(
+    rid: int,
+    tokens: list[int],
+    reason: FinishReason,
+    *,
+    prompt: int,
+    cached: int = 0,
+    drafts: int = 0,
+    accepted: int = 0,
+) -> RequestUpdate:
+    """The final update of a request that streams nothing: all its tokens, finish, usage."""
+    usage = Usage(prompt, len(tokens), cached, drafts, accepted)
+    info = FinishInfo(reason, EOS if reason == "stop" else None, usage)
+    return RequestUpdate(rid, tokens, finish=info)
+
+
+def rows(p: Planned) -> tuple[str, list[int], list[int], list[int]]:
+    return p.plan.kind, p.plan.slots, p.plan.starts, p.plan.q_lens
+
+
+def waiting(s: Scheduler) -> list[int]:
+    return [r.rid for r in s.waiting]
+
+
+# --- extend and decode ---------------------------------------------------------------------
+
+
+def test_a_prompt_runs_in_one_extend_then_decodes_and_grows_a_page() -> None:
+    s = make()
+    s.add(request(1, ids(10, 6), max_new=4))
+    p = step(s, [20])
+    assert rows(p) == ("extend", [0], [0], [6]) and p.plan.input_ids == ids(10, 6)
+    assert (p.plan.sample_rows, p.plan.sample_positions, p.plan.next_ids) == ([0], [0], [0])
+    assert (p.plan.page_writes, p.plan.page_values) == ([0, 1], [1, 2])
+    assert p.plan.slot_params == [SlotParams(0, 0.0, 1.0, 0, 0)]
+    assert [rows(step(s, [t])) for t in (21, 22)] == [
+        ("decode", [0], [6], [1]),
+        ("decode", [0], [7], [1]),
+    ]
+    p = step(s, [23])
+    assert rows(p) == ("decode", [0], [8], [1]) and p.plan.page_writes == [2]
+    assert s.take_updates() == [final(1, [20, 21, 22, 23], "length", prompt=6)]
+    assert s.schedule() is None and not s.has_work and s.counters().kv_used_tokens == 0
+
+
+def test_chunked_prefill_shares_the_token_budget() -> None:
+    s = make(chunk=8)
+    s.add(request(1, ids(10, 10)))
+    s.add(request(2, ids(30, 9)))
+    p = step(s)
+    assert rows(p) == ("extend", [0], [0], [8]) and p.plan.sample_rows == []
+    assert p.plan.next_ids == [18] and waiting(s) == [2]
+    p = step(s, [20])
+    assert rows(p) == ("extend", [0, 1], [8, 0], [2, 6])
+    assert p.plan.input_ids == [18, 19, *ids(30, 6)] and p.plan.next_ids == [0, 36]
+    assert (p.plan.sample_rows, p.plan.sample_positions) == ([0], [0])
+    assert (p.plan.page_writes, p.plan.page_values) == ([8, 9, 10], [4, 5, 6])
+    p = step(s, [40])
+    assert rows(p) == ("extend", [1], [6], [3]) and p.plan.next_ids == [0]
+    assert rows(step(s, [21], [41])) == ("decode", [0, 1], [10, 9], [1, 1])
+
+
+# --- admission -----------------------------------------------------------------------------
+
+
+def test_a_request_that_does_not_fit_waits() -> None:
+    s = make(pages=5)
+    s.add(request(1, ids(10, 6), max_new=1))  # 2 pages
+    s.add(request(2, ids(30, 13)))  # 4 pages: only 3 left
+    assert rows(step(s, [20])) == ("extend", [0], [0], [6]) and waiting(s) == [2]
+    p = step(s, [40])  # request 1 finished: its pages are back (one of them cached)
+    assert rows(p) == ("extend", [0], [0], [13]) and p.plan.released_slots == [0]
+    assert p.plan.page_values == [2, 3, 4, 5]
+
+
+def test_admission_leaves_headroom_for_decoding_rows() -> None:
+    s = make(pages=5)
+    s.add(request(1, ids(10, 6), max_new=2))
+    step(s, [20])
+    s.add(request(2, ids(30, 10)))  # 3 pages fit, but request 1 may need one next step
+    assert s.counters().kv_used_tokens == 2 * PAGE
+    assert rows(step(s, [21])) == ("decode", [0], [6], [1]) and waiting(s) == [2]
+    assert rows(step(s, [40])) == ("extend", [0], [0], [10])
+
+
+# --- prefix cache --------------------------------------------------------------------------
+
+
+def test_a_prefix_hit_reuses_the_cached_pages() -> None:
+    s = make()
+    s.add(request(1, ids(10, 9), max_new=1))
+    step(s, [20])  # publishes 2 whole pages: tokens 10 .. 17
+    s.take_updates()
+    s.add(request(2, [*ids(10, 8), 50, 51], max_new=1))
+    p = step(s, [21])
+    assert rows(p) == ("extend", [0], [8], [2]) and p.plan.input_ids == [50, 51]
+    assert p.plan.page_values == [1, 2, 3]
+    assert s.take_updates() == [final(2, [21], "length", prompt=10, cached=8)]
+    assert (s.counters().prefix_cache_queries, s.counters().prefix_cache_hits) == (2, 1)
+
+
+def test_prefix_margin_pages_are_given_back() -> None:
+    s = make(margin=1)
+    s.add(request(1, ids(10, 9), max_new=1))
+    step(s, [20])
+    s.take_updates()
+    s.add(request(2, [*ids(10, 8), 50, 51], max_new=1))
+    p = step(s, [21])  # the second cached page stays cached, unused
+    assert rows(p) == ("extend", [0], [4], [6]) and p.plan.page_values == [1, 3, 4]
+    assert s.take_updates() == [final(2, [21], "length", prompt=10, cached=4)]
+
+
+# --- retraction ----------------------------------------------------------------------------
+
+
+def test_retraction_takes_the_youngest_and_keeps_its_tokens() -> None:
+    s = make(pages=4)
+    s.add(request(1, ids(10, 7), max_new=4))
+    s.add(request(2, ids(30, 7), max_new=3))
+    step(s, [20], [40])
+    step(s, [21], [41])
+    p = step(s, [22])  # request 1 needs a page: request 2 goes back to the queue
+    assert rows(p) == ("decode", [0], [8], [1]) and p.plan.page_values == [4]
+    assert waiting(s) == [2] and s.requests[2].output_ids == [40, 41]
+    assert rows(step(s, [23])) == ("decode", [0], [9], [1]) and waiting(s) == [2]
+    p = step(s, [42])  # request 1 finished: request 2 recomputes its tokens
+    assert rows(p) == ("extend", [0], [0], [9]) and p.plan.input_ids == [*ids(30, 7), 40, 41]
+    assert p.plan.sample_positions == [2]
+    assert s.take_updates() == [
+        final(1, [20, 21, 22, 23], "length", prompt=7),
+        final(2, [40, 41, 42], "length", prompt=7),
+    ]
+
+
+def test_a_retracted_request_waits_for_its_step_in_flight() -> None:
+    s = make(retract_every=3)
+    s.add(request(1, ids(10, 6)))
+    s.add(request(2, ids(30, 6)))
+    p1 = planned(s)
+    p2 = planned(s)  # overlap: both decode before the extend is processed
+    assert rows(p2) == ("decode", [0, 1], [6, 6], [1, 1])
+    s.process(p1, out([20], [40]))
+    p3 = planned(s)  # retracts request 2, whose decode step is still in flight
+    assert rows(p3) == ("decode", [0], [7], [1]) and waiting(s) == [2]
+    s.process(p2, out([21], [41]))  # the retracted row's token is still appended
+    p4 = planned(s)
+    assert rows(p4) == ("extend", [1], [0], [8]) and p4.plan.input_ids == [*ids(30, 6), 40, 41]
+    assert p3.plan.released_slots == [1] and p4.plan.sample_positions == [2]
+    s.check_integrity()
+
+
+# --- finish --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("max_new", "commit", "expected"),
+    [(8, [21, EOS, 23], [20, 21, EOS]), (3, [21, 22, 23], [20, 21, 22])],
+    ids=["eos", "max_new_tokens"],
+)
+def test_a_finish_inside_a_speculative_commit(
+    max_new: int, commit: list[int], expected: list[int]
+) -> None:
+    s = make(shape=SPEC)
+    s.add(request(1, ids(10, 5), max_new=max_new))
+    step(s, [20])
+    assert rows(step(s, commit)) == ("decode", [0], [5], [3])
+    reason: FinishReason = "stop" if EOS in commit else "length"
+    assert s.take_updates() == [final(1, expected, reason, prompt=5, drafts=1, accepted=2)]
+    counters = s.counters()
+    assert (counters.spec_drafts, counters.spec_draft_tokens) == (1, 2)
+    assert counters.spec_accepted_per_position == [1, 1] and counters.kv_used_tokens == 0
+
+
+def test_a_short_commit_takes_back_the_bound() -> None:
+    s = make(shape=SPEC)
+    s.add(request(1, ids(10, 5)))
+    step(s, [20])
+    step(s, [21])  # planned for 3 tokens, committed 1
+    p = step(s, [22, 23])
+    assert rows(p) == ("decode", [0], [6], [3]) and p.plan.page_writes == [2]
+    assert s.counters().spec_accepted_per_position == [1, 0]
+
+
+def test_abort_while_a_step_is_in_flight() -> None:
+    s = make()
+    s.add(request(1, ids(10, 6)))
+    p = planned(s)
+    s.abort(1, "client vanished")
+    assert s.take_updates() == [final(1, [], "abort", prompt=6)]
+    s.check_integrity()
+    s.process(p, out([20]))  # the in-flight row is ignored
+    assert s.take_updates() == [] and not s.has_work
+    s.check_integrity()
+
+
+def test_abort_of_a_waiting_request() -> None:
+    s = make(running=1)
+    s.add(request(1, ids(10, 6)))
+    s.add(request(2, ids(30, 6)))
+    step(s, [20])
+    s.abort(2, "client vanished")
+    assert s.take_updates() == [final(2, [], "abort", prompt=6)] and waiting(s) == []
+    s.check_integrity()
+
+
+def test_a_finished_row_is_ignored_in_the_next_step() -> None:
+    s = make()
+    s.add(request(1, ids(10, 6)))
+    p1, p2 = planned(s), planned(s)  # overlap order
+    s.process(p1, out([EOS]))
+    assert s.take_updates() == [final(1, [EOS], "stop", prompt=6)]
+    assert s.schedule() is None
+    s.process(p2, out([21]))
+    assert s.take_updates() == [] and not s.has_work
+    s.check_integrity()
+
+
+# --- serial and overlap orders -------------------------------------------------------------
+
+
+def token(rid: int, position: int) -> int:
+    """The fake model's output ``position`` of request ``rid``: EOS for two of them."""
+    return EOS if (rid, position) in {(2, 4), (4, 1)} else 100 + rid * 10 + position
+
+
+class FakeDevice:
+    """Commits runs of ``token(rid, position)`` of a length set by (rid, position); like the
+    relay buffer, it knows each request's output count before the host does."""
+
+    def __init__(self, shape: StepShape) -> None:
+        self.max_commit = shape.max_commit
+        self.produced: dict[int, int] = {}
+
+    def run(self, p: Planned) -> StepOutput:
+        committed: list[list[int]] = []
+        for k, row in enumerate(p.plan.sample_rows):
+            rid = p.requests[row].rid
+            if p.plan.kind == "extend":
+                first, count = p.plan.sample_positions[k], 1
+            else:
+                first = self.produced[rid]
+                count = 1 + (rid + first) % self.max_commit
+            committed.append([token(rid, first + j) for j in range(count)])
+            self.produced[rid] = first + count
+        return out(*committed)
+
+
+@dataclass
+class Served:
+    tokens: dict[int, list[int]]  # every update's tokens, by rid
+    spec_drafts: int
+    accepted_per_position: list[int]
+
+
+def serve(shape: StepShape, *, overlap: bool, pages: int) -> Served:
+    """Five requests to the end, processing step n before (serial) or after (overlap)
+    planning step n + 1; the integrity check after every step, one final per request."""
+    s, device = make(shape=shape, pages=pages, running=3, chunk=32), FakeDevice(shape)
+    for rid in range(1, 6):
+        s.add(request(rid, ids(10 * rid, 3 + 2 * rid), max_new=4 + rid))
+    tokens: dict[int, list[int]] = {rid: [] for rid in range(1, 6)}
+    finished: set[int] = set()
+    in_flight: tuple[Planned, StepOutput] | None = None
+    while s.has_work or in_flight is not None:
+        p = s.schedule()
+        launched = (p, device.run(p)) if p is not None else None
+        done, in_flight = (in_flight, launched) if overlap else (launched, None)
+        if done is not None:
+            s.process(*done)
+        s.check_integrity()
+        for update in s.take_updates():
+            assert update.rid not in finished, "an update after the final"
+            tokens[update.rid] += update.token_ids
+            if update.is_final:
+                finished.add(update.rid)
+    counters = s.counters()
+    assert finished == set(tokens) and counters.kv_used_tokens == 0
+    return Served(tokens, counters.spec_drafts, counters.spec_accepted_per_position)
+
+
+def expected_tokens(rid: int) -> list[int]:
+    produced = [token(rid, i) for i in range(4 + rid)]
+    return produced[: produced.index(EOS) + 1] if EOS in produced else produced
+
+
+@pytest.mark.parametrize("shape", [NO_DRAFT, SPEC], ids=["plain", "speculative"])
+def test_serial_and_overlap_orders_agree(shape: StepShape) -> None:
+    serial = serve(shape, overlap=False, pages=64)
+    assert serial == serve(shape, overlap=True, pages=64)
+    assert serial.tokens == {rid: expected_tokens(rid) for rid in range(1, 6)}
+
+
+@pytest.mark.parametrize("shape", [NO_DRAFT, SPEC], ids=["plain", "speculative"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_retraction_keeps_the_tokens(
+    shape: StepShape, overlap: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "outrider.scheduler")
+    served = serve(shape, overlap=overlap, pages=8)
+    assert served.tokens == {rid: expected_tokens(rid) for rid in range(1, 6)}
+    assert "retract rid=" in caplog.text
