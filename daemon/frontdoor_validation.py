@@ -25,7 +25,8 @@ from typing import Literal
 from outrider.daemon.internal import ModelFacts, SamplingSpec
 from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer
 from outrider.plugins.api import RequestFacts
-from outrider.plugins.registry import discover, request_refusal
+from outrider.plugins.checks import request_refusal
+from outrider.plugins.registry import discover
 from outrider.protocol.messages import MAX_STOP_STRING_CHARS, ErrorCode, Generate
 
 log = logging.getLogger("outrider.frontdoor")

@@ -23,12 +23,10 @@ from outrider.plugins.api import (
     Problem,
     SpeculativeCapabilities,
 )
+from outrider.plugins.checks import ATTENTION_FLAG, SPECULATIVE_FLAG, PluginProblems
 from outrider.plugins.registry import (
-    ATTENTION_FLAG,
     KIND_NAMES,
-    SPECULATIVE_FLAG,
     Entry,
-    PluginProblems,
     Registry,
     discover,
 )

@@ -6,20 +6,18 @@ fails to import, names no ``PluginSpec``, has the wrong kind or an unsupported `
 or shares its name with another plugin of its group, is listed with its error; the error is
 raised only when that plugin is chosen.
 
-The registry checks a configuration against the declared capabilities of the plugins it routes,
-then runs each plugin's own ``check`` in addition. ``resolve`` turns a configuration that passes
-into ``ResolvedPlugins``: the one result that ``outrider plugins --check`` reports and the
-engine builds from. A process discovers once and hands the registry (or the result) along.
+The registry checks a configuration against the declared capabilities of the plugins it routes
+(checks.py), then runs each plugin's own ``check`` in addition. ``resolve`` turns a configuration
+that passes into ``ResolvedPlugins``: the one result that ``outrider plugins --check`` reports and
+the engine builds from. A process discovers once and hands the registry (or the result) along.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
-from typing import Literal
 
 import msgspec
 
@@ -33,26 +31,20 @@ from outrider.plugins.api import (
     PluginKind,
     PluginSpec,
     Problem,
-    RequestFacts,
-    SpeculativeCapabilities,
     StepShape,
-    verify_width,
 )
-from outrider.plugins.speculative.draft_config import read_config
-
-log = logging.getLogger("outrider.plugins")
+from outrider.plugins.checks import (
+    ATTENTION_FLAG,
+    PHASE_FLAGS,
+    SPECULATIVE_FLAG,
+    PluginProblems,
+    attention_problems,
+    speculative_problems,
+    step_shape,
+)
 
 SUPPORTED_API_VERSIONS = frozenset({API_VERSION})
 
-ATTENTION_FLAG = "--attention-backend"
-SPECULATIVE_FLAG = "--speculative-algorithm"
-PHASE_FLAGS: dict[Phase, str] = {
-    "extend": "--prefill-attention-backend",
-    "decode": "--decode-attention-backend",
-    "verify": "--verify-attention-backend",
-    "draft_decode": "--draft-attention-backend",
-    "draft_extend": "--draft-attention-backend",
-}
 KIND_NAMES: dict[PluginKind, str] = {
     "attention": "attention backend",
     "speculative": "speculative algorithm",
@@ -61,14 +53,6 @@ KIND_NAMES: dict[PluginKind, str] = {
 
 class PluginError(LookupError):
     """A chosen plugin is unknown or cannot be used; the message names what is available."""
-
-
-class PluginProblems(Exception):
-    """A configuration its plugins cannot run; ``problems`` names every reason."""
-
-    def __init__(self, problems: list[Problem]) -> None:
-        super().__init__("\n".join(map(str, problems)))
-        self.problems = problems
 
 
 @dataclass(frozen=True)
@@ -175,7 +159,7 @@ class Registry:
         )
         caps = speculative.spec.speculative
         assert caps is not None, "checked: a speculative spec declares its capabilities"
-        return ResolvedPlugins(attention, speculative, _step_shape(ctx, caps))
+        return ResolvedPlugins(attention, speculative, step_shape(ctx, caps))
 
     def _resolve_one(self, kind: PluginKind, name: str, raw: str | None) -> ResolvedPlugin:
         spec = self.get(kind, name)
@@ -193,94 +177,18 @@ class Registry:
     def _capability_problems(self, spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
         if spec.kind == "attention":
             assert spec.attention is not None, "_load_spec admits attention specs with capabilities"
-            return _attention_problems(spec, spec.attention, ctx)
+            return attention_problems(spec, spec.attention, ctx)
         if spec.speculative is None:
             return [Problem(SPECULATIVE_FLAG, f"{spec.name} declares no SpeculativeCapabilities")]
-        return self._speculative_problems(spec, spec.speculative, ctx)
+        return speculative_problems(spec, spec.speculative, ctx, self._attention_capabilities)
 
-    def _speculative_problems(
-        self, spec: PluginSpec, caps: SpeculativeCapabilities, ctx: CheckContext
-    ) -> list[Problem]:
-        problems: list[Problem] = []
-        name = spec.name
-        if caps.needs_draft_model and not ctx.draft_model:
-            problems.append(Problem("--draft-model", f"{name} needs a draft model directory"))
-        if not caps.needs_draft_model and ctx.draft_model:
-            problems.append(Problem("--draft-model", f"{name} uses no draft model; leave it out"))
-        if ctx.speculative_topk > 1 and not caps.tree:
-            problems.append(
-                Problem(
-                    "--speculative-topk",
-                    f"{name} drafts chains only: use 1, not {ctx.speculative_topk}",
-                )
-            )
-        elif ctx.speculative_topk > 1:
-            problems += self._tree_problems(name, ctx)
-        if caps.needs_host_tokens and ctx.overlap:
-            problems.append(
-                Problem(
-                    "--no-overlap", f"{name} reads tokens on the host: it needs the serial loop"
-                )
-            )
-        if ctx.speculative_num_draft_tokens == 1:
-            problems.append(
-                Problem(
-                    "--speculative-num-draft-tokens", "must be at least 2 (the root and a draft)"
-                )
-            )
+    def _attention_capabilities(self, name: str) -> AttentionCapabilities | None:
+        """The declared capabilities of attention backend ``name``; None when it is unknown or
+        broken (its own check reports that)."""
         try:
-            spec.parse_options(ctx.speculative_config)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            problems.append(Problem("--speculative-config", f"{name}: {exc}"))
-        if caps.non_causal_draft:
-            problems += self._backend_lacks(
-                ctx, "draft_decode", "non_causal", f"{name} drafts with non-causal attention"
-            )
-        return problems
-
-    def _tree_problems(self, name: str, ctx: CheckContext) -> list[Problem]:
-        """A tree (topk K > 1) needs its depth S and size N, at most as many nodes as its
-        K + (S - 1) K^2 scored candidates, and tree masks in the verify and draft phases."""
-        k, s, n = ctx.speculative_topk, ctx.speculative_num_steps, ctx.speculative_num_draft_tokens
-        problems = []
-        if s < 1:
-            problems.append(
-                Problem("--speculative-num-steps", f"a tree (topk {k}) needs its depth")
-            )
-        if n < 2:
-            problems.append(
-                Problem("--speculative-num-draft-tokens", f"a tree (topk {k}) needs its size N")
-            )
-        elif s >= 1 and n - 1 > k + (s - 1) * k * k:
-            problems.append(
-                Problem(
-                    "--speculative-num-draft-tokens",
-                    f"a tree of depth {s} and topk {k} scores {k + (s - 1) * k * k} candidates: "
-                    f"at most {k + (s - 1) * k * k + 1}, not {n}",
-                )
-            )
-        need = f"{name} with --speculative-topk {k} verifies a tree (a tree mask)"
-        problems += self._backend_lacks(ctx, "verify", "tree_mask", need)
-        problems += self._backend_lacks(ctx, "draft_decode", "tree_mask", need)
-        return problems
-
-    def _backend_lacks(
-        self,
-        ctx: CheckContext,
-        phase: Phase,
-        capability: Literal["non_causal", "tree_mask"],
-        need: str,
-    ) -> list[Problem]:
-        """A problem naming ``phase``'s flag when its routed backend lacks ``capability``;
-        ``need`` says what needs it ("..., which NAME cannot do")."""
-        name = ctx.attention_routes[phase]
-        try:
-            caps = self.get("attention", name).attention
+            return self.get("attention", name).attention
         except PluginError:
-            return []  # the attention check reports an unknown backend
-        if caps is None or getattr(caps, capability):
-            return []
-        return [Problem(PHASE_FLAGS[phase], f"{need}, which {name} cannot do")]
+            return None
 
     def _find(self, kind: PluginKind, name: str) -> Entry | None:
         for i, ep in enumerate(self._points[kind]):
@@ -322,79 +230,6 @@ def discover() -> Registry:
     return Registry(
         {kind: tuple(entry_points(group=group)) for kind, group in ENTRY_POINT_GROUPS.items()}
     )
-
-
-def request_refusal(spec: PluginSpec, facts: RequestFacts) -> str | None:
-    """Why the speculative algorithm ``spec`` cannot serve a request (answered
-    ``unsupported``): what its declared capabilities refuse, else its own ``check_request``;
-    None when it can."""
-    caps = spec.speculative
-    if caps is not None and not caps.sampling and facts.temperature > 0:
-        return (
-            f"speculative algorithm {spec.name!r} decodes greedily only: temperature must be 0, "
-            f"got {facts.temperature!r}"
-        )
-    if caps is not None and not caps.logprobs and facts.logprobs > 0:
-        return (
-            f"speculative algorithm {spec.name!r} returns no logprobs: logprobs must be 0, "
-            f"got {facts.logprobs}"
-        )
-    return spec.check_request(facts)
-
-
-def _attention_problems(
-    spec: PluginSpec, caps: AttentionCapabilities, ctx: CheckContext
-) -> list[Problem]:
-    problems: list[Problem] = []
-    name = spec.name
-    if ctx.device not in caps.devices:
-        problems.append(Problem("--device", f"{name} does not run on {ctx.device}"))
-    if ctx.dtype not in caps.dtypes:
-        problems.append(Problem("--dtype", f"{name} does not support {ctx.dtype}"))
-    if caps.page_sizes is not None and ctx.page_size not in caps.page_sizes:
-        sizes = ", ".join(str(p) for p in sorted(caps.page_sizes))
-        problems.append(
-            Problem("--page-size", f"{name} takes page sizes {sizes}, not {ctx.page_size}")
-        )
-    for phase, routed in ctx.attention_routes.items():
-        if routed == name and phase not in caps.phases:
-            problems.append(
-                Problem(f"{ATTENTION_FLAG} {name}", f"{name} cannot run the {phase} phase")
-            )
-    try:
-        spec.parse_options(ctx.attention_config.get(name))
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        problems.append(Problem(f"--attention-config {name}", str(exc)))
-    return problems
-
-
-def _step_shape(ctx: CheckContext, caps: SpeculativeCapabilities) -> StepShape:
-    """N, S and K from the flags (already checked), the plugin's default width where they
-    leave it open."""
-    name = ctx.speculative_algorithm
-    topk = max(ctx.speculative_topk, 1)
-    given = ctx.speculative_num_draft_tokens
-    width = verify_width(given, ctx.speculative_num_steps, topk)
-    if not width:
-        width = _default_width(caps, ctx.draft_model)
-        log.info("speculative %s: %d tokens verified per row (its default)", name, width)
-    if given and given != width:
-        log.info(
-            "speculative %s: a chain of %d steps verifies %d tokens, not "
-            "--speculative-num-draft-tokens %d",
-            name, width - 1, width, given,
-        )  # fmt: skip
-    depth = ctx.speculative_num_steps if topk > 1 else width - 1
-    return StepShape(width, depth, topk)
-
-
-def _default_width(caps: SpeculativeCapabilities, draft_model: str) -> int:
-    if not caps.width_key:
-        return caps.default_width
-    config = read_config(draft_model)
-    if config is None or not isinstance(config.get(caps.width_key), int):
-        raise PluginProblems([Problem("--draft-model", f"no {caps.width_key} in {draft_model}")])
-    return int(config[caps.width_key])
 
 
 def _load_spec(kind: PluginKind, ep: EntryPoint) -> tuple[PluginSpec | None, str | None]:

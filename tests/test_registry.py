@@ -24,13 +24,8 @@ from outrider.plugins.api import (
     RequestFacts,
     StepShape,
 )
-from outrider.plugins.registry import (
-    PluginError,
-    PluginProblems,
-    Registry,
-    discover,
-    request_refusal,
-)
+from outrider.plugins.checks import PluginProblems, request_refusal
+from outrider.plugins.registry import PluginError, Registry, discover
 from outrider.plugins.speculative.ngram import NgramOptions
 from outrider.protocol.messages import Generate
 

@@ -26,8 +26,9 @@ from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
 from outrider.daemon.tokenizer import load_tokenizer
 from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend
+from outrider.plugins.checks import SPECULATIVE_FLAG, PluginProblems
 from outrider.plugins.device import AttentionShape, KVCache
-from outrider.plugins.registry import SPECULATIVE_FLAG, PluginProblems, ResolvedPlugins, discover
+from outrider.plugins.registry import ResolvedPlugins, discover
 from outrider.plugins.speculative.base import NoDraft, SpeculativeWorker, WorkerContext
 
 log = logging.getLogger("outrider.engine")

@@ -1,0 +1,206 @@
+"""The capability checks every plugin gets, whatever its own ``check`` adds: a configuration
+against the declared ``AttentionCapabilities`` and ``SpeculativeCapabilities``, a request
+against the speculative algorithm's, and the step shape resolved from the flags."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+
+from outrider.plugins.api import (
+    AttentionCapabilities,
+    CheckContext,
+    Phase,
+    PluginSpec,
+    Problem,
+    RequestFacts,
+    SpeculativeCapabilities,
+    StepShape,
+    verify_width,
+)
+from outrider.plugins.speculative.draft_config import read_config
+
+log = logging.getLogger("outrider.plugins")
+
+ATTENTION_FLAG = "--attention-backend"
+SPECULATIVE_FLAG = "--speculative-algorithm"
+PHASE_FLAGS: dict[Phase, str] = {
+    "extend": "--prefill-attention-backend",
+    "decode": "--decode-attention-backend",
+    "verify": "--verify-attention-backend",
+    "draft_decode": "--draft-attention-backend",
+    "draft_extend": "--draft-attention-backend",
+}
+
+
+class PluginProblems(Exception):
+    """A configuration its plugins cannot run; ``problems`` names every reason."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        super().__init__("\n".join(map(str, problems)))
+        self.problems = problems
+
+
+def speculative_problems(
+    spec: PluginSpec,
+    caps: SpeculativeCapabilities,
+    ctx: CheckContext,
+    attention_caps: Callable[[str], AttentionCapabilities | None],
+) -> list[Problem]:
+    """What ``spec``'s declared capabilities refuse in ``ctx``; ``attention_caps`` looks up
+    a routed backend's capabilities."""
+    problems: list[Problem] = []
+    name = spec.name
+    if caps.needs_draft_model and not ctx.draft_model:
+        problems.append(Problem("--draft-model", f"{name} needs a draft model directory"))
+    if not caps.needs_draft_model and ctx.draft_model:
+        problems.append(Problem("--draft-model", f"{name} uses no draft model; leave it out"))
+    if ctx.speculative_topk > 1 and not caps.tree:
+        problems.append(
+            Problem(
+                "--speculative-topk",
+                f"{name} drafts chains only: use 1, not {ctx.speculative_topk}",
+            )
+        )
+    elif ctx.speculative_topk > 1:
+        problems += _tree_problems(name, ctx, attention_caps)
+    if caps.needs_host_tokens and ctx.overlap:
+        problems.append(
+            Problem("--no-overlap", f"{name} reads tokens on the host: it needs the serial loop")
+        )
+    if ctx.speculative_num_draft_tokens == 1:
+        problems.append(
+            Problem("--speculative-num-draft-tokens", "must be at least 2 (the root and a draft)")
+        )
+    try:
+        spec.parse_options(ctx.speculative_config)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        problems.append(Problem("--speculative-config", f"{name}: {exc}"))
+    if caps.non_causal_draft:
+        problems += _backend_lacks(
+            ctx,
+            "draft_decode",
+            "non_causal",
+            f"{name} drafts with non-causal attention",
+            attention_caps,
+        )
+    return problems
+
+
+def _tree_problems(
+    name: str, ctx: CheckContext, attention_caps: Callable[[str], AttentionCapabilities | None]
+) -> list[Problem]:
+    """A tree (topk K > 1) needs its depth S and size N, at most as many nodes as its
+    K + (S - 1) K^2 scored candidates, and tree masks in the verify and draft phases."""
+    k, s, n = ctx.speculative_topk, ctx.speculative_num_steps, ctx.speculative_num_draft_tokens
+    problems = []
+    if s < 1:
+        problems.append(Problem("--speculative-num-steps", f"a tree (topk {k}) needs its depth"))
+    if n < 2:
+        problems.append(
+            Problem("--speculative-num-draft-tokens", f"a tree (topk {k}) needs its size N")
+        )
+    elif s >= 1 and n - 1 > k + (s - 1) * k * k:
+        problems.append(
+            Problem(
+                "--speculative-num-draft-tokens",
+                f"a tree of depth {s} and topk {k} scores {k + (s - 1) * k * k} candidates: "
+                f"at most {k + (s - 1) * k * k + 1}, not {n}",
+            )
+        )
+    need = f"{name} with --speculative-topk {k} verifies a tree (a tree mask)"
+    problems += _backend_lacks(ctx, "verify", "tree_mask", need, attention_caps)
+    problems += _backend_lacks(ctx, "draft_decode", "tree_mask", need, attention_caps)
+    return problems
+
+
+def _backend_lacks(
+    ctx: CheckContext,
+    phase: Phase,
+    capability: Literal["non_causal", "tree_mask"],
+    need: str,
+    attention_caps: Callable[[str], AttentionCapabilities | None],
+) -> list[Problem]:
+    """A problem naming ``phase``'s flag when its routed backend lacks ``capability``;
+    ``need`` says what needs it ("..., which NAME cannot do")."""
+    name = ctx.attention_routes[phase]
+    caps = attention_caps(name)  # None: the attention check reports it
+    if caps is None or getattr(caps, capability):
+        return []
+    return [Problem(PHASE_FLAGS[phase], f"{need}, which {name} cannot do")]
+
+
+def request_refusal(spec: PluginSpec, facts: RequestFacts) -> str | None:
+    """Why the speculative algorithm ``spec`` cannot serve a request (answered
+    ``unsupported``): what its declared capabilities refuse, else its own ``check_request``;
+    None when it can."""
+    caps = spec.speculative
+    if caps is not None and not caps.sampling and facts.temperature > 0:
+        return (
+            f"speculative algorithm {spec.name!r} decodes greedily only: temperature must be 0, "
+            f"got {facts.temperature!r}"
+        )
+    if caps is not None and not caps.logprobs and facts.logprobs > 0:
+        return (
+            f"speculative algorithm {spec.name!r} returns no logprobs: logprobs must be 0, "
+            f"got {facts.logprobs}"
+        )
+    return spec.check_request(facts)
+
+
+def attention_problems(
+    spec: PluginSpec, caps: AttentionCapabilities, ctx: CheckContext
+) -> list[Problem]:
+    problems: list[Problem] = []
+    name = spec.name
+    if ctx.device not in caps.devices:
+        problems.append(Problem("--device", f"{name} does not run on {ctx.device}"))
+    if ctx.dtype not in caps.dtypes:
+        problems.append(Problem("--dtype", f"{name} does not support {ctx.dtype}"))
+    if caps.page_sizes is not None and ctx.page_size not in caps.page_sizes:
+        sizes = ", ".join(str(p) for p in sorted(caps.page_sizes))
+        problems.append(
+            Problem("--page-size", f"{name} takes page sizes {sizes}, not {ctx.page_size}")
+        )
+    for phase, routed in ctx.attention_routes.items():
+        if routed == name and phase not in caps.phases:
+            problems.append(
+                Problem(f"{ATTENTION_FLAG} {name}", f"{name} cannot run the {phase} phase")
+            )
+    try:
+        spec.parse_options(ctx.attention_config.get(name))
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        problems.append(Problem(f"--attention-config {name}", str(exc)))
+    return problems
+
+
+def step_shape(ctx: CheckContext, caps: SpeculativeCapabilities) -> StepShape:
+    """N, S and K from the flags (already checked), the plugin's default width where they
+    leave it open."""
+    name = ctx.speculative_algorithm
+    topk = max(ctx.speculative_topk, 1)
+    given = ctx.speculative_num_draft_tokens
+    width = verify_width(given, ctx.speculative_num_steps, topk)
+    if not width:
+        width = _default_width(caps, ctx.draft_model)
+        log.info("speculative %s: %d tokens verified per row (its default)", name, width)
+    if given and given != width:
+        log.info(
+            "speculative %s: a chain of %d steps verifies %d tokens, not "
+            "--speculative-num-draft-tokens %d",
+            name, width - 1, width, given,
+        )  # fmt: skip
+    depth = ctx.speculative_num_steps if topk > 1 else width - 1
+    return StepShape(width, depth, topk)
+
+
+def _default_width(caps: SpeculativeCapabilities, draft_model: str) -> int:
+    if not caps.width_key:
+        return caps.default_width
+    config = read_config(draft_model)
+    if config is None or not isinstance(config.get(caps.width_key), int):
+        raise PluginProblems([Problem("--draft-model", f"no {caps.width_key} in {draft_model}")])
+    return int(config[caps.width_key])
