@@ -27,10 +27,8 @@ from pathlib import Path
 import torch
 
 from outrider.daemon.models.config import ModelConfig
-from outrider.daemon.models.loader import expected_checkpoint_shapes
+from outrider.daemon.roofline import kv_bytes_per_token, read_bandwidth, weight_bytes
 from outrider.protocol import AsyncClient, Client, Timeout
-
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass
@@ -42,42 +40,6 @@ class Row:
     step_ms: float
     roofline_tok_s: float
     percent_of_roofline: float
-
-
-def read_bandwidth(device: str, gib: float = 4.0) -> float:
-    """Bytes/s of a full read (a sum) over a buffer far larger than the caches."""
-    if device != "cuda":
-        return float("nan")
-    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda")
-    best = float("inf")
-    for _ in range(10):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        x.sum()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    size = x.numel() * x.element_size()
-    del x
-    torch.cuda.empty_cache()
-    return size / best
-
-
-def weight_bytes(config: ModelConfig, dtype: str) -> int:
-    """Bytes of every weight read per step (the input-embedding table excluded unless tied,
-    in which case it is read as the output head)."""
-    total = 0
-    for name, shape in expected_checkpoint_shapes(config).items():
-        if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
-            continue
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        total += numel
-    return total * _DTYPE_BYTES[dtype]
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype: str) -> int:
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * _DTYPE_BYTES[dtype]
 
 
 async def run_batch(

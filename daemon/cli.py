@@ -1,7 +1,7 @@
-"""``outrider``: serve, generate, plugins.
+"""``outrider``: serve, generate, plugins, bench.
 
-``generate`` and ``plugins`` work in a light install (client only); ``serve`` needs the
-``daemon`` extra and says so.
+``generate`` and ``plugins`` work in a light install (client only); ``serve`` and ``bench``
+need the ``daemon`` extra and say so.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import sys
 
+from outrider.daemon.bench_cmd import add_bench_arguments, run_bench
 from outrider.daemon.config import EXIT_CONFIG, ConfigError, add_serve_arguments, resolve
 from outrider.daemon.generate_cmd import add_generate_arguments, run_generate
 from outrider.daemon.logs import configure_logging
@@ -26,17 +27,23 @@ def _parser() -> argparse.ArgumentParser:
     add_serve_arguments(commands.add_parser("serve", help="run the daemon"))
     add_generate_arguments(commands.add_parser("generate", help="send one request"))
     add_plugins_arguments(commands.add_parser("plugins", help="list the discovered plugins"))
+    add_bench_arguments(commands.add_parser("bench", help="measure the engine in process"))
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _missing_daemon_extra(command: str) -> bool:
     missing = [name for name in _DAEMON_EXTRA if importlib.util.find_spec(name) is None]
     if missing:
         print(
-            f"outrider serve needs the daemon extra ({', '.join(missing)} missing): "
+            f"outrider {command} needs the daemon extra ({', '.join(missing)} missing): "
             "pip install 'outrider[daemon]'",
             file=sys.stderr,
         )
+    return bool(missing)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if _missing_daemon_extra("serve"):
         return 2
     try:
         config = resolve(args)
@@ -55,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "bench":
+        if _missing_daemon_extra("bench"):
+            return 2
+        configure_logging("warning", "%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run_bench(args)
     return run_plugins(args)
 
 

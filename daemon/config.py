@@ -44,6 +44,8 @@ class ServeConfig:
     speculative_topk: int = 0
     speculative_config: str = ""  # the plugin's options as JSON
     draft_model: str = ""
+    # Debug (benchmarks with dummy weights): force this mean acceptance length; 0: off.
+    speculative_simulate_acceptance: float = 0.0
     no_overlap: bool = False
     chunked_prefill_tokens: int = 2048
     max_message_bytes: int = 8 * 2**20  # a prompt of a 128k context is about 1 MiB
@@ -114,6 +116,10 @@ _HELP: dict[str, str] = {
     "speculative_topk": "branching per draft step (1: a chain)",
     "speculative_config": "the speculative plugin's options as JSON",
     "draft_model": "draft model directory (EAGLE-3, DFlash, standalone)",
+    "speculative_simulate_acceptance": (
+        "debug, for dummy weights: commit a mean of A tokens per verify (1 + accepted drafts) "
+        "whatever the drafts are; outputs are meaningless; 0: off"
+    ),
     "no_overlap": "run the serial loop (same tokens, no CPU/GPU overlap)",
     "chunked_prefill_tokens": "most prompt tokens in one EXTEND batch",
     "max_message_bytes": "largest client frame (ZMQ_MAXMSGSIZE)",
@@ -228,6 +234,13 @@ def validate(config: ServeConfig) -> list[str]:
         < 0
     ):
         problems.append("--speculative-num-draft-tokens, -num-steps and -topk must be >= 0")
+    if config.speculative_simulate_acceptance and (
+        config.speculative_simulate_acceptance < 1.0 or config.speculative_algorithm == "none"
+    ):
+        problems.append(
+            "--speculative-simulate-acceptance must be at least 1 (or 0: off) and needs a "
+            "speculative algorithm"
+        )
     if config.kv_cache_tokens < 0 or config.context_length < 0:
         problems.append("--kv-cache-tokens and --context-length must be >= 0")
     for item in config.attention_config:

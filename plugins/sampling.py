@@ -61,6 +61,7 @@ _Word = TypeVar("_Word", torch.Tensor, int)
 DRAW_ACCEPT = 1
 DRAW_RESIDUAL = 2
 DRAW_DRAFT = 3
+DRAW_SIMULATE = 4  # debug: the simulated acceptance of a benchmark (verify.py)
 
 
 @dataclass

@@ -135,7 +135,10 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         else NoDraft(worker_context)
     )
     backends = _backends(plugins, attention_shape, device)
-    runner = ModelRunner(model, kv, backends, slots, worker, shape, limits, device)
+    runner = ModelRunner(
+        model, kv, backends, slots, worker, shape, limits, device,
+        simulate_acceptance=config.speculative_simulate_acceptance,
+    )  # fmt: skip
     eos = load_eos_ids(config.model, model_config)
     decoder_factory: Callable[[], TextDecoder] | None = (
         tokenizer.decoder if tokenizer is not None else None
@@ -255,6 +258,8 @@ def _pool_tokens(
     that every walk over the page table pays for."""
     if config.kv_cache_tokens:
         return config.kv_cache_tokens // config.page_size * config.page_size
+    # NOTE: whole pages, or the cap below rounds under one request's need.
+    minimum = -(-minimum // config.page_size) * config.page_size
     per_token = (
         2
         * model_config.num_layers

@@ -27,6 +27,7 @@ from outrider.daemon.engine.inputs import Capacity, InputBuffers, StepInputs, ho
 from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
 from outrider.daemon.engine.slots import SlotState
+from outrider.daemon.engine.timing import PhaseTimer, TimedPhase
 from outrider.daemon.engine.verify import Verifier
 from outrider.plugins.api import Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend
@@ -64,7 +65,9 @@ class ModelRunner:
         shape: StepShape,
         limits: RunnerLimits,
         device: torch.device,
+        simulate_acceptance: float = 0.0,
     ) -> None:
+        """``simulate_acceptance`` (debug, > 0): verify.py's ``SimulatedAcceptance``."""
         self.model = model
         self.kv = kv
         self.backends = backends
@@ -75,17 +78,23 @@ class ModelRunner:
         self.device = device
         self.decode_phase: Phase = "verify" if shape.speculative else "decode"
         self.sync_check = False
+        self.timer: PhaseTimer | None = None  # benchmarks: device time per decode phase
         rows = limits.max_slots + 1
         # A step can at most rewrite the whole request table.
         pages = limits.max_slots * limits.max_pages
         self.inputs = InputBuffers(Capacity(limits.max_tokens, rows, pages), device)
         self.results = ResultCopies(rows, shape.max_commit, device)
-        self.verifier = Verifier(shape, kv, slots, limits.vocab_limit, device)
+        self.verifier = Verifier(shape, kv, slots, limits.vocab_limit, device, simulate_acceptance)
         self.offsets = torch.arange(shape.width, device=device)  # [W]
 
     def enable_sync_check(self, on: bool) -> None:
         """Debug: make any host synchronisation inside ``launch`` raise (CUDA only)."""
         self.sync_check = on and self.device.type == "cuda"
+
+    def enable_phase_timing(self) -> PhaseTimer:
+        """Benchmarks: time the draft, verify and catch-up of every decode batch from now on."""
+        self.timer = PhaseTimer(self.device)
+        return self.timer
 
     def launch(self, plan: StepPlan) -> Launched:
         """Queue ``plan`` on the device and return a handle for ``collect``. With
@@ -149,7 +158,9 @@ class ModelRunner:
         view = DecodeView(
             inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, self._max_kv(plan)
         )
+        self._mark("draft")
         drafts = self.worker.draft(view)
+        self._mark("verify")
         tokens[:, 1:] = drafts.tokens  # [bs, W - 1]
         offsets = self.offsets.expand(bs, width)  # [bs, W]
         depth, visible = offsets, None
@@ -168,7 +179,9 @@ class ModelRunner:
         committed, lens, path = verified.committed(), verified.commit_lens, verified.path
         bonus = committed.gather(1, (lens - 1).unsqueeze(1)).squeeze(1)
         self.slots.write(inputs.slots, bonus, relay.starts + lens, relay.out_lens + lens)
+        self._mark("catch_up")
         self.worker.after_accept(view, fb, Accepted(committed, lens, path))
+        self._mark("end")
         out = verified.sampled
         k = out.top_ids.shape[-1]
         node = path.unsqueeze(2).expand(bs, max_commit, k)
@@ -207,6 +220,10 @@ class ModelRunner:
             tree_mask=tree_mask,
         )
         return ForwardBatch.bind(layout, self.backends[phase], self.kv, self.worker.capture_layers)
+
+    def _mark(self, phase: TimedPhase) -> None:
+        if self.timer is not None:
+            self.timer.mark(phase)
 
     def _max_kv(self, plan: StepPlan) -> int:
         """The host's bound on any row's KV length during ``plan``; decode starts are upper

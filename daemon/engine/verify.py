@@ -14,7 +14,14 @@ from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.slots import RelayRows, SlotState
 from outrider.plugins.api import StepShape
 from outrider.plugins.device import KVCache, flat_kv_index
-from outrider.plugins.sampling import SampleResult, processed_probs, sample, token_logprobs
+from outrider.plugins.sampling import (
+    DRAW_SIMULATE,
+    SampleResult,
+    processed_probs,
+    sample,
+    token_logprobs,
+    uniform_at,
+)
 from outrider.plugins.speculative.base import Drafts
 
 
@@ -38,12 +45,17 @@ class Verifier:
         slots: SlotState,
         vocab_limit: int,
         device: torch.device,
+        simulate_acceptance: float = 0.0,
     ) -> None:
+        """``simulate_acceptance`` (debug, > 0): see ``SimulatedAcceptance``."""
         self.shape = shape
         self.kv = kv
         self.slots = slots
         self.vocab_limit = vocab_limit
         self.offsets = torch.arange(shape.width, device=device)  # [W]
+        self.simulated = (
+            SimulatedAcceptance(simulate_acceptance, shape, device) if simulate_acceptance else None
+        )
 
     def verify(
         self,
@@ -72,7 +84,12 @@ class Verifier:
         draws = (relay.out_lens.unsqueeze(1) + depth).view(-1)  # [bs * W]
         out = sample(logits, batch, draws, vocab_limit=limit)
         choices = out.tokens.view(bs, width)  # [bs, W]
-        if drafts.parents is not None:
+        if self.simulated is not None:
+            seed = self.slots.seed[inputs.slots]
+            commit_lens, path = self.simulated.accept(drafts, seed, relay.out_lens)
+            if drafts.parents is not None:
+                self._compact(inputs.slots, relay.starts, path)
+        elif drafts.parents is not None:
             commit_lens, path = accept_tree(
                 drafts.tokens, drafts.parents, choices, self.shape.max_commit - 1
             )
@@ -91,3 +108,44 @@ class Verifier:
         src = flat_kv_index(table, rows, first + path, page_size)
         dst = flat_kv_index(table, rows, first + self.offsets[: path.shape[1]], page_size)
         self.kv.move(src.view(-1), dst.view(-1))
+
+
+class SimulatedAcceptance:
+    """Debug, for benchmarks with dummy weights: each row accepts ``a`` drafts whatever they
+    are, ``a`` drawn per row and step (counter-based, from the row's seed and output count)
+    so that the mean commit length is ``mean`` (at most ``max_commit``). A chain accepts its
+    first ``a`` drafts, a tree the first child at each depth; the committed tokens are the
+    target's choices along that path, so every step's work is the real one and only the
+    outputs are meaningless."""
+
+    def __init__(self, mean: float, shape: StepShape, device: torch.device) -> None:
+        extra = min(mean, shape.max_commit) - 1
+        self.whole, self.fraction = int(extra), extra - int(extra)
+        self.max_depth = shape.max_commit - 1
+        self.nodes = torch.arange(shape.width, device=device)  # [W]
+        self.no_ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
+
+    def accept(
+        self, drafts: Drafts, seed: torch.Tensor, out_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``commit_len`` [bs], ``path`` [bs, max_commit]), as accept.py's rules return."""
+        bs = seed.shape[0]
+        u = uniform_at(seed, out_lens, DRAW_SIMULATE, self.no_ids.expand(bs, 1)).squeeze(1)
+        accepted = self.whole + (u < self.fraction).to(torch.int64)  # [bs]
+        if drafts.parents is None:
+            return accepted + 1, self.nodes[: self.max_depth + 1].expand(bs, -1)
+        width = self.nodes.shape[0]
+        # Each node's first child (the lowest index whose parent it is); a leaf: itself.
+        first = torch.full((bs, width), width, dtype=torch.int64, device=seed.device)
+        first.scatter_reduce_(1, drafts.parents, self.nodes[1:].expand(bs, -1), "amin")
+        first = torch.where(first < width, first, self.nodes)
+        node = torch.zeros(bs, dtype=torch.int64, device=seed.device)
+        path = [node]
+        depth = torch.zeros_like(node)
+        for d in range(self.max_depth):
+            child = first.gather(1, node.unsqueeze(1)).squeeze(1)
+            moves = (d < accepted) & (child != node)
+            node = torch.where(moves, child, node)
+            depth += moves
+            path.append(node)
+        return depth + 1, torch.stack(path, dim=1)

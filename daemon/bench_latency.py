@@ -1,0 +1,117 @@
+"""The measurement behind ``outrider bench latency`` (bench_cmd.py): needs the daemon extra."""
+
+from __future__ import annotations
+
+import itertools
+import platform
+import time
+from collections.abc import Iterator
+
+import torch
+
+from outrider.daemon.bench_cmd import WARM_UP_TOKENS, LatencyRow, elapsed_ms, random_prompts
+from outrider.daemon.config import ServeConfig
+from outrider.daemon.engine.build import Engine, build_engine
+from outrider.daemon.engine.timing import PhaseTimer, PhaseTimes
+from outrider.daemon.internal import SamplingSpec, TokenizedRequest
+from outrider.daemon.roofline import kv_bytes_per_token, read_bandwidth, weight_bytes
+
+
+def measure_latency(
+    config: ServeConfig, batch_sizes: list[int], input_len: int, output_len: int
+) -> tuple[list[LatencyRow], dict[str, object]]:
+    """One row per batch size, and the facts every row shares (device, versions, bandwidth)."""
+    engine = build_engine(config)
+    timer = engine.loop.runner.enable_phase_timing()
+    dtype = str(engine.facts.configuration["dtype"])
+    bandwidth = read_bandwidth(config.device)
+    weights = weight_bytes(engine.model_config, dtype)
+    kv_per_token = kv_bytes_per_token(engine.model_config, dtype)
+    rows = []
+    rids = itertools.count()
+    for batch in batch_sizes:
+        _run(engine, timer, rids, batch, input_len, WARM_UP_TOKENS)  # allocator and caches
+        prefill_ms, decode_ms, phases = _run(engine, timer, rids, batch, input_len, output_len)
+        steps = max(phases.steps, 1)
+        tokens = batch * (output_len - 1)
+        mean_context = input_len + output_len / 2
+        roofline = batch * bandwidth / (weights + batch * mean_context * kv_per_token)
+        decode_tok_s = tokens / (decode_ms / 1e3)
+        rows.append(
+            LatencyRow(
+                batch=batch,
+                input_len=input_len,
+                output_len=output_len,
+                prefill_ms=prefill_ms,
+                decode_steps=phases.steps,
+                step_ms=decode_ms / steps,
+                decode_tok_s=decode_tok_s,
+                tokens_per_step=(output_len - 1) / steps,
+                roofline_tok_s=roofline,
+                percent_of_roofline=100 * decode_tok_s / roofline,
+                draft_ms=phases.draft_ms / steps,
+                verify_ms=phases.verify_ms / steps,
+                catch_up_ms=phases.catch_up_ms / steps,
+            )
+        )
+    device = torch.cuda.get_device_name() if config.device == "cuda" else platform.processor()
+    facts: dict[str, object] = {
+        "device": device or platform.machine(),
+        "torch": torch.__version__,
+        "model": config.model,
+        "dtype": dtype,
+        "speculative": config.speculative_algorithm,
+        "width": engine.loop.runner.shape.width,
+        "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "weight_gb": round(weights / 1e9, 3),
+    }
+    return rows, facts
+
+
+def _run(
+    engine: Engine,
+    timer: PhaseTimer,
+    rids: Iterator[int],
+    batch: int,
+    input_len: int,
+    output_len: int,
+) -> tuple[float, float, PhaseTimes]:
+    """(prefill ms, decode ms, decode phases) of ``batch`` greedy requests run to the end."""
+    loop, scheduler = engine.loop, engine.scheduler
+    prompts = random_prompts(batch, input_len, engine.facts.vocab_size, seed=batch)
+    _synchronize(engine)
+    started = time.perf_counter()
+    for prompt in prompts:
+        scheduler.add(_request(next(rids), prompt, output_len))
+    # Prefill: until every request has been extended (its first token is sampled there).
+    while scheduler.waiting or any(not r.decoding for r in scheduler.running):
+        loop.iterate()
+    _synchronize(engine)
+    prefill_ms = elapsed_ms(started)
+    timer.take()
+    started = time.perf_counter()
+    while loop.has_work:
+        loop.iterate()
+    _synchronize(engine)
+    return prefill_ms, elapsed_ms(started), timer.take()
+
+
+def _request(rid: int, prompt: list[int], output_len: int) -> TokenizedRequest:
+    return TokenizedRequest(
+        rid=rid,
+        request_id=f"bench-{rid}",
+        input_ids=prompt,
+        sampling=SamplingSpec(),
+        max_new_tokens=output_len,
+        stop=[],
+        stop_token_ids=[],
+        ignore_eos=True,
+        stream=False,
+        want_logprobs=False,
+        arrival=time.time(),
+    )
+
+
+def _synchronize(engine: Engine) -> None:
+    if engine.config.device == "cuda":
+        torch.cuda.synchronize()

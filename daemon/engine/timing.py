@@ -1,0 +1,57 @@
+"""Device time of a decode batch's phases, for benchmarks (``outrider bench latency``).
+
+The runner marks the start of each phase; a phase lasts until the next mark. On CUDA the marks
+are events on the compute stream, read only when the totals are asked for (one host sync
+then); on CPU every operation has finished when it returns, so the host clock is the device's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+TimedPhase = Literal["draft", "verify", "catch_up", "end"]
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Device milliseconds per phase, summed over ``steps`` decode batches."""
+
+    steps: int
+    draft_ms: float
+    verify_ms: float  # the target's forward over (root, drafts), the accept, the relay
+    catch_up_ms: float
+
+
+class PhaseTimer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[TimedPhase, torch.cuda.Event | float]] = []
+
+    def mark(self, phase: TimedPhase) -> None:
+        """``phase`` starts now (``end``: the previous one ends)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((phase, event))
+        else:
+            self._marks.append((phase, time.perf_counter()))
+
+    def take(self) -> PhaseTimes:
+        """The phases' times since the last ``take``."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        totals = {"draft": 0.0, "verify": 0.0, "catch_up": 0.0}
+        for (phase, start), (_, stop) in zip(self._marks, self._marks[1:], strict=False):
+            if phase == "end":
+                continue
+            if isinstance(start, float) and isinstance(stop, float):
+                totals[phase] += (stop - start) * 1e3
+            elif isinstance(start, torch.cuda.Event) and isinstance(stop, torch.cuda.Event):
+                totals[phase] += start.elapsed_time(stop)
+        steps = sum(1 for phase, _ in self._marks if phase == "draft")
+        self._marks.clear()
+        return PhaseTimes(steps, totals["draft"], totals["verify"], totals["catch_up"])

@@ -1,0 +1,104 @@
+"""``outrider bench latency`` and the simulated acceptance it uses with dummy weights."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tau_of
+from model_fixtures import VOCAB, save_random_eagle3, save_tiny_model
+
+from outrider.daemon.cli import main
+from outrider.daemon.config import EXIT_CONFIG
+
+debug_checks = debug_checks_fixture()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    directory = tmp_path_factory.mktemp("llama")
+    with torch.no_grad():
+        save_tiny_model("llama", directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_random_eagle3(tmp_path_factory.mktemp("eagle3")))
+
+
+def bench(capsys: pytest.CaptureFixture[str], *args: str) -> list[dict[str, object]]:
+    assert main(["bench", "latency", "--json", *args]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_plain_decoding_takes_one_step_per_token(
+    model_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    facts, *rows = bench(
+        capsys, "--model", model_dir, "--batch-size", "1", "3", "--input-len", "20",
+        "--output-len", "9",
+    )  # fmt: skip
+    assert (facts["speculative"], facts["width"], facts["dtype"]) == ("none", 1, "float32")
+    assert float(facts["read_bandwidth_gb_s"]) > 0  # type: ignore[arg-type]
+    assert [row["batch"] for row in rows] == [1, 3]
+    for row in rows:
+        # The first token comes from the prefill; each decode step commits one more.
+        assert (row["decode_steps"], row["tokens_per_step"]) == (8, 1.0)
+        for key in ("prefill_ms", "step_ms", "decode_tok_s", "roofline_tok_s", "verify_ms"):
+            assert row[key] > 0, key  # type: ignore[operator]
+        assert row["percent_of_roofline"] == pytest.approx(
+            100 * row["decode_tok_s"] / row["roofline_tok_s"]  # type: ignore[operator]
+        )
+
+
+def test_simulated_acceptance_drives_a_speculative_run(
+    model_dir: str, eagle3_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    facts, row = bench(
+        capsys, "--model", model_dir, "--speculative-algorithm", "eagle3", "--draft-model",
+        eagle3_dir, "--speculative-num-steps", "3", "--speculative-simulate-acceptance", "4",
+        "--input-len", "16", "--output-len", "41",
+    )  # fmt: skip
+    assert (facts["speculative"], facts["width"]) == ("eagle3", 4)
+    # Every verify commits all four tokens: 40 tokens after the first in 10 steps.
+    assert (row["decode_steps"], row["tokens_per_step"]) == (10, 4.0)
+    assert row["draft_ms"] > 0 and row["catch_up_ms"] > 0  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("mean", "tree"), [(2.5, False), (1.0, False), (2.6, True)], ids=["chain", "none", "tree"]
+)
+def test_simulated_acceptance_has_the_asked_mean(
+    model_dir: str, eagle3_dir: str, mean: float, tree: bool
+) -> None:
+    """The committed tokens per verify average ``mean`` (before finish truncation), and the
+    KV and relay checks hold: a tree's path along first children is compacted like any."""
+    shape = {"speculative_num_steps": 3}
+    if tree:
+        shape |= {"speculative_topk": 2, "speculative_num_draft_tokens": 6}
+    engine = engine_for(
+        model_dir, speculative_algorithm="eagle3", draft_model=eagle3_dir,
+        speculative_simulate_acceptance=mean, **shape,
+    )  # fmt: skip
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 30))] for _ in range(8)]
+    run(engine, requests_for(prompts, max_new_tokens=60))
+    counters = engine.scheduler.counters()
+    assert counters.spec_drafts > 100
+    assert tau_of(counters) == pytest.approx(mean, abs=0.15)
+
+
+def test_simulated_acceptance_needs_a_speculative_algorithm(
+    model_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        ["bench", "latency", "--model", model_dir, "--speculative-simulate-acceptance", "2"]
+    )
+    assert code == EXIT_CONFIG
+    assert capsys.readouterr().err == (
+        "outrider bench latency: --speculative-simulate-acceptance must be at least 1 (or 0: "
+        "off) and needs a speculative algorithm\n"
+    )
