@@ -27,8 +27,6 @@ from outrider.daemon.config import (
     resolve,
 )
 
-WARM_UP_TOKENS = 4
-
 
 @dataclass(frozen=True)
 class LatencyRow:
@@ -42,10 +40,12 @@ class LatencyRow:
     tokens_per_step: float  # committed per row per decode step (1 without speculation)
     roofline_tok_s: float  # one token per row per step at the read bandwidth
     percent_of_roofline: float
-    # Device time per decode step of its phases (plain decoding: verify is the whole step).
+    # Device time per decode step of its phases (plain decoding: verify is the whole step);
+    # a step replayed from a CUDA graph counts whole, as graph_ms.
     draft_ms: float
     verify_ms: float
     catch_up_ms: float
+    graph_ms: float
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,13 +104,14 @@ def print_table(rows: list[LatencyRow], facts: dict[str, object]) -> None:
     print(", ".join(f"{k}: {v}" for k, v in facts.items()))
     print(
         f"{'batch':>5} {'prefill ms':>10} {'step ms':>8} {'tok/s':>9} {'tok/step':>8} "
-        f"{'% roofline':>10} {'draft ms':>8} {'verify ms':>9} {'catch-up ms':>11}"
+        f"{'% roofline':>10} {'draft ms':>8} {'verify ms':>9} {'catch-up ms':>11} "
+        f"{'graph ms':>8}"
     )
     for r in rows:
         print(
             f"{r.batch:>5} {r.prefill_ms:>10.2f} {r.step_ms:>8.2f} {r.decode_tok_s:>9.1f} "
             f"{r.tokens_per_step:>8.2f} {r.percent_of_roofline:>9.1f}% {r.draft_ms:>8.2f} "
-            f"{r.verify_ms:>9.2f} {r.catch_up_ms:>11.2f}"
+            f"{r.verify_ms:>9.2f} {r.catch_up_ms:>11.2f} {r.graph_ms:>8.2f}"
         )
 
 

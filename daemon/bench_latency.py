@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from outrider.daemon.bench_cmd import WARM_UP_TOKENS, LatencyRow, elapsed_ms, random_prompts
+from outrider.daemon.bench_cmd import LatencyRow, elapsed_ms, random_prompts
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.timing import PhaseTimer, PhaseTimes
@@ -30,7 +30,9 @@ def measure_latency(
     rows = []
     rids = itertools.count()
     for batch in batch_sizes:
-        _run(engine, timer, rids, batch, input_len, WARM_UP_TOKENS)  # allocator and caches
+        # Untimed first: allocator growth, and the CUDA graphs of every batch and KV bound
+        # the timed run will meet.
+        _run(engine, timer, rids, batch, input_len, output_len)
         prefill_ms, decode_ms, phases = _run(engine, timer, rids, batch, input_len, output_len)
         steps = max(phases.steps, 1)
         tokens = batch * (output_len - 1)
@@ -52,6 +54,7 @@ def measure_latency(
                 draft_ms=phases.draft_ms / steps,
                 verify_ms=phases.verify_ms / steps,
                 catch_up_ms=phases.catch_up_ms / steps,
+                graph_ms=phases.graph_ms / steps,
             )
         )
     device = torch.cuda.get_device_name() if config.device == "cuda" else platform.processor()
@@ -84,16 +87,23 @@ def _run(
     for prompt in prompts:
         scheduler.add(_request(next(rids), prompt, output_len))
     # Prefill: until every request has been extended (its first token is sampled there).
+    finals = []
     while scheduler.waiting or any(not r.decoding for r in scheduler.running):
-        loop.iterate()
+        finals += [u for u in loop.iterate() if u.is_final]
     _synchronize(engine)
     prefill_ms = elapsed_ms(started)
     timer.take()
     started = time.perf_counter()
     while loop.has_work:
-        loop.iterate()
+        finals += [u for u in loop.iterate() if u.is_final]
     _synchronize(engine)
-    return prefill_ms, elapsed_ms(started), timer.take()
+    decode_ms = elapsed_ms(started)
+    assert len(finals) == batch, "every request ends once"
+    for update in finals:
+        # A failed step ends its requests early: nothing was measured.
+        if update.finish is None or update.finish.reason != "length":
+            raise RuntimeError(f"a benchmark request ended with {update.error or update.finish}")
+    return prefill_ms, decode_ms, timer.take()
 
 
 def _request(rid: int, prompt: list[int], output_len: int) -> TokenizedRequest:

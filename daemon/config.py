@@ -47,6 +47,8 @@ class ServeConfig:
     # Debug (benchmarks with dummy weights): force this mean acceptance length; 0: off.
     speculative_simulate_acceptance: float = 0.0
     no_overlap: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 64  # the largest decode batch replayed from a CUDA graph
     chunked_prefill_tokens: int = 2048
     max_message_bytes: int = 8 * 2**20  # a prompt of a 128k context is about 1 MiB
     max_inflight_per_client: int = 1024
@@ -116,6 +118,8 @@ _HELP: dict[str, str] = {
     "speculative_topk": "branching per draft step (1: a chain)",
     "speculative_config": "the speculative plugin's options as JSON",
     "draft_model": "draft model directory (EAGLE-3, DFlash, standalone)",
+    "disable_cuda_graph": "run every decode batch eagerly (CUDA graphs are on by default)",
+    "cuda_graph_max_bs": "the largest decode batch replayed from a CUDA graph (larger: eager)",
     "speculative_simulate_acceptance": (
         "debug, for dummy weights: commit a mean of A tokens per verify (1 + accepted drafts) "
         "whatever the drafts are; outputs are meaningless; 0: off"
@@ -221,6 +225,8 @@ def validate(config: ServeConfig) -> list[str]:
         problems.append(f"--page-size must be a power of two, not {config.page_size}")
     if config.max_running < 1:
         problems.append("--max-running must be at least 1")
+    if config.cuda_graph_max_bs < 1:
+        problems.append("--cuda-graph-max-bs must be at least 1")
     if config.chunked_prefill_tokens < config.page_size:
         problems.append("--chunked-prefill-tokens must be at least --page-size")
     if not 0.0 < config.gpu_memory_fraction <= 1.0:

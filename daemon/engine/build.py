@@ -14,6 +14,8 @@ import torch
 
 from outrider.daemon.config import ConfigError, ServeConfig, debug_knob
 from outrider.daemon.engine.accept import step_reservation
+from outrider.daemon.engine.graphs import DecodeGraphs
+from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
 from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.internal import ModelFacts, SamplingSpec, TokenizedRequest
@@ -24,7 +26,7 @@ from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
 from outrider.daemon.tokenizer import load_tokenizer
-from outrider.plugins.api import Phase
+from outrider.plugins.api import AttentionCapabilities, Phase
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.checks import SPECULATIVE_FLAG, PluginProblems
 from outrider.plugins.device import AttentionShape, KVCache
@@ -135,9 +137,10 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         else NoDraft(worker_context)
     )
     backends = _backends(plugins, attention_shape, device)
+    graphs = _decode_graphs(config, plugins, context_length + reservation, vocab_limit)
     runner = ModelRunner(
         model, kv, backends, slots, worker, shape, limits, device,
-        simulate_acceptance=config.speculative_simulate_acceptance,
+        simulate_acceptance=config.speculative_simulate_acceptance, graphs=graphs,
     )  # fmt: skip
     eos = load_eos_ids(config.model, model_config)
     decoder_factory: Callable[[], TextDecoder] | None = (
@@ -215,6 +218,36 @@ def _speculative_plugin(plugins: ResolvedPlugins) -> _Speculative | None:
             f"{SPECULATIVE_FLAG} {spec.name}: {spec.implementation} is not a SpeculativeWorker"
         )
     return _Speculative(worker_class, plugins.speculative.options)
+
+
+def _decode_graphs(
+    config: ServeConfig, plugins: ResolvedPlugins, max_positions: int, vocab_limit: int
+) -> DecodeGraphs | None:
+    """CUDA graphs for decode batches, when the device, the flags and every backend a decode
+    batch runs allow them; None: decode batches run eagerly."""
+    if config.device != "cuda" or config.disable_cuda_graph:
+        return None
+    if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
+        return None  # the relay check syncs inside the step
+    phases: tuple[Phase, ...] = ("decode",)
+    if plugins.shape.speculative:
+        phases = ("verify", "draft_decode", "draft_extend")
+    lacking = {
+        plugins.attention[phase].spec.name
+        for phase in phases
+        if not _attention_caps(plugins, phase).cuda_graphs
+    }
+    if lacking:
+        log.info("decode batches run eagerly: %s declares no CUDA graphs", ", ".join(lacking))
+        return None
+    max_bs = min(config.cuda_graph_max_bs, config.max_running)
+    return DecodeGraphs(max_bs, max_positions, min(MAX_LOGPROBS, vocab_limit), config.max_running)
+
+
+def _attention_caps(plugins: ResolvedPlugins, phase: Phase) -> AttentionCapabilities:
+    caps = plugins.attention[phase].spec.attention
+    assert caps is not None, "the registry admits attention specs with capabilities"
+    return caps
 
 
 def _attention_shape(model_config: ModelConfig) -> AttentionShape:

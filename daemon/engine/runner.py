@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from outrider.daemon.engine.accept import check_tree, tree_geometry
+from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
 from outrider.daemon.engine.inputs import Capacity, InputBuffers, StepInputs, host_values
 from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
@@ -66,8 +67,10 @@ class ModelRunner:
         limits: RunnerLimits,
         device: torch.device,
         simulate_acceptance: float = 0.0,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
-        """``simulate_acceptance`` (debug, > 0): verify.py's ``SimulatedAcceptance``."""
+        """``simulate_acceptance`` (debug, > 0): verify.py's ``SimulatedAcceptance``;
+        ``graphs``: decode batches replay CUDA graphs (graphs.py), None: all eager."""
         self.model = model
         self.kv = kv
         self.backends = backends
@@ -86,6 +89,7 @@ class ModelRunner:
         self.results = ResultCopies(rows, shape.max_commit, device)
         self.verifier = Verifier(shape, kv, slots, limits.vocab_limit, device, simulate_acceptance)
         self.offsets = torch.arange(shape.width, device=device)  # [W]
+        self.graphs = graphs
 
     def enable_sync_check(self, on: bool) -> None:
         """Debug: make any host synchronisation inside ``launch`` raise (CUDA only)."""
@@ -112,17 +116,50 @@ class ModelRunner:
         return self.results.collect(launched)
 
     def _launch(self, plan: StepPlan) -> Launched:
+        if plan.kind == "decode" and self.graphs is not None:
+            key = self.graphs.key(plan, self._max_kv(plan))
+            if key is not None:
+                return self._replay(plan, key, self.graphs)
         values = host_values(plan, poison_released=self.slots.relay_check)
         inputs = self.inputs.stage(plan, values)
         self.slots.apply(inputs)
         if plan.kind == "extend":
             return self.results.copy(plan, self._extend(plan, inputs))
-        return self.results.copy(plan, self._decode(plan, inputs))
+        return self.results.copy(plan, self._decode(plan, inputs, self._max_kv(plan)))
+
+    def _replay(self, plan: StepPlan, key: GraphKey, graphs: DecodeGraphs) -> Launched:
+        """``plan`` padded to ``key``'s batch and replayed from its graph (captured first from
+        scratch rows when new)."""
+        if key not in graphs.graphs:
+            scratch = graphs.scratch_plan(key, self.shape.width)
+            staged = self.inputs.stage(scratch, host_values(scratch, poison_released=False))
+            timer, self.timer = self.timer, None  # no timing events inside a graph
+            try:
+                graphs.capture(key, lambda: self._padded_decode(scratch, staged, key.max_kv))
+            finally:
+                self.timer = timer
+        padded = graphs.pad(plan, key)
+        inputs = self.inputs.stage(padded, host_values(padded, poison_released=False))
+        self.slots.apply(inputs)
+        self._mark("graph")
+        results = graphs.replay(key)
+        self._mark("end")
+        launched = self.results.copy(plan, results)
+        graphs.last_copy = launched.done
+        return launched
+
+    def _padded_decode(
+        self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int
+    ) -> StepResults:
+        results = self._decode(plan, inputs, max_kv)
+        self.slots.reset_scratch()
+        return results
 
     def _extend(self, plan: StepPlan, inputs: StepInputs[torch.Tensor]) -> StepResults | None:
         """Prompt chunks: the forward, then one sampled token per row whose chunk ends its
         prompt, which seeds the row's relay (next input, KV length, output count)."""
-        fb = self._forward_batch(plan, inputs, "extend", inputs.positions)
+        max_kv = self._max_kv(plan)
+        fb = self._forward_batch(plan, inputs, "extend", inputs.positions, max_kv)
         hidden = self.model.forward(inputs.input_ids, fb)  # [T, H]
         view = ExtendView(
             fb, inputs.input_ids, inputs.next_tokens, inputs.sample_rows, inputs.sample_slots
@@ -147,17 +184,16 @@ class ModelRunner:
             top_logprobs=out.top_logprobs.unsqueeze(1),
         )
 
-    def _decode(self, plan: StepPlan, inputs: StepInputs[torch.Tensor]) -> StepResults:
+    def _decode(self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int) -> StepResults:
         """Every row verifies ``width`` tokens (root + drafts) at positions taken from the
-        relay, and commits ``commit_len`` of them (verify.py)."""
+        relay, and commits ``commit_len`` of them (verify.py). ``max_kv``: the KV bound of
+        every layout of the step."""
         bs, width, max_commit = plan.bs, self.shape.width, self.shape.max_commit
         relay = self.slots.read(inputs.slots)
         tokens = inputs.input_ids.view(bs, width)
         tokens[:, 0] = relay.roots
         sampling = self.slots.sampling(inputs.slots, plan)
-        view = DecodeView(
-            inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, self._max_kv(plan)
-        )
+        view = DecodeView(inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, max_kv)
         self._mark("draft")
         drafts = self.worker.draft(view)
         self._mark("verify")
@@ -172,7 +208,8 @@ class ModelRunner:
         torch.add(starts, depth, out=inputs.positions.view(bs, width))
         torch.add(relay.starts, width, out=inputs.seq_lens)
         # A tree's nodes share positions but not KV slots: node i's KV sits at start + i.
-        fb = self._forward_batch(plan, inputs, self.decode_phase, starts + offsets, visible)
+        kv_positions = starts + offsets
+        fb = self._forward_batch(plan, inputs, self.decode_phase, kv_positions, max_kv, visible)
         hidden = self.model.forward(inputs.input_ids, fb)  # [bs * W, H]
         logits = self.model.compute_logits(hidden)  # [bs * W, V]
         verified = self.verifier.verify(plan, inputs, relay, drafts, depth, logits)
@@ -199,6 +236,7 @@ class ModelRunner:
         inputs: StepInputs[torch.Tensor],
         phase: Phase,
         kv_positions: torch.Tensor,
+        max_kv: int,
         tree_mask: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """The target's forward over ``inputs``; token ``i``'s K/V goes to its row's position
@@ -216,7 +254,7 @@ class ModelRunner:
             q_pad_index=inputs.q_pad_index,
             bs=plan.bs,
             max_q=max(plan.q_lens),
-            max_kv=self._max_kv(plan),
+            max_kv=max_kv,
             tree_mask=tree_mask,
         )
         return ForwardBatch.bind(layout, self.backends[phase], self.kv, self.worker.capture_layers)

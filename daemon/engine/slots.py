@@ -6,6 +6,10 @@ the row's next start) and the output tokens committed (the randomness counter). 
 batch reads all three, so its positions and draws never come from the host, which plans a
 step before it knows how many tokens the previous one committed (speculative decoding).
 Sampling parameters are written when a request is admitted.
+
+Slot ``max_slots`` is the scratch slot: the padding rows of a captured decode batch run there.
+Its request-table row stays on the scratch page, and its relay is reset after every padded
+step, so padding never reaches a live request's state nor runs past the table.
 """
 
 from __future__ import annotations
@@ -30,16 +34,19 @@ class RelayRows:
 
 class SlotState:
     def __init__(self, max_slots: int, max_pages: int, device: torch.device) -> None:
-        def zeros(dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.zeros(max_slots, dtype=dtype, device=device)
+        rows = max_slots + 1  # the scratch slot last
 
+        def zeros(dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(rows, dtype=dtype, device=device)
+
+        self.scratch_slot = max_slots
         # Page 0 is scratch: empty table entries point there.
         self.page_table = torch.zeros(
-            (max_slots, max_pages), dtype=torch.int32, device=device
-        )  # [max_slots, max_pages]
-        self.relay_tokens = zeros()  # [max_slots]
-        self.relay_starts = zeros()  # [max_slots]
-        self.relay_out_lens = zeros()  # [max_slots]
+            (rows, max_pages), dtype=torch.int32, device=device
+        )  # [max_slots + 1, max_pages]
+        self.relay_tokens = zeros()  # [max_slots + 1]
+        self.relay_starts = zeros()  # [max_slots + 1]
+        self.relay_out_lens = zeros()  # [max_slots + 1]
         self.temperature = zeros(torch.float32)
         self.top_p = zeros(torch.float32)
         self.top_k = zeros()
@@ -83,6 +90,11 @@ class SlotState:
         self.relay_tokens.index_copy_(0, slots, tokens)
         self.relay_starts.index_copy_(0, slots, starts)
         self.relay_out_lens.index_copy_(0, slots, out_lens)
+
+    def reset_scratch(self) -> None:
+        """The scratch slot's relay back to position 0 (after a step with padding rows)."""
+        for relay in (self.relay_tokens, self.relay_starts, self.relay_out_lens):
+            relay.narrow(0, self.scratch_slot, 1).zero_()
 
     def sampling(self, row_slots: torch.Tensor, plan: StepPlan) -> SamplingBatch:
         """The sampling parameters of slot ``row_slots[r]`` for each row."""

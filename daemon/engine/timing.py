@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-TimedPhase = Literal["draft", "verify", "catch_up", "end"]
+TimedPhase = Literal["draft", "verify", "catch_up", "graph", "end"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class PhaseTimes:
     draft_ms: float
     verify_ms: float  # the target's forward over (root, drafts), the accept, the relay
     catch_up_ms: float
+    graph_ms: float  # steps replayed from a CUDA graph, not split into phases
 
 
 class PhaseTimer:
@@ -44,7 +45,7 @@ class PhaseTimer:
         """The phases' times since the last ``take``."""
         if self.cuda:
             torch.cuda.synchronize()
-        totals = {"draft": 0.0, "verify": 0.0, "catch_up": 0.0}
+        totals = {"draft": 0.0, "verify": 0.0, "catch_up": 0.0, "graph": 0.0}
         for (phase, start), (_, stop) in zip(self._marks, self._marks[1:], strict=False):
             if phase == "end":
                 continue
@@ -52,6 +53,6 @@ class PhaseTimer:
                 totals[phase] += (stop - start) * 1e3
             elif isinstance(start, torch.cuda.Event) and isinstance(stop, torch.cuda.Event):
                 totals[phase] += start.elapsed_time(stop)
-        steps = sum(1 for phase, _ in self._marks if phase == "draft")
+        steps = sum(1 for phase, _ in self._marks if phase == "end")
         self._marks.clear()
-        return PhaseTimes(steps, totals["draft"], totals["verify"], totals["catch_up"])
+        return PhaseTimes(steps, **{f"{phase}_ms": ms for phase, ms in totals.items()})

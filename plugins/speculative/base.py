@@ -44,8 +44,10 @@ class WorkerContext:
     device: torch.device
     dtype: torch.dtype  # the target's serving dtype
     shape: StepShape
+    # Slots 0 .. max_slots - 1 serve requests; slot max_slots is the scratch slot that the
+    # padding rows of a captured decode batch use: per-slot tensors need max_slots + 1 rows.
     max_slots: int
-    page_table: torch.Tensor  # [max_slots, max_pages] int32, shared with the target
+    page_table: torch.Tensor  # [max_slots + 1, max_pages] int32, shared with the target
     page_size: int
     num_pages: int  # of the target's KV pool, the scratch page included
     context_length: int

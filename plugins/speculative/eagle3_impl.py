@@ -64,7 +64,7 @@ class Eagle3Worker(SpeculativeWorker):
         self.embed = ctx.embed
         self.depth, self.topk = ctx.shape.depth, ctx.shape.topk
         hidden = config.model.hidden_size
-        self.feat = torch.zeros(ctx.max_slots, hidden, dtype=ctx.dtype, device=ctx.device)
+        self.feat = torch.zeros(ctx.max_slots + 1, hidden, dtype=ctx.dtype, device=ctx.device)
         self.node_offsets = torch.arange(self.topk, device=ctx.device)  # [K]
         self.commit_offsets = torch.arange(ctx.shape.max_commit, device=ctx.device)  # [M]
 
