@@ -58,6 +58,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     latency.add_argument("--input-len", type=int, default=32, metavar="L")
     latency.add_argument("--output-len", type=int, default=128, metavar="O")
     latency.add_argument("--json", action="store_true", help="one JSON object per line")
+    latency.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each batch size's timed run, profile one more and print its top operations "
+        "by device time to stderr",
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -75,7 +81,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from outrider.daemon.bench_latency import measure_latency
 
     try:
-        rows, facts = measure_latency(config, args.batch_size, args.input_len, args.output_len)
+        rows, facts = measure_latency(
+            config, args.batch_size, args.input_len, args.output_len, profile=args.profile
+        )
     except ConfigError as exc:
         print(f"outrider bench latency: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import platform
+import sys
 import time
 from collections.abc import Iterator
 
@@ -18,9 +19,15 @@ from outrider.daemon.roofline import kv_bytes_per_token, read_bandwidth, weight_
 
 
 def measure_latency(
-    config: ServeConfig, batch_sizes: list[int], input_len: int, output_len: int
+    config: ServeConfig,
+    batch_sizes: list[int],
+    input_len: int,
+    output_len: int,
+    *,
+    profile: bool = False,
 ) -> tuple[list[LatencyRow], dict[str, object]]:
-    """One row per batch size, and the facts every row shares (device, versions, bandwidth)."""
+    """One row per batch size, and the facts every row shares (device, versions, bandwidth);
+    with ``profile``, each batch size's top operations by device time go to stderr."""
     engine = build_engine(config)
     timer = engine.loop.runner.enable_phase_timing()
     dtype = str(engine.facts.configuration["dtype"])
@@ -34,6 +41,8 @@ def measure_latency(
         # the timed run will meet.
         _run(engine, timer, rids, batch, input_len, output_len)
         prefill_ms, decode_ms, phases = _run(engine, timer, rids, batch, input_len, output_len)
+        if profile:
+            _profile(engine, timer, rids, batch, input_len, output_len)
         steps = max(phases.steps, 1)
         tokens = batch * (output_len - 1)
         mean_context = input_len + output_len / 2
@@ -104,6 +113,24 @@ def _run(
         if update.finish is None or update.finish.reason != "length":
             raise RuntimeError(f"a benchmark request ended with {update.error or update.finish}")
     return prefill_ms, decode_ms, timer.take()
+
+
+def _profile(
+    engine: Engine,
+    timer: PhaseTimer,
+    rids: Iterator[int],
+    batch: int,
+    input_len: int,
+    output_len: int,
+) -> None:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if engine.config.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        _run(engine, timer, rids, batch, input_len, output_len)
+    sort = "self_cuda_time_total" if engine.config.device == "cuda" else "self_cpu_time_total"
+    print(f"profile of batch {batch} (prefill and decode):", file=sys.stderr)
+    print(prof.key_averages().table(sort_by=sort, row_limit=20), file=sys.stderr)
 
 
 def _request(rid: int, prompt: list[int], output_len: int) -> TokenizedRequest:

@@ -102,3 +102,13 @@ def test_simulated_acceptance_needs_a_speculative_algorithm(
         "outrider bench latency: --speculative-simulate-acceptance must be at least 1 (or 0: "
         "off) and needs a speculative algorithm\n"
     )
+
+
+def test_profile_prints_the_top_operations(
+    model_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "latency", "--json", "--model", model_dir, "--output-len", "3", "--profile"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 2  # the facts and one row: the profile stays off stdout
+    assert "profile of batch 1 (prefill and decode):" in err and "aten::mm" in err

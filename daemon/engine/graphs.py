@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-if TYPE_CHECKING:
-    from torch.cuda import _POOL_HANDLE
-
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 log = logging.getLogger("outrider.graphs")
 
