@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from outrider.daemon.bench_latency import benchmark_request, random_prompts
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
-from outrider.daemon.internal import SamplingSpec, TokenizedRequest
 
 
 @dataclass
@@ -53,24 +52,9 @@ def _engine(args: argparse.Namespace, algorithm: str, batch: int) -> Engine:
 
 
 def _add(engine: Engine, batch: int, prompt: int, rid0: int) -> None:
-    rng = random.Random(rid0)
-    vocab = engine.facts.vocab_size
-    for rid in range(rid0, rid0 + batch):
-        engine.scheduler.add(
-            TokenizedRequest(
-                rid=rid,
-                request_id=f"b{rid}",
-                input_ids=[rng.randrange(vocab) for _ in range(prompt)],
-                sampling=SamplingSpec(0.0, 1.0, 0, 0, 0),
-                max_new_tokens=None,
-                stop=[],
-                stop_token_ids=[],
-                ignore_eos=True,
-                stream=False,
-                want_logprobs=False,
-                arrival=time.time(),
-            )
-        )
+    prompts = random_prompts(batch, prompt, engine.facts.vocab_size, seed=rid0)
+    for rid, ids in enumerate(prompts, start=rid0):
+        engine.scheduler.add(benchmark_request(rid, ids, None))
 
 
 def _drain(engine: Engine) -> None:

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
 import sys
-import time
 from dataclasses import dataclass
 
 from outrider.daemon.config import (
@@ -121,12 +119,3 @@ def print_table(rows: list[LatencyRow], facts: dict[str, object]) -> None:
             f"{r.tokens_per_step:>8.2f} {r.percent_of_roofline:>9.1f}% {r.draft_ms:>8.2f} "
             f"{r.verify_ms:>9.2f} {r.catch_up_ms:>11.2f} {r.graph_ms:>8.2f}"
         )
-
-
-def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
-
-
-def elapsed_ms(since: float) -> float:
-    return (time.perf_counter() - since) * 1e3

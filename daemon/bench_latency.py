@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import platform
+import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from outrider.daemon.bench_cmd import LatencyRow, elapsed_ms, random_prompts
+from outrider.daemon.bench_cmd import LatencyRow
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.timing import PhaseTimer, PhaseTimes
@@ -42,7 +44,8 @@ def measure_latency(
         _run(engine, timer, rids, batch, input_len, output_len)
         prefill_ms, decode_ms, phases = _run(engine, timer, rids, batch, input_len, output_len)
         if profile:
-            _profile(engine, timer, rids, batch, input_len, output_len)
+            run = functools.partial(_run, engine, timer, rids, batch, input_len, output_len)
+            _profile(engine, batch, run)
         steps = max(phases.steps, 1)
         tokens = batch * (output_len - 1)
         mean_context = input_len + output_len / 2
@@ -94,7 +97,7 @@ def _run(
     _synchronize(engine)
     started = time.perf_counter()
     for prompt in prompts:
-        scheduler.add(_request(next(rids), prompt, output_len))
+        scheduler.add(benchmark_request(next(rids), prompt, output_len))
     # Prefill: until every request has been extended (its first token is sampled there).
     finals = []
     while scheduler.waiting or any(not r.decoding for r in scheduler.running):
@@ -115,31 +118,31 @@ def _run(
     return prefill_ms, decode_ms, timer.take()
 
 
-def _profile(
-    engine: Engine,
-    timer: PhaseTimer,
-    rids: Iterator[int],
-    batch: int,
-    input_len: int,
-    output_len: int,
-) -> None:
+def _profile(engine: Engine, batch: int, run: Callable[[], object]) -> None:
+    """``run`` under the profiler; its top operations by device time to stderr."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if engine.config.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        _run(engine, timer, rids, batch, input_len, output_len)
+        run()
     sort = "self_cuda_time_total" if engine.config.device == "cuda" else "self_cpu_time_total"
     print(f"profile of batch {batch} (prefill and decode):", file=sys.stderr)
     print(prof.key_averages().table(sort_by=sort, row_limit=20), file=sys.stderr)
 
 
-def _request(rid: int, prompt: list[int], output_len: int) -> TokenizedRequest:
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def benchmark_request(rid: int, prompt: list[int], max_new_tokens: int | None) -> TokenizedRequest:
+    """A greedy request that ignores EOS (None: until the context limit)."""
     return TokenizedRequest(
         rid=rid,
         request_id=f"bench-{rid}",
         input_ids=prompt,
         sampling=SamplingSpec(),
-        max_new_tokens=output_len,
+        max_new_tokens=max_new_tokens,
         stop=[],
         stop_token_ids=[],
         ignore_eos=True,
@@ -152,3 +155,7 @@ def _request(rid: int, prompt: list[int], output_len: int) -> TokenizedRequest:
 def _synchronize(engine: Engine) -> None:
     if engine.config.device == "cuda":
         torch.cuda.synchronize()
+
+
+def elapsed_ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1e3

@@ -1,5 +1,5 @@
 """Shared test setup: one torch thread per process, GPU tests skipped without a GPU, the front
-door tests' tokenizer."""
+door tests' tokenizer, the tiny llama target and its random EAGLE-3 draft."""
 
 from __future__ import annotations
 
@@ -45,3 +45,23 @@ def tokenizer(tokenizer_dir: Path) -> Tokenizer:
     tok = load_tokenizer(tokenizer_dir)
     assert tok is not None
     return tok
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny random llama target of the in-process engine tests."""
+    import torch
+    from model_fixtures import save_tiny_model
+
+    directory = tmp_path_factory.mktemp("llama")
+    with torch.no_grad():
+        save_tiny_model("llama", directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def eagle3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random EAGLE-3 draft for ``llama_dir``."""
+    from model_fixtures import save_random_eagle3
+
+    return str(save_random_eagle3(tmp_path_factory.mktemp("eagle3")))

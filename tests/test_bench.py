@@ -6,27 +6,13 @@ import json
 import random
 
 import pytest
-import torch
 from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tau_of
-from model_fixtures import VOCAB, save_random_eagle3, save_tiny_model
+from model_fixtures import VOCAB
 
 from outrider.daemon.cli import main
 from outrider.daemon.config import EXIT_CONFIG
 
 debug_checks = debug_checks_fixture()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = tmp_path_factory.mktemp("llama")
-    with torch.no_grad():
-        save_tiny_model("llama", directory)
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
-def eagle3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(save_random_eagle3(tmp_path_factory.mktemp("eagle3")))
 
 
 def bench(capsys: pytest.CaptureFixture[str], *args: str) -> list[dict[str, object]]:
@@ -35,10 +21,10 @@ def bench(capsys: pytest.CaptureFixture[str], *args: str) -> list[dict[str, obje
 
 
 def test_plain_decoding_takes_one_step_per_token(
-    model_dir: str, capsys: pytest.CaptureFixture[str]
+    llama_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     facts, *rows = bench(
-        capsys, "--model", model_dir, "--batch-size", "1", "3", "--input-len", "20",
+        capsys, "--model", llama_dir, "--batch-size", "1", "3", "--input-len", "20",
         "--output-len", "9",
     )  # fmt: skip
     assert (facts["speculative"], facts["width"], facts["dtype"]) == ("none", 1, "float32")
@@ -55,10 +41,10 @@ def test_plain_decoding_takes_one_step_per_token(
 
 
 def test_simulated_acceptance_drives_a_speculative_run(
-    model_dir: str, eagle3_dir: str, capsys: pytest.CaptureFixture[str]
+    llama_dir: str, eagle3_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     facts, row = bench(
-        capsys, "--model", model_dir, "--speculative-algorithm", "eagle3", "--draft-model",
+        capsys, "--model", llama_dir, "--speculative-algorithm", "eagle3", "--draft-model",
         eagle3_dir, "--speculative-num-steps", "3", "--speculative-simulate-acceptance", "4",
         "--input-len", "16", "--output-len", "41",
     )  # fmt: skip
@@ -72,7 +58,7 @@ def test_simulated_acceptance_drives_a_speculative_run(
     ("mean", "tree"), [(2.5, False), (1.0, False), (2.6, True)], ids=["chain", "none", "tree"]
 )
 def test_simulated_acceptance_has_the_asked_mean(
-    model_dir: str, eagle3_dir: str, mean: float, tree: bool
+    llama_dir: str, eagle3_dir: str, mean: float, tree: bool
 ) -> None:
     """The committed tokens per verify average ``mean`` (before finish truncation), and the
     KV and relay checks hold: a tree's path along first children is compacted like any."""
@@ -80,7 +66,7 @@ def test_simulated_acceptance_has_the_asked_mean(
     if tree:
         shape |= {"speculative_topk": 2, "speculative_num_draft_tokens": 6}
     engine = engine_for(
-        model_dir, speculative_algorithm="eagle3", draft_model=eagle3_dir,
+        llama_dir, speculative_algorithm="eagle3", draft_model=eagle3_dir,
         speculative_simulate_acceptance=mean, **shape,
     )  # fmt: skip
     rng = random.Random(3)
@@ -92,10 +78,10 @@ def test_simulated_acceptance_has_the_asked_mean(
 
 
 def test_simulated_acceptance_needs_a_speculative_algorithm(
-    model_dir: str, capsys: pytest.CaptureFixture[str]
+    llama_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code = main(
-        ["bench", "latency", "--model", model_dir, "--speculative-simulate-acceptance", "2"]
+        ["bench", "latency", "--model", llama_dir, "--speculative-simulate-acceptance", "2"]
     )
     assert code == EXIT_CONFIG
     assert capsys.readouterr().err == (
@@ -105,9 +91,9 @@ def test_simulated_acceptance_needs_a_speculative_algorithm(
 
 
 def test_profile_prints_the_top_operations(
-    model_dir: str, capsys: pytest.CaptureFixture[str]
+    llama_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["bench", "latency", "--json", "--model", model_dir, "--output-len", "3", "--profile"]
+    argv = ["bench", "latency", "--json", "--model", llama_dir, "--output-len", "3", "--profile"]
     assert main(argv) == 0
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2  # the facts and one row: the profile stays off stdout

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_harness import debug_checks_fixture, engine_for, request, requests_for, run, tokens_of
-from model_fixtures import VOCAB, save_random_dflash, save_random_eagle3, save_tiny_model
+from model_fixtures import VOCAB, save_random_dflash, save_tiny_model
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
@@ -42,27 +42,19 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = tmp_path_factory.mktemp("llama")
-    with torch.no_grad():
-        save_tiny_model("llama", directory)
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
-def plain(model_dir: str) -> dict[int, list[int]]:
+def plain(llama_dir: str) -> dict[int, list[int]]:
     """The target-only greedy outputs of the 18 prompts."""
-    engine = engine_for(model_dir)
+    engine = engine_for(llama_dir)
     return tokens_of(run(engine, requests_for(_prompts(1, 18), max_new_tokens=NEW_TOKENS)))
 
 
-def _ngram(model_dir: str, **overrides: object) -> Engine:
+def _ngram(llama_dir: str, **overrides: object) -> Engine:
     settings: dict[str, object] = {
         "speculative_algorithm": "ngram",
         "speculative_num_draft_tokens": WIDTH,
     }
     settings.update(overrides)
-    return engine_for(model_dir, **settings)
+    return engine_for(llama_dir, **settings)
 
 
 def test_accept_chain_counts_leading_matches() -> None:
@@ -76,9 +68,9 @@ def test_accept_chain_counts_leading_matches() -> None:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 def test_ngram_greedy_equals_target_only(
-    model_dir: str, plain: dict[int, list[int]], page_size: int, overlap: bool
+    llama_dir: str, plain: dict[int, list[int]], page_size: int, overlap: bool
 ) -> None:
-    engine = _ngram(model_dir, page_size=page_size, no_overlap=not overlap)
+    engine = _ngram(llama_dir, page_size=page_size, no_overlap=not overlap)
     outcomes = run(engine, requests_for(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
     assert tokens_of(outcomes) == plain
     counters = engine.scheduler.counters()
@@ -100,11 +92,11 @@ def test_ngram_greedy_equals_target_only(
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
-def test_ngram_prefix_hits_and_chunks(model_dir: str, overlap: bool) -> None:
+def test_ngram_prefix_hits_and_chunks(llama_dir: str, overlap: bool) -> None:
     shared = _prompts(5, 2)[1]  # a repeating phrase as the shared prefix
     prompts = [shared + tail for tail in _prompts(6, 8)]
-    reference = tokens_of(run(engine_for(model_dir), requests_for(prompts, max_new_tokens=24)))
-    engine = _ngram(model_dir, page_size=4, chunked_prefill_tokens=8, no_overlap=not overlap)
+    reference = tokens_of(run(engine_for(llama_dir), requests_for(prompts, max_new_tokens=24)))
+    engine = _ngram(llama_dir, page_size=4, chunked_prefill_tokens=8, no_overlap=not overlap)
     first = run(engine, requests_for(prompts[:1], max_new_tokens=24))
     assert first[0].token_ids == reference[0]
     rest = run(engine, requests_for(prompts, max_new_tokens=24)[1:])
@@ -114,18 +106,18 @@ def test_ngram_prefix_hits_and_chunks(model_dir: str, overlap: bool) -> None:
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 def test_ngram_retraction(
-    model_dir: str, plain: dict[int, list[int]], monkeypatch: pytest.MonkeyPatch, overlap: bool
+    llama_dir: str, plain: dict[int, list[int]], monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:
     monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "5")
     # A pool of 320 tokens cannot hold 18 growing requests at once: real retraction too.
     engine = _ngram(
-        model_dir, page_size=4, kv_cache_tokens=320, context_length=96, no_overlap=not overlap
+        llama_dir, page_size=4, kv_cache_tokens=320, context_length=96, no_overlap=not overlap
     )
     outcomes = run(engine, requests_for(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
     assert tokens_of(outcomes) == plain
 
 
-def test_ngram_seeded_sampling_equals_target_only(model_dir: str) -> None:
+def test_ngram_seeded_sampling_equals_target_only(llama_dir: str) -> None:
     prompts = _prompts(2, 12)
     params = [
         {"temperature": 0.7, "seed": 11},
@@ -136,15 +128,15 @@ def test_ngram_seeded_sampling_equals_target_only(model_dir: str) -> None:
         request(i, p, max_new_tokens=30, **params[i % 3])  # type: ignore[arg-type]
         for i, p in enumerate(prompts)
     ]
-    expected = tokens_of(run(engine_for(model_dir), reqs))
-    engine = _ngram(model_dir)
+    expected = tokens_of(run(engine_for(llama_dir), reqs))
+    engine = _ngram(llama_dir)
     assert tokens_of(run(engine, reqs)) == expected
     assert engine.scheduler.counters().spec_accepted_tokens > 0
 
 
-def test_ngram_stops_inside_an_accepted_run(model_dir: str, plain: dict[int, list[int]]) -> None:
+def test_ngram_stops_inside_an_accepted_run(llama_dir: str, plain: dict[int, list[int]]) -> None:
     prompts = _prompts(1, 18)
-    engine = _ngram(model_dir, speculative_num_draft_tokens=8)
+    engine = _ngram(llama_dir, speculative_num_draft_tokens=8)
     # Rows 1, 3, ... repeat a phrase: their outputs come several tokens per step.
     reqs = []
     for rid in (1, 3, 5):
@@ -171,11 +163,11 @@ def test_ngram_stops_inside_an_accepted_run(model_dir: str, plain: dict[int, lis
         assert len(streamed.updates) < len(expected)
 
 
-def test_overlap_and_serial_count_the_same(model_dir: str) -> None:
+def test_overlap_and_serial_count_the_same(llama_dir: str) -> None:
     prompts = _prompts(3, 10)
     counters = []
     for overlap in (True, False):
-        engine = _ngram(model_dir, no_overlap=not overlap)
+        engine = _ngram(llama_dir, no_overlap=not overlap)
         run(engine, requests_for(prompts, max_new_tokens=20))
         counters.append(engine.scheduler.counters())
     overlapped, serial = counters
@@ -204,34 +196,34 @@ def test_overlap_and_serial_count_the_same(model_dir: str) -> None:
     ],
 )
 def test_ngram_refusals_name_the_flag(
-    model_dir: str, overrides: dict[str, object], message: str
+    llama_dir: str, overrides: dict[str, object], message: str
 ) -> None:
     with pytest.raises(ConfigError) as refused:
-        _ngram(model_dir, **overrides)
+        _ngram(llama_dir, **overrides)
     assert message in str(refused.value)
 
 
-def test_unknown_algorithm_lists_the_available_ones(model_dir: str) -> None:
+def test_unknown_algorithm_lists_the_available_ones(llama_dir: str) -> None:
     with pytest.raises(ConfigError) as refused:
-        engine_for(model_dir, speculative_algorithm="medusa")
+        engine_for(llama_dir, speculative_algorithm="medusa")
     assert "--speculative-algorithm: unknown speculative algorithm 'medusa'; available: " in str(
         refused.value
     )
     assert "ngram" in str(refused.value)
 
 
-def test_problems_are_reported_together(model_dir: str) -> None:
+def test_problems_are_reported_together(llama_dir: str) -> None:
     with pytest.raises(ConfigError) as refused:
-        _ngram(model_dir, draft_model="/nowhere", speculative_topk=2)
+        _ngram(llama_dir, draft_model="/nowhere", speculative_topk=2)
     text = str(refused.value)
     assert "--draft-model" in text and "--speculative-topk" in text
 
 
-def test_a_step_verifies_the_configured_width(model_dir: str) -> None:
-    engine = _ngram(model_dir, speculative_num_steps=3, speculative_num_draft_tokens=0)
+def test_a_step_verifies_the_configured_width(llama_dir: str) -> None:
+    engine = _ngram(llama_dir, speculative_num_steps=3, speculative_num_draft_tokens=0)
     runner = engine.loop.runner
     assert (runner.shape.width, runner.shape.max_commit) == (4, 4)
-    default = _ngram(model_dir, speculative_num_draft_tokens=0)
+    default = _ngram(llama_dir, speculative_num_draft_tokens=0)
     assert default.loop.runner.shape.width == 8
 
 
@@ -258,19 +250,14 @@ def test_plugins_check_prints_the_verdict_without_starting(
 # --- EAGLE-3 ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def eagle3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(save_random_eagle3(tmp_path_factory.mktemp("eagle3")))
-
-
-def _eagle3(model_dir: str, eagle3_dir: str, **overrides: object) -> Engine:
+def _eagle3(llama_dir: str, eagle3_dir: str, **overrides: object) -> Engine:
     settings: dict[str, object] = {
         "speculative_algorithm": "eagle3",
         "draft_model": eagle3_dir,
         "speculative_num_steps": 3,
     }
     settings.update(overrides)
-    return engine_for(model_dir, **settings)
+    return engine_for(llama_dir, **settings)
 
 
 # (S, K, N): a chain, and a tree whose node slots (S - 1) K outnumber its N.
@@ -282,7 +269,7 @@ SHAPES = {"chain": {}, "tree": TREE}
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_eagle3_greedy_equals_target_only(
-    model_dir: str,
+    llama_dir: str,
     eagle3_dir: str,
     plain: dict[int, list[int]],
     page_size: int,
@@ -290,7 +277,7 @@ def test_eagle3_greedy_equals_target_only(
     shape: str,
 ) -> None:
     engine = _eagle3(
-        model_dir, eagle3_dir, page_size=page_size, no_overlap=not overlap, **SHAPES[shape]
+        llama_dir, eagle3_dir, page_size=page_size, no_overlap=not overlap, **SHAPES[shape]
     )
     runner = engine.loop.runner
     width, span, commit = (8, 9, 5) if shape == "tree" else (4, 4, 4)
@@ -306,17 +293,17 @@ def test_eagle3_greedy_equals_target_only(
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_eagle3_prefix_hits_chunks_retraction_and_sampling(
-    model_dir: str, eagle3_dir: str, monkeypatch: pytest.MonkeyPatch, overlap: bool, shape: str
+    llama_dir: str, eagle3_dir: str, monkeypatch: pytest.MonkeyPatch, overlap: bool, shape: str
 ) -> None:
     shared = _prompts(5, 2)[1]
     prompts = [shared + tail for tail in _prompts(6, 8)]
     sampled = {"temperature": 0.9, "top_k": 20, "seed": 5}
     reqs = requests_for(prompts, max_new_tokens=24)
     reqs += [request(100 + i, p, max_new_tokens=24, **sampled) for i, p in enumerate(prompts)]
-    reference = tokens_of(run(engine_for(model_dir), reqs))
+    reference = tokens_of(run(engine_for(llama_dir), reqs))
     monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "9")
     engine = _eagle3(
-        model_dir,
+        llama_dir,
         eagle3_dir,
         page_size=4,
         chunked_prefill_tokens=16,
@@ -350,24 +337,24 @@ def test_eagle3_prefix_hits_chunks_retraction_and_sampling(
     ],
 )
 def test_eagle3_tree_refusals_name_the_flag(
-    model_dir: str, eagle3_dir: str, flags: dict[str, int], problems: list[str]
+    llama_dir: str, eagle3_dir: str, flags: dict[str, int], problems: list[str]
 ) -> None:
     with pytest.raises(ConfigError) as refused:
-        engine_for(model_dir, speculative_algorithm="eagle3", draft_model=eagle3_dir, **flags)
+        engine_for(llama_dir, speculative_algorithm="eagle3", draft_model=eagle3_dir, **flags)
     assert str(refused.value).splitlines()[1:] == [f"  {p}" for p in problems]
 
 
-def test_a_chain_verifies_its_steps_plus_one(model_dir: str, eagle3_dir: str) -> None:
-    engine = _eagle3(model_dir, eagle3_dir, speculative_num_draft_tokens=8)
+def test_a_chain_verifies_its_steps_plus_one(llama_dir: str, eagle3_dir: str) -> None:
+    engine = _eagle3(llama_dir, eagle3_dir, speculative_num_draft_tokens=8)
     assert (engine.loop.runner.shape.width, engine.loop.runner.shape.max_commit) == (4, 4)
 
 
-def test_eagle3_refusals_name_the_flag(model_dir: str, eagle3_dir: str) -> None:
+def test_eagle3_refusals_name_the_flag(llama_dir: str, eagle3_dir: str) -> None:
     with pytest.raises(ConfigError) as refused:
-        engine_for(model_dir, speculative_algorithm="eagle3")
+        engine_for(llama_dir, speculative_algorithm="eagle3")
     assert "--draft-model: eagle3 needs a draft model directory" in str(refused.value)
     with pytest.raises(ConfigError) as refused:
-        engine_for(model_dir, speculative_algorithm="eagle3", draft_model=model_dir)
+        engine_for(llama_dir, speculative_algorithm="eagle3", draft_model=llama_dir)
     assert "--draft-model: eagle3 needs a LlamaForCausalLMEagle3 draft, not" in str(refused.value)
 
 
@@ -381,18 +368,18 @@ def dflash_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_random_dflash(tmp_path_factory.mktemp("dflash"), block_size=BLOCK))
 
 
-def _dflash(model_dir: str, dflash_dir: str, **overrides: object) -> Engine:
+def _dflash(llama_dir: str, dflash_dir: str, **overrides: object) -> Engine:
     settings: dict[str, object] = {"speculative_algorithm": "dflash", "draft_model": dflash_dir}
     settings.update(overrides)
-    return engine_for(model_dir, **settings)
+    return engine_for(llama_dir, **settings)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 def test_dflash_greedy_equals_target_only(
-    model_dir: str, dflash_dir: str, plain: dict[int, list[int]], page_size: int, overlap: bool
+    llama_dir: str, dflash_dir: str, plain: dict[int, list[int]], page_size: int, overlap: bool
 ) -> None:
-    engine = _dflash(model_dir, dflash_dir, page_size=page_size, no_overlap=not overlap)
+    engine = _dflash(llama_dir, dflash_dir, page_size=page_size, no_overlap=not overlap)
     assert engine.loop.runner.shape.width == BLOCK  # the draft's block size
     outcomes = run(engine, requests_for(_prompts(1, 18), max_new_tokens=NEW_TOKENS))
     assert tokens_of(outcomes) == plain
@@ -402,17 +389,17 @@ def test_dflash_greedy_equals_target_only(
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 def test_dflash_prefix_hits_chunks_retraction_sampling_and_logprobs(
-    model_dir: str, dflash_dir: str, monkeypatch: pytest.MonkeyPatch, overlap: bool
+    llama_dir: str, dflash_dir: str, monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:
     shared = _prompts(5, 2)[1]
     prompts = [shared + tail for tail in _prompts(6, 8)]
     sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 9, "logprobs": 2}
     reqs = requests_for(prompts, max_new_tokens=24)
     reqs += [request(100 + i, p, max_new_tokens=24, **sampled) for i, p in enumerate(prompts)]
-    expected = run(engine_for(model_dir), reqs)
+    expected = run(engine_for(llama_dir), reqs)
     monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "9")
     engine = _dflash(
-        model_dir, dflash_dir, page_size=4, chunked_prefill_tokens=16, no_overlap=not overlap
+        llama_dir, dflash_dir, page_size=4, chunked_prefill_tokens=16, no_overlap=not overlap
     )
     first = run(engine, reqs[:1])
     assert first[0].token_ids == expected[0].token_ids
@@ -427,15 +414,15 @@ def test_dflash_prefix_hits_chunks_retraction_sampling_and_logprobs(
         assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-4)
 
 
-def test_dflash_refusals_name_the_flag(model_dir: str, dflash_dir: str) -> None:
+def test_dflash_refusals_name_the_flag(llama_dir: str, dflash_dir: str) -> None:
     with pytest.raises(ConfigError) as refused:
-        _dflash(model_dir, dflash_dir, speculative_num_draft_tokens=8)
+        _dflash(llama_dir, dflash_dir, speculative_num_draft_tokens=8)
     assert (
         "--speculative-num-draft-tokens: dflash verifies whole blocks: the draft's block_size "
         "is 4, not 8" in str(refused.value)
     )
     with pytest.raises(ConfigError) as refused:
-        _dflash(model_dir, model_dir)
+        _dflash(llama_dir, llama_dir)
     assert "--draft-model: dflash needs a DFlashDraftModel draft, not ['LlamaForCausalLM']" in str(
         refused.value
     )
@@ -455,14 +442,14 @@ def small_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 def test_standalone_greedy_and_sampled_equal_target_only(
-    model_dir: str,
+    llama_dir: str,
     small_draft_dir: str,
     plain: dict[int, list[int]],
     monkeypatch: pytest.MonkeyPatch,
     overlap: bool,
 ) -> None:
     engine = engine_for(
-        model_dir,
+        llama_dir,
         speculative_algorithm="standalone",
         draft_model=small_draft_dir,
         page_size=4,
@@ -476,9 +463,9 @@ def test_standalone_greedy_and_sampled_equal_target_only(
         for i, p in enumerate(_prompts(2, 6))
     ]
     monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "7")
-    expected = tokens_of(run(engine_for(model_dir), sampled))
+    expected = tokens_of(run(engine_for(llama_dir), sampled))
     again = engine_for(
-        model_dir, speculative_algorithm="standalone", draft_model=small_draft_dir,
+        llama_dir, speculative_algorithm="standalone", draft_model=small_draft_dir,
         chunked_prefill_tokens=16, no_overlap=not overlap,
     )  # fmt: skip
     assert tokens_of(run(again, sampled)) == expected
@@ -486,14 +473,14 @@ def test_standalone_greedy_and_sampled_equal_target_only(
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 def test_the_target_as_its_own_draft_accepts_every_draft(
-    model_dir: str, plain: dict[int, list[int]], overlap: bool
+    llama_dir: str, plain: dict[int, list[int]], overlap: bool
 ) -> None:
     """A draft equal to the target proposes exactly the target's greedy tokens: every verify
     commits all of them, and stops and length limits land inside accepted runs."""
     engine = engine_for(
-        model_dir,
+        llama_dir,
         speculative_algorithm="standalone",
-        draft_model=model_dir,
+        draft_model=llama_dir,
         speculative_num_draft_tokens=5,
         no_overlap=not overlap,
     )
@@ -519,28 +506,28 @@ def test_the_target_as_its_own_draft_accepts_every_draft(
 
 
 def test_standalone_refuses_a_draft_with_other_token_ids(
-    model_dir: str, small_draft_dir: str, tmp_path: Path
+    llama_dir: str, small_draft_dir: str, tmp_path: Path
 ) -> None:
     other = tmp_path / "draft"
     shutil.copytree(small_draft_dir, other)
     # Tokenizer files: the target's, with two ids swapped in the draft's copy.
     target_tokenizer = {"model": {"vocab": {"a": 3, "b": 4, "c": 5}}, "added_tokens": []}
-    (Path(model_dir) / "tokenizer.json").write_text(json.dumps(target_tokenizer))
+    (Path(llama_dir) / "tokenizer.json").write_text(json.dumps(target_tokenizer))
     try:
         swapped = {"model": {"vocab": {"a": 4, "b": 3, "c": 5}}, "added_tokens": []}
         (other / "tokenizer.json").write_text(json.dumps(swapped))
         with pytest.raises(ConfigError) as refused:
-            engine_for(model_dir, speculative_algorithm="standalone", draft_model=str(other))
+            engine_for(llama_dir, speculative_algorithm="standalone", draft_model=str(other))
         assert (
             "--draft-model: the draft's tokenizer maps tokens to other ids (2 differ, e.g. "
             "'a': target 3, draft 4)" in str(refused.value)
         )
     finally:
-        (Path(model_dir) / "tokenizer.json").unlink()
+        (Path(llama_dir) / "tokenizer.json").unlink()
 
 
 def test_dflash_mask_token_string_resolves_through_the_target_tokenizer(
-    model_dir: str, dflash_dir: str, tmp_path: Path
+    llama_dir: str, dflash_dir: str, tmp_path: Path
 ) -> None:
     draft = tmp_path / "draft"
     shutil.copytree(dflash_dir, draft)
@@ -549,7 +536,7 @@ def test_dflash_mask_token_string_resolves_through_the_target_tokenizer(
     config["dflash_config"]["mask_token"] = "<|mask|>"
     (draft / "config.json").write_text(json.dumps(config))
     target = tmp_path / "target"
-    shutil.copytree(model_dir, target)
+    shutil.copytree(llama_dir, target)
     vocab = {f"t{i}": i for i in range(VOCAB - 1)}
     Tokenizer(WordLevel(vocab, unk_token="t0")).save(str(target / "tokenizer.json"))
     with pytest.raises(ConfigError) as refused:

@@ -116,16 +116,17 @@ class ModelRunner:
         return self.results.collect(launched)
 
     def _launch(self, plan: StepPlan) -> Launched:
+        max_kv = self._max_kv(plan)
         if plan.kind == "decode" and self.graphs is not None:
-            key = self.graphs.key(plan, self._max_kv(plan))
+            key = self.graphs.key(plan, max_kv)
             if key is not None:
                 return self._replay(plan, key, self.graphs)
         values = host_values(plan, poison_released=self.slots.relay_check)
         inputs = self.inputs.stage(plan, values)
         self.slots.apply(inputs)
         if plan.kind == "extend":
-            return self.results.copy(plan, self._extend(plan, inputs))
-        return self.results.copy(plan, self._decode(plan, inputs, self._max_kv(plan)))
+            return self.results.copy(plan, self._extend(plan, inputs, max_kv))
+        return self.results.copy(plan, self._decode(plan, inputs, max_kv))
 
     def _replay(self, plan: StepPlan, key: GraphKey, graphs: DecodeGraphs) -> Launched:
         """``plan`` padded to ``key``'s batch and replayed from its graph (captured first from
@@ -155,10 +156,11 @@ class ModelRunner:
         self.slots.reset_scratch()
         return results
 
-    def _extend(self, plan: StepPlan, inputs: StepInputs[torch.Tensor]) -> StepResults | None:
+    def _extend(
+        self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int
+    ) -> StepResults | None:
         """Prompt chunks: the forward, then one sampled token per row whose chunk ends its
         prompt, which seeds the row's relay (next input, KV length, output count)."""
-        max_kv = self._max_kv(plan)
         fb = self._forward_batch(plan, inputs, "extend", inputs.positions, max_kv)
         hidden = self.model.forward(inputs.input_ids, fb)  # [T, H]
         view = ExtendView(
