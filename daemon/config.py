@@ -283,6 +283,10 @@ DEBUG_KNOBS: dict[str, str] = {
     "OUTRIDER_DEBUG_KV_CHECK": "run the KV integrity check after every step (tests)",
     "OUTRIDER_DEBUG_RETRACT_EVERY": "retract the youngest running request every N steps",
     "OUTRIDER_DEBUG_SYNC_CHECK": "raise on any host synchronisation inside a step (CUDA)",
+    "OUTRIDER_DEBUG_TORCH_KERNELS": (
+        "run norms, rotary and activations as plain torch ops where FlashInfer's fused "
+        "kernels would serve (to compare them)"
+    ),
     "OUTRIDER_DEBUG_RELAY_CHECK": (
         "poison released relay rows; assert decode batches read none (syncs)"
     ),

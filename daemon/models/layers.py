@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from outrider.daemon.models.kernels import Rotation, UsesKernels
 from outrider.plugins.device import AttentionShape
 
 if TYPE_CHECKING:
@@ -21,17 +22,19 @@ if TYPE_CHECKING:
     from outrider.plugins.device import ForwardBatch
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, UsesKernels):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32, scale in the input dtype (as the HF reference rounds).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """``x: [..., dim]`` normalised over its last dim."""
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; may overwrite both inputs."""
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -55,12 +58,13 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(in_band, blended, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(nn.Module, UsesKernels):
     """cos/sin tables for positions ``0 .. max_positions - 1`` (the serving context length
     plus the largest reservation, never a checkpoint's max_position_embeddings)."""
 
     cos: torch.Tensor  # [max_positions, D/2]
     sin: torch.Tensor
+    _cos_sin: torch.Tensor | None = None  # [max_positions, D] float32, made on first use
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int) -> None:
         super().__init__()
@@ -74,6 +78,7 @@ class RotaryEmbedding(nn.Module):
     def init_table(self) -> None:
         """(Re)compute the tables in float32 and store them in the buffers' dtype, which is
         what the HF reference rounds to. Call again after ``to_empty``."""
+        self._cos_sin = None
         if self.cos.is_meta:
             return
         inv_freq = rope_inv_freq(self.head_dim, self.rope).to(self.cos.device)
@@ -83,16 +88,19 @@ class RotaryEmbedding(nn.Module):
             self.cos.copy_(freqs.cos())
             self.sin.copy_(freqs.sin())
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions: [T]`` -> ``cos, sin: [T, D/2]``. Positions must be < max_positions."""
-        return self.cos[positions], self.sin[positions]
+    def cos_sin_float32(self) -> torch.Tensor:
+        """``[max_positions, D]`` float32: cos in the first half, sin in the second (the
+        fused kernels' table; made at the first call, which warm-up makes before capture)."""
+        if self._cos_sin is None:
+            inv_freq = rope_inv_freq(self.head_dim, self.rope).to(self.cos.device)
+            positions = torch.arange(self.max_positions, device=self.cos.device).float()
+            freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+            self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        return self._cos_sin
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. ``x: [T, H, D]``, ``cos, sin: [T, D/2]``."""
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor) -> Rotation:
+        """The rotation of ``positions: [T]`` (each < max_positions)."""
+        return self.kernels.rotation(self, positions)
 
 
 class FusedLinear(nn.Linear):
@@ -128,9 +136,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: Rotation, fb: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden]
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
@@ -139,12 +145,12 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotation.rotate(q, k)
         out = fb.attend(self.layer_id, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_q_heads * self.head_dim))
 
 
-class MLP(nn.Module):
+class MLP(nn.Module, UsesKernels):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         rows = config.intermediate_size
@@ -152,8 +158,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(rows, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -165,11 +170,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
-    ) -> torch.Tensor:
-        # x: [T, hidden], the residual stream; never updated in place (captures alias it).
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, fb)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x: [T, hidden]``, the previous layer's output before its residual add (the
+        residual stream ``residual + x`` is that layer's output); ``residual`` None: ``x`` is
+        the stream itself (layer 0). Returns the same pair for this layer. The adds are fused
+        into the norms, which may update both tensors in place: pass tensors the model owns."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h = self.self_attn(h, rotation, fb)
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -183,13 +196,28 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope, max_positions)
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        cos, sin = self.rotary_emb(fb.layout.positions)  # [T, D/2] each
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer_id, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, fb)
-            if layer_id in fb.capture_layers:
-                fb.captured[layer_id] = x
-        return self.norm(x)
+        return run_layers(
+            self.layers,
+            self.embed_tokens(input_ids),
+            self.norm,
+            self.rotary_emb(fb.layout.positions),
+            fb,
+        )
+
+
+def run_layers(
+    layers: nn.ModuleList, x: torch.Tensor, norm: RMSNorm, rotation: Rotation, fb: ForwardBatch
+) -> torch.Tensor:
+    """``x: [T, hidden]`` (a tensor the caller hands over: it becomes the residual stream)
+    through ``layers`` and the final ``norm``. Captures the stream after each layer in
+    ``fb.capture_layers`` (a fresh tensor) into ``fb.captured``."""
+    residual: torch.Tensor | None = None
+    for layer_id, layer in enumerate(layers):
+        x, residual = layer(x, residual, rotation, fb)
+        if layer_id in fb.capture_layers:
+            fb.captured[layer_id] = residual + x
+    assert residual is not None, "a model has at least one layer"
+    return norm.add(x, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):

@@ -20,6 +20,7 @@ import torch
 
 from outrider.daemon.models import model_class
 from outrider.daemon.models.config import ModelConfig, model_dir
+from outrider.daemon.models.kernels import TORCH_KERNELS, select_kernels, use_kernels
 from outrider.daemon.models.layers import DecoderForCausalLM, FusedLinear, RMSNorm, RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -133,14 +134,21 @@ M = TypeVar("M", bound=torch.nn.Module)
 
 def materialize(build: Callable[[], M], dtype: torch.dtype, device: torch.device | str) -> M:
     """``build()`` on the meta device, then given uninitialised storage in ``dtype`` (floating
-    tensors only) on ``device``, rotary tables computed, gradients off."""
+    tensors only) on ``device``, rotary tables computed, gradients off, and the layer kernels
+    of that device and dtype chosen."""
     with torch.device("meta"):
         model = build()
     model = model.to(dtype=dtype).to_empty(device=device)
+    head_dim = 0
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.init_table()
+            head_dim = module.head_dim
     model.requires_grad_(False)
+    kernels = select_kernels(torch.device(device), dtype, head_dim)
+    use_kernels(model, kernels)
+    if kernels is not TORCH_KERNELS:
+        log.info("%s runs %s layer kernels", type(model).__name__, kernels.name)
     return model
 
 

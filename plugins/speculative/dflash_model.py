@@ -48,12 +48,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.daemon.models.config import ModelConfig, model_dir
+from outrider.daemon.models.kernels import Rotation
 from outrider.daemon.models.layers import (
     Attention,
     DecoderLayer,
     RMSNorm,
     RotaryEmbedding,
-    apply_rotary,
+    run_layers,
 )
 from outrider.daemon.models.loader import (
     checkpoint_files,
@@ -211,10 +212,10 @@ class DFlashDraft(nn.Module):
         in ``target_layer_ids`` order, concatenated) -> the context K/V of every draft layer,
         stored at ``layout.out_loc`` into ``kv``. No attention runs."""
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, H]
-        cos, sin = self.rotary_emb(layout.positions)  # [T, D/2] each
+        rotation = self.rotary_emb(layout.positions)
         for layer_id, layer in enumerate(self.layers):
             attn = cast("Attention", layer.self_attn)
-            k, v = _context_kv(attn, ctx, cos, sin)  # [T, Hkv, D] each
+            k, v = _context_kv(attn, ctx, rotation)  # [T, Hkv, D] each
             kv.store(layer_id, layout.out_loc, k, v)
 
     def forward(self, embeds: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -225,15 +226,14 @@ class DFlashDraft(nn.Module):
         must not be causal."""
         if fb.layout.causal:
             raise ValueError("the DFlash block attends non-causally: build it with causal=False")
-        cos, sin = self.rotary_emb(fb.layout.positions)  # [T, D/2] each
-        x = embeds.to(self.fc.weight.dtype)  # never updated in place (captures may alias it)
-        for layer in self.layers:
-            x = layer(x, cos, sin, fb)
-        return self.norm(x)
+        # A copy: the layers update their input in place, and the caller's embeddings may be
+        # aliased by a capture.
+        x = embeds.to(self.fc.weight.dtype, copy=True)
+        return run_layers(self.layers, x, self.norm, self.rotary_emb(fb.layout.positions), fb)
 
 
 def _context_kv(
-    attn: Attention, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    attn: Attention, ctx: torch.Tensor, rotation: Rotation
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the context vectors ``ctx: [T, H]`` through the k/v rows of the layer's
     fused projection, k_norm and RoPE: exactly what the layer computes for a block token."""
@@ -245,7 +245,7 @@ def _context_kv(
     v = v.view(-1, attn.num_kv_heads, attn.head_dim)
     if attn.k_norm is not None:
         k = attn.k_norm(k)
-    return apply_rotary(k, cos, sin), v
+    return rotation.rotate_keys(k), v
 
 
 def dflash_tensors(model: DFlashDraft) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from outrider.daemon.models.config import ModelConfig, model_dir
+from outrider.daemon.models.kernels import Rotation
 from outrider.daemon.models.layers import MLP, Attention, FusedLinear, RMSNorm, RotaryEmbedding
 from outrider.daemon.models.loader import (
     checkpoint_files,
@@ -159,13 +160,13 @@ class Eagle3Layer(nn.Module):
         self,
         embeds: torch.Tensor,
         feat: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotation: Rotation,
         fb: ForwardBatch,
     ) -> torch.Tensor:
-        # embeds, feat: [T, H]; never updated in place (captures may alias them).
+        # embeds, feat: [T, H]; never updated in place (captures may alias them), so the
+        # residual adds stay outside the norms.
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(feat)), dim=-1)  # [T, 2H]
-        h = feat + self.self_attn(x, cos, sin, fb)
+        h = feat + self.self_attn(x, rotation, fb)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -216,8 +217,7 @@ class Eagle3Draft(nn.Module):
         (``project``'s output, or the draft's own previous output while drafting) -> ``y:
         [T, H]`` before the final norm. Writes K/V into layer 0 of ``fb.kv`` at
         ``fb.layout.out_loc``; positions are ``fb.layout.positions``."""
-        cos, sin = self.rotary_emb(fb.layout.positions)  # [T, D/2] each
-        return self.midlayer(embeds, feat, cos, sin, fb)
+        return self.midlayer(embeds, feat, self.rotary_emb(fb.layout.positions), fb)
 
     def compute_logits(self, y: torch.Tensor) -> torch.Tensor:
         """``y: [n, H]`` -> ``[n, draft_vocab]`` float32."""

@@ -1,0 +1,189 @@
+"""The elementwise work of a decoder layer: RMSNorm (alone, or with the residual add fused in),
+rotary embedding and SiLU-and-multiply, in two implementations.
+
+``TorchKernels`` is the reference: plain torch ops that round as the HF reference does, on
+every device and dtype (the float32 CPU path, which tests compare token for token, runs it).
+``FlashInferKernels`` runs FlashInfer's fused CUDA kernels for half-precision models on a GPU:
+one kernel per operation instead of five to ten, which is most of what a batch-1 decode step
+launches besides its GEMMs. They compute in float32 and round once, so their results differ
+from the reference's by bf16 rounding only (DESIGN.md 4.4).
+
+Modules reach their kernels through ``UsesKernels.kernels``; ``use_kernels`` sets them on a
+whole model once it sits on its serving device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from outrider.daemon.config import debug_knob
+
+if TYPE_CHECKING:
+    from outrider.daemon.models.layers import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+
+class Rotation:
+    """The rotary embedding of one forward's positions, applied to each layer's q and k."""
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q: [T, Hq, D]``, ``k: [T, Hkv, D]`` -> both rotated. May rotate in place:
+        callers pass tensors they own (fresh projections)."""
+        raise NotImplementedError
+
+    def rotate_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """``k: [T, Hkv, D]`` rotated, out of place."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TableRotation(Rotation):
+    """Rotate-half RoPE from tables gathered once per forward (in the model dtype)."""
+
+    cos: torch.Tensor  # [T, D/2]
+    sin: torch.Tensor
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotate_half(q, self.cos, self.sin), rotate_half(k, self.cos, self.sin)
+
+    def rotate_keys(self, k: torch.Tensor) -> torch.Tensor:
+        return rotate_half(k, self.cos, self.sin)
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. ``x: [T, H, D]``, ``cos, sin: [T, D/2]``."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class TorchKernels:
+    """Plain torch ops (the reference)."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of ``x: [..., D]``."""
+        # Statistics in float32, scale in the input dtype (as the HF reference rounds).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(residual + x), residual + x)`` for ``x, residual: [T, D]``. May
+        overwrite both inputs: callers pass tensors they own."""
+        summed = residual + x
+        return self.rms_norm(summed, weight, eps), summed
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[T, 2I]`` (gate rows, then up rows) -> ``silu(gate) * up: [T, I]``."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotation(self, table: RotaryEmbedding, positions: torch.Tensor) -> Rotation:
+        """The rotation of ``positions: [T]`` (each < ``table.max_positions``)."""
+        return TableRotation(table.cos[positions], table.sin[positions])
+
+
+@dataclass(frozen=True)
+class FusedRotation(Rotation):
+    """FlashInfer's in-place RoPE from the float32 ``[cos | sin]`` table."""
+
+    flashinfer: Any
+    positions: torch.Tensor  # [T]
+    cos_sin: torch.Tensor  # [max_positions, D] float32
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.flashinfer.apply_rope_with_cos_sin_cache_inplace(
+            self.positions, _rows(q), _rows(k), k.shape[-1], self.cos_sin
+        )
+        return q, k
+
+    def rotate_keys(self, k: torch.Tensor) -> torch.Tensor:
+        # The kernel rotates a q and a k together: the keys go in as both, out of place.
+        flat = _rows(k)
+        rotated, _ = self.flashinfer.apply_rope_with_cos_sin_cache(
+            self.positions, flat, flat, k.shape[-1], self.cos_sin
+        )
+        return rotated.view(k.shape)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[T, H, D] -> [T, H * D]`` as a view (raises rather than copy: in-place kernels
+    write through it)."""
+    return x.view(x.shape[0], -1)
+
+
+class FlashInferKernels(TorchKernels):
+    """FlashInfer's fused kernels (CUDA, float16 / bfloat16)."""
+
+    name = "flashinfer"
+
+    def __init__(self, flashinfer: Any) -> None:
+        self.flashinfer = flashinfer
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # 2-D rows, or 3-D [T, H, D] per-head rows (Qwen3's q/k norm over a strided view).
+        return self.flashinfer.rmsnorm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # In place: residual += x, then x = rms_norm(residual).
+        self.flashinfer.fused_add_rmsnorm(x, residual, weight, eps)
+        return x, residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.flashinfer.silu_and_mul(gate_up)
+
+    def rotation(self, table: RotaryEmbedding, positions: torch.Tensor) -> Rotation:
+        return FusedRotation(self.flashinfer, positions, table.cos_sin_float32())
+
+
+TORCH_KERNELS = TorchKernels()
+
+
+class UsesKernels:
+    """A module that runs ``kernels`` (the reference until ``use_kernels`` says otherwise)."""
+
+    kernels: TorchKernels = TORCH_KERNELS
+
+
+# Head dims FlashInfer's rotary kernel is built for (it falls back to a slower general path
+# for others).
+FUSED_HEAD_DIMS = (64, 128, 256, 512)
+
+
+def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> TorchKernels:
+    """FlashInfer's kernels for half-precision models of a common head dim on a GPU when
+    FlashInfer is installed (and ``OUTRIDER_DEBUG_TORCH_KERNELS`` is unset), else the
+    reference."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return TORCH_KERNELS
+    if head_dim not in FUSED_HEAD_DIMS:
+        log.info("layer kernels: torch (head dim %d is not one of %s)", head_dim, FUSED_HEAD_DIMS)
+        return TORCH_KERNELS
+    if debug_knob("OUTRIDER_DEBUG_TORCH_KERNELS"):
+        log.info("layer kernels: torch (OUTRIDER_DEBUG_TORCH_KERNELS)")
+        return TORCH_KERNELS
+    try:
+        import flashinfer
+    except ImportError:
+        log.info("layer kernels: torch (FlashInfer is not installed)")
+        return TORCH_KERNELS
+    return FlashInferKernels(flashinfer)
+
+
+def use_kernels(model: torch.nn.Module, kernels: TorchKernels) -> None:
+    """Run every ``UsesKernels`` module of ``model`` with ``kernels``."""
+    for module in model.modules():
+        if isinstance(module, UsesKernels):
+            module.kernels = kernels
