@@ -82,8 +82,7 @@ def host_values(plan: StepPlan, *, poison_released: bool) -> StepInputs[np.ndarr
     """The host's part of ``plan``'s inputs."""
     q_lens = np.asarray(plan.q_lens, dtype=np.int64)
     starts = np.asarray(plan.starts, dtype=np.int64)
-    n_tok = int(q_lens.sum())
-    max_q = int(q_lens.max())
+    n_tok, max_q = plan.num_tokens, max(plan.q_lens)
     row_of_token = np.repeat(np.arange(plan.bs, dtype=np.int64), q_lens)
     q_start = np.zeros(plan.bs + 1, dtype=np.int64)
     np.cumsum(q_lens, out=q_start[1:])
@@ -126,27 +125,39 @@ class InputBuffers:
         self.device_buffers = self._allocate(
             lambda n, dtype: torch.zeros(n, dtype=dtype, device=device)
         )
-        self._staging = [
+        staging = [
             self._allocate(lambda n, dtype: torch.zeros(n, dtype=dtype, pin_memory=pin))
             for _ in range(2)
         ]
+        # Per staging set and field: (name, device buffer, staging tensor, its array view).
+        self._bindings = [
+            [
+                (
+                    f.name,
+                    getattr(self.device_buffers, f.name),
+                    getattr(host, f.name),
+                    getattr(host, f.name).numpy(),
+                )
+                for f in _FIELDS
+            ]
+            for host in staging
+        ]
+        self._empty_views = {f.name: getattr(self.device_buffers, f.name)[:0] for f in _FIELDS}
         self._parity = 0
 
     def stage(self, plan: StepPlan, values: StepInputs[np.ndarray]) -> StepInputs[torch.Tensor]:
         """Copy ``values`` into the next staging set and from there into the device buffers
         (queued on the current stream); returns this step's views of the device buffers."""
         assert plan.num_tokens <= self.capacity.tokens, "plan exceeds the step token budget"
-        staging, self._parity = self._staging[self._parity], self._parity ^ 1
-        views: dict[str, torch.Tensor] = {}
-        for f in _FIELDS:
-            value: np.ndarray = getattr(values, f.name)
+        bindings, self._parity = self._bindings[self._parity], self._parity ^ 1
+        views = dict(self._empty_views)
+        for name, device, host, host_array in bindings:
+            value: np.ndarray = getattr(values, name)
             n = len(value)
-            device = getattr(self.device_buffers, f.name)
             if n:
-                host = getattr(staging, f.name)
-                host.numpy()[:n] = value
-                device[:n].copy_(host[:n], non_blocking=True)
-            views[f.name] = device[:n]
+                host_array[:n] = value
+                view = views[name] = device[:n]
+                view.copy_(host[:n], non_blocking=True)
         # Filled on the device for a decode batch (module docstring).
         n_tok, bs = plan.num_tokens, plan.bs
         views.update(

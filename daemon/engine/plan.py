@@ -56,7 +56,8 @@ class StepPlan(Struct, array_like=True, frozen=True):
 class StepOutput(Struct, frozen=True):
     """Host results of one step, one entry per sampled row (``plan.sample_rows`` order): the
     tokens the row committed (one for EXTEND; accepted drafts plus the bonus for a
-    speculative decode batch), each with its logprob and top logprobs."""
+    speculative decode batch), each with its logprob and top logprobs (``top_ids`` and
+    ``top_logprobs`` are empty when the plan asks for none: ``max_logprobs`` 0)."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]

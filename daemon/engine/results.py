@@ -7,7 +7,8 @@ are read before step n + 2 is launched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,17 +64,18 @@ class ResultCopies:
         host, self._parity = self._host[self._parity], self._parity ^ 1
         if values is None:
             return Launched(plan, host, None)
+        pairs = self._pairs(host, values, top=plan.max_logprobs > 0)
         stream = self._stream
         if stream is None:
-            self._copy_all(host, values)
+            self._copy_all(pairs)
             return Launched(plan, host, None)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
-            for src, _ in self._pairs(host, values):
+            for src, _ in pairs:
                 # NOTE: the source was produced on the compute stream; keep it alive until the
                 # side stream has read it.
                 src.record_stream(stream)
-            self._copy_all(host, values)
+            self._copy_all(pairs)
             done = torch.cuda.Event()
             done.record(stream)
         return Launched(plan, host, done)
@@ -87,24 +89,37 @@ class ResultCopies:
         n, k = len(plan.sample_rows), plan.max_logprobs
         lens = host.commit_lens
         counts = [1] * n if plan.kind == "extend" or lens is None else lens[:n].tolist()
-        tokens = host.tokens[:n].tolist()
-        logprobs = host.logprob[:n].tolist()
-        top_ids = host.top_ids[:n, :, :k].tolist()
-        top_logprobs = host.top_logprobs[:n, :, :k].tolist()
+        top_ids: list[list[list[int]]] = []
+        top_logprobs: list[list[list[float]]] = []
+        if k:
+            top_ids = _cut(host.top_ids[:n, :, :k].tolist(), counts)
+            top_logprobs = _cut(host.top_logprobs[:n, :, :k].tolist(), counts)
         return StepOutput(
-            tokens=[row[:c] for row, c in zip(tokens, counts, strict=True)],
-            logprobs=[row[:c] for row, c in zip(logprobs, counts, strict=True)],
-            top_ids=[row[:c] for row, c in zip(top_ids, counts, strict=True)],
-            top_logprobs=[row[:c] for row, c in zip(top_logprobs, counts, strict=True)],
+            tokens=_cut(host.tokens[:n].tolist(), counts),
+            logprobs=_cut(host.logprob[:n].tolist(), counts),
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
         )
 
     @staticmethod
-    def _pairs(host: StepResults, values: StepResults) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(source, host buffer) of every result ``values`` carries."""
-        pairs = [(getattr(values, f.name), getattr(host, f.name)) for f in fields(StepResults)]
-        return [(src, dst) for src, dst in pairs if src is not None]
+    def _pairs(
+        host: StepResults, values: StepResults, *, top: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source, host buffer) of every result the step's rows are read for: the top
+        logprobs only when the plan asks for some (``top``)."""
+        pairs = [(values.tokens, host.tokens), (values.logprob, host.logprob)]
+        if values.commit_lens is not None and host.commit_lens is not None:
+            pairs.append((values.commit_lens, host.commit_lens))
+        if top:
+            pairs += [(values.top_ids, host.top_ids), (values.top_logprobs, host.top_logprobs)]
+        return pairs
 
-    @classmethod
-    def _copy_all(cls, host: StepResults, values: StepResults) -> None:
-        for src, dst in cls._pairs(host, values):
-            dst[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)
+    @staticmethod
+    def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for src, dst in pairs:
+            dst[tuple(map(slice, src.shape))].copy_(src, non_blocking=True)
+
+
+def _cut(rows: list[list[Any]], counts: list[int]) -> list[list[Any]]:
+    """Row ``i``'s first ``counts[i]`` entries, for each row."""
+    return [row[:c] for row, c in zip(rows, counts, strict=True)]

@@ -62,10 +62,15 @@ class SlotState:
 
     def apply(self, inputs: StepInputs[torch.Tensor]) -> None:
         """Relay poisoning (debug), request-table writes and the sampling parameters of newly
-        admitted slots; released slots are poisoned before an admission may reuse them."""
-        self.relay_tokens.index_fill_(0, inputs.released_slots, -1)
-        self.page_table.view(-1).index_copy_(0, inputs.page_writes, inputs.page_values)
+        admitted slots; released slots are poisoned before an admission may reuse them. Most
+        decode steps have none of these: nothing is queued then."""
+        if inputs.released_slots.numel():
+            self.relay_tokens.index_fill_(0, inputs.released_slots, -1)
+        if inputs.page_writes.numel():
+            self.page_table.view(-1).index_copy_(0, inputs.page_writes, inputs.page_values)
         slots = inputs.admit_slots
+        if not slots.numel():
+            return
         self.temperature.index_copy_(0, slots, inputs.admit_temperature)
         self.top_p.index_copy_(0, slots, inputs.admit_top_p)
         self.top_k.index_copy_(0, slots, inputs.admit_top_k)

@@ -72,13 +72,16 @@ class OutputProcessor:
             req.first_token_time = time.time()
         kept, finish = self.finish.append(req, tokens)
         if req.want_logprobs:
-            # NOTE: the batch computes the largest top-n any row asked for; trim to ours.
+            # NOTE: the batch computes the largest top-n any row asked for; trim to ours. No
+            # row asked for any: the step output has no top entries at all.
             n = req.sampling.logprobs
             req.logprobs.extend(
                 TokenLogprob(
                     tokens[j],
                     out.logprobs[i][j],
-                    list(zip(out.top_ids[i][j][:n], out.top_logprobs[i][j][:n], strict=True)),
+                    list(zip(out.top_ids[i][j][:n], out.top_logprobs[i][j][:n], strict=True))
+                    if n
+                    else [],
                 )
                 for j in range(kept)
             )
