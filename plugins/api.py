@@ -138,6 +138,10 @@ class AttentionCapabilities:
     tree_mask: bool = False
     # Its launches may be captured in CUDA graphs.
     cuda_graphs: bool = False
+    # Its work and memory grow with the layout's ``max_kv``: decode graphs are then captured
+    # per KV bound bucket. False: it reads every length on the device, and one graph per batch
+    # size, built with the largest bound, serves any length.
+    graph_kv_bound: bool = True
     phases: frozenset[Phase] = frozenset(PHASES)
 
 

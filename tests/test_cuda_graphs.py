@@ -7,6 +7,8 @@ against the eager engine."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -14,11 +16,30 @@ import torch
 from engine_harness import debug_checks_fixture, engine_for, request, run
 from model_fixtures import VOCAB, save_random_dflash, save_random_eagle3, save_tiny_model
 
-from outrider.daemon.engine.build import Engine
-from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey, batch_buckets
+from outrider.daemon.config import ConfigError, ServeConfig
+from outrider.daemon.engine import graphs as graphs_module
+from outrider.daemon.engine.build import (
+    GRAPH_MEMORY_SHARE,
+    Engine,
+    _activation_bytes,
+    _fit_check,
+    _graph_kv_limit,
+    _graph_settings,
+    _GraphSettings,
+)
+from outrider.daemon.engine.graphs import (
+    MIB,
+    DecodeGraphs,
+    GraphKey,
+    batch_buckets,
+    graph_pool_bytes,
+    kv_buckets,
+)
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.engine.results import StepResults
+from outrider.daemon.engine.results import MAX_LOGPROBS, StepResults
 from outrider.daemon.internal import TokenizedRequest
+from outrider.daemon.models.config import ModelConfig
+from outrider.plugins.registry import ResolvedPlugins, discover
 
 # The relay check poisons the scratch slot too; graphs are off under it (build.py).
 debug_checks = debug_checks_fixture(relay_check=False)
@@ -34,12 +55,13 @@ ALGORITHMS = {
 
 
 class EagerGraphs(DecodeGraphs):
-    """Captures keep the recorded closure; replays run it; padding is counted."""
+    """Captures keep the recorded closure; replays run it; padding and replays are counted."""
 
-    def __init__(self, *args: int) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: int, kv_bounded: bool = True) -> None:
+        super().__init__(*args, kv_bounded=kv_bounded)
         self.runs: dict[GraphKey, Callable[[], StepResults]] = {}
         self.padded_rows = 0
+        self.replays = 0
 
     def pad(self, plan: StepPlan, key: GraphKey) -> StepPlan:
         self.padded_rows += key.bs - plan.bs
@@ -50,6 +72,7 @@ class EagerGraphs(DecodeGraphs):
         self.graphs[key] = (None, None)  # type: ignore[assignment]  # marks it captured
 
     def replay(self, key: GraphKey) -> StepResults:
+        self.replays += 1
         return self.runs[key]()
 
 
@@ -130,6 +153,110 @@ def test_buckets_and_keys() -> None:
     assert graphs.key(wide, 70) is None  # larger than the largest bucket: eager
 
 
+def test_kv_buckets_follow_the_backends_declaration() -> None:
+    assert kv_buckets(300, bounded=True) == [64, 128, 256, 300]
+    assert kv_buckets(256, bounded=True) == [64, 128, 256]
+    assert kv_buckets(40, bounded=True) == [40]
+    assert kv_buckets(300, bounded=False) == [300]
+    plan = StepPlan("decode", [0, 1, 2], [5] * 3, [1] * 3, [], [], [], [], [], [], 0, True)
+    bounded = DecodeGraphs(12, 300, 20, 12, kv_bounded=True)
+    unbounded = DecodeGraphs(12, 300, 20, 12, kv_bounded=False)
+    assert [bounded.key(plan, kv).max_kv for kv in (1, 64, 65, 257, 300)] == [  # type: ignore[union-attr]
+        64, 64, 128, 300, 300,
+    ]  # fmt: skip
+    assert {unbounded.key(plan, kv) for kv in (1, 65, 300)} == {GraphKey(3, 300, True, 0)}
+    assert bounded.key(plan, 301) is None  # past every bucket: eager, never a short bound
+
+
+def _with_kv_bound(plugins: ResolvedPlugins, declared: bool) -> ResolvedPlugins:
+    """``plugins`` with every attention backend declaring ``graph_kv_bound=declared``."""
+    attention = {}
+    for phase, resolved in plugins.attention.items():
+        assert resolved.spec.attention is not None
+        caps = dataclasses.replace(resolved.spec.attention, graph_kv_bound=declared)
+        spec = dataclasses.replace(resolved.spec, attention=caps)
+        attention[phase] = dataclasses.replace(resolved, spec=spec)
+    return dataclasses.replace(plugins, attention=attention)
+
+
+def test_graph_settings_take_the_kv_bound_from_the_capabilities(llama_dir: str) -> None:
+    config = ServeConfig(model=llama_dir, device="cuda", max_running=48, cuda_graph_max_bs=32)
+    context = config.check_context("bfloat16", (9, 0))
+    plugins = discover().resolve(context)
+    torch_settings = _graph_settings(config, plugins)
+    assert torch_settings is not None  # the torch backend declares graph_kv_bound
+    assert (torch_settings.max_bs, torch_settings.kv_bounded) == (32, True)
+    lengths_on_device = _graph_settings(config, _with_kv_bound(plugins, False))
+    assert lengths_on_device is not None and not lengths_on_device.kv_bounded
+    assert _graph_settings(dataclasses.replace(config, disable_cuda_graph=True), plugins) is None
+    assert _graph_settings(dataclasses.replace(config, device="cpu"), plugins) is None
+
+
+def test_start_keys_are_every_bucket_largest_first() -> None:
+    graphs = DecodeGraphs(3, 200, 20, 3)
+    keys = [(k.bs, k.max_kv, k.all_greedy, k.max_logprobs) for k in graphs.start_keys()]
+    assert keys == [
+        (bs, kv, greedy, 0) for kv in (200, 128, 64) for bs in (3, 2, 1) for greedy in (False, True)
+    ]
+    assert [k.max_kv for k in DecodeGraphs(2, 200, 20, 2, kv_bounded=False).start_keys()] == [
+        200, 200, 200, 200,
+    ]  # fmt: skip
+
+
+def test_capture_all_logs_one_line_per_set_and_warns_past_the_estimate(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    graphs = DecodeGraphs(2, 100, 20, 2)
+    graphs.graphs[GraphKey(1, 64, True, 0)] = (None, None)  # type: ignore[assignment]  # captured
+    reserved = iter([10 * MIB, 13 * MIB])
+    monkeypatch.setattr(graphs_module, "_reserved_after_release", lambda: next(reserved))
+    captured: list[GraphKey] = []
+    progress: list[tuple[int, int]] = []
+    caplog.set_level(logging.DEBUG, logger="outrider.graphs")
+    result = graphs.capture_all(
+        captured.append, estimate=2 * MIB, progress=lambda d, t: progress.append((d, t))
+    )
+    expected = [k for k in graphs.start_keys() if k != GraphKey(1, 64, True, 0)]
+    assert captured == result.keys == expected and len(expected) == 7
+    assert progress == [(i, 7) for i in range(1, 8)]
+    assert result.pool_bytes == 3 * MIB and graphs.started
+    [info, warning] = caplog.records
+    assert info.getMessage().startswith(
+        "captured 7 decode graphs (batch 1..2, KV bound 64..100, greedy + sampled) in "
+    )
+    assert "pool 3 MiB (estimate 2 MiB)" in info.getMessage()
+    assert warning.levelno == logging.WARNING and "--cuda-graph-max-bs" in warning.getMessage()
+
+
+TINY_SHAPE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def test_graph_pool_estimate_of_a_tiny_model() -> None:
+    model = ModelConfig.from_dict(TINY_SHAPE)
+    # 4 tokens x (2 B x (3 x 64 hidden + 2 x 64 q + 2 x 32 kv) + 4 B x 64 + 2 B x 3 x 128)
+    layer = 4 * (2 * (192 + 128 + 64) + 256 + 768)
+    logits = 4 * 256 * (2 + 4 + 40)  # the head's output, its float32 copy, sampling scratch
+    # 4 rows x 128 KV x (K and V at 2 + 4 heads of 16, 2 B, + the int64 index) + the mask
+    attention = 4 * 128 * (2 * (32 + 64) * 2 + 8) + 4 * 1 * 128
+    assert (layer, logits, attention) == (7168, 47104, 201216)
+    assert graph_pool_bytes(model, 2, bs=4, width=1, kv_bound=128) == layer + logits + attention
+    assert graph_pool_bytes(model, 2, bs=4, width=1, kv_bound=None) == layer + logits
+    # A speculative row verifies `width` tokens: everything but the gathered K/V scales.
+    assert graph_pool_bytes(model, 2, bs=1, width=4, kv_bound=None) == layer + logits
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_padded_replays_give_the_eager_tokens(dirs: dict[str, str], algorithm: str) -> None:
     eager = engine(dirs, algorithm)
@@ -156,3 +283,84 @@ def test_cuda_graphs_give_the_eager_tokens(
     assert eager.loop.runner.graphs is None
     assert_same_outputs(graphed, eager)
     assert len(graphed.loop.runner.graphs.graphs) >= 3
+
+
+def test_graphs_growing_with_the_kv_bound_stop_where_their_pool_passes_its_share(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = ModelConfig.from_dict(TINY_SHAPE)
+    settings = _GraphSettings(max_bs=4, kv_bounded=True)
+
+    def pool(kv: int) -> int:
+        return graph_pool_bytes(model, 2, bs=4, width=1, kv_bound=kv)
+
+    # Exactly the pool of the 256 bucket: 256 is the last that fits, 512 and 600 do not.
+    free = int(pool(256) / GRAPH_MEMORY_SHARE) + 1
+    caplog.set_level(logging.INFO, logger="outrider.engine")
+    assert _graph_kv_limit(settings, model, 2, 1, 600, free) == 256
+    assert "decode graphs cover KV bounds up to 256 of 600" in caplog.text
+    assert _graph_kv_limit(settings, model, 2, 1, 600, 10 * free) == 600
+    assert _graph_kv_limit(settings, model, 2, 1, 600, 0) == 64  # the smallest bucket at least
+
+
+def test_the_fit_check_budgets_the_graph_pool_and_names_its_flags() -> None:
+    model = ModelConfig.from_dict(TINY_SHAPE)
+    config = ServeConfig(model="tiny", device="cuda", max_running=2, page_size=16)
+    eager = 512 * MIB + 2 * 256 * 16  # the rough allowance: logits and sampling per row
+    assert _activation_bytes(config, model, 0) == eager
+    # The eager share covers the run before each capture: at least the largest graphed step.
+    assert _activation_bytes(config, model, MIB) == eager + MIB
+    assert _activation_bytes(config, model, 1024 * MIB) == 2 * 1024 * MIB
+    with pytest.raises(ConfigError, match=r"--cuda-graph-max-bs .*--disable-cuda-graph"):
+        _fit_check(config, 16, 128, 16, graph_estimate=700 * MIB)
+    with pytest.raises(ConfigError) as eager_only:
+        _fit_check(config, 16, 128, 16, graph_estimate=0)
+    assert "graph" not in str(eager_only.value)
+
+
+def serve_batches_of_3_and_5(engine: Engine) -> None:
+    """A greedy batch of 3, then a sampled batch of 5 (no logprobs)."""
+    prompts = [[3 + (7 * i + 2 * j) % (VOCAB - 3) for j in range(5 + i)] for i in range(8)]
+    run(engine, [request(i, prompts[i], max_new_tokens=6) for i in range(3)])
+    sampled = [
+        request(i, prompts[i], max_new_tokens=6, temperature=0.8, top_p=0.9, seed=i)
+        for i in range(3, 8)
+    ]
+    run(engine, sampled)
+
+
+@pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
+def test_start_captures_cover_the_served_batches(dirs: dict[str, str], algorithm: str) -> None:
+    """With every start key captured, batches of 3 and 5 capture nothing new (on CPU, eager
+    "graphs" through the runner's own capture path)."""
+    graphed = engine(dirs, algorithm)
+    runner = graphed.loop.runner
+    graphs = EagerGraphs(MAX_RUNNING, 272, 20, runner.slots.scratch_slot)
+    runner.graphs = graphs
+    graphs.capture_all(runner.capture_graph, estimate=0)
+    assert list(graphs.runs) == graphs.start_keys()
+    assert len(graphs.runs) == 9 * 4 * 2  # buckets 1 .. 8, 12 x KV 64, 128, 256, 272 x 2
+    serve_batches_of_3_and_5(graphed)
+    assert list(graphs.runs) == graphs.start_keys()
+    assert graphs.replays >= 5  # every decode batch replayed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
+def test_cuda_graphs_are_captured_before_ready(dirs: dict[str, str], algorithm: str) -> None:
+    """A CUDA engine holds every start key when built (the warm-up adds the logprob variants
+    of its batches of 1 and 2), and serving batches of 3 and 5 captures nothing new."""
+    graphed = engine(dirs, algorithm, device="cuda")
+    graphs = graphed.loop.runner.graphs
+    assert graphs is not None and graphs.started
+    reservation = 16  # one page: the widest step's span plus one commit
+    assert graphs.kv_buckets == [64, 128, 256, graphed.context_length + reservation]
+    at_ready = set(graphs.graphs)
+    assert set(graphs.start_keys()) <= at_ready
+    lazy = {k for k in at_ready if k.max_logprobs}
+    assert lazy and lazy <= {
+        GraphKey(1, 64, False, MAX_LOGPROBS),
+        GraphKey(2, 64, False, MAX_LOGPROBS),
+    }
+    serve_batches_of_3_and_5(graphed)
+    assert set(graphs.graphs) == at_ready

@@ -1,5 +1,6 @@
 """Builds the in-process engine from a ``ServeConfig``: plugin checks, model, KV pool (with
-the start-up fit check), attention backends per phase, runner, scheduler, loop, warm-up."""
+the start-up fit check, which budgets the CUDA graphs' pool first), attention backends per
+phase, runner, scheduler, loop, graph captures, warm-up."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import torch
 
 from outrider.daemon.config import ConfigError, ServeConfig, debug_knob
 from outrider.daemon.engine.accept import step_reservation
-from outrider.daemon.engine.graphs import DecodeGraphs
+from outrider.daemon.engine.graphs import (
+    MIB,
+    DecodeGraphs,
+    capture_progress,
+    graph_pool_bytes,
+    kv_buckets,
+)
 from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
 from outrider.daemon.engine.slots import SlotState
@@ -38,6 +45,10 @@ log = logging.getLogger("outrider.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Host memory the CPU KV pool may take by default.
 _CPU_KV_FRACTION = 0.25
+# The share of the free device memory (after the weights) the CUDA graph pool may take when an
+# attention backend's graphs grow with the KV bound (the torch backend gathers each row's K/V
+# over it): 64 rows of Llama-3.1-8B at a bound of 8192 would take about 11 GB.
+GRAPH_MEMORY_SHARE = 0.125
 
 
 @dataclass
@@ -91,8 +102,17 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         max_positions=context_length + reservation,
         progress=progress,
     )
-    pool_tokens = _pool_tokens(config, model_config, dtype_name, context_length + reservation)
-    context_length = _fit_check(config, pool_tokens, context_length, reservation)
+    graph_settings = _graph_settings(config, plugins)
+    graph_kv = context_length + reservation  # the largest KV bound a graph is built with
+    if graph_settings is not None and graph_settings.kv_bounded:
+        free, _total = torch.cuda.mem_get_info()
+        itemsize = _DTYPES[dtype_name].itemsize
+        graph_kv = _graph_kv_limit(graph_settings, model_config, itemsize, width, graph_kv, free)
+    graph_estimate = _graph_pool_estimate(graph_settings, model_config, dtype_name, width, graph_kv)
+    pool_tokens = _pool_tokens(
+        config, model_config, dtype_name, context_length + reservation, graph_estimate
+    )
+    context_length = _fit_check(config, pool_tokens, context_length, reservation, graph_estimate)
     page_size = config.page_size
     num_pages = pool_tokens // page_size + 1  # + the scratch page
     attention_shape = _attention_shape(model_config)
@@ -137,7 +157,9 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         else NoDraft(worker_context)
     )
     backends = _backends(plugins, attention_shape, device)
-    graphs = _decode_graphs(config, plugins, context_length + reservation, vocab_limit)
+    graphs = _decode_graphs(
+        graph_settings, min(graph_kv, context_length + reservation), vocab_limit, config.max_running
+    )
     runner = ModelRunner(
         model, kv, backends, slots, worker, shape, limits, device,
         simulate_acceptance=config.speculative_simulate_acceptance, graphs=graphs,
@@ -168,8 +190,10 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         overlap=config.overlap,
         check_kv=bool(debug_knob("OUTRIDER_DEBUG_KV_CHECK")),
     )
-    # NOTE: warm-up compiles kernels (JIT backends, later CUDA graphs), and compilers synchronise:
-    # the sync check starts after it.
+    # NOTE: captures and warm-up compile kernels (JIT backends, CUDA graphs), and compilers
+    # synchronise: the sync check starts after them.
+    if graphs is not None:
+        graphs.capture_all(runner.capture_graph, graph_estimate, capture_progress())
     _warm_up(loop)
     runner.enable_sync_check(bool(debug_knob("OUTRIDER_DEBUG_SYNC_CHECK")))
     if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
@@ -220,11 +244,15 @@ def _speculative_plugin(plugins: ResolvedPlugins) -> _Speculative | None:
     return _Speculative(worker_class, plugins.speculative.options)
 
 
-def _decode_graphs(
-    config: ServeConfig, plugins: ResolvedPlugins, max_positions: int, vocab_limit: int
-) -> DecodeGraphs | None:
-    """CUDA graphs for decode batches, when the device, the flags and every backend a decode
-    batch runs allow them; None: decode batches run eagerly."""
+@dataclass(frozen=True)
+class _GraphSettings:
+    max_bs: int  # the largest decode batch replayed from a graph
+    kv_bounded: bool  # some backend of a decode batch declares graph_kv_bound
+
+
+def _graph_settings(config: ServeConfig, plugins: ResolvedPlugins) -> _GraphSettings | None:
+    """Whether decode batches replay CUDA graphs (the device, the flags and every backend a
+    decode batch runs allow them) and how they are keyed; None: they run eagerly."""
     if config.device != "cuda" or config.disable_cuda_graph:
         return None
     if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
@@ -232,16 +260,78 @@ def _decode_graphs(
     phases: tuple[Phase, ...] = ("decode",)
     if plugins.shape.speculative:
         phases = ("verify", "draft_decode", "draft_extend")
+    caps = [_attention_caps(plugins, phase) for phase in phases]
     lacking = {
         plugins.attention[phase].spec.name
-        for phase in phases
-        if not _attention_caps(plugins, phase).cuda_graphs
+        for phase, cap in zip(phases, caps, strict=True)
+        if not cap.cuda_graphs
     }
     if lacking:
         log.info("decode batches run eagerly: %s declares no CUDA graphs", ", ".join(lacking))
         return None
-    max_bs = min(config.cuda_graph_max_bs, config.max_running)
-    return DecodeGraphs(max_bs, max_positions, min(MAX_LOGPROBS, vocab_limit), config.max_running)
+    return _GraphSettings(
+        max_bs=min(config.cuda_graph_max_bs, config.max_running),
+        kv_bounded=any(cap.graph_kv_bound for cap in caps),
+    )
+
+
+def _graph_kv_limit(
+    settings: _GraphSettings,
+    model_config: ModelConfig,
+    itemsize: int,
+    width: int,
+    max_positions: int,
+    free: int,
+) -> int:
+    """The largest KV bound graphs of a backend whose work grows with it are captured for:
+    the largest bucket whose graph pool stays within ``GRAPH_MEMORY_SHARE`` of the ``free``
+    device memory (the smallest bucket at least). Batches past it run eagerly."""
+    budget = free * GRAPH_MEMORY_SHARE
+    buckets = kv_buckets(max_positions, bounded=True)
+    fitting = [
+        kv
+        for kv in buckets
+        if graph_pool_bytes(model_config, itemsize, settings.max_bs, width, kv) <= budget
+    ]
+    limit = fitting[-1] if fitting else buckets[0]
+    if limit < max_positions:
+        log.info(
+            "decode graphs cover KV bounds up to %d of %d: the attention backend's graphs grow "
+            "with the bound, and %d rows at the next bound would take over %d%% of the free "
+            "memory; longer decode batches run eagerly",
+            limit, max_positions, settings.max_bs, round(100 * GRAPH_MEMORY_SHARE),
+        )  # fmt: skip
+    return limit
+
+
+def _graph_pool_estimate(
+    settings: _GraphSettings | None,
+    model_config: ModelConfig,
+    dtype_name: str,
+    width: int,
+    max_positions: int,
+) -> int:
+    """The graph pool the fit check budgets: the largest captured step (0 without graphs)."""
+    if settings is None:
+        return 0
+    kv_bound = max_positions if settings.kv_bounded else None
+    itemsize = _DTYPES[dtype_name].itemsize
+    return graph_pool_bytes(model_config, itemsize, settings.max_bs, width, kv_bound)
+
+
+def _decode_graphs(
+    settings: _GraphSettings | None, max_positions: int, vocab_limit: int, max_running: int
+) -> DecodeGraphs | None:
+    """CUDA graphs for decode batches (``max_running`` is the scratch slot); None: eager."""
+    if settings is None:
+        return None
+    return DecodeGraphs(
+        settings.max_bs,
+        max_positions,
+        min(MAX_LOGPROBS, vocab_limit),
+        max_running,
+        kv_bounded=settings.kv_bounded,
+    )
 
 
 def _attention_caps(plugins: ResolvedPlugins, phase: Phase) -> AttentionCapabilities:
@@ -283,12 +373,17 @@ def _backend(
 
 
 def _pool_tokens(
-    config: ServeConfig, model_config: ModelConfig, dtype_name: str, minimum: int
+    config: ServeConfig,
+    model_config: ModelConfig,
+    dtype_name: str,
+    minimum: int,
+    graph_estimate: int,
 ) -> int:
     """KV pool size in tokens. ``minimum``: one request at the full context plus one step's
-    reservation. The pool never exceeds ``max_running`` such requests: a small model on a
-    large GPU would otherwise get tens of millions of pages that no request can use and
-    that every walk over the page table pays for."""
+    reservation; ``graph_estimate``: the CUDA graph pool (0: none). The pool never exceeds
+    ``max_running`` such requests: a small model on a large GPU would otherwise get tens of
+    millions of pages that no request can use and that every walk over the page table pays
+    for."""
     if config.kv_cache_tokens:
         return config.kv_cache_tokens // config.page_size * config.page_size
     # NOTE: whole pages, or the cap below rounds under one request's need.
@@ -302,8 +397,8 @@ def _pool_tokens(
     )
     if config.device == "cuda":
         free, _total = torch.cuda.mem_get_info()
-        activations = 512 * 2**20 + config.max_running * model_config.vocab_size * 4 * 4
-        budget = int(free * config.gpu_memory_fraction) - activations
+        budget = int(free * config.gpu_memory_fraction)
+        budget -= _activation_bytes(config, model_config, graph_estimate)
     else:
         budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * _CPU_KV_FRACTION)
         # On CPU a pool of a few contexts is plenty.
@@ -312,16 +407,41 @@ def _pool_tokens(
     return tokens // config.page_size * config.page_size
 
 
-def _fit_check(config: ServeConfig, pool_tokens: int, context_length: int, reservation: int) -> int:
+def _activation_bytes(config: ServeConfig, model_config: ModelConfig, graph_estimate: int) -> int:
+    """Device memory kept out of the KV pool for the steps: the CUDA graph pool, plus the
+    working set of the eager steps, which cannot use it. Every graph's step first runs
+    eagerly before its capture, so the eager share is at least the largest graphed step;
+    otherwise a rough allowance (EXTEND chunks, decode batches past the graphs: logits and
+    sampling of every running row)."""
+    # NOTE: without the eager share, the warm-up run before the largest capture ran out of
+    # memory on an H100 (Llama-3.1-8B, torch attention, 64 rows, KV bound 8208).
+    eager = 512 * MIB + config.max_running * model_config.vocab_size * 4 * 4
+    return max(eager, graph_estimate) + graph_estimate
+
+
+def _fit_check(
+    config: ServeConfig,
+    pool_tokens: int,
+    context_length: int,
+    reservation: int,
+    graph_estimate: int,
+) -> int:
     """The pool must hold one context-length request plus one step's reservation."""
     if pool_tokens >= context_length + reservation:
         return context_length
     lowered = pool_tokens - reservation
     if config.context_length or lowered < 2 * config.page_size:
+        graphs = ""
+        if graph_estimate:
+            graphs = (
+                f", or lower --cuda-graph-max-bs (the graph pool takes about "
+                f"{graph_estimate // MIB} MiB, and as much again while capturing) or pass "
+                "--disable-cuda-graph"
+            )
         raise ConfigError(
             f"the KV pool holds {pool_tokens} tokens, fewer than --context-length "
             f"{context_length} plus {reservation}: raise --kv-cache-tokens or "
-            "--gpu-memory-fraction, or lower --context-length"
+            f"--gpu-memory-fraction, or lower --context-length{graphs}"
         )
     log.warning(
         "KV pool of %d tokens: context length lowered from %d to %d",

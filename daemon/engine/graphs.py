@@ -3,20 +3,26 @@ speculative cycle: draft, verify, accept, catch-up, relay writes) replayed from 
 key, with nothing but writes into fixed buffers in between.
 
 A key is the padded batch size (a bucket), the KV bound every layout of the graph is built
-with (a power of two, so that the torch backend's work stays within twice the eager bound),
-and the sampling variant (all greedy or not; no logprobs or the most any request may ask,
-trimmed on the host). Padding rows run on the scratch slot, whose request-table row points at
-the scratch page: they read and write nothing of a live request.
+with, and the sampling variant (all greedy or not; no logprobs or the most any request may ask,
+trimmed on the host). The KV bound is bucketed only where a decode batch's attention backend
+declares ``graph_kv_bound`` (its work grows with the bound: the ``torch`` backend's grows within
+twice the eager bound); otherwise every graph is built with the largest bound. Padding rows run
+on the scratch slot, whose request-table row points at the scratch page: they read and write
+nothing of a live request.
 
-A graph is captured the first time its key is needed, from a batch of scratch rows only: the
-warm-up run and the capture touch no live state. Graphs share one memory pool; every replay
-waits (on the device) for the previous step's result copy, whose source the next replay
-overwrites.
+Before READY the engine captures every batch bucket x KV bucket, greedy and sampled without
+logprobs (``capture_all``), largest first so that the smaller captures reuse the pool's
+blocks; a logprob variant is captured the first time its key is needed. A capture runs from a
+batch of scratch rows only: its warm-up run and the capture touch no live state. Graphs share
+one memory pool; every replay waits (on the device) for the previous step's result copy, whose
+source the next replay overwrites. ``graph_pool_bytes`` estimates that pool for the start-up
+fit check, before any graph exists.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,9 +37,19 @@ from outrider.daemon.engine.results import StepResults
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
+    from outrider.daemon.models.config import ModelConfig
+
 log = logging.getLogger("outrider.graphs")
 
 MIN_KV_BUCKET = 64
+KV_BUCKET_GROWTH = 2  # each KV bucket is this many times the previous one
+# Sampling scratch per logit of a sampled row at its peak: the sorted values and their int64
+# ids, the softmax and its running mass, the race's int64 hash words and its float scores.
+SAMPLING_BYTES_PER_LOGIT = 40
+MIB = 2**20
+
+# (graphs captured so far, graphs of the set): a progress bar's update.
+CaptureProgress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -52,9 +68,57 @@ def batch_buckets(max_bs: int) -> list[int]:
     return sizes
 
 
+def kv_buckets(max_kv: int, bounded: bool) -> list[int]:
+    """KV bounds graphs are built with: growing from ``MIN_KV_BUCKET`` by ``KV_BUCKET_GROWTH``
+    up to ``max_kv`` when the backends' work grows with the bound (``bounded``), else
+    ``max_kv`` alone."""
+    sizes = []
+    size = MIN_KV_BUCKET
+    while bounded and size < max_kv:
+        sizes.append(size)
+        size *= KV_BUCKET_GROWTH
+    return [*sizes, max_kv]
+
+
+def graph_pool_bytes(
+    model: ModelConfig, itemsize: int, bs: int, width: int, kv_bound: int | None
+) -> int:
+    """Estimated peak working set of the largest captured step, which the shared graph pool
+    holds: ``bs`` rows of ``width`` tokens, all sampled, through the target model.
+    ``kv_bound``: the largest KV bucket when a backend declares ``graph_kv_bound`` (budgeted as
+    gathering each row's K and V over the bound at query-head width, with a boolean mask),
+    None when the backends' work does not grow with it. A draft model's working set is
+    smaller than its target's, and runs before or after it: it is not added."""
+    tokens = bs * width
+    q_width = model.num_q_heads * model.head_dim
+    kv_width = model.num_kv_heads * model.head_dim
+    # One layer at a time: the residual stream, its norm (statistics in float32), the q/k/v
+    # projections and the attention output, the MLP's gate and up and their product.
+    layer = tokens * (
+        itemsize * (3 * model.hidden_size + 2 * q_width + 2 * kv_width)
+        + 4 * model.hidden_size
+        + itemsize * 3 * model.intermediate_size
+    )
+    # The head's output, its float32 copy, and the sampling scratch of every row.
+    logits = tokens * model.vocab_size * (itemsize + 4 + SAMPLING_BYTES_PER_LOGIT)
+    attention = 0
+    if kv_bound is not None:
+        gathered = 2 * (kv_width + q_width) * itemsize  # K and V, as stored and per q head
+        attention = bs * kv_bound * (gathered + 8) + tokens * kv_bound  # + indices, mask
+    return layer + logits + attention
+
+
+@dataclass(frozen=True)
+class CaptureSet:
+    """What ``capture_all`` captured before READY."""
+
+    keys: list[GraphKey]
+    seconds: float
+    pool_bytes: int  # device memory the graphs kept (reserved after minus before)
+
+
 class DecodeGraphs:
-    """Keys, padding, capture and replay. ``decode(plan, inputs_of, max_kv)`` runs one decode
-    step from staged inputs and returns its results (the runner's ``_decode``)."""
+    """Keys, padding, capture and replay of the runner's decode batches."""
 
     def __init__(
         self,
@@ -62,28 +126,78 @@ class DecodeGraphs:
         max_kv: int,
         max_logprobs: int,
         scratch_slot: int,
+        kv_bounded: bool = True,
     ) -> None:
+        """``kv_bounded``: some backend of a decode batch declares ``graph_kv_bound``."""
         self.buckets = batch_buckets(max_bs)
+        self.kv_buckets = kv_buckets(max_kv, kv_bounded)
         self.max_kv = max_kv
         self.max_logprobs = max_logprobs
         self.scratch_slot = scratch_slot
         self.pool: _POOL_HANDLE | None = None  # shared by every graph, made at the first
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, StepResults]] = {}
         self.last_copy: torch.cuda.Event | None = None
+        self.started = False  # capture_all is done: later captures are first uses
 
     def key(self, plan: StepPlan, kv_bound: int) -> GraphKey | None:
         """The graph for ``plan`` (a decode batch whose host KV bound is ``kv_bound``), None
         when it runs eagerly (larger than the largest bucket)."""
         bs = next((b for b in self.buckets if b >= plan.bs), 0)
-        if not bs:
+        kv = next((b for b in self.kv_buckets if b >= kv_bound), 0)
+        if not bs or not kv:
             return None
-        kv = max(MIN_KV_BUCKET, 1 << (kv_bound - 1).bit_length())
         return GraphKey(
             bs=bs,
-            max_kv=min(kv, self.max_kv),
+            max_kv=kv,
             all_greedy=plan.all_greedy,
             max_logprobs=self.max_logprobs if plan.max_logprobs else 0,
         )
+
+    def start_keys(self) -> list[GraphKey]:
+        """The keys captured before READY: every batch bucket x KV bucket, sampled and greedy,
+        without logprobs; largest first (KV bound, then batch), so later captures fit in the
+        blocks the earlier ones freed."""
+        return [
+            GraphKey(bs, kv, all_greedy, 0)
+            for kv in reversed(self.kv_buckets)
+            for bs in reversed(self.buckets)
+            for all_greedy in (False, True)
+        ]
+
+    def capture_all(
+        self,
+        capture: Callable[[GraphKey], None],
+        estimate: int,
+        progress: CaptureProgress | None = None,
+    ) -> CaptureSet:
+        """Capture every key of ``start_keys`` not captured yet with ``capture`` (the runner's
+        ``capture_graph``), log the set in one line, and warn when the graphs kept more memory
+        than ``estimate`` (``graph_pool_bytes``, which the fit check budgeted)."""
+        keys = [key for key in self.start_keys() if key not in self.graphs]
+        reserved = _reserved_after_release()
+        started = time.monotonic()
+        for done, key in enumerate(keys, 1):
+            capture(key)
+            if progress is not None:
+                progress(done, len(keys))
+        captured = CaptureSet(
+            keys, time.monotonic() - started, _reserved_after_release() - reserved
+        )
+        self.started = True
+        log.info(
+            "captured %d decode graphs (batch %s, KV bound %s, greedy + sampled) in %.1f s, "
+            "pool %d MiB (estimate %d MiB); logprob variants are captured on first use",
+            len(keys), _span(self.buckets), _span(self.kv_buckets), captured.seconds,
+            captured.pool_bytes // MIB, estimate // MIB,
+        )  # fmt: skip
+        if captured.pool_bytes > estimate:
+            log.warning(
+                "the CUDA graph pool (%d MiB) exceeds its start-up estimate (%d MiB), which the "
+                "KV pool was sized around: lower --gpu-memory-fraction or --cuda-graph-max-bs "
+                "if serving runs out of device memory",
+                captured.pool_bytes // MIB, estimate // MIB,
+            )  # fmt: skip
+        return captured
 
     def pad(self, plan: StepPlan, key: GraphKey) -> StepPlan:
         """``plan`` with ``key.bs`` rows (the extra ones on the scratch slot) and the key's
@@ -141,8 +255,11 @@ class DecodeGraphs:
         finally:
             torch.cuda.set_sync_debug_mode(sync_mode)
         self.graphs[key] = (graph, outputs)
-        log.info(
-            "captured a decode graph: batch %d, KV bound %d, %s%s in %.2f s",
+        # Start-up captures are summed up by capture_all; a later one is a first use.
+        log.log(
+            logging.INFO if self.started else logging.DEBUG,
+            "captured a decode graph%s: batch %d, KV bound %d, %s%s in %.2f s",
+            " on first use" if self.started else "",
             key.bs, key.max_kv, "greedy" if key.all_greedy else "sampling",
             ", logprobs" if key.max_logprobs else "", time.monotonic() - started,
         )  # fmt: skip
@@ -154,3 +271,34 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_event(self.last_copy)
         graph.replay()
         return outputs
+
+
+def capture_progress() -> CaptureProgress | None:
+    """A tqdm bar when stderr is a TTY, else None (``capture_all`` logs the set)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    bar = tqdm(desc="Capturing CUDA graphs", unit="graph", total=None)
+
+    def update_bar(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(1)
+        if done == total:
+            bar.close()
+
+    return update_bar
+
+
+def _reserved_after_release() -> int:
+    """Device memory the caching allocator holds once its unused cached blocks are released
+    (0 without CUDA): what graph pools and live tensors keep."""
+    if not torch.cuda.is_initialized():
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def _span(sizes: list[int]) -> str:
+    return f"{sizes[0]}..{sizes[-1]}" if len(sizes) > 1 else str(sizes[0])

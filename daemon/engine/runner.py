@@ -132,13 +132,7 @@ class ModelRunner:
         """``plan`` padded to ``key``'s batch and replayed from its graph (captured first from
         scratch rows when new)."""
         if key not in graphs.graphs:
-            scratch = graphs.scratch_plan(key, self.shape.width)
-            staged = self.inputs.stage(scratch, host_values(scratch, poison_released=False))
-            timer, self.timer = self.timer, None  # no timing events inside a graph
-            try:
-                graphs.capture(key, lambda: self._padded_decode(scratch, staged, key.max_kv))
-            finally:
-                self.timer = timer
+            self.capture_graph(key)
         padded = graphs.pad(plan, key)
         inputs = self.inputs.stage(padded, host_values(padded, poison_released=False))
         self.slots.apply(inputs)
@@ -148,6 +142,18 @@ class ModelRunner:
         launched = self.results.copy(plan, results)
         graphs.last_copy = launched.done
         return launched
+
+    def capture_graph(self, key: GraphKey) -> None:
+        """Capture ``key``'s decode graph from a batch of scratch rows (no live state)."""
+        graphs = self.graphs
+        assert graphs is not None, "graphs are on"
+        scratch = graphs.scratch_plan(key, self.shape.width)
+        staged = self.inputs.stage(scratch, host_values(scratch, poison_released=False))
+        timer, self.timer = self.timer, None  # no timing events inside a graph
+        try:
+            graphs.capture(key, lambda: self._padded_decode(scratch, staged, key.max_kv))
+        finally:
+            self.timer = timer
 
     def _padded_decode(
         self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int

@@ -17,5 +17,6 @@ SPEC = PluginSpec(
         non_causal=True,
         tree_mask=True,
         cuda_graphs=True,
+        graph_kv_bound=True,  # the K/V gather and the mask span max_kv
     ),
 )
