@@ -11,6 +11,7 @@ from typing import Literal
 import msgspec
 
 from outrider.plugins.api import (
+    PHASES,
     AttentionCapabilities,
     CheckContext,
     Phase,
@@ -151,6 +152,14 @@ def request_refusal(spec: PluginSpec, facts: RequestFacts) -> str | None:
     return spec.check_request(facts)
 
 
+def used_phases(ctx: CheckContext) -> tuple[Phase, ...]:
+    """The phases a configuration runs: prompts and plain decoding, or prompts and the
+    speculative cycle's verify and draft phases."""
+    if ctx.speculative_algorithm == "none":
+        return ("extend", "decode")
+    return ("extend", "verify", "draft_decode", "draft_extend")
+
+
 def attention_problems(
     spec: PluginSpec, caps: AttentionCapabilities, ctx: CheckContext
 ) -> list[Problem]:
@@ -165,10 +174,15 @@ def attention_problems(
         problems.append(
             Problem("--page-size", f"{name} takes page sizes {sizes}, not {ctx.page_size}")
         )
-    for phase, routed in ctx.attention_routes.items():
-        if routed == name and phase not in caps.phases:
+    for phase in used_phases(ctx):
+        if ctx.attention_routes[phase] == name and phase not in caps.phases:
+            served = ", ".join(p for p in PHASES if p in caps.phases)
             problems.append(
-                Problem(f"{ATTENTION_FLAG} {name}", f"{name} cannot run the {phase} phase")
+                Problem(
+                    PHASE_FLAGS[phase],
+                    f"{name} cannot run the {phase} phase (it serves {served}): route that "
+                    f"phase to another backend with {PHASE_FLAGS[phase]}",
+                )
             )
     try:
         spec.parse_options(ctx.attention_config.get(name))

@@ -37,6 +37,7 @@ __all__ = [
     "AttentionShape",
     "BatchLayout",
     "ForwardBatch",
+    "HostLengths",
     "KVCache",
     "SamplingBatch",
     "flat_kv_index",
@@ -62,6 +63,7 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     scale: float
+    dtype: torch.dtype  # of q, k, v and the cache
 
 
 @dataclass
@@ -109,6 +111,16 @@ class KVCache:
 
 
 @dataclass(frozen=True)
+class HostLengths:
+    """Each row's query and KV lengths of a batch as the host knows them exactly: prompt
+    (extend) batches and plain decode batches. A speculative cycle's lengths exist only on the
+    device (the accepted counts), so its layouts carry none."""
+
+    q_lens: tuple[int, ...]  # query tokens per row
+    seq_lens: tuple[int, ...]  # KV length per row after the batch
+
+
+@dataclass(frozen=True)
 class BatchLayout:
     """Where one batch's query tokens sit, where their K/V go and what they attend."""
 
@@ -131,6 +143,8 @@ class BatchLayout:
     # before the block and to block position ``j`` where ``tree_mask[row, i, j]``. Positions
     # then only place RoPE, and ``out_loc`` the K/V. None: causal by position (or ``causal``).
     tree_mask: torch.Tensor | None = None  # [bs, max_q, block] bool
+    # The exact lengths when the host knows them (for backends that plan on the host).
+    host: HostLengths | None = None
 
     @property
     def num_tokens(self) -> int:

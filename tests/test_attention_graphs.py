@@ -18,7 +18,9 @@ from outrider.plugins.attention.base import AttentionBackend, GraphBounds
 from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
 from outrider.plugins.registry import discover
 
-SHAPE = AttentionShape(num_q_heads=4, num_kv_heads=2, head_dim=8, scale=8**-0.5)
+SHAPE = AttentionShape(
+    num_q_heads=4, num_kv_heads=2, head_dim=8, scale=8**-0.5, dtype=torch.float32
+)
 PAGE = 4
 MAX_BS = 4
 MAX_LEN = 40  # a row's committed length plus its block stays below this

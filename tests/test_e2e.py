@@ -713,7 +713,7 @@ def test_start_up_refusals(spawn: Callable[..., Daemon], tmp_path: Path) -> None
             ["--attention-backend", "nope"],
             {},
             "outrider serve: the configuration cannot run:\n"
-            "  --attention-backend: unknown attention backend 'nope'; available: torch",
+            "  --attention-backend: unknown attention backend 'nope'; available: flashinfer, torch",
             False,
         ),
         "dtype": (

@@ -137,7 +137,7 @@ def test_captured_hidden_states(checkpoints: Checkpoints) -> None:
 def test_non_causal_attention_matches_dense() -> None:
     torch.manual_seed(0)
     lens, page_size, hq, hkv, dim = (3, 7), 4, 4, 2, 8
-    shape = AttentionShape(hq, hkv, dim, dim**-0.5)
+    shape = AttentionShape(hq, hkv, dim, dim**-0.5, torch.float32)
     rows = PagedRows(num_layers=1, shape=shape, page_size=page_size, max_len=max(lens))
     backend = torch_backend(shape)
     batch = [(slot, [0] * n) for slot, n in zip((1, 2), lens, strict=True)]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import sys
 import textwrap
@@ -24,7 +25,7 @@ from outrider.plugins.api import (
     RequestFacts,
     StepShape,
 )
-from outrider.plugins.checks import PluginProblems, request_refusal
+from outrider.plugins.checks import PluginProblems, attention_problems, request_refusal
 from outrider.plugins.registry import PluginError, Registry, discover
 from outrider.plugins.speculative.ngram import NgramOptions
 from outrider.protocol.messages import Generate
@@ -409,3 +410,66 @@ def test_the_engine_discovers_once(
     engine = engine_for(str(directory), speculative_algorithm="ngram", speculative_num_steps=3)
     assert len(registries) == 1
     assert engine.facts.configuration["speculative_num_draft_tokens"] == 4
+
+
+# --- the flashinfer backend's declared phases -------------------------------------------
+
+
+def _flashinfer_ctx(routes: dict[Phase, str], speculative: str) -> CheckContext:
+    return CheckContext(
+        device="cuda",
+        dtype="bfloat16",
+        page_size=16,
+        overlap=True,
+        attention_routes=routes,
+        speculative_algorithm=speculative,
+        cuda_capability=(9, 0),
+    )
+
+
+def test_flashinfer_serves_plain_decoding_on_every_phase_flag() -> None:
+    spec = discover().get("attention", "flashinfer")
+    assert spec.attention is not None
+    everywhere = {phase: "flashinfer" for phase in PHASES}
+    # The verify and draft routes are unused without speculation.
+    assert attention_problems(spec, spec.attention, _flashinfer_ctx(everywhere, "none")) == []
+
+
+def test_flashinfer_refuses_the_speculative_phases_naming_their_flags() -> None:
+    spec = discover().get("attention", "flashinfer")
+    assert spec.attention is not None
+    everywhere = {phase: "flashinfer" for phase in PHASES}
+    problems = attention_problems(spec, spec.attention, _flashinfer_ctx(everywhere, "eagle3"))
+    assert [(p.option, p.message.split(" (")[0]) for p in problems] == [
+        ("--verify-attention-backend", "flashinfer cannot run the verify phase"),
+        ("--draft-attention-backend", "flashinfer cannot run the draft_decode phase"),
+        ("--draft-attention-backend", "flashinfer cannot run the draft_extend phase"),
+    ]
+    assert problems[0].message.endswith(
+        "(it serves extend, decode): route that phase to another backend with "
+        "--verify-attention-backend"
+    )
+    hybrid = everywhere | {"verify": "torch", "draft_decode": "torch", "draft_extend": "torch"}
+    assert attention_problems(spec, spec.attention, _flashinfer_ctx(hybrid, "eagle3")) == []
+
+
+def test_flashinfer_checks_its_install_and_the_compute_capability(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = discover().get("attention", "flashinfer")
+    ctx = dataclasses.replace(
+        _flashinfer_ctx({phase: "flashinfer" for phase in PHASES}, "none"),
+        cuda_capability=(7, 5),
+    )
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    [missing] = spec.check(spec, ctx)
+    assert str(missing) == (
+        "--attention-backend flashinfer: FlashInfer is not installed "
+        "(pip install 'outrider[flashinfer]')"
+    )
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    [old] = spec.check(spec, ctx)
+    assert str(old) == (
+        "--attention-backend flashinfer: flashinfer needs compute capability 8.0 or newer, not 7.5"
+    )
+    assert spec.check(spec, dataclasses.replace(ctx, cuda_capability=(9, 0))) == []

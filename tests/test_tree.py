@@ -95,7 +95,9 @@ def test_selected_trees_are_ancestor_closed_under_ties() -> None:
 
 
 def test_kv_move_reads_every_source_before_writing() -> None:
-    kv = KVCache.allocate(2, 3, 4, AttentionShape(1, 1, 2, 1.0), torch.float32, torch.device("cpu"))
+    kv = KVCache.allocate(
+        2, 3, 4, AttentionShape(1, 1, 2, 1.0, torch.float32), torch.float32, torch.device("cpu")
+    )
     for cache in (*kv.k, *kv.v):
         cache.copy_(torch.arange(24.0).view(3, 4, 1, 2))
     # 5 -> 4 and 6 -> 5: slot 5 is both a source and a destination.
@@ -114,7 +116,7 @@ def test_torch_backend_tree_mask_matches_dense(page_size: int) -> None:
     gen = torch.Generator().manual_seed(1)
     depth, visible = tree_geometry(PARENTS.expand(2, -1), max_depth=3)
     max_pages = (max(seqs) + width + page_size - 1) // page_size
-    shape = AttentionShape(heads, heads, dim, dim**-0.5)
+    shape = AttentionShape(heads, heads, dim, dim**-0.5, torch.float32)
     kv = KVCache.allocate(
         1, 1 + 2 * max_pages, page_size, shape, torch.float32, torch.device("cpu")
     )

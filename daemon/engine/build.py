@@ -115,7 +115,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     context_length = _fit_check(config, pool_tokens, context_length, reservation, graph_estimate)
     page_size = config.page_size
     num_pages = pool_tokens // page_size + 1  # + the scratch page
-    attention_shape = _attention_shape(model_config)
+    attention_shape = _attention_shape(model_config, _DTYPES[dtype_name])
     kv = KVCache.allocate(
         model_config.num_layers, num_pages, page_size, attention_shape, _DTYPES[dtype_name], device
     )
@@ -340,12 +340,13 @@ def _attention_caps(plugins: ResolvedPlugins, phase: Phase) -> AttentionCapabili
     return caps
 
 
-def _attention_shape(model_config: ModelConfig) -> AttentionShape:
+def _attention_shape(model_config: ModelConfig, dtype: torch.dtype) -> AttentionShape:
     return AttentionShape(
         num_q_heads=model_config.num_q_heads,
         num_kv_heads=model_config.num_kv_heads,
         head_dim=model_config.head_dim,
         scale=model_config.head_dim**-0.5,
+        dtype=dtype,
     )
 
 

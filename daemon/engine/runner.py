@@ -31,8 +31,14 @@ from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.engine.timing import PhaseTimer, TimedPhase
 from outrider.daemon.engine.verify import Verifier
 from outrider.plugins.api import Phase, StepShape
-from outrider.plugins.attention.base import AttentionBackend
-from outrider.plugins.device import BatchLayout, ForwardBatch, KVCache, flat_kv_index
+from outrider.plugins.attention.base import AttentionBackend, GraphBounds
+from outrider.plugins.device import (
+    BatchLayout,
+    ForwardBatch,
+    HostLengths,
+    KVCache,
+    flat_kv_index,
+)
 from outrider.plugins.sampling import sample
 from outrider.plugins.speculative.base import (
     Accepted,
@@ -136,6 +142,7 @@ class ModelRunner:
         padded = graphs.pad(plan, key)
         inputs = self.inputs.stage(padded, host_values(padded, poison_released=False))
         self.slots.apply(inputs)
+        self._plan_replay(padded, key)
         self._mark("graph")
         results = graphs.replay(key)
         self._mark("end")
@@ -149,11 +156,20 @@ class ModelRunner:
         assert graphs is not None, "graphs are on"
         scratch = graphs.scratch_plan(key, self.shape.width)
         staged = self.inputs.stage(scratch, host_values(scratch, poison_released=False))
+        self._plan_replay(scratch, key)
         timer, self.timer = self.timer, None  # no timing events inside a graph
         try:
             graphs.capture(key, lambda: self._padded_decode(scratch, staged, key.max_kv))
         finally:
             self.timer = timer
+
+    def _plan_replay(self, plan: StepPlan, key: GraphKey) -> None:
+        """Let a decode backend that schedules on the host plan ``key``'s graph for ``plan``
+        (its exact lengths, when the host has them)."""
+        host = self._host_lengths(plan)
+        if host is not None:
+            bounds = GraphBounds(key.bs, self.shape.width, key.max_kv, self.kv.page_size)
+            self.backends[self.decode_phase].plan_replay(host, bounds)
 
     def _padded_decode(
         self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int
@@ -264,12 +280,22 @@ class ModelRunner:
             max_q=max(plan.q_lens),
             max_kv=max_kv,
             tree_mask=tree_mask,
+            host=self._host_lengths(plan),
         )
         return ForwardBatch.bind(layout, self.backends[phase], self.kv, self.worker.capture_layers)
 
     def _mark(self, phase: TimedPhase) -> None:
         if self.timer is not None:
             self.timer.mark(phase)
+
+    def _host_lengths(self, plan: StepPlan) -> HostLengths | None:
+        """The exact lengths of ``plan``'s rows when the host knows them: prompt chunks, and
+        plain decode (whose ``starts`` are exact: every step commits one token a row). A
+        speculative cycle's accepted lengths exist only on the device."""
+        if plan.kind == "decode" and self.shape.speculative:
+            return None
+        q_lens = tuple(plan.q_lens)
+        return HostLengths(q_lens, tuple(s + q for s, q in zip(plan.starts, q_lens, strict=True)))
 
     def _max_kv(self, plan: StepPlan) -> int:
         """The host's bound on any row's KV length during ``plan``; decode starts are upper

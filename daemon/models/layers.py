@@ -254,7 +254,8 @@ class DecoderForCausalLM(nn.Module):
     @property
     def attention_shape(self) -> AttentionShape:
         c = self.config
-        return AttentionShape(c.num_q_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5)
+        dtype = self.model.embed_tokens.weight.dtype
+        return AttentionShape(c.num_q_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, dtype)
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """``input_ids: [T]`` int64 -> final-norm hidden states ``[T, hidden]``. Captures the

@@ -12,9 +12,15 @@ calls these only then):
 init_graph_buffers(bounds)        once: buffers for the largest captured batch
 capture_metadata(layout) -> meta  per captured batch size: metadata viewing those buffers
 replay_metadata(layout, meta)     before each replay: rewrite those buffers in place
+plan_replay(host, bounds)         before a decode graph's capture and each of its replays,
+                                  with the rows' exact lengths when the host knows them
 ```
 A replay only writes into buffers allocated by ``init_graph_buffers``: every tensor of the
-captured metadata keeps its address (``data_ptr()``) for the life of the backend.
+captured metadata keeps its address (``data_ptr()``) for the life of the backend. The runner
+captures the whole decode step, ``build`` included: a backend whose metadata is device work
+needs no hook, one that schedules on the host plans in ``plan_replay`` (outside the graph), and
+``build`` under capture (``torch.cuda.is_current_stream_capturing()``) then only writes the
+device side of that plan into fixed buffers.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 
 import torch
 
-from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
+from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, HostLengths
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class GraphBounds:
     max_bs: int  # rows
     max_q: int  # query tokens per row
     max_kv: int  # KV positions per row: every captured layout is built with this bound
+    page_size: int = 1
 
 
 class AttentionBackend(ABC):
@@ -72,3 +79,9 @@ class AttentionBackend(ABC):
         """Rewrite ``metadata`` (from ``capture_metadata`` for the same batch size) in place
         for ``layout``."""
         raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
+
+    def plan_replay(self, host: HostLengths, bounds: GraphBounds) -> None:
+        """Before a decode graph of ``len(host.seq_lens)`` rows is captured and before each
+        of its replays: the rows' exact lengths (padding rows included) and the bounds of the
+        captured layouts. Backends that schedule on the host plan here; nothing by default."""
+        return None

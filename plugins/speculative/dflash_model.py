@@ -205,7 +205,8 @@ class DFlashDraft(nn.Module):
     @property
     def attention_shape(self) -> AttentionShape:
         m = self.config.model
-        return AttentionShape(m.num_q_heads, m.num_kv_heads, m.head_dim, m.head_dim**-0.5)
+        dtype = self.fc.weight.dtype
+        return AttentionShape(m.num_q_heads, m.num_kv_heads, m.head_dim, m.head_dim**-0.5, dtype)
 
     def materialize(self, features: torch.Tensor, layout: BatchLayout, kv: KVCache) -> None:
         """``features: [T, L_tap * H_t]`` (the tapped target layers at ``layout.positions``,

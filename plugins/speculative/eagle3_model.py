@@ -205,7 +205,8 @@ class Eagle3Draft(nn.Module):
     @property
     def attention_shape(self) -> AttentionShape:
         m = self.config.model
-        return AttentionShape(m.num_q_heads, m.num_kv_heads, m.head_dim, m.head_dim**-0.5)
+        dtype = self.fc.weight.dtype
+        return AttentionShape(m.num_q_heads, m.num_kv_heads, m.head_dim, m.head_dim**-0.5, dtype)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """``features: [T, 3*H_t]`` (the tapped target layers, low to high, concatenated)

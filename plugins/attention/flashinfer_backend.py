@@ -1,0 +1,50 @@
+"""The ``flashinfer`` attention backend's spec: FlashInfer's paged prefill and decode kernels,
+reading the cache in place (split-KV decode for small batches of long contexts).
+
+FlashInfer schedules each forward on the host from every row's exact KV length. The host knows
+those for prompt (extend) batches and for plain decode batches, also one step ahead under the
+overlap loop; in a speculative cycle the accepted lengths exist only on the device, so the
+verify and draft phases are not served: route them to another backend
+(``--verify-attention-backend``, ``--draft-attention-backend``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from outrider.plugins.api import AttentionCapabilities, CheckContext, PluginSpec, Problem
+
+# Ampere and newer: FlashInfer's prefill and decode kernels need SM 8.0.
+MIN_CAPABILITY = (8, 0)
+
+
+def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
+    option = f"--attention-backend {spec.name}"
+    if importlib.util.find_spec("flashinfer") is None:
+        return [Problem(option, "FlashInfer is not installed (pip install 'outrider[flashinfer]')")]
+    capability = ctx.cuda_capability
+    if capability is not None and capability < MIN_CAPABILITY:
+        major, minor = capability
+        return [
+            Problem(
+                option, f"{spec.name} needs compute capability 8.0 or newer, not {major}.{minor}"
+            )
+        ]
+    return []
+
+
+SPEC = PluginSpec(
+    name="flashinfer",
+    kind="attention",
+    summary="FlashInfer paged prefill and split-KV decode (CUDA; not the speculative phases)",
+    implementation="outrider.plugins.attention.flashinfer_impl:FlashInferAttention",
+    attention=AttentionCapabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({"bfloat16", "float16"}),
+        page_sizes=None,
+        cuda_graphs=True,
+        graph_kv_bound=False,  # lengths come from the plan and the device, not max_kv
+        phases=frozenset({"extend", "decode"}),
+    ),
+    check=_check,
+)
