@@ -1,11 +1,10 @@
-"""The attention backends' CUDA-graph hooks, driven by a fake graph runner on CPU: buffers
-allocated once for the largest batch, one capture per batch size, replays that only write in
-place; the metadata a replay leaves equals the eager build, and attention over the captured
-bound equals attention over the batch's own bound."""
+"""Attention as decode graphs run it: layouts over fixed input buffers, built with the graph's
+KV bound. On CPU, attention over that bound equals attention over each batch's own; on a GPU,
+``build`` and the layer captured in one graph and replayed over new batches equal eager
+forwards."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -14,7 +13,7 @@ from model_fixtures import PagedRows, torch_backend
 
 from outrider.daemon.engine.accept import tree_geometry
 from outrider.plugins.api import NoOptions
-from outrider.plugins.attention.base import AttentionBackend, GraphBounds
+from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
 from outrider.plugins.registry import discover
 
@@ -47,18 +46,13 @@ KINDS = [
 ]
 
 
-class FakeGraphRunner:
-    """What the CUDA-graph runner does with a backend, without the graphs: layout inputs in
-    fixed buffers sized for ``MAX_BS``, one capture per bucket, replays that write into
-    them. Refuses a backend whose spec does not declare ``cuda_graphs``."""
+class FixedInputs:
+    """What the engine's decode graphs do with a layout: its inputs live in fixed buffers sized
+    for ``MAX_BS`` rows, every layout views them with the graph's KV bound, and a new batch is
+    written into them in place before a replay."""
 
-    def __init__(self, name: str, kind: Kind, rows: PagedRows) -> None:
-        spec = discover().get("attention", name)
-        assert spec.attention is not None and spec.attention.cuda_graphs, name
-        self.backend: AttentionBackend = spec.load()(SHAPE, NoOptions(), rows.device)
+    def __init__(self, kind: Kind, rows: PagedRows) -> None:
         self.kind, self.rows = kind, rows
-        self.bounds = GraphBounds(MAX_BS, kind.width, MAX_LEN)
-        self.backend.init_graph_buffers(self.bounds)
         n, w = MAX_BS * kind.width, kind.width
 
         def buffer(size: int) -> torch.Tensor:
@@ -69,7 +63,6 @@ class FakeGraphRunner:
         self.tree_mask = (
             torch.zeros(MAX_BS, w, w, dtype=torch.bool, device=rows.device) if kind.tree else None
         )
-        self.captured: dict[int, tuple[BatchLayout, object]] = {}
 
     def layout(self, bs: int) -> BatchLayout:
         n = bs * self.kind.width
@@ -84,31 +77,20 @@ class FakeGraphRunner:
             q_pad_index=self.q_pad_index[:n],
             bs=bs,
             max_q=self.kind.width,
-            max_kv=self.bounds.max_kv,
+            max_kv=MAX_LEN,
             causal=self.kind.causal,
             tree_mask=self.tree_mask[:bs] if self.tree_mask is not None else None,
         )
 
-    def capture(self, batch: BatchLayout) -> tuple[BatchLayout, object]:
-        self._write(batch)
-        layout = self.layout(batch.bs)
-        self.captured[batch.bs] = (layout, self.backend.capture_metadata(layout))
-        return self.captured[batch.bs]
-
-    def replay(self, batch: BatchLayout) -> tuple[BatchLayout, object]:
-        self._write(batch)
-        layout, metadata = self.captured[batch.bs]
-        self.backend.replay_metadata(layout, metadata)
-        return layout, metadata
-
-    def _write(self, batch: BatchLayout) -> None:
-        """The batch's inputs into the fixed buffers, in place."""
+    def write(self, batch: BatchLayout) -> BatchLayout:
+        """``batch``'s inputs into the fixed buffers, in place; the layout viewing them."""
         target = self.layout(batch.bs)
         for name in ("slots", "positions", "out_loc", "q_start", "seq_lens", "q_pad_index"):
             getattr(target, name).copy_(getattr(batch, name))
         if target.tree_mask is not None:
             assert batch.tree_mask is not None
             target.tree_mask.copy_(batch.tree_mask)
+        return target
 
 
 def make_batch(kind: Kind, rows: PagedRows, bs: int, gen: torch.Generator) -> BatchLayout:
@@ -162,66 +144,64 @@ def qkv(n: int, gen: torch.Generator, device: str = "cpu") -> list[torch.Tensor]
     return [torch.randn(n, h, SHAPE.head_dim, generator=gen).to(device) for h in heads]
 
 
-def tensors(metadata: object) -> dict[str, torch.Tensor]:
-    assert dataclasses.is_dataclass(metadata)
-    fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
-    return {name: value for name, value in fields.items() if isinstance(value, torch.Tensor)}
+def backend(name: str, device: str = "cpu") -> AttentionBackend:
+    spec = discover().get("attention", name)
+    assert spec.attention is not None and spec.attention.cuda_graphs, name
+    built: AttentionBackend = spec.load()(SHAPE, NoOptions(), torch.device(device))
+    return built
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
-def test_replays_write_in_place_and_match_the_eager_build(kind: Kind) -> None:
+def test_attention_over_the_graph_bound_equals_the_batchs_own(kind: Kind) -> None:
+    """A graph builds every layout with its KV bound, past each row's length: the torch
+    backend's result must not depend on it."""
     gen = torch.Generator().manual_seed(7)
     rows = paged_rows(gen)
-    runner = FakeGraphRunner("torch", kind, rows)
-    storages: set[int] = set()
+    torch_attention = backend("torch")
+    fixed = FixedInputs(kind, rows)
     for bs in BUCKETS:
-        _, metadata = runner.capture(make_batch(kind, rows, bs, gen))
-        addresses = {name: t.data_ptr() for name, t in tensors(metadata).items()}
-        storages |= {t.untyped_storage().data_ptr() for t in tensors(metadata).values()}
         for _ in range(3):
             batch = make_batch(kind, rows, bs, gen)
-            layout, replayed = runner.replay(batch)
-            assert replayed is metadata
-            assert {n: t.data_ptr() for n, t in tensors(metadata).items()} == addresses
-            eager = runner.backend.build(layout)
-            for name, value in tensors(metadata).items():
-                assert torch.equal(value, tensors(eager)[name]), name
-            # Attention over the captured bound equals attention over the batch's own.
             q, k, v = qkv(bs * kind.width, gen)
-            graph = ForwardBatch(layout, rows.kv, runner.backend, metadata).attend(0, q, k, v)
-            own = ForwardBatch.bind(batch, runner.backend, rows.kv).attend(0, q, k, v)
-            torch.testing.assert_close(graph, own, atol=1e-5, rtol=1e-5)
-    # Every bucket's metadata lives in the buffers allocated once, for the largest.
-    assert len(storages) == len(tensors(runner.captured[MAX_BS][1]))
+            bound = ForwardBatch.bind(fixed.write(batch), torch_attention, rows.kv)
+            own = ForwardBatch.bind(batch, torch_attention, rows.kv)
+            torch.testing.assert_close(
+                bound.attend(0, q, k, v), own.attend(0, q, k, v), atol=1e-5, rtol=1e-5
+            )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
 def test_cuda_graph_replays_equal_eager_attention(kind: Kind) -> None:
-    """The same hooks under a real CUDA graph: one capture per bucket, then replays over new
-    batches give what an eager forward over each batch gives."""
+    """As the engine captures it: ``build`` and the layer inside one graph per bucket, then
+    replays over new batches written into the fixed inputs give what an eager forward over
+    each batch gives."""
     gen = torch.Generator().manual_seed(11)
     rows = paged_rows(gen, "cuda")
-    runner = FakeGraphRunner("torch", kind, rows)
+    torch_attention = backend("torch", "cuda")
+    fixed = FixedInputs(kind, rows)
     static = qkv(MAX_BS * kind.width, gen, "cuda")
     for bs in BUCKETS:
         n = bs * kind.width
         q, k, v = (t[:n] for t in static)
-        layout, metadata = runner.capture(make_batch(kind, rows, bs, gen))
-        fb = ForwardBatch(layout, rows.kv, runner.backend, metadata)
+        layout = fixed.write(make_batch(kind, rows, bs, gen))
+
+        def step(layout: BatchLayout, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            return ForwardBatch.bind(layout, torch_attention, rows.kv).attend(0, *inputs)
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fb.attend(0, q, k, v)  # warm-up, as capture requires
+            step(layout, (q, k, v))  # warm-up, as capture requires
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fb.attend(0, q, k, v)
+            out = step(layout, (q, k, v))
         for _ in range(3):
             batch = make_batch(kind, rows, bs, gen)
-            runner.replay(batch)
+            fixed.write(batch)
             for buffer, value in zip((q, k, v), qkv(n, gen, "cuda"), strict=True):
                 buffer.copy_(value)
             graph.replay()
-            own = ForwardBatch.bind(batch, runner.backend, rows.kv).attend(0, q, k, v)
+            own = ForwardBatch.bind(batch, torch_attention, rows.kv).attend(0, q, k, v)
             torch.testing.assert_close(out, own, atol=1e-4, rtol=1e-4)

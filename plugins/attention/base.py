@@ -5,22 +5,14 @@ attends one layer at a time with that metadata (``forward``). Metadata belongs t
 (``ForwardBatch.metadata``), never to the backend instance, so one instance serves several
 phases and models side by side.
 
-CUDA graphs (declared by the spec's ``AttentionCapabilities.cuda_graphs``; the graph runner
-calls these only then):
-
-```
-init_graph_buffers(bounds)        once: buffers for the largest captured batch
-capture_metadata(layout) -> meta  per captured batch size: metadata viewing those buffers
-replay_metadata(layout, meta)     before each replay: rewrite those buffers in place
-plan_replay(host, bounds)         before a decode graph's capture and each of its replays,
-                                  with the rows' exact lengths when the host knows them
-```
-A replay only writes into buffers allocated by ``init_graph_buffers``: every tensor of the
-captured metadata keeps its address (``data_ptr()``) for the life of the backend. The runner
-captures the whole decode step, ``build`` included: a backend whose metadata is device work
-needs no hook, one that schedules on the host plans in ``plan_replay`` (outside the graph), and
-``build`` under capture (``torch.cuda.is_current_stream_capturing()``) then only writes the
-device side of that plan into fixed buffers.
+CUDA graphs (declared by the spec's ``AttentionCapabilities.cuda_graphs``): the engine captures
+a whole decode step, ``build`` included, over fixed input buffers, so a backend whose metadata
+is device work needs nothing more; every layout of a graph is built with the graph's KV bound.
+A backend that schedules on the host (from exact lengths) plans in ``plan_replay``, called
+outside the graph before its capture and before each replay, and its ``build`` under capture
+(``torch.cuda.is_current_stream_capturing()``) only writes the device side of that plan into
+buffers it allocated beforehand: a replay reads every tensor at the address it was captured
+with.
 """
 
 from __future__ import annotations
@@ -36,12 +28,12 @@ from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, H
 
 @dataclass(frozen=True)
 class GraphBounds:
-    """The largest batch a backend's graph buffers must hold."""
+    """The shape of one captured decode graph: what its buffers must hold."""
 
-    max_bs: int  # rows
+    max_bs: int  # rows, padding included
     max_q: int  # query tokens per row
-    max_kv: int  # KV positions per row: every captured layout is built with this bound
-    page_size: int = 1
+    max_kv: int  # KV positions per row: every layout of the graph is built with this bound
+    page_size: int
 
 
 class AttentionBackend(ABC):
@@ -65,20 +57,6 @@ class AttentionBackend(ABC):
         """Store ``k, v: [T, kv_heads, head_dim]`` at ``fb.layout.out_loc`` into layer
         ``layer`` of ``fb.kv`` (``KVCache.store``), then attend ``q: [T, q_heads, head_dim]``
         over each row's KV with ``fb.metadata``. Returns ``[T, q_heads, head_dim]``."""
-
-    def init_graph_buffers(self, bounds: GraphBounds) -> None:
-        """Allocate the metadata buffers of every captured batch (once)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
-
-    def capture_metadata(self, layout: BatchLayout) -> object:
-        """Metadata for ``layout`` (``layout.max_kv`` is the bounds' ``max_kv``) whose tensors
-        view the graph buffers, filled for ``layout``."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
-
-    def replay_metadata(self, layout: BatchLayout, metadata: object) -> None:
-        """Rewrite ``metadata`` (from ``capture_metadata`` for the same batch size) in place
-        for ``layout``."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
 
     def plan_replay(self, host: HostLengths, bounds: GraphBounds) -> None:
         """Before a decode graph of ``len(host.seq_lens)`` rows is captured and before each

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from outrider.plugins.attention.base import AttentionBackend, GraphBounds
+from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
 
 
@@ -27,7 +27,6 @@ class TorchAttentionMetadata:
 class TorchAttention(AttentionBackend):
     def __init__(self, shape: AttentionShape, options: Any, device: torch.device) -> None:
         super().__init__(shape, options, device)
-        self._graph: TorchAttentionMetadata | None = None  # buffers of the largest batch
         if device.type == "cuda":
             # NOTE: SDPA prefers cuDNN for masked attention, and cuDNN builds an execution
             # plan on the host for every new shape: the KV bound grows every step, so each
@@ -61,33 +60,6 @@ class TorchAttention(AttentionBackend):
         # Padded query cells see kv 0 only, so their softmax has a finite row (no NaN).
         mask = torch.where(is_query, mask, kv_pos == 0)
         return TorchAttentionMetadata(kv_index=kv_index, mask=mask.unsqueeze(1))
-
-    def init_graph_buffers(self, bounds: GraphBounds) -> None:
-        self._graph = TorchAttentionMetadata(
-            kv_index=torch.zeros(
-                bounds.max_bs, bounds.max_kv, dtype=torch.int64, device=self.device
-            ),
-            mask=torch.zeros(
-                bounds.max_bs, 1, bounds.max_q, bounds.max_kv, dtype=torch.bool, device=self.device
-            ),
-        )
-
-    def capture_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
-        graph = self._graph
-        assert graph is not None, "init_graph_buffers comes first"
-        assert layout.max_kv == graph.kv_index.shape[1], "captured layouts use the KV bound"
-        metadata = TorchAttentionMetadata(
-            kv_index=graph.kv_index[: layout.bs],
-            mask=graph.mask[: layout.bs, :, : layout.max_q],
-        )
-        self.replay_metadata(layout, metadata)
-        return metadata
-
-    def replay_metadata(self, layout: BatchLayout, metadata: object) -> None:
-        assert isinstance(metadata, TorchAttentionMetadata)
-        eager = self.build(layout)
-        metadata.kv_index.copy_(eager.kv_index)
-        metadata.mask.copy_(eager.mask)
 
     @staticmethod
     def _tree_mask(layout: BatchLayout, kv_pos: torch.Tensor) -> torch.Tensor:
