@@ -152,16 +152,19 @@ def request_refusal(spec: PluginSpec, facts: RequestFacts) -> str | None:
     return spec.check_request(facts)
 
 
-def used_phases(ctx: CheckContext) -> tuple[Phase, ...]:
+def used_phases(ctx: CheckContext, drafts_run: bool) -> tuple[Phase, ...]:
     """The phases a configuration runs: prompts and plain decoding, or prompts and the
-    speculative cycle's verify and draft phases."""
+    speculative cycle's verify, and its draft phases when the algorithm runs a draft model
+    (``drafts_run``; n-gram drafts from the tokens alone)."""
     if ctx.speculative_algorithm == "none":
         return ("extend", "decode")
+    if not drafts_run:
+        return ("extend", "verify")
     return ("extend", "verify", "draft_decode", "draft_extend")
 
 
 def attention_problems(
-    spec: PluginSpec, caps: AttentionCapabilities, ctx: CheckContext
+    spec: PluginSpec, caps: AttentionCapabilities, ctx: CheckContext, drafts_run: bool = True
 ) -> list[Problem]:
     problems: list[Problem] = []
     name = spec.name
@@ -174,7 +177,7 @@ def attention_problems(
         problems.append(
             Problem("--page-size", f"{name} takes page sizes {sizes}, not {ctx.page_size}")
         )
-    for phase in used_phases(ctx):
+    for phase in used_phases(ctx, drafts_run):
         if ctx.attention_routes[phase] == name and phase not in caps.phases:
             served = ", ".join(p for p in PHASES if p in caps.phases)
             problems.append(

@@ -177,10 +177,21 @@ class Registry:
     def _capability_problems(self, spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
         if spec.kind == "attention":
             assert spec.attention is not None, "_load_spec admits attention specs with capabilities"
-            return attention_problems(spec, spec.attention, ctx)
+            return attention_problems(spec, spec.attention, ctx, self._drafts_run(ctx))
         if spec.speculative is None:
             return [Problem(SPECULATIVE_FLAG, f"{spec.name} declares no SpeculativeCapabilities")]
         return speculative_problems(spec, spec.speculative, ctx, self._attention_capabilities)
+
+    def _drafts_run(self, ctx: CheckContext) -> bool:
+        """Whether ``ctx``'s speculative algorithm runs a draft model (an unknown or broken
+        one counts as running one: its own check reports it)."""
+        if ctx.speculative_algorithm == "none":
+            return False
+        try:
+            caps = self.get("speculative", ctx.speculative_algorithm).speculative
+        except PluginError:
+            return True
+        return caps is None or caps.needs_draft_model
 
     def _attention_capabilities(self, name: str) -> AttentionCapabilities | None:
         """The declared capabilities of attention backend ``name``; None when it is unknown or

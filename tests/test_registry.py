@@ -451,6 +451,12 @@ def test_flashinfer_refuses_the_speculative_phases_naming_their_flags() -> None:
     )
     hybrid = everywhere | {"verify": "torch", "draft_decode": "torch", "draft_extend": "torch"}
     assert attention_problems(spec, spec.attention, _flashinfer_ctx(hybrid, "eagle3")) == []
+    # n-gram runs no draft model: only its verify phase needs another backend.
+    ngram = _flashinfer_ctx(everywhere | {"verify": "torch"}, "ngram")
+    assert attention_problems(spec, spec.attention, ngram, drafts_run=False) == []
+    # The registry knows n-gram runs none (whatever else this machine lacks, e.g. FlashInfer).
+    problems = discover().check(dataclasses.replace(ngram, speculative_num_draft_tokens=4))
+    assert [p for p in problems if "phase" in p.message] == []
 
 
 def test_flashinfer_checks_its_install_and_the_compute_capability(
