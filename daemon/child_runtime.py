@@ -39,7 +39,7 @@ from outrider.daemon.internal import ChildState, ChildStatus, child_status_codec
 from outrider.daemon.logs import configure_logging
 from outrider.daemon.tokenizer import child_environment_setup
 
-ChildName = Literal["frontdoor", "detokenizer"]
+ChildName = Literal["frontdoor", "detokenizer", "http"]
 
 CHILD_HEARTBEAT_S = 1.0
 QUIET_S = 0.1

@@ -1,4 +1,5 @@
-"""The daemon's two children (front door, detokenizer): spawned, watched, stopped in order.
+"""The daemon's children (front door, detokenizer, and the HTTP front with ``--http``):
+spawned, watched, stopped in order.
 
 Each child gets one end of a duplex pipe: it reports ``ChildStatus`` there and sees EOF when
 the daemon closes its end (or dies), which is how it is stopped and never orphaned. Every
@@ -19,13 +20,16 @@ from typing import Any, Literal
 
 from outrider.daemon.detokenizer import DetokenizerConfig, run_detokenizer
 from outrider.daemon.frontdoor import FrontDoorConfig, run_frontdoor
+from outrider.daemon.http_config import HttpFrontConfig
 from outrider.daemon.internal import ChildState, ChildStatus, child_status_codec
 
 log = logging.getLogger("outrider.daemon")
 
 HEARTBEAT_STALE_S = 5.0
 
-ChildName = Literal["frontdoor", "detokenizer"]
+ChildName = Literal["frontdoor", "detokenizer", "http"]
+# Stop order: each passes on what the one before it flushed (final frames reach HTTP clients).
+STOP_ORDER: tuple[ChildName, ...] = ("detokenizer", "frontdoor", "http")
 # A child's entry point: ``target(config, pipe_end)``, run in a spawned process.
 ChildTarget = Callable[[Any, Connection], None]
 
@@ -35,11 +39,11 @@ class ChildDied(RuntimeError):
 
 
 class ClientBindFailed(RuntimeError):
-    """The front door could not bind the client socket; the message is its error text."""
+    """A child could not bind its client (or HTTP) socket; the message is its error text."""
 
 
 class Children:
-    """The front door and the detokenizer: spawned, watched, stopped in order."""
+    """The daemon's children: spawned, watched, stopped in order."""
 
     def __init__(self, targets: Mapping[ChildName, tuple[ChildTarget, object]]) -> None:
         """Spawn ``target(config, pipe_end)`` per child, in the mapping's order."""
@@ -63,8 +67,19 @@ class Children:
             self._name_of_sentinel[proc.sentinel] = name
 
     @classmethod
-    def spawn(cls, front: FrontDoorConfig, detok: DetokenizerConfig) -> Children:
-        return cls({"detokenizer": (run_detokenizer, detok), "frontdoor": (run_frontdoor, front)})
+    def spawn(
+        cls, front: FrontDoorConfig, detok: DetokenizerConfig, http: HttpFrontConfig | None = None
+    ) -> Children:
+        targets: dict[ChildName, tuple[ChildTarget, object]] = {
+            "detokenizer": (run_detokenizer, detok),
+            "frontdoor": (run_frontdoor, front),
+        }
+        if http is not None:
+            # Imported only with --http: Starlette and uvicorn are needed there alone.
+            from outrider.daemon.http_front import run_http_front
+
+            targets["http"] = (run_http_front, http)
+        return cls(targets)
 
     @property
     def sentinels(self) -> list[int]:
@@ -125,8 +140,8 @@ class Children:
         raise ChildDied(f"the {name} process did not report {state!r} within {timeout:.0f} s")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Close each child's pipe (it drains and exits), detokenizer first."""
-        for name in ("detokenizer", "frontdoor"):
+        """Close each child's pipe (it drains and exits), in ``STOP_ORDER``."""
+        for name in (name for name in STOP_ORDER if name in self._pipes):
             self._pipes[name].close()
             proc = self.procs[name]
             proc.join(timeout)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from outrider.daemon.family import family_defaults
+from outrider.daemon.http_config import is_loopback, parse_host_port
 from outrider.plugins.api import PHASES, CheckContext, Phase
 
 Device = Literal["cpu", "cuda"]
@@ -31,6 +32,7 @@ class ServeConfig:
     kv_cache_tokens: int = 0  # 0: size the pool from memory (GPU) or the context length (CPU)
     gpu_memory_fraction: float = 0.85
     context_length: int = 0  # 0: the model's max_position_embeddings
+    generation_config: Literal["auto", "none"] = "auto"
     listen: str = ""  # "": the default ipc socket
     attention_backend: str = "torch"
     prefill_attention_backend: str = ""
@@ -59,6 +61,10 @@ class ServeConfig:
     curve_secret_key_file: str = ""
     curve_client_keys: str = ""  # directory of allowed client public certificates (*.key)
     socket_mode: int = 0o600  # an ipc:// client socket's file mode
+    http: str = ""  # HOST:PORT of the OpenAI-compatible HTTP front; "": none
+    http_allow_remote: bool = False
+    api_key: str = ""  # "": the HTTP front checks no key
+    served_model_name: str = ""  # "": the model directory's name (the family's name)
     log_level: str = "info"
     seed: int = 0  # seed of dummy weights
 
@@ -109,6 +115,10 @@ _HELP: dict[str, str] = {
     "kv_cache_tokens": "KV pool size in tokens (0: from memory / context length)",
     "gpu_memory_fraction": "fraction of free GPU memory the daemon may use",
     "context_length": "longest prompt + output (0: the model's maximum)",
+    "generation_config": (
+        "auto: requests that leave temperature, top_p or top_k out get the model's "
+        "generation_config.json values; none: Outrider's (1.0, 1.0, 0)"
+    ),
     "listen": "client endpoint: ipc://PATH or tcp://HOST:PORT (default: the runtime socket)",
     "attention_backend": "attention backend for every phase",
     "attention_config": "NAME='{json}' options for an attention backend (repeatable)",
@@ -133,12 +143,17 @@ _HELP: dict[str, str] = {
     "curve_secret_key_file": "CURVE secret key file (zmq.auth format, mode 0600) for TCP",
     "curve_client_keys": "directory of the client public certificates (*.key) CURVE lets in",
     "socket_mode": "file mode of an ipc:// client socket, octal: 0600 (default) or 0660",
+    "http": "HOST:PORT: serve the OpenAI-compatible HTTP API there (off by default)",
+    "http_allow_remote": "let --http bind beyond loopback",
+    "api_key": "with --http: require 'Authorization: Bearer KEY' on /v1/*",
+    "served_model_name": "the model name of the HTTP API (default: the model directory's name)",
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "load_format": ("auto", "dummy"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "device": ("cpu", "cuda"),
+    "generation_config": ("auto", "none"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 
@@ -262,12 +277,29 @@ def validate(config: ServeConfig) -> list[str]:
         )
     if config.curve_client_keys and not config.curve_secret_key_file:
         problems.append("--curve-client-keys needs --curve-secret-key-file (CURVE is off)")
+    problems += _http_problems(config)
     if config.socket_mode & ~0o660:
         problems.append(
             f"--socket-mode {config.socket_mode:04o}: only owner and group read/write bits "
             "(a subset of 0660) may be set"
         )
     return problems
+
+
+def _http_problems(config: ServeConfig) -> list[str]:
+    if not config.http:
+        if config.http_allow_remote or config.api_key or config.served_model_name:
+            return ["--http-allow-remote, --api-key and --served-model-name need --http"]
+        return []
+    try:
+        host, _port = parse_host_port(config.http)
+    except ValueError as exc:
+        return [f"--http: {exc}"]
+    if not config.http_allow_remote and not is_loopback(host):
+        return [f"--http {config.http}: {host} is not a loopback address (--http-allow-remote)"]
+    if config.curve_secret_key_file:
+        return ["--http with CURVE keys is not supported: the HTTP front would need a client key"]
+    return []
 
 
 class ConfigError(ValueError):

@@ -46,4 +46,9 @@ def family_defaults(values: Mapping[str, Any]) -> dict[str, Any] | None:
     defaults: dict[str, Any] = {"model": str(family.target), "speculative_algorithm": algorithm}
     if "draft_model" not in values and algorithm in family.drafts:
         defaults["draft_model"] = str(family.drafts[algorithm])
+    # NOTE: the target's generation_config.json is the recipe's export (do_sample false, which
+    # --generation-config auto reads as greedy), not chosen sampling defaults: until some are
+    # chosen by measurement, the family keeps Outrider's unless the flag is given.
+    if "generation_config" not in values:
+        defaults["generation_config"] = "none"
     return defaults

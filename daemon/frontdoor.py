@@ -69,6 +69,7 @@ from outrider.daemon.internal import (
     outputs_codec,
     to_daemon_codec,
 )
+from outrider.daemon.sampling_defaults import OUTRIDER_DEFAULTS, SamplingDefaults
 from outrider.daemon.tokenizer import load_tokenizer
 from outrider.protocol.frames import FrameError, reply_codec, request_codec
 from outrider.protocol.messages import (
@@ -116,6 +117,8 @@ class FrontDoorConfig:
     client_hwm: int = 1000  # frames queued per client pipe, each direction
     heartbeat_ivl_ms: int = 5000  # ZMTP heartbeats: a silent peer is dropped, then aborted
     log_level: str = "info"
+    # What requests that leave temperature, top_p or top_k out get (--generation-config).
+    sampling_defaults: SamplingDefaults = OUTRIDER_DEFAULTS
 
 
 def run_frontdoor(cfg: FrontDoorConfig, parent_conn: Connection) -> None:
@@ -189,7 +192,7 @@ class FrontDoor:
         tokenizer = load_tokenizer(facts.tokenizer_dir) if facts.tokenizer_dir else None
         check = speculative_request_check(facts.speculative_algorithm)
         self._facts = facts
-        self._validator = Validator(facts, tokenizer, check)
+        self._validator = Validator(facts, tokenizer, check, self.cfg.sampling_defaults)
         # The worker thread's own instance: one tokenizer must not serve two threads.
         worker = load_tokenizer(facts.tokenizer_dir) if facts.tokenizer_dir else None
         self._prompts = PromptTokenizer(tokenizer, worker)
@@ -368,9 +371,16 @@ class FrontDoor:
         asked = self._info_queries.pop(query_id, None)
         if asked is None:
             return  # its client is gone
-        assert self._facts is not None
+        assert self._facts is not None and self._validator is not None
         identity, request_id = asked
-        info = server_info(request_id, self.cfg.boot_id, self._facts, c, self._finished_here)
+        info = server_info(
+            request_id,
+            self.cfg.boot_id,
+            self._facts,
+            c,
+            self._finished_here,
+            self._validator.defaults,
+        )
         self._reply(identity, info)
 
     def _reply(self, identity: bytes, reply: ClientReply) -> bool:

@@ -1,10 +1,12 @@
-"""The ``ServerInfo`` reply: the model facts, the daemon's counters and the front door's own."""
+"""The ``ServerInfo`` reply: the model facts, the daemon's counters and the front door's own,
+and the sampling defaults in ``configuration["sampling_defaults"]``."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from outrider.daemon.internal import Counters, ModelFacts
+from outrider.daemon.sampling_defaults import SamplingDefaults
 from outrider.protocol.messages import ServerInfo
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -16,13 +18,20 @@ def server_info(
     facts: ModelFacts,
     c: Counters,
     finished_here: Mapping[str, int],
+    defaults: SamplingDefaults,
 ) -> ServerInfo:
     """``finished_here``: the finals the front door gave without the daemon, by reason."""
+    sampling_defaults = {
+        "temperature": defaults.temperature,
+        "top_p": defaults.top_p,
+        "top_k": defaults.top_k,
+        "source": defaults.source,
+    }
     return ServerInfo(
         request_id=request_id,
         boot_id=boot_id,
         model=facts.model,
-        configuration=facts.configuration,
+        configuration=facts.configuration | {"sampling_defaults": sampling_defaults},
         plugins=facts.plugins,
         running=c.running,
         waiting=c.waiting,

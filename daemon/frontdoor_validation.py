@@ -6,6 +6,10 @@ while decoding (the ``Meta`` bounds in protocol/messages.py) is not repeated her
 fields carry lower and upper bounds, so NaN and +-inf never decode; seed < 2**63; logprobs
 <= 20; max_new_tokens >= 0; at most 16 stop strings; token ids in [0, 2**31).
 
+``temperature``, ``top_p`` and ``top_k`` a request leaves out (None) take the daemon's
+``SamplingDefaults`` (sampling_defaults.py) here, field by field, before anything sees them: the
+speculative plugin's ``check_request`` and the daemon get concrete values only.
+
 Admission has two halves around tokenization, which may run on another thread for a long
 prompt: ``check`` decides everything the text itself can (and refuses a prompt with more
 characters than the context can hold before any tokenizing), ``admit`` the rest.
@@ -19,10 +23,16 @@ import logging
 import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from outrider.daemon.internal import ModelFacts, SamplingSpec
+from outrider.daemon.sampling_defaults import (
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    OUTRIDER_DEFAULTS,
+    SamplingDefaults,
+)
 from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer
 from outrider.plugins.api import RequestFacts
 from outrider.plugins.checks import request_refusal
@@ -31,8 +41,6 @@ from outrider.protocol.messages import MAX_STOP_STRING_CHARS, ErrorCode, Generat
 
 log = logging.getLogger("outrider.frontdoor")
 
-MIN_TEMPERATURE = 1e-5
-MAX_TEMPERATURE = 100.0
 # NFC / NFKC compose at most four characters into one (e.g. U+1F82 from alpha and three marks).
 NORMALIZER_COMPOSITION = 4
 INLINE_PROMPT_CHARS = 16_384  # tokenized on the event loop: about 10 ms at worst
@@ -167,8 +175,12 @@ class Validator:
         facts: ModelFacts,
         tokenizer: Tokenizer | None,
         request_check: RequestCheck | None,
+        defaults: SamplingDefaults = OUTRIDER_DEFAULTS,
     ) -> None:
         self.facts = facts
+        # A default top_k past the vocabulary keeps every token, as top_k 0 does.
+        top_k = defaults.top_k if defaults.top_k <= facts.vocab_size else 0
+        self.defaults = replace(defaults, top_k=top_k)
         self.has_tokenizer = tokenizer is not None
         self.request_check = request_check
         self.max_prompt_chars = (
@@ -202,29 +214,35 @@ class Validator:
                 f"{self.facts.context_length}, so a prompt may have at most "
                 f"{self.facts.context_length - 1}",
             )
-        self._run_plugin_check(msg, len(input_ids))
+        sampling = self._sampling(msg)
+        self._run_plugin_check(msg, sampling, len(input_ids))
         max_new = msg.max_new_tokens
         if max_new is None:
             max_new = self.facts.max_new_tokens_default
-        sampling = SamplingSpec(
+        return Admitted(input_ids, sampling, max_new)
+
+    def _sampling(self, msg: Generate) -> SamplingSpec:
+        """``msg``'s sampling values, the defaults in place of those it leaves out."""
+        d = self.defaults
+        temperature = msg.temperature if msg.temperature is not None else d.temperature
+        return SamplingSpec(
             # -0.0 decodes (it passes ge=0): greedy like 0.
-            temperature=msg.temperature if msg.temperature > 0 else 0.0,
-            top_p=msg.top_p,
-            top_k=msg.top_k,
+            temperature=temperature if temperature > 0 else 0.0,
+            top_p=msg.top_p if msg.top_p is not None else d.top_p,
+            top_k=msg.top_k if msg.top_k is not None else d.top_k,
             seed=msg.seed if msg.seed is not None else secrets.randbits(63),
             logprobs=msg.logprobs,
         )
-        return Admitted(input_ids, sampling, max_new)
 
     def _check_sampling(self, msg: Generate) -> None:
-        if 0 < msg.temperature < MIN_TEMPERATURE:
+        if msg.temperature is not None and 0 < msg.temperature < MIN_TEMPERATURE:
             raise Rejected(
                 "invalid_request",
                 f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
                 f"{MAX_TEMPERATURE:g}], got {msg.temperature!r}",
             )
         vocab = self.facts.vocab_size
-        if msg.top_k > vocab:
+        if msg.top_k is not None and msg.top_k > vocab:
             raise Rejected(
                 "invalid_request",
                 f"top_k must be 0 (off) or in [1, {vocab}] (vocab_size), got {msg.top_k}",
@@ -290,13 +308,13 @@ class Validator:
             where = f"{source} token {i} (id {token_id} from the tokenizer)"
         raise Rejected("invalid_request", f"{where} is out of range: vocab_size is {vocab}")
 
-    def _run_plugin_check(self, msg: Generate, prompt_tokens: int) -> None:
+    def _run_plugin_check(self, msg: Generate, sampling: SamplingSpec, prompt_tokens: int) -> None:
         if self.request_check is None:
             return
         facts = RequestFacts(
-            temperature=msg.temperature,
-            top_p=msg.top_p,
-            top_k=msg.top_k,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
             logprobs=msg.logprobs,
             has_stop_strings=bool(msg.stop),
             prompt_tokens=prompt_tokens,

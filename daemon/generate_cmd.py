@@ -28,9 +28,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "--connect", metavar="ENDPOINT", help=f"daemon endpoint (default: {default_endpoint()})"
     )
     parser.add_argument("--max-new-tokens", type=int, metavar="N")
-    parser.add_argument("--temperature", type=float, default=1.0, metavar="T")
-    parser.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0: no top-k")
+    model_default = "default: the model's, see serve --generation-config"
+    parser.add_argument(
+        "--temperature", type=float, metavar="T", help=f"0: greedy ({model_default})"
+    )
+    parser.add_argument("--top-p", type=float, metavar="P", help=f"({model_default})")
+    parser.add_argument("--top-k", type=int, metavar="K", help=f"0: no top-k ({model_default})")
     parser.add_argument("--seed", type=int, metavar="S")
     parser.add_argument(
         "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
@@ -59,6 +62,7 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     else:
         prompt = args.prompt
+    # None (a flag not given) leaves the value to the daemon's defaults.
     sampling: dict[str, Any] = {
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,

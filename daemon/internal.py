@@ -156,16 +156,16 @@ ChildState = Literal["started", "serving", "alive", "bind_failed"]
 class ChildStatus(Struct, array_like=True, frozen=True, gc=False):
     """A child's report to the daemon over its spawn pipe (``Connection.send_bytes``).
 
-    ``started``: the child's internal sockets are bound. ``serving`` (front door only): the
-    client socket is bound at ``endpoint`` (the resolved address, e.g. a TCP port chosen by
-    the system for port 0). ``bind_failed`` (front door only): the client socket could not
-    be bound; ``error`` says why (``zmq.strerror(exc.errno)``, e.g. "Address already in use"),
-    and the child stays up, without a client socket, until the daemon stops it. ``alive``: a
+    ``started``: the child's internal sockets are bound. ``serving`` (front door, HTTP
+    front): the client (or HTTP) socket is bound at ``endpoint`` (the resolved address, e.g. a
+    TCP port chosen by the system for port 0). ``bind_failed`` (front door, HTTP front): the
+    socket could not be bound; ``error`` says why (e.g. "Address already in use"), and the
+    child stays up, without a client socket, until the daemon stops it. ``alive``: a
     heartbeat from the child's event loop, every ``CHILD_HEARTBEAT_S`` (child_runtime.py).
     ``torch_imported`` must be False: children never import torch.
     """
 
-    child: Literal["frontdoor", "detokenizer"]
+    child: Literal["frontdoor", "detokenizer", "http"]
     pid: int
     state: ChildState
     torch_imported: bool

@@ -29,7 +29,14 @@ from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
 from outrider.daemon.curve_auth import CurveKeyError, load_client_keys, load_server_keys
 from outrider.daemon.detokenizer import DetokenizerConfig
 from outrider.daemon.engine.build import Engine, build_engine
+from outrider.daemon.family import embedded_family
 from outrider.daemon.frontdoor import FrontDoorConfig
+from outrider.daemon.http_config import (
+    HttpFrontConfig,
+    bind_http,
+    missing_http_modules,
+    parse_host_port,
+)
 from outrider.daemon.internal import (
     AbortRid,
     Control,
@@ -56,6 +63,7 @@ from outrider.daemon.runtime import (
     lock_client_endpoint,
     tcp_bind_problem,
 )
+from outrider.daemon.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from outrider.daemon.scheduler.loop import StepFailed
 from outrider.daemon.sdnotify import Notifier, strip_notify_env
 from outrider.daemon.tokenizer import TOKENIZER_FILES
@@ -296,6 +304,12 @@ def serve(config: ServeConfig) -> int:
     problems = preflight(config)
     if problems:
         raise ConfigError("; ".join(problems))
+    defaults = resolve_sampling_defaults(config)
+    log.log(
+        logging.WARNING if defaults.ignored else logging.INFO,
+        "sampling defaults: %s",
+        defaults.describe(),
+    )
     # NOTE: callbacks run last-registered first: sockets flush to the still running
     # children, then the children stop, then the runtime directory and the lock go.
     with contextlib.ExitStack() as cleanup:
@@ -303,12 +317,13 @@ def serve(config: ServeConfig) -> int:
         if lock is not None:
             cleanup.callback(lock.release)
         check_can_listen(endpoint)
+        _check_http_free(config)
         runtime = RuntimeDir()
         cleanup.callback(runtime.cleanup)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _stop_while_starting)
         try:
-            return _serve(config, notifier, endpoint, runtime, cleanup)
+            return _serve(config, defaults, notifier, endpoint, runtime, cleanup)
         except _StopWhileStarting as exc:
             log.info("%s while starting: stopping", exc)
             notifier.stopping()
@@ -328,6 +343,7 @@ def serve(config: ServeConfig) -> int:
 
 def _serve(
     config: ServeConfig,
+    defaults: SamplingDefaults,
     notifier: Notifier,
     endpoint: str,
     runtime: RuntimeDir,
@@ -353,6 +369,7 @@ def _serve(
             max_inflight_per_client=config.max_inflight_per_client,
             max_inflight=config.max_inflight,
             log_level=config.log_level,
+            sampling_defaults=defaults,
         ),
         DetokenizerConfig(
             inputs_endpoint=pipes.to_detokenizer,
@@ -360,6 +377,7 @@ def _serve(
             tokenizer_dir=_tokenizer_dir(config.model),
             log_level=config.log_level,
         ),
+        _http_front_config(config, endpoint),
     )
     cleanup.callback(children.stop)
     ctx = zmq.asyncio.Context()
@@ -375,6 +393,12 @@ def _serve(
     sockets.wake_on(children.sentinels)
     try:
         bound = children.wait_status("frontdoor", "serving", timeout=60.0).endpoint
+        if config.http:
+            try:
+                http_bound = children.wait_status("http", "serving", timeout=60.0).endpoint
+            except ClientBindFailed as exc:
+                raise EndpointError(f"--http: cannot listen on {config.http}: {exc}") from None
+            log.info("OpenAI-compatible HTTP API on %s", http_bound)
         notifier.ready(f"serving {config.model} on {bound}")
         log.info("serving %s on %s (boot %s)", config.model, bound, boot_id)
         uvloop.run(Daemon(config, engine, children, notifier, sockets).run())
@@ -386,6 +410,46 @@ def _serve(
         sockets.drop_unsent()
         raise
     return 0
+
+
+def _check_http_free(config: ServeConfig) -> None:
+    """Refuse to start, before anything loads, when the ``--http`` address cannot be bound
+    (the HTTP front binds it again as it starts)."""
+    if not config.http:
+        return
+    missing = missing_http_modules()
+    if missing:
+        raise ConfigError(f"--http needs {', '.join(missing)}: pip install 'outrider[daemon]'")
+    try:
+        bind_http(*parse_host_port(config.http)).close()
+    except OSError as exc:
+        raise EndpointError(f"--http: cannot listen on {config.http}: {exc.strerror}") from None
+
+
+def served_model_name(config: ServeConfig) -> str:
+    """``--served-model-name``, else the embedded family's name, else the directory's."""
+    if config.served_model_name:
+        return config.served_model_name
+    family = embedded_family()
+    if family is not None and model_dir(config.model) == family.target:
+        return "outrider-family"
+    return model_dir(config.model).name
+
+
+def _http_front_config(config: ServeConfig, endpoint: str) -> HttpFrontConfig | None:
+    if not config.http:
+        return None
+    host, port = parse_host_port(config.http)
+    return HttpFrontConfig(
+        host=host,
+        port=port,
+        client_endpoint=endpoint,
+        served_model_name=served_model_name(config),
+        version=VERSION,
+        model_dir=_tokenizer_dir(config.model),
+        api_key=config.api_key,
+        log_level=config.log_level,
+    )
 
 
 def main(config: ServeConfig) -> int:

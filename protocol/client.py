@@ -97,9 +97,9 @@ class Client(Connection):
         input_ids: Sequence[int] | None = None,
         messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
         max_new_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
@@ -109,9 +109,10 @@ class Client(Connection):
         timeout: float | None = None,
     ) -> GenerateResult:
         """Run one request to its end. Exactly one of ``prompt``, ``input_ids``, ``messages``
-        (``{"role", "content"}`` dicts or ``ChatMessage``). Raises ``RequestError`` on an
-        ``Error`` frame or a lost connection, ``Timeout`` when ``timeout`` passes first (the
-        request is then aborted, best effort)."""
+        (``{"role", "content"}`` dicts or ``ChatMessage``). ``temperature``, ``top_p`` and
+        ``top_k`` left None take the daemon's sampling defaults (the model's). Raises
+        ``RequestError`` on an ``Error`` frame or a lost connection, ``Timeout`` when
+        ``timeout`` passes first (the request is then aborted, best effort)."""
         msg = generate_request(
             prompt=prompt, input_ids=input_ids, messages=messages, request_id=request_id,
             stream=False, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -132,9 +133,9 @@ class Client(Connection):
         input_ids: Sequence[int] | None = None,
         messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
         max_new_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),

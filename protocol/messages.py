@@ -49,16 +49,22 @@ class ChatMessage(Struct, frozen=True, gc=False):
 
 
 class Generate(Struct, tag="generate", frozen=True):
-    """One generation request. Exactly one of ``prompt``, ``input_ids``, ``messages``."""
+    """One generation request. Exactly one of ``prompt``, ``input_ids``, ``messages``.
+
+    ``temperature``, ``top_p`` and ``top_k`` left out (None, or absent from the map) take the
+    daemon's sampling defaults: the model's generation_config.json values, or 1.0, 1.0 and 0
+    (``outrider serve --generation-config``). Their defaults were those three values before
+    None was allowed: a request that sends values decodes as it always did.
+    """
 
     request_id: RequestId
     prompt: str | None = None
     input_ids: list[TokenId] | None = None
     messages: list[ChatMessage] | None = None
     max_new_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] = 0
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None  # 0: greedy
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] | None = None  # 0: no top-k
     seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
     stop: Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] = []
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=1024)] = []

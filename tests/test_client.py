@@ -232,6 +232,23 @@ def test_generate_exact_result(endpoint: str, peers: list[Peer]) -> None:
     )
 
 
+def test_sampling_values_left_out_travel_as_none(endpoint: str, peers: list[Peer]) -> None:
+    peer = run_peer(peers, endpoint, echo)
+    with Client(endpoint, timeout=5) as client:
+        client.generate("a")
+        list(client.stream("b", temperature=0.7, top_p=0.9, top_k=5))
+
+    async def from_async() -> None:
+        async with AsyncClient(endpoint, timeout=5) as client:
+            await client.generate("c", top_k=0)
+            async for _ in client.stream("d", temperature=0.0):
+                pass
+
+    asyncio.run(from_async())
+    sent = [(r.temperature, r.top_p, r.top_k) for r in peer.requests if isinstance(r, Generate)]
+    assert sent == [(None, None, None), (0.7, 0.9, 5), (None, None, 0), (0.0, None, None)]
+
+
 def test_messages_and_input_ids_travel(endpoint: str, peers: list[Peer]) -> None:
     peer = run_peer(peers, endpoint, echo)
     with Client(endpoint, timeout=5) as client:
@@ -627,6 +644,12 @@ def test_cli_json(endpoint: str, peers: list[Peer], capsys: pytest.CaptureFixtur
     health, req = peer.requests  # a health check first: is a daemon listening at all?
     assert isinstance(health, HealthQuery)
     assert isinstance(req, Generate) and (req.stop, req.seed) == (["a", "b"], 3)
+    # Sampling flags not given are left to the daemon's defaults.
+    assert (req.temperature, req.top_p, req.top_k, req.max_new_tokens) == (None,) * 4
+    assert run_generate(cli("--connect", endpoint, "--temperature", "0", "--top-k", "4", "x")) == 0
+    req = peer.requests[-1]
+    assert isinstance(req, Generate)
+    assert (req.temperature, req.top_p, req.top_k) == (0.0, None, 4)
 
 
 def test_cli_stdin_and_stream(

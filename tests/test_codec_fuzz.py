@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -119,9 +120,9 @@ generates = st.builds(
     messages=st.none()
     | st.lists(st.builds(ChatMessage, role=st.text(max_size=64), content=texts), max_size=3),
     max_new_tokens=st.none() | token_ids,
-    temperature=st.floats(0.0, 100.0),
-    top_p=st.floats(0.0, 1.0, exclude_min=True),
-    top_k=token_ids,
+    temperature=st.none() | st.floats(0.0, 100.0),
+    top_p=st.none() | st.floats(0.0, 1.0, exclude_min=True),
+    top_k=st.none() | token_ids,
     seed=st.none() | st.integers(0, MAX_SEED),
     stop=st.lists(texts, max_size=MAX_STOP_STRINGS),
     stop_token_ids=st.lists(token_ids, max_size=8),
@@ -249,6 +250,48 @@ reply_frames = replies.map(REPLIES.encode)
 @given(requests)
 def test_requests_round_trip(msg: ClientRequest) -> None:
     assert REQUESTS.decode(REQUESTS.encode(msg)) == msg
+
+
+class GenerateBeforeNone(msgspec.Struct, tag="generate", frozen=True):
+    """``Generate`` as clients built it before its sampling fields could be left out."""
+
+    request_id: str
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int = 0
+    stream: bool = False
+
+
+with_sampling_values = st.builds(
+    lambda msg, t, p, k: msgspec.structs.replace(msg, temperature=t, top_p=p, top_k=k),
+    generates,
+    st.floats(0.0, 100.0),
+    st.floats(0.0, 1.0, exclude_min=True),
+    token_ids,
+)
+
+
+@FUZZ
+@given(with_sampling_values)
+def test_requests_with_sampling_values_keep_their_bytes(msg: Generate) -> None:
+    before = GenerateBeforeNone(**msgspec.structs.asdict(msg))
+    frame = REQUESTS.header + msgspec.msgpack.encode(before)
+    assert REQUESTS.encode(msg) == frame
+    assert REQUESTS.decode(frame) == msg
+
+
+def test_an_old_clients_default_values_still_arrive() -> None:
+    frame = REQUESTS.header + msgspec.msgpack.encode(GenerateBeforeNone("r"))
+    assert REQUESTS.decode(frame) == Generate("r", temperature=1.0, top_p=1.0, top_k=0)
 
 
 @FUZZ

@@ -9,8 +9,10 @@ same model directory with the same page size and context length.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
+import shutil
 import signal
 import socket
 import time
@@ -692,9 +694,10 @@ def _curve_files(directory: Path, secret_mode: int = 0o600) -> tuple[str, Path, 
 
 
 @pytest.mark.e2e
-def test_start_up_refusals(spawn: Callable[..., Daemon], tmp_path: Path) -> None:
+def test_start_up_refusals(spawn: Callable[..., Daemon], model_dir: Path, tmp_path: Path) -> None:
     empty_model = tmp_path / "empty-model"
     empty_model.mkdir()
+    bad_generation = _model_copy(model_dir, tmp_path / "bad-generation", '{"top_p": 0}')
     missing_model = tmp_path / "no-such-model"
     secret, _, _ = _curve_files(tmp_path / "curve")
     open_secret, open_clients, _ = _curve_files(tmp_path / "curve-0644", secret_mode=0o644)
@@ -732,6 +735,13 @@ def test_start_up_refusals(spawn: Callable[..., Daemon], tmp_path: Path) -> None
             ["--model", str(empty_model)],
             {},
             f"outrider serve: --model {empty_model}: no config.json in the directory",
+            True,
+        ),
+        "bad-generation-config": (
+            ["--model", str(bad_generation)],
+            {},
+            f"outrider serve: --generation-config auto: {bad_generation}/generation_config.json: "
+            "Expected `float` > 0.0 - at `$.top_p`",
             True,
         ),
         "taken-tcp": (
@@ -785,6 +795,49 @@ def test_start_up_refusals(spawn: Callable[..., Daemon], tmp_path: Path) -> None
     finally:
         holder.close()
         abstract.close()
+
+
+def _model_copy(model_dir: Path, directory: Path, generation_config: str) -> Path:
+    """A copy of ``model_dir`` at ``directory``, with this generation_config.json."""
+    shutil.copytree(model_dir, directory)
+    (directory / "generation_config.json").write_text(generation_config)
+    return directory
+
+
+@pytest.mark.e2e
+def test_the_models_generation_config_gives_the_sampling_defaults(
+    spawn: Callable[..., Daemon], model_dir: Path, tmp_path: Path
+) -> None:
+    qwen3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    generation_config = json.dumps(qwen3 | {"repetition_penalty": 1.1})
+    model = _model_copy(model_dir, tmp_path / "qwen3-like", generation_config)
+    daemon = spawn("defaults", "--model", str(model))
+    daemon.wait_serving()
+    file = model / "generation_config.json"
+    with Client(daemon.endpoint, timeout=60) as client:
+        info = client.server_info()
+        assert info.configuration["sampling_defaults"] == {
+            "temperature": 0.6,
+            "top_p": 0.95,
+            "top_k": 20,
+            "source": f"from {file}",
+        }
+        request: dict[str, Any] = {
+            "input_ids": [5, 6, 7],
+            "max_new_tokens": 16,
+            "seed": 3,
+            "ignore_eos": True,
+        }
+        left_out = client.generate(**request).output_ids
+        given = client.generate(**request, temperature=0.6, top_p=0.95, top_k=20).output_ids
+        outriders = client.generate(**request, temperature=1.0, top_p=1.0, top_k=0).output_ids
+    assert left_out == given != outriders
+    assert daemon.stop() == 0
+    log = daemon.log()
+    assert (
+        f"sampling defaults: temperature 0.6, top_p 0.95, top_k 20 (from {file}; "
+        "ignored, not implemented: repetition_penalty)\n"
+    ) in log, log
 
 
 @pytest.mark.e2e

@@ -11,6 +11,7 @@ import pytest
 
 from outrider.daemon import family
 from outrider.daemon.config import ConfigError, ServeConfig, add_serve_arguments, resolve
+from outrider.daemon.sampling_defaults import read_generation_config
 
 
 def _resolve(*argv: str) -> ServeConfig:
@@ -63,3 +64,21 @@ def test_without_the_family_the_model_is_required(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(family, "PACKAGE", "no_such_family_package")
     with pytest.raises(ConfigError, match=r"--model is required \(or OUTRIDER_MODEL\): the "):
         _resolve()
+
+
+def test_the_family_keeps_outriders_sampling_defaults(installed: Path) -> None:
+    # Its generation_config.json is the recipe's export (do_sample false), not a choice.
+    assert _resolve().generation_config == "none"
+    assert _resolve("--speculative-algorithm", "none").generation_config == "none"
+    assert _resolve("--generation-config", "auto").generation_config == "auto"
+    assert _resolve("--model", "/my/model").generation_config == "auto"
+
+
+def test_the_installed_familys_generation_config_reads_as_greedy() -> None:
+    """Why the family defaults to ``--generation-config none``: its file says greedy. Once the
+    family ships sampling defaults chosen by measurement, that default goes (family.py)."""
+    found = family.embedded_family()
+    if found is None:
+        pytest.skip("the embedded family is not installed")
+    path = found.target / "generation_config.json"
+    assert read_generation_config(path).temperature == 0.0

@@ -35,6 +35,7 @@ from frontdoor_harness import (
 from outrider.daemon.frontdoor import FrontDoorConfig, run_frontdoor
 from outrider.daemon.frontdoor_clients import PROBE_FIRST_S
 from outrider.daemon.internal import ErrorInfo, RequestUpdate, StateChange
+from outrider.daemon.sampling_defaults import SamplingDefaults
 from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol import (
     Client,
@@ -60,6 +61,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 T = TypeVar("T")
 
 SLOW_CONSUMER_S = 0.5
+# The shared front door's sampling defaults (--generation-config auto on a Qwen3 model).
+DEFAULTS = SamplingDefaults(0.6, 0.95, 20, source="from generation_config.json")
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +80,7 @@ async def stack(tokenizer_dir: Path, tokenizer: Tokenizer, vocab_size: int) -> A
         max_inflight=100,
         slow_consumer_timeout=SLOW_CONSUMER_S,
         client_hwm=4,
+        sampling_defaults=DEFAULTS,
     )
     assert (await s.status("frontdoor")).state == "started"
     assert (await s.status("detokenizer")).state == "started"
@@ -315,6 +319,26 @@ async def test_tokenization_seed_and_chat_template(
     assert plain.sampling.seed == 7
 
 
+async def test_left_out_sampling_values_get_the_defaults(stack: Stack, client: Client) -> None:
+    async def sampled(request_id: str, **given: float) -> tuple[float, float, int]:
+        await call(client.generate, input_ids=[5], max_new_tokens=1, request_id=request_id, **given)
+        s = (await stack.daemon.request(request_id)).sampling
+        return (s.temperature, s.top_p, s.top_k)
+
+    assert await sampled("defaults") == (0.6, 0.95, 20)
+    assert await sampled("given", temperature=1.0, top_p=1.0, top_k=0) == (1.0, 1.0, 0)
+    assert await sampled("greedy", temperature=0.0) == (0.0, 0.95, 20)
+    # A frame without the keys at all (not even nil) is the same.
+    raw = stack.raw()
+    try:
+        body = {"type": "generate", "request_id": "absent", "input_ids": [5], "max_new_tokens": 1}
+        assert isinstance(await raw.call(body), Finished)
+    finally:
+        raw.close()
+    absent = (await stack.daemon.request("absent")).sampling
+    assert (absent.temperature, absent.top_p, absent.top_k) == (0.6, 0.95, 20)
+
+
 async def test_max_new_tokens_zero_is_answered_without_the_daemon(
     stack: Stack, client: Client
 ) -> None:
@@ -515,7 +539,16 @@ async def test_server_info_counts_every_finished_request(stack: Stack, client: C
         3,
         1,
     )
-    assert (info.configuration, info.plugins) == ({"page_size": 16}, {"attention": "torch"})
+    sampling_defaults = {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "source": "from generation_config.json",
+    }
+    assert (info.configuration, info.plugins) == (
+        {"page_size": 16, "sampling_defaults": sampling_defaults},
+        {"attention": "torch"},
+    )
 
 
 async def test_health_is_serving_with_fresh_heartbeats(client: Client) -> None:

@@ -1,0 +1,65 @@
+"""The HTTP front's settings and its ``--http HOST:PORT`` address: parsed, checked, bound.
+
+Light (no Starlette, no uvicorn): the CLI and the daemon import it whether or not ``--http``
+is given.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import socket
+from dataclasses import dataclass
+
+# What the HTTP front imports beyond the daemon's own needs (the daemon extra has them).
+HTTP_MODULES = ("starlette", "uvicorn", "httptools")
+
+
+@dataclass(frozen=True)
+class HttpFrontConfig:
+    """What the daemon hands the HTTP front (http_front.py) at spawn."""
+
+    host: str
+    port: int
+    client_endpoint: str  # the daemon's client socket (the front door binds it once ready)
+    served_model_name: str
+    version: str
+    model_dir: str | None  # for token texts in logprobs (its tokenizer.json)
+    api_key: str = ""  # "": no key checked
+    log_level: str = "info"
+
+
+def missing_http_modules() -> list[str]:
+    return [name for name in HTTP_MODULES if importlib.util.find_spec(name) is None]
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); raises ValueError."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening); raises OSError."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock

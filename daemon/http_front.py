@@ -1,0 +1,327 @@
+"""The HTTP front: an OpenAI-compatible server (Starlette on uvicorn) in its own process, one
+more client of the daemon's ZeroMQ protocol (``AsyncClient``).
+
+It is the daemon's third child (children.py), under the same contract as the other two
+(child_runtime.py): it binds its HTTP socket at start and reports ``serving`` (or
+``bind_failed``), heartbeats through its pipe, and once the daemon closes the pipe it stops
+accepting connections, lets the responses in flight end (the daemon has drained by then: each
+has had its final frame), and exits. While the daemon drains, new requests are answered 503
+(the front door's ``shutting_down``).
+
+Status codes from the daemon's error codes: ``invalid_request`` / ``unsupported`` 400,
+``prompt_too_long`` 413, ``overloaded`` 429, ``shutting_down`` / ``connection_lost`` /
+``timeout`` 503, anything else 500. A client that goes away mid-stream aborts its request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import uvicorn
+import zmq.asyncio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from outrider.daemon.child_runtime import ChildTasks, ParentPipe, child_setup, run_child
+from outrider.daemon.http_config import HttpFrontConfig, bind_http
+from outrider.daemon.http_openai import (
+    ChatRequest,
+    CompletionRequest,
+    GenerateArgs,
+    InvalidRequest,
+    Shape,
+    TokenTexts,
+    chat_args,
+    completion_args,
+    decode_request,
+    new_id,
+    now,
+)
+from outrider.protocol import AsyncClient, AsyncTokenStream, RequestError, TokenChunk
+
+log = logging.getLogger("outrider.http")
+
+HEALTH_TIMEOUT_S = 2.0
+GRACEFUL_SHUTDOWN_S = 1  # within child_runtime.FLUSH_LIMIT_S
+
+_STATUS_OF_CODE = {
+    "invalid_request": 400,
+    "unsupported": 400,
+    "prompt_too_long": 413,
+    "overloaded": 429,
+    "shutting_down": 503,
+    "connection_lost": 503,
+    "timeout": 503,
+}
+_TYPE_OF_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+def run_http_front(cfg: HttpFrontConfig, parent_conn: Connection) -> None:
+    """Entry point of the HTTP front process (``multiprocessing`` spawn target)."""
+    child_setup("http", cfg.log_level)
+    run_child(lambda ctx: _main(cfg, ParentPipe(parent_conn, "http"), ctx))
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # NOTE: children ignore SIGINT/SIGTERM (the daemon stops them by closing the pipe);
+        # uvicorn would otherwise install its own handlers and re-raise the signal at exit.
+        yield
+
+
+async def _main(cfg: HttpFrontConfig, parent: ParentPipe, _ctx: zmq.asyncio.Context) -> None:
+    try:
+        sock = bind_http(cfg.host, cfg.port)
+    except OSError as exc:
+        parent.report("bind_failed", error=exc.strerror or str(exc))
+        await ChildTasks(parent).run()
+        return
+    host, port = sock.getsockname()[:2]
+    client = AsyncClient(cfg.client_endpoint)
+    app = HttpFront(cfg, client).app()
+    server = _Server(
+        uvicorn.Config(
+            app,
+            loop="none",
+            http="httptools",
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    )
+    tasks = ChildTasks(parent)
+    stopping = False
+
+    async def serve() -> None:
+        await server.serve(sockets=[sock])
+        if not stopping:
+            raise RuntimeError("the HTTP server stopped on its own")
+
+    def parent_gone() -> None:
+        nonlocal stopping
+        stopping = True
+        server.should_exit = True
+
+    tasks.spawn(serve())
+    parent.report("serving", endpoint=f"http://{host}:{port}")
+    log.info("HTTP front on http://%s:%d (model %s)", host, port, cfg.served_model_name)
+    try:
+        await tasks.run(parent_gone=parent_gone, flushed=lambda: not server.server_state.tasks)
+    finally:
+        client.close()
+
+
+class _ApiKey:
+    """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer KEY``."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self._app = app
+        self._expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                response = error_response(401, "invalid or missing API key", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+
+def error_body(status: int, message: str, param: str | None, code: str | None) -> bytes:
+    kind = _TYPE_OF_STATUS.get(status, "internal_error")
+    return msgspec.json.encode(
+        {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    )
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> Response:
+    return Response(error_body(status, message, param, code), status, media_type="application/json")
+
+
+def invalid_response(exc: InvalidRequest) -> Response:
+    return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
+
+
+def request_error_response(exc: RequestError) -> Response:
+    return error_response(_STATUS_OF_CODE.get(exc.code, 500), exc.message, code=exc.code)
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status, media_type="application/json")
+
+
+def sse(body: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that aborts its request when it ends unfinished, however it ends (a
+    client that went away makes the next send fail, or cancels the task)."""
+
+    def __init__(self, body: AsyncIterator[bytes], stream: AsyncTokenStream) -> None:
+        super().__init__(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
+
+
+class HttpFront:
+    """The routes; every request goes to the daemon through one shared ``AsyncClient``."""
+
+    def __init__(self, cfg: HttpFrontConfig, client: AsyncClient) -> None:
+        self._cfg = cfg
+        self._client = client
+        self._texts = TokenTexts(cfg.model_dir)
+        self._created = now()
+
+    def app(self) -> ASGIApp:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/health/ready", self.ready, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+        app: ASGIApp = Starlette(routes=routes)
+        return _ApiKey(app, self._cfg.api_key) if self._cfg.api_key else app
+
+    async def health(self, _request: Request) -> Response:
+        """200 when the daemon answers ``health`` at all (loading, serving or draining)."""
+        try:
+            health = await self._client.health(timeout=HEALTH_TIMEOUT_S)
+        except RequestError as exc:
+            return error_response(503, f"the daemon does not answer: {exc.message}", code=exc.code)
+        return json_response({"status": health.status})
+
+    async def ready(self, _request: Request) -> Response:
+        """200 only while the daemon serves (not loading, not draining)."""
+        try:
+            health = await self._client.health(timeout=HEALTH_TIMEOUT_S)
+        except RequestError as exc:
+            return error_response(503, f"the daemon does not answer: {exc.message}", code=exc.code)
+        status = 200 if health.status == "serving" else 503
+        return json_response({"status": health.status}, status)
+
+    async def version(self, _request: Request) -> Response:
+        return json_response({"version": self._cfg.version})
+
+    async def models(self, _request: Request) -> Response:
+        card = {
+            "id": self._cfg.served_model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "outrider",
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            req = decode_request(await request.body(), CompletionRequest)
+            self._check_model(req.model)
+            args = completion_args(req)
+        except InvalidRequest as exc:
+            return invalid_response(exc)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return await self._run(args, False, req.stream, include_usage)
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            req = decode_request(await request.body(), ChatRequest)
+            self._check_model(req.model)
+            args = chat_args(req)
+        except InvalidRequest as exc:
+            return invalid_response(exc)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return await self._run(args, True, req.stream, include_usage)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self._cfg.served_model_name:
+            raise InvalidRequest(
+                f"model {model!r} is not served here (this is {self._cfg.served_model_name!r})",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
+
+    async def _run(
+        self, args: GenerateArgs, chat: bool, streamed: bool, include_usage: bool
+    ) -> Response:
+        shape = Shape(
+            chat=chat,
+            request_id=new_id("chatcmpl" if chat else "cmpl"),
+            model=self._cfg.served_model_name,
+            created=now(),
+            top_logprobs=args.top_logprobs,
+            texts=self._texts,
+        )
+        if not streamed:
+            try:
+                result = await self._client.generate(**args.client_kwargs())
+            except RequestError as exc:
+                return request_error_response(exc)
+            return json_response(shape.full(result))
+        stream = self._client.stream(**args.client_kwargs())
+        # The first chunk is awaited here, so that a refused request gets its status code.
+        try:
+            first: TokenChunk | None = await anext(stream)
+        except StopAsyncIteration:
+            first = None
+        except RequestError as exc:
+            return request_error_response(exc)
+        return _Stream(_sse_events(shape, stream, first, include_usage), stream)
+
+
+async def _sse_events(
+    shape: Shape, stream: AsyncTokenStream, first: TokenChunk | None, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The events of one streamed response: chunks, the finish, usage, ``[DONE]``."""
+    try:
+        if shape.chat:
+            yield sse(_with_usage(shape.chunk("", role=True), include_usage))
+        if first is not None:
+            yield sse(_with_usage(shape.token_chunk(first), include_usage))
+            async for chunk in stream:
+                yield sse(_with_usage(shape.token_chunk(chunk), include_usage))
+        result = stream.result
+        assert result is not None
+        finish = shape.chunk(None if shape.chat else "", finish_reason=result.finish_reason)
+        yield sse(_with_usage(finish, include_usage))
+        if include_usage:
+            yield sse(shape.usage_chunk(result.usage))
+    except RequestError as exc:
+        status = _STATUS_OF_CODE.get(exc.code, 500)
+        yield b"data: " + error_body(status, exc.message, None, exc.code) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    # With include_usage, every chunk but the last carries "usage": null (OpenAI's shape).
+    return chunk | {"usage": None} if include_usage else chunk

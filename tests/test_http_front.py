@@ -1,0 +1,239 @@
+"""End to end: ``outrider serve --http`` on the embedded family, driven by the official
+``openai`` client (sync and async) and by raw server-sent events through ``httpx``."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from daemon_harness import Daemon, poll_until
+
+from outrider.daemon.family import embedded_family
+from outrider.protocol import Client
+
+API_KEY = "test-key"
+FAMILY = embedded_family()
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(FAMILY is None, reason="the embedded family is not installed"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class HttpDaemon:
+    def __init__(self, workdir: Path, *args: str) -> None:
+        assert FAMILY is not None
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.daemon = Daemon(
+            FAMILY.target,
+            workdir,
+            "--http", f"127.0.0.1:{self.port}",
+            "--speculative-algorithm", "none",
+            *args,
+        )  # fmt: skip
+        self.daemon.wait_serving()
+        poll_until(self._http_up, 30.0, "the HTTP front answering")
+
+    def _http_up(self) -> bool:
+        try:
+            return httpx.get(self.base + "/health/ready", timeout=2.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def openai(self, key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    http = HttpDaemon(tmp_path_factory.mktemp("http"), "--api-key", API_KEY)
+    try:
+        yield http
+        assert http.daemon.stop() == 0, http.daemon.log()
+    finally:
+        http.daemon.kill_all()
+
+
+def _sse_events(response: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_models_health_and_version(server: HttpDaemon) -> None:
+    models = server.openai().models.list()
+    assert [m.id for m in models.data] == ["outrider-family"]
+    assert httpx.get(server.base + "/health").json() == {"status": "serving"}
+    assert httpx.get(server.base + "/version").json()["version"] == "0.1.0"
+
+
+def test_completions_stream_equals_non_streamed(server: HttpDaemon) -> None:
+    client = server.openai()
+    params = dict(
+        model="outrider-family", prompt="Once upon a time", max_tokens=24, temperature=0.9,
+        seed=11, extra_body={"ignore_eos": True, "top_k": 40},
+    )  # fmt: skip
+    full = client.completions.create(**params)  # type: ignore[call-overload]
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage is not None and full.usage.completion_tokens == 24
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 24
+    assert full.usage.prompt_tokens_details is not None
+    pieces, usage = [], None
+    for chunk in client.completions.create(
+        stream=True,
+        stream_options={"include_usage": True},
+        **params,  # type: ignore[arg-type]
+    ):
+        pieces += [choice.text for choice in chunk.choices]
+        usage = chunk.usage or usage
+    assert "".join(pieces) == full.choices[0].text
+    assert usage is not None and usage.completion_tokens == 24
+
+
+async def test_async_chat_stream_and_not(server: HttpDaemon) -> None:
+    client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0)
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    full = await client.chat.completions.create(
+        model="outrider-family", messages=messages, max_completion_tokens=16, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )  # type: ignore[call-overload]  # fmt: skip
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert len(choice.logprobs.content) == full.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
+    stream = await client.chat.completions.create(
+        model="outrider-family", messages=messages, max_tokens=16, temperature=0, stream=True
+    )  # type: ignore[call-overload]
+    text, reasons = "", []
+    async for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            reasons.append(c.finish_reason)
+    assert text == choice.message.content
+    assert reasons[-1] == choice.finish_reason and reasons[:-1] == [None] * (len(reasons) - 1)
+    await client.close()
+
+
+def test_raw_sse_usage_chunk_and_done(server: HttpDaemon) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream(
+        "POST", server.base + "/v1/chat/completions", json=body, headers=headers
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
+    assert all(chunk["usage"] is None for chunk in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_errors_in_the_openai_shape(server: HttpDaemon) -> None:
+    client = server.openai()
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="outrider-family", prompt="x", n=2)
+    assert bad.value.status_code == 400 and bad.value.param == "n"  # type: ignore[attr-defined]
+    with pytest.raises(openai.AuthenticationError) as unauthorized:
+        server.openai("wrong-key").models.list()
+    assert unauthorized.value.status_code == 401
+    with pytest.raises(openai.APIStatusError) as too_long:
+        client.completions.create(model="outrider-family", prompt=[5] * 600, max_tokens=1)
+    assert too_long.value.status_code == 413
+    assert too_long.value.body["code"] == "prompt_too_long"  # type: ignore[index]
+    with pytest.raises(openai.APIStatusError) as too_long_streamed:
+        client.completions.create(
+            model="outrider-family", prompt=[5] * 600, max_tokens=1, stream=True
+        )
+    assert too_long_streamed.value.status_code == 413
+    with pytest.raises(openai.NotFoundError) as unknown_model:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert unknown_model.value.code == "model_not_found"
+    raw = httpx.post(
+        server.base + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert raw.status_code == 400
+    assert set(raw.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_disconnect_mid_stream_aborts_the_request(server: HttpDaemon) -> None:
+    with Client(server.daemon.endpoint) as zmq_client:
+        aborted_before = zmq_client.server_info().requests_finished.get("abort", 0)
+        body = {"prompt": "The", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        with httpx.stream(
+            "POST", server.base + "/v1/completions", json=body, headers=headers
+        ) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            during = zmq_client.server_info()
+            assert during.running == 1
+        # The connection is closed: the request is aborted long before its 400 tokens.
+        after = poll_until(
+            lambda: (
+                info
+                if (info := zmq_client.server_info()).requests_finished.get("abort", 0)
+                > aborted_before
+                else None
+            ),
+            10.0,
+            "the request aborted",
+        )
+        assert after.running == 0 and after.waiting == 0
+        assert after.kv_used_tokens <= during.kv_used_tokens
+
+
+def test_sigterm_drains_running_streams_and_refuses_new_ones(tmp_path: Path) -> None:
+    http = HttpDaemon(tmp_path)
+    try:
+        client = http.openai("none")
+        stream = client.completions.create(
+            model="outrider-family", prompt="A", max_tokens=200, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # type: ignore[call-overload]  # fmt: skip
+        first = next(iter(stream))
+        assert first.choices[0].finish_reason is None
+        http.daemon.send_signal(signal.SIGTERM)
+        refused: list[int] = []
+
+        def late_request() -> None:
+            try:
+                client.completions.create(model="outrider-family", prompt="B", max_tokens=2)
+            except openai.APIStatusError as exc:
+                refused.append(exc.status_code)
+            except openai.APIConnectionError:
+                refused.append(-1)
+
+        poll_until(lambda: "draining" in http.daemon.log(), 10.0, "the daemon draining")
+        thread = threading.Thread(target=late_request)
+        thread.start()
+        reasons = [c.finish_reason for chunk in stream for c in chunk.choices]
+        thread.join(10)
+        assert reasons[-1] == "length"
+        assert refused == [503]
+        assert http.daemon.wait_exit() == 0
+        http.daemon.wait_group_gone()
+    finally:
+        http.daemon.kill_all()
