@@ -15,6 +15,8 @@ from outrider.daemon.config import EXIT_CONFIG, ConfigError, add_serve_arguments
 from outrider.daemon.generate_cmd import add_generate_arguments, run_generate
 from outrider.daemon.logs import configure_logging
 from outrider.daemon.plugins_cmd import add_plugins_arguments, run_plugins
+from outrider.daemon.version import installed_version
+from outrider.protocol.messages import PROTOCOL_VERSION
 
 _DAEMON_EXTRA = ("torch", "transformers", "safetensors", "uvloop")
 
@@ -22,6 +24,11 @@ _DAEMON_EXTRA = ("torch", "transformers", "safetensors", "uvloop")
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outrider", description="An LLM inference daemon built around speculative decoding."
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"outrider {installed_version()} (client protocol {PROTOCOL_VERSION})",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(commands.add_parser("serve", help="run the daemon"))

@@ -10,17 +10,19 @@ has had its final frame), and exits. While the daemon drains, new requests are a
 
 Status codes from the daemon's error codes: ``invalid_request`` / ``unsupported`` 400,
 ``prompt_too_long`` 413, ``overloaded`` 429, ``shutting_down`` / ``connection_lost`` /
-``timeout`` 503, anything else 500. A client that goes away mid-stream aborts its request.
+``timeout`` 503, anything else 500. A client that goes away aborts its request, streamed or
+not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import uvicorn
@@ -50,8 +52,14 @@ from outrider.protocol import AsyncClient, AsyncTokenStream, RequestError, Token
 
 log = logging.getLogger("outrider.http")
 
+T = TypeVar("T")
+
 HEALTH_TIMEOUT_S = 2.0
+# How often a non-streamed request checks whether its client is still there.
+DISCONNECT_POLL_S = 0.25
 GRACEFUL_SHUTDOWN_S = 1  # within child_runtime.FLUSH_LIMIT_S
+# The status logged for a request whose client left before its answer (nginx's convention).
+CLIENT_GONE = 499
 
 _STATUS_OF_CODE = {
     "invalid_request": 400,
@@ -250,7 +258,7 @@ class HttpFront:
         except InvalidRequest as exc:
             return invalid_response(exc)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return await self._run(args, False, req.stream, include_usage)
+        return await self._run(request, args, False, req.stream, include_usage)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
@@ -260,7 +268,7 @@ class HttpFront:
         except InvalidRequest as exc:
             return invalid_response(exc)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return await self._run(args, True, req.stream, include_usage)
+        return await self._run(request, args, True, req.stream, include_usage)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self._cfg.served_model_name:
@@ -272,7 +280,12 @@ class HttpFront:
             )
 
     async def _run(
-        self, args: GenerateArgs, chat: bool, streamed: bool, include_usage: bool
+        self,
+        request: Request,
+        args: GenerateArgs,
+        chat: bool,
+        streamed: bool,
+        include_usage: bool,
     ) -> Response:
         shape = Shape(
             chat=chat,
@@ -283,10 +296,13 @@ class HttpFront:
             texts=self._texts,
         )
         if not streamed:
+            call = asyncio.ensure_future(self._client.generate(**args.client_kwargs()))
             try:
-                result = await self._client.generate(**args.client_kwargs())
+                result = await _unless_gone(request, call)
             except RequestError as exc:
                 return request_error_response(exc)
+            if result is None:  # nobody reads this answer: the request was aborted
+                return Response(status_code=CLIENT_GONE)
             return json_response(shape.full(result))
         stream = self._client.stream(**args.client_kwargs())
         # The first chunk is awaited here, so that a refused request gets its status code.
@@ -297,6 +313,20 @@ class HttpFront:
         except RequestError as exc:
             return request_error_response(exc)
         return _Stream(_sse_events(shape, stream, first, include_usage), stream)
+
+
+async def _unless_gone(request: Request, call: asyncio.Future[T]) -> T | None:
+    """``call``'s result, or None once the client has gone away: ``call`` is then cancelled,
+    which aborts its request (``AsyncClient``)."""
+    while True:
+        done, _ = await asyncio.wait({call}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return call.result()
+        if await request.is_disconnected():
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RequestError):
+                await call
+            return None
 
 
 async def _sse_events(

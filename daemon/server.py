@@ -67,12 +67,13 @@ from outrider.daemon.sampling_defaults import SamplingDefaults, resolve_sampling
 from outrider.daemon.scheduler.loop import StepFailed
 from outrider.daemon.sdnotify import Notifier, strip_notify_env
 from outrider.daemon.tokenizer import TOKENIZER_FILES
+from outrider.daemon.version import installed_version
 from outrider.protocol.endpoints import default_endpoint
 from outrider.protocol.frames import FrameError
 
 log = logging.getLogger("outrider.daemon")
 
-VERSION = "0.1.0"
+VERSION = installed_version()
 HEARTBEAT_SECONDS = 1.0
 # How long the final frames of a drained daemon may take to reach the children at exit.
 FLUSH_LINGER_MS = 5000

@@ -205,6 +205,29 @@ def test_a_disconnect_mid_stream_aborts_the_request(server: HttpDaemon) -> None:
         assert after.kv_used_tokens <= during.kv_used_tokens
 
 
+def test_a_client_gone_before_a_non_streamed_answer_aborts_the_request(
+    server: HttpDaemon,
+) -> None:
+    with Client(server.daemon.endpoint) as zmq_client:
+        aborted_before = zmq_client.server_info().requests_finished.get("abort", 0)
+        body = {"prompt": "The", "max_tokens": 400, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        # The client gives up after half a second and closes the connection.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base + "/v1/completions", json=body, headers=headers, timeout=0.5)
+        after = poll_until(
+            lambda: (
+                info
+                if (info := zmq_client.server_info()).requests_finished.get("abort", 0)
+                > aborted_before
+                else None
+            ),
+            10.0,
+            "the request aborted",
+        )
+        assert after.running == 0 and after.waiting == 0
+
+
 def test_sigterm_drains_running_streams_and_refuses_new_ones(tmp_path: Path) -> None:
     http = HttpDaemon(tmp_path)
     try:
