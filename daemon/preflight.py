@@ -15,6 +15,7 @@ from outrider.daemon.config import ServeConfig
 from outrider.daemon.curve_auth import CurveKeyError, load_client_keys, load_server_keys
 
 _INDEX = "model.safetensors.index.json"
+_GENERATION_CONFIG = "generation_config.json"
 
 
 def preflight(config: ServeConfig) -> list[str]:
@@ -30,8 +31,9 @@ def preflight(config: ServeConfig) -> list[str]:
 
 
 def model_problems(flag: str, path: str, load_format: str) -> list[str]:
-    """``path`` is a model directory with a config.json, or a config.json file; with
-    ``--load-format auto`` its directory holds safetensors weights (what the loader reads)."""
+    """``path`` is a model directory with a config.json, or a config.json file; a
+    generation_config.json beside it is a JSON object; with ``--load-format auto`` its
+    directory holds safetensors weights (what the loader reads)."""
     where = f"{flag} {path}"
     given = Path(path)
     if given.is_dir():
@@ -45,6 +47,10 @@ def model_problems(flag: str, path: str, load_format: str) -> list[str]:
     else:
         return [f"{where}: no such file or directory"]
     problem = _config_problem(config_file)
+    generation = directory / _GENERATION_CONFIG
+    if problem is None and generation.is_file():
+        # Read at load for its EOS ids, whatever --generation-config says.
+        problem = _config_problem(generation)
     if problem is None and load_format == "auto":
         problem = _weights_problem(directory)
     return [] if problem is None else [f"{where}: {problem}"]

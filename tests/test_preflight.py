@@ -48,6 +48,8 @@ def test_model_refusals_name_the_flag_and_the_path(tmp_path: Path) -> None:
     pickled = _model(tmp_path / "pickled", "pytorch_model.bin")
     bad_json = _model(tmp_path / "bad-json", "model.safetensors")
     (bad_json / "config.json").write_text("{")
+    bad_generation = _model(tmp_path / "bad-generation", "model.safetensors")
+    (bad_generation / "generation_config.json").write_text("[1, 2")
     sharded = _model(tmp_path / "sharded", "a.safetensors")
     index = {"weight_map": {"x": "a.safetensors", "y": "b.safetensors"}}
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -58,6 +60,7 @@ def test_model_refusals_name_the_flag_and_the_path(tmp_path: Path) -> None:
         pickled: "no *.safetensors weights (--load-format dummy runs without them); *.bin "
         "checkpoints are not read: convert them to safetensors",
         bad_json: "config.json is not JSON",
+        bad_generation: "generation_config.json is not JSON",
         sharded: "model.safetensors.index.json names missing shards: b.safetensors",
     }
     for path, reason in cases.items():
