@@ -14,7 +14,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from outrider.daemon.family import family_defaults
-from outrider.daemon.http_config import is_loopback, parse_host_port
+from outrider.daemon.http_config import parse_host_port
+from outrider.daemon.runtime import is_loopback
 from outrider.plugins.api import PHASES, CheckContext, Phase
 
 Device = Literal["cpu", "cuda"]

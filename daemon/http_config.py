@@ -7,7 +7,6 @@ is given.
 from __future__ import annotations
 
 import importlib.util
-import ipaddress
 import socket
 from dataclasses import dataclass
 
@@ -39,15 +38,6 @@ def parse_host_port(value: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"expected HOST:PORT, got {value!r}")
     return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bind_http(host: str, port: int) -> socket.socket:

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
@@ -53,6 +53,7 @@ from outrider.protocol import AsyncClient, AsyncTokenStream, RequestError, Token
 log = logging.getLogger("outrider.http")
 
 T = TypeVar("T")
+R = TypeVar("R", CompletionRequest, ChatRequest)
 
 HEALTH_TIMEOUT_S = 2.0
 # How often a non-streamed request checks whether its client is still there.
@@ -253,22 +254,25 @@ class HttpFront:
     async def completions(self, request: Request) -> Response:
         try:
             req = decode_request(await request.body(), CompletionRequest)
-            self._check_model(req.model)
-            args = completion_args(req)
+            return await self._answer(request, req, completion_args, chat=False)
         except InvalidRequest as exc:
             return invalid_response(exc)
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return await self._run(request, args, False, req.stream, include_usage)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
             req = decode_request(await request.body(), ChatRequest)
-            self._check_model(req.model)
-            args = chat_args(req)
+            return await self._answer(request, req, chat_args, chat=True)
         except InvalidRequest as exc:
             return invalid_response(exc)
+
+    async def _answer(
+        self, request: Request, req: R, to_args: Callable[[R], GenerateArgs], *, chat: bool
+    ) -> Response:
+        """``req`` checked and run; raises ``InvalidRequest`` before anything is sent."""
+        self._check_model(req.model)
+        args = to_args(req)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return await self._run(request, args, True, req.stream, include_usage)
+        return await self._run(request, args, chat, req.stream, include_usage)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self._cfg.served_model_name:

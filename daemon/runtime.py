@@ -139,7 +139,7 @@ def tcp_bind_problem(endpoint: str, *, curve_keys: bool, insecure_tcp: bool) -> 
     if not endpoint.startswith("tcp://"):
         return None
     host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    if _is_loopback(host) or curve_keys or insecure_tcp:
+    if is_loopback(host) or curve_keys or insecure_tcp:
         return None
     return (
         f"refusing to bind {endpoint} beyond loopback without CURVE keys: set "
@@ -147,7 +147,8 @@ def tcp_bind_problem(endpoint: str, *, curve_keys: bool, insecure_tcp: bool) -> 
     )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """``host`` (a name, or an address with an optional ``%zone``) is this machine only."""
     if host == "localhost":
         return True
     try:

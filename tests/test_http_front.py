@@ -17,6 +17,7 @@ from daemon_harness import Daemon, poll_until
 
 from outrider.daemon.family import embedded_family
 from outrider.protocol import Client
+from outrider.protocol.messages import ServerInfo
 
 API_KEY = "test-key"
 FAMILY = embedded_family()
@@ -178,6 +179,19 @@ def test_errors_in_the_openai_shape(server: HttpDaemon) -> None:
     assert set(raw.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def _aborted_since(zmq_client: Client, aborted_before: int) -> ServerInfo:
+    """The daemon's state once more requests have been aborted than ``aborted_before``."""
+    return poll_until(
+        lambda: (
+            info
+            if (info := zmq_client.server_info()).requests_finished.get("abort", 0) > aborted_before
+            else None
+        ),
+        10.0,
+        "the request aborted",
+    )
+
+
 def test_a_disconnect_mid_stream_aborts_the_request(server: HttpDaemon) -> None:
     with Client(server.daemon.endpoint) as zmq_client:
         aborted_before = zmq_client.server_info().requests_finished.get("abort", 0)
@@ -191,16 +205,7 @@ def test_a_disconnect_mid_stream_aborts_the_request(server: HttpDaemon) -> None:
             during = zmq_client.server_info()
             assert during.running == 1
         # The connection is closed: the request is aborted long before its 400 tokens.
-        after = poll_until(
-            lambda: (
-                info
-                if (info := zmq_client.server_info()).requests_finished.get("abort", 0)
-                > aborted_before
-                else None
-            ),
-            10.0,
-            "the request aborted",
-        )
+        after = _aborted_since(zmq_client, aborted_before)
         assert after.running == 0 and after.waiting == 0
         assert after.kv_used_tokens <= during.kv_used_tokens
 
@@ -215,16 +220,7 @@ def test_a_client_gone_before_a_non_streamed_answer_aborts_the_request(
         # The client gives up after half a second and closes the connection.
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.base + "/v1/completions", json=body, headers=headers, timeout=0.5)
-        after = poll_until(
-            lambda: (
-                info
-                if (info := zmq_client.server_info()).requests_finished.get("abort", 0)
-                > aborted_before
-                else None
-            ),
-            10.0,
-            "the request aborted",
-        )
+        after = _aborted_since(zmq_client, aborted_before)
         assert after.running == 0 and after.waiting == 0
 
 

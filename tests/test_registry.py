@@ -416,15 +416,8 @@ def test_the_engine_discovers_once(
 
 
 def _flashinfer_ctx(routes: dict[Phase, str], speculative: str) -> CheckContext:
-    return CheckContext(
-        device="cuda",
-        dtype="bfloat16",
-        page_size=16,
-        overlap=True,
-        attention_routes=routes,
-        speculative_algorithm=speculative,
-        cuda_capability=(9, 0),
-    )
+    ctx = _ctx(routes, speculative, device="cuda")
+    return dataclasses.replace(ctx, dtype="bfloat16", cuda_capability=(9, 0))
 
 
 def test_flashinfer_serves_plain_decoding_on_every_phase_flag() -> None:
