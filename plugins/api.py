@@ -142,6 +142,11 @@ class AttentionCapabilities:
     # per KV bound bucket. False: it reads every length on the device, and one graph per batch
     # size, built with the largest bound, serves any length.
     graph_kv_bound: bool = True
+    # It schedules each forward on the host from every row's exact KV length. In a speculative
+    # cycle those exist only on the device (the accepted counts): as the verify backend, the
+    # engine then waits for the previous cycle's lengths before launching the next, and the
+    # overlap loop keeps only the host work before that wait.
+    host_plans: bool = False
     phases: frozenset[Phase] = frozenset(PHASES)
 
 

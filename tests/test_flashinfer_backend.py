@@ -156,3 +156,30 @@ def test_the_engine_serves_with_flashinfer_graphs_as_eagerly(
     assert {rid: len(tokens) for rid, tokens in graphed.items()} == {
         i: 20 + 3 * i for i in range(10)
     }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_flashinfer_verifies_speculative_chains(overlap: bool) -> None:
+    """The embedded family with DFlash in bf16, flashinfer verifying (the draft on torch):
+    cycles replayed from graphs, each planned from the exact lengths the host waited for, give
+    exactly the tokens of eager cycles with the same kernels, for batches of changing size."""
+    pytest.importorskip("flashinfer")
+    family = embedded_family()
+    assert family is not None, "the family package is installed with the test extra"
+    prompts = [[3 + (5 * i + 7 * j) % 4000 for j in range(4 + 11 * i)] for i in range(8)]
+    requests = [request(i, p, max_new_tokens=24 + 5 * i) for i, p in enumerate(prompts)]
+
+    def serve(**overrides: object) -> dict[int, list[int]]:
+        engine = engine_for(
+            str(family.target), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+            draft_attention_backend="torch", speculative_algorithm="dflash",
+            draft_model=str(family.drafts["dflash"]), no_overlap=not overlap, max_running=8,
+            **overrides,
+        )  # fmt: skip
+        assert engine.loop.runner.host_starts is not None
+        return tokens_of(run(engine, requests, stagger=2))
+
+    graphed = serve()
+    assert graphed == serve(disable_cuda_graph=True)
+    assert {rid: len(t) for rid, t in graphed.items()} == {i: 24 + 5 * i for i in range(8)}

@@ -428,28 +428,37 @@ def test_flashinfer_serves_plain_decoding_on_every_phase_flag() -> None:
     assert attention_problems(spec, spec.attention, _flashinfer_ctx(everywhere, "none")) == []
 
 
-def test_flashinfer_refuses_the_speculative_phases_naming_their_flags() -> None:
+def test_flashinfer_verifies_chains_and_refuses_the_draft_phases_naming_their_flags() -> None:
     spec = discover().get("attention", "flashinfer")
     assert spec.attention is not None
     everywhere = {phase: "flashinfer" for phase in PHASES}
     problems = attention_problems(spec, spec.attention, _flashinfer_ctx(everywhere, "eagle3"))
     assert [(p.option, p.message.split(" (")[0]) for p in problems] == [
-        ("--verify-attention-backend", "flashinfer cannot run the verify phase"),
         ("--draft-attention-backend", "flashinfer cannot run the draft_decode phase"),
         ("--draft-attention-backend", "flashinfer cannot run the draft_extend phase"),
     ]
     assert problems[0].message.endswith(
-        "(it serves extend, decode): route that phase to another backend with "
-        "--verify-attention-backend"
+        "(it serves extend, decode, verify): route that phase to another backend with "
+        "--draft-attention-backend"
     )
-    hybrid = everywhere | {"verify": "torch", "draft_decode": "torch", "draft_extend": "torch"}
+    hybrid = everywhere | {"draft_decode": "torch", "draft_extend": "torch"}
     assert attention_problems(spec, spec.attention, _flashinfer_ctx(hybrid, "eagle3")) == []
-    # n-gram runs no draft model: only its verify phase needs another backend.
-    ngram = _flashinfer_ctx(everywhere | {"verify": "torch"}, "ngram")
+    # n-gram runs no draft model: flashinfer serves all it runs.
+    ngram = _flashinfer_ctx(everywhere, "ngram")
     assert attention_problems(spec, spec.attention, ngram, drafts_run=False) == []
     # The registry knows n-gram runs none (whatever else this machine lacks, e.g. FlashInfer).
     problems = discover().check(dataclasses.replace(ngram, speculative_num_draft_tokens=4))
     assert [p for p in problems if "phase" in p.message] == []
+    # A tree's verify needs a tree mask, which flashinfer does not declare.
+    tree = dataclasses.replace(
+        _flashinfer_ctx(hybrid, "eagle3"),
+        speculative_topk=4,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=8,
+    )
+    assert [p.option for p in discover().check(tree) if "tree" in p.message] == [
+        "--verify-attention-backend"
+    ]
 
 
 def test_flashinfer_checks_its_install_and_the_compute_capability(

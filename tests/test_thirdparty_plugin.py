@@ -67,6 +67,7 @@ def test_listed_as_json_with_options_problems_and_the_broken_one(site: Path) -> 
         "tree_mask": False,
         "cuda_graphs": False,
         "graph_kv_bound": True,
+        "host_plans": False,
         "phases": ["decode", "draft_decode", "draft_extend", "extend", "verify"],
     }
     assert sdpa["usable"] is False

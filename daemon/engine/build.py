@@ -163,6 +163,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     runner = ModelRunner(
         model, kv, backends, slots, worker, shape, limits, device,
         simulate_acceptance=config.speculative_simulate_acceptance, graphs=graphs,
+        exact_verify_lengths=_attention_caps(plugins, "verify").host_plans,
     )  # fmt: skip
     eos = load_eos_ids(config.model, model_config)
     decoder_factory: Callable[[], TextDecoder] | None = (

@@ -27,7 +27,7 @@ from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
 from outrider.daemon.engine.inputs import Capacity, InputBuffers, StepInputs, host_values
 from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
-from outrider.daemon.engine.slots import SlotState
+from outrider.daemon.engine.slots import HostStarts, SlotState
 from outrider.daemon.engine.timing import PhaseTimer, TimedPhase
 from outrider.daemon.engine.verify import Verifier
 from outrider.plugins.api import Phase, StepShape
@@ -74,9 +74,12 @@ class ModelRunner:
         device: torch.device,
         simulate_acceptance: float = 0.0,
         graphs: DecodeGraphs | None = None,
+        exact_verify_lengths: bool = False,
     ) -> None:
         """``simulate_acceptance`` (debug, > 0): verify.py's ``SimulatedAcceptance``;
-        ``graphs``: decode batches replay CUDA graphs (graphs.py), None: all eager."""
+        ``graphs``: decode batches replay CUDA graphs (graphs.py), None: all eager;
+        ``exact_verify_lengths``: the verify backend plans on the host from exact lengths, so
+        each speculative cycle first waits for the previous one's (``HostStarts``)."""
         self.model = model
         self.kv = kv
         self.backends = backends
@@ -96,6 +99,9 @@ class ModelRunner:
         self.verifier = Verifier(shape, kv, slots, limits.vocab_limit, device, simulate_acceptance)
         self.offsets = torch.arange(shape.width, device=device)  # [W]
         self.graphs = graphs
+        self.host_starts = (
+            HostStarts(slots.relay_starts) if exact_verify_lengths and shape.speculative else None
+        )
 
     def enable_sync_check(self, on: bool) -> None:
         """Debug: make any host synchronisation inside ``launch`` raise (CUDA only)."""
@@ -122,6 +128,12 @@ class ModelRunner:
         return self.results.collect(launched)
 
     def _launch(self, plan: StepPlan) -> Launched:
+        launched = self._launch_plan(plan)
+        if self.host_starts is not None:
+            self.host_starts.refresh()
+        return launched
+
+    def _launch_plan(self, plan: StepPlan) -> Launched:
         max_kv = self._max_kv(plan)
         if plan.kind == "decode" and self.graphs is not None:
             key = self.graphs.key(plan, max_kv)
@@ -280,9 +292,14 @@ class ModelRunner:
             max_q=max(plan.q_lens),
             max_kv=max_kv,
             tree_mask=tree_mask,
-            host=self._host_lengths(plan),
+            # Under capture the backends were planned beforehand (``_plan_replay``): no host
+            # lengths, and no wait for them (a capture must not synchronise).
+            host=None if self._capturing() else self._host_lengths(plan),
         )
         return ForwardBatch.bind(layout, self.backends[phase], self.kv, self.worker.capture_layers)
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _mark(self, phase: TimedPhase) -> None:
         if self.timer is not None:
@@ -291,10 +308,14 @@ class ModelRunner:
     def _host_lengths(self, plan: StepPlan) -> HostLengths | None:
         """The exact lengths of ``plan``'s rows when the host knows them: prompt chunks, and
         plain decode (whose ``starts`` are exact: every step commits one token a row). A
-        speculative cycle's accepted lengths exist only on the device."""
-        if plan.kind == "decode" and self.shape.speculative:
-            return None
+        speculative cycle's starts (the accepted lengths) exist only on the device: the host
+        has them only by waiting for the previous cycle (``host_starts``)."""
         q_lens = tuple(plan.q_lens)
+        if plan.kind == "decode" and self.shape.speculative:
+            if self.host_starts is None:
+                return None
+            starts = self.host_starts.read(plan.slots)
+            return HostLengths(q_lens, tuple(s + q for s, q in zip(starts, q_lens, strict=True)))
         return HostLengths(q_lens, tuple(s + q for s, q in zip(plan.starts, q_lens, strict=True)))
 
     def _max_kv(self, plan: StepPlan) -> int:

@@ -111,3 +111,31 @@ class SlotState:
             all_greedy=plan.all_greedy,
             max_logprobs=plan.max_logprobs,
         )
+
+
+class HostStarts:
+    """A host copy of every slot's committed KV length (the relay's starts), refreshed after
+    each launch: for a verify backend that plans on the host from exact lengths
+    (``AttentionCapabilities.host_plans``). Reading it waits for the last refresh, that is
+    for the whole previous step on the device: the one host sync of such a configuration."""
+
+    def __init__(self, starts: torch.Tensor) -> None:
+        self.starts = starts  # [max_slots + 1] int64, on the device
+        cuda = starts.device.type == "cuda"
+        # On the CPU the relay itself is on the host, and every launch has run when it returns.
+        self.host = torch.zeros_like(starts, device="cpu").pin_memory() if cuda else starts
+        self.copied: torch.cuda.Event | None = None
+
+    def refresh(self) -> None:
+        """Queue the copy of the relay's starts as they will be after the queued work."""
+        if self.host is self.starts:
+            return
+        self.host.copy_(self.starts, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def read(self, slots: list[int]) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        values: list[int] = self.host[slots].tolist()
+        return values

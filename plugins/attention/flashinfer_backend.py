@@ -3,9 +3,11 @@ reading the cache in place (split-KV decode for small batches of long contexts).
 
 FlashInfer schedules each forward on the host from every row's exact KV length. The host knows
 those for prompt (extend) batches and for plain decode batches, also one step ahead under the
-overlap loop; in a speculative cycle the accepted lengths exist only on the device, so the
-verify and draft phases are not served: route them to another backend
-(``--verify-attention-backend``, ``--draft-attention-backend``).
+overlap loop. A speculative verify's lengths follow the previous cycle's accepted counts, which
+exist only on the device: as the verify backend (chains only: no tree masks), the engine waits
+for them before launching each cycle (``host_plans``), so that cycles run one after another
+with the host's planning and launch between them. The draft phases are not served: their
+layouts carry no host lengths (``--draft-attention-backend``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
 SPEC = PluginSpec(
     name="flashinfer",
     kind="attention",
-    summary="FlashInfer paged prefill and split-KV decode (CUDA; not the speculative phases)",
+    summary="FlashInfer paged prefill, split-KV decode and chain verify (CUDA)",
     implementation="outrider.plugins.attention.flashinfer_impl:FlashInferAttention",
     attention=AttentionCapabilities(
         devices=frozenset({"cuda"}),
@@ -44,7 +46,8 @@ SPEC = PluginSpec(
         page_sizes=None,
         cuda_graphs=True,
         graph_kv_bound=False,  # lengths come from the plan and the device, not max_kv
-        phases=frozenset({"extend", "decode"}),
+        host_plans=True,
+        phases=frozenset({"extend", "decode", "verify"}),
     ),
     check=_check,
 )

@@ -3,10 +3,12 @@ place (FlashInfer's "NHD" paged layout is ours: ``[pages, page_size, kv_heads, h
 
 Per forward, ``build`` turns the layout into FlashInfer's page lists on the device (``indptr``,
 page ``indices``, ``last_page_len``, from ``seq_lens`` and the page table) and plans a wrapper
-on the host from ``layout.host``; each layer then stores its K/V and runs the planned kernel.
-Decode graphs: one wrapper per captured batch size on fixed buffers, planned by
-``plan_replay`` before the capture and each replay; ``build`` under capture only rewrites the
-page lists into that wrapper's buffers, from the staged layout.
+on the host from ``layout.host``; each layer then stores its K/V and runs the planned kernel:
+the decode wrapper for one query token a row, the prefill wrapper (causal over the row's
+cached prefix) for more, as a speculative chain's verify block. Decode graphs: one wrapper per
+captured batch size and query width on fixed buffers, planned by ``plan_replay`` before the
+capture and each replay; ``build`` under capture only rewrites the page lists into that
+wrapper's buffers, from the staged layout.
 
 Hazard: a plan writes its schedule into a page-locked host buffer and queues a copy from it;
 planning the same wrapper again before that copy ran would rewrite the schedule of a step
@@ -93,11 +95,12 @@ class FlashInferAttention(AttentionBackend):
         self._decode = _Wrapper(
             flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
         )
-        self._graphs: dict[int, tuple[_Wrapper, PageLists]] = {}  # by batch size
+        # Graph wrappers by (batch size, query tokens per row).
+        self._graphs: dict[tuple[int, int], tuple[_Wrapper, PageLists]] = {}
 
     def build(self, layout: BatchLayout) -> FlashInferMetadata:
         if torch.cuda.is_current_stream_capturing():
-            wrapper, lists = self._graphs[layout.bs]
+            wrapper, lists = self._graphs[layout.bs, layout.max_q]
             fill_page_lists(layout, lists)
             return FlashInferMetadata(wrapper.wrapper)
         host = layout.host
@@ -108,29 +111,19 @@ class FlashInferAttention(AttentionBackend):
         if layout.max_q == 1:
             self._plan_decode(self._decode, plan, lists.indices, layout.page_size)
             return FlashInferMetadata(self._decode.wrapper)
-        self._prefill.plan(
-            plan.qo_indptr,
-            plan.kv_indptr,
-            lists.indices,
-            plan.last_page_len,
-            self.shape.num_q_heads,
-            self.shape.num_kv_heads,
-            self.shape.head_dim,
-            layout.page_size,
-            causal=layout.causal,
-            sm_scale=self.shape.scale,
-            q_data_type=self.shape.dtype,
-            kv_data_type=self.shape.dtype,
-        )
+        self._plan_prefill(self._prefill, plan, lists.indices, layout.page_size, layout.causal)
         return FlashInferMetadata(self._prefill.wrapper)
 
     def plan_replay(self, host: HostLengths, bounds: GraphBounds) -> None:
-        bs = len(host.seq_lens)
-        if bs not in self._graphs:
-            self._graphs[bs] = self._graph_wrapper(bs, bounds)
-        wrapper, lists = self._graphs[bs]
+        key = (len(host.seq_lens), bounds.max_q)
+        if key not in self._graphs:
+            self._graphs[key] = self._graph_wrapper(*key, bounds)
+        wrapper, lists = self._graphs[key]
         plan = _HostPlan.of(host, bounds.page_size)
-        self._plan_decode(wrapper, plan, lists.indices, bounds.page_size)
+        if bounds.max_q == 1:
+            self._plan_decode(wrapper, plan, lists.indices, bounds.page_size)
+        else:  # a speculative chain's verify block: causal over the cached prefix
+            self._plan_prefill(wrapper, plan, lists.indices, bounds.page_size, causal=True)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
@@ -141,22 +134,54 @@ class FlashInferAttention(AttentionBackend):
         out: torch.Tensor = meta.wrapper.run(q, (fb.kv.k[layer], fb.kv.v[layer]))
         return out  # [T, Hq, D]
 
-    def _graph_wrapper(self, bs: int, bounds: GraphBounds) -> tuple[_Wrapper, PageLists]:
+    def _graph_wrapper(self, bs: int, q: int, bounds: GraphBounds) -> tuple[_Wrapper, PageLists]:
         max_pages = -(-bounds.max_kv // bounds.page_size)
         lists = PageLists(
             indptr=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
             indices=torch.zeros(bs * max_pages, dtype=torch.int32, device=self.device),
             last_page_len=torch.zeros(bs, dtype=torch.int32, device=self.device),
         )
-        wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace,
-            "NHD",
-            use_cuda_graph=True,
-            paged_kv_indptr_buffer=lists.indptr,
-            paged_kv_indices_buffer=lists.indices,
-            paged_kv_last_page_len_buffer=lists.last_page_len,
-        )
+        if q == 1:
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=lists.indptr,
+                paged_kv_indices_buffer=lists.indices,
+                paged_kv_last_page_len_buffer=lists.last_page_len,
+            )
+        else:
+            wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                # Every row has q query tokens: the plan's copy of the offsets is the same at
+                # every replay.
+                qo_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+                paged_kv_indptr_buf=lists.indptr,
+                paged_kv_indices_buf=lists.indices,
+                paged_kv_last_page_len_buf=lists.last_page_len,
+            )
         return _Wrapper(wrapper), lists
+
+    def _plan_prefill(
+        self, wrapper: _Wrapper, plan: _HostPlan, indices: torch.Tensor, page_size: int,
+        causal: bool,
+    ) -> None:  # fmt: skip
+        wrapper.plan(
+            plan.qo_indptr,
+            plan.kv_indptr,
+            indices,
+            plan.last_page_len,
+            self.shape.num_q_heads,
+            self.shape.num_kv_heads,
+            self.shape.head_dim,
+            page_size,
+            causal=causal,
+            sm_scale=self.shape.scale,
+            q_data_type=self.shape.dtype,
+            kv_data_type=self.shape.dtype,
+        )
 
     def _plan_decode(
         self, wrapper: _Wrapper, plan: _HostPlan, indices: torch.Tensor, page_size: int
