@@ -17,6 +17,7 @@ import json
 import sys
 from dataclasses import dataclass
 
+from outrider.daemon.bench_serve import add_serve_bench_arguments, run_serve_bench
 from outrider.daemon.config import (
     EXIT_CONFIG,
     ConfigError,
@@ -62,9 +63,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="after each batch size's timed run, profile one more and print its top operations "
         "by device time to stderr",
     )
+    add_serve_bench_arguments(
+        benches.add_parser(
+            "serve", help="a serving benchmark against a running server (ZeroMQ or OpenAI HTTP)"
+        )
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.bench == "serve":
+        return run_serve_bench(args)
     if min(args.batch_size) < 1 or args.input_len < 1 or args.output_len < 2:
         print(
             "outrider bench latency: batch sizes and --input-len >= 1, --output-len >= 2",

@@ -45,6 +45,7 @@ from outrider.daemon.child_runtime import (
 )
 from outrider.daemon.frontdoor_clients import ClientPort
 from outrider.daemon.frontdoor_info import server_info
+from outrider.daemon.frontdoor_metrics import FrontDoorMetrics
 from outrider.daemon.frontdoor_requests import LiveRequest, LiveRequests
 from outrider.daemon.frontdoor_validation import (
     Prompt,
@@ -151,6 +152,7 @@ class FrontDoor:
         self._next_query = 0
         # Finals given here without the daemon (max_new_tokens=0, aborted while tokenized).
         self._finished_here: Counter[str] = Counter()
+        self._metrics = FrontDoorMetrics()
         self._tasks = ChildTasks(parent)
 
     async def run(self) -> None:
@@ -269,7 +271,12 @@ class FrontDoor:
             self._reply(identity, Error(msg.request_id, exc.code, exc.message))
             return
         req = LiveRequest(
-            self._live.new_rid(), msg.request_id, identity, msg.stream, msg.logprobs > 0
+            self._live.new_rid(),
+            msg.request_id,
+            identity,
+            msg.stream,
+            msg.logprobs > 0,
+            arrived_at=time.monotonic(),
         )
         self._live.add(req)  # from here its request_id is taken, also while it is tokenized
         self._prompts.tokenize(msg, prompt, lambda ids: self._admit(req, msg, prompt, ids))
@@ -336,6 +343,7 @@ class FrontDoor:
         self._live.pop(req.rid)
         if isinstance(final, Finished):
             self._finished_here[final.finish_reason] += 1
+            self._metrics.on_finished_here(req, final, time.monotonic())
         if req.identity is not None:
             self._reply(req.identity, final)
 
@@ -380,6 +388,7 @@ class FrontDoor:
             c,
             self._finished_here,
             self._validator.defaults,
+            self._metrics,
         )
         self._reply(identity, info)
 
@@ -418,13 +427,15 @@ class FrontDoor:
         while True:
             frame = await self._outputs.recv(copy=False)
             self._tasks.touch()
+            now = time.monotonic()
             for update in self._outputs_codec.decode(frame.buffer).updates:
-                self._on_update(update)
+                self._on_update(update, now)
 
-    def _on_update(self, update: RequestUpdate) -> None:
+    def _on_update(self, update: RequestUpdate, now: float) -> None:
         req = self._live.get(update.rid)
         if req is None:
             return  # after its final update: dropped
+        self._metrics.on_update(req, update, now)
         if update.is_final:
             self._live.pop(update.rid)
         if req.identity is None:

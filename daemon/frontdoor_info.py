@@ -1,10 +1,12 @@
-"""The ``ServerInfo`` reply: the model facts, the daemon's counters and the front door's own,
-and the sampling defaults in ``configuration["sampling_defaults"]``."""
+"""The ``ServerInfo`` reply: the model facts, the daemon's counters and the front door's own
+(finals it gave, token totals, latency histograms), and the sampling defaults in
+``configuration["sampling_defaults"]``."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from outrider.daemon.frontdoor_metrics import FrontDoorMetrics
 from outrider.daemon.internal import Counters, ModelFacts
 from outrider.daemon.sampling_defaults import SamplingDefaults
 from outrider.protocol.messages import ServerInfo
@@ -19,6 +21,7 @@ def server_info(
     c: Counters,
     finished_here: Mapping[str, int],
     defaults: SamplingDefaults,
+    metrics: FrontDoorMetrics,
 ) -> ServerInfo:
     """``finished_here``: the finals the front door gave without the daemon, by reason."""
     sampling_defaults = {
@@ -44,6 +47,11 @@ def server_info(
         spec_draft_tokens=c.spec_draft_tokens,
         spec_accepted_tokens=c.spec_accepted_tokens,
         spec_accepted_per_position=c.spec_accepted_per_position,
+        prompt_tokens=metrics.prompt_tokens,
+        generation_tokens=metrics.generation_tokens,
+        time_to_first_token=metrics.ttft.snapshot(),
+        inter_token_latency=metrics.itl.snapshot(),
+        e2e_request_latency=metrics.e2e.snapshot(),
     )
 
 

@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass
 
 # What the HTTP front imports beyond the daemon's own needs (the daemon extra has them).
-HTTP_MODULES = ("starlette", "uvicorn", "httptools")
+HTTP_MODULES = ("starlette", "uvicorn", "httptools", "prometheus_client")
 
 
 @dataclass(frozen=True)

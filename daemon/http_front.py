@@ -12,6 +12,10 @@ Status codes from the daemon's error codes: ``invalid_request`` / ``unsupported`
 ``prompt_too_long`` 413, ``overloaded`` 429, ``shutting_down`` / ``connection_lost`` /
 ``timeout`` 503, anything else 500. A client that goes away aborts its request, streamed or
 not.
+
+``--api-key`` guards ``/v1/*`` only: ``/health``, ``/metrics``, ``/tokenize`` and
+``/detokenize`` answer without it, as vLLM's do (a scraper or a gateway's health check has
+no key).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from outrider.daemon.child_runtime import ChildTasks, ParentPipe, child_setup, run_child
 from outrider.daemon.http_config import HttpFrontConfig, bind_http
+from outrider.daemon.http_metrics import render_metrics
 from outrider.daemon.http_openai import (
     ChatRequest,
     CompletionRequest,
@@ -48,6 +53,7 @@ from outrider.daemon.http_openai import (
     new_id,
     now,
 )
+from outrider.daemon.http_tokenize import DetokenizeRequest, Tokenization, TokenizeRequest
 from outrider.protocol import AsyncClient, AsyncTokenStream, RequestError, TokenChunk
 
 log = logging.getLogger("outrider.http")
@@ -61,6 +67,7 @@ DISCONNECT_POLL_S = 0.25
 GRACEFUL_SHUTDOWN_S = 1  # within child_runtime.FLUSH_LIMIT_S
 # The status logged for a request whose client left before its answer (nginx's convention).
 CLIENT_GONE = 499
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 _STATUS_OF_CODE = {
     "invalid_request": 400,
@@ -104,7 +111,8 @@ async def _main(cfg: HttpFrontConfig, parent: ParentPipe, _ctx: zmq.asyncio.Cont
         return
     host, port = sock.getsockname()[:2]
     client = AsyncClient(cfg.client_endpoint)
-    app = HttpFront(cfg, client).app()
+    front = HttpFront(cfg, client)
+    app = front.app()
     server = _Server(
         uvicorn.Config(
             app,
@@ -135,6 +143,7 @@ async def _main(cfg: HttpFrontConfig, parent: ParentPipe, _ctx: zmq.asyncio.Cont
     try:
         await tasks.run(parent_gone=parent_gone, flushed=lambda: not server.server_state.tasks)
     finally:
+        front.close()
         client.close()
 
 
@@ -208,6 +217,8 @@ class HttpFront:
         self._cfg = cfg
         self._client = client
         self._texts = TokenTexts(cfg.model_dir)
+        self._tokenization = Tokenization(cfg.model_dir)
+        self._max_model_len: int | None = None  # the daemon's context length, once asked
         self._created = now()
 
     def app(self) -> ASGIApp:
@@ -215,6 +226,9 @@ class HttpFront:
             Route("/health", self.health, methods=["GET"]),
             Route("/health/ready", self.ready, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -238,6 +252,47 @@ class HttpFront:
             return error_response(503, f"the daemon does not answer: {exc.message}", code=exc.code)
         status = 200 if health.status == "serving" else 503
         return json_response({"status": health.status}, status)
+
+    def close(self) -> None:
+        self._tokenization.close()
+
+    async def metrics(self, _request: Request) -> Response:
+        """The daemon's counters (one ``server_info``) in the Prometheus text format."""
+        try:
+            info = await self._client.server_info(timeout=HEALTH_TIMEOUT_S)
+        except RequestError as exc:
+            return error_response(503, f"the daemon does not answer: {exc.message}", code=exc.code)
+        body = render_metrics(info, self._cfg.served_model_name)
+        return Response(body, media_type=PROMETHEUS_TEXT)
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            req = decode_request(await request.body(), TokenizeRequest)
+            self._check_model(req.model)
+            tokens = await self._tokenization.tokenize(req)
+            max_model_len = await self._context_length()
+        except InvalidRequest as exc:
+            return invalid_response(exc)
+        except RequestError as exc:
+            return request_error_response(exc)
+        return json_response(
+            {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            req = decode_request(await request.body(), DetokenizeRequest)
+            self._check_model(req.model)
+            text = await self._tokenization.detokenize(req)
+        except InvalidRequest as exc:
+            return invalid_response(exc)
+        return json_response({"prompt": text})
+
+    async def _context_length(self) -> int:
+        if self._max_model_len is None:
+            info = await self._client.server_info(timeout=HEALTH_TIMEOUT_S)
+            self._max_model_len = int(info.configuration["context_length"])
+        return self._max_model_len
 
     async def version(self, _request: Request) -> Response:
         return json_response({"version": self._cfg.version})

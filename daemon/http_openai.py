@@ -156,10 +156,10 @@ def completion_args(req: CompletionRequest) -> GenerateArgs:
     return _args(req, prompt, input_ids, None, req.max_tokens, wanted)
 
 
-def chat_args(req: ChatRequest) -> GenerateArgs:
-    _common_checks(req)
+def chat_turns(messages_in: list[ChatMessageIn]) -> list[dict[str, str]]:
+    """The messages as the daemon's chat template takes them (text parts joined)."""
     messages = []
-    for i, msg in enumerate(req.messages):
+    for i, msg in enumerate(messages_in):
         content = msg.content
         if isinstance(content, list):
             if any(part.type != "text" for part in content):
@@ -168,6 +168,12 @@ def chat_args(req: ChatRequest) -> GenerateArgs:
         messages.append({"role": msg.role, "content": content or ""})
     if not messages:
         raise InvalidRequest("messages must not be empty", "messages")
+    return messages
+
+
+def chat_args(req: ChatRequest) -> GenerateArgs:
+    _common_checks(req)
+    messages = chat_turns(req.messages)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:

@@ -154,8 +154,25 @@ class Health(Struct, array_like=True, tag=5, frozen=True):
     protocol_version: int
 
 
+class LatencyHistogram(Struct, array_like=True, frozen=True, gc=False):
+    """Latencies in seconds, in fixed buckets: ``counts[i]`` of them fell in
+    ``(bounds[i - 1], bounds[i]]``, and ``counts[-1]`` above the last bound (not cumulative;
+    ``len(counts) == len(bounds) + 1``). ``sum`` is the total of all of them."""
+
+    bounds: list[float] = []
+    counts: list[int] = []
+    sum: float = 0.0
+
+
 class ServerInfo(Struct, array_like=True, tag=6, frozen=True):
-    """Daemon state; counters are monotone over the daemon's life (``boot_id``)."""
+    """Daemon state; counters are monotone over the daemon's life (``boot_id``).
+
+    The token totals and latencies are the front door's (the process that owns the client
+    socket): ``prompt_tokens`` counts the prompts of requests that ended with ``Finished``,
+    ``generation_tokens`` every output token as it reaches the front door. Latencies run from
+    a ``Generate``'s arrival: ``time_to_first_token`` and ``inter_token_latency`` (between two
+    ``Chunk``s) for streamed requests only, ``e2e_request_latency`` to every ``Finished``.
+    """
 
     request_id: str
     boot_id: str
@@ -173,6 +190,11 @@ class ServerInfo(Struct, array_like=True, tag=6, frozen=True):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    time_to_first_token: LatencyHistogram = LatencyHistogram()
+    inter_token_latency: LatencyHistogram = LatencyHistogram()
+    e2e_request_latency: LatencyHistogram = LatencyHistogram()
 
 
 ClientReply = Chunk | Finished | Error | Ack | Health | ServerInfo

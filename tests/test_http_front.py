@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,50 +12,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from daemon_harness import Daemon, poll_until
+from daemon_harness import poll_until
+from http_harness import API_KEY, FAMILY, HttpDaemon
 
-from outrider.daemon.family import embedded_family
 from outrider.protocol import Client
 from outrider.protocol.messages import ServerInfo
-
-API_KEY = "test-key"
-FAMILY = embedded_family()
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(FAMILY is None, reason="the embedded family is not installed"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class HttpDaemon:
-    def __init__(self, workdir: Path, *args: str) -> None:
-        assert FAMILY is not None
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.daemon = Daemon(
-            FAMILY.target,
-            workdir,
-            "--http", f"127.0.0.1:{self.port}",
-            "--speculative-algorithm", "none",
-            *args,
-        )  # fmt: skip
-        self.daemon.wait_serving()
-        poll_until(self._http_up, 30.0, "the HTTP front answering")
-
-    def _http_up(self) -> bool:
-        try:
-            return httpx.get(self.base + "/health/ready", timeout=2.0).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def openai(self, key: str = API_KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -256,3 +221,38 @@ def test_sigterm_drains_running_streams_and_refuses_new_ones(tmp_path: Path) -> 
         http.daemon.wait_group_gone()
     finally:
         http.daemon.kill_all()
+
+
+def test_tokenize_round_trips_through_detokenize(server: HttpDaemon) -> None:
+    prompt = "Once upon a time, the sea."
+    tokenized = httpx.post(server.base + "/tokenize", json={"prompt": prompt}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) > 0
+    assert tokenized["max_model_len"] == 512
+    # The daemon's own tokenization: a completion of the same prompt counts as many tokens.
+    completion = server.openai().completions.create(
+        model="outrider-family", prompt=prompt, max_tokens=1
+    )
+    assert completion.usage is not None
+    assert completion.usage.prompt_tokens == tokenized["count"]
+    detokenized = httpx.post(server.base + "/detokenize", json={"tokens": tokenized["tokens"]})
+    assert detokenized.json() == {"prompt": prompt}
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    chat_tokens = httpx.post(server.base + "/tokenize", json={"messages": messages}).json()
+    chat = server.openai().chat.completions.create(
+        model="outrider-family",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=1,
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == chat_tokens["count"]
+
+
+def test_tokenize_refusals(server: HttpDaemon) -> None:
+    for body in ({"tokens": [1, 8192]}, {"tokens": [-1]}, {"tokens": "x"}):
+        refused = httpx.post(server.base + "/detokenize", json=body)
+        assert refused.status_code == 400, body
+        assert refused.json()["error"]["type"] == "invalid_request_error"
+    both = {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}
+    for body in ({}, both):
+        assert httpx.post(server.base + "/tokenize", json=body).status_code == 400
+    unknown = httpx.post(server.base + "/tokenize", json={"prompt": "a", "model": "gpt-4"})
+    assert unknown.status_code == 404

@@ -1,0 +1,47 @@
+"""A daemon serving HTTP (``outrider serve --http``) on the embedded family, for the HTTP
+front's end-to-end tests."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import httpx
+import openai
+from daemon_harness import Daemon, poll_until
+
+from outrider.daemon.family import embedded_family
+
+API_KEY = "test-key"
+FAMILY = embedded_family()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class HttpDaemon:
+    def __init__(self, workdir: Path, *args: str, speculative: str = "none") -> None:
+        assert FAMILY is not None
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.daemon = Daemon(
+            FAMILY.target,
+            workdir,
+            "--http", f"127.0.0.1:{self.port}",
+            "--speculative-algorithm", speculative,
+            *args,
+        )  # fmt: skip
+        self.daemon.wait_serving()
+        poll_until(self._http_up, 30.0, "the HTTP front answering")
+
+    def _http_up(self) -> bool:
+        try:
+            return httpx.get(self.base + "/health/ready", timeout=2.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def openai(self, key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0)

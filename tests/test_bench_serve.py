@@ -1,0 +1,88 @@
+"""``outrider bench serve`` for a few seconds against the embedded family on CPU, over both
+transports (ZeroMQ and OpenAI HTTP), and its ShareGPT reader on a cut-off file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from http_harness import API_KEY, FAMILY, HttpDaemon
+
+from outrider.daemon.bench_serve_data import iter_complete_elements, sharegpt_requests
+from outrider.daemon.cli import main
+from outrider.daemon.tokenizer import load_tokenizer
+
+NUM_PROMPTS = 5
+REPLY = "Far to the south, past the hills and the old town."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    http = HttpDaemon(tmp_path_factory.mktemp("bench"), "--api-key", API_KEY)
+    try:
+        yield http
+        assert http.daemon.stop() == 0, http.daemon.log()
+    finally:
+        http.daemon.kill_all()
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(FAMILY is None, reason="the embedded family is not installed")
+@pytest.mark.parametrize("backend", ["zmq", "openai"])
+def test_bench_serve_over_both_transports(
+    server: HttpDaemon, backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert FAMILY is not None
+    result_path = tmp_path / "result.json"
+    argv = [
+        "bench", "serve", "--backend", backend, "--dataset", "random",
+        "--random-input-len", "12", "--random-output-len", "6", "--random-range-ratio", "0.5",
+        "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", "3", "--request-rate", "50",
+        "--seed", "3", "--result-json", str(result_path),
+    ]  # fmt: skip
+    if backend == "zmq":
+        argv += ["--endpoint", server.daemon.endpoint]
+    else:
+        argv += ["--base-url", server.base, "--api-key", API_KEY, "--tokenizer", str(FAMILY.target)]
+    assert main(argv) == 0
+    report = capsys.readouterr().out
+    assert " Serving Benchmark Result ".center(50, "=") in report
+    assert "Successful requests:                     5" in report
+    result = json.loads(result_path.read_text())
+    assert result["completed"] == NUM_PROMPTS and result["failed"] == 0
+    expected = result["expected_output_lens"]
+    assert len(set(expected)) > 1 and all(3 <= n <= 9 for n in expected)  # random lengths
+    assert result["output_lens"] == expected
+    assert result["total_output_tokens"] == sum(expected)
+    assert result["total_input_tokens"] == sum(result["input_lens"])
+    # One ITL gap per output after the first: at most one per token after the first.
+    assert all(0 < len(itl) <= n - 1 for itl, n in zip(result["itls"], expected, strict=True))
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < result[f"median_{metric}_ms"] <= result[f"p99_{metric}_ms"]
+
+
+def test_sharegpt_reads_the_complete_records_of_a_cut_off_file(tmp_path: Path) -> None:
+    assert FAMILY is not None
+    records = [
+        {"id": str(i), "conversations": [
+            {"from": "human", "value": f"Question {i}: where does the river meet the sea?"},
+            {"from": "gpt", "value": REPLY},
+        ]}
+        for i in range(6)
+    ]  # fmt: skip
+    records.insert(2, {"id": "single", "conversations": [{"from": "human", "value": "Hi"}]})
+    text = json.dumps(records, indent=2)
+    cut = text[: text.index('"Question 5')]  # inside the last record
+    path = tmp_path / "sharegpt.json"
+    path.write_text(cut)
+    assert [r["id"] for r in iter_complete_elements(path)] == ["0", "1", "single", "2", "3", "4"]
+    tokenizer = load_tokenizer(FAMILY.target)
+    assert tokenizer is not None
+    picked = sharegpt_requests(tokenizer, 3, 0, path, None, None)
+    reply_len = len(tokenizer.encode_prompt(REPLY))
+    assert len(picked) == 3 and all(r.prompt and r.prompt.startswith("Question") for r in picked)
+    assert all(r.output_len == reply_len and r.prompt_ids is None for r in picked)
+    with pytest.raises(ValueError, match="only 5 ShareGPT"):
+        sharegpt_requests(tokenizer, 6, 0, path, 8, None)
