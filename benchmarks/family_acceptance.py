@@ -1,14 +1,16 @@
 """Acceptance length and tokens/s of the embedded model family through the real daemon.
 
 Starts ``outrider serve`` (no ``--model``: the embedded family, unless the extra flags say
-otherwise), sends the family's held-out prompts at temperature 0, ``--new-tokens`` each
-(``ignore_eos``), once as raw ``prompt=`` text and once as ``messages=``, at most
-``--concurrency`` at a time, and reports per form the mean acceptance length from
-``server_info()`` (``1 + accepted / drafts``), decode tokens/s and a digest of the outputs
-(equal digests: equal outputs token for token).
+otherwise), sends the family's held-out prompts at ``--temperature`` (default 0; request ``i``
+seeded ``i``), ``--new-tokens`` each (``ignore_eos``), once as raw ``prompt=`` text and once as
+``messages=``, at most ``--concurrency`` at a time, and reports per form the mean acceptance
+length from ``server_info()`` (``1 + accepted / drafts``), decode tokens/s and a digest of the
+outputs (equal digests: equal outputs token for token).
 
     python benchmarks/family_acceptance.py --device cuda --concurrency 1 -- \\
         --speculative-algorithm eagle3 --speculative-num-steps 3
+
+With ``--runs R`` the set is sent R times to the same daemon and tok/s is the median.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,12 +39,14 @@ PROMPTS_FILE = "heldout_prompts.jsonl"
 @dataclass
 class FormResult:
     form: str  # "prompt" or "messages"
+    temperature: float
     requests: int
     new_tokens: int
     tau: float  # 1 + accepted / drafts (1.0 without speculation)
     spec_drafts: int
     accepted_per_position: list[int]
-    tokens_per_s: float
+    tokens_per_s: float  # the median over the runs
+    runs_tokens_per_s: list[float]
     outputs_sha256: str
 
 
@@ -54,10 +59,18 @@ def load_prompts(count: int) -> list[list[dict[str, str]]]:
     return [json.loads(line)["messages"] for line in lines[:count]]
 
 
-async def run_form(
-    endpoint: str, form: str, prompts: list[list[dict[str, str]]], new_tokens: int, width: int
-) -> FormResult:
-    gate = asyncio.Semaphore(width)
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[dict[str, str]]]
+    new_tokens: int
+    concurrency: int
+    temperature: float
+    runs: int
+
+
+async def run_form(endpoint: str, form: str, work: Workload) -> FormResult:
+    prompts = work.prompts
+    gate = asyncio.Semaphore(work.concurrency)
     outputs: list[list[int]] = [[] for _ in prompts]
 
     async with AsyncClient(endpoint) as client:
@@ -69,16 +82,19 @@ async def run_form(
             async with gate:
                 result = await client.generate(
                     **kwargs,  # type: ignore[arg-type]
-                    max_new_tokens=new_tokens,
-                    temperature=0.0,
+                    max_new_tokens=work.new_tokens,
+                    temperature=work.temperature,
+                    seed=index,
                     ignore_eos=True,
                 )
             outputs[index] = result.output_ids
 
         before = await client.server_info()
-        start = time.perf_counter()
-        await asyncio.gather(*(one(i, m) for i, m in enumerate(prompts)))
-        seconds = time.perf_counter() - start
+        rates = []
+        for _ in range(work.runs):
+            start = time.perf_counter()
+            await asyncio.gather(*(one(i, m) for i, m in enumerate(prompts)))
+            rates.append(sum(len(o) for o in outputs) / (time.perf_counter() - start))
         after = await client.server_info()
     drafts = after.spec_drafts - before.spec_drafts
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
@@ -91,12 +107,14 @@ async def run_form(
     digest = hashlib.sha256(json.dumps(outputs).encode()).hexdigest()
     return FormResult(
         form=form,
+        temperature=work.temperature,
         requests=len(prompts),
-        new_tokens=new_tokens,
+        new_tokens=work.new_tokens,
         tau=1 + accepted / drafts if drafts else 1.0,
         spec_drafts=drafts,
         accepted_per_position=per_position,
-        tokens_per_s=sum(len(o) for o in outputs) / seconds,
+        tokens_per_s=statistics.median(rates),
+        runs_tokens_per_s=[round(r, 2) for r in rates],
         outputs_sha256=digest,
     )
 
@@ -108,6 +126,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=100)
     parser.add_argument("--forms", nargs="+", default=["prompt", "messages"])
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--out", type=Path)
     parser.add_argument("serve_args", nargs="*", help="extra `outrider serve` flags (after --)")
     args = parser.parse_args()
@@ -125,9 +145,8 @@ def main() -> None:
     try:
         wait_ready(endpoint, proc, 600)
         for form in args.forms:
-            result = asyncio.run(
-                run_form(endpoint, form, prompts, args.new_tokens, args.concurrency)
-            )
+            work = Workload(prompts, args.new_tokens, args.concurrency, args.temperature, args.runs)
+            result = asyncio.run(run_form(endpoint, form, work))
             results.append(result)
             print(json.dumps(asdict(result)), flush=True)
     finally:

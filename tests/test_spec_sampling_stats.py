@@ -1,33 +1,55 @@
-"""Drafts that truly sample keep each draft with probability min(1, p/q): the committed tokens
-are distributed as the target's. A chi-square test of the joint distribution of three
-generated tokens (20,000 seeded requests through the in-process engine, a target with a
-vocabulary of 16) against the probabilities enumerated from the target; the same test must
-reject a deliberately wrong rule (an argmax draft verified with its softmax as q)."""
+"""Sampled requests with drafts drawn from a draft's own distribution: the committed tokens are
+distributed as the target's. A chi-square test of the joint distribution of three generated
+tokens (20,000 seeded requests through the in-process engine, a target with a vocabulary of
+16) against the probabilities enumerated from the target, for every sampled path: chains kept
+with min(1, p/q) (``"sample": "rejection"``) and coupled drafts (the default), trees included.
+The same test must reject a deliberately wrong rule (an argmax draft verified with its softmax
+as q). Greedy rows of a mixed batch stay exact, and coupled drafts give the target-only seeded
+outputs token for token."""
 
 from __future__ import annotations
 
+import json
+from unittest import mock
+
+import model_fixtures
 import pytest
 import torch
-from engine_harness import engine_for, request, run
-from model_fixtures import save_tiny_model
+from engine_harness import engine_for, request, run, tau_of, tokens_of
+from model_fixtures import save_random_dflash, save_random_eagle3, save_tiny_model
 
+from outrider.daemon.config import ConfigError
+from outrider.daemon.engine.build import Engine
 from outrider.plugins.speculative import standalone_impl
+from outrider.plugins.speculative.dflash import SPEC as DFLASH
 
 VOCAB = 16
 PROMPT = [3, 7, 5, 9]
 SAMPLES = 20_000
 SIGNIFICANCE = 1e-3
+TREE = {"speculative_num_steps": 3, "speculative_topk": 2, "speculative_num_draft_tokens": 6}
+# name -> (algorithm, mode, extra flags, floor on the acceptance length at temperature 1)
+PATHS: dict[str, tuple[str, str, dict[str, object], float]] = {
+    "standalone rejection": ("standalone", "rejection", {"speculative_num_draft_tokens": 4}, 1.1),
+    "dflash rejection": ("dflash", "rejection", {}, 1.1),
+    "dflash coupled": ("dflash", "coupled", {}, 1.1),
+    "eagle3 chain rejection": ("eagle3", "rejection", {"speculative_num_steps": 3}, 1.1),
+    "eagle3 tree coupled": ("eagle3", "coupled", TREE, 1.1),
+}
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, torch.Tensor]:
-    """(target dir, draft dir, the target's joint distribution of 3 tokens [16, 16, 16])."""
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str], torch.Tensor]:
+    """(target dir, draft dir per algorithm, the target's joint distribution of 3 tokens
+    [16, 16, 16])."""
     target_dir = tmp_path_factory.mktemp("target16")
-    draft_dir = tmp_path_factory.mktemp("draft16")
-    with torch.no_grad():
+    drafts = {name: tmp_path_factory.mktemp(name) for name in ("standalone", "dflash", "eagle3")}
+    with torch.no_grad(), mock.patch.object(model_fixtures, "VOCAB", VOCAB):
         target = save_tiny_model("llama", target_dir, vocab_size=VOCAB, seed=1)
-        save_tiny_model("qwen2", draft_dir, vocab_size=VOCAB, seed=2)
-        return str(target_dir), str(draft_dir), _joint(target)
+        save_tiny_model("qwen2", drafts["standalone"], vocab_size=VOCAB, seed=2)
+        save_random_dflash(drafts["dflash"], block_size=4)
+        save_random_eagle3(drafts["eagle3"])
+        return str(target_dir), {k: str(v) for k, v in drafts.items()}, _joint(target)
 
 
 def _next_probs(model: torch.nn.Module, prefixes: list[list[int]]) -> torch.Tensor:
@@ -43,26 +65,26 @@ def _joint(model: torch.nn.Module) -> torch.Tensor:
     return first[:, None, None] * second[:, :, None] * third
 
 
-def _sampled_joint_counts(target_dir: str, draft_dir: str) -> tuple[torch.Tensor, float]:
+def _engine(target_dir: str, drafts: dict[str, str], path: str, **overrides: object) -> Engine:
+    algorithm, mode, flags, _floor = PATHS[path]
+    settings: dict[str, object] = {
+        "speculative_algorithm": algorithm,
+        "draft_model": drafts[algorithm],
+        "speculative_config": json.dumps({"sample": mode}),
+        **flags,
+    }
+    return engine_for(target_dir, **(settings | overrides))
+
+
+def _sampled_joint_counts(engine: Engine) -> tuple[torch.Tensor, float]:
     """Counts of the 3 generated tokens over SAMPLES seeded requests, and the engine's mean
     acceptance length."""
-    engine = engine_for(
-        target_dir,
-        speculative_algorithm="standalone",
-        draft_model=draft_dir,
-        speculative_num_draft_tokens=4,
-        speculative_config='{"sample": true}',
-        max_running=512,
-        kv_cache_tokens=65536,
-        chunked_prefill_tokens=4096,
-    )
     reqs = [request(i, PROMPT, max_new_tokens=3, temperature=1.0, seed=i) for i in range(SAMPLES)]
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
     for outcome in run(engine, reqs).values():
         a, b, c = outcome.token_ids
         counts[a, b, c] += 1
-    counters = engine.scheduler.counters()
-    return counts, 1 + counters.spec_accepted_tokens / counters.spec_drafts
+    return counts, tau_of(engine.scheduler.counters())
 
 
 def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -77,40 +99,62 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(dof / 2, statistic / 2))
 
 
+BIG_BATCHES = {"max_running": 512, "kv_cache_tokens": 65536, "chunked_prefill_tokens": 4096}
+
+
+# dflash coupled: its outputs equal the target alone's (test_mixed_batches_keep_greedy_rows_exact).
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "dflash coupled"])
 def test_sampled_drafts_are_distributed_as_the_target(
-    models: tuple[str, str, torch.Tensor],
+    models: tuple[str, dict[str, str], torch.Tensor], path: str
 ) -> None:
-    target_dir, draft_dir, joint = models
-    counts, tau = _sampled_joint_counts(target_dir, draft_dir)
-    assert tau > 1.1  # drafts are kept often enough for the rule to matter
+    target_dir, drafts, joint = models
+    counts, tau = _sampled_joint_counts(_engine(target_dir, drafts, path, **BIG_BATCHES))
+    assert tau > PATHS[path][3]  # drafts are kept often enough for the rule to matter
     assert _chi_square_p_value(counts, joint) > SIGNIFICANCE
 
 
 def test_an_argmax_draft_verified_with_its_softmax_is_rejected(
-    models: tuple[str, str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+    models: tuple[str, dict[str, str], torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The wrong rule: drafts are the draft's argmax, but q is its softmax."""
-    target_dir, draft_dir, joint = models
+    target_dir, drafts, joint = models
 
     def argmax(probs: torch.Tensor, *_: object) -> torch.Tensor:
         return probs.argmax(dim=-1)
 
     monkeypatch.setattr(standalone_impl, "sample_probs", argmax)
-    counts, _tau = _sampled_joint_counts(target_dir, draft_dir)
+    engine = _engine(target_dir, drafts, "standalone rejection", **BIG_BATCHES)
+    counts, _tau = _sampled_joint_counts(engine)
     assert _chi_square_p_value(counts, joint) < SIGNIFICANCE
 
 
-def test_greedy_requests_stay_exact_with_sampled_drafts(
-    models: tuple[str, str, torch.Tensor],
+@pytest.mark.parametrize("path", PATHS)
+def test_mixed_batches_keep_greedy_rows_exact(
+    models: tuple[str, dict[str, str], torch.Tensor], path: str
 ) -> None:
-    target_dir, draft_dir, _joint_probs = models
+    """Greedy and sampled requests share batches: greedy outputs equal the target alone;
+    coupled drafts give the target-only seeded outputs too."""
+    target_dir, drafts, _joint_probs = models
     prompts = [[(3 * i + j) % VOCAB for j in range(5 + i % 7)] for i in range(16)]
-    reqs = [request(i, p, max_new_tokens=20) for i, p in enumerate(prompts)]
-    expected = {rid: o.token_ids for rid, o in run(engine_for(target_dir), reqs).items()}
-    engine = engine_for(
-        target_dir,
-        speculative_algorithm="standalone",
-        draft_model=draft_dir,
-        speculative_config='{"sample": true}',
-    )
-    assert {rid: o.token_ids for rid, o in run(engine, reqs).items()} == expected
+    reqs = [
+        request(i, p, max_new_tokens=20, temperature=0.9 * (i % 2), top_k=8 * (i % 4 == 1), seed=i)
+        for i, p in enumerate(prompts)
+    ]
+    expected = tokens_of(run(engine_for(target_dir), reqs))
+    got = tokens_of(run(_engine(target_dir, drafts, path), reqs))
+    greedy = [r.rid for r in reqs if r.sampling.temperature == 0]
+    assert {rid: got[rid] for rid in greedy} == {rid: expected[rid] for rid in greedy}
+    if PATHS[path][1] == "coupled":
+        assert got == expected
+
+
+def test_a_tree_refuses_rejection_drafts(models: tuple[str, dict[str, str], torch.Tensor]) -> None:
+    target_dir, drafts, _joint_probs = models
+    with pytest.raises(ConfigError, match='--speculative-config: "sample": "rejection" drafts'):
+        _engine(
+            target_dir, drafts, "eagle3 tree coupled", speculative_config='{"sample": "rejection"}'
+        )
+
+
+def test_coupled_drafts_are_the_default() -> None:
+    assert DFLASH.parse_options(None) == DFLASH.parse_options('{"sample": "coupled"}')

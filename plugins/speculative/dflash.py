@@ -7,7 +7,6 @@ from typing import Any
 
 from outrider.plugins.api import (
     CheckContext,
-    NoOptions,
     PluginSpec,
     Problem,
     SpeculativeCapabilities,
@@ -18,6 +17,7 @@ from outrider.plugins.speculative.draft_config import (
     feature_size_problem,
     tokenizer_vocab,
 )
+from outrider.plugins.speculative.draft_options import DraftOptions
 
 ARCHITECTURE = "DFlashDraftModel"
 _WIDTH_FLAG = "--speculative-num-draft-tokens"
@@ -79,7 +79,7 @@ SPEC = PluginSpec(
     kind="speculative",
     summary="DFlash: block drafting in one non-causal forward over target-feature context",
     implementation="outrider.plugins.speculative.dflash_impl:DFlashWorker",
-    options=NoOptions,
+    options=DraftOptions,
     speculative=SpeculativeCapabilities(
         needs_draft_model=True, non_causal_draft=True, width_key="block_size"
     ),

@@ -6,15 +6,24 @@ verify for the whole verified block (positions past the accepted ones are rewrit
 steps before they are read). A decode batch drafts the block ``[root, MASK, ..., MASK]`` at
 the root's position onwards in one non-causal forward: each block query sees the committed
 context and the whole block. The target's LM head turns slots 1 .. B - 1 into the B - 1
-drafts (greedy, so the accept rule needs no draft probabilities). Context K/V depend on target
+drafts: the argmax for greedy rows; for sampled rows one draw per slot from that slot's own
+processed distribution (``DraftOptions.sample``, sampled.py). Context K/V depend on target
 features only, so prefix-cache pages carry valid draft KV.
+
+Sampled blocks stay lossless although no slot sees the drafts before it: slot ``j``'s
+distribution ``q_j`` is a function of the committed prefix alone, and its draft is drawn from
+``q_j`` independently of the other slots' drafts given that prefix. The speculative sampling
+argument needs only that draft ``j`` be drawn from the very ``q_j`` the verify divides by,
+given the prefix and the drafts before it; a ``q_j`` that ignores those drafts is one such
+distribution. So ``min(1, p_j / q_j)`` with the residual at the first rejection leaves every
+committed token distributed as the target's (``rejection``), and the coupled draw's tokens are
+the target's own draws whatever the drafts are (``coupled``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from outrider.plugins.api import NoOptions
 from outrider.plugins.device import ForwardBatch
 from outrider.plugins.speculative.base import (
     Accepted,
@@ -26,10 +35,12 @@ from outrider.plugins.speculative.base import (
 )
 from outrider.plugins.speculative.dflash import resolve_mask_token
 from outrider.plugins.speculative.dflash_model import DFlashConfig, DFlashDraft, load_dflash
+from outrider.plugins.speculative.draft_options import DraftOptions
+from outrider.plugins.speculative.sampled import coupled_drafts, rejection_drafts
 
 
 class DFlashWorker(SpeculativeWorker):
-    def __init__(self, ctx: WorkerContext, options: NoOptions) -> None:
+    def __init__(self, ctx: WorkerContext, options: DraftOptions) -> None:
         super().__init__(ctx, options)
         config = DFlashConfig.from_pretrained(ctx.draft_model)
         mask_id = config.mask_token_id
@@ -67,7 +78,18 @@ class DFlashWorker(SpeculativeWorker):
         fb = ForwardBatch.bind(layout, self.backend, self.kv)
         hidden = self.model(self.ctx.embed(block.reshape(-1)), fb)  # [bs * B, H]
         logits = self.ctx.lm_head(hidden.view(bs, width, -1)[:, 1:].reshape(-1, hidden.shape[-1]))
-        return Drafts(logits.argmax(dim=-1).view(bs, width - 1))
+        mode = self.options.sample
+        if view.sampling.all_greedy or mode == "argmax":
+            return Drafts(logits.argmax(dim=-1).view(bs, width - 1))
+        offsets, limit = self.block_offsets[: width - 1], self.ctx.vocab_limit
+        if mode == "coupled":
+            return Drafts(
+                coupled_drafts(logits, view.sampling, view.out_lens, offsets, vocab_limit=limit)
+            )
+        tokens, probs = rejection_drafts(
+            logits, view.sampling, view.out_lens, offsets, vocab_limit=limit
+        )
+        return Drafts(tokens, probs)
 
     def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         self._materialize(verify)

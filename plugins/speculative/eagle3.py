@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from outrider.plugins.api import (
     CheckContext,
-    NoOptions,
     PluginSpec,
     Problem,
     SpeculativeCapabilities,
 )
 from outrider.plugins.speculative.draft_config import check_draft, feature_size_problem
+from outrider.plugins.speculative.draft_options import DraftOptions, tree_sample_problems
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -19,7 +19,7 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
     draft, target, problems = check_draft(spec.name, ARCHITECTURE, ctx)
     if draft is not None:
         problems += feature_size_problem(draft, target)
-    return problems
+    return problems + tree_sample_problems(ctx)
 
 
 SPEC = PluginSpec(
@@ -27,7 +27,7 @@ SPEC = PluginSpec(
     kind="speculative",
     summary="EAGLE-3: a one-layer draft over three tapped target layers; chains and trees",
     implementation="outrider.plugins.speculative.eagle3_impl:Eagle3Worker",
-    options=NoOptions,
+    options=DraftOptions,
     speculative=SpeculativeCapabilities(needs_draft_model=True, tree=True, default_width=4),
     check=_check,
 )

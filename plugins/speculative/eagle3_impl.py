@@ -15,6 +15,16 @@ their K/V at the node slots ``seq + (k - 1) K + i``; each attends to the committ
 to its ancestors' node slots. The catch-up after a verify rewrites rows ``seq ..`` along the
 accepted path from the target's features, so node slots never need moving.
 
+Sampled requests (``DraftOptions.sample``, sampled.py): a step's candidates after a node of
+depth ``d`` are the ``K`` best of its race scores at output index ``out_len + d`` under
+``coupled`` (the default; a chain takes the winner, and a tree scores a path by the sum of its
+nodes' distances from winning, so the spine of race winners scores 0 and the other nodes
+below it), or one draw from ``q`` under ``rejection`` (chains only; ``q`` spread over the
+target's vocabulary through ``d2t``). A coupled tree is lossless as any deterministic tree is:
+every committed token is the target's own draw, and the drafts only decide how many are
+committed. So trees at temperature > 0 need neither recursive rejection over siblings nor a
+fallback to a chain, and seeded outputs stay the target-only ones.
+
 A prefix-cache hit gives its last page back (``prefix_margin_pages``): the draft's KV at the
 last cached position was computed with the publishing request's next token.
 """
@@ -23,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from outrider.plugins.api import NoOptions
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.device import BatchLayout, ForwardBatch
+from outrider.plugins.sampling import DRAW_DRAFT, SamplingBatch, processed_probs, sample_probs
 from outrider.plugins.speculative.base import (
     Accepted,
     DecodeView,
@@ -34,19 +44,21 @@ from outrider.plugins.speculative.base import (
     SpeculativeWorker,
     WorkerContext,
 )
+from outrider.plugins.speculative.draft_options import DraftOptions
 from outrider.plugins.speculative.eagle3_model import (
     Eagle3Config,
     Eagle3Draft,
     default_aux_layers,
     load_eagle3,
 )
+from outrider.plugins.speculative.sampled import coupled_scores, repeat_rows
 from outrider.plugins.speculative.tree import best, select_tree
 
 
 class Eagle3Worker(SpeculativeWorker):
     prefix_margin_pages = 1
 
-    def __init__(self, ctx: WorkerContext, options: NoOptions) -> None:
+    def __init__(self, ctx: WorkerContext, options: DraftOptions) -> None:
         super().__init__(ctx, options)
         config = Eagle3Config.from_pretrained(ctx.draft_model)
         self.capture_layers = config.aux_layer_ids or default_aux_layers(ctx.target_layers)
@@ -67,6 +79,10 @@ class Eagle3Worker(SpeculativeWorker):
         self.feat = torch.zeros(ctx.max_slots + 1, hidden, dtype=ctx.dtype, device=ctx.device)
         self.node_offsets = torch.arange(self.topk, device=ctx.device)  # [K]
         self.commit_offsets = torch.arange(ctx.shape.max_commit, device=ctx.device)  # [M]
+        # The target id of each draft vocabulary entry: the column a coupled race keys on.
+        self.draft_ids = self.model.to_target_ids(
+            torch.arange(config.draft_vocab_size, device=ctx.device)
+        )
 
     # --- EXTEND --------------------------------------------------------------------------
 
@@ -86,8 +102,8 @@ class Eagle3Worker(SpeculativeWorker):
     def draft(self, view: DecodeView) -> Drafts:
         bs, k = view.bs, self.topk
         y = self.feat[view.slots].unsqueeze(1)  # [bs, 1, H]: the root's row
-        score, token = self._expand(y.squeeze(1))  # [bs, K] each: the depth-1 candidates
-        cand_tokens, cand_scores = [token], [score]
+        score, token, q = self._expand(view, 0, y.squeeze(1))  # [bs, K]: depth-1 candidates
+        cand_tokens, cand_scores, probs = [token], [score], [q]
         cand_parents = [torch.full_like(token, -1)]
         node = self.node_offsets.expand(bs, k)  # [bs, K]: the frontier's candidate indices
         ancestors = torch.zeros(bs, k, (self.depth - 1) * k, dtype=torch.bool, device=y.device)
@@ -95,7 +111,8 @@ class Eagle3Worker(SpeculativeWorker):
             first = (step - 1) * k  # this step's node slots: seq + first ..
             ancestors[:, :, first : first + k] |= torch.eye(k, dtype=torch.bool, device=y.device)
             y = self._frontier(view, step, token, y, ancestors[:, :, : first + k])  # [bs, K, H]
-            child_score, child_token = self._expand(y.view(bs * k, -1))  # [bs * K, K] each
+            child_score, child_token, q = self._expand(view, step, y.view(bs * k, -1))
+            probs.append(q)  # child_score, child_token: [bs * K, K]
             child_score = (score.unsqueeze(2) + child_score.view(bs, k, k)).view(bs, k * k)
             cand_tokens.append(child_token.view(bs, k * k))
             cand_scores.append(child_score)
@@ -109,7 +126,8 @@ class Eagle3Worker(SpeculativeWorker):
             ancestors = ancestors.gather(1, parent.unsqueeze(2).expand_as(ancestors))
         tokens = torch.cat(cand_tokens, dim=1)
         if k == 1:  # a chain: every candidate, in depth order
-            return Drafts(tokens)
+            sampled = [q for q in probs if q is not None]
+            return Drafts(tokens, torch.stack(sampled, dim=1) if sampled else None)
         drafts, parents = select_tree(
             tokens,
             torch.cat(cand_scores, dim=1),
@@ -160,13 +178,43 @@ class Eagle3Worker(SpeculativeWorker):
         feats = feats.expand(bs, k, feats.shape[2]).reshape(bs * k, -1)
         return self._run(tokens.view(-1), feats, layout, self.decode_backend).view(bs, k, -1)
 
-    def _expand(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``K`` best next tokens (target ids) after rows ``y: [n, H]`` and their
-        log-probabilities under the draft, best first: ``[n, K]`` each."""
-        logprobs = torch.log_softmax(self.model.compute_logits(y), dim=-1)
+    def _expand(
+        self, view: DecodeView, depth: int, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The ``K`` best next tokens (target ids) after the nodes of ``depth`` whose draft
+        outputs are ``y: [n, H]`` (``n`` a multiple of the batch, row-major), best first, and
+        their scores: ``[n, K]`` each. Scores are the draft's log-probabilities, or a sampled
+        row's coupled race scores. Under ``rejection`` (a chain) the one token is drawn from
+        ``q``, returned as ``[n, V]`` (else None)."""
+        logits = self.model.compute_logits(y)  # [n, V_draft]
+        mode, sampling = self.options.sample, view.sampling
+        if sampling.all_greedy or mode == "argmax":
+            scores = torch.log_softmax(logits, dim=-1)
+        else:
+            per_row = y.shape[0] // view.bs
+            batch = repeat_rows(sampling, per_row)
+            counters = (view.out_lens + depth).repeat_interleave(per_row)
+            if mode == "rejection":
+                return self._draw(logits, batch, counters)
+            scores = coupled_scores(
+                logits, batch, counters, self.draft_ids, vocab_limit=self.ctx.vocab_limit
+            )
         # Siblings' order is free (neither is the other's ancestor): topk, not a full sort.
-        top = logprobs.topk(self.topk, dim=-1)
-        return top.values, self.model.to_target_ids(top.indices)
+        top = scores.topk(self.topk, dim=-1)
+        return top.values, self.model.to_target_ids(top.indices), None
+
+    def _draw(
+        self, logits: torch.Tensor, batch: SamplingBatch, counters: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A chain's ``rejection`` draft: (score [n, 1] (unused), token [n, 1], q [n, V])."""
+        limit = self.ctx.vocab_limit
+        logits = logits.float().masked_fill(self.draft_ids >= limit, float("-inf"))
+        q_draft = processed_probs(logits, batch, vocab_limit=logits.shape[-1])  # [n, V_draft]
+        q = torch.zeros(
+            logits.shape[0], self.ctx.logits_width, dtype=q_draft.dtype, device=logits.device
+        ).index_copy_(1, self.draft_ids, q_draft)
+        token = sample_probs(q, batch.seed, counters, DRAW_DRAFT).unsqueeze(1)
+        return torch.zeros_like(token, dtype=q.dtype), token, q
 
     def _features(self, fb: ForwardBatch) -> torch.Tensor:
         taps = [fb.captured[layer] for layer in self.capture_layers]

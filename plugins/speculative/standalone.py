@@ -1,9 +1,8 @@
 """The built-in ``standalone`` speculative plugin's spec: any small causal LM whose tokenizer
-gives every token the target's id drafts a chain, greedily."""
+gives every token the target's id drafts a chain (argmax for greedy requests; sampled
+requests: ``DraftOptions.sample``)."""
 
 from __future__ import annotations
-
-import msgspec
 
 from outrider.plugins.api import (
     CheckContext,
@@ -12,18 +11,9 @@ from outrider.plugins.api import (
     SpeculativeCapabilities,
 )
 from outrider.plugins.speculative.draft_config import DRAFT_FLAG, read_config, tokenizer_vocab
+from outrider.plugins.speculative.draft_options import DraftOptions
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-class StandaloneOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``--speculative-config`` of ``standalone``."""
-
-    # Sampled requests draw each draft from the draft's own distribution, processed like the
-    # request's (temperature, top-k, top-p), and keep it with probability min(1, p/q): every
-    # token is distributed as the target's, but seeded outputs differ from the target-only
-    # ones. Off: drafts are the draft's argmax and seeded outputs are the target-only ones.
-    sample: bool = False
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
@@ -66,9 +56,9 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
 SPEC = PluginSpec(
     name="standalone",
     kind="speculative",
-    summary="a small causal LM with the target's tokenizer drafts a chain (greedy, or sampled)",
+    summary="a small causal LM with the target's tokenizer drafts a chain",
     implementation="outrider.plugins.speculative.standalone_impl:StandaloneWorker",
-    options=StandaloneOptions,
+    options=DraftOptions,
     speculative=SpeculativeCapabilities(needs_draft_model=True, default_width=4),
     check=_check,
 )

@@ -1,14 +1,14 @@
-"""``standalone`` on the device: a small causal LM drafts a chain greedily, with its own paged
-KV cache at the target's positions.
+"""``standalone`` on the device: a small causal LM drafts a chain, with its own paged KV cache
+at the target's positions.
 
 The draft's KV at position p holds its K/V of the token at p, exactly as the target's does, so
-it depends on the prefix tokens only: prefix-cache pages carry valid draft KV. With
-``{"sample": true}`` sampled requests draw their drafts from the draft's processed
-distribution (see accept.py for the rule that keeps them). EXTEND runs the
-draft over the chunk. A decode batch feeds the root and each draft in turn (positions ``seq ..
-seq + S - 1``); accepted drafts are the committed tokens, so after the accept the draft's KV
-is final up to ``seq + a - 1``, and one more token (the last accepted one, at ``seq + a``)
-completes it; that rewrite is idempotent unless all ``S`` drafts were accepted.
+it depends on the prefix tokens only: prefix-cache pages carry valid draft KV. Greedy rows
+draft the argmax; sampled rows draw from the draft's processed distribution as
+``DraftOptions.sample`` says (sampled.py). EXTEND runs the draft over the chunk. A decode
+batch feeds the root and each draft in turn (positions ``seq .. seq + S - 1``); accepted
+drafts are the committed tokens, so after the accept the draft's KV is final up to
+``seq + a - 1``, and one more token (the last accepted one, at ``seq + a``) completes it; that
+rewrite is idempotent unless all ``S`` drafts were accepted.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from outrider.plugins.speculative.base import (
     SpeculativeWorker,
     WorkerContext,
 )
-from outrider.plugins.speculative.standalone import StandaloneOptions
+from outrider.plugins.speculative.draft_options import DraftOptions
+from outrider.plugins.speculative.sampled import coupled_scores
 
 
 class StandaloneWorker(SpeculativeWorker):
-    def __init__(self, ctx: WorkerContext, options: StandaloneOptions) -> None:
+    def __init__(self, ctx: WorkerContext, options: DraftOptions) -> None:
         super().__init__(ctx, options)
         self.model: DecoderForCausalLM
         self.model, config = load_model(
@@ -48,24 +49,31 @@ class StandaloneWorker(SpeculativeWorker):
         self.logits = torch.full(
             (ctx.max_slots, ctx.logits_width), float("-inf"), device=ctx.device
         )
+        self.vocab_ids = torch.arange(ctx.logits_width, device=ctx.device)  # [V]
 
     def after_extend(self, view: ExtendView) -> None:
         self.model(view.input_ids, ForwardBatch.bind(view.fb.layout, self.extend_backend, self.kv))
 
     def draft(self, view: DecodeView) -> Drafts:
+        mode, sampling, limit = self.options.sample, view.sampling, self.ctx.vocab_limit
+        if sampling.all_greedy:
+            mode = "argmax"
         token, drafts, probs = view.roots, [], []
         for k in range(self.shape.width - 1):
             logits = self._next(token, view.starts + k, view)  # [bs, V]
-            if self.options.sample:
-                q = processed_probs(logits, view.sampling, vocab_limit=self.ctx.vocab_limit)
-                token = sample_probs(q, view.sampling.seed, view.out_lens + k, DRAW_DRAFT)
+            if mode == "coupled":
+                scores = coupled_scores(
+                    logits, sampling, view.out_lens + k, self.vocab_ids, vocab_limit=limit
+                )
+                token = scores.argmax(dim=-1)
+            elif mode == "rejection":
+                q = processed_probs(logits, sampling, vocab_limit=limit)
+                token = sample_probs(q, sampling.seed, view.out_lens + k, DRAW_DRAFT)
                 probs.append(q)
             else:
                 token = logits.argmax(dim=-1)
             drafts.append(token)
-        return Drafts(
-            torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if self.options.sample else None
-        )
+        return Drafts(torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if probs else None)
 
     def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         drafts_taken = accepted.lens - 1
