@@ -11,7 +11,13 @@ import importlib.util
 import sys
 
 from outrider.daemon.bench_cmd import add_bench_arguments, run_bench
-from outrider.daemon.config import EXIT_CONFIG, ConfigError, add_serve_arguments, resolve
+from outrider.daemon.config import (
+    EXIT_CONFIG,
+    ConfigError,
+    add_serve_arguments,
+    flag_table,
+    resolve,
+)
 from outrider.daemon.generate_cmd import add_generate_arguments, run_generate
 from outrider.daemon.logs import configure_logging
 from outrider.daemon.plugins_cmd import add_plugins_arguments, run_plugins
@@ -20,8 +26,27 @@ from outrider.protocol.messages import PROTOCOL_VERSION
 
 _DAEMON_EXTRA = ("torch", "transformers", "safetensors", "uvloop")
 
+SERVE_DESCRIPTION = (
+    "Run the daemon. Without --model it serves the embedded model family (a tiny Qwen3 target, "
+    "pip install ./family) with DFlash speculation. Every flag --foo-bar may also be set as "
+    "OUTRIDER_FOO_BAR in the environment; the command line wins. The first SIGTERM or SIGINT "
+    "drains (running requests finish, up to --drain-timeout); a second SIGINT stops at once."
+)
 
-def _parser() -> argparse.ArgumentParser:
+
+class _PrintFlagTable(argparse.Action):
+    """``--help-markdown``: print the README's flag table and exit."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS)
+        self.help = "print the flags as the README's Markdown table and exit"
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object, **_kw: object) -> None:
+        print(flag_table(), end="")
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outrider", description="An LLM inference daemon built around speculative decoding."
     )
@@ -31,8 +56,14 @@ def _parser() -> argparse.ArgumentParser:
         version=f"outrider {installed_version()} (client protocol {PROTOCOL_VERSION})",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(commands.add_parser("serve", help="run the daemon"))
-    add_generate_arguments(commands.add_parser("generate", help="send one request"))
+    serve = commands.add_parser("serve", help="run the daemon", description=SERVE_DESCRIPTION)
+    add_serve_arguments(serve)
+    serve.add_argument("--help-markdown", action=_PrintFlagTable)
+    add_generate_arguments(
+        commands.add_parser(
+            "generate", help="send one request", description="Send one request to a daemon."
+        )
+    )
     add_plugins_arguments(commands.add_parser("plugins", help="list the discovered plugins"))
     add_bench_arguments(commands.add_parser("bench", help="measure the engine in process"))
     return parser
@@ -64,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":

@@ -11,6 +11,7 @@ import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Literal
 
 from outrider.daemon.family import family_defaults
@@ -20,6 +21,7 @@ from outrider.plugins.api import PHASES, CheckContext, Phase
 
 Device = Literal["cpu", "cuda"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class ServeConfig:
     load_format: Literal["auto", "dummy"] = "auto"
     dtype: DTypeName = "auto"
     device: Device = "cpu"
+    threads: int = 0  # 0: automatic, see torch_threads
     page_size: int = 16
     max_running: int = 64
     kv_cache_tokens: int = 0  # 0: size the pool from memory (GPU) or the context length (CPU)
@@ -47,6 +50,7 @@ class ServeConfig:
     speculative_topk: int = 0
     speculative_config: str = ""  # the plugin's options as JSON
     draft_model: str = ""
+    # Acceptance length from which a decode batch drafts; < 0: measured at start; 0: always.
     # Debug (benchmarks with dummy weights): force this mean acceptance length; 0: off.
     speculative_simulate_acceptance: float = 0.0
     no_overlap: bool = False
@@ -72,6 +76,15 @@ class ServeConfig:
     @property
     def overlap(self) -> bool:
         return not self.no_overlap
+
+    def serving_dtype(self, checkpoint_dtype: str | None) -> str:
+        """The dtype the model runs in: ``--dtype``; for auto, float32 on CPU and on CUDA the
+        checkpoint's (``checkpoint_dtype``), else bfloat16."""
+        if self.dtype != "auto":
+            return self.dtype
+        if self.device == "cpu":
+            return "float32"
+        return checkpoint_dtype if checkpoint_dtype in _DTYPE_NAMES else "bfloat16"
 
     def check_context(
         self, dtype: str, cuda_capability: tuple[int, int] | None = None
@@ -107,47 +120,89 @@ class ServeConfig:
         return {phase: chosen[phase] or self.attention_backend for phase in PHASES}
 
 
+_FIELDS = {f.name: f for f in fields(ServeConfig)}
+
+# Help text of every flag; ``test_cli`` checks that each field has one.
 _HELP: dict[str, str] = {
-    "model": "model directory or config.json path",
-    "load_format": "auto: weights from the directory; dummy: random weights of the same shapes",
-    "dtype": "auto = float32 on CPU, the checkpoint's dtype on CUDA",
-    "page_size": "KV page size in tokens",
-    "max_running": "most requests decoding at once",
-    "kv_cache_tokens": "KV pool size in tokens (0: from memory / context length)",
-    "gpu_memory_fraction": "fraction of free GPU memory the daemon may use",
-    "context_length": "longest prompt + output (0: the model's maximum)",
-    "generation_config": (
-        "auto: requests that leave temperature, top_p or top_k out get the model's "
-        "generation_config.json values; none: Outrider's (1.0, 1.0, 0)"
+    "model": (
+        "model directory (Hugging Face layout, safetensors weights), or a config.json path "
+        "with --load-format dummy; without it, the embedded model family with DFlash"
     ),
-    "listen": "client endpoint: ipc://PATH or tcp://HOST:PORT (default: the runtime socket)",
-    "attention_backend": "attention backend for every phase",
-    "attention_config": "NAME='{json}' options for an attention backend (repeatable)",
-    "speculative_algorithm": "speculative plugin (see `outrider plugins`), or none",
-    "speculative_num_draft_tokens": "tokens verified per row, the root included (N)",
-    "speculative_num_steps": "draft steps S (a chain verifies S + 1 tokens)",
-    "speculative_topk": "branching per draft step (1: a chain)",
-    "speculative_config": "the speculative plugin's options as JSON",
-    "draft_model": "draft model directory (EAGLE-3, DFlash, standalone)",
-    "disable_cuda_graph": "run every decode batch eagerly (CUDA graphs are on by default)",
-    "cuda_graph_max_bs": "the largest decode batch replayed from a CUDA graph (larger: eager)",
+    "load_format": "auto: weights from the directory; dummy: random weights of the same shapes",
+    "dtype": "auto: float32 on CPU, the checkpoint's dtype on CUDA",
+    "device": "where the model runs",
+    "threads": (
+        "torch CPU threads of the daemon; 0: the CPUs it may use (affinity, cgroup quota) "
+        "less one for the front door and detokenizer, which run one thread each; at least 1"
+    ),
+    "page_size": "KV page size in tokens (a power of two)",
+    "max_running": "most requests decoding at once",
+    "kv_cache_tokens": (
+        "KV pool size in tokens; 0: from --gpu-memory-fraction on CUDA, a few contexts on CPU"
+    ),
+    "gpu_memory_fraction": "share of the free GPU memory the daemon may use after the weights",
+    "context_length": (
+        "longest prompt + output; 0: the model's maximum (lowered, and logged, when an "
+        "implicit pool is smaller)"
+    ),
+    "generation_config": (
+        "what requests that leave temperature, top_p or top_k out get: auto, the model "
+        "directory's generation_config.json values (do_sample false is greedy; a value it does "
+        "not give, or no file, keeps Outrider's); none, Outrider's (1.0, 1.0, 0); logged at start"
+    ),
+    "listen": (
+        "client endpoint: ipc://PATH or tcp://HOST:PORT (TCP beyond loopback needs CURVE keys "
+        "or --insecure-tcp)"
+    ),
+    "attention_backend": "attention backend of every phase (see `outrider plugins`)",
+    "prefill_attention_backend": "attention backend of prompt (EXTEND) batches",
+    "decode_attention_backend": "attention backend of decode batches",
+    "verify_attention_backend": "attention backend of speculative verify batches",
+    "draft_attention_backend": "attention backend of the draft model's batches",
+    "attention_config": (
+        "options of attention backend NAME, checked against its options struct (repeatable)"
+    ),
+    "speculative_algorithm": (
+        "speculative plugin (ngram, eagle3, dflash, standalone built in; see `outrider "
+        "plugins`), or none"
+    ),
+    "speculative_num_draft_tokens": "tokens verified per row, the root included; 0: the plugin's",
+    "speculative_num_steps": "draft steps S: a chain verifies S + 1 tokens; 0: from N",
+    "speculative_topk": (
+        "branching per draft step; 1 (or 0) drafts a chain, K > 1 a tree (needs S and N)"
+    ),
+    "speculative_config": "the speculative plugin's options as JSON, checked against its struct",
+    "draft_model": "draft model directory, for the plugins that need one",
     "speculative_simulate_acceptance": (
         "debug, for dummy weights: commit a mean of A tokens per verify (1 + accepted drafts) "
         "whatever the drafts are; outputs are meaningless; 0: off"
     ),
-    "no_overlap": "run the serial loop (same tokens, no CPU/GPU overlap)",
+    "no_overlap": "run the serial loop (the same tokens, no CPU/GPU overlap)",
+    "disable_cuda_graph": "run every decode batch eagerly (CUDA graphs are on by default)",
+    "cuda_graph_max_bs": "the largest decode batch replayed from a CUDA graph (larger: eager)",
     "chunked_prefill_tokens": "most prompt tokens in one EXTEND batch",
-    "max_message_bytes": "largest client frame (ZMQ_MAXMSGSIZE)",
-    "drain_timeout": "seconds in-flight requests may finish after SIGTERM",
-    "step_timeout": "a step older than this stops the systemd watchdog pings",
-    "insecure_tcp": "allow a non-loopback TCP bind without CURVE keys",
-    "curve_secret_key_file": "CURVE secret key file (zmq.auth format, mode 0600) for TCP",
-    "curve_client_keys": "directory of the client public certificates (*.key) CURVE lets in",
-    "socket_mode": "file mode of an ipc:// client socket, octal: 0600 (default) or 0660",
-    "http": "HOST:PORT: serve the OpenAI-compatible HTTP API there (off by default)",
+    "max_message_bytes": "largest client frame (ZMQ_MAXMSGSIZE); a larger one drops the client",
+    "max_inflight_per_client": (
+        "most requests one client connection may have in flight (more are refused: overloaded)"
+    ),
+    "max_inflight": "most requests in flight over all clients (more are refused: overloaded)",
+    "drain_timeout": "seconds running requests may finish after SIGTERM or a first SIGINT",
+    "step_timeout": "seconds a step may run before the systemd watchdog pings stop",
+    "insecure_tcp": "allow a tcp:// bind beyond loopback without CURVE keys",
+    "curve_secret_key_file": (
+        "the daemon's CURVE secret certificate (zmq.auth format), the service user's, mode 0600"
+    ),
+    "curve_client_keys": (
+        "directory of the client public certificates (NAME.key) CURVE lets in; required with "
+        "the secret key"
+    ),
+    "socket_mode": "file mode of an ipc:// client socket, octal: at most 0660 (owner and group)",
+    "http": "serve the OpenAI-compatible HTTP API there (loopback unless --http-allow-remote)",
     "http_allow_remote": "let --http bind beyond loopback",
-    "api_key": "with --http: require 'Authorization: Bearer KEY' on /v1/*",
-    "served_model_name": "the model name of the HTTP API (default: the model directory's name)",
+    "api_key": "with --http: /v1/* requires 'Authorization: Bearer KEY'",
+    "served_model_name": "the model name the HTTP API lists and requests may give",
+    "log_level": "log level of the daemon and its children",
+    "seed": "seed of --load-format dummy weights",
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -158,22 +213,109 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error"),
 }
 
+_METAVAR: dict[str, str] = {
+    "model": "DIR",
+    "listen": "ENDPOINT",
+    "draft_model": "DIR",
+    "attention_backend": "NAME",
+    "prefill_attention_backend": "NAME",
+    "decode_attention_backend": "NAME",
+    "verify_attention_backend": "NAME",
+    "draft_attention_backend": "NAME",
+    "attention_config": "NAME='{json}'",
+    "speculative_algorithm": "NAME",
+    "speculative_num_steps": "S",
+    "speculative_topk": "K",
+    "speculative_config": "'{json}'",
+    "speculative_simulate_acceptance": "A",
+    "gpu_memory_fraction": "F",
+    "drain_timeout": "S",
+    "step_timeout": "S",
+    "curve_secret_key_file": "FILE",
+    "curve_client_keys": "DIR",
+    "socket_mode": "MODE",
+    "http": "HOST:PORT",
+    "api_key": "KEY",
+    "served_model_name": "NAME",
+}
+
+# Defaults whose plain value would mislead or say nothing ("", 0 with a meaning of its own).
+_SHOWN_DEFAULT: dict[str, str] = {
+    "model": "the embedded family",
+    "threads": "automatic",
+    "generation_config": "auto (none for the embedded family)",
+    "listen": "the runtime socket",
+    "prefill_attention_backend": "--attention-backend",
+    "decode_attention_backend": "--attention-backend",
+    "verify_attention_backend": "--attention-backend",
+    "draft_attention_backend": "--attention-backend",
+    "speculative_algorithm": "none (dflash for the embedded family)",
+    "speculative_config": "the plugin's defaults",
+    "draft_model": "the embedded family's, for dflash and eagle3",
+    "socket_mode": "0600",
+    "max_message_bytes": "8388608 (8 MiB)",
+    "served_model_name": "the model directory's name (outrider-family for the embedded family)",
+}
+
 
 def env_name(field_name: str) -> str:
     return "OUTRIDER_" + field_name.upper()
 
 
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def shown_default(field_name: str) -> str:
+    """The default of a serve flag as ``--help`` and the README show it."""
+    if field_name in _SHOWN_DEFAULT:
+        return _SHOWN_DEFAULT[field_name]
+    default = _FIELDS[field_name].default
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if default in ("", ()):
+        return "none"
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
+def metavar(field_name: str) -> str | None:
+    """What follows the flag in usage lines; None for a switch."""
+    f = _FIELDS[field_name]
+    if f.type == "bool":
+        return None
+    if field_name in _CHOICES:
+        return "|".join(_CHOICES[field_name])
+    return _METAVAR.get(field_name, "N" if f.type == "int" else "X" if f.type == "float" else "V")
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per ``ServeConfig`` field; defaults are applied in ``resolve``."""
     for f in fields(ServeConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = _HELP.get(f.name, "") + f" [env {env_name(f.name)}]"
+        flag = flag_name(f.name)
+        help_text = (
+            f"{_HELP[f.name]} (default: {shown_default(f.name)}) [env {env_name(f.name)}]"
+        ).replace("%", "%%")
+        shown = metavar(f.name)
         if f.type == "bool":
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         elif f.name == "attention_config":
-            parser.add_argument(flag, action="append", default=None, help=help_text)
+            parser.add_argument(flag, action="append", default=None, metavar=shown, help=help_text)
+        elif f.name in _CHOICES:
+            parser.add_argument(flag, default=None, choices=_CHOICES[f.name], help=help_text)
         else:
-            parser.add_argument(flag, default=None, choices=_CHOICES.get(f.name), help=help_text)
+            parser.add_argument(flag, default=None, metavar=shown, help=help_text)
+
+
+def flag_table() -> str:
+    """The README's table of serve flags (Markdown), from the same table as ``--help``."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f in fields(ServeConfig):
+        shown = metavar(f.name)
+        flag = flag_name(f.name) + ("" if shown is None else f" {shown}")
+        cells = (f"`{flag}`", shown_default(f.name), _HELP[f.name])
+        escaped = (cell.replace("|", "\\|").replace("*", "\\*") for cell in cells)
+        rows.append("| " + " | ".join(escaped) + " |")
+    return "\n".join(rows) + "\n"
 
 
 def _convert(name: str, type_name: str, raw: Any) -> Any:
@@ -212,13 +354,11 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
         try:
             value = _convert(f.name, str(f.type), raw)
         except ValueError as exc:
-            raise ConfigError(f"--{f.name.replace('_', '-')}: {exc}") from None
+            raise ConfigError(f"{flag_name(f.name)}: {exc}") from None
         if value is not None:
             if f.name in _CHOICES and value not in _CHOICES[f.name]:
                 choices = ", ".join(_CHOICES[f.name])
-                raise ConfigError(
-                    f"--{f.name.replace('_', '-')}: {value!r} is not one of {choices}"
-                )
+                raise ConfigError(f"{flag_name(f.name)}: {value!r} is not one of {choices}")
             values[f.name] = value
     if "model" not in values:
         defaults = family_defaults(values)
@@ -239,6 +379,8 @@ def validate(config: ServeConfig) -> list[str]:
     problems = []
     if config.page_size < 1 or config.page_size & (config.page_size - 1):
         problems.append(f"--page-size must be a power of two, not {config.page_size}")
+    if config.threads < 0:
+        problems.append("--threads must be >= 0 (0: automatic)")
     if config.max_running < 1:
         problems.append("--max-running must be at least 1")
     if config.cuda_graph_max_bs < 1:
@@ -301,6 +443,40 @@ def _http_problems(config: ServeConfig) -> list[str]:
     if config.curve_secret_key_file:
         return ["--http with CURVE keys is not supported: the HTTP front would need a client key"]
     return []
+
+
+# The children (front door, detokenizer, HTTP front) run one thread each; under load they take
+# about one core between them, which the automatic --threads leaves to them.
+CHILDREN_CORES = 1
+
+
+def torch_threads(config: ServeConfig, cpus: int | None = None) -> int:
+    """The daemon's torch intra-op threads: ``--threads``, or for 0 the CPUs it may use
+    (``cpus``, default ``available_cpus()``) less ``CHILDREN_CORES``, at least 1. NOTE: torch's
+    own default takes every core; on a small host its threads then wait for one another at
+    every operation whenever anything else runs (on 2 cores under load: first tokens after
+    seconds instead of 0.1 s, a tenth of the tokens per second; README, ``--threads``)."""
+    if config.threads:
+        return config.threads
+    return max(1, (available_cpus() if cpus is None else cpus) - CHILDREN_CORES)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask, capped by its cgroup (v2) CPU
+    quota rounded down, at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        group = next(line[3:] for line in lines if line.startswith("0::"))
+        quota, period = (Path("/sys/fs/cgroup") / group.lstrip("/") / "cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, int(quota) // int(period))
+    except (OSError, StopIteration, ValueError):
+        pass  # no cgroup v2 or no quota: the affinity mask alone
+    return max(1, cpus)
 
 
 class ConfigError(ValueError):

@@ -13,7 +13,14 @@ from typing import Any, Final
 
 import msgspec
 
-from outrider.protocol import Client, RequestError, TokenStream, default_endpoint
+from outrider.protocol import (
+    Client,
+    NotListening,
+    RequestError,
+    Timeout,
+    TokenStream,
+    default_endpoint,
+)
 
 DEFAULT_TIMEOUT_S: Final = 300.0
 # NOTE: the daemon's front door answers health itself, never queued behind generation.
@@ -25,31 +32,52 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "prompt", nargs="?", metavar="PROMPT", help="the prompt; '-' or nothing reads stdin"
     )
     parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as one user message, through the model's chat template with a "
+        "generation prompt (default: off, the prompt as raw text)",
+    )
+    parser.add_argument(
         "--connect", metavar="ENDPOINT", help=f"daemon endpoint (default: {default_endpoint()})"
     )
-    parser.add_argument("--max-new-tokens", type=int, metavar="N")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help="most tokens to generate (default: until a stop condition or the context limit)",
+    )
     model_default = "default: the model's, see serve --generation-config"
     parser.add_argument(
         "--temperature", type=float, metavar="T", help=f"0: greedy ({model_default})"
     )
-    parser.add_argument("--top-p", type=float, metavar="P", help=f"({model_default})")
+    parser.add_argument("--top-p", type=float, metavar="P", help=f"nucleus mass ({model_default})")
     parser.add_argument("--top-k", type=int, metavar="K", help=f"0: no top-k ({model_default})")
-    parser.add_argument("--seed", type=int, metavar="S")
     parser.add_argument(
-        "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
+        "--seed", type=int, metavar="S", help="sampling seed (default: one the daemon picks)"
     )
-    parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="stop string (repeatable; default: none)",
+    )
+    parser.add_argument(
+        "--stream", action="store_true", help="print tokens as they arrive (default: off)"
+    )
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print the result as one JSON object (with --stream: one line per chunk first)",
+        help="print the result as one JSON object (with --stream: one line per chunk first; "
+        "default: off, the text)",
     )
     parser.add_argument(
         "--timeout",
         type=_timeout_seconds,
         default=DEFAULT_TIMEOUT_S,
         metavar="S",
-        help=f"give up after S seconds (default: {DEFAULT_TIMEOUT_S:g}; 0 or inf: wait forever)",
+        help=f"give up on the answer after S seconds (default: {DEFAULT_TIMEOUT_S:g}; 0 or "
+        "inf: wait forever)",
     )
 
 
@@ -63,7 +91,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     # None (a flag not given) leaves the value to the daemon's defaults.
-    sampling: dict[str, Any] = {
+    request: dict[str, Any] = {
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
@@ -71,6 +99,10 @@ def run_generate(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "stop": args.stop,
     }
+    if args.chat:
+        request["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        request["prompt"] = prompt
     endpoint = args.connect if args.connect is not None else default_endpoint()
     timeout: float | None = args.timeout
     health_deadline = HEALTH_DEADLINE_S if timeout is None else min(HEALTH_DEADLINE_S, timeout)
@@ -79,11 +111,24 @@ def run_generate(args: argparse.Namespace) -> int:
             # NOTE: with no daemon bound, ZeroMQ would hold the request until the deadline;
             # the health check ends that within seconds, saying which failure it was.
             client.health(timeout=health_deadline)
-            if args.stream:
-                _print_stream(client.stream(prompt, **sampling), as_json=args.json)
-            else:
-                result = client.generate(prompt, **sampling)
-                print(_json_line(result) if args.json else result.text)
+            try:
+                if args.stream:
+                    _print_stream(client.stream(**request), as_json=args.json)
+                else:
+                    result = client.generate(**request)
+                    print(_json_line(result) if args.json else result.text)
+            except NotListening:
+                raise  # the daemon went away: said as the health check says it
+            except Timeout:
+                assert timeout is not None, "without a deadline no call times out"
+                if args.stream and not args.json:
+                    print()  # end the partial text's line
+                print(
+                    f"error: timeout: no complete answer within {timeout:g} s; the request was "
+                    "aborted (--timeout S waits longer, 0 waits forever)",
+                    file=sys.stderr,
+                )
+                return 1
     except RequestError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1

@@ -7,13 +7,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from outrider.daemon.config import EXIT_CONFIG, ConfigError, add_serve_arguments, resolve
+from outrider.daemon.config import (
+    EXIT_CONFIG,
+    ConfigError,
+    ServeConfig,
+    add_serve_arguments,
+    resolve,
+    torch_threads,
+)
+from outrider.daemon.family import embedded_family
+from outrider.daemon.models.config import model_dir
+from outrider.daemon.preflight import preflight, resolve_plugins
+from outrider.daemon.runtime import tcp_bind_problem
+from outrider.daemon.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from outrider.plugins.api import (
     ENTRY_POINT_GROUPS,
     PHASES,
@@ -23,13 +37,15 @@ from outrider.plugins.api import (
     Problem,
     SpeculativeCapabilities,
 )
-from outrider.plugins.checks import ATTENTION_FLAG, SPECULATIVE_FLAG, PluginProblems
+from outrider.plugins.checks import ATTENTION_FLAG, SPECULATIVE_FLAG
 from outrider.plugins.registry import (
     KIND_NAMES,
     Entry,
     Registry,
+    ResolvedPlugins,
     discover,
 )
+from outrider.protocol.endpoints import default_endpoint
 
 # The built-in backend that speculative plugins are checked against.
 DEFAULT_ATTENTION_BACKEND = "torch"
@@ -71,14 +87,18 @@ class Report(msgspec.Struct, frozen=True):
 def add_plugins_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the listing as JSON")
     parser.add_argument(
-        "--page-size", type=int, default=16, help="KV page size to check plugins against"
+        "--page-size",
+        type=int,
+        default=16,
+        help="KV page size to check plugins against (default: 16)",
     )
     parser.add_argument(
         "--check",
         nargs=argparse.REMAINDER,
         metavar="SERVE_FLAGS",
-        help="check these `outrider serve` flags (and OUTRIDER_* settings) without starting: "
-        f"prints every problem and exits {EXIT_CONFIG} if there is one (--model is not read)",
+        help="check these `outrider serve` flags (and OUTRIDER_* settings) as serve would "
+        "resolve them, the embedded family and the model files included, without starting: "
+        f"prints what would run, or every problem and exits {EXIT_CONFIG}",
     )
 
 
@@ -87,7 +107,8 @@ def run_plugins(args: argparse.Namespace) -> int:
     With ``--check``, the verdict on a serving configuration instead."""
     if args.check is not None:
         return run_serve_check(args.check)
-    report = build_report(discover(), machine_context(args.page_size))
+    registry = discover()
+    report = build_report(registry, machine_context(args.page_size), serve_configs(registry))
     if args.json:
         encoded = msgspec.json.encode(report, order="deterministic")
         print(msgspec.json.format(encoded, indent=2).decode())
@@ -96,35 +117,107 @@ def run_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class ServeCheck:
+    """What ``outrider serve`` would run with some flags, resolved as it resolves them."""
+
+    config: ServeConfig
+    dtype: str
+    problems: list[str]  # the start-up refusals, each naming its flag
+    plugins: ResolvedPlugins | None  # None: a plugin problem (``plugin_problems`` says which)
+    plugin_problems: str
+    sampling_defaults: SamplingDefaults | None
+
+
+def serve_check(config: ServeConfig) -> ServeCheck:
+    """Every check ``outrider serve`` makes of ``config`` before it loads weights, without
+    stopping at the first that fails: the endpoint, the files (``preflight``), the model's
+    config.json as the loader reads it, the sampling defaults and the plugins, in the dtype
+    the daemon would choose."""
+    problems = []
+    endpoint = config.listen or default_endpoint()
+    bind = tcp_bind_problem(
+        endpoint, curve_keys=bool(config.curve_secret_key_file), insecure_tcp=config.insecure_tcp
+    )
+    if bind is not None:
+        problems.append(bind)
+    problems += preflight(config)
+    checkpoint_dtype = None
+    if not problems:
+        try:
+            checkpoint_dtype = _checkpoint_dtype(config.model)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    defaults = None
+    try:
+        defaults = resolve_sampling_defaults(config)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    dtype = config.serving_dtype(checkpoint_dtype)
+    capability = _cuda_capability() if config.device == "cuda" else None
+    if capability is None and config.device == "cuda" and _torch_installed():
+        problems.append("--device cuda: no CUDA device is available")
+    try:
+        plugins: ResolvedPlugins | None = resolve_plugins(config, dtype, capability)
+        plugin_problems = ""
+    except ConfigError as exc:
+        plugins, plugin_problems = None, str(exc)
+    return ServeCheck(config, dtype, problems, plugins, plugin_problems, defaults)
+
+
 def run_serve_check(argv: list[str], environ: Mapping[str, str] | None = None) -> int:
-    """The plugin verdict on ``outrider serve`` flags, as the daemon would reach it at start
-    (``--dtype auto`` taken as float32 on CPU, bfloat16 on CUDA)."""
+    """``outrider plugins --check``: resolve ``argv`` and the ``OUTRIDER_*`` settings as
+    ``outrider serve`` does (``resolve``, the embedded family without ``--model``), then
+    ``serve_check``; prints what would run, or every problem (exit ``EXIT_CONFIG``)."""
     parser = argparse.ArgumentParser(prog="outrider plugins --check")
     add_serve_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.model is None:
-        args.model = "(not read)"
     try:
-        config = resolve(args, environ)
+        config = resolve(parser.parse_args(argv), environ)
     except ConfigError as exc:
         print(f"outrider plugins --check: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    capability = _cuda_capability() if config.device == "cuda" else None
-    dtype = config.dtype
-    if dtype == "auto":
-        dtype = "float32" if config.device == "cpu" else "bfloat16"
-    try:
-        plugins = discover().resolve(config.check_context(dtype, capability))
-    except PluginProblems as exc:
-        print("the configuration cannot run:")
-        print("\n".join(f"  {problem}" for problem in exc.problems))
+    check = serve_check(config)
+    for problem in check.problems:
+        print(f"outrider plugins --check: {problem}", file=sys.stderr)
+    if check.plugins is None:
+        print(check.plugin_problems)
         return EXIT_CONFIG
+    if check.problems:
+        return EXIT_CONFIG
+    print(_verdict(check, check.plugins))
+    return 0
+
+
+def _verdict(check: ServeCheck, plugins: ResolvedPlugins) -> str:
+    config = check.config
     routes = ", ".join(f"{phase} {p.spec.name}" for phase, p in plugins.attention.items())
     verdict = f"the configuration can run: speculative {config.speculative_algorithm}; {routes}"
     if plugins.shape.speculative:
         verdict += f"; {plugins.shape.width} tokens verified per row"
-    print(verdict)
-    return 0
+    family = embedded_family()
+    embedded = family is not None and model_dir(config.model) == family.target
+    lines = [verdict, f"  --model {config.model}" + (" (the embedded family)" if embedded else "")]
+    if config.draft_model:
+        lines.append(f"  --draft-model {config.draft_model}")
+    threads = f", torch threads {torch_threads(config)}" if config.device == "cpu" else ""
+    lines.append(f"  --device {config.device}, dtype {check.dtype}{threads}")
+    if check.sampling_defaults is not None:
+        lines.append(f"  sampling defaults: {check.sampling_defaults.describe()}")
+    return "\n".join(lines)
+
+
+def _checkpoint_dtype(model: str) -> str | None:
+    """The checkpoint's dtype as the loader reads its config.json (transformers' AutoConfig);
+    a config.json the loader refuses raises ``ConfigError`` naming ``--model``. Without
+    transformers (a light install) nothing is parsed here: None."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    from outrider.daemon.models.config import ModelConfig
+
+    try:
+        return ModelConfig.from_pretrained(model).dtype
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--model {model}: {exc}") from None
 
 
 def machine_context(page_size: int) -> CheckContext:
@@ -141,12 +234,40 @@ def machine_context(page_size: int) -> CheckContext:
     )
 
 
-def build_report(registry: Registry, ctx: CheckContext) -> Report:
+def serve_configs(
+    registry: Registry, environ: Mapping[str, str] | None = None
+) -> dict[str, ServeConfig]:
+    """Per speculative plugin, the configuration of ``outrider serve --speculative-algorithm
+    NAME`` (``OUTRIDER_*`` settings and the embedded family included); a plugin for which
+    serve would find no model is left out."""
+    configs = {}
+    for entry in registry.entries("speculative"):
+        args = argparse.Namespace(speculative_algorithm=entry.name)
+        try:
+            configs[entry.name] = resolve(args, environ)
+        except ConfigError:
+            continue
+    return configs
+
+
+def build_report(
+    registry: Registry, ctx: CheckContext, served: Mapping[str, ServeConfig] | None = None
+) -> Report:
+    """Every plugin checked against ``ctx``; a speculative one with the model and draft model
+    of its ``served`` configuration (``serve_configs``), as serve would run it."""
     machine = MachineReport(ctx.device, ctx.dtype, ctx.page_size, ctx.cuda_capability)
+    speculative = []
+    for entry in registry.entries("speculative"):
+        config = (served or {}).get(entry.name)
+        if config is not None:
+            entry_ctx = dataclasses.replace(ctx, model=config.model, draft_model=config.draft_model)
+        else:
+            entry_ctx = ctx
+        speculative.append(_plugin_report(registry, entry, entry_ctx))
     return Report(
         machine,
         attention=[_plugin_report(registry, e, ctx) for e in registry.entries("attention")],
-        speculative=[_plugin_report(registry, e, ctx) for e in registry.entries("speculative")],
+        speculative=speculative,
     )
 
 
@@ -254,6 +375,10 @@ def _options(options: type[msgspec.Struct]) -> list[OptionField]:
 
 def _type_name(tp: Any) -> str:
     return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def _torch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None
 
 
 def _cuda_capability() -> tuple[int, int] | None:

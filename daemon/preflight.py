@@ -1,8 +1,9 @@
-"""What a serving configuration needs from the file system, checked before anything is
-spawned or loaded: the model and draft directories and the CURVE key files.
+"""What a serving configuration needs, checked before anything is spawned or loaded: the
+model and draft directories and the CURVE key files (``preflight``), and the plugins it routes
+(``resolve_plugins``).
 
-Each problem is one line naming its flag and path; ``preflight`` returns them all at once.
-Nothing here imports torch or transformers, so a light install can run it too.
+Each problem is one line naming its flag (and path); every one is reported at once. Nothing
+here imports torch or transformers, so a light install can run it too.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from outrider.daemon.config import ServeConfig
+from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.curve_auth import CurveKeyError, load_client_keys, load_server_keys
+from outrider.plugins.checks import PluginProblems
+from outrider.plugins.registry import ResolvedPlugins, discover
 
 _INDEX = "model.safetensors.index.json"
 _GENERATION_CONFIG = "generation_config.json"
+CANNOT_RUN = "the configuration cannot run:"
 
 
 def preflight(config: ServeConfig) -> list[str]:
@@ -89,3 +93,16 @@ def _curve_problem(load: Callable[[], object]) -> list[str]:
     except CurveKeyError as exc:
         return [str(exc)]
     return []
+
+
+def resolve_plugins(
+    config: ServeConfig, dtype: str, cuda_capability: tuple[int, int] | None
+) -> ResolvedPlugins:
+    """The plugins ``config`` routes, run in ``dtype``, checked and resolved with one
+    discovery: what the daemon builds its engine from and ``outrider plugins --check``
+    reports. Raises ``ConfigError`` naming every problem, one per line."""
+    try:
+        return discover().resolve(config.check_context(dtype, cuda_capability))
+    except PluginProblems as exc:
+        problems = "\n  ".join(map(str, exc.problems))
+        raise ConfigError(f"{CANNOT_RUN}\n  {problems}") from None

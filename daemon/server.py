@@ -4,9 +4,11 @@ is the only process that talks to systemd.
 Start-up order: check the files (model, draft, CURVE keys) and that the client endpoint is
 free, lock the client socket, make the runtime directory, spawn the front door and the
 detokenizer, load the model and warm up, send the model facts, say "ready" (the front
-door binds the client socket only then), READY=1. SIGTERM: STOPPING=1, "draining", let
-running requests finish until ``--drain-timeout``, abort the rest with a final frame, stop the
-children (detokenizer first, so every final frame reaches the front door), exit.
+door binds the client socket only then), READY=1. SIGTERM or a first SIGINT: STOPPING=1,
+"draining", let running requests finish until ``--drain-timeout``, abort the rest with a final
+frame, stop the children (detokenizer first, so every final frame reaches the front door),
+exit 0. A SIGINT during the drain (a second Ctrl-C) aborts every request at once instead, then
+stops the children the same way and exits ``EXIT_INTERRUPTED``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,20 @@ import sys
 import time
 import uuid
 
+import torch
 import uvloop
 import zmq
 import zmq.asyncio
 
 from outrider.daemon.children import ChildDied, Children, ClientBindFailed
-from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
+from outrider.daemon.config import (
+    CHILDREN_CORES,
+    EXIT_CONFIG,
+    ConfigError,
+    ServeConfig,
+    available_cpus,
+    torch_threads,
+)
 from outrider.daemon.curve_auth import CurveKeyError, load_client_keys, load_server_keys
 from outrider.daemon.detokenizer import DetokenizerConfig
 from outrider.daemon.engine.build import Engine, build_engine
@@ -79,6 +89,8 @@ HEARTBEAT_SECONDS = 1.0
 FLUSH_LINGER_MS = 5000
 # While loading, ask systemd for this much more start time before each window ends.
 _LOAD_EXTEND_USEC = 120_000_000
+# The exit status after a SIGINT during the drain (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 class Daemon:
@@ -97,15 +109,17 @@ class Daemon:
         self.sockets = sockets
         self.draining = False
         self.drain_deadline = 0.0
+        self.interrupted = False  # a SIGINT came during the drain: stop at once
         self._last_heartbeat = 0.0
         self._last_watchdog = 0.0
         self._watchdog_interval = notifier.watchdog_interval()
         self._unhealthy = ""
 
-    async def run(self) -> None:
+    async def run(self) -> int:
+        """Serve until drained; the exit status (``EXIT_INTERRUPTED`` after a forced stop)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._start_drain)
+        loop.add_signal_handler(signal.SIGTERM, self._start_drain, "SIGTERM")
+        loop.add_signal_handler(signal.SIGINT, self._on_sigint)
         engine_loop = self.engine.loop
         while True:
             self.children.raise_if_exited()
@@ -119,22 +133,44 @@ class Daemon:
             else:
                 engine_loop.idle_check()
                 await self.sockets.wait_inbox(HEARTBEAT_SECONDS / 2)
+        return EXIT_INTERRUPTED if self.interrupted else 0
 
     def _drained(self) -> bool:
         scheduler = self.engine.scheduler
         if not self.engine.loop.has_work:
             return True
         if time.monotonic() >= self.drain_deadline:
+            reason = "a second SIGINT" if self.interrupted else "drain deadline"
             for rid in list(scheduler.requests):
-                scheduler.abort(rid, "drain deadline")
+                scheduler.abort(rid, reason)
             self._send_updates(scheduler.take_updates())
             return not self.engine.loop.has_work
         return False
 
-    def _start_drain(self) -> None:
+    def _on_sigint(self) -> None:
+        if not self.draining:
+            self._start_drain("SIGINT")
+        elif not self.interrupted:
+            self.interrupted = True
+            self.drain_deadline = 0.0  # the next _drained() aborts everything
+            log.warning(
+                "SIGINT during the drain: aborting %d running and %d waiting requests, "
+                "stopping now",
+                *self._load(),
+            )
+
+    def _start_drain(self, cause: str) -> None:
         if self.draining:
             return
-        log.info("draining: %d running, %d waiting", *self._load())
+        running, waiting = self._load()
+        log.info(
+            "%s: draining: %d running, %d waiting, for at most %g s (--drain-timeout); "
+            "a second SIGINT (Ctrl-C) stops at once",
+            cause,
+            running,
+            waiting,
+            self.config.drain_timeout,
+        )
         self.draining = True
         self.drain_deadline = time.monotonic() + self.config.drain_timeout
         self.notifier.stopping()
@@ -311,6 +347,7 @@ def serve(config: ServeConfig) -> int:
         "sampling defaults: %s",
         defaults.describe(),
     )
+    _set_torch_threads(config)
     # NOTE: callbacks run last-registered first: sockets flush to the still running
     # children, then the children stop, then the runtime directory and the lock go.
     with contextlib.ExitStack() as cleanup:
@@ -402,7 +439,7 @@ def _serve(
             log.info("OpenAI-compatible HTTP API on %s", http_bound)
         notifier.ready(f"serving {config.model} on {bound}")
         log.info("serving %s on %s (boot %s)", config.model, bound, boot_id)
-        uvloop.run(Daemon(config, engine, children, notifier, sockets).run())
+        code = uvloop.run(Daemon(config, engine, children, notifier, sockets).run())
     except ClientBindFailed as exc:
         raise EndpointError(f"cannot listen on {endpoint}: {exc}") from None
     except ChildDied:
@@ -410,7 +447,17 @@ def _serve(
         # the clients' connection_lost (the front door stops after), for the whole linger.
         sockets.drop_unsent()
         raise
-    return 0
+    return code
+
+
+def _set_torch_threads(config: ServeConfig) -> None:
+    threads = torch_threads(config)
+    torch.set_num_threads(threads)
+    if config.threads:
+        how = "--threads"
+    else:
+        how = f"automatic: {available_cpus()} CPUs, {CHILDREN_CORES} left to the other processes"
+    log.info("torch threads: %d (%s)", threads, how)
 
 
 def _check_http_free(config: ServeConfig) -> None:

@@ -36,6 +36,14 @@ def child_environment_setup() -> None:
     # USE_TORCH=0. A None entry in sys.modules makes torch unfindable (find_spec returns None,
     # import raises), so transformers takes its torch-free paths.
     sys.modules["torch"] = None  # type: ignore[assignment]  # the import system's block marker
+    # Without torch, importing transformers logs an advisory ("PyTorch was not found. Models
+    # won't be available ...") that reads as a broken install; the child wants none of what
+    # it names. This variable is transformers' switch for its advisory warnings only.
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    # One thread per child: the daemon's torch threads (--threads) leave them one core in all.
+    # tokenizers' Rust thread pool reads these when first used, after this point.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
     # Only the daemon's main process talks to systemd (NotifyAccess=main).
     os.environ.pop("NOTIFY_SOCKET", None)
 

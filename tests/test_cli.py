@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib.metadata
+import os
+from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
-from outrider.daemon.cli import main
+from outrider.daemon import generate_cmd
+from outrider.daemon.cli import build_parser, main
+from outrider.daemon.config import (
+    ConfigError,
+    ServeConfig,
+    add_serve_arguments,
+    available_cpus,
+    flag_name,
+    flag_table,
+    resolve,
+    torch_threads,
+)
+from outrider.protocol import Timeout
 from outrider.protocol.messages import PROTOCOL_VERSION
 
 
@@ -18,3 +35,110 @@ def test_version_names_the_installed_distribution_and_the_protocol(
     assert exited.value.code == 0
     installed = importlib.metadata.version("outrider")
     assert capsys.readouterr().out == f"outrider {installed} (client protocol {PROTOCOL_VERSION})\n"
+
+
+# --- serve --help and the README's flag table ---------------------------------------------
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    actions = build_parser()._actions
+    commands = next(a for a in actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["serve"]
+
+
+def test_every_serve_flag_has_help_with_its_default() -> None:
+    parser = _serve_parser()
+    flags = {
+        action.option_strings[-1]: action.help or ""
+        for action in parser._actions
+        if action.option_strings and action.dest not in ("help", "help_markdown")
+    }
+    assert set(flags) == {flag_name(f.name) for f in dataclasses.fields(ServeConfig)}
+    for flag, text in flags.items():
+        assert text and "(default: " in text and "[env OUTRIDER_" in text, flag
+    assert "(default: the embedded family)" in flags["--model"]
+    assert "(default: automatic)" in flags["--threads"]
+    assert "(default: 0600)" in flags["--socket-mode"]
+    assert "(default: off)" in flags["--no-overlap"]
+    usage = parser.format_help()
+    assert "Without --model it serves the embedded model family" in usage
+    assert "with DFlash speculation" in usage
+
+
+def test_the_readme_flag_table_is_the_generated_one(capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    begin, end = "<!-- serve flags: begin -->\n", "<!-- serve flags: end -->"
+    assert begin in readme and end in readme, "the README lost its flag table markers"
+    table = readme.split(begin, 1)[1].split(end, 1)[0]
+    assert table == flag_table(), "regenerate it: outrider serve --help-markdown"
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help-markdown"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == flag_table()
+    rows = [line for line in flag_table().splitlines() if line.startswith("| `--")]
+    assert len(rows) == len(dataclasses.fields(ServeConfig))
+    assert "| `--load-format auto\\|dummy` | auto | auto: weights from the directory;" in table
+
+
+# --- --threads ----------------------------------------------------------------------------
+
+
+def test_threads_leave_a_core_to_the_children_unless_given() -> None:
+    config = ServeConfig(model="m")
+    assert [torch_threads(config, cpus) for cpus in (1, 2, 4, 16)] == [1, 1, 3, 15]
+    assert torch_threads(dataclasses.replace(config, threads=2), cpus=2) == 2
+    assert 1 <= available_cpus() <= (os.cpu_count() or 1)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    resolved = resolve(parser.parse_args(["--model", "/m", "--threads", "3"]), environ={})
+    assert resolved.threads == 3
+    assert resolve(parser.parse_args(["--model", "/m"]), {"OUTRIDER_THREADS": "2"}).threads == 2
+    with pytest.raises(ConfigError, match="--threads must be >= 0"):
+        resolve(parser.parse_args(["--model", "/m", "--threads", "-1"]), environ={})
+
+
+# --- generate: --chat and the timeout -------------------------------------------------------
+
+
+class _FakeClient:
+    """Answers health, records the generate call, then times out like a daemon that does not
+    answer within the deadline."""
+
+    calls: ClassVar[list[dict[str, Any]]] = []
+
+    def __init__(self, endpoint: str, timeout: float | None = None) -> None:
+        self.timeout = timeout
+
+    def __enter__(self) -> _FakeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def health(self, timeout: float | None = None) -> None:
+        pass
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> None:
+        self.calls.append({"prompt": prompt, "timeout": self.timeout, **kwargs})
+        raise Timeout("the daemon at ipc://x did not answer in time", "r1")
+
+
+def test_generate_chat_sends_one_user_message_and_the_timeout_says_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(generate_cmd, "Client", _FakeClient)
+    _FakeClient.calls.clear()
+    assert main(["generate", "--chat", "hello there"]) == 1
+    assert main(["generate", "--timeout", "2.5", "plain"]) == 1
+    chat, plain = _FakeClient.calls
+    assert chat["prompt"] is None and chat["messages"] == [
+        {"role": "user", "content": "hello there"}
+    ]
+    assert chat["timeout"] == generate_cmd.DEFAULT_TIMEOUT_S == 300
+    assert plain["prompt"] == "plain" and "messages" not in plain and plain["timeout"] == 2.5
+    assert capsys.readouterr().err.splitlines() == [
+        "error: timeout: no complete answer within 300 s; the request was aborted "
+        "(--timeout S waits longer, 0 waits forever)",
+        "error: timeout: no complete answer within 2.5 s; the request was aborted "
+        "(--timeout S waits longer, 0 waits forever)",
+    ]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 import textwrap
 import uuid
@@ -13,8 +14,9 @@ from typing import Literal
 import pytest
 from frontdoor_harness import model_facts
 
-from outrider.daemon import frontdoor_validation, plugins_cmd
-from outrider.daemon.config import EXIT_CONFIG
+from outrider.daemon import cli, frontdoor_validation, plugins_cmd
+from outrider.daemon.config import EXIT_CONFIG, ServeConfig
+from outrider.daemon.family import Family, embedded_family
 from outrider.daemon.frontdoor_validation import Rejected, Validator, speculative_request_check
 from outrider.plugins.api import (
     NO_DRAFT,
@@ -481,3 +483,106 @@ def test_flashinfer_checks_its_install_and_the_compute_capability(
         "--attention-backend flashinfer: flashinfer needs compute capability 8.0 or newer, not 7.5"
     )
     assert spec.check(spec, dataclasses.replace(ctx, cuda_capability=(9, 0))) == []
+
+
+# --- outrider plugins resolves what outrider serve runs -------------------------------------
+
+
+@pytest.fixture
+def family() -> Family:
+    found = embedded_family()
+    if found is None:
+        pytest.skip("the outrider-family distribution is not installed")
+    return found
+
+
+@pytest.fixture
+def no_outrider_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [name for name in os.environ if name.startswith("OUTRIDER_")]:
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--speculative-algorithm", "eagle3"], ["--speculative-algorithm", "none"]],
+    ids=["defaults", "eagle3", "none"],
+)
+@pytest.mark.usefixtures("no_outrider_env")
+def test_plugins_check_resolves_what_serve_runs(
+    flags: list[str],
+    family: Family,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("torch")
+    from outrider.daemon import server
+    from outrider.daemon.engine.build import resolve_dtype, resolve_plugins
+    from outrider.daemon.models.config import ModelConfig
+
+    served: list[ServeConfig] = []
+    monkeypatch.setattr(cli, "configure_logging", lambda level, fmt: None)
+    monkeypatch.setattr(server, "main", lambda config: served.append(config) or 0)
+    assert cli.main(["serve", *flags]) == 0
+    checked: list[plugins_cmd.ServeCheck] = []
+    check = plugins_cmd.serve_check
+    monkeypatch.setattr(
+        plugins_cmd, "serve_check", lambda config: checked.append(check(config)) or checked[-1]
+    )
+    assert cli.main(["plugins", "--check", *flags]) == 0
+    [config], [result] = served, checked
+    assert result.config == config
+    assert config.model == str(family.target)
+    # What the engine builds from: the dtype and the plugins, resolved from the same config.
+    dtype = resolve_dtype(config, ModelConfig.from_pretrained(config.model))
+    assert result.dtype == dtype
+    assert result.plugins == resolve_plugins(config, dtype)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(
+        f"the configuration can run: speculative {config.speculative_algorithm};"
+    )
+    assert out[1] == f"  --model {family.target} (the embedded family)"
+    if config.draft_model:
+        assert out[2] == f"  --draft-model {config.draft_model}"
+    assert out[-1].startswith("  sampling defaults: temperature 1, top_p 1, top_k 0")
+
+
+@pytest.mark.usefixtures("no_outrider_env")
+def test_plugins_check_runs_the_embedded_family_with_dflash(
+    family: Family, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert plugins_cmd.run_serve_check([]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("the configuration can run: speculative dflash;")
+    assert out[2] == f"  --draft-model {family.drafts['dflash']}"
+    assert plugins_cmd.run_serve_check(["--speculative-algorithm", "dflash"]) == 0
+
+
+@pytest.mark.usefixtures("no_outrider_env")
+def test_plugins_check_refuses_what_serve_refuses_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["plugins", "--check", "--model", "/nonexistent"]) == EXIT_CONFIG
+    assert capsys.readouterr().err == (
+        "outrider plugins --check: --model /nonexistent: no such file or directory\n"
+    )
+    # A config.json the loader cannot run: refused by what the loader reads, before loading.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    code = plugins_cmd.run_serve_check(["--model", str(tmp_path), "--load-format", "dummy"])
+    assert code == EXIT_CONFIG
+    assert capsys.readouterr().err == (
+        f"outrider plugins --check: --model {tmp_path}: model_type 'gpt2' is not supported "
+        "(supported: llama, qwen2, qwen3)\n"
+    )
+
+
+@pytest.mark.usefixtures("no_outrider_env")
+def test_the_listing_checks_drafting_plugins_with_the_drafts_serve_would_use(
+    family: Family, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert plugins_cmd.main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    verdicts = {p["name"]: (p["usable"], p["problems"]) for p in report["speculative"]}
+    assert verdicts["dflash"] == (True, []) and verdicts["eagle3"] == (True, [])
+    assert verdicts["ngram"] == (True, [])
+    usable, problems = verdicts["standalone"]  # no embedded draft: it needs --draft-model
+    assert not usable and "--draft-model" in json.dumps(problems)

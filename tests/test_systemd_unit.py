@@ -38,7 +38,7 @@ def _seconds(value: str) -> float:
 @pytest.fixture
 def testable_unit(tmp_path: Path) -> Path:
     """The unit with ExecStart on a binary that exists here (verify checks that it does)."""
-    text = UNIT.read_text().replace("ExecStart=/usr/bin/outrider ", "ExecStart=/bin/true ")
+    text = UNIT.read_text().replace("ExecStart=/opt/outrider/bin/outrider ", "ExecStart=/bin/true ")
     assert "ExecStart=/bin/true serve" in text
     copy = tmp_path / "outrider.service"
     copy.write_text(text)
@@ -49,7 +49,7 @@ def test_unit_keeps_the_required_settings() -> None:
     unit = _settings(UNIT)
     assert unit["Type"] == ["notify"]
     assert unit["NotifyAccess"] == ["main"]
-    assert unit["ExecStart"] == ["/usr/bin/outrider serve"]
+    assert unit["ExecStart"] == ["/opt/outrider/bin/outrider serve"]
     assert unit["EnvironmentFile"] == ["/etc/outrider/outrider.env"]
     assert unit["KillMode"] == ["mixed"]
     assert unit["Restart"] == ["on-failure"]
