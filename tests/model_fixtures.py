@@ -48,12 +48,14 @@ def save_tiny_model(
     *,
     vocab_size: int = VOCAB,
     seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
     """Build a random float32 HF model of ``kind`` (llama / qwen2 / qwen3), save it to
-    ``directory`` and return it (eval mode, eager attention: the reference)."""
+    ``directory`` and return it (eval mode, eager attention: the reference).
+    ``config_overrides`` are extra config keys (``attention_bias``, ...)."""
     import transformers
 
-    shape = TINY | {"vocab_size": vocab_size}
+    shape = TINY | {"vocab_size": vocab_size} | (config_overrides or {})
 
     if kind == "llama":
         config: Any = transformers.LlamaConfig(**shape, rope_parameters=llama3_rope())

@@ -17,6 +17,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _DEFAULT_ROPE_THETA = 10000.0  # HF's default when a config names none
+TENSOR_PARALLEL_FLAG = "--tensor-parallel-size"
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,16 @@ class ModelConfig:
     dtype: str | None  # checkpoint dtype ("bfloat16", ...); None when the config is silent
     eos_token_ids: tuple[int, ...]  # config.json's only; see load_eos_ids for the union
 
+    def tensor_parallel_problems(self, size: int) -> list[str]:
+        """``tensor_parallel_problems`` of this model's shape."""
+        shape = {
+            "num_attention_heads": self.num_q_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+        }
+        return tensor_parallel_problems(shape, size)
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """Parse a model directory or a config.json path. Raises ValueError for a model that
@@ -113,6 +124,28 @@ class ModelConfig:
             dtype=_parse_dtype(d.get("dtype") or d.get("torch_dtype")),
             eos_token_ids=_as_ids(d.get("eos_token_id")),
         )
+
+
+def tensor_parallel_problems(d: dict[str, Any], size: int) -> list[str]:
+    """What keeps a model of config.json ``d`` (raw keys: no transformers needed) from being
+    sharded over ``size`` ranks: each rank takes an equal share of the attention heads, the KV
+    heads, the MLP's intermediate rows and the vocabulary. One line per problem, naming the
+    flag; empty when it divides (always for ``size`` 1)."""
+    if size < 1:
+        return [f"{TENSOR_PARALLEL_FLAG} {size}: must be at least 1"]
+    heads = d.get("num_attention_heads")
+    shares = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": d.get("num_key_value_heads") or heads,
+        "intermediate_size": d.get("intermediate_size"),
+        "vocab_size": d.get("vocab_size"),
+    }
+    return [
+        f"{TENSOR_PARALLEL_FLAG} {size} does not divide the model's {key} ({value}): "
+        "each rank takes an equal share"
+        for key, value in shares.items()
+        if isinstance(value, int) and value % size
+    ]
 
 
 def _check_supported(d: dict[str, Any]) -> None:

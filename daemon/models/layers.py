@@ -3,6 +3,9 @@
 Parameter names follow the HF layout (``model.layers.{i}.self_attn...``) except for the two
 fused projections, ``qkv_proj`` and ``gate_up_proj``; the loader maps HF names onto them
 through ``FusedLinear.shards``.
+
+Every layer takes the rank's ``TPGroup`` (``parallel.py``): under tensor parallelism a rank
+runs its share of the heads and of the MLP's rows, and its modules' sizes are the rank's.
 """
 
 from __future__ import annotations
@@ -15,6 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.daemon.models.kernels import Rotation, UsesKernels
+from outrider.daemon.models.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    gather_vocab,
+    vocab_argmax,
+)
 from outrider.plugins.device import AttentionShape
 
 if TYPE_CHECKING:
@@ -103,33 +115,45 @@ class RotaryEmbedding(nn.Module, UsesKernels):
         return self.kernels.rotation(self, positions)
 
 
-class FusedLinear(nn.Linear):
+class FusedLinear(ColumnParallelLinear):
     """Several projections of the same input stacked along the output rows; ``shards`` maps
-    each checkpoint projection to its rows of ``weight`` (and ``bias``)."""
+    each checkpoint projection to its rows of ``weight`` (and ``bias``). ``shard_rows`` are
+    the checkpoint's rows; under tensor parallelism each projection is cut separately and the
+    rank holds its part of each, stacked in the same order."""
 
-    def __init__(self, in_features: int, shard_rows: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_rows.values()), bias=bias)
-        self.sizes = list(shard_rows.values())
+    def __init__(
+        self, in_features: int, shard_rows: dict[str, int], bias: bool, tp: TPGroup = SINGLE
+    ) -> None:
+        local = {name: tp.part(rows, f"{name} rows") for name, rows in shard_rows.items()}
+        super().__init__(in_features, sum(shard_rows.values()), bias, tp)
+        self.checkpoint_rows = dict(shard_rows)
+        self.sizes = list(local.values())
         self.shards: dict[str, slice] = {}
         start = 0
-        for name, rows in shard_rows.items():
+        for name, rows in local.items():
             self.shards[name] = slice(start, start + rows)
             start += rows
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    """Self-attention over the rank's ``num_q_heads`` and ``num_kv_heads`` (the model's
+    divided by the group's size); its KV cache holds those KV heads only."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_q_heads = config.num_q_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_q_heads = tp.part(config.num_q_heads, "num_attention_heads")
+        self.num_kv_heads = tp.part(config.num_kv_heads, "num_key_value_heads")
         self.head_dim = config.head_dim
         q_rows = config.num_q_heads * config.head_dim
         kv_rows = config.num_kv_heads * config.head_dim
         self.qkv_proj = FusedLinear(
-            config.hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, config.attention_bias
+            config.hidden_size,
+            {"q": q_rows, "k": kv_rows, "v": kv_rows},
+            config.attention_bias,
+            tp,
         )
-        self.o_proj = nn.Linear(q_rows, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, config.o_proj_bias, tp)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -151,23 +175,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module, UsesKernels):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         rows = config.intermediate_size
-        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": rows, "up": rows}, False)
-        self.down_proj = nn.Linear(rows, config.hidden_size, bias=False)
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": rows, "up": rows}, False, tp)
+        self.down_proj = RowParallelLinear(rows, config.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id)
+        self.self_attn = Attention(config, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation, fb: ForwardBatch
@@ -188,10 +212,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm: HF's ``model.`` prefix."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope, max_positions)
 
@@ -222,30 +246,42 @@ def run_layers(
 
 class DecoderForCausalLM(nn.Module):
     """What every model offers the engine. ``model_type`` names the config family a subclass
-    accepts; the architecture-specific shape (biases, q/k norm) comes from ``ModelConfig``."""
+    accepts; the architecture-specific shape (biases, q/k norm) comes from ``ModelConfig``.
+    Under tensor parallelism (``tp``) each rank builds its shard: the shapes it reports
+    (``num_kv_heads``, ``attention_shape``) are the rank's."""
 
     model_type: str
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         if config.model_type != self.model_type:
             raise ValueError(
                 f"{type(self).__name__} takes model_type {self.model_type!r}, "
                 f"not {config.model_type!r}"
             )
+        problems = config.tensor_parallel_problems(tp.size)
+        if problems:
+            raise ValueError("; ".join(problems))
         self.config = config
-        self.model = DecoderModel(config, max_positions)
-        self.lm_head: nn.Linear | None = None
+        self.tp = tp
+        self.model = DecoderModel(config, max_positions, tp)
+        self.lm_head: ColumnParallelLinear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, False, tp)
 
     @property
     def num_layers(self) -> int:
         return self.config.num_layers
 
     @property
+    def num_q_heads(self) -> int:
+        """The rank's query heads."""
+        return self.config.num_q_heads // self.tp.size
+
+    @property
     def num_kv_heads(self) -> int:
-        return self.config.num_kv_heads
+        """The rank's KV heads (what its KV cache holds)."""
+        return self.config.num_kv_heads // self.tp.size
 
     @property
     def head_dim(self) -> int:
@@ -253,9 +289,10 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def attention_shape(self) -> AttentionShape:
-        c = self.config
+        """The rank's attention: its heads, the model's head dim and scale."""
+        head_dim = self.config.head_dim
         dtype = self.model.embed_tokens.weight.dtype
-        return AttentionShape(c.num_q_heads, c.num_kv_heads, c.head_dim, c.head_dim**-0.5, dtype)
+        return AttentionShape(self.num_q_heads, self.num_kv_heads, head_dim, head_dim**-0.5, dtype)
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """``input_ids: [T]`` int64 -> final-norm hidden states ``[T, hidden]``. Captures the
@@ -263,6 +300,17 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden: [n, hidden]`` -> ``[n, vocab]`` float32."""
+        """``hidden: [n, hidden]`` -> ``[n, vocab]`` float32, the whole vocabulary on every
+        rank (gathered under tensor parallelism: greedy choices use ``greedy_tokens``)."""
+        return gather_vocab(self.local_logits(hidden), self.tp)
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden: [n, hidden]`` -> ``[n, vocab / N]`` float32: the rank's vocabulary
+        slice (``vocab_start ..`` of the embedding), with no communication."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden: [n, hidden]`` -> ``[n]`` int64 argmax ids over the whole vocabulary,
+        without gathering the logits (the same on every rank)."""
+        return vocab_argmax(self.local_logits(hidden), self.tp)

@@ -3,6 +3,10 @@
 The model is built on the meta device and materialised once in the serving dtype on the
 serving device; shards are then read one at a time straight onto that device. Every
 checkpoint tensor must land in a parameter and every parameter must be filled.
+
+Under tensor parallelism each rank builds its shard of the model and reads only its cut of
+each sharded tensor (safetensors slices: ``parallel.Split``); dummy weights are the same cut
+of what a single rank would draw, so any world size runs the same model.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import torch
 
@@ -22,6 +26,7 @@ from outrider.daemon.models import model_class
 from outrider.daemon.models.config import ModelConfig, model_dir
 from outrider.daemon.models.kernels import TORCH_KERNELS, select_kernels, use_kernels
 from outrider.daemon.models.layers import DecoderForCausalLM, FusedLinear, RMSNorm, RotaryEmbedding
+from outrider.daemon.models.parallel import SINGLE, Sharded, Split, TensorSource, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,43 @@ _UNFUSED = {value: key for key, value in _FUSED.items()}
 # Buffers some older checkpoints saved next to the weights; we recompute them.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _DUMMY_STD = 0.02
+
+
+class StoredTensors(Protocol):
+    """An open safetensors file (``safe_open``)."""
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
+
+    def get_slice(self, name: str) -> StoredSlice: ...
+
+
+class StoredSlice(TensorSource, Protocol):
+    """One tensor of a safetensors file, read only as far as it is indexed."""
+
+    def get_shape(self) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Target:
+    """The parameter (or a fused parameter's rows) a checkpoint tensor fills, and the rank's
+    cut of that tensor (None: all of it)."""
+
+    param: torch.nn.Parameter
+    rows: slice | None
+    split: Split | None
+
+    @property
+    def dest(self) -> torch.Tensor:
+        return self.param.data if self.rows is None else self.param.data[self.rows]
+
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        local = tuple(self.dest.shape)
+        return local if self.split is None else self.split.full_shape(local)
+
+
+def param_split(module: torch.nn.Module, name: str) -> Split | None:
+    """How ``module``'s parameter ``name`` is cut from its checkpoint tensor."""
+    return module.param_split(name) if isinstance(module, Sharded) else None
 
 
 @dataclass(frozen=True)
@@ -73,35 +115,59 @@ class WeightFiller:
 
     def __init__(self, model: DecoderForCausalLM) -> None:
         self.tied = model.config.tie_word_embeddings
-        self.targets: dict[Slot, tuple[torch.nn.Parameter, slice | None]] = {}
+        self.targets: dict[Slot, Target] = {}
         for module_name, module in model.named_modules():
             for name, param in module.named_parameters(recurse=False):
                 full = f"{module_name}.{name}"
+                split = param_split(module, name)
                 if isinstance(module, FusedLinear):
                     for shard, rows in module.shards.items():
-                        self.targets[Slot(full, shard)] = (param, rows)
+                        self.targets[Slot(full, shard)] = Target(param, rows, split)
                 else:
-                    self.targets[Slot(full)] = (param, None)
+                    self.targets[Slot(full)] = Target(param, None, split)
         self.pending = set(self.targets)
         self.unexpected: list[str] = []
 
     def fill(self, name: str, tensor: torch.Tensor) -> None:
-        # A tied checkpoint that still ships lm_head.weight: HF ties it to the embedding too.
-        if name.endswith(_IGNORED_SUFFIXES) or (self.tied and name == "lm_head.weight"):
+        """Fill from ``tensor``, the whole checkpoint tensor ``name``."""
+        target = self._claim(name, tuple(tensor.shape))
+        if target is not None:
+            split = target.split
+            target.dest.copy_(tensor if split is None else split.take(tensor, tensor.shape))
+
+    def fill_from(self, name: str, stored: StoredTensors) -> None:
+        """Fill from tensor ``name`` of an open safetensors file, reading only the rank's cut."""
+        if not self._wanted(name):
             return
+        source = stored.get_slice(name)
+        shape = tuple(source.get_shape())
+        target = self._claim(name, shape)
+        if target is None:
+            return
+        if target.split is None:
+            target.dest.copy_(stored.get_tensor(name))
+        else:
+            target.dest.copy_(target.split.take(source, shape))
+
+    def _wanted(self, name: str) -> bool:
+        # A tied checkpoint that still ships lm_head.weight: HF ties it to the embedding too.
+        return not (name.endswith(_IGNORED_SUFFIXES) or (self.tied and name == "lm_head.weight"))
+
+    def _claim(self, name: str, shape: tuple[int, ...]) -> Target | None:
+        """The target of checkpoint tensor ``name`` of ``shape`` (marked filled); None for a
+        tensor to skip or an unexpected one (recorded)."""
+        if not self._wanted(name):
+            return None
         slot = slot_for(name)
         if slot not in self.pending:
             self.unexpected.append(name if slot not in self.targets else f"{name} (twice)")
-            return
-        param, rows = self.targets[slot]
-        dest = param.data if rows is None else param.data[rows]
-        if dest.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
+            return None
+        target = self.targets[slot]
+        expected = target.checkpoint_shape()
+        if shape != expected:
+            raise ValueError(f"checkpoint tensor {name} has shape {shape}, expected {expected}")
         self.pending.discard(slot)
+        return target
 
     def finish(self) -> None:
         problems = []
@@ -121,11 +187,18 @@ def _listing(names: list[str], limit: int = 20) -> str:
 
 
 def build_model(
-    config: ModelConfig, *, max_positions: int, dtype: torch.dtype, device: torch.device | str
+    config: ModelConfig,
+    *,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPGroup = SINGLE,
 ) -> DecoderForCausalLM:
-    """The model with uninitialised parameters in ``dtype`` on ``device`` (meta: no memory)."""
+    """The model (the rank's shard under tensor parallelism) with uninitialised parameters in
+    ``dtype`` on ``device`` (meta: no memory). ValueError naming the flag for a group size
+    that does not divide the model."""
     return materialize(
-        lambda: model_class(config.architecture)(config, max_positions), dtype, device
+        lambda: model_class(config.architecture)(config, max_positions, tp), dtype, device
     )
 
 
@@ -175,12 +248,14 @@ def load_model(
     load_format: Literal["auto", "dummy"] = "auto",
     max_positions: int,
     progress: LoadProgress | None = None,
+    tp: TPGroup = SINGLE,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
-    """Load the model at ``path`` (a directory or a config.json path). ``max_positions`` sizes
-    the rotary tables: serving context length plus the largest reservation. ``progress``
-    defaults to ``default_progress()``."""
+    """Load the model at ``path`` (a directory or a config.json path); under tensor
+    parallelism (``tp``), this rank's shard of it. ``max_positions`` sizes the rotary tables:
+    serving context length plus the largest reservation. ``progress`` defaults to
+    ``default_progress()``."""
     config = ModelConfig.from_pretrained(path)
-    model = build_model(config, max_positions=max_positions, dtype=dtype, device=device)
+    model = build_model(config, max_positions=max_positions, dtype=dtype, device=device, tp=tp)
     if load_format == "dummy":
         init_dummy(model)
     else:
@@ -212,7 +287,7 @@ def load_weights(
     for index, file in enumerate(files, start=1):
         with safe_open(str(file), framework="pt", device=str(device)) as shard:
             for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                filler.fill(name, shard.get_tensor(name))
+                filler.fill_from(name, shard)
         progress(index, len(files), file.name)
     filler.finish()
     size = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -220,15 +295,36 @@ def load_weights(
 
 
 def init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights, deterministic per device: norms 1, everything else N(0, 0.02)."""
+    """Random weights, deterministic per device: norms 1, everything else N(0, 0.02). A
+    sharded parameter is the rank's cut of the whole one drawn in full (the same draws on
+    every rank), so the sharded model is the model of a single rank."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
-        for param in module.parameters(recurse=False):
+        for name, param in module.named_parameters(recurse=False):
+            split = param_split(module, name)
             if isinstance(module, RMSNorm):
                 param.data.fill_(1.0)
-            else:
+            elif split is None:
                 param.data.normal_(0.0, _DUMMY_STD, generator=generator)
+            else:
+                param.data.copy_(_dummy_cut(module, param, split, generator))
+
+
+def _dummy_cut(
+    module: torch.nn.Module, param: torch.Tensor, split: Split, generator: torch.Generator
+) -> torch.Tensor:
+    """The rank's cut of a whole parameter drawn as a single rank draws it (a fused one
+    drawn in one piece, then cut projection by projection)."""
+    if not isinstance(module, FusedLinear):
+        whole = param.new_empty(split.full_shape(tuple(param.shape)))
+        whole.normal_(0.0, _DUMMY_STD, generator=generator)
+        return split.take(whole, tuple(whole.shape))
+    rows = list(module.checkpoint_rows.values())
+    whole = param.new_empty((sum(rows), *param.shape[1:]))
+    whole.normal_(0.0, _DUMMY_STD, generator=generator)
+    parts = whole.split(rows)
+    return torch.cat([split.take(part, tuple(part.shape)) for part in parts])
 
 
 def default_progress() -> LoadProgress:
@@ -285,10 +381,12 @@ def expected_checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]
     return shapes
 
 
-def check_checkpoint_layout(config: ModelConfig) -> None:
+def check_checkpoint_layout(config: ModelConfig, tensor_parallel_size: int = 1) -> None:
     """Run the real fill path on the meta device with the tensors a checkpoint of ``config``
-    would hold: raises as ``load_model`` would, without allocating any weights."""
-    model = build_model(config, max_positions=1, dtype=torch.float32, device="meta")
+    would hold, as the last rank of ``tensor_parallel_size`` would: raises as ``load_model``
+    would, without allocating any weights."""
+    tp = TPGroup(rank=tensor_parallel_size - 1, size=tensor_parallel_size)
+    model = build_model(config, max_positions=1, dtype=torch.float32, device="meta", tp=tp)
     filler = WeightFiller(model)
     for name, shape in expected_checkpoint_shapes(config).items():
         filler.fill(name, torch.empty(shape, device="meta"))

@@ -1,0 +1,201 @@
+"""Tensor parallelism over ``torch.distributed``: a rank's group and the sharded layers.
+
+What rank ``r`` of ``N`` holds and what each layer communicates::
+
+    layer                    rank r holds (of the checkpoint tensor)      communication
+    -----------------------  -------------------------------------------  -----------------
+    ColumnParallelLinear     output rows   r*O/N .. (r+1)*O/N             none: output split
+      FusedLinear            the same cut of each part (q, k, v; gate,
+                             up): its heads' q, k, v, its gate and up
+    RowParallelLinear        input columns r*I/N .. (r+1)*I/N; the bias   all-reduce (sum)
+                             whole, added by rank 0 only
+    VocabParallelEmbedding   vocabulary rows r*V/N .. (r+1)*V/N           all-reduce (sum)
+    LM head (column over V)  vocabulary rows, as the embedding            ``gather_vocab``
+                                                                          or ``vocab_argmax``
+    norms, q/k norms, RoPE   everything (replicated)                      none
+
+A world of size 1 never touches ``torch.distributed`` and runs exactly the ops of a plain
+``nn.Linear`` / ``nn.Embedding``: its numerics are those of the unsharded model, bit for bit.
+Sizes that do not divide are refused before anything is built
+(``outrider.daemon.models.config.tensor_parallel_problems``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from outrider.daemon.models.config import TENSOR_PARALLEL_FLAG
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+class TensorSource(Protocol):
+    """A checkpoint tensor, in memory (``torch.Tensor``) or not yet read (a safetensors
+    slice): indexing reads the part asked for."""
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Split:
+    """Rank ``rank``'s cut of a checkpoint tensor: part ``rank`` of ``parts`` equal parts
+    along ``dim`` (0: rows, 1: columns)."""
+
+    dim: int
+    rank: int
+    parts: int
+
+    def take(self, source: TensorSource, full: tuple[int, ...]) -> torch.Tensor:
+        """The rank's part of ``source``, whose shape is ``full``."""
+        size = full[self.dim] // self.parts
+        cut = slice(self.rank * size, (self.rank + 1) * size)
+        return source[cut] if self.dim == 0 else source[:, cut]
+
+    def full_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The checkpoint shape whose part has shape ``local``."""
+        return tuple(n * self.parts if d == self.dim else n for d, n in enumerate(local))
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group. ``group`` None with ``size`` 1: no
+    communication at all. (A size > 1 without a group builds sharded shapes only, e.g. on
+    the meta device for checks; any collective then needs the default group initialised.)"""
+
+    rank: int = 0
+    size: int = 1
+    group: ProcessGroup | None = None
+
+    def part(self, total: int, what: str) -> int:
+        """This rank's share of ``total`` (ValueError naming the flag unless it divides)."""
+        if total % self.size:
+            raise ValueError(f"{TENSOR_PARALLEL_FLAG} {self.size} does not divide {what} ({total})")
+        return total // self.size
+
+    def split(self, dim: int) -> Split | None:
+        """The rank's cut along ``dim``; None in a world of one (the whole tensor)."""
+        return None if self.size == 1 else Split(dim, self.rank, self.size)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks, in place."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x`` (same shape on all), in rank order."""
+        if self.size == 1:
+            return [x]
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
+
+
+SINGLE = TPGroup()
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -> TPGroup:
+    """Join the default process group (``backend``: "nccl" on GPUs, "gloo" on CPU) through
+    ``init_method`` (``tcp://HOST:PORT``, torch.distributed's rendezvous) and return this
+    rank's handle. A world of one joins nothing."""
+    if size == 1:
+        return SINGLE
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+    return TPGroup(rank, size, dist.group.WORLD)
+
+
+class Sharded:
+    """A module holding its rank's cut of some parameters."""
+
+    def param_split(self, name: str) -> Split | None:
+        """How parameter ``name`` is cut from its checkpoint tensor; None: held whole."""
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(nn.Linear, Sharded):
+    """``y = x W^T + b`` with the rank's ``out_features / N`` output rows: the output stays
+    split (the next layer is row-parallel, or the caller gathers)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE
+    ) -> None:
+        super().__init__(in_features, tp.part(out_features, "output features"), bias=bias)
+        self.tp = tp
+
+    def param_split(self, name: str) -> Split | None:
+        return self.tp.split(0)
+
+
+class RowParallelLinear(nn.Linear, Sharded):
+    """``y = x W^T + b`` from the rank's ``in_features / N`` input columns (``x`` split the
+    same way), summed over the ranks."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE
+    ) -> None:
+        super().__init__(tp.part(in_features, "input features"), out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        # NOTE: every rank holds the whole bias; only rank 0 adds it, or the sum counts it N times.
+        bias = self.bias if self.tp.rank == 0 else None
+        return self.tp.all_reduce(F.linear(x, self.weight, bias))
+
+    def param_split(self, name: str) -> Split | None:
+        return self.tp.split(1) if name == "weight" else None
+
+
+class VocabParallelEmbedding(nn.Embedding, Sharded):
+    """The rank's vocabulary rows ``vocab_start .. vocab_start + num_embeddings``; ids outside
+    them look up zeros, and the sum over the ranks is the full lookup (exact: one rank
+    contributes each row, the others zeros)."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup = SINGLE) -> None:
+        super().__init__(tp.part(vocab_size, "vocab_size"), dim)
+        self.tp = tp
+        self.vocab_start = tp.rank * self.num_embeddings
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+    def param_split(self, name: str) -> Split | None:
+        return self.tp.split(0)
+
+
+def gather_vocab(local: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """``local: [n, V/N]`` (each rank its vocabulary slice, in rank order) -> ``[n, V]`` on
+    every rank. Only where full logits are needed (sampling); greedy needs ``vocab_argmax``."""
+    if tp.size == 1:
+        return local
+    return torch.cat(tp.all_gather(local), dim=-1)
+
+
+def vocab_argmax(local: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """``local: [n, V/N]`` -> ``[n]`` int64: the global argmax ids, on every rank, without
+    gathering the logits: each rank's (max, global id), one all-gather of those pairs, then
+    the best rank per row. Ties go to the lowest id, as ``argmax`` over the full row does."""
+    index = local.argmax(dim=-1)  # [n]: the first maximum of the slice
+    if tp.size == 1:
+        return index
+    best = local.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    # float64 holds a float32 maximum and any vocabulary id exactly: one collective for both.
+    pairs = torch.stack((best.double(), (index + tp.rank * local.shape[-1]).double()))  # [2, n]
+    gathered = torch.stack(tp.all_gather(pairs))  # [N, 2, n]
+    winner = gathered[:, 0].argmax(dim=0, keepdim=True)  # [1, n]: ties to the lowest rank
+    return gathered[:, 1].gather(0, winner).squeeze(0).long()
