@@ -104,13 +104,16 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def bench_config(config: ServeConfig, args: argparse.Namespace) -> ServeConfig:
     """The serving configuration, sized for the largest batch (every request of a batch
-    runs at once) and, unless given, a context of just the benchmark's length."""
+    runs at once) and, unless given, a context of just the benchmark's length. Speculative
+    batches draft at every step (``--speculative-min-acceptance 0``): a cycle's times are what
+    is measured, whatever the dummy drafts would earn."""
     context = config.context_length or args.input_len + args.output_len + 64
     return dataclasses.replace(
         config,
         max_running=max(args.batch_size),
         context_length=context,
         chunked_prefill_tokens=max(config.chunked_prefill_tokens, config.page_size),
+        speculative_min_acceptance=0.0,
     )
 
 

@@ -51,6 +51,7 @@ class ServeConfig:
     speculative_config: str = ""  # the plugin's options as JSON
     draft_model: str = ""
     # Acceptance length from which a decode batch drafts; < 0: measured at start; 0: always.
+    speculative_min_acceptance: float = -1.0
     # Debug (benchmarks with dummy weights): force this mean acceptance length; 0: off.
     speculative_simulate_acceptance: float = 0.0
     no_overlap: bool = False
@@ -173,6 +174,11 @@ _HELP: dict[str, str] = {
     ),
     "speculative_config": "the speculative plugin's options as JSON, checked against its struct",
     "draft_model": "draft model directory, for the plugins that need one",
+    "speculative_min_acceptance": (
+        "a decode batch drafts while its requests' measured acceptance length (1 + accepted "
+        "drafts per cycle) reaches A, else it runs plain steps (probing now and then); "
+        "negative: the cycle's cost in plain steps, measured at start; 0: always draft"
+    ),
     "speculative_simulate_acceptance": (
         "debug, for dummy weights: commit a mean of A tokens per verify (1 + accepted drafts) "
         "whatever the drafts are; outputs are meaningless; 0: off"
@@ -228,6 +234,7 @@ _METAVAR: dict[str, str] = {
     "speculative_topk": "K",
     "speculative_config": "'{json}'",
     "speculative_simulate_acceptance": "A",
+    "speculative_min_acceptance": "A",
     "gpu_memory_fraction": "F",
     "drain_timeout": "S",
     "step_timeout": "S",
@@ -252,6 +259,7 @@ _SHOWN_DEFAULT: dict[str, str] = {
     "speculative_algorithm": "none (dflash for the embedded family)",
     "speculative_config": "the plugin's defaults",
     "draft_model": "the embedded family's, for dflash and eagle3",
+    "speculative_min_acceptance": "measured at start",
     "socket_mode": "0600",
     "max_message_bytes": "8388608 (8 MiB)",
     "served_model_name": "the model directory's name (outrider-family for the embedded family)",

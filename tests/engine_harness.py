@@ -42,12 +42,15 @@ class Outcome:
 
 
 def engine_for(model: str, **overrides: object) -> Engine:
+    """An engine for tests; a speculative one drafts every decode batch unless the overrides
+    set ``speculative_min_acceptance`` (its counters then count every step)."""
     settings: dict[str, object] = {
         "model": model,
         "page_size": 16,
         "max_running": 8,
         "kv_cache_tokens": 4096,
         "chunked_prefill_tokens": 256,
+        "speculative_min_acceptance": 0.0,
     }
     settings.update(overrides)
     return build_engine(ServeConfig(**settings))  # type: ignore[arg-type]  # test settings

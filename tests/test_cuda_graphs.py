@@ -57,8 +57,8 @@ ALGORITHMS = {
 class EagerGraphs(DecodeGraphs):
     """Captures keep the recorded closure; replays run it; padding and replays are counted."""
 
-    def __init__(self, *args: int, kv_bounded: bool = True) -> None:
-        super().__init__(*args, kv_bounded=kv_bounded)
+    def __init__(self, *args: int, kv_bounded: bool = True, widths: tuple[int, ...] = (1,)) -> None:
+        super().__init__(*args, kv_bounded=kv_bounded, widths=widths)
         self.runs: dict[GraphKey, Callable[[], StepResults]] = {}
         self.padded_rows = 0
         self.replays = 0
@@ -141,10 +141,14 @@ def test_buckets_and_keys() -> None:
     graphs = DecodeGraphs(12, 300, 20, 12)
     plan = StepPlan("decode", [0, 1, 2, 3, 4, 5, 6, 7, 8], [5] * 9, [4] * 9, [], [], [], [], [],
                     [], max_logprobs=2, all_greedy=False)  # fmt: skip
-    assert graphs.key(plan, 70) == GraphKey(bs=12, max_kv=128, all_greedy=False, max_logprobs=20)
-    assert graphs.key(plan, 20) == GraphKey(bs=12, max_kv=64, all_greedy=False, max_logprobs=20)
+    assert graphs.key(plan, 70) == GraphKey(
+        12, max_kv=128, all_greedy=False, max_logprobs=20, width=4
+    )
+    assert graphs.key(plan, 20) == GraphKey(
+        12, max_kv=64, all_greedy=False, max_logprobs=20, width=4
+    )
     assert graphs.key(plan, 290).max_kv == 300  # type: ignore[union-attr]  # the cap
-    padded = graphs.pad(plan, GraphKey(12, 128, False, 20))
+    padded = graphs.pad(plan, GraphKey(12, 128, False, 20, width=4))
     assert padded.slots == [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 12, 12]
     assert (padded.starts[9:], padded.q_lens[9:], padded.sample_rows) == (
         [0, 0, 0], [4, 4, 4], list(range(12)),
@@ -222,7 +226,7 @@ def test_capture_all_logs_one_line_per_set_and_warns_past_the_estimate(
     assert result.pool_bytes == 3 * MIB and graphs.started
     [info, warning] = caplog.records
     assert info.getMessage().startswith(
-        "captured 7 decode graphs (batch 1..2, KV bound 64..100, greedy + sampled) in "
+        "captured 7 decode graphs (batch 1..2, width 1, KV bound 64..100, greedy + sampled) in "
     )
     assert "pool 3 MiB (estimate 2 MiB)" in info.getMessage()
     assert warning.levelno == logging.WARNING and "--cuda-graph-max-bs" in warning.getMessage()
@@ -335,7 +339,8 @@ def test_start_captures_cover_the_served_batches(dirs: dict[str, str], algorithm
     "graphs" through the runner's own capture path)."""
     graphed = engine(dirs, algorithm)
     runner = graphed.loop.runner
-    graphs = EagerGraphs(MAX_RUNNING, 272, 20, runner.slots.scratch_slot)
+    widths = (runner.shape.width,)  # the engine drafts every decode batch (engine_for)
+    graphs = EagerGraphs(MAX_RUNNING, 272, 20, runner.slots.scratch_slot, widths=widths)
     runner.graphs = graphs
     graphs.capture_all(runner.capture_graph, estimate=0)
     assert list(graphs.runs) == graphs.start_keys()

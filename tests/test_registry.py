@@ -516,8 +516,8 @@ def test_plugins_check_resolves_what_serve_runs(
 ) -> None:
     pytest.importorskip("torch")
     from outrider.daemon import server
-    from outrider.daemon.engine.build import resolve_dtype, resolve_plugins
     from outrider.daemon.models.config import ModelConfig
+    from outrider.daemon.preflight import resolve_plugins
 
     served: list[ServeConfig] = []
     monkeypatch.setattr(cli, "configure_logging", lambda level, fmt: None)
@@ -532,10 +532,10 @@ def test_plugins_check_resolves_what_serve_runs(
     [config], [result] = served, checked
     assert result.config == config
     assert config.model == str(family.target)
-    # What the engine builds from: the dtype and the plugins, resolved from the same config.
-    dtype = resolve_dtype(config, ModelConfig.from_pretrained(config.model))
+    # What the engine builds from (build.py): the dtype and the plugins, from the same config.
+    dtype = config.serving_dtype(ModelConfig.from_pretrained(config.model).dtype)
     assert result.dtype == dtype
-    assert result.plugins == resolve_plugins(config, dtype)
+    assert result.plugins == resolve_plugins(config, dtype, None)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(
         f"the configuration can run: speculative {config.speculative_algorithm};"

@@ -15,6 +15,7 @@ import torch
 
 from outrider.daemon.config import ConfigError, ServeConfig, debug_knob
 from outrider.daemon.engine.accept import step_reservation
+from outrider.daemon.engine.cycle_cost import measure_break_even
 from outrider.daemon.engine.graphs import (
     MIB,
     DecodeGraphs,
@@ -28,16 +29,25 @@ from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.internal import ModelFacts, SamplingSpec, TokenizedRequest
 from outrider.daemon.models.config import ModelConfig, load_eos_ids, model_dir
 from outrider.daemon.models.loader import LoadProgress, load_model
+from outrider.daemon.preflight import resolve_plugins
+from outrider.daemon.scheduler.drafting import (
+    AdaptiveDrafting,
+    AdaptiveSettings,
+    AlternateDrafting,
+    BreakEven,
+    DraftPolicy,
+    FixedDrafting,
+)
 from outrider.daemon.scheduler.finish import FinishChecker, TextDecoder
 from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
 from outrider.daemon.tokenizer import load_tokenizer
-from outrider.plugins.api import AttentionCapabilities, Phase
+from outrider.plugins.api import AttentionCapabilities, Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend
-from outrider.plugins.checks import SPECULATIVE_FLAG, PluginProblems
+from outrider.plugins.checks import SPECULATIVE_FLAG
 from outrider.plugins.device import AttentionShape, KVCache
-from outrider.plugins.registry import ResolvedPlugins, discover
+from outrider.plugins.registry import ResolvedPlugins
 from outrider.plugins.speculative.base import NoDraft, SpeculativeWorker, WorkerContext
 
 log = logging.getLogger("outrider.engine")
@@ -64,30 +74,13 @@ class Engine:
         return self.loop.scheduler
 
 
-def resolve_dtype(config: ServeConfig, model_config: ModelConfig) -> str:
-    if config.dtype != "auto":
-        return config.dtype
-    if config.device == "cpu":
-        return "float32"
-    return model_config.dtype if model_config.dtype in _DTYPES else "bfloat16"
-
-
-def resolve_plugins(config: ServeConfig, dtype: str) -> ResolvedPlugins:
-    """The plugins ``config`` routes, checked and resolved: the daemon's one discovery."""
-    capability = torch.cuda.get_device_capability() if config.device == "cuda" else None
-    try:
-        return discover().resolve(config.check_context(dtype, capability))
-    except PluginProblems as exc:
-        problems = "\n  ".join(map(str, exc.problems))
-        raise ConfigError(f"the configuration cannot run:\n  {problems}") from None
-
-
 def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> Engine:
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
     model_config = ModelConfig.from_pretrained(config.model)
-    dtype_name = resolve_dtype(config, model_config)
-    plugins = resolve_plugins(config, dtype_name)
+    dtype_name = config.serving_dtype(model_config.dtype)
+    capability = torch.cuda.get_device_capability() if config.device == "cuda" else None
+    plugins = resolve_plugins(config, dtype_name, capability)  # what plugins --check resolves
     device = torch.device(config.device)
     context_length = config.context_length or model_config.max_position_embeddings
     speculative = _speculative_plugin(plugins)
@@ -157,8 +150,13 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         else NoDraft(worker_context)
     )
     backends = _backends(plugins, attention_shape, device)
+    adaptive = shape.speculative and config.speculative_min_acceptance != 0
     graphs = _decode_graphs(
-        graph_settings, min(graph_kv, context_length + reservation), vocab_limit, config.max_running
+        graph_settings,
+        min(graph_kv, context_length + reservation),
+        vocab_limit,
+        config.max_running,
+        (shape.width, 1) if adaptive else (shape.width,),
     )
     runner = ModelRunner(
         model, kv, backends, slots, worker, shape, limits, device,
@@ -170,7 +168,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         tokenizer.decoder if tokenizer is not None else None
     )
 
-    def new_scheduler() -> Scheduler:
+    def new_scheduler(policy: DraftPolicy | None = None) -> Scheduler:
         return Scheduler(
             SchedulerLimits(
                 max_running=config.max_running,
@@ -183,6 +181,7 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
             shape,
             PrefixCache(num_pages, page_size),
             FinishChecker(eos, context_length, decoder_factory),
+            policy,
         )
 
     loop = EngineLoop(
@@ -195,11 +194,15 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     # synchronise: the sync check starts after them.
     if graphs is not None:
         graphs.capture_all(runner.capture_graph, graph_estimate, capture_progress())
+    if adaptive:  # plain steps too, before READY
+        loop.scheduler.use_policy(AlternateDrafting())
     _warm_up(loop)
+    policy = _drafting_policy(config, shape, loop, (num_pages - 1) * page_size)
     runner.enable_sync_check(bool(debug_knob("OUTRIDER_DEBUG_SYNC_CHECK")))
     if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
         slots.enable_relay_check()
-    loop.scheduler = new_scheduler()  # forget the warm-up's cache entries and counters
+    # Forget the warm-up's cache entries and counters.
+    loop.scheduler = new_scheduler(policy)
     facts = ModelFacts(
         model=config.model,
         vocab_size=model_config.vocab_size,
@@ -224,6 +227,21 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         speculative_algorithm=config.speculative_algorithm,
     )
     return Engine(config, model_config, facts, loop, context_length)
+
+
+def _drafting_policy(
+    config: ServeConfig, shape: StepShape, loop: EngineLoop, pool_tokens: int
+) -> DraftPolicy:
+    """Whether decode batches draft (``--speculative-min-acceptance``; scheduler/drafting.py);
+    a negative value measures the break-even with ``loop`` (cycle_cost.py)."""
+    tau = config.speculative_min_acceptance
+    if not shape.speculative or tau == 0:
+        return FixedDrafting()
+    if tau > 0:
+        break_even = BreakEven.fixed(tau)
+    else:
+        break_even = measure_break_even(loop, shape, config.max_running, pool_tokens)
+    return AdaptiveDrafting(AdaptiveSettings(break_even, initial_tau=shape.max_commit))
 
 
 @dataclass(frozen=True)
@@ -321,9 +339,14 @@ def _graph_pool_estimate(
 
 
 def _decode_graphs(
-    settings: _GraphSettings | None, max_positions: int, vocab_limit: int, max_running: int
+    settings: _GraphSettings | None,
+    max_positions: int,
+    vocab_limit: int,
+    max_running: int,
+    widths: tuple[int, ...],
 ) -> DecodeGraphs | None:
-    """CUDA graphs for decode batches (``max_running`` is the scratch slot); None: eager."""
+    """CUDA graphs for decode batches (``max_running`` is the scratch slot) of each row width;
+    None: eager."""
     if settings is None:
         return None
     return DecodeGraphs(
@@ -332,6 +355,7 @@ def _decode_graphs(
         min(MAX_LOGPROBS, vocab_limit),
         max_running,
         kv_bounded=settings.kv_bounded,
+        widths=widths,
     )
 
 
@@ -456,7 +480,8 @@ def _fit_check(
 
 def _warm_up(loop: EngineLoop) -> None:
     """EXTEND and decode batches of one and of two sampled rows through every routed phase
-    before READY, so that no kernel compiles while serving."""
+    before READY, so that no kernel compiles while serving (drafting and plain decode batches
+    both, where the drafting policy may choose either)."""
     started = time.monotonic()
     for rid in (-1, -2):
         loop.scheduler.add(

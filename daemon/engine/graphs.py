@@ -2,21 +2,25 @@
 speculative cycle: draft, verify, accept, catch-up, relay writes) replayed from one graph per
 key, with nothing but writes into fixed buffers in between.
 
-A key is the padded batch size (a bucket), the KV bound every layout of the graph is built
-with, and the sampling variant (all greedy or not; no logprobs or the most any request may ask,
-trimmed on the host). The KV bound is bucketed only where a decode batch's attention backend
-declares ``graph_kv_bound`` (its work grows with the bound: the ``torch`` backend's grows within
-twice the eager bound); otherwise every graph is built with the largest bound. Padding rows run
-on the scratch slot, whose request-table row points at the scratch page: they read and write
-nothing of a live request.
+A key is the padded batch size (a bucket), the row width (a speculative engine whose drafting
+policy may run plain steps has width-1 graphs beside its cycles: the plain-decode graphs, no
+new shape), the KV bound every layout of the graph is built with, and the sampling variant (all
+greedy or not; no logprobs or the most any request may ask, trimmed on the host). The KV bound
+is bucketed only where a decode batch's attention backend declares ``graph_kv_bound`` (its work
+grows with the bound: the ``torch`` backend's grows within twice the eager bound); otherwise
+every graph is built with the largest bound. Padding rows run on the scratch slot, whose
+request-table row points at the scratch page: they read and write nothing of a live request.
 
-Before READY the engine captures every batch bucket x KV bucket, greedy and sampled without
-logprobs (``capture_all``), largest first so that the smaller captures reuse the pool's
+Before READY the engine captures every batch bucket x width x KV bucket, greedy and sampled
+without logprobs (``capture_all``), largest first so that the smaller captures reuse the pool's
 blocks; a logprob variant is captured the first time its key is needed. A capture runs from a
 batch of scratch rows only: its warm-up run and the capture touch no live state. Graphs share
 one memory pool; every replay waits (on the device) for the previous step's result copy, whose
 source the next replay overwrites. ``graph_pool_bytes`` estimates that pool for the start-up
-fit check, before any graph exists.
+fit check, before any graph exists: the widest step's working set. The width-1 graphs of a
+speculative engine are captured after the wide graph of their batch and KV bucket and reuse its
+blocks; what each keeps for itself (its static results, under a kilobyte a row) is within the
+estimate's slack.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class GraphKey:
     max_kv: int  # the KV bound of every layout in the graph
     all_greedy: bool
     max_logprobs: int  # 0, or the most any request may ask
+    width: int = 1  # tokens a row: the speculative width, or 1 for a plain step
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -127,9 +132,13 @@ class DecodeGraphs:
         max_logprobs: int,
         scratch_slot: int,
         kv_bounded: bool = True,
+        widths: tuple[int, ...] = (1,),
     ) -> None:
-        """``kv_bounded``: some backend of a decode batch declares ``graph_kv_bound``."""
+        """``kv_bounded``: some backend of a decode batch declares ``graph_kv_bound``;
+        ``widths``: the row widths decode batches run with (the speculative width, and 1
+        where plain steps run)."""
         self.buckets = batch_buckets(max_bs)
+        self.widths = sorted(widths, reverse=True)
         self.kv_buckets = kv_buckets(max_kv, kv_bounded)
         self.max_kv = max_kv
         self.max_logprobs = max_logprobs
@@ -151,16 +160,18 @@ class DecodeGraphs:
             max_kv=kv,
             all_greedy=plan.all_greedy,
             max_logprobs=self.max_logprobs if plan.max_logprobs else 0,
+            width=plan.q_lens[0],
         )
 
     def start_keys(self) -> list[GraphKey]:
-        """The keys captured before READY: every batch bucket x KV bucket, sampled and greedy,
-        without logprobs; largest first (KV bound, then batch), so later captures fit in the
-        blocks the earlier ones freed."""
+        """The keys captured before READY: every batch bucket x width x KV bucket, sampled
+        and greedy, without logprobs; largest first (KV bound, then batch, then width), so
+        later captures fit in the blocks the earlier ones freed."""
         return [
-            GraphKey(bs, kv, all_greedy, 0)
+            GraphKey(bs, kv, all_greedy, 0, width)
             for kv in reversed(self.kv_buckets)
             for bs in reversed(self.buckets)
+            for width in self.widths
             for all_greedy in (False, True)
         ]
 
@@ -185,9 +196,10 @@ class DecodeGraphs:
         )
         self.started = True
         log.info(
-            "captured %d decode graphs (batch %s, KV bound %s, greedy + sampled) in %.1f s, "
-            "pool %d MiB (estimate %d MiB); logprob variants are captured on first use",
-            len(keys), _span(self.buckets), _span(self.kv_buckets), captured.seconds,
+            "captured %d decode graphs (batch %s, width %s, KV bound %s, greedy + sampled) in "
+            "%.1f s, pool %d MiB (estimate %d MiB); logprob variants are captured on first use",
+            len(keys), _span(self.buckets), "/".join(map(str, self.widths)),
+            _span(self.kv_buckets), captured.seconds,
             captured.pool_bytes // MIB, estimate // MIB,
         )  # fmt: skip
         if captured.pool_bytes > estimate:
@@ -214,13 +226,13 @@ class DecodeGraphs:
             max_logprobs=key.max_logprobs,
         )
 
-    def scratch_plan(self, key: GraphKey, width: int) -> StepPlan:
+    def scratch_plan(self, key: GraphKey) -> StepPlan:
         """A decode batch of ``key.bs`` scratch rows: what graphs are captured from."""
         return StepPlan(
             kind="decode",
             slots=[self.scratch_slot] * key.bs,
             starts=[0] * key.bs,
-            q_lens=[width] * key.bs,
+            q_lens=[key.width] * key.bs,
             input_ids=[],
             sample_rows=list(range(key.bs)),
             sample_positions=[],
@@ -258,9 +270,9 @@ class DecodeGraphs:
         # Start-up captures are summed up by capture_all; a later one is a first use.
         log.log(
             logging.INFO if self.started else logging.DEBUG,
-            "captured a decode graph%s: batch %d, KV bound %d, %s%s in %.2f s",
+            "captured a decode graph%s: batch %d, width %d, KV bound %d, %s%s in %.2f s",
             " on first use" if self.started else "",
-            key.bs, key.max_kv, "greedy" if key.all_greedy else "sampling",
+            key.bs, key.width, key.max_kv, "greedy" if key.all_greedy else "sampling",
             ", logprobs" if key.max_logprobs else "", time.monotonic() - started,
         )  # fmt: skip
 

@@ -49,6 +49,12 @@ class StepPlan(Struct, array_like=True, frozen=True):
         return len(self.slots)
 
     @property
+    def drafting(self) -> bool:
+        """A decode batch whose rows verify drafts (width > 1); False: a plain decode step,
+        one token a row, on any engine (a speculative engine's drafting policy chooses)."""
+        return self.kind == "decode" and self.q_lens[0] > 1
+
+    @property
     def num_tokens(self) -> int:
         return sum(self.q_lens)
 

@@ -5,13 +5,21 @@ launch(plan):  stage inputs -> admissions and page writes -> EXTEND or decode ->
 EXTEND:        forward -> sample the rows that end their prompt -> seed their relay
 decode:        relay -> draft -> forward over (root, drafts) -> verify -> advance the relay
                -> the worker's catch-up
+plain decode:  relay -> forward over the root -> sample -> advance the relay -> catch-up
 collect:       wait for the copy -> StepOutput
 ```
 Inputs live in fixed device buffers (inputs.py), per-slot state in ``SlotState`` (slots.py),
 the accept rule in ``Verifier`` (verify.py), result copies in ``ResultCopies`` (results.py).
 Input copies, the forward, sampling and relay writes run on the compute stream; only the
-result copy (device -> host) runs on a side stream, gated by an event. Plain decoding is a
-decode batch of width 1 whose worker drafts nothing (``NoDraft``).
+result copy (device -> host) runs on a side stream, gated by an event.
+
+A decode batch of width 1 is a plain step (``StepPlan.drafting`` False): plain decoding, and
+the steps a speculative engine's drafting policy runs without drafts (scheduler/drafting.py).
+It commits the target's own draw at the row's output index, which is the token a drafting
+step commits there too (the chain and tree rules and coupled drafts commit the target's
+draws), so seeded outputs do not depend on which steps draft. The worker's catch-up sees it
+as a verify of the root alone that accepted nothing (``Accepted`` one column wide), so its
+state stays current without drafting.
 """
 
 from __future__ import annotations
@@ -98,6 +106,8 @@ class ModelRunner:
         self.results = ResultCopies(rows, shape.max_commit, device)
         self.verifier = Verifier(shape, kv, slots, limits.vocab_limit, device, simulate_acceptance)
         self.offsets = torch.arange(shape.width, device=device)  # [W]
+        self.ones = torch.ones(rows, 1, dtype=torch.int64, device=device)  # plain commits
+        self.zeros = torch.zeros(rows, 1, dtype=torch.int64, device=device)  # plain paths
         self.graphs = graphs
         self.host_starts = (
             HostStarts(slots.relay_starts) if exact_verify_lengths and shape.speculative else None
@@ -166,7 +176,7 @@ class ModelRunner:
         """Capture ``key``'s decode graph from a batch of scratch rows (no live state)."""
         graphs = self.graphs
         assert graphs is not None, "graphs are on"
-        scratch = graphs.scratch_plan(key, self.shape.width)
+        scratch = graphs.scratch_plan(key)
         staged = self.inputs.stage(scratch, host_values(scratch, poison_released=False))
         self._plan_replay(scratch, key)
         timer, self.timer = self.timer, None  # no timing events inside a graph
@@ -180,7 +190,7 @@ class ModelRunner:
         (its exact lengths, when the host has them)."""
         host = self._host_lengths(plan)
         if host is not None:
-            bounds = GraphBounds(key.bs, self.shape.width, key.max_kv, self.kv.page_size)
+            bounds = GraphBounds(key.bs, key.width, key.max_kv, self.kv.page_size)
             self.backends[self.decode_phase].plan_replay(host, bounds)
 
     def _padded_decode(
@@ -224,6 +234,8 @@ class ModelRunner:
         """Every row verifies ``width`` tokens (root + drafts) at positions taken from the
         relay, and commits ``commit_len`` of them (verify.py). ``max_kv``: the KV bound of
         every layout of the step."""
+        if not plan.drafting:
+            return self._plain(plan, inputs, max_kv)
         bs, width, max_commit = plan.bs, self.shape.width, self.shape.max_commit
         relay = self.slots.read(inputs.slots)
         tokens = inputs.input_ids.view(bs, width)
@@ -264,6 +276,35 @@ class ModelRunner:
             logprob=out.logprob.view(bs, width).gather(1, path),
             top_ids=out.top_ids.view(bs, width, k).gather(1, node),
             top_logprobs=out.top_logprobs.view(bs, width, k).gather(1, node),
+        )
+
+    def _plain(self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int) -> StepResults:
+        """Every row's root at its relay position, and the target's draw after it (output
+        index ``out_len``): one token a row; the worker catches up as after a verify of the
+        root alone."""
+        bs = plan.bs
+        relay = self.slots.read(inputs.slots)
+        inputs.input_ids.copy_(relay.roots)
+        inputs.positions.copy_(relay.starts)
+        torch.add(relay.starts, 1, out=inputs.seq_lens)
+        sampling = self.slots.sampling(inputs.slots, plan)
+        view = DecodeView(inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, max_kv)
+        self._mark("verify")
+        fb = self._forward_batch(plan, inputs, self.decode_phase, relay.starts, max_kv)
+        hidden = self.model.forward(inputs.input_ids, fb)  # [bs, H]
+        logits = self.model.compute_logits(hidden)  # [bs, V]
+        out = sample(logits, sampling, relay.out_lens, vocab_limit=self.limits.vocab_limit)
+        self.slots.write(inputs.slots, out.tokens, relay.starts + 1, relay.out_lens + 1)
+        tokens, lens, path = out.tokens.unsqueeze(1), self.ones[:bs], self.zeros[:bs]  # [bs, 1]
+        self._mark("catch_up")
+        self.worker.after_accept(view, fb, Accepted(tokens, lens.view(bs), path))
+        self._mark("end")
+        return StepResults(
+            tokens=tokens,
+            commit_lens=lens.view(bs),
+            logprob=out.logprob.unsqueeze(1),
+            top_ids=out.top_ids.unsqueeze(1),
+            top_logprobs=out.top_logprobs.unsqueeze(1),
         )
 
     def _forward_batch(
@@ -323,4 +364,4 @@ class ModelRunner:
         bounds on the committed lengths."""
         if plan.kind == "extend":
             return max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True))
-        return max(plan.starts) + self.shape.kv_span
+        return max(plan.starts) + (self.shape.kv_span if plan.drafting else 1)

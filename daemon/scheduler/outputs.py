@@ -21,6 +21,7 @@ from outrider.daemon.engine.plan import StepOutput
 from outrider.daemon.internal import ErrorInfo, FinishInfo, RequestUpdate
 from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.counters import SchedulerStats
+from outrider.daemon.scheduler.drafting import DraftPolicy
 from outrider.daemon.scheduler.finish import Finish, FinishChecker
 from outrider.daemon.scheduler.planner import Planned
 from outrider.daemon.scheduler.request import Request
@@ -37,11 +38,13 @@ class OutputProcessor:
         finish: FinishChecker,
         admission: Admission,
         stats: SchedulerStats,
+        policy: DraftPolicy,
     ) -> None:
         self.shape = shape
         self.finish = finish
         self.admission = admission
         self.stats = stats
+        self.policy = policy
         self._updates: list[RequestUpdate] = []
 
     def take_updates(self) -> list[RequestUpdate]:
@@ -51,21 +54,21 @@ class OutputProcessor:
     def process(self, planned: Planned, out: StepOutput) -> None:
         """Apply one step's committed tokens to its sampled rows (rows of requests that
         already finished are ignored)."""
-        decode = planned.plan.kind == "decode"
         for i, row in enumerate(planned.plan.sample_rows):
             req = planned.requests[row]
             if not req.finished:
-                self._apply(req, out, i, decode=decode)
+                self._apply(req, out, i, planned)
 
-    def _apply(self, req: Request, out: StepOutput, i: int, *, decode: bool) -> None:
-        tokens = out.tokens[i]
+    def _apply(self, req: Request, out: StepOutput, i: int, planned: Planned) -> None:
+        tokens, decode = out.tokens[i], planned.plan.kind == "decode"
         if decode and req.slot >= 0:
             # Take back the part of the bound that was not committed.
-            unused = self.shape.max_commit - len(tokens)
+            unused = planned.max_commit - len(tokens)
             req.scheduled_len -= unused
             req.scheduled_outputs -= unused
-        if decode and self.shape.speculative:
+        if planned.plan.drafting:
             self.stats.verified(len(tokens) - 1)
+            self.policy.observe(req, len(tokens))
             req.spec_drafts += 1
             req.spec_accepted_tokens += len(tokens) - 1
         if not req.output_ids:

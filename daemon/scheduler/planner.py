@@ -7,7 +7,9 @@ A speculative decode step commits between 1 and ``max_commit`` tokens per row, a
 learns how many one step late. So for a decoding row ``scheduled_len`` and
 ``scheduled_outputs`` are upper bounds: planning a decode batch adds ``max_commit`` to both,
 processing it takes back what was not committed (outputs.py). Pages cover the bound plus the
-step's ``kv_span``; the device reads the exact lengths from its relay.
+step's ``kv_span``; the device reads the exact lengths from its relay. A plain step (the
+drafting policy's choice on a speculative engine, drafting.py; every step without
+speculation) has width 1 and commits exactly one token a row: it adds 1 and pages cover 1.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from outrider.daemon.engine.plan import SlotParams, StepPlan
 from outrider.daemon.scheduler.admission import Admission
+from outrider.daemon.scheduler.drafting import DraftPolicy
 from outrider.daemon.scheduler.pages import PageDelta, PageManager
 from outrider.daemon.scheduler.request import Request
 from outrider.daemon.scheduler.slots import SlotTable
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 class Planned:
     plan: StepPlan
     requests: list[Request]  # one per plan row
+    max_commit: int = 1  # tokens a row may commit: what planning added to its bounds
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,12 @@ class Planner:
         admission: Admission,
         pages: PageManager,
         slots: SlotTable,
+        policy: DraftPolicy,
     ) -> None:
+        """``policy``: whether a speculative engine's decode batch drafts."""
         self.limits = limits
         self.shape = shape
+        self.policy = policy
         self.admission = admission
         self.pages = pages
         self.slots = slots
@@ -129,25 +136,33 @@ class Planner:
     def _decode(self) -> Planned | None:
         """Every decoding request not yet scheduled to its end, with pages for one more step."""
         delta = PageDelta()
+        candidates = [
+            r for r in self.admission.running if r.decoding and not self._scheduled_to_end(r)
+        ]
+        if not candidates:
+            return None
+        shape = self.shape
+        drafting = shape.speculative and self.policy.drafting(candidates)
+        width, span, max_commit = (
+            (shape.width, shape.kv_span, shape.max_commit) if drafting else (1, 1, 1)
+        )
         rows: list[Request] = []
-        for req in list(self.admission.running):
+        for req in candidates:
             # NOTE: growing a row may retract requests later in this list: they have no slot
             # then, so they are not decoding.
-            if not req.decoding or self._scheduled_to_end(req):
-                continue
-            if self._grow(req, req.scheduled_len + self.shape.kv_span, delta):
+            if req.decoding and self._grow(req, req.scheduled_len + span, delta):
                 rows.append(req)
         if not rows:
             return None
         starts = [r.scheduled_len for r in rows]  # upper bounds: the device has the lengths
         for req in rows:
-            req.scheduled_len += self.shape.max_commit
-            req.scheduled_outputs += self.shape.max_commit
+            req.scheduled_len += max_commit
+            req.scheduled_outputs += max_commit
         plan = StepPlan(
             kind="decode",
             slots=[r.slot for r in rows],
             starts=starts,
-            q_lens=[self.shape.width] * len(rows),
+            q_lens=[width] * len(rows),
             input_ids=[],
             sample_rows=list(range(len(rows))),
             sample_positions=[],
@@ -158,7 +173,7 @@ class Planner:
             all_greedy=_all_greedy(rows),
             released_slots=self.slots.take_released(),
         )
-        return Planned(plan, rows)
+        return Planned(plan, rows, max_commit)
 
     def _scheduled_to_end(self, req: Request) -> bool:
         """Launched steps already produce this request's last possible token."""

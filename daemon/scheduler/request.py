@@ -60,6 +60,8 @@ class Request:
     streamed: int = 0  # output tokens already sent to the detokenizer
     spec_drafts: int = 0  # verify steps applied to this request
     spec_accepted_tokens: int = 0
+    # Moving average of the commit lengths of its drafting steps; 0: none yet (drafting.py).
+    tau_estimate: float = 0.0
     first_token_time: float = 0.0
     admit_time: float = 0.0
 

@@ -7,6 +7,7 @@ and apply their results. It composes small parts, one concern each:
 | ``SlotTable``       | slots.py     | free slots, their owners, slots released since last plan  |
 | ``PageManager``     | pages.py     | requests' pages, prefix hits, page-table deltas           |
 | ``Planner``         | planner.py   | extend and decode plans, page growth with retraction      |
+| ``DraftPolicy``     | drafting.py  | whether a speculative engine's decode batch drafts        |
 | ``OutputProcessor`` | outputs.py   | step results, streaming, finish (the lifetime rules)      |
 | ``SchedulerStats``  | counters.py  | finishes and speculative acceptance                       |
 
@@ -23,6 +24,7 @@ from outrider.daemon.engine.plan import StepOutput
 from outrider.daemon.internal import Counters, RequestUpdate, TokenizedRequest
 from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.counters import SchedulerStats
+from outrider.daemon.scheduler.drafting import DraftPolicy, FixedDrafting
 from outrider.daemon.scheduler.finish import Finish, FinishChecker
 from outrider.daemon.scheduler.outputs import OutputProcessor
 from outrider.daemon.scheduler.pages import PageManager
@@ -52,15 +54,18 @@ class Scheduler:
         shape: StepShape,
         cache: PrefixCache,
         finish: FinishChecker,
+        policy: DraftPolicy | None = None,
     ) -> None:
-        """``shape``: the runner's step shape (``NO_DRAFT`` without speculation)."""
+        """``shape``: the runner's step shape (``NO_DRAFT`` without speculation);
+        ``policy``: whether a decode batch drafts (default: always, when speculative)."""
         self.cache = cache
+        self.policy = policy if policy is not None else FixedDrafting()
         self.slots = SlotTable(limits.max_running)
         self.pages = PageManager(cache, limits.max_pages_per_request, limits.prefix_margin_pages)
         self.admission = Admission(self.slots, self.pages, shape)
-        self.planner = Planner(limits, shape, self.admission, self.pages, self.slots)
+        self.planner = Planner(limits, shape, self.admission, self.pages, self.slots, self.policy)
         self.stats = SchedulerStats(shape)
-        self.outputs = OutputProcessor(shape, finish, self.admission, self.stats)
+        self.outputs = OutputProcessor(shape, finish, self.admission, self.stats, self.policy)
 
     @property
     def requests(self) -> dict[int, Request]:
@@ -97,6 +102,10 @@ class Scheduler:
         for req in requests:
             if not req.finished:
                 self.outputs.fail(req, message)
+
+    def use_policy(self, policy: DraftPolicy) -> None:
+        """Decide from now on with ``policy`` whether decode batches draft."""
+        self.policy = self.planner.policy = self.outputs.policy = policy
 
     def take_updates(self) -> list[RequestUpdate]:
         """Updates for the detokenizer since the last call, in order; one final per request."""

@@ -139,11 +139,12 @@ class Eagle3Worker(SpeculativeWorker):
     def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         # Row j (position seq + j) takes committed token j, the token at seq + 1 + j, and the
         # target's feature at the path's node of depth j; rows past the commit are rewritten
-        # later.
-        bs, m = view.bs, self.shape.max_commit
-        feats = self._features(verify).view(bs, self.shape.width, -1)
+        # later. A plain step verifies the root alone: one node, one row (m = 1).
+        bs, m = view.bs, accepted.tokens.shape[1]
+        feats = self._features(verify)
+        feats = feats.view(bs, feats.shape[0] // bs, -1)  # [bs, nodes, H]
         feats = feats.gather(1, accepted.path.unsqueeze(2).expand(-1, -1, feats.shape[2]))
-        positions = view.starts.unsqueeze(1) + self.commit_offsets  # [bs, M]
+        positions = view.starts.unsqueeze(1) + self.commit_offsets[:m]  # [bs, M]
         layout = self.row_layout(view, positions)
         y = self._run(accepted.tokens.view(-1), feats.view(bs * m, -1), layout, self.extend_backend)
         last = self.token_ids[:bs] * m + accepted.lens - 1  # the bonus's row

@@ -55,9 +55,10 @@ class NgramWorker(SpeculativeWorker):
         return Drafts(torch.where(found.unsqueeze(1), drafts, view.roots.unsqueeze(1)))
 
     def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
-        # Committed token j sits at position seq + 1 + j; the block starts with the root.
-        block = torch.cat([view.roots.unsqueeze(1), accepted.tokens[:, :-1]], dim=1)  # [bs, W]
-        positions = view.starts.unsqueeze(1) + self.block_offsets  # [bs, W]
+        # Committed token j sits at position seq + 1 + j; the block starts with the root (a
+        # plain step's block is the root alone).
+        block = torch.cat([view.roots.unsqueeze(1), accepted.tokens[:, :-1]], dim=1)  # [bs, m]
+        positions = view.starts.unsqueeze(1) + self.block_offsets[: block.shape[1]]  # [bs, m]
         self.tokens.index_copy_(0, self._flat_index(view, positions).view(-1), block.view(-1))
 
     def _flat_index(self, view: DecodeView, positions: torch.Tensor) -> torch.Tensor:

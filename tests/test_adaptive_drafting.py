@@ -1,0 +1,205 @@
+"""Plain steps inside a speculative engine (scheduler/drafting.py, the runner's plain path):
+the policy's decisions from given commit counts, and outputs that do not depend on which
+steps draft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_harness import debug_checks_fixture, engine_for, request, run, tokens_of
+from model_fixtures import VOCAB, save_random_dflash, save_tiny_model
+
+from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
+from outrider.daemon.internal import SamplingSpec, TokenizedRequest
+from outrider.daemon.scheduler.drafting import (
+    AdaptiveDrafting,
+    AdaptiveSettings,
+    AlternateDrafting,
+    BreakEven,
+    FixedDrafting,
+)
+from outrider.daemon.scheduler.request import Request
+
+debug_checks = debug_checks_fixture()
+
+# --- the policy ---------------------------------------------------------------------------
+
+
+def _req(rid: int, temperature: float = 0.0) -> Request:
+    return Request.from_message(
+        TokenizedRequest(
+            rid=rid,
+            request_id=f"r{rid}",
+            input_ids=[1],
+            sampling=SamplingSpec(temperature, 1.0, 0, 0, 0),
+            max_new_tokens=8,
+            stop=[],
+            stop_token_ids=[],
+            ignore_eos=True,
+            stream=False,
+            want_logprobs=False,
+            arrival=0.0,
+        )
+    )
+
+
+def _policy(break_even: BreakEven, **settings: int | float) -> AdaptiveDrafting:
+    return AdaptiveDrafting(AdaptiveSettings(break_even, initial_tau=4.0, **settings))
+
+
+def test_break_even_takes_the_largest_measured_size_below() -> None:
+    break_even = BreakEven((1, 4, 16), (2.0, 2.5, 3.5))
+    assert [break_even.at(bs) for bs in (1, 3, 4, 15, 16, 64)] == [2.0, 2.0, 2.5, 2.5, 3.5, 3.5]
+    assert BreakEven.fixed(1.7).at(9) == 1.7
+
+
+def test_estimates_start_at_the_kind_mean_and_follow_the_commits() -> None:
+    policy = _policy(BreakEven.fixed(2.0), smoothing=0.5, engine_smoothing=0.25)
+    greedy, sampled = _req(1), _req(2, temperature=1.0)
+    assert policy.estimate(greedy) == policy.estimate(sampled) == 4.0
+    assert policy.drafting([greedy, sampled])
+    policy.observe(sampled, 1)
+    assert sampled.tau_estimate == 2.5 and policy.engine_tau == {False: 3.25, True: 4.0}
+    policy.observe(sampled, 1)
+    assert sampled.tau_estimate == 1.75 and policy.engine_tau[False] == 2.6875
+    # A new sampled request starts at the sampled mean, a greedy one at the greedy mean.
+    assert policy.estimate(_req(3, temperature=0.7)) == 2.6875
+    assert policy.estimate(_req(4)) == 4.0
+    assert not policy.drafting([sampled])  # 1.75 < 2
+    assert policy.drafting([sampled, greedy])  # mean (1.75 + 4) / 2 >= 2
+
+
+def test_plain_batches_probe_with_a_growing_wait() -> None:
+    policy = _policy(BreakEven.fixed(3.0), probe_every=2, max_probe_every=8)
+    low = _req(1, temperature=1.0)
+    low.tau_estimate = 1.2
+    decisions = [policy.drafting([low]) for _ in range(3 + 5 + 9 + 9)]
+    probes = [i for i, d in enumerate(decisions) if d]
+    assert probes == [2, 7, 16, 25]  # after 2, then 4, then 8 (the cap) plain steps
+    low.tau_estimate = 3.0  # acceptance recovered: drafting resumes, the wait starts over
+    assert policy.drafting([low]) and policy.probe_every == 2
+    low.tau_estimate = 1.0
+    assert [policy.drafting([low]) for _ in range(3)] == [False, False, True]
+
+
+def test_the_break_even_depends_on_the_batch_size() -> None:
+    policy = _policy(BreakEven((1, 4), (1.5, 3.0)))
+    rows = [_req(i) for i in range(4)]
+    for req in rows:
+        req.tau_estimate = 2.0
+    assert policy.drafting(rows[:1]) and policy.drafting(rows[:3])
+    assert not policy.drafting(rows)
+
+
+def test_start_keys_hold_plain_graphs_beside_the_cycles() -> None:
+    graphs = DecodeGraphs(2, 64, 20, 2, widths=(1, 4))
+    keys = graphs.start_keys()
+    assert [(k.bs, k.width, k.all_greedy) for k in keys] == [
+        (bs, width, greedy) for bs in (2, 1) for width in (4, 1) for greedy in (False, True)
+    ]
+    assert {k.max_kv for k in keys} == {64}
+    plan = graphs.scratch_plan(GraphKey(2, 64, True, 0, width=1))
+    assert plan.q_lens == [1, 1] and not plan.drafting
+    assert graphs.scratch_plan(GraphKey(2, 64, True, 0, width=4)).drafting
+
+
+# --- the engine -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: str, eagle3_dir: str) -> dict:
+    root = tmp_path_factory.mktemp("adaptive")
+    with torch.no_grad():
+        save_tiny_model("qwen2", root / "small")
+    return {
+        "target": llama_dir,
+        "eagle3": eagle3_dir,
+        "dflash": str(save_random_dflash(Path(root / "dflash"))),
+        "standalone": str(root / "small"),
+    }
+
+
+ALGORITHMS: dict[str, dict[str, object]] = {
+    "ngram": {"speculative_algorithm": "ngram"},
+    "dflash": {"speculative_algorithm": "dflash"},
+    "eagle3 chain": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3},
+    "eagle3 tree": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3,
+                    "speculative_topk": 2, "speculative_num_draft_tokens": 6},
+    "standalone": {"speculative_algorithm": "standalone"},
+}  # fmt: skip
+
+
+def _workload() -> list[TokenizedRequest]:
+    """Greedy and seeded sampled requests, some repetitive (n-gram drafts get accepted)."""
+    prompts = [[3 + (7 * i + 3 * j) % (VOCAB - 3) for j in range(5 + 2 * i)] for i in range(6)]
+    prompts[1] = [5, 6, 7, 8] * 4
+    return [
+        request(i, p, max_new_tokens=14, temperature=0.0 if i % 2 else 0.9, top_k=20, seed=i)
+        for i, p in enumerate(prompts)
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(dirs: dict[str, str]) -> dict[int, list[int]]:
+    return tokens_of(run(engine_for(dirs["target"]), _workload()))
+
+
+def _settings(dirs: dict[str, str], algorithm: str) -> dict[str, object]:
+    settings = dict(ALGORITHMS[algorithm])
+    name = str(settings["speculative_algorithm"])
+    if name in ("eagle3", "dflash", "standalone"):
+        settings["draft_model"] = dirs[name]
+    return settings
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_alternating_plain_and_drafting_steps_keep_every_token(
+    dirs: dict[str, str], expected: dict[int, list[int]], algorithm: str, overlap: bool
+) -> None:
+    engine = engine_for(dirs["target"], no_overlap=not overlap, **_settings(dirs, algorithm))
+    policy = AlternateDrafting()
+    engine.scheduler.use_policy(policy)
+    outcomes = run(engine, _workload(), stagger=2)
+    assert tokens_of(outcomes) == expected
+    assert True in policy.decisions and False in policy.decisions
+    # Only drafting steps count as verifies.
+    drafting_rows = engine.scheduler.counters().spec_drafts
+    usage = [o.finish.usage for o in outcomes.values()]
+    assert drafting_rows == sum(u.spec_drafts for u in usage) > 0
+    assert all(u.spec_drafts < u.completion_tokens - 1 for u in usage)
+
+
+def test_the_policy_stops_drafting_where_acceptance_does_not_pay(
+    dirs: dict[str, str], expected: dict[int, list[int]]
+) -> None:
+    """Random drafts are almost never accepted: with a break-even of 2.5 the batches run plain
+    after the first few cycles, probing now and then; the tokens stay the target's."""
+    engine = engine_for(
+        dirs["target"], speculative_min_acceptance=2.5, **_settings(dirs, "eagle3 chain")
+    )
+    assert engine.loop.runner.graphs is None  # CPU: eager
+    policy = engine.scheduler.policy
+    assert isinstance(policy, AdaptiveDrafting) and policy.settings.break_even.at(8) == 2.5
+    outcomes = run(engine, _workload())
+    assert tokens_of(outcomes) == expected
+    drafts = sum(o.finish.usage.spec_drafts for o in outcomes.values())
+    tokens = sum(len(t) for t in tokens_of(outcomes).values())
+    assert 0 < drafts < tokens / 3
+    assert policy.engine_tau[True] < 4.0 and policy.engine_tau[False] < 4.0
+
+
+def test_the_break_even_is_measured_at_start_by_default(dirs: dict[str, str]) -> None:
+    engine = engine_for(
+        dirs["target"], speculative_min_acceptance=-1.0, **_settings(dirs, "dflash")
+    )
+    policy = engine.scheduler.policy
+    assert isinstance(policy, AdaptiveDrafting)
+    break_even = policy.settings.break_even
+    assert break_even.sizes == (1, 4) and all(tau >= 1.0 for tau in break_even.taus)
+    counters = engine.scheduler.counters()  # the timing left nothing behind
+    assert (counters.running, counters.waiting, counters.spec_drafts) == (0, 0, 0)
+    plain = engine_for(dirs["target"], speculative_min_acceptance=-1.0)
+    assert isinstance(plain.scheduler.policy, FixedDrafting)
