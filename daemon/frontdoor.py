@@ -277,6 +277,7 @@ class FrontDoor:
             msg.stream,
             msg.logprobs > 0,
             arrived_at=time.monotonic(),
+            arrived_wall=time.time(),
         )
         self._live.add(req)  # from here its request_id is taken, also while it is tokenized
         self._prompts.tokenize(msg, prompt, lambda ids: self._admit(req, msg, prompt, ids))

@@ -6,13 +6,14 @@ here, on one monotonic clock, per update (a step's tokens for one request), neve
 
 | histogram                | observed                                        | requests      |
 |--------------------------|-------------------------------------------------|---------------|
-| ``time_to_first_token``  | arrival -> the update carrying its first tokens | streamed      |
+| ``time_to_first_token``  | arrival -> the update carrying its first tokens | all finished  |
 | ``inter_token_latency``  | between two updates that carry tokens           | streamed      |
 | ``e2e_request_latency``  | arrival -> its ``Finished``                     | all finished  |
 
-A non-streamed request gets its tokens in its final update only: it has no first-token or
-inter-token time the front door could see. A request ended with an ``Error`` is observed
-nowhere; one whose client vanished still is (it runs to its final update).
+A non-streamed request gets its tokens in its final update only: its first-token time is the
+daemon's (``FinishInfo.first_token_at``, wall clock, one host), and it has no inter-token
+times. A request ended with an ``Error`` is observed nowhere; one whose client vanished still
+is (it runs to its final update).
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class FrontDoorMetrics:
         if update.finish is not None:
             self.prompt_tokens += update.finish.usage.prompt_tokens
             self.e2e.observe(now - req.arrived_at)
+            first = update.finish.first_token_at
+            if not req.stream and first > 0.0:
+                self.ttft.observe(max(first - req.arrived_wall, 0.0))
 
     def on_finished_here(self, req: LiveRequest, final: Finished, now: float) -> None:
         """``req`` ended by the front door itself (the daemon never saw it)."""

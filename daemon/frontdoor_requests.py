@@ -26,6 +26,7 @@ class LiveRequest:
     forwarded: bool = False  # the daemon has it (else it is being tokenized)
     aborting: bool = False  # aborted: an AbortRid went to the daemon once it was forwarded
     arrived_at: float = 0.0  # time.monotonic() when its Generate was accepted
+    arrived_wall: float = 0.0  # time.time() then: against the daemon's first-token time
     last_tokens_at: float | None = None  # when its last update with tokens arrived (streamed)
     output_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)

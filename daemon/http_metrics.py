@@ -12,7 +12,7 @@ series carries ``model_name`` (the served model name). Counters are exposed with
 | prefix_cache_queries / prefix_cache_hits       | counter   | in requests (vLLM: in tokens)   |
 | prompt_tokens / generation_tokens              | counter   | the front door's totals         |
 | request_success {finished_reason}              | counter   | requests_finished               |
-| time_to_first_token_seconds                    | histogram | streamed requests only          |
+| time_to_first_token_seconds                    | histogram | every finished request          |
 | inter_token_latency_seconds                    | histogram | streamed requests only          |
 | e2e_request_latency_seconds                    | histogram | every finished request          |
 | spec_decode_num_drafts / _num_draft_tokens /   | counter   | only with a speculative plugin  |

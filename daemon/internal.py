@@ -62,6 +62,9 @@ class FinishInfo(Struct, array_like=True, frozen=True, gc=False):
     usage: Usage
     # Character offset at which the text is cut (a matched stop string), else None.
     text_cut: int | None = None
+    # time.time() when its first token was committed (0.0: none was): the front door's time to
+    # first token of a request it did not stream, whose tokens it sees only at the end.
+    first_token_at: float = 0.0
 
 
 class ErrorInfo(Struct, array_like=True, frozen=True, gc=False):

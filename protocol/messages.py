@@ -170,8 +170,10 @@ class ServerInfo(Struct, array_like=True, tag=6, frozen=True):
     The token totals and latencies are the front door's (the process that owns the client
     socket): ``prompt_tokens`` counts the prompts of requests that ended with ``Finished``,
     ``generation_tokens`` every output token as it reaches the front door. Latencies run from
-    a ``Generate``'s arrival: ``time_to_first_token`` and ``inter_token_latency`` (between two
-    ``Chunk``s) for streamed requests only, ``e2e_request_latency`` to every ``Finished``.
+    a ``Generate``'s arrival: ``time_to_first_token`` for every finished request (to the first
+    ``Chunk``, or for a request not streamed to its first committed token), ``inter_token_latency``
+    (between two ``Chunk``s) for streamed requests only, ``e2e_request_latency`` to every
+    ``Finished``.
     """
 
     request_id: str

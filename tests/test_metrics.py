@@ -90,7 +90,7 @@ def test_counters_move_as_the_requests_say(server: HttpDaemon) -> None:
     usages = [
         _streamed_usage(server, {"prompt": p, "max_tokens": 5, "ignore_eos": True}) for p in prompts
     ]
-    # One non-streamed request: counted in tokens and E2E, not in TTFT or ITL.
+    # One non-streamed request: counted in tokens, TTFT (the daemon's) and E2E, not in ITL.
     plain = httpx.post(
         server.base + "/v1/completions",
         json={"prompt": "Hi", "max_tokens": 4, "ignore_eos": True},
@@ -107,7 +107,7 @@ def test_counters_move_as_the_requests_say(server: HttpDaemon) -> None:
     assert delta("outrider:prompt_tokens_total") == prompt_tokens
     assert delta("outrider:request_success_total", finished_reason="length") == 4
     assert delta("outrider:request_success_total", finished_reason="stop") == 0
-    assert delta("outrider:time_to_first_token_seconds_count") == 3
+    assert delta("outrider:time_to_first_token_seconds_count") == 4
     assert delta("outrider:e2e_request_latency_seconds_count") == 4
     # Each streamed request: one gap per output after its first, at most one per token.
     itl = delta("outrider:inter_token_latency_seconds_count")

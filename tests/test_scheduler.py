@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 
 from outrider.daemon.engine.plan import SlotParams, StepOutput
@@ -94,6 +95,18 @@ def final(
     return RequestUpdate(rid, tokens, finish=info)
 
 
+def updates(s: Scheduler) -> list[RequestUpdate]:
+    """``s``'s updates, each final one's first-token time checked (set exactly when a token
+    was committed) and then zeroed, so that updates compare by value."""
+    taken = s.take_updates()
+    for update in taken:
+        if update.finish is not None:
+            committed = update.finish.usage.completion_tokens > 0
+            assert (update.finish.first_token_at > 0.0) == committed
+            update.finish = msgspec.structs.replace(update.finish, first_token_at=0.0)
+    return taken
+
+
 def rows(p: Planned) -> tuple[str, list[int], list[int], list[int]]:
     return p.plan.kind, p.plan.slots, p.plan.starts, p.plan.q_lens
 
@@ -119,7 +132,7 @@ def test_a_prompt_runs_in_one_extend_then_decodes_and_grows_a_page() -> None:
     ]
     p = step(s, [23])
     assert rows(p) == ("decode", [0], [8], [1]) and p.plan.page_writes == [2]
-    assert s.take_updates() == [final(1, [20, 21, 22, 23], "length", prompt=6)]
+    assert updates(s) == [final(1, [20, 21, 22, 23], "length", prompt=6)]
     assert s.schedule() is None and not s.has_work and s.counters().kv_used_tokens == 0
 
 
@@ -170,12 +183,12 @@ def test_a_prefix_hit_reuses_the_cached_pages() -> None:
     s = make()
     s.add(request(1, ids(10, 9), max_new=1))
     step(s, [20])  # publishes 2 whole pages: tokens 10 .. 17
-    s.take_updates()
+    updates(s)
     s.add(request(2, [*ids(10, 8), 50, 51], max_new=1))
     p = step(s, [21])
     assert rows(p) == ("extend", [0], [8], [2]) and p.plan.input_ids == [50, 51]
     assert p.plan.page_values == [1, 2, 3]
-    assert s.take_updates() == [final(2, [21], "length", prompt=10, cached=8)]
+    assert updates(s) == [final(2, [21], "length", prompt=10, cached=8)]
     assert (s.counters().prefix_cache_queries, s.counters().prefix_cache_hits) == (2, 1)
 
 
@@ -183,11 +196,11 @@ def test_prefix_margin_pages_are_given_back() -> None:
     s = make(margin=1)
     s.add(request(1, ids(10, 9), max_new=1))
     step(s, [20])
-    s.take_updates()
+    updates(s)
     s.add(request(2, [*ids(10, 8), 50, 51], max_new=1))
     p = step(s, [21])  # the second cached page stays cached, unused
     assert rows(p) == ("extend", [0], [4], [6]) and p.plan.page_values == [1, 3, 4]
-    assert s.take_updates() == [final(2, [21], "length", prompt=10, cached=4)]
+    assert updates(s) == [final(2, [21], "length", prompt=10, cached=4)]
 
 
 # --- retraction ----------------------------------------------------------------------------
@@ -206,7 +219,7 @@ def test_retraction_takes_the_youngest_and_keeps_its_tokens() -> None:
     p = step(s, [42])  # request 1 finished: request 2 recomputes its tokens
     assert rows(p) == ("extend", [0], [0], [9]) and p.plan.input_ids == [*ids(30, 7), 40, 41]
     assert p.plan.sample_positions == [2]
-    assert s.take_updates() == [
+    assert updates(s) == [
         final(1, [20, 21, 22, 23], "length", prompt=7),
         final(2, [40, 41, 42], "length", prompt=7),
     ]
@@ -245,7 +258,7 @@ def test_a_finish_inside_a_speculative_commit(
     step(s, [20])
     assert rows(step(s, commit)) == ("decode", [0], [5], [3])
     reason: FinishReason = "stop" if EOS in commit else "length"
-    assert s.take_updates() == [final(1, expected, reason, prompt=5, drafts=1, accepted=2)]
+    assert updates(s) == [final(1, expected, reason, prompt=5, drafts=1, accepted=2)]
     counters = s.counters()
     assert (counters.spec_drafts, counters.spec_draft_tokens) == (1, 2)
     assert counters.spec_accepted_per_position == [1, 1] and counters.kv_used_tokens == 0
@@ -266,10 +279,10 @@ def test_abort_while_a_step_is_in_flight() -> None:
     s.add(request(1, ids(10, 6)))
     p = planned(s)
     s.abort(1, "client vanished")
-    assert s.take_updates() == [final(1, [], "abort", prompt=6)]
+    assert updates(s) == [final(1, [], "abort", prompt=6)]
     s.check_integrity()
     s.process(p, out([20]))  # the in-flight row is ignored
-    assert s.take_updates() == [] and not s.has_work
+    assert updates(s) == [] and not s.has_work
     s.check_integrity()
 
 
@@ -279,7 +292,7 @@ def test_abort_of_a_waiting_request() -> None:
     s.add(request(2, ids(30, 6)))
     step(s, [20])
     s.abort(2, "client vanished")
-    assert s.take_updates() == [final(2, [], "abort", prompt=6)] and waiting(s) == []
+    assert updates(s) == [final(2, [], "abort", prompt=6)] and waiting(s) == []
     s.check_integrity()
 
 
@@ -288,10 +301,10 @@ def test_a_finished_row_is_ignored_in_the_next_step() -> None:
     s.add(request(1, ids(10, 6)))
     p1, p2 = planned(s), planned(s)  # overlap order
     s.process(p1, out([EOS]))
-    assert s.take_updates() == [final(1, [EOS], "stop", prompt=6)]
+    assert updates(s) == [final(1, [EOS], "stop", prompt=6)]
     assert s.schedule() is None
     s.process(p2, out([21]))
-    assert s.take_updates() == [] and not s.has_work
+    assert updates(s) == [] and not s.has_work
     s.check_integrity()
 
 
@@ -348,7 +361,7 @@ def serve(shape: StepShape, *, overlap: bool, pages: int) -> Served:
         if done is not None:
             s.process(*done)
         s.check_integrity()
-        for update in s.take_updates():
+        for update in updates(s):
             assert update.rid not in finished, "an update after the final"
             tokens[update.rid] += update.token_ids
             if update.is_final:

@@ -115,7 +115,9 @@ class OutputProcessor:
             spec_drafts=req.spec_drafts,
             spec_accepted_tokens=req.spec_accepted_tokens,
         )
-        info = FinishInfo(finish.reason, finish.matched_stop, usage, finish.text_cut)
+        info = FinishInfo(
+            finish.reason, finish.matched_stop, usage, finish.text_cut, req.first_token_time
+        )
         update = RequestUpdate(
             req.rid,
             req.output_ids[req.streamed :],
