@@ -1,0 +1,54 @@
+"""The ``triton`` attention backend's spec: our own Triton kernels over the paged cache, reading
+every length on the device (no host plan, no host sync).
+
+Split-KV decode and verify (chains, tree masks, non-causal DFlash blocks) and prompt chunks
+over a cached prefix, in every phase. Its launches depend on the batch size and the query
+width only, so one decode graph per batch size serves every KV length: the graph- and
+overlap-friendly partner for small batches of long contexts. Runs wherever Triton runs on a
+GPU; on CPU only under Triton's interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Annotated
+
+import msgspec
+
+from outrider.plugins.api import AttentionCapabilities, CheckContext, PluginSpec, Problem
+
+
+class TritonOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # KV splits per (row, kv head, query tile); 0: enough to fill the GPU at the batch size.
+    kv_splits: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+
+
+def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
+    if importlib.util.find_spec("triton") is None:
+        return [
+            Problem(
+                f"--attention-backend {spec.name}",
+                "Triton is not installed (pip install 'outrider[triton]')",
+            )
+        ]
+    return []
+
+
+SPEC = PluginSpec(
+    name="triton",
+    kind="attention",
+    summary="Triton split-KV decode, verify (chains, trees, non-causal) and extend (CUDA)",
+    implementation="outrider.plugins.attention.triton_impl:TritonAttention",
+    options=TritonOptions,
+    attention=AttentionCapabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),
+        page_sizes=None,
+        non_causal=True,
+        tree_mask=True,
+        cuda_graphs=True,
+        graph_kv_bound=False,  # launches depend on bs and max_q only
+        host_plans=False,
+    ),
+    check=_check,
+)
