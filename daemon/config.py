@@ -30,6 +30,7 @@ class ServeConfig:
     load_format: Literal["auto", "dummy"] = "auto"
     dtype: DTypeName = "auto"
     device: Device = "cpu"
+    tensor_parallel_size: int = 1
     threads: int = 0  # 0: automatic, see torch_threads
     page_size: int = 16
     max_running: int = 64
@@ -132,6 +133,10 @@ _HELP: dict[str, str] = {
     "load_format": "auto: weights from the directory; dummy: random weights of the same shapes",
     "dtype": "auto: float32 on CPU, the checkpoint's dtype on CUDA",
     "device": "where the model runs",
+    "tensor_parallel_size": (
+        "ranks the model is sharded over (alias --tp); it must divide the attention and KV "
+        "heads, the MLP rows and the vocabulary; the daemon serves 1 only so far"
+    ),
     "threads": (
         "torch CPU threads of the daemon; 0: the CPUs it may use (affinity, cgroup quota) "
         "less one for the front door and detokenizer, which run one thread each; at least 1"
@@ -246,6 +251,9 @@ _METAVAR: dict[str, str] = {
     "served_model_name": "NAME",
 }
 
+# Other spellings of a flag, given before it (``--help`` and the tests name the last one).
+_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}
+
 # Defaults whose plain value would mislead or say nothing ("", 0 with a meaning of its own).
 _SHOWN_DEFAULT: dict[str, str] = {
     "model": "the embedded family",
@@ -300,18 +308,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per ``ServeConfig`` field; defaults are applied in ``resolve``."""
     for f in fields(ServeConfig):
         flag = flag_name(f.name)
+        names = (*_ALIASES.get(f.name, ()), flag)
         help_text = (
             f"{_HELP[f.name]} (default: {shown_default(f.name)}) [env {env_name(f.name)}]"
         ).replace("%", "%%")
         shown = metavar(f.name)
         if f.type == "bool":
-            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+            parser.add_argument(
+                *names, dest=f.name, action="store_true", default=None, help=help_text
+            )
         elif f.name == "attention_config":
-            parser.add_argument(flag, action="append", default=None, metavar=shown, help=help_text)
+            parser.add_argument(
+                *names, dest=f.name, action="append", default=None, metavar=shown, help=help_text
+            )
         elif f.name in _CHOICES:
-            parser.add_argument(flag, default=None, choices=_CHOICES[f.name], help=help_text)
+            parser.add_argument(
+                *names, dest=f.name, default=None, choices=_CHOICES[f.name], help=help_text
+            )
         else:
-            parser.add_argument(flag, default=None, metavar=shown, help=help_text)
+            parser.add_argument(*names, dest=f.name, default=None, metavar=shown, help=help_text)
 
 
 def flag_table() -> str:
@@ -391,6 +406,8 @@ def validate(config: ServeConfig) -> list[str]:
         problems.append("--threads must be >= 0 (0: automatic)")
     if config.max_running < 1:
         problems.append("--max-running must be at least 1")
+    if config.tensor_parallel_size < 1:
+        problems.append("--tensor-parallel-size must be at least 1")
     if config.cuda_graph_max_bs < 1:
         problems.append("--cuda-graph-max-bs must be at least 1")
     if config.chunked_prefill_tokens < config.page_size:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.curve_auth import CurveKeyError, load_client_keys, load_server_keys
+from outrider.daemon.models.config import TENSOR_PARALLEL_FLAG, tensor_parallel_problems
 from outrider.plugins.checks import PluginProblems
 from outrider.plugins.registry import ResolvedPlugins, discover
 
@@ -25,6 +26,8 @@ CANNOT_RUN = "the configuration cannot run:"
 def preflight(config: ServeConfig) -> list[str]:
     """Every problem of ``config``'s files; empty when serving may start."""
     problems = model_problems("--model", config.model, config.load_format)
+    if not problems:
+        problems += sharding_problems(config)
     if config.draft_model:
         problems += model_problems("--draft-model", config.draft_model, config.load_format)
     if config.curve_secret_key_file:
@@ -58,6 +61,24 @@ def model_problems(flag: str, path: str, load_format: str) -> list[str]:
     if problem is None and load_format == "auto":
         problem = _weights_problem(directory)
     return [] if problem is None else [f"{where}: {problem}"]
+
+
+def sharding_problems(config: ServeConfig) -> list[str]:
+    """``--tensor-parallel-size`` against the model's shape (what does not divide), and, while
+    the daemon runs one rank only, any size above 1 (the in-process engine runs ranks:
+    ``outrider.daemon.engine.ranks``). ``config.model`` must pass ``model_problems``."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return []
+    given = Path(config.model)
+    loaded = json.loads((given / "config.json" if given.is_dir() else given).read_text())
+    problems = tensor_parallel_problems(loaded, size)
+    if problems:
+        return problems
+    return [
+        f"{TENSOR_PARALLEL_FLAG} {size}: the daemon does not start tensor-parallel ranks "
+        "yet (only the in-process engine runs them); use 1"
+    ]
 
 
 def _config_problem(config_file: Path) -> str | None:

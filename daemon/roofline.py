@@ -48,5 +48,7 @@ def weight_bytes(config: ModelConfig, dtype: str) -> int:
     return total * _DTYPE_BYTES[dtype]
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: str) -> int:
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * _DTYPE_BYTES[dtype]
+def kv_bytes_per_token(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """KV bytes one token takes on one rank (its share of the KV heads)."""
+    heads = config.num_kv_heads // tensor_parallel_size
+    return 2 * config.num_layers * heads * config.head_dim * _DTYPE_BYTES[dtype]

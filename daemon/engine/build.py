@@ -23,12 +23,14 @@ from outrider.daemon.engine.graphs import (
     graph_pool_bytes,
     kv_buckets,
 )
+from outrider.daemon.engine.ranks import Follower, RankChannel
 from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
 from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.internal import ModelFacts, SamplingSpec, TokenizedRequest
 from outrider.daemon.models.config import ModelConfig, load_eos_ids, model_dir
 from outrider.daemon.models.loader import LoadProgress, load_model
+from outrider.daemon.models.parallel import SINGLE, TPGroup
 from outrider.daemon.preflight import resolve_plugins
 from outrider.daemon.scheduler.drafting import (
     AdaptiveDrafting,
@@ -42,7 +44,7 @@ from outrider.daemon.scheduler.finish import FinishChecker, TextDecoder
 from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
-from outrider.daemon.tokenizer import load_tokenizer
+from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
 from outrider.plugins.api import AttentionCapabilities, Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.checks import SPECULATIVE_FLAG
@@ -68,17 +70,145 @@ class Engine:
     facts: ModelFacts
     loop: EngineLoop
     context_length: int
+    # Tensor parallelism: rank 0's channel to the other ranks (ranks.py); None: one rank.
+    channel: RankChannel | None = None
 
     @property
     def scheduler(self) -> Scheduler:
         return self.loop.scheduler
 
+    def stop_ranks(self) -> None:
+        """Tensor parallelism: end the other ranks' ``Follower.run`` (nothing in flight)."""
+        assert self.loop.in_flight is None, "the other ranks must run every launched step"
+        if self.channel is not None:
+            self.channel.stop()
 
-def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> Engine:
+
+@dataclass(frozen=True)
+class _Built:
+    """What every rank builds alike: the runner over its shard and the sizes it was built
+    with."""
+
+    runner: ModelRunner
+    model_config: ModelConfig
+    dtype_name: str
+    context_length: int
+    reservation: int
+    num_pages: int
+    max_pages: int
+    tokenizer: Tokenizer | None
+    speculative: bool
+
+
+def build_engine(
+    config: ServeConfig, progress: LoadProgress | None = None, tp: TPGroup = SINGLE
+) -> Engine:
+    """The engine of rank 0 (of the only rank in a world of one): runner, scheduler, loop,
+    warmed up. Under tensor parallelism (``tp``) every other rank calls ``build_follower``
+    at the same time, and rank 0 ends them with ``Engine.stop_ranks``."""
+    assert tp.rank == 0, "the other ranks build followers"
+    channel = RankChannel(tp) if tp.size > 1 else None
+    built = _build_runner(config, progress, tp, channel)
+    runner, model_config, shape = built.runner, built.model_config, built.runner.shape
+    if channel is not None:
+        runner.lead(channel)
+    context_length, max_pages = built.context_length, built.max_pages
+    page_size, num_pages = config.page_size, built.num_pages
+    tokenizer = built.tokenizer
+    eos = load_eos_ids(config.model, model_config)
+    decoder_factory: Callable[[], TextDecoder] | None = (
+        tokenizer.decoder if tokenizer is not None else None
+    )
+
+    def new_scheduler(policy: DraftPolicy | None = None) -> Scheduler:
+        return Scheduler(
+            SchedulerLimits(
+                max_running=config.max_running,
+                max_pages_per_request=max_pages,
+                chunked_prefill_tokens=config.chunked_prefill_tokens,
+                context_length=context_length,
+                retract_every=debug_knob("OUTRIDER_DEBUG_RETRACT_EVERY"),
+                prefix_margin_pages=runner.worker.prefix_margin_pages,
+            ),
+            shape,
+            PrefixCache(num_pages, page_size),
+            FinishChecker(eos, context_length, decoder_factory),
+            policy,
+        )
+
+    loop = EngineLoop(
+        new_scheduler(),
+        runner,
+        overlap=config.overlap,
+        check_kv=bool(debug_knob("OUTRIDER_DEBUG_KV_CHECK")),
+    )
+    adaptive = shape.speculative and config.speculative_min_acceptance != 0
+    if adaptive:  # plain steps too, before READY
+        loop.scheduler.use_policy(AlternateDrafting())
+    _warm_up(loop)
+    policy = _drafting_policy(config, shape, loop, (num_pages - 1) * page_size)
+    _enable_debug_checks(runner)
+    # Forget the warm-up's cache entries and counters.
+    loop.scheduler = new_scheduler(policy)
+    dtype_name = built.dtype_name
+    facts = ModelFacts(
+        model=config.model,
+        vocab_size=model_config.vocab_size,
+        context_length=context_length,
+        kv_total_tokens=(num_pages - 1) * page_size,
+        eos_token_ids=sorted(eos),
+        tokenizer_dir=str(model_dir(config.model)) if tokenizer is not None else None,
+        max_new_tokens_default=None,
+        configuration={
+            "device": config.device,
+            "dtype": dtype_name,
+            "tensor_parallel_size": tp.size,
+            "page_size": page_size,
+            "max_running": config.max_running,
+            "context_length": context_length,
+            "overlap": config.overlap,
+            "chunked_prefill_tokens": config.chunked_prefill_tokens,
+            "load_format": config.load_format,
+            "speculative_num_draft_tokens": shape.width if built.speculative else 0,
+        },
+        plugins={f"attention.{phase}": name for phase, name in config.attention_routes.items()}
+        | {"speculative": config.speculative_algorithm},
+        speculative_algorithm=config.speculative_algorithm,
+    )
+    return Engine(config, model_config, facts, loop, context_length, channel)
+
+
+def build_follower(
+    config: ServeConfig, tp: TPGroup, progress: LoadProgress | None = None
+) -> Follower:
+    """Rank ``tp.rank`` > 0 of tensor-parallel ranks: the runner over its shard, built as
+    rank 0's ``build_engine`` builds its own (the same collectives in the same order); its
+    ``run`` then runs rank 0's plans, warm-up included, until ``Engine.stop_ranks``."""
+    assert tp.rank > 0, "rank 0 builds the engine"
+    channel = RankChannel(tp)
+    built = _build_runner(config, progress, tp, channel)
+    _enable_debug_checks(built.runner)
+    return Follower(built.runner, channel, overlap=config.overlap)
+
+
+def _build_runner(
+    config: ServeConfig,
+    progress: LoadProgress | None,
+    tp: TPGroup,
+    channel: RankChannel | None,
+) -> _Built:
+    """Plugins, the model's shard, the KV pool (fit-checked; its size agreed over the
+    ranks), backends, the speculative worker, the runner and its CUDA graphs."""
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
+    if config.tensor_parallel_size != tp.size:
+        raise ConfigError(
+            f"--tensor-parallel-size {config.tensor_parallel_size}: this process is one of "
+            f"{tp.size} ranks"
+        )
     model_config = ModelConfig.from_pretrained(config.model)
     dtype_name = config.serving_dtype(model_config.dtype)
+    dtype = _DTYPES[dtype_name]
     capability = torch.cuda.get_device_capability() if config.device == "cuda" else None
     plugins = resolve_plugins(config, dtype_name, capability)  # what plugins --check resolves
     device = torch.device(config.device)
@@ -89,28 +219,40 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
     reservation = step_reservation(shape.kv_span, shape.max_commit, config.page_size)
     model, model_config = load_model(
         config.model,
-        dtype=_DTYPES[dtype_name],
+        dtype=dtype,
         device=device,
         load_format=config.load_format,
         max_positions=context_length + reservation,
         progress=progress,
+        tp=tp,
     )
+
+    def agreed(value: int) -> int:  # sizes from each rank's free memory: the smallest
+        return value if channel is None else channel.agree_min(value)
+
     graph_settings = _graph_settings(config, plugins)
     graph_kv = context_length + reservation  # the largest KV bound a graph is built with
     if graph_settings is not None and graph_settings.kv_bounded:
         free, _total = torch.cuda.mem_get_info()
-        itemsize = _DTYPES[dtype_name].itemsize
-        graph_kv = _graph_kv_limit(graph_settings, model_config, itemsize, width, graph_kv, free)
-    graph_estimate = _graph_pool_estimate(graph_settings, model_config, dtype_name, width, graph_kv)
-    pool_tokens = _pool_tokens(
-        config, model_config, dtype_name, context_length + reservation, graph_estimate
+        graph_kv = agreed(
+            _graph_kv_limit(
+                graph_settings, model_config, dtype.itemsize, width, graph_kv, free, tp.size
+            )
+        )
+    graph_estimate = _graph_pool_estimate(
+        graph_settings, model_config, dtype_name, width, graph_kv, tp.size
+    )
+    pool_tokens = agreed(
+        _pool_tokens(
+            config, model_config, dtype_name, context_length + reservation, graph_estimate, tp.size
+        )
     )
     context_length = _fit_check(config, pool_tokens, context_length, reservation, graph_estimate)
     page_size = config.page_size
     num_pages = pool_tokens // page_size + 1  # + the scratch page
-    attention_shape = _attention_shape(model_config, _DTYPES[dtype_name])
+    attention_shape = model.attention_shape  # the rank's heads
     kv = KVCache.allocate(
-        model_config.num_layers, num_pages, page_size, attention_shape, _DTYPES[dtype_name], device
+        model_config.num_layers, num_pages, page_size, attention_shape, dtype, device
     )
     tokenizer = load_tokenizer(model_dir(config.model))
     vocab_limit = model_config.vocab_size
@@ -124,9 +266,12 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         vocab_limit=vocab_limit,
     )
     slots = SlotState(config.max_running, max_pages, device)
+    # NOTE: a draft model is replicated on every rank (WorkerContext has no rank yet); it
+    # shares the target's vocabulary-parallel embedding and head, whose collectives every
+    # rank runs alike, and the full logits the head gathers.
     worker_context = WorkerContext(
         device=device,
-        dtype=_DTYPES[dtype_name],
+        dtype=dtype,
         shape=shape,
         max_slots=config.max_running,
         page_table=slots.page_table,
@@ -163,70 +308,29 @@ def build_engine(config: ServeConfig, progress: LoadProgress | None = None) -> E
         simulate_acceptance=config.speculative_simulate_acceptance, graphs=graphs,
         exact_verify_lengths=_attention_caps(plugins, "verify").host_plans,
     )  # fmt: skip
-    eos = load_eos_ids(config.model, model_config)
-    decoder_factory: Callable[[], TextDecoder] | None = (
-        tokenizer.decoder if tokenizer is not None else None
-    )
-
-    def new_scheduler(policy: DraftPolicy | None = None) -> Scheduler:
-        return Scheduler(
-            SchedulerLimits(
-                max_running=config.max_running,
-                max_pages_per_request=max_pages,
-                chunked_prefill_tokens=config.chunked_prefill_tokens,
-                context_length=context_length,
-                retract_every=debug_knob("OUTRIDER_DEBUG_RETRACT_EVERY"),
-                prefix_margin_pages=worker.prefix_margin_pages,
-            ),
-            shape,
-            PrefixCache(num_pages, page_size),
-            FinishChecker(eos, context_length, decoder_factory),
-            policy,
-        )
-
-    loop = EngineLoop(
-        new_scheduler(),
-        runner,
-        overlap=config.overlap,
-        check_kv=bool(debug_knob("OUTRIDER_DEBUG_KV_CHECK")),
-    )
     # NOTE: captures and warm-up compile kernels (JIT backends, CUDA graphs), and compilers
-    # synchronise: the sync check starts after them.
+    # synchronise: the sync check starts after them. Every rank captures the same keys in
+    # the same order (their forwards' collectives pair up).
     if graphs is not None:
         graphs.capture_all(runner.capture_graph, graph_estimate, capture_progress())
-    if adaptive:  # plain steps too, before READY
-        loop.scheduler.use_policy(AlternateDrafting())
-    _warm_up(loop)
-    policy = _drafting_policy(config, shape, loop, (num_pages - 1) * page_size)
+    return _Built(
+        runner=runner,
+        model_config=model_config,
+        dtype_name=dtype_name,
+        context_length=context_length,
+        reservation=reservation,
+        num_pages=num_pages,
+        max_pages=max_pages,
+        tokenizer=tokenizer,
+        speculative=speculative is not None,
+    )
+
+
+def _enable_debug_checks(runner: ModelRunner) -> None:
+    """The debug knobs' checks, from the first served step on."""
     runner.enable_sync_check(bool(debug_knob("OUTRIDER_DEBUG_SYNC_CHECK")))
     if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
-        slots.enable_relay_check()
-    # Forget the warm-up's cache entries and counters.
-    loop.scheduler = new_scheduler(policy)
-    facts = ModelFacts(
-        model=config.model,
-        vocab_size=model_config.vocab_size,
-        context_length=context_length,
-        kv_total_tokens=(num_pages - 1) * page_size,
-        eos_token_ids=sorted(eos),
-        tokenizer_dir=str(model_dir(config.model)) if tokenizer is not None else None,
-        max_new_tokens_default=None,
-        configuration={
-            "device": config.device,
-            "dtype": dtype_name,
-            "page_size": page_size,
-            "max_running": config.max_running,
-            "context_length": context_length,
-            "overlap": config.overlap,
-            "chunked_prefill_tokens": config.chunked_prefill_tokens,
-            "load_format": config.load_format,
-            "speculative_num_draft_tokens": width if speculative is not None else 0,
-        },
-        plugins={f"attention.{phase}": name for phase, name in config.attention_routes.items()}
-        | {"speculative": config.speculative_algorithm},
-        speculative_algorithm=config.speculative_algorithm,
-    )
-    return Engine(config, model_config, facts, loop, context_length)
+        runner.slots.enable_relay_check()
 
 
 def _drafting_policy(
@@ -301,6 +405,7 @@ def _graph_kv_limit(
     width: int,
     max_positions: int,
     free: int,
+    tensor_parallel_size: int = 1,
 ) -> int:
     """The largest KV bound graphs of a backend whose work grows with it are captured for:
     the largest bucket whose graph pool stays within ``GRAPH_MEMORY_SHARE`` of the ``free``
@@ -310,7 +415,10 @@ def _graph_kv_limit(
     fitting = [
         kv
         for kv in buckets
-        if graph_pool_bytes(model_config, itemsize, settings.max_bs, width, kv) <= budget
+        if graph_pool_bytes(
+            model_config, itemsize, settings.max_bs, width, kv, tensor_parallel_size
+        )
+        <= budget
     ]
     limit = fitting[-1] if fitting else buckets[0]
     if limit < max_positions:
@@ -329,13 +437,16 @@ def _graph_pool_estimate(
     dtype_name: str,
     width: int,
     max_positions: int,
+    tensor_parallel_size: int,
 ) -> int:
     """The graph pool the fit check budgets: the largest captured step (0 without graphs)."""
     if settings is None:
         return 0
     kv_bound = max_positions if settings.kv_bounded else None
     itemsize = _DTYPES[dtype_name].itemsize
-    return graph_pool_bytes(model_config, itemsize, settings.max_bs, width, kv_bound)
+    return graph_pool_bytes(
+        model_config, itemsize, settings.max_bs, width, kv_bound, tensor_parallel_size
+    )
 
 
 def _decode_graphs(
@@ -363,16 +474,6 @@ def _attention_caps(plugins: ResolvedPlugins, phase: Phase) -> AttentionCapabili
     caps = plugins.attention[phase].spec.attention
     assert caps is not None, "the registry admits attention specs with capabilities"
     return caps
-
-
-def _attention_shape(model_config: ModelConfig, dtype: torch.dtype) -> AttentionShape:
-    return AttentionShape(
-        num_q_heads=model_config.num_q_heads,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        scale=model_config.head_dim**-0.5,
-        dtype=dtype,
-    )
 
 
 def _backends(
@@ -404,9 +505,11 @@ def _pool_tokens(
     dtype_name: str,
     minimum: int,
     graph_estimate: int,
+    tensor_parallel_size: int,
 ) -> int:
-    """KV pool size in tokens. ``minimum``: one request at the full context plus one step's
-    reservation; ``graph_estimate``: the CUDA graph pool (0: none). The pool never exceeds
+    """KV pool size in tokens (a token's KV on a rank: the rank's share of the KV heads).
+    ``minimum``: one request at the full context plus one step's reservation;
+    ``graph_estimate``: the CUDA graph pool (0: none). The pool never exceeds
     ``max_running`` such requests: a small model on a large GPU would otherwise get tens of
     millions of pages that no request can use and that every walk over the page table pays
     for."""
@@ -417,7 +520,7 @@ def _pool_tokens(
     per_token = (
         2
         * model_config.num_layers
-        * model_config.num_kv_heads
+        * (model_config.num_kv_heads // tensor_parallel_size)
         * model_config.head_dim
         * _DTYPES[dtype_name].itemsize
     )

@@ -86,26 +86,35 @@ def kv_buckets(max_kv: int, bounded: bool) -> list[int]:
 
 
 def graph_pool_bytes(
-    model: ModelConfig, itemsize: int, bs: int, width: int, kv_bound: int | None
+    model: ModelConfig,
+    itemsize: int,
+    bs: int,
+    width: int,
+    kv_bound: int | None,
+    tensor_parallel_size: int = 1,
 ) -> int:
     """Estimated peak working set of the largest captured step, which the shared graph pool
-    holds: ``bs`` rows of ``width`` tokens, all sampled, through the target model.
-    ``kv_bound``: the largest KV bucket when a backend declares ``graph_kv_bound`` (budgeted as
-    gathering each row's K and V over the bound at query-head width, with a boolean mask),
-    None when the backends' work does not grow with it. A draft model's working set is
-    smaller than its target's, and runs before or after it: it is not added."""
-    tokens = bs * width
-    q_width = model.num_q_heads * model.head_dim
-    kv_width = model.num_kv_heads * model.head_dim
+    holds: ``bs`` rows of ``width`` tokens, all sampled, through the target model (one rank's
+    shard of it under tensor parallelism: its heads, MLP rows and vocabulary slice, plus the
+    gathered logits). ``kv_bound``: the largest KV bucket when a backend declares
+    ``graph_kv_bound`` (budgeted as gathering each row's K and V over the bound at query-head
+    width, with a boolean mask), None when the backends' work does not grow with it. A draft
+    model's working set is smaller than its target's, and runs before or after it: it is not
+    added."""
+    tokens, tp = bs * width, tensor_parallel_size
+    q_width = model.num_q_heads // tp * model.head_dim
+    kv_width = model.num_kv_heads // tp * model.head_dim
     # One layer at a time: the residual stream, its norm (statistics in float32), the q/k/v
     # projections and the attention output, the MLP's gate and up and their product.
     layer = tokens * (
         itemsize * (3 * model.hidden_size + 2 * q_width + 2 * kv_width)
         + 4 * model.hidden_size
-        + itemsize * 3 * model.intermediate_size
+        + itemsize * 3 * (model.intermediate_size // tp)
     )
-    # The head's output, its float32 copy, and the sampling scratch of every row.
-    logits = tokens * model.vocab_size * (itemsize + 4 + SAMPLING_BYTES_PER_LOGIT)
+    # The head's output (gathered: the rank's slice too, when sharded), its float32 copy, and
+    # the sampling scratch of every row.
+    head = itemsize * (1 if tp == 1 else 1 + 1 / tp)
+    logits = int(tokens * model.vocab_size * (head + 4 + SAMPLING_BYTES_PER_LOGIT))
     attention = 0
     if kv_bound is not None:
         gathered = 2 * (kv_width + q_width) * itemsize  # K and V, as stored and per q head

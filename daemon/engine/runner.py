@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -54,6 +54,9 @@ from outrider.plugins.speculative.base import (
     ExtendView,
     SpeculativeWorker,
 )
+
+if TYPE_CHECKING:
+    from outrider.daemon.engine.ranks import RankChannel
 
 
 class CausalLM(Protocol):
@@ -112,6 +115,13 @@ class ModelRunner:
         self.host_starts = (
             HostStarts(slots.relay_starts) if exact_verify_lengths and shape.speculative else None
         )
+        # Rank 0 of tensor-parallel ranks: every plan goes to the other ranks first (ranks.py).
+        self.channel: RankChannel | None = None
+
+    def lead(self, channel: RankChannel) -> None:
+        """Tensor parallelism, rank 0: send every launched plan to the other ranks."""
+        assert channel.leader, "rank 0 leads"
+        self.channel = channel
 
     def enable_sync_check(self, on: bool) -> None:
         """Debug: make any host synchronisation inside ``launch`` raise (CUDA only)."""
@@ -124,7 +134,10 @@ class ModelRunner:
 
     def launch(self, plan: StepPlan) -> Launched:
         """Queue ``plan`` on the device and return a handle for ``collect``. With
-        ``sync_check`` (CUDA), any host synchronisation inside raises."""
+        ``sync_check`` (CUDA), any host synchronisation inside raises. Rank 0 of
+        tensor-parallel ranks sends ``plan`` to the others first."""
+        if self.channel is not None:
+            self.channel.send(plan)
         if not self.sync_check:
             return self._launch(plan)
         torch.cuda.set_sync_debug_mode("error")

@@ -80,9 +80,12 @@ class EngineLoop:
 
     def _step_failed(self, planned: Planned, exc: Exception) -> None:
         """A step that raised on the CPU or ran out of CUDA memory ends its batch with
-        ``internal``; any other CUDA error is fatal."""
+        ``internal``; any other CUDA error is fatal, and so is any error of a step that
+        tensor-parallel ranks run (the others may wait in collectives it never reached)."""
         if _is_fatal_cuda_error(exc):
             raise StepFailed(f"CUDA error, the device context is lost: {exc}") from exc
+        if self.runner.channel is not None:
+            raise StepFailed(f"a step of tensor-parallel ranks failed: {exc}") from exc
         log.exception("step failed; ending its %d requests", len(planned.requests))
         for req in planned.requests:
             req.steps_in_flight -= 1

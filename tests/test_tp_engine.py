@@ -1,0 +1,193 @@
+"""The engine over two tensor-parallel ranks (gloo, CPU, float32) against the engine over one.
+
+Rank 0 builds the engine and serves staggered requests through the scheduler's loop; rank 1
+builds a follower and runs the plans rank 0 sends. Tokens (greedy and seeded sampled) must
+equal those of the same requests on one rank, with and without speculative decoding, overlap
+on and off; both ranks must have run the same steps.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from engine_harness import debug_checks_fixture, engine_for, request, run, tokens_of
+from model_fixtures import TINY, VOCAB, save_random_dflash
+
+from outrider.daemon.cli import main
+from outrider.daemon.config import EXIT_CONFIG, ServeConfig
+from outrider.daemon.engine.build import build_engine, build_follower
+from outrider.daemon.engine.graphs import SAMPLING_BYTES_PER_LOGIT, graph_pool_bytes
+from outrider.daemon.engine.plan import StepPlan
+from outrider.daemon.engine.ranks import RankChannel
+from outrider.daemon.internal import TokenizedRequest
+from outrider.daemon.models.config import ModelConfig
+from outrider.daemon.models.parallel import SINGLE, TPGroup, init_tensor_parallel
+from outrider.daemon.preflight import preflight
+from outrider.daemon.roofline import kv_bytes_per_token
+from outrider.daemon.scheduler.loop import StepFailed
+
+WORLD = 2
+STAGGER = 2
+NEW_TOKENS = 8
+
+debug_checks = debug_checks_fixture()
+
+
+def _requests() -> list[TokenizedRequest]:
+    """Four greedy prompts (one past a prefill chunk) and a seeded sampled one."""
+    rng = random.Random(16)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 40, 12, 23, 9)]
+    greedy = [request(i, p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(prompts[:4])]
+    sampled = request(4, prompts[4], max_new_tokens=NEW_TOKENS, temperature=0.9, top_k=20, seed=5)
+    return [*greedy, sampled]
+
+
+def _settings(model: str, overlap: bool, **speculative: object) -> dict[str, Any]:
+    return {
+        "model": model,
+        "page_size": 16,
+        "max_running": 4,
+        "kv_cache_tokens": 1024,
+        "chunked_prefill_tokens": 32,
+        "speculative_min_acceptance": 0.0,
+        "no_overlap": not overlap,
+        **speculative,
+    }
+
+
+def _serve(settings: dict[str, Any], tp: TPGroup) -> dict[int, list[int]]:
+    engine = build_engine(ServeConfig(**settings, tensor_parallel_size=tp.size), tp=tp)
+    if tp.size > 1:
+        assert engine.loop.runner.kv.k[0].shape[2] == TINY["num_key_value_heads"] // tp.size
+    tokens = tokens_of(run(engine, _requests(), stagger=STAGGER))
+    engine.stop_ranks()
+    return tokens
+
+
+def _rank_main(rank: int, port: int, cells: dict[str, dict[str, Any]], out: Path) -> None:
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", "gloo")
+    sent = 0
+    send = RankChannel.send
+
+    def counted(channel: RankChannel, plan: StepPlan) -> None:
+        nonlocal sent
+        sent += 1
+        send(channel, plan)
+
+    seen: dict[str, Any] = {}
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RankChannel, "send", counted)  # counts rank 0's plans
+            for name, settings in cells.items():
+                if rank == 0:
+                    sent = 0
+                    seen[name] = {"tokens": _serve(settings, tp), "steps": sent}
+                else:
+                    config = ServeConfig(**settings, tensor_parallel_size=WORLD)
+                    seen[name] = {"steps": build_follower(config, tp).run()}
+        (out / f"rank{rank}.json").write_text(json.dumps(seen))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_two_ranks_serve_the_tokens_of_one(
+    llama_dir: str, eagle3_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    dflash_dir = str(save_random_dflash(tmp_path_factory.mktemp("dflash")))
+    algorithms: dict[str, dict[str, object]] = {
+        "none": {},
+        "eagle3": {
+            "speculative_algorithm": "eagle3",
+            "draft_model": eagle3_dir,
+            "speculative_num_steps": 3,
+        },
+        "dflash": {"speculative_algorithm": "dflash", "draft_model": dflash_dir},
+    }
+    cells = {
+        f"{name}-{'overlap' if overlap else 'serial'}": _settings(llama_dir, overlap, **spec)
+        for name, spec in algorithms.items()
+        for overlap in (True, False)
+    }
+    out = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_rank_main, args=(_free_port(), cells, out), nprocs=WORLD, join=True)
+    torch.set_num_threads(1)
+    leader = json.loads((out / "rank0.json").read_text())
+    follower = json.loads((out / "rank1.json").read_text())
+    for name, settings in cells.items():
+        expected = _serve(settings, SINGLE)
+        assert {int(rid): ids for rid, ids in leader[name]["tokens"].items()} == expected, name
+        assert all(len(ids) == NEW_TOKENS for ids in expected.values())
+        assert follower[name]["steps"] == leader[name]["steps"] > 0, name
+
+
+def test_preflight_refuses_what_does_not_divide_and_more_than_one_rank(
+    llama_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert preflight(ServeConfig(model=llama_dir)) == []
+    assert preflight(ServeConfig(model=llama_dir, tensor_parallel_size=4)) == [
+        "--tensor-parallel-size 4 does not divide the model's num_key_value_heads (2): "
+        "each rank takes an equal share"
+    ]
+    assert main(["serve", "--model", llama_dir, "--tp", "3"]) == EXIT_CONFIG
+    refused = capsys.readouterr().err
+    assert "--tensor-parallel-size 3 does not divide the model's num_attention_heads (4)" in refused
+    assert main(["serve", "--model", llama_dir, "--tensor-parallel-size", "2"]) == EXIT_CONFIG
+    assert (
+        "--tensor-parallel-size 2: the daemon does not start tensor-parallel ranks"
+        in capsys.readouterr().err
+    )
+
+
+def test_sizes_are_per_rank() -> None:
+    model = ModelConfig.from_dict(
+        TINY | {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    )
+    # 3 layers x K and V x 1 of 2 KV heads x 16 x 4 B
+    assert kv_bytes_per_token(model, "float32", 2) == 3 * 2 * 16 * 4
+    assert kv_bytes_per_token(model, "float32") == 2 * 3 * 2 * 16 * 4
+    # 4 tokens x (4 B x (3 x 64 hidden + 2 x 32 q + 2 x 16 kv) + 4 B x 64 + 4 B x 3 x 48)
+    layer = 4 * (4 * (192 + 64 + 32) + 256 + 4 * 3 * 48)
+    # the rank's slice of the head's output, the gathered logits, their float32 copy, sampling
+    logits = 4 * 300 * (2 + 4 + 4 + SAMPLING_BYTES_PER_LOGIT)
+    assert graph_pool_bytes(model, 4, bs=4, width=1, kv_bound=None, tensor_parallel_size=2) == (
+        layer + logits
+    )
+
+
+class _SilentChannel:
+    """Stands for rank 0's channel to ranks that are not there."""
+
+    leader = True
+
+    def send(self, plan: object) -> None:
+        pass
+
+
+def test_a_failed_step_of_ranks_is_fatal(llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = engine_for(llama_dir, max_running=2, kv_cache_tokens=256)
+    runner = engine.loop.runner
+
+    def broken(plan: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runner, "_launch", broken)
+    runner.lead(_SilentChannel())  # type: ignore[arg-type]  # no other ranks
+    engine.scheduler.add(request(0, [5, 6, 7]))
+    with pytest.raises(StepFailed, match="a step of tensor-parallel ranks failed: boom"):
+        engine.loop.iterate()
