@@ -16,7 +16,7 @@ from outrider.daemon.bench_cmd import LatencyRow
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.timing import PhaseTimer, PhaseTimes
-from outrider.daemon.internal import SamplingSpec, TokenizedRequest
+from outrider.daemon.internal import TokenizedRequest, own_request
 from outrider.daemon.roofline import kv_bytes_per_token, read_bandwidth, weight_bytes
 
 
@@ -137,19 +137,7 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[
 
 def benchmark_request(rid: int, prompt: list[int], max_new_tokens: int | None) -> TokenizedRequest:
     """A greedy request that ignores EOS (None: until the context limit)."""
-    return TokenizedRequest(
-        rid=rid,
-        request_id=f"bench-{rid}",
-        input_ids=prompt,
-        sampling=SamplingSpec(),
-        max_new_tokens=max_new_tokens,
-        stop=[],
-        stop_token_ids=[],
-        ignore_eos=True,
-        stream=False,
-        want_logprobs=False,
-        arrival=time.time(),
-    )
+    return own_request(rid, f"bench-{rid}", prompt, max_new_tokens)
 
 
 def _synchronize(engine: Engine) -> None:

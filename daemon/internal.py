@@ -10,6 +10,7 @@ front door maps it back to (client identity, client request id).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 from msgspec import Struct
@@ -42,6 +43,33 @@ class TokenizedRequest(Struct, array_like=True, tag=1, frozen=True):
     stream: bool
     want_logprobs: bool
     arrival: float  # time.time() at the front door
+
+
+GREEDY = SamplingSpec()
+
+
+def own_request(
+    rid: int,
+    request_id: str,
+    input_ids: list[int],
+    max_new_tokens: int | None,
+    sampling: SamplingSpec = GREEDY,
+) -> TokenizedRequest:
+    """A request the daemon makes itself (warm-up, start-up timing, benchmarks): no stop
+    condition but the length, nothing streamed, logprobs when ``sampling`` asks for some."""
+    return TokenizedRequest(
+        rid=rid,
+        request_id=request_id,
+        input_ids=input_ids,
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        stop=[],
+        stop_token_ids=[],
+        ignore_eos=True,
+        stream=False,
+        want_logprobs=sampling.logprobs > 0,
+        arrival=time.time(),
+    )
 
 
 class AbortRid(Struct, array_like=True, tag=2, frozen=True):

@@ -41,6 +41,14 @@ START_TIMEOUT_S = 90.0
 EXIT_TIMEOUT_S = 30.0
 
 
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on (now)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def build_model_dir(directory: Path) -> Path:
     """A tiny random Qwen3 checkpoint (vocabulary 300) with the front door tests' tokenizer
     (320 ids: prompts whose tokens reach past 299 are refused) and chat template."""

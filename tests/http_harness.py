@@ -3,12 +3,11 @@ front's end-to-end tests."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import httpx
 import openai
-from daemon_harness import Daemon, poll_until
+from daemon_harness import Daemon, free_port, poll_until
 
 from outrider.daemon.family import embedded_family
 
@@ -16,16 +15,10 @@ API_KEY = "test-key"
 FAMILY = embedded_family()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class HttpDaemon:
     def __init__(self, workdir: Path, *args: str, speculative: str = "none") -> None:
         assert FAMILY is not None
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.daemon = Daemon(
             FAMILY.target,

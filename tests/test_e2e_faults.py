@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq.asyncio
-from daemon_harness import Daemon, RawDealer, build_model_dir
+from daemon_harness import Daemon, RawDealer, build_model_dir, free_port
 
 from outrider.protocol import AsyncClient, Client, RequestError
 from outrider.protocol.frames import request_codec
@@ -18,13 +18,6 @@ from outrider.protocol.messages import Error, HealthQuery
 pytestmark = pytest.mark.e2e
 
 FORGED = "2026-01-01 00:00:00,000 INFO outrider.daemon: forged"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")

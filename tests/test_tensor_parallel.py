@@ -7,7 +7,6 @@ what it saw; the test compares that with the same run in a world of one.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from daemon_harness import free_port
 from model_fixtures import TINY, VOCAB, PagedRows, save_tiny_model, torch_backend
 
 from outrider.daemon.models.config import ModelConfig, tensor_parallel_problems
@@ -115,16 +115,9 @@ def _rank_main(rank: int, port: int, root: Path) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def test_two_ranks_match_one(tmp_path: Path) -> None:
     _save_checkpoints(tmp_path)
-    mp.spawn(_rank_main, args=(_free_port(), tmp_path), nprocs=WORLD, join=True)
+    mp.spawn(_rank_main, args=(free_port(), tmp_path), nprocs=WORLD, join=True)
     torch.set_num_threads(1)
     for rank in range(WORLD):
         seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)

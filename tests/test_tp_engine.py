@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from daemon_harness import free_port
 from engine_harness import debug_checks_fixture, engine_for, request, run, tokens_of
 from model_fixtures import TINY, VOCAB, save_random_dflash
 
@@ -99,13 +99,6 @@ def _rank_main(rank: int, port: int, cells: dict[str, dict[str, Any]], out: Path
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def test_two_ranks_serve_the_tokens_of_one(
     llama_dir: str, eagle3_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -125,7 +118,7 @@ def test_two_ranks_serve_the_tokens_of_one(
         for overlap in (True, False)
     }
     out = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_rank_main, args=(_free_port(), cells, out), nprocs=WORLD, join=True)
+    mp.spawn(_rank_main, args=(free_port(), cells, out), nprocs=WORLD, join=True)
     torch.set_num_threads(1)
     leader = json.loads((out / "rank0.json").read_text())
     follower = json.loads((out / "rank1.json").read_text())

@@ -27,7 +27,7 @@ from outrider.daemon.engine.ranks import Follower, RankChannel
 from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
 from outrider.daemon.engine.slots import SlotState
-from outrider.daemon.internal import ModelFacts, SamplingSpec, TokenizedRequest
+from outrider.daemon.internal import ModelFacts, SamplingSpec, own_request
 from outrider.daemon.models.config import ModelConfig, load_eos_ids, model_dir
 from outrider.daemon.models.loader import LoadProgress, load_model
 from outrider.daemon.models.parallel import SINGLE, TPGroup
@@ -587,21 +587,8 @@ def _warm_up(loop: EngineLoop) -> None:
     both, where the drafting policy may choose either)."""
     started = time.monotonic()
     for rid in (-1, -2):
-        loop.scheduler.add(
-            TokenizedRequest(
-                rid=rid,
-                request_id="warm-up",
-                input_ids=[0] * 4,
-                sampling=SamplingSpec(temperature=1.0, top_k=4, top_p=0.9, seed=1, logprobs=2),
-                max_new_tokens=2 - rid,
-                stop=[],
-                stop_token_ids=[],
-                ignore_eos=True,
-                stream=False,
-                want_logprobs=True,
-                arrival=time.time(),
-            )
-        )
+        sampling = SamplingSpec(temperature=1.0, top_p=0.9, top_k=4, seed=1, logprobs=2)
+        loop.scheduler.add(own_request(rid, "warm-up", [0] * 4, 2 - rid, sampling))
     while loop.has_work:
         loop.iterate()
     loop.idle_check()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-from outrider.daemon.internal import SamplingSpec, TokenizedRequest
+from outrider.daemon.internal import own_request
 from outrider.daemon.scheduler.drafting import BreakEven, FixedDrafting
 from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.plugins.api import StepShape
@@ -52,7 +52,7 @@ def _cycle_cost(loop: EngineLoop, bs: int, new_tokens: int) -> float:
     scheduler.use_policy(policy)
     rids = [-100 - i for i in range(bs)]
     for rid in rids:
-        scheduler.add(_request(rid, new_tokens))
+        scheduler.add(own_request(rid, "cycle-cost", [0] * PROMPT, new_tokens))
     while not all(req.decoding for req in scheduler.running) or len(scheduler.running) < bs:
         loop.iterate()
     fastest = {}
@@ -72,19 +72,3 @@ def _cycle_cost(loop: EngineLoop, bs: int, new_tokens: int) -> float:
     scheduler.take_updates()
     scheduler.use_policy(previous)
     return max(fastest[True] / fastest[False], 1.0)
-
-
-def _request(rid: int, new_tokens: int) -> TokenizedRequest:
-    return TokenizedRequest(
-        rid=rid,
-        request_id="cycle-cost",
-        input_ids=[0] * PROMPT,
-        sampling=SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, seed=1, logprobs=0),
-        max_new_tokens=new_tokens,
-        stop=[],
-        stop_token_ids=[],
-        ignore_eos=True,
-        stream=False,
-        want_logprobs=False,
-        arrival=time.time(),
-    )
