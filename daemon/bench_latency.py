@@ -17,6 +17,7 @@ from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.timing import PhaseTimer, PhaseTimes
 from outrider.daemon.internal import TokenizedRequest, own_request
+from outrider.daemon.rank_processes import start_leader, stop_leader
 from outrider.daemon.roofline import kv_bytes_per_token, read_bandwidth, weight_bytes
 
 
@@ -30,7 +31,26 @@ def measure_latency(
 ) -> tuple[list[LatencyRow], dict[str, object]]:
     """One row per batch size, and the facts every row shares (device, versions, bandwidth);
     with ``profile``, each batch size's top operations by device time go to stderr."""
-    engine = build_engine(config)
+    ranks, tp = start_leader(config)
+    try:
+        engine = build_engine(config, tp=tp)
+        measured = _measure(engine, config, batch_sizes, input_len, output_len, profile)
+    except BaseException:
+        if ranks is not None:
+            ranks.stop()  # kills them: they may wait in a step that never completes
+        raise
+    stop_leader(engine, ranks)
+    return measured
+
+
+def _measure(
+    engine: Engine,
+    config: ServeConfig,
+    batch_sizes: list[int],
+    input_len: int,
+    output_len: int,
+    profile: bool,
+) -> tuple[list[LatencyRow], dict[str, object]]:
     timer = engine.loop.runner.enable_phase_timing()
     dtype = str(engine.facts.configuration["dtype"])
     bandwidth = read_bandwidth(config.device)
@@ -49,7 +69,9 @@ def measure_latency(
         steps = max(phases.steps, 1)
         tokens = batch * (output_len - 1)
         mean_context = input_len + output_len / 2
-        roofline = batch * bandwidth / (weights + batch * mean_context * kv_per_token)
+        # Under tensor parallelism every rank reads its share at the same time.
+        ranks_bandwidth = bandwidth * config.tensor_parallel_size
+        roofline = batch * ranks_bandwidth / (weights + batch * mean_context * kv_per_token)
         decode_tok_s = tokens / (decode_ms / 1e3)
         rows.append(
             LatencyRow(
@@ -76,6 +98,7 @@ def measure_latency(
         "model": config.model,
         "dtype": dtype,
         "speculative": config.speculative_algorithm,
+        "tensor_parallel_size": config.tensor_parallel_size,
         "width": engine.loop.runner.shape.width,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "weight_gb": round(weights / 1e9, 3),

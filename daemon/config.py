@@ -31,6 +31,9 @@ class ServeConfig:
     dtype: DTypeName = "auto"
     device: Device = "cpu"
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""  # HOST:PORT of rank 0's rendezvous; "": a loopback port
     threads: int = 0  # 0: automatic, see torch_threads
     page_size: int = 16
     max_running: int = 64
@@ -135,11 +138,22 @@ _HELP: dict[str, str] = {
     "device": "where the model runs",
     "tensor_parallel_size": (
         "ranks the model is sharded over (alias --tp); it must divide the attention and KV "
-        "heads, the MLP rows and the vocabulary; the daemon serves 1 only so far"
+        "heads, the MLP rows and the vocabulary; one process per rank, on CUDA one GPU each "
+        "(local rank r takes visible device r)"
+    ),
+    "nnodes": "hosts the ranks are spread over, --tensor-parallel-size / --nnodes on each",
+    "node_rank": (
+        "this host's place among --nnodes: 0 runs the scheduler and serves clients; the "
+        "others run only their ranks (start them with the same model flags)"
+    ),
+    "dist_init_addr": (
+        "HOST:PORT where rank 0 (on node 0) listens for the other ranks to join "
+        "(torch.distributed's TCP rendezvous); needed with --nnodes > 1"
     ),
     "threads": (
-        "torch CPU threads of the daemon; 0: the CPUs it may use (affinity, cgroup quota) "
-        "less one for the front door and detokenizer, which run one thread each; at least 1"
+        "torch CPU threads of the daemon (of each rank with --tensor-parallel-size); 0: the "
+        "CPUs it may use (affinity, cgroup quota) less one for the front door and "
+        "detokenizer, which run one thread each, shared by this host's ranks; at least 1"
     ),
     "page_size": "KV page size in tokens (a power of two)",
     "max_running": "most requests decoding at once",
@@ -268,6 +282,7 @@ _SHOWN_DEFAULT: dict[str, str] = {
     "speculative_config": "the plugin's defaults",
     "draft_model": "the embedded family's, for dflash and eagle3",
     "speculative_min_acceptance": "measured at start",
+    "dist_init_addr": "a free loopback port (one host)",
     "socket_mode": "0600",
     "max_message_bytes": "8388608 (8 MiB)",
     "served_model_name": "the model directory's name (outrider-family for the embedded family)",
@@ -406,8 +421,7 @@ def validate(config: ServeConfig) -> list[str]:
         problems.append("--threads must be >= 0 (0: automatic)")
     if config.max_running < 1:
         problems.append("--max-running must be at least 1")
-    if config.tensor_parallel_size < 1:
-        problems.append("--tensor-parallel-size must be at least 1")
+    problems += _placement_problems(config)
     if config.cuda_graph_max_bs < 1:
         problems.append("--cuda-graph-max-bs must be at least 1")
     if config.chunked_prefill_tokens < config.page_size:
@@ -476,14 +490,41 @@ CHILDREN_CORES = 1
 
 
 def torch_threads(config: ServeConfig, cpus: int | None = None) -> int:
-    """The daemon's torch intra-op threads: ``--threads``, or for 0 the CPUs it may use
-    (``cpus``, default ``available_cpus()``) less ``CHILDREN_CORES``, at least 1. NOTE: torch's
+    """The torch intra-op threads of the daemon and of each rank process: ``--threads``, or
+    for 0 the CPUs it may use (``cpus``, default ``available_cpus()``) less ``CHILDREN_CORES``,
+    shared by this host's ranks, at least 1. NOTE: torch's
     own default takes every core; on a small host its threads then wait for one another at
     every operation whenever anything else runs (on 2 cores under load: first tokens after
     seconds instead of 0.1 s, a tenth of the tokens per second; README, ``--threads``)."""
     if config.threads:
         return config.threads
-    return max(1, (available_cpus() if cpus is None else cpus) - CHILDREN_CORES)
+    free = (available_cpus() if cpus is None else cpus) - CHILDREN_CORES
+    return max(1, free // ranks_per_node(config))
+
+
+def _placement_problems(config: ServeConfig) -> list[str]:
+    size, nodes = config.tensor_parallel_size, config.nnodes
+    if size < 1:
+        return ["--tensor-parallel-size must be at least 1"]
+    if nodes < 1 or size % nodes:
+        return [f"--nnodes {nodes} must divide --tensor-parallel-size {size}"]
+    if not 0 <= config.node_rank < nodes:
+        return [f"--node-rank must be in [0, {nodes}) (--nnodes {nodes}), not {config.node_rank}"]
+    if nodes > 1 and not config.dist_init_addr:
+        return ["--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)"]
+    if config.dist_init_addr and not _is_host_port(config.dist_init_addr):
+        return [f"--dist-init-addr must be HOST:PORT, not {config.dist_init_addr!r}"]
+    return []
+
+
+def _is_host_port(value: str) -> bool:
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def ranks_per_node(config: ServeConfig) -> int:
+    """The tensor-parallel ranks this host runs."""
+    return config.tensor_parallel_size // config.nnodes
 
 
 def available_cpus() -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.curve_auth import CurveKeyError, load_client_keys, load_server_keys
-from outrider.daemon.models.config import TENSOR_PARALLEL_FLAG, tensor_parallel_problems
+from outrider.daemon.models.config import tensor_parallel_problems
 from outrider.plugins.checks import PluginProblems
 from outrider.plugins.registry import ResolvedPlugins, discover
 
@@ -64,21 +64,14 @@ def model_problems(flag: str, path: str, load_format: str) -> list[str]:
 
 
 def sharding_problems(config: ServeConfig) -> list[str]:
-    """``--tensor-parallel-size`` against the model's shape (what does not divide), and, while
-    the daemon runs one rank only, any size above 1 (the in-process engine runs ranks:
-    ``outrider.daemon.engine.ranks``). ``config.model`` must pass ``model_problems``."""
+    """``--tensor-parallel-size`` against the model's shape: what does not divide.
+    ``config.model`` must pass ``model_problems``."""
     size = config.tensor_parallel_size
     if size == 1:
         return []
     given = Path(config.model)
     loaded = json.loads((given / "config.json" if given.is_dir() else given).read_text())
-    problems = tensor_parallel_problems(loaded, size)
-    if problems:
-        return problems
-    return [
-        f"{TENSOR_PARALLEL_FLAG} {size}: the daemon does not start tensor-parallel ranks "
-        "yet (only the in-process engine runs them); use 1"
-    ]
+    return tensor_parallel_problems(loaded, size)
 
 
 def _config_problem(config_file: Path) -> str | None:

@@ -34,6 +34,7 @@ from outrider.daemon.config import (
     ConfigError,
     ServeConfig,
     available_cpus,
+    ranks_per_node,
     torch_threads,
 )
 from outrider.daemon.curve_auth import CurveKeyError, load_client_keys, load_server_keys
@@ -66,6 +67,12 @@ from outrider.daemon.internal import (
 from outrider.daemon.models.config import model_dir
 from outrider.daemon.models.loader import LoadProgress, default_progress
 from outrider.daemon.preflight import preflight
+from outrider.daemon.rank_processes import (
+    LocalRanks,
+    serve_follower_host,
+    start_leader,
+    stop_leader,
+)
 from outrider.daemon.runtime import (
     EndpointError,
     RuntimeDir,
@@ -101,10 +108,12 @@ class Daemon:
         children: Children,
         notifier: Notifier,
         sockets: DaemonSockets,
+        ranks: LocalRanks | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
         self.children = children
+        self.ranks = ranks
         self.notifier = notifier
         self.sockets = sockets
         self.draining = False
@@ -123,6 +132,8 @@ class Daemon:
         engine_loop = self.engine.loop
         while True:
             self.children.raise_if_exited()
+            if self.ranks is not None:
+                self.ranks.raise_if_exited()
             self._receive()
             self._tick()
             if self.draining and self._drained():
@@ -329,9 +340,16 @@ def _stop_while_starting(signum: int, _frame: object) -> None:
 
 
 def serve(config: ServeConfig) -> int:
-    """Run the daemon until SIGTERM; returns the exit code."""
+    """Run the daemon until SIGTERM (on ``--node-rank`` > 0: this host's tensor-parallel
+    ranks until rank 0 stops them); returns the exit code."""
     notifier = Notifier()
     strip_notify_env(os.environ)  # children must not talk to systemd
+    if config.node_rank > 0:
+        problems = preflight(config)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        _set_torch_threads(config)
+        return serve_follower_host(config)
     endpoint = config.listen or default_endpoint()
     problem = tcp_bind_problem(
         endpoint, curve_keys=bool(config.curve_secret_key_file), insecure_tcp=config.insecure_tcp
@@ -418,17 +436,22 @@ def _serve(
         _http_front_config(config, endpoint),
     )
     cleanup.callback(children.stop)
+    ranks, tp = start_leader(config)
+    if ranks is not None:
+        # NOTE: registered after the children's: on a failure the ranks go first (killed),
+        # then the children pass on their last frames.
+        cleanup.callback(ranks.stop)
     ctx = zmq.asyncio.Context()
     cleanup.callback(ctx.term)
     sockets = DaemonSockets(ctx, pipes.to_daemon, pipes.to_detokenizer, pipes.control)
     cleanup.callback(sockets.close)
     notifier.status("loading the model")
-    engine = build_engine(config, progress=_load_progress(notifier))
+    engine = build_engine(config, progress=_load_progress(notifier), tp=tp)
     sockets.send_control(engine.facts)
     # health() says "serving" only with a fresh heartbeat: one goes out before "ready".
     sockets.send_control(Heartbeat(engine.scheduler.counters()))
     sockets.send_control(StateChange("ready"))
-    sockets.wake_on(children.sentinels)
+    sockets.wake_on(children.sentinels + (ranks.sentinels if ranks is not None else []))
     try:
         bound = children.wait_status("frontdoor", "serving", timeout=60.0).endpoint
         if config.http:
@@ -439,7 +462,7 @@ def _serve(
             log.info("OpenAI-compatible HTTP API on %s", http_bound)
         notifier.ready(f"serving {config.model} on {bound}")
         log.info("serving %s on %s (boot %s)", config.model, bound, boot_id)
-        code = uvloop.run(Daemon(config, engine, children, notifier, sockets).run())
+        code = uvloop.run(Daemon(config, engine, children, notifier, sockets, ranks).run())
     except ClientBindFailed as exc:
         raise EndpointError(f"cannot listen on {endpoint}: {exc}") from None
     except ChildDied:
@@ -447,6 +470,7 @@ def _serve(
         # the clients' connection_lost (the front door stops after), for the whole linger.
         sockets.drop_unsent()
         raise
+    stop_leader(engine, ranks)
     return code
 
 
@@ -457,6 +481,8 @@ def _set_torch_threads(config: ServeConfig) -> None:
         how = "--threads"
     else:
         how = f"automatic: {available_cpus()} CPUs, {CHILDREN_CORES} left to the other processes"
+        if (local := ranks_per_node(config)) > 1:
+            how += f", the rest shared by this host's {local} ranks"
     log.info("torch threads: %d (%s)", threads, how)
 
 
