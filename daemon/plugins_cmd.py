@@ -25,6 +25,7 @@ from outrider.daemon.config import (
 )
 from outrider.daemon.family import embedded_family
 from outrider.daemon.models.config import model_dir
+from outrider.daemon.plugin_matrix import build_matrix, format_matrix
 from outrider.daemon.preflight import preflight, resolve_plugins
 from outrider.daemon.runtime import tcp_bind_problem
 from outrider.daemon.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
@@ -93,6 +94,13 @@ def add_plugins_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV page size to check plugins against (default: 16)",
     )
     parser.add_argument(
+        "--matrix",
+        action="store_true",
+        help="print the support matrix of the attention backends, phase by phase and with every "
+        "speculative algorithm, as the capability checks of `outrider serve` judge it (Markdown; "
+        "with --json, JSON)",
+    )
+    parser.add_argument(
         "--check",
         nargs=argparse.REMAINDER,
         metavar="SERVE_FLAGS",
@@ -104,10 +112,19 @@ def add_plugins_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plugins(args: argparse.Namespace) -> int:
     """Print every discovered plugin per group; always exits 0 (the listing is the answer).
-    With ``--check``, the verdict on a serving configuration instead."""
+    With ``--check``, the verdict on a serving configuration instead; with ``--matrix``, the
+    support matrix (plugin_matrix.py)."""
     if args.check is not None:
         return run_serve_check(args.check)
     registry = discover()
+    if args.matrix:
+        matrix = build_matrix(registry, page_size=args.page_size)
+        if args.json:
+            encoded = msgspec.json.encode(matrix, order="deterministic")
+            print(msgspec.json.format(encoded, indent=2).decode())
+        else:
+            print(format_matrix(matrix), end="")
+        return 0
     report = build_report(registry, machine_context(args.page_size), serve_configs(registry))
     if args.json:
         encoded = msgspec.json.encode(report, order="deterministic")

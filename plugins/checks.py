@@ -178,20 +178,28 @@ def attention_problems(
             Problem("--page-size", f"{name} takes page sizes {sizes}, not {ctx.page_size}")
         )
     for phase in used_phases(ctx, drafts_run):
-        if ctx.attention_routes[phase] == name and phase not in caps.phases:
-            served = ", ".join(p for p in PHASES if p in caps.phases)
-            problems.append(
-                Problem(
-                    PHASE_FLAGS[phase],
-                    f"{name} cannot run the {phase} phase (it serves {served}): route that "
-                    f"phase to another backend with {PHASE_FLAGS[phase]}",
-                )
-            )
+        if ctx.attention_routes[phase] == name:
+            problems += phase_problems(name, caps, phase)
     try:
         spec.parse_options(ctx.attention_config.get(name))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         problems.append(Problem(f"--attention-config {name}", str(exc)))
     return problems
+
+
+def phase_problems(name: str, caps: AttentionCapabilities, phase: Phase) -> list[Problem]:
+    """The refusal of backend ``name`` routed to ``phase``, a phase it does not serve (the
+    phase rule of ``attention_problems``, for one phase); empty when it serves it."""
+    if phase in caps.phases:
+        return []
+    served = ", ".join(p for p in PHASES if p in caps.phases)
+    return [
+        Problem(
+            PHASE_FLAGS[phase],
+            f"{name} cannot run the {phase} phase (it serves {served}): route that "
+            f"phase to another backend with {PHASE_FLAGS[phase]}",
+        )
+    ]
 
 
 def step_shape(ctx: CheckContext, caps: SpeculativeCapabilities) -> StepShape:
