@@ -26,7 +26,10 @@ from outrider.daemon.models.parallel import (
     gather_vocab,
     init_tensor_parallel,
     vocab_argmax,
+    vocab_top_logprobs,
 )
+from outrider.plugins.speculative.dflash_model import DFlashConfig, build_dflash
+from outrider.plugins.speculative.eagle3_model import Eagle3Config, build_eagle3
 
 WORLD = 2
 ATOL = 1e-5
@@ -105,12 +108,29 @@ def _argmax_ties(tp: TPGroup) -> torch.Tensor:
     return torch.stack((vocab_argmax(local, tp), gather_vocab(local, tp).argmax(-1)))
 
 
+def _full_logits() -> torch.Tensor:
+    """``[4, VOCAB]`` random logits (the same on every rank); row 3 ties at its maximum
+    across the ranks' slices."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(11))
+    logits[3, 7] = logits[3, VOCAB - 3] = logits[3].max() + 1.0
+    return logits
+
+
+def _top_logprobs(tp: TPGroup) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``vocab_top_logprobs`` of the rank's slice of ``_full_logits`` for K = 1 and 3."""
+    width = VOCAB // tp.size
+    local = _full_logits()[:, tp.rank * width : (tp.rank + 1) * width]
+    tops = {k: vocab_top_logprobs(local, k, tp) for k in (1, 3)}
+    return {k: (top.logprobs, top.ids) for k, top in tops.items()}
+
+
 def _rank_main(rank: int, port: int, root: Path) -> None:
     torch.set_num_threads(1)
     tp = init_tensor_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", "gloo")
     try:
         traces = {case: _run(root / case[0], case[1], tp) for case in CASES}
-        torch.save({"traces": traces, "ties": _argmax_ties(tp)}, root / f"rank{rank}.pt")
+        seen = {"traces": traces, "ties": _argmax_ties(tp), "top": _top_logprobs(tp)}
+        torch.save(seen, root / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -123,6 +143,14 @@ def test_two_ranks_match_one(tmp_path: Path) -> None:
         seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         ties = seen["ties"]
         assert ties[0].tolist() == [0, VOCAB // WORLD + 5, 2] == ties[1].tolist()
+        # The whole vocabulary's log-softmax top-K, without gathering it (rows 0-2); row 3's
+        # tie goes to the lowest id, as argmax's (a world of one runs topk: no tie rule).
+        for k, (logprobs, ids) in seen["top"].items():
+            ref = _top_logprobs(SINGLE)[k]
+            torch.testing.assert_close(logprobs, ref[0], atol=ATOL, rtol=0)
+            assert torch.equal(ids[:3], ref[1][:3]), (k, rank)
+            assert ids[3, :2].tolist() == [7, VOCAB - 3][:k], (k, rank)
+        assert _full_logits()[3].argmax() == 7
         for case in CASES:
             ref = _run(tmp_path / case[0], case[1], SINGLE)
             got: Trace = seen["traces"][case]
@@ -159,6 +187,49 @@ def test_refuses_what_does_not_divide() -> None:
     config = ModelConfig.from_dict(_llama_dict(num_attention_heads=8, num_key_value_heads=8))
     with pytest.raises(ValueError, match=r"^--tensor-parallel-size 3 does not divide .*heads"):
         build_model(config, max_positions=1, dtype=torch.float32, device="meta", tp=TPGroup(0, 3))
+
+
+def _draft_dict(architecture: str, model_type: str, **changes: object) -> dict[str, object]:
+    return TINY | {"architectures": [architecture], "model_type": model_type} | changes
+
+
+def test_drafts_refuse_what_does_not_divide() -> None:
+    eagle3 = Eagle3Config.from_dict(
+        _draft_dict("LlamaForCausalLMEagle3", "llama", num_hidden_layers=1, draft_vocab_size=149)
+    )
+    with pytest.raises(ValueError) as refused:
+        build_eagle3(eagle3, max_positions=1, dtype=torch.float32, device="meta", tp=TPGroup(0, 2))
+    assert str(refused.value) == (
+        "--tensor-parallel-size 2 does not divide the EAGLE-3 draft's draft_vocab_size (149): "
+        "each rank takes an equal share"
+    )
+    dflash = DFlashConfig.from_dict(
+        _draft_dict(
+            "DFlashDraftModel",
+            "qwen3",
+            num_key_value_heads=1,
+            block_size=4,
+            num_target_layers=3,
+            dflash_config={"mask_token_id": 0, "target_layer_ids": [0, 1]},
+        )
+    )
+    with pytest.raises(ValueError) as refused:
+        build_dflash(dflash, max_positions=1, dtype=torch.float32, device="meta", tp=TPGroup(1, 2))
+    assert str(refused.value) == (
+        "--tensor-parallel-size 2 does not divide the DFlash draft's num_key_value_heads (1): "
+        "each rank takes an equal share"
+    )
+    # What divides builds the rank's shard: half the heads, the MLP rows, the draft vocab.
+    eagle3 = Eagle3Config.from_dict(
+        _draft_dict("LlamaForCausalLMEagle3", "llama", num_hidden_layers=1, draft_vocab_size=150)
+    )
+    draft = build_eagle3(
+        eagle3, max_positions=1, dtype=torch.float32, device="meta", tp=TPGroup(1, 2)
+    )
+    assert draft.attention_shape.num_q_heads == 2 and draft.num_kv_heads == 1
+    assert draft.midlayer.self_attn.qkv_proj.weight.shape == ((2 + 1 + 1) * 16, 2 * 64)
+    assert draft.midlayer.mlp.down_proj.weight.shape == (64, 48)
+    assert draft.lm_head.weight.shape == (75, 64)
 
 
 @pytest.mark.parametrize("name", ["Qwen3-8B", "Llama-3.1-8B-Instruct"])

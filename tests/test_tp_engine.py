@@ -3,7 +3,9 @@
 Rank 0 builds the engine and serves staggered requests through the scheduler's loop; rank 1
 builds a follower and runs the plans rank 0 sends. Tokens (greedy and seeded sampled) must
 equal those of the same requests on one rank, with and without speculative decoding, overlap
-on and off; both ranks must have run the same steps.
+on and off; both ranks must have run the same steps and drafted the drafts of one rank (the
+drafts decide no token: their equality is what shows the sharded drafts right), and each
+rank's draft model must hold its shard (half the heads, MLP rows and draft vocabulary).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from daemon_harness import free_port
 from engine_harness import debug_checks_fixture, engine_for, request, run, tokens_of
-from model_fixtures import TINY, VOCAB, save_random_dflash
+from model_fixtures import TINY, VOCAB, save_random_dflash, save_tiny_model
 
 from outrider.daemon.cli import main
 from outrider.daemon.config import EXIT_CONFIG, ServeConfig
@@ -27,12 +29,18 @@ from outrider.daemon.engine.build import build_engine, build_follower
 from outrider.daemon.engine.graphs import SAMPLING_BYTES_PER_LOGIT, graph_pool_bytes
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.ranks import RankChannel
+from outrider.daemon.engine.runner import ModelRunner
 from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.models.config import ModelConfig
+from outrider.daemon.models.layers import MLP, Attention
 from outrider.daemon.models.parallel import SINGLE, TPGroup, init_tensor_parallel
 from outrider.daemon.preflight import preflight
 from outrider.daemon.roofline import kv_bytes_per_token
 from outrider.daemon.scheduler.loop import StepFailed
+from outrider.plugins.speculative.base import DecodeView, Drafts, SpeculativeWorker
+from outrider.plugins.speculative.dflash_impl import DFlashWorker
+from outrider.plugins.speculative.eagle3_impl import Eagle3Worker
+from outrider.plugins.speculative.standalone_impl import StandaloneWorker
 
 WORLD = 2
 STAGGER = 2
@@ -63,13 +71,59 @@ def _settings(model: str, overlap: bool, **speculative: object) -> dict[str, Any
     }
 
 
-def _serve(settings: dict[str, Any], tp: TPGroup) -> dict[int, list[int]]:
+def _draft_shapes(runner: ModelRunner) -> dict[str, list[int]]:
+    """The weight shapes of the rank's draft (its first attention and MLP, an EAGLE-3
+    draft's head) and the KV heads of its cache; empty without a draft model. Checks, on the
+    rank, that the draft's KV and attention shape are its layers' heads."""
+    worker = runner.worker
+    if not isinstance(worker, (Eagle3Worker, DFlashWorker, StandaloneWorker)):
+        return {}
+    modules = list(worker.model.modules())
+    attn = next(m for m in modules if isinstance(m, Attention))
+    mlp = next(m for m in modules if isinstance(m, MLP))
+    kv_heads = worker.kv.k[0].shape[2]
+    assert kv_heads == attn.num_kv_heads == worker.model.attention_shape.num_kv_heads
+    assert worker.model.attention_shape.num_q_heads == attn.num_q_heads
+    shapes = {
+        "qkv_proj": list(attn.qkv_proj.weight.shape),
+        "o_proj": list(attn.o_proj.weight.shape),
+        "gate_up_proj": list(mlp.gate_up_proj.weight.shape),
+        "down_proj": list(mlp.down_proj.weight.shape),
+        "kv_heads": [kv_heads],
+    }
+    if isinstance(worker, Eagle3Worker):
+        shapes["lm_head"] = list(worker.model.lm_head.weight.shape)
+    return shapes
+
+
+def _serve(settings: dict[str, Any], tp: TPGroup) -> dict[str, Any]:
+    """Tokens per request id, and the rank's draft shapes (``_draft_shapes``)."""
     engine = build_engine(ServeConfig(**settings, tensor_parallel_size=tp.size), tp=tp)
     if tp.size > 1:
         assert engine.loop.runner.kv.k[0].shape[2] == TINY["num_key_value_heads"] // tp.size
+    shapes = _draft_shapes(engine.loop.runner)
     tokens = tokens_of(run(engine, _requests(), stagger=STAGGER))
     engine.stop_ranks()
-    return tokens
+    return {"tokens": tokens, "draft": shapes}
+
+
+def _record_drafts(patch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Every draft model worker's drafts (a tree's parents after its tokens), in order, from
+    now on, in the list returned."""
+    drafted: list[torch.Tensor] = []
+    for worker_class in (Eagle3Worker, DFlashWorker, StandaloneWorker):
+        original = worker_class.draft
+
+        def recorded(
+            worker: SpeculativeWorker, view: DecodeView, original: Any = original
+        ) -> Drafts:
+            drafts: Drafts = original(worker, view)
+            parts = [drafts.tokens] if drafts.parents is None else [drafts.tokens, drafts.parents]
+            drafted.append(torch.cat(parts, dim=1).clone())
+            return drafts
+
+        patch.setattr(worker_class, "draft", recorded)
+    return drafted
 
 
 def _rank_main(rank: int, port: int, cells: dict[str, dict[str, Any]], out: Path) -> None:
@@ -88,34 +142,71 @@ def _rank_main(rank: int, port: int, cells: dict[str, dict[str, Any]], out: Path
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(RankChannel, "send", counted)  # counts rank 0's plans
             for name, settings in cells.items():
+                drafted = _record_drafts(patch)
                 if rank == 0:
                     sent = 0
-                    seen[name] = {"tokens": _serve(settings, tp), "steps": sent}
+                    seen[name] = _serve(settings, tp) | {"steps": sent}
                 else:
                     config = ServeConfig(**settings, tensor_parallel_size=WORLD)
-                    seen[name] = {"steps": build_follower(config, tp).run()}
+                    follower = build_follower(config, tp)
+                    shapes = _draft_shapes(follower.runner)
+                    seen[name] = {"steps": follower.run(), "draft": shapes}
+                seen[name]["drafted"] = [d.tolist() for d in drafted]
         (out / f"rank{rank}.json").write_text(json.dumps(seen))
     finally:
         dist.destroy_process_group()
 
 
+# What a rank of two holds of each draft weight (and KV heads) that one rank holds whole:
+# qkv and gate/up and the head split their rows, o_proj and down_proj their columns.
+_HALVED_DIM = {
+    "qkv_proj": 0,
+    "o_proj": 1,
+    "gate_up_proj": 0,
+    "down_proj": 1,
+    "kv_heads": 0,
+    "lm_head": 0,
+}
+
+
+def _halved(shape: list[int], dim: int) -> list[int]:
+    return [n // WORLD if d == dim else n for d, n in enumerate(shape)]
+
+
 def test_two_ranks_serve_the_tokens_of_one(
-    llama_dir: str, eagle3_dir: str, tmp_path_factory: pytest.TempPathFactory
+    llama_dir: str,
+    eagle3_dir: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     dflash_dir = str(save_random_dflash(tmp_path_factory.mktemp("dflash")))
-    algorithms: dict[str, dict[str, object]] = {
-        "none": {},
-        "eagle3": {
-            "speculative_algorithm": "eagle3",
-            "draft_model": eagle3_dir,
-            "speculative_num_steps": 3,
-        },
-        "dflash": {"speculative_algorithm": "dflash", "draft_model": dflash_dir},
+    standalone_dir = tmp_path_factory.mktemp("qwen2-draft")
+    with torch.no_grad():
+        save_tiny_model("qwen2", standalone_dir)
+    eagle3 = {"speculative_algorithm": "eagle3", "draft_model": eagle3_dir}
+    algorithms: dict[str, tuple[dict[str, object], tuple[bool, ...]]] = {
+        "none": ({}, (True, False)),
+        "eagle3": (eagle3 | {"speculative_num_steps": 3}, (True, False)),
+        "dflash": ({"speculative_algorithm": "dflash", "draft_model": dflash_dir}, (True, False)),
+        # A top-2 tree: vocab_top_logprobs with K > 1.
+        "eagle3_tree": (
+            eagle3
+            | {
+                "speculative_num_steps": 3,
+                "speculative_topk": 2,
+                "speculative_num_draft_tokens": 5,
+            },
+            (True,),
+        ),
+        "standalone": (
+            {"speculative_algorithm": "standalone", "draft_model": str(standalone_dir)},
+            (False,),
+        ),
     }
     cells = {
         f"{name}-{'overlap' if overlap else 'serial'}": _settings(llama_dir, overlap, **spec)
-        for name, spec in algorithms.items()
-        for overlap in (True, False)
+        for name, (spec, overlaps) in algorithms.items()
+        for overlap in overlaps
     }
     out = tmp_path_factory.mktemp("ranks")
     mp.spawn(_rank_main, args=(free_port(), cells, out), nprocs=WORLD, join=True)
@@ -123,10 +214,19 @@ def test_two_ranks_serve_the_tokens_of_one(
     leader = json.loads((out / "rank0.json").read_text())
     follower = json.loads((out / "rank1.json").read_text())
     for name, settings in cells.items():
-        expected = _serve(settings, SINGLE)
+        drafted = _record_drafts(monkeypatch)
+        single = _serve(settings, SINGLE)
+        expected = single["tokens"]
         assert {int(rid): ids for rid, ids in leader[name]["tokens"].items()} == expected, name
         assert all(len(ids) == NEW_TOKENS for ids in expected.values())
         assert follower[name]["steps"] == leader[name]["steps"] > 0, name
+        whole = single["draft"]
+        assert bool(whole) == ("draft_model" in settings), name
+        halves = {key: _halved(shape, _HALVED_DIM[key]) for key, shape in whole.items()}
+        assert leader[name]["draft"] == halves == follower[name]["draft"], name
+        assert bool(drafted) == bool(whole), name
+        drafts = [d.tolist() for d in drafted]
+        assert leader[name]["drafted"] == drafts == follower[name]["drafted"], name
 
 
 def test_preflight_refuses_what_does_not_divide(

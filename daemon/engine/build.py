@@ -266,9 +266,9 @@ def _build_runner(
         vocab_limit=vocab_limit,
     )
     slots = SlotState(config.max_running, max_pages, device)
-    # NOTE: a draft model is replicated on every rank (WorkerContext has no rank yet); it
+    # NOTE: a draft model is sharded as the target is (its worker gets the rank's tp); it
     # shares the target's vocabulary-parallel embedding and head, whose collectives every
-    # rank runs alike, and the full logits the head gathers.
+    # rank runs alike: greedy drafts from the head's local slice, sampled ones gathered.
     worker_context = WorkerContext(
         device=device,
         dtype=dtype,
@@ -284,10 +284,12 @@ def _build_runner(
         target_layers=model_config.num_layers,
         embed=model.model.embed_tokens,
         lm_head=model.compute_logits,
+        local_lm_head=model.local_logits,
         model=config.model,
         draft_model=config.draft_model,
         load_format=config.load_format,
         make_backend=lambda phase, shape: _backend(plugins, phase, shape, device),
+        tp=tp,
     )
     worker = (
         speculative.worker_class(worker_context, speculative.options)

@@ -71,15 +71,19 @@ class ModelConfig:
     dtype: str | None  # checkpoint dtype ("bfloat16", ...); None when the config is silent
     eos_token_ids: tuple[int, ...]  # config.json's only; see load_eos_ids for the union
 
-    def tensor_parallel_problems(self, size: int) -> list[str]:
-        """``tensor_parallel_problems`` of this model's shape."""
-        shape = {
+    @property
+    def layer_shares(self) -> dict[str, int]:
+        """The config keys (and values) that tensor parallelism divides among the ranks
+        in every decoder layer: heads, KV heads, MLP rows."""
+        return {
             "num_attention_heads": self.num_q_heads,
             "num_key_value_heads": self.num_kv_heads,
             "intermediate_size": self.intermediate_size,
-            "vocab_size": self.vocab_size,
         }
-        return tensor_parallel_problems(shape, size)
+
+    def tensor_parallel_problems(self, size: int) -> list[str]:
+        """``tensor_parallel_problems`` of this model's shape."""
+        return tensor_parallel_problems(self.layer_shares | {"vocab_size": self.vocab_size}, size)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -126,11 +130,14 @@ class ModelConfig:
         )
 
 
-def tensor_parallel_problems(d: dict[str, Any], size: int) -> list[str]:
+def tensor_parallel_problems(
+    d: dict[str, Any], size: int, whose: str = "the model's", vocab_key: str = "vocab_size"
+) -> list[str]:
     """What keeps a model of config.json ``d`` (raw keys: no transformers needed) from being
     sharded over ``size`` ranks: each rank takes an equal share of the attention heads, the KV
-    heads, the MLP's intermediate rows and the vocabulary. One line per problem, naming the
-    flag; empty when it divides (always for ``size`` 1)."""
+    heads, the MLP's intermediate rows and the vocabulary of its head (``vocab_key``; keys
+    absent from ``d`` are not checked). One line per problem, naming the flag and ``whose``
+    shape it is; empty when it divides (always for ``size`` 1)."""
     if size < 1:
         return [f"{TENSOR_PARALLEL_FLAG} {size}: must be at least 1"]
     heads = d.get("num_attention_heads")
@@ -138,10 +145,10 @@ def tensor_parallel_problems(d: dict[str, Any], size: int) -> list[str]:
         "num_attention_heads": heads,
         "num_key_value_heads": d.get("num_key_value_heads") or heads,
         "intermediate_size": d.get("intermediate_size"),
-        "vocab_size": d.get("vocab_size"),
+        vocab_key: d.get(vocab_key),
     }
     return [
-        f"{TENSOR_PARALLEL_FLAG} {size} does not divide the model's {key} ({value}): "
+        f"{TENSOR_PARALLEL_FLAG} {size} does not divide {whose} {key} ({value}): "
         "each rank takes an equal share"
         for key, value in shares.items()
         if isinstance(value, int) and value % size

@@ -227,7 +227,8 @@ def materialize(build: Callable[[], M], dtype: torch.dtype, device: torch.device
 
 def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Checkpoint name -> the parameter (or a fused parameter's rows, as a view) it loads
-    into, for a model named in the HF layout."""
+    into, for a model named in the HF layout. Under tensor parallelism a sharded one holds
+    the rank's cut only (``checkpoint_splits``)."""
     out: dict[str, torch.Tensor] = {}
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
@@ -237,6 +238,24 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                     out[checkpoint_name(Slot(full, shard))] = param.data[rows]
             else:
                 out[full] = param.data
+    return out
+
+
+def checkpoint_splits(model: torch.nn.Module) -> dict[str, Split]:
+    """Checkpoint name -> the rank's cut of it, for the sharded tensors of
+    ``checkpoint_tensors`` (none in a world of one)."""
+    out: dict[str, Split] = {}
+    for module_name, module in model.named_modules():
+        for name, _param in module.named_parameters(recurse=False):
+            split = param_split(module, name)
+            if split is None:
+                continue
+            full = f"{module_name}.{name}"
+            if isinstance(module, FusedLinear):
+                for shard in module.shards:
+                    out[checkpoint_name(Slot(full, shard))] = split
+            else:
+                out[full] = split
     return out
 
 

@@ -12,6 +12,7 @@ What rank ``r`` of ``N`` holds and what each layer communicates::
     VocabParallelEmbedding   vocabulary rows r*V/N .. (r+1)*V/N           all-reduce (sum)
     LM head (column over V)  vocabulary rows, as the embedding            ``gather_vocab``
                                                                           or ``vocab_argmax``
+                                                                          or ``vocab_top_logprobs``
     norms, q/k norms, RoPE   everything (replicated)                      none
 
 A world of size 1 never touches ``torch.distributed`` and runs exactly the ops of a plain
@@ -199,3 +200,38 @@ def vocab_argmax(local: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     gathered = torch.stack(tp.all_gather(pairs))  # [N, 2, n]
     winner = gathered[:, 0].argmax(dim=0, keepdim=True)  # [1, n]: ties to the lowest rank
     return gathered[:, 1].gather(0, winner).squeeze(0).long()
+
+
+@dataclass(frozen=True)
+class VocabTop:
+    """The ``k`` best tokens of each row over the whole vocabulary, best first."""
+
+    logprobs: torch.Tensor  # [n, k] float32: log-softmax over the whole vocabulary
+    ids: torch.Tensor  # [n, k] int64: global vocabulary ids
+
+
+def vocab_top_logprobs(local: torch.Tensor, k: int, tp: TPGroup) -> VocabTop:
+    """``local: [n, V/N]`` float32 logits -> the ``k`` best tokens and their log-probabilities
+    over the whole vocabulary, on every rank, without gathering the logits: each rank's ``k``
+    best and its log-normaliser, one all-gather of those, then the best ``k`` of the ``N * k``.
+    A world of one runs ``log_softmax(local).topk(k)``. With ``k`` 1, ties go to the lowest id
+    as in ``vocab_argmax``; with ``k`` > 1, equal scores across ranks in id order."""
+    if tp.size == 1:
+        top = torch.log_softmax(local, dim=-1).topk(k, dim=-1)
+        return VocabTop(top.values, top.indices)
+    n, width = local.shape
+    index = local.argmax(dim=-1, keepdim=True) if k == 1 else local.topk(k, dim=-1).indices
+    best = local.gather(-1, index)  # [n, k]
+    normaliser = torch.logsumexp(local, dim=-1, keepdim=True)  # [n, 1]
+    # float64 holds float32 values and vocabulary ids exactly: one collective for all three.
+    ids = (index + tp.rank * width).double()
+    packed = torch.cat((best.double(), ids, normaliser.double()), dim=-1)  # [n, 2k + 1]
+    gathered = torch.stack(tp.all_gather(packed))  # [N, n, 2k + 1]
+    total = torch.logsumexp(gathered[:, :, -1], dim=0).unsqueeze(-1)  # [n, 1]
+    values = gathered[:, :, :k].permute(1, 0, 2).reshape(n, tp.size * k)  # rank-major
+    ids = gathered[:, :, k : 2 * k].permute(1, 0, 2).reshape(n, tp.size * k)
+    by_id = ids.argsort(dim=-1, stable=True)
+    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
+    chosen = values.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    logprobs = (values.gather(-1, chosen) - total).to(local.dtype)
+    return VocabTop(logprobs, ids.gather(-1, chosen).long())

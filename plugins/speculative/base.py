@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from outrider.daemon.models.parallel import SINGLE, TPGroup
 from outrider.plugins.api import NoOptions, Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.device import (
@@ -39,7 +40,12 @@ from outrider.plugins.device import (
 
 @dataclass(frozen=True)
 class WorkerContext:
-    """What a worker is built with (besides its plugin options)."""
+    """What a worker is built with (besides its plugin options).
+
+    Under tensor parallelism every rank builds its worker with its ``tp`` and runs the same
+    draft steps: a draft model built with ``tp`` holds the rank's shard and communicates
+    inside its forward, and the drafts must come out the same on every rank (``vocab_argmax``
+    or gathered logits, never a rank's own slice alone)."""
 
     device: torch.device
     dtype: torch.dtype  # the target's serving dtype
@@ -56,13 +62,19 @@ class WorkerContext:
     max_positions: int  # positions a decode batch may reach: context length plus the reservation
     # The target's parts a draft may share.
     target_layers: int
-    embed: nn.Module  # token ids [T] -> embeddings [T, H]
-    lm_head: Callable[[torch.Tensor], torch.Tensor]  # normed hidden [n, H] -> logits [n, V]
+    embed: nn.Module  # token ids [T] -> embeddings [T, H] (whole, on every rank)
+    # normed hidden [n, H] -> logits [n, V] float32, the whole vocabulary (gathered under
+    # tensor parallelism: for sampling)
+    lm_head: Callable[[torch.Tensor], torch.Tensor]
+    # normed hidden [n, H] -> the rank's vocabulary slice [n, V / N] float32, with no
+    # communication (greedy choices: ``vocab_argmax(local, tp)``); lm_head's in a world of one
+    local_lm_head: Callable[[torch.Tensor], torch.Tensor]
     model: str  # --model, the target (a directory or config.json path)
     draft_model: str  # --draft-model ("" when none)
     load_format: str  # --load-format, for the draft too
     # An attention backend instance for one of the draft phases, for the draft's shape.
     make_backend: Callable[[Phase, AttentionShape], AttentionBackend]
+    tp: TPGroup = SINGLE  # this rank's tensor-parallel group
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@ drafts: the argmax for greedy rows; for sampled rows one draw per slot from that
 processed distribution (``DraftOptions.sample``, sampled.py). Context K/V depend on target
 features only, so prefix-cache pages carry valid draft KV.
 
+Under tensor parallelism the draft's layers are sharded as the target's (each rank holds its
+heads' KV) and the head is the target's vocabulary-parallel one: greedy drafts are the
+``vocab_argmax`` of each rank's logits slice, with no gather of the full logits.
+
 Sampled blocks stay lossless although no slot sees the drafts before it: slot ``j``'s
 distribution ``q_j`` is a function of the committed prefix alone, and its draft is drawn from
 ``q_j`` independently of the other slots' drafts given that prefix. The speculative sampling
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from outrider.daemon.models.parallel import gather_vocab, vocab_argmax
 from outrider.plugins.device import ForwardBatch
 from outrider.plugins.speculative.base import (
     Accepted,
@@ -55,6 +60,7 @@ class DFlashWorker(SpeculativeWorker):
             device=ctx.device,
             max_positions=ctx.max_positions,
             load_format="dummy" if ctx.load_format == "dummy" else "auto",
+            tp=ctx.tp,
         )
         shape = self.model.attention_shape
         self.kv = self.allocate_kv(self.model.num_layers, shape)
@@ -77,10 +83,14 @@ class DFlashWorker(SpeculativeWorker):
         layout = self.row_layout(view, positions, causal=False)
         fb = ForwardBatch.bind(layout, self.backend, self.kv)
         hidden = self.model(self.ctx.embed(block.reshape(-1)), fb)  # [bs * B, H]
-        logits = self.ctx.lm_head(hidden.view(bs, width, -1)[:, 1:].reshape(-1, hidden.shape[-1]))
+        drafted = hidden.view(bs, width, -1)[:, 1:].reshape(-1, hidden.shape[-1])
+        local = self.ctx.local_lm_head(drafted)  # [bs * (B - 1), V / N]
         mode = self.options.sample
         if view.sampling.all_greedy or mode == "argmax":
-            return Drafts(logits.argmax(dim=-1).view(bs, width - 1))
+            return Drafts(vocab_argmax(local, self.ctx.tp).view(bs, width - 1))
+        # Sampled rows draw from whole processed distributions: gather the vocabulary, as the
+        # target's sampling does (a mixed batch's greedy rows then take their argmax from it).
+        logits = gather_vocab(local, self.ctx.tp)
         offsets, limit = self.block_offsets[: width - 1], self.ctx.vocab_limit
         if mode == "coupled":
             return Drafts(

@@ -18,6 +18,10 @@ The draft owns a ``KVCache`` of D layers in the target's page layout; layer i of
 is layer i of that cache. Its RoPE comes from its own config.json, its tables are sized by
 ``max_positions``.
 
+Under tensor parallelism (``tp``) the layers are sharded as the target's are (a rank holds its
+heads, their KV, its MLP rows; o_proj and down_proj all-reduce); ``fc`` and the norms are
+replicated, so the context vectors and the output are whole on every rank.
+
 Public checkpoint layout (the attribute names of the public ``DFlashDraftModel`` class, saved
 without a prefix)::
 
@@ -47,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.daemon.models.config import ModelConfig, model_dir
+from outrider.daemon.models.config import ModelConfig, model_dir, tensor_parallel_problems
 from outrider.daemon.models.kernels import Rotation
 from outrider.daemon.models.layers import (
     Attention,
@@ -58,10 +62,12 @@ from outrider.daemon.models.layers import (
 )
 from outrider.daemon.models.loader import (
     checkpoint_files,
+    checkpoint_splits,
     checkpoint_tensors,
     init_dummy,
     materialize,
 )
+from outrider.daemon.models.parallel import SINGLE, TPGroup
 from outrider.plugins.device import AttentionShape, BatchLayout, KVCache
 from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
 
@@ -177,16 +183,22 @@ def _check_taps(taps: tuple[int, ...], num_target_layers: int, what: str) -> Non
 
 
 class DFlashDraft(nn.Module):
-    """The DFlash draft. Parameter names follow the public layout except for the fused
-    ``qkv_proj`` and ``gate_up_proj`` (mapped in ``dflash_tensors``)."""
+    """The DFlash draft (the rank's shard under tensor parallelism: ``tp``). Parameter names
+    follow the public layout except for the fused ``qkv_proj`` and ``gate_up_proj`` (mapped
+    in ``dflash_tensors``). ValueError naming the flag for a group size that does not divide
+    its layers."""
 
-    def __init__(self, config: DFlashConfig, max_positions: int) -> None:
+    def __init__(self, config: DFlashConfig, max_positions: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         m = config.model
+        problems = tensor_parallel_problems(m.layer_shares, tp.size, "the DFlash draft's")
+        if problems:
+            raise ValueError("; ".join(problems))
         self.config = config
+        self.tp = tp
         self.fc = nn.Linear(config.num_taps * config.target_hidden_size, m.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(m, i) for i in range(m.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(m, i, tp) for i in range(m.num_layers))
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(m.head_dim, m.rope, max_positions)
 
@@ -196,7 +208,8 @@ class DFlashDraft(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.model.num_kv_heads
+        """The rank's KV heads (what its KV cache holds)."""
+        return self.config.model.num_kv_heads // self.tp.size
 
     @property
     def head_dim(self) -> int:
@@ -204,9 +217,10 @@ class DFlashDraft(nn.Module):
 
     @property
     def attention_shape(self) -> AttentionShape:
+        """The rank's attention: its heads, the draft's head dim and scale."""
         m = self.config.model
-        dtype = self.fc.weight.dtype
-        return AttentionShape(m.num_q_heads, m.num_kv_heads, m.head_dim, m.head_dim**-0.5, dtype)
+        heads, dtype = m.num_q_heads // self.tp.size, self.fc.weight.dtype
+        return AttentionShape(heads, self.num_kv_heads, m.head_dim, m.head_dim**-0.5, dtype)
 
     def materialize(self, features: torch.Tensor, layout: BatchLayout, kv: KVCache) -> None:
         """``features: [T, L_tap * H_t]`` (the tapped target layers at ``layout.positions``,
@@ -255,10 +269,16 @@ def dflash_tensors(model: DFlashDraft) -> dict[str, torch.Tensor]:
 
 
 def build_dflash(
-    config: DFlashConfig, *, max_positions: int, dtype: torch.dtype, device: torch.device | str
+    config: DFlashConfig,
+    *,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPGroup = SINGLE,
 ) -> DFlashDraft:
-    """The draft with uninitialised weights in ``dtype`` on ``device`` (meta: no memory)."""
-    return materialize(lambda: DFlashDraft(config, max_positions), dtype, device)
+    """The draft (the rank's shard) with uninitialised weights in ``dtype`` on ``device``
+    (meta: no memory)."""
+    return materialize(lambda: DFlashDraft(config, max_positions, tp), dtype, device)
 
 
 def load_dflash(
@@ -268,12 +288,14 @@ def load_dflash(
     device: torch.device | str,
     max_positions: int,
     load_format: Literal["auto", "dummy"] = "auto",
+    tp: TPGroup = SINGLE,
 ) -> DFlashDraft:
-    """Load the draft at ``path`` (a directory or its config.json). ``max_positions`` sizes
-    the rotary tables: the serving context length plus the largest reservation. ``dummy``
-    fills random weights (norms 1, the rest N(0, 0.02))."""
+    """Load the draft at ``path`` (a directory or its config.json); under tensor parallelism
+    (``tp``), this rank's shard of it. ``max_positions`` sizes the rotary tables: the serving
+    context length plus the largest reservation. ``dummy`` fills random weights (norms 1, the
+    rest N(0, 0.02); a shard is the cut of what one rank draws)."""
     config = DFlashConfig.from_pretrained(path)
-    model = build_dflash(config, max_positions=max_positions, dtype=dtype, device=device)
+    model = build_dflash(config, max_positions=max_positions, dtype=dtype, device=device, tp=tp)
     if load_format == "dummy":
         init_dummy(model)
     else:
@@ -286,4 +308,5 @@ def load_dflash(
 def fill_dflash(model: DFlashDraft, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy public-layout ``(name, tensor)`` pairs into ``model``. Raises ValueError naming
     every unexpected, repeated or missing tensor, or the first one of a wrong shape."""
-    fill_public("DFlash", dflash_tensors(model), tensors, shared=_SHARED)
+    dests, splits = dflash_tensors(model), checkpoint_splits(model)
+    fill_public("DFlash", dests, tensors, shared=_SHARED, splits=splits)

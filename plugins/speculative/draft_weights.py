@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from outrider.daemon.models.parallel import Split
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +32,15 @@ def fill_public(
     *,
     shared: frozenset[str] = frozenset(),
     optional: frozenset[str] = frozenset(),
+    splits: Mapping[str, Split] | None = None,
 ) -> set[str]:
     """Copy public-layout ``(name, tensor)`` pairs into ``dests`` (name -> model tensor).
-    ``shared`` names (the target's own tensors) are skipped with a log line. Raises ValueError
-    naming every unexpected, repeated or missing tensor, or the first of a wrong shape; the
-    ``optional`` ones may be missing: returns those that are."""
+    ``splits``: the names whose dest holds the rank's cut only (tensor parallelism), and the
+    cut; the whole tensor is read and cut (a draft is small). ``shared`` names (the target's
+    own tensors) are skipped with a log line. Raises ValueError naming every unexpected,
+    repeated or missing tensor, or the first of a wrong shape; the ``optional`` ones may be
+    missing: returns those that are."""
+    splits = splits or {}
     pending = set(dests)
     unexpected: list[str] = []
     for name, tensor in tensors:
@@ -42,13 +50,13 @@ def fill_public(
         if name not in pending:
             unexpected.append(f"{name} (twice)" if name in dests else name)
             continue
-        dest = dests[name]
-        if dest.shape != tensor.shape:
+        dest, split = dests[name], splits.get(name)
+        expected = tuple(dest.shape) if split is None else split.full_shape(tuple(dest.shape))
+        if tuple(tensor.shape) != expected:
             raise ValueError(
-                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(dest.shape)}"
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {expected}"
             )
-        dest.copy_(tensor)
+        dest.copy_(tensor if split is None else split.take(tensor, expected))
         pending.discard(name)
     problems = []
     if unexpected:

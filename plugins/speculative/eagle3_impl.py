@@ -27,12 +27,18 @@ fallback to a chain, and seeded outputs stay the target-only ones.
 
 A prefix-cache hit gives its last page back (``prefix_margin_pages``): the draft's KV at the
 last cached position was computed with the publishing request's next token.
+
+Under tensor parallelism the draft is sharded as the target (its KV holds the rank's heads)
+and its head is vocabulary-parallel: greedy candidates are ``vocab_top_logprobs`` over each
+rank's logits slice (``vocab_argmax``'s tie rule for a chain), with no gather of the logits;
+sampled candidates gather the draft vocabulary first.
 """
 
 from __future__ import annotations
 
 import torch
 
+from outrider.daemon.models.parallel import gather_vocab, vocab_top_logprobs
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.device import BatchLayout, ForwardBatch
 from outrider.plugins.sampling import DRAW_DRAFT, SamplingBatch, processed_probs, sample_probs
@@ -68,6 +74,7 @@ class Eagle3Worker(SpeculativeWorker):
             device=ctx.device,
             max_positions=ctx.max_positions,
             load_format="dummy" if ctx.load_format == "dummy" else "auto",
+            tp=ctx.tp,
         )
         shape = self.model.attention_shape
         self.kv = self.allocate_kv(1, shape)
@@ -187,20 +194,23 @@ class Eagle3Worker(SpeculativeWorker):
         their scores: ``[n, K]`` each. Scores are the draft's log-probabilities, or a sampled
         row's coupled race scores. Under ``rejection`` (a chain) the one token is drawn from
         ``q``, returned as ``[n, V]`` (else None)."""
-        logits = self.model.compute_logits(y)  # [n, V_draft]
+        local = self.model.local_logits(y)  # [n, V_draft / N]
         mode, sampling = self.options.sample, view.sampling
-        if sampling.all_greedy or mode == "argmax":
-            scores = torch.log_softmax(logits, dim=-1)
-        else:
-            per_row = y.shape[0] // view.bs
-            batch = repeat_rows(sampling, per_row)
-            counters = (view.out_lens + depth).repeat_interleave(per_row)
-            if mode == "rejection":
-                return self._draw(logits, batch, counters)
-            scores = coupled_scores(
-                logits, batch, counters, self.draft_ids, vocab_limit=self.ctx.vocab_limit
-            )
         # Siblings' order is free (neither is the other's ancestor): topk, not a full sort.
+        if sampling.all_greedy or mode == "argmax":
+            greedy = vocab_top_logprobs(local, self.topk, self.model.tp)
+            return greedy.logprobs, self.model.to_target_ids(greedy.ids), None
+        # Sampled rows race over (or draw from) the whole draft vocabulary: gather it, as the
+        # target's sampling does.
+        logits = gather_vocab(local, self.model.tp)  # [n, V_draft]
+        per_row = y.shape[0] // view.bs
+        batch = repeat_rows(sampling, per_row)
+        counters = (view.out_lens + depth).repeat_interleave(per_row)
+        if mode == "rejection":
+            return self._draw(logits, batch, counters)
+        scores = coupled_scores(
+            logits, batch, counters, self.draft_ids, vocab_limit=self.ctx.vocab_limit
+        )
         top = scores.topk(self.topk, dim=-1)
         return top.values, self.model.to_target_ids(top.indices), None
 

@@ -13,6 +13,11 @@ The embedding is the target's (shared, not in the draft). The draft owns a one-l
 ``KVCache`` in the target's page layout and writes its K/V into layer 0 at ``fb.layout.out_loc``.
 Its RoPE comes from its own config.json, its tables are sized by ``max_positions``.
 
+Under tensor parallelism (``tp``) the layer is sharded as the target's are (a rank holds its
+heads, their KV, its MLP rows; o_proj and down_proj all-reduce) and ``lm_head`` is
+column-parallel over the draft vocabulary (``local_logits``: the rank's slice); ``fc``, the
+norms and ``d2t``/``t2d`` are replicated.
+
 Public checkpoint layout::
 
     fc.weight                                 [H, 3*H_t]
@@ -40,15 +45,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from outrider.daemon.models.config import ModelConfig, model_dir
+from outrider.daemon.models.config import ModelConfig, model_dir, tensor_parallel_problems
 from outrider.daemon.models.kernels import Rotation
 from outrider.daemon.models.layers import MLP, Attention, FusedLinear, RMSNorm, RotaryEmbedding
 from outrider.daemon.models.loader import (
     checkpoint_files,
+    checkpoint_splits,
     checkpoint_tensors,
     init_dummy,
     materialize,
 )
+from outrider.daemon.models.parallel import SINGLE, ColumnParallelLinear, TPGroup, gather_vocab
 from outrider.plugins.device import AttentionShape
 from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
 
@@ -135,26 +142,26 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
 class Eagle3Attention(Attention):
     """``Attention`` whose q/k/v read the 2H-wide concat; o_proj still returns H."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config, layer_id=0)
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
+        super().__init__(config, layer_id=0, tp=tp)
         # NOTE: replaces the H-wide qkv_proj built above; build on the meta device (as
         # build_eagle3 does) so the discarded one costs no memory.
         q_rows = config.num_q_heads * config.head_dim
         kv_rows = config.num_kv_heads * config.head_dim
         rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
-        self.qkv_proj = FusedLinear(2 * config.hidden_size, rows, config.attention_bias)
+        self.qkv_proj = FusedLinear(2 * config.hidden_size, rows, config.attention_bias, tp)
 
 
 class Eagle3Layer(nn.Module):
     """The draft's decoder layer: HF's ``midlayer.`` prefix."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = Eagle3Attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self,
@@ -171,20 +178,28 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    """The EAGLE-3 draft. Parameter names follow the public layout except for the fused
-    ``qkv_proj`` and ``gate_up_proj`` (mapped in ``eagle3_tensors``)."""
+    """The EAGLE-3 draft (the rank's shard under tensor parallelism: ``tp``). Parameter names
+    follow the public layout except for the fused ``qkv_proj`` and ``gate_up_proj`` (mapped
+    in ``eagle3_tensors``). ValueError naming the flag for a group size that does not divide
+    its layer or its draft vocabulary."""
 
     d2t: torch.Tensor  # [draft_vocab] int64: target_id - draft_id
     t2d: torch.Tensor  # [vocab] bool: target id is in the draft vocab
 
-    def __init__(self, config: Eagle3Config, max_positions: int) -> None:
+    def __init__(self, config: Eagle3Config, max_positions: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         m = config.model
+        shares = m.layer_shares | {"draft_vocab_size": config.draft_vocab_size}
+        whose = "the EAGLE-3 draft's"
+        problems = tensor_parallel_problems(shares, tp.size, whose, "draft_vocab_size")
+        if problems:
+            raise ValueError("; ".join(problems))
         self.config = config
+        self.tp = tp
         self.fc = nn.Linear(NUM_TAPS * config.target_hidden_size, m.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(m)
+        self.midlayer = Eagle3Layer(m, tp)
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
-        self.lm_head = nn.Linear(m.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = ColumnParallelLinear(m.hidden_size, config.draft_vocab_size, False, tp)
         self.rotary_emb = RotaryEmbedding(m.head_dim, m.rope, max_positions)
         # NOTE: uninitialised after build_eagle3's to_empty; the load paths always fill them.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
@@ -196,7 +211,8 @@ class Eagle3Draft(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.model.num_kv_heads
+        """The rank's KV heads (what its KV cache holds)."""
+        return self.config.model.num_kv_heads // self.tp.size
 
     @property
     def head_dim(self) -> int:
@@ -204,9 +220,10 @@ class Eagle3Draft(nn.Module):
 
     @property
     def attention_shape(self) -> AttentionShape:
+        """The rank's attention: its heads, the draft's head dim and scale."""
         m = self.config.model
-        dtype = self.fc.weight.dtype
-        return AttentionShape(m.num_q_heads, m.num_kv_heads, m.head_dim, m.head_dim**-0.5, dtype)
+        heads, dtype = m.num_q_heads // self.tp.size, self.fc.weight.dtype
+        return AttentionShape(heads, self.num_kv_heads, m.head_dim, m.head_dim**-0.5, dtype)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """``features: [T, 3*H_t]`` (the tapped target layers, low to high, concatenated)
@@ -221,7 +238,13 @@ class Eagle3Draft(nn.Module):
         return self.midlayer(embeds, feat, self.rotary_emb(fb.layout.positions), fb)
 
     def compute_logits(self, y: torch.Tensor) -> torch.Tensor:
-        """``y: [n, H]`` -> ``[n, draft_vocab]`` float32."""
+        """``y: [n, H]`` -> ``[n, draft_vocab]`` float32, the whole draft vocabulary on every
+        rank (gathered under tensor parallelism: greedy choices use ``local_logits``)."""
+        return gather_vocab(self.local_logits(y), self.tp)
+
+    def local_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """``y: [n, H]`` -> ``[n, draft_vocab / N]`` float32: the rank's slice of the draft
+        vocabulary (draft ids from ``rank * draft_vocab / N``), with no communication."""
         return self.lm_head(self.norm(y)).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -238,11 +261,16 @@ def eagle3_tensors(model: Eagle3Draft) -> dict[str, torch.Tensor]:
 
 
 def build_eagle3(
-    config: Eagle3Config, *, max_positions: int, dtype: torch.dtype, device: torch.device | str
+    config: Eagle3Config,
+    *,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPGroup = SINGLE,
 ) -> Eagle3Draft:
-    """The draft with uninitialised weights in ``dtype`` on ``device`` (meta: no memory).
-    ``d2t``/``t2d`` keep their integer and bool dtypes."""
-    return materialize(lambda: Eagle3Draft(config, max_positions), dtype, device)
+    """The draft (the rank's shard) with uninitialised weights in ``dtype`` on ``device``
+    (meta: no memory). ``d2t``/``t2d`` keep their integer and bool dtypes."""
+    return materialize(lambda: Eagle3Draft(config, max_positions, tp), dtype, device)
 
 
 def load_eagle3(
@@ -252,12 +280,15 @@ def load_eagle3(
     device: torch.device | str,
     max_positions: int,
     load_format: Literal["auto", "dummy"] = "auto",
+    tp: TPGroup = SINGLE,
 ) -> Eagle3Draft:
-    """Load the draft at ``path`` (a directory or its config.json). ``max_positions`` sizes
-    the rotary tables: the serving context length plus the largest reservation. ``dummy``
-    fills random weights (norms 1, the rest N(0, 0.02)) and maps draft id i to target id i."""
+    """Load the draft at ``path`` (a directory or its config.json); under tensor parallelism
+    (``tp``), this rank's shard of it. ``max_positions`` sizes the rotary tables: the serving
+    context length plus the largest reservation. ``dummy`` fills random weights (norms 1, the
+    rest N(0, 0.02); a shard is the cut of what one rank draws) and maps draft id i to target
+    id i."""
     config = Eagle3Config.from_pretrained(path)
-    model = build_eagle3(config, max_positions=max_positions, dtype=dtype, device=device)
+    model = build_eagle3(config, max_positions=max_positions, dtype=dtype, device=device, tp=tp)
     if load_format == "dummy":
         init_dummy(model)
         model.d2t.zero_()
@@ -279,7 +310,12 @@ def fill_eagle3(model: Eagle3Draft, tensors: Iterable[tuple[str, torch.Tensor]])
     vocab_map = frozenset(_VOCAB_MAP)
     optional = vocab_map if model.config.identity_vocab else frozenset()
     missing = fill_public(
-        "EAGLE-3", eagle3_tensors(model), tensors, shared=_IGNORED, optional=optional
+        "EAGLE-3",
+        eagle3_tensors(model),
+        tensors,
+        shared=_IGNORED,
+        optional=optional,
+        splits=checkpoint_splits(model),
     )
     if missing and missing != vocab_map:
         raise ValueError(f"EAGLE-3 draft: missing checkpoint tensors: {', '.join(sorted(missing))}")

@@ -9,14 +9,20 @@ batch feeds the root and each draft in turn (positions ``seq .. seq + S - 1``); 
 drafts are the committed tokens, so after the accept the draft's KV is final up to
 ``seq + a - 1``, and one more token (the last accepted one, at ``seq + a``) completes it; that
 rewrite is idempotent unless all ``S`` drafts were accepted.
+
+Under tensor parallelism the draft model is sharded as the target (``load_model`` with the
+rank's ``tp``): greedy drafts are the ``vocab_argmax`` of each rank's logits slice, sampled
+ones gather the draft's vocabulary.
 """
 
 from __future__ import annotations
 
 import torch
 
+from outrider.daemon.models.config import ModelConfig, tensor_parallel_problems
 from outrider.daemon.models.layers import DecoderForCausalLM
 from outrider.daemon.models.loader import load_model
+from outrider.daemon.models.parallel import vocab_argmax
 from outrider.plugins.device import DRAW_DRAFT, ForwardBatch, processed_probs, sample_probs
 from outrider.plugins.speculative.base import (
     Accepted,
@@ -33,6 +39,11 @@ from outrider.plugins.speculative.sampled import coupled_scores
 class StandaloneWorker(SpeculativeWorker):
     def __init__(self, ctx: WorkerContext, options: DraftOptions) -> None:
         super().__init__(ctx, options)
+        draft = ModelConfig.from_pretrained(ctx.draft_model)
+        shares = draft.layer_shares | {"vocab_size": draft.vocab_size}
+        problems = tensor_parallel_problems(shares, ctx.tp.size, "the standalone draft's")
+        if problems:
+            raise ValueError("; ".join(problems))
         self.model: DecoderForCausalLM
         self.model, config = load_model(
             ctx.draft_model,
@@ -40,6 +51,7 @@ class StandaloneWorker(SpeculativeWorker):
             device=ctx.device,
             load_format="dummy" if ctx.load_format == "dummy" else "auto",
             max_positions=ctx.max_positions,
+            tp=ctx.tp,
         )
         shape = self.model.attention_shape
         self.kv = self.allocate_kv(config.num_layers, shape)
@@ -50,6 +62,10 @@ class StandaloneWorker(SpeculativeWorker):
             (ctx.max_slots, ctx.logits_width), float("-inf"), device=ctx.device
         )
         self.vocab_ids = torch.arange(ctx.logits_width, device=ctx.device)  # [V]
+        # The draft ids the rank's logits slice holds, and whether some reach the limit.
+        local = self.model.config.vocab_size // ctx.tp.size
+        self.local_ids = torch.arange(local, device=ctx.device) + ctx.tp.rank * local
+        self.local_limited = self.model.config.vocab_size > ctx.vocab_limit
 
     def after_extend(self, view: ExtendView) -> None:
         self.model(view.input_ids, ForwardBatch.bind(view.fb.layout, self.extend_backend, self.kv))
@@ -60,7 +76,12 @@ class StandaloneWorker(SpeculativeWorker):
             mode = "argmax"
         token, drafts, probs = view.roots, [], []
         for k in range(self.shape.width - 1):
-            logits = self._next(token, view.starts + k, view)  # [bs, V]
+            hidden = self._forward(token, view.starts + k, view)  # [bs, H]
+            if mode == "argmax":
+                token = self._greedy(hidden)
+                drafts.append(token)
+                continue
+            logits = self._wide_logits(hidden, view.bs)  # [bs, V]
             if mode == "coupled":
                 scores = coupled_scores(
                     logits, sampling, view.out_lens + k, self.vocab_ids, vocab_limit=limit
@@ -70,8 +91,6 @@ class StandaloneWorker(SpeculativeWorker):
                 q = processed_probs(logits, sampling, vocab_limit=limit)
                 token = sample_probs(q, sampling.seed, view.out_lens + k, DRAW_DRAFT)
                 probs.append(q)
-            else:
-                token = logits.argmax(dim=-1)
             drafts.append(token)
         return Drafts(torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if probs else None)
 
@@ -80,17 +99,30 @@ class StandaloneWorker(SpeculativeWorker):
         # The token at seq + a: the root when nothing was accepted, else the last draft taken.
         block = torch.cat([view.roots.unsqueeze(1), accepted.tokens], dim=1)
         last = block.gather(1, drafts_taken.unsqueeze(1)).squeeze(1)
-        self._next(last, view.starts + drafts_taken, view)
+        self._forward(last, view.starts + drafts_taken, view)
 
-    def _next(
+    def _forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, view: DecodeView
     ) -> torch.Tensor:
-        """Feed ``tokens`` [bs] at ``positions`` [bs]; the draft's next-token logits as wide
-        as the target's, -inf from the target's vocabulary limit on."""
+        """Feed ``tokens`` [bs] at ``positions`` [bs]; the draft's final hidden states."""
         layout = self.row_layout(view, positions.unsqueeze(1))
         fb = ForwardBatch.bind(layout, self.decode_backend, self.kv)
-        logits = self.model.compute_logits(self.model(tokens, fb))  # [bs, V_draft]
+        return self.model(tokens, fb)
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden: [bs, H]`` -> ``[bs]`` the draft's argmax below the target's vocabulary
+        limit, from the rank's logits slice (no gather)."""
+        local = self.model.local_logits(hidden)  # [bs, V_draft / N]
+        if self.local_limited:
+            local = local.masked_fill(self.local_ids >= self.ctx.vocab_limit, float("-inf"))
+        return vocab_argmax(local, self.ctx.tp)
+
+    def _wide_logits(self, hidden: torch.Tensor, bs: int) -> torch.Tensor:
+        """``hidden: [bs, H]`` -> the draft's next-token logits as wide as the target's, -inf
+        from the target's vocabulary limit on (gathered under tensor parallelism: sampling
+        needs the whole distribution)."""
+        logits = self.model.compute_logits(hidden)  # [bs, V_draft]
         limit = min(logits.shape[-1], self.ctx.vocab_limit)
-        wide = self.logits.narrow(0, 0, view.bs)
+        wide = self.logits.narrow(0, 0, bs)
         wide[:, :limit] = logits[:, :limit]
         return wide
