@@ -716,8 +716,8 @@ def test_start_up_refusals(spawn: Callable[..., Daemon], model_dir: Path, tmp_pa
             ["--attention-backend", "nope"],
             {},
             "outrider serve: the configuration cannot run:\n"
-            "  --attention-backend: unknown attention backend 'nope'; available: flashinfer, "
-            "torch, triton",
+            "  --attention-backend: unknown attention backend 'nope'; available: fa4, "
+            "flashinfer, torch, triton",
             False,
         ),
         "dtype": (

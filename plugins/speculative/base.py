@@ -180,7 +180,9 @@ class SpeculativeWorker(ABC):
             page_table=self.ctx.page_table,
             page_size=page_size,
             slots=view.slots,
-            positions=positions.reshape(-1),
+            # NOTE: an expanded [1, q] (a tree step at batch 1) flattens to a stride-0 view,
+            # which fused rotary kernels refuse.
+            positions=positions.reshape(-1).contiguous(),
             out_loc=out_loc.view(-1),
             q_start=self.token_ids[: bs + 1] * q,
             seq_lens=positions[:, -1] + 1 if seq_lens is None else seq_lens,
