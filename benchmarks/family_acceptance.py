@@ -10,7 +10,10 @@ outputs (equal digests: equal outputs token for token).
     python benchmarks/family_acceptance.py --device cuda --concurrency 1 -- \\
         --speculative-algorithm eagle3 --speculative-num-steps 3
 
-With ``--runs R`` the set is sent R times to the same daemon and tok/s is the median.
+With ``--runs R`` the set is sent R times to the same daemon and tok/s is the median. The
+report gives the seconds from the daemon's launch to READY (``ready_s``: the drafting policy's
+start-up timing is part of it); the daemon logs at ``--daemon-log-level`` (default info: the
+break-even it measured and a line per finished request).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -129,6 +131,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--daemon-log-level", default="info")
     parser.add_argument("serve_args", nargs="*", help="extra `outrider serve` flags (after --)")
     args = parser.parse_args()
 
@@ -137,13 +140,17 @@ def main() -> None:
     command = [
         sys.executable, "-m", "outrider.daemon.cli", "serve", "--device", args.device,
         "--listen", endpoint, "--max-running", str(min(args.concurrency, 64)),
+        "--log-level", args.daemon_log_level,
         *args.serve_args,
     ]  # fmt: skip
     print("daemon:", " ".join(command), flush=True)
-    proc = subprocess.Popen(command, env={**os.environ, "OUTRIDER_LOG_LEVEL": "warning"})
+    launched = time.perf_counter()
+    proc = subprocess.Popen(command)
     results = []
     try:
         wait_ready(endpoint, proc, 600)
+        ready_s = time.perf_counter() - launched
+        print(f"ready in {ready_s:.1f} s", flush=True)
         for form in args.forms:
             work = Workload(prompts, args.new_tokens, args.concurrency, args.temperature, args.runs)
             result = asyncio.run(run_form(endpoint, form, work))
@@ -155,6 +162,7 @@ def main() -> None:
     report = {
         "command": command,
         "concurrency": args.concurrency,
+        "ready_s": round(ready_s, 2),
         "results": [asdict(r) for r in results],
     }
     if args.out:

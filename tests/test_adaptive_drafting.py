@@ -4,6 +4,7 @@ steps draft."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from outrider.daemon.scheduler.drafting import (
     AlternateDrafting,
     BreakEven,
     FixedDrafting,
+    kind_of,
 )
 from outrider.daemon.scheduler.request import Request
 
@@ -46,29 +48,93 @@ def _req(rid: int, temperature: float = 0.0) -> Request:
 
 
 def _policy(break_even: BreakEven, **settings: int | float) -> AdaptiveDrafting:
-    return AdaptiveDrafting(AdaptiveSettings(break_even, initial_tau=4.0, **settings))
+    return AdaptiveDrafting(AdaptiveSettings(break_even, **settings))
 
 
-def test_break_even_takes_the_largest_measured_size_below() -> None:
-    break_even = BreakEven((1, 4, 16), (2.0, 2.5, 3.5))
-    assert [break_even.at(bs) for bs in (1, 3, 4, 15, 16, 64)] == [2.0, 2.0, 2.5, 2.5, 3.5, 3.5]
-    assert BreakEven.fixed(1.7).at(9) == 1.7
+def _mean(policy: AdaptiveDrafting, kind: int) -> tuple[float, int]:
+    mean = policy.kind_tau[kind]
+    return mean.value, mean.count
 
 
-def test_estimates_start_at_the_kind_mean_and_follow_the_commits() -> None:
-    policy = _policy(BreakEven.fixed(2.0), smoothing=0.5, engine_smoothing=0.25)
+def test_break_even_takes_the_largest_measured_size_below_and_the_batch_kind() -> None:
+    break_even = BreakEven((1, 4, 16), (2.0, 2.5, 3.5), (3.0, 3.5, 4.5))
+    sizes = (1, 3, 4, 15, 16, 64)
+    assert [break_even.at(bs, True) for bs in sizes] == [2.0, 2.0, 2.5, 2.5, 3.5, 3.5]
+    assert [break_even.at(bs, False) for bs in sizes] == [3.0, 3.0, 3.5, 3.5, 4.5, 4.5]
+    assert BreakEven.fixed(1.7).at(9, True) == BreakEven.fixed(1.7).at(9, False) == 1.7
+
+
+def test_kinds_are_greedy_and_temperature_bands() -> None:
+    temperatures = (0.0, 0.1, 0.5, 0.6, 0.7, 0.9, 1.0, 1.5)
+    assert [kind_of(_req(0, t)) for t in temperatures] == [0, 1, 1, 2, 2, 2, 3, 3]
+
+
+def test_a_kind_never_observed_drafts_to_learn_and_counts_at_the_break_even() -> None:
+    policy = _policy(BreakEven((1, 2), (2.0, 2.0), (3.0, 3.0)))
     greedy, sampled = _req(1), _req(2, temperature=1.0)
-    assert policy.estimate(greedy) == policy.estimate(sampled) == 4.0
-    assert policy.drafting([greedy, sampled])
-    policy.observe(sampled, 1)
-    assert sampled.tau_estimate == 2.5 and policy.engine_tau == {False: 3.25, True: 4.0}
-    policy.observe(sampled, 1)
-    assert sampled.tau_estimate == 1.75 and policy.engine_tau[False] == 2.6875
-    # A new sampled request starts at the sampled mean, a greedy one at the greedy mean.
-    assert policy.estimate(_req(3, temperature=0.7)) == 2.6875
-    assert policy.estimate(_req(4)) == 4.0
-    assert not policy.drafting([sampled])  # 1.75 < 2
-    assert policy.drafting([sampled, greedy])  # mean (1.75 + 4) / 2 >= 2
+    assert policy.estimate(greedy) is None and policy.estimate(sampled) is None
+    assert policy.drafting([greedy]) and policy.drafting([sampled, greedy])
+    other = _req(3, temperature=1.0)
+    other.tau_estimate = 2.8
+    # Sampled break-even 3 at batch 2: (2.8 + 3) / 2 < 3, the unknown row does not lift it.
+    assert not policy.drafting([other, sampled])
+    other.tau_estimate = 3.2
+    assert policy.drafting([other, sampled])
+
+
+def test_kind_means_start_as_plain_means_then_move_slowly() -> None:
+    policy = _policy(BreakEven.fixed(2.0), engine_smoothing=0.25)
+    first, second = _req(1, temperature=1.0), _req(2, temperature=1.0)
+    for commit_len in (1, 2, 3):
+        policy.observe(first, commit_len)
+    assert _mean(policy, 3) == (pytest.approx(2.0), 3)  # the mean of 1, 2, 3
+    policy.observe(first, 1)  # from 4 observations on: weight 1 / 4, the smoothing
+    assert _mean(policy, 3) == (pytest.approx(1.75), 4)
+    policy.observe(first, 3)
+    assert _mean(policy, 3) == (pytest.approx(2.0625), 5)
+    # A new request of the kind starts at its mean; other kinds are untouched.
+    assert policy.estimate(second) == pytest.approx(2.0625)
+    assert policy.estimate(_req(3, temperature=0.7)) is None and set(policy.kind_tau) == {3}
+
+
+def test_a_request_moves_from_its_kinds_mean() -> None:
+    policy = _policy(BreakEven.fixed(2.0), smoothing=0.5)
+    first, second = _req(1), _req(2)
+    policy.observe(first, 4)  # the kind's first observation: taken as it is
+    assert first.tau_estimate == 4.0 and _mean(policy, 0) == (4.0, 1)
+    policy.observe(first, 2)
+    assert first.tau_estimate == 3.0 and _mean(policy, 0) == (3.0, 2)
+    policy.observe(second, 1)  # starts at the kind's mean 3
+    assert second.tau_estimate == 2.0 and _mean(policy, 0) == (pytest.approx(7 / 3), 3)
+
+
+def test_a_weak_draft_at_t1_runs_plain_from_its_second_step() -> None:
+    """A sampled break-even of 2: the first request drafts once to learn, commits 1, and runs
+    plain until a probe; the next request of its kind starts plain."""
+    policy = _policy(BreakEven.fixed(2.0), probe_every=4)
+    first = _req(1, temperature=1.0)
+    decisions = []
+    for _ in range(7):
+        decisions.append(policy.drafting([first]))
+        if decisions[-1]:
+            policy.observe(first, 1)
+    assert decisions == [True, False, False, False, False, True, False]
+    second = _req(2, temperature=1.0)
+    assert policy.estimate(second) == 1.0 and not policy.drafting([second])
+
+
+def test_a_good_greedy_draft_drafts_from_the_first_step() -> None:
+    """A greedy break-even of 1.5: a rejection now and then does not stop a request whose
+    acceptance is 2.5 on average, and the next request drafts at once."""
+    policy = _policy(BreakEven.fixed(1.5))
+    first = _req(1)
+    decisions = []
+    for commit_len in (3, 1, 4, 1, 2, 3, 1, 4):
+        decisions.append(policy.drafting([first]))
+        policy.observe(first, commit_len)
+    assert all(decisions)
+    assert _mean(policy, 0) == (pytest.approx(19 / 8), 8)  # the mean of the 8
+    assert policy.drafting([_req(2)]) and policy.drafting([_req(3), _req(4)])
 
 
 def test_plain_batches_probe_with_a_growing_wait() -> None:
@@ -84,13 +150,16 @@ def test_plain_batches_probe_with_a_growing_wait() -> None:
     assert [policy.drafting([low]) for _ in range(3)] == [False, False, True]
 
 
-def test_the_break_even_depends_on_the_batch_size() -> None:
-    policy = _policy(BreakEven((1, 4), (1.5, 3.0)))
+def test_the_break_even_depends_on_the_batch_size_and_kind() -> None:
+    policy = _policy(BreakEven((1, 4), (1.5, 3.0), (2.5, 3.5)))
     rows = [_req(i) for i in range(4)]
     for req in rows:
         req.tau_estimate = 2.0
     assert policy.drafting(rows[:1]) and policy.drafting(rows[:3])
     assert not policy.drafting(rows)
+    sampled = _req(9, temperature=0.7)
+    sampled.tau_estimate = 2.0
+    assert not policy.drafting([sampled]) and not policy.drafting([rows[0], sampled])
 
 
 def test_start_keys_hold_plain_graphs_beside_the_cycles() -> None:
@@ -182,23 +251,33 @@ def test_the_policy_stops_drafting_where_acceptance_does_not_pay(
     )
     assert engine.loop.runner.graphs is None  # CPU: eager
     policy = engine.scheduler.policy
-    assert isinstance(policy, AdaptiveDrafting) and policy.settings.break_even.at(8) == 2.5
+    assert isinstance(policy, AdaptiveDrafting)
+    assert policy.settings.break_even.at(8, True) == policy.settings.break_even.at(8, False) == 2.5
     outcomes = run(engine, _workload())
     assert tokens_of(outcomes) == expected
     drafts = sum(o.finish.usage.spec_drafts for o in outcomes.values())
     tokens = sum(len(t) for t in tokens_of(outcomes).values())
     assert 0 < drafts < tokens / 3
-    assert policy.engine_tau[True] < 4.0 and policy.engine_tau[False] < 4.0
+    assert set(policy.kind_tau) == {0, 2}  # greedy, and T = 0.9
+    assert all(mean.value < 2.5 for mean in policy.kind_tau.values())
 
 
-def test_the_break_even_is_measured_at_start_by_default(dirs: dict[str, str]) -> None:
-    engine = engine_for(
-        dirs["target"], speculative_min_acceptance=-1.0, **_settings(dirs, "dflash")
-    )
+def test_the_break_even_is_measured_at_start_by_default(
+    dirs: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Greedy and sampled, at a prompt of 200 tokens: the tiny target's context of 256 less
+    the timing's own tokens (DFlash block 4: 2 x (4 + 2) turns x 4) and two steps' span."""
+    with caplog.at_level(logging.INFO, "outrider.engine"):
+        engine = engine_for(
+            dirs["target"], speculative_min_acceptance=-1.0, **_settings(dirs, "dflash")
+        )
     policy = engine.scheduler.policy
     assert isinstance(policy, AdaptiveDrafting)
     break_even = policy.settings.break_even
-    assert break_even.sizes == (1, 4) and all(tau >= 1.0 for tau in break_even.taus)
+    assert break_even.sizes == (1, 4)
+    for taus in (break_even.greedy, break_even.sampled):
+        assert len(taus) == 2 and all(tau >= 1.0 for tau in taus)
+    assert "batch 1, 4, 200-token prompts" in caplog.text
     counters = engine.scheduler.counters()  # the timing left nothing behind
     assert (counters.running, counters.waiting, counters.spec_drafts) == (0, 0, 0)
     plain = engine_for(dirs["target"], speculative_min_acceptance=-1.0)

@@ -343,11 +343,8 @@ def _drafting_policy(
     tau = config.speculative_min_acceptance
     if not shape.speculative or tau == 0:
         return FixedDrafting()
-    if tau > 0:
-        break_even = BreakEven.fixed(tau)
-    else:
-        break_even = measure_break_even(loop, shape, config.max_running, pool_tokens)
-    return AdaptiveDrafting(AdaptiveSettings(break_even, initial_tau=shape.max_commit))
+    break_even = BreakEven.fixed(tau) if tau > 0 else measure_break_even(loop, shape, pool_tokens)
+    return AdaptiveDrafting(AdaptiveSettings(break_even))
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,25 @@
 A drafting step (a speculative cycle: draft, verify ``width`` tokens a row, catch-up) costs
 ``break_even`` times a plain step (one token a row, the catch-up only) and commits the rows'
 acceptance length ``tau`` (1 + accepted drafts) where the plain step commits 1. So a batch
-drafts when its rows' mean estimated ``tau`` reaches ``break_even`` at the batch's size:
+drafts when its rows' mean estimated ``tau`` reaches ``break_even`` at the batch's size and
+kind (greedy, or sampled when any row samples: sampling costs a cycle more, cycle_cost.py):
 measured at start (build.py's ``measure_break_even``) or set with
 ``--speculative-min-acceptance`` (0: always draft, the policy off).
 
-Estimates, all updated from the commit counts the host sees (outputs.py):
+Estimates, all updated from the commit counts the host sees (outputs.py), per kind of request
+(``kind_of``: greedy, or a temperature band; acceptance differs several-fold between them):
 
-- per request: an exponential moving average of its commit lengths over its drafting steps,
-  started at its kind's engine mean;
-- per kind (greedy, sampled: their acceptance differs several-fold), the engine's moving
-  average over every request's drafting steps, which a new request starts from.
+- per kind, the engine's mean commit length over every request's drafting steps: the plain
+  mean of its first observations, then a moving average (``engine_smoothing``);
+- per request, a moving average of its commit lengths (``smoothing``), started at its kind's
+  mean; a request with no drafting step yet is estimated at its kind's mean.
+
+A kind never observed has no estimate: its rows count at the break-even, so a batch of them
+drafts (to learn) and a mixed batch decides by the others. There is no optimistic start: once
+one cycle of a kind has been seen, its requests start where that kind's acceptance was
+measured, so a weak draft at T = 1.0 stops after its first cycle whose commits fall short
+(and a later request of the kind starts plain), while a good draft at T = 0 drafts from the
+first step of every request.
 
 A batch that stays plain learns nothing, so after ``probe_every`` plain steps in a row the
 batch drafts once (a probe); each probe that does not bring drafting back doubles the wait, up
@@ -71,32 +80,57 @@ class AlternateDrafting:
         pass
 
 
+# Upper edges of the sampled requests' temperature bands (a kind each; greedy is kind 0).
+TEMPERATURE_BANDS = (0.5, 0.9)
+
+
+def kind_of(req: Request) -> int:
+    """0 for a greedy request; 1, 2, ... for the temperature bands of sampled ones."""
+    temperature = req.sampling.temperature
+    if temperature == 0.0:
+        return 0
+    return 1 + bisect.bisect_left(TEMPERATURE_BANDS, temperature)
+
+
 @dataclass(frozen=True)
 class BreakEven:
-    """The acceptance length at which a cycle pays, by batch size: ``taus[i]`` measured at
-    ``sizes[i]`` (ascending); a batch takes the value of the largest size it reaches (the
-    smallest size's below it)."""
+    """The acceptance length at which a cycle pays, by batch size and kind: ``greedy[i]`` and
+    ``sampled[i]`` measured at ``sizes[i]`` (ascending); a batch takes the value of the largest
+    size it reaches (the smallest size's below it), ``sampled`` when any row samples."""
 
     sizes: tuple[int, ...]
-    taus: tuple[float, ...]
+    greedy: tuple[float, ...]
+    sampled: tuple[float, ...]
 
     @classmethod
     def fixed(cls, tau: float) -> BreakEven:
-        return cls((1,), (tau,))
+        return cls((1,), (tau,), (tau,))
 
-    def at(self, bs: int) -> float:
+    def at(self, bs: int, all_greedy: bool) -> float:
         i = max(bisect.bisect_right(self.sizes, bs) - 1, 0)
-        return self.taus[i]
+        return (self.greedy if all_greedy else self.sampled)[i]
 
 
 @dataclass(frozen=True)
 class AdaptiveSettings:
     break_even: BreakEven
-    initial_tau: float  # the engine means before any observation (the largest commit: draft)
     smoothing: float = 0.3  # weight of a request's newest commit length in its average
-    engine_smoothing: float = 0.05  # the same in its kind's engine mean
+    engine_smoothing: float = 0.05  # the same in its kind's mean, once past 1 / count
     probe_every: int = 8  # plain steps before the first probe
     max_probe_every: int = 64
+
+
+@dataclass
+class KindMean:
+    """The mean commit length of one kind's drafting steps: the plain mean of the first
+    ``1 / weight`` observations, then a moving average with ``weight``."""
+
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, commit_len: int, weight: float) -> None:
+        self.count += 1
+        self.value = _moved(self.value, commit_len, max(weight, 1.0 / self.count))
 
 
 class AdaptiveDrafting:
@@ -104,19 +138,23 @@ class AdaptiveDrafting:
 
     def __init__(self, settings: AdaptiveSettings) -> None:
         self.settings = settings
-        self.engine_tau = {False: settings.initial_tau, True: settings.initial_tau}
+        self.kind_tau: dict[int, KindMean] = {}  # kinds observed so far
         self.probe_every = settings.probe_every
         self.plain_run = 0  # plain steps in a row
 
-    def estimate(self, req: Request) -> float:
-        """``req``'s estimated acceptance length."""
-        if req.tau_estimate <= 0.0:  # nothing observed yet
-            return self.engine_tau[_greedy(req)]
-        return req.tau_estimate
+    def estimate(self, req: Request) -> float | None:
+        """``req``'s estimated acceptance length; None while its kind was never observed."""
+        if req.tau_estimate > 0.0:
+            return req.tau_estimate
+        kind = self.kind_tau.get(kind_of(req))
+        return kind.value if kind is not None else None
 
     def drafting(self, rows: list[Request]) -> bool:
-        mean = sum(self.estimate(req) for req in rows) / len(rows)
-        if mean >= self.settings.break_even.at(len(rows)):
+        all_greedy = all(req.sampling.temperature == 0.0 for req in rows)
+        break_even = self.settings.break_even.at(len(rows), all_greedy)
+        estimates = [self.estimate(req) for req in rows]
+        mean = sum(break_even if e is None else e for e in estimates) / len(rows)
+        if mean >= break_even:
             self.plain_run = 0
             self.probe_every = self.settings.probe_every
             return True
@@ -128,15 +166,14 @@ class AdaptiveDrafting:
         return False
 
     def observe(self, req: Request, commit_len: int) -> None:
-        settings, greedy = self.settings, _greedy(req)
-        req.tau_estimate = _moved(self.estimate(req), commit_len, settings.smoothing)
-        engine = _moved(self.engine_tau[greedy], commit_len, settings.engine_smoothing)
-        self.engine_tau[greedy] = engine
+        settings, start = self.settings, self.estimate(req)
+        if start is None:
+            req.tau_estimate = float(commit_len)
+        else:
+            req.tau_estimate = _moved(start, commit_len, settings.smoothing)
+        kind = self.kind_tau.setdefault(kind_of(req), KindMean())
+        kind.add(commit_len, settings.engine_smoothing)
 
 
 def _moved(average: float, value: float, weight: float) -> float:
     return (1.0 - weight) * average + weight * value
-
-
-def _greedy(req: Request) -> bool:
-    return req.sampling.temperature == 0.0
