@@ -9,6 +9,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -24,17 +25,19 @@ from outrider.daemon.roofline import kv_bytes_per_token, read_bandwidth, weight_
 def measure_latency(
     config: ServeConfig,
     batch_sizes: list[int],
-    input_len: int,
+    input_lens: list[int],
     output_len: int,
     *,
+    runs: int = 1,
     profile: bool = False,
 ) -> tuple[list[LatencyRow], dict[str, object]]:
-    """One row per batch size, and the facts every row shares (device, versions, bandwidth);
-    with ``profile``, each batch size's top operations by device time go to stderr."""
+    """One row per batch size and prompt length (batch-major), each the run of median step
+    time of ``runs`` timed runs, and the facts every row shares (device, versions,
+    bandwidth); with ``profile``, each row's top operations by device time go to stderr."""
     ranks, tp = start_leader(config)
     try:
         engine = build_engine(config, tp=tp)
-        measured = _measure(engine, config, batch_sizes, input_len, output_len, profile)
+        measured = _measure(engine, config, batch_sizes, input_lens, output_len, runs, profile)
     except BaseException:
         if ranks is not None:
             ranks.stop()  # kills them: they may wait in a step that never completes
@@ -43,54 +46,45 @@ def measure_latency(
     return measured
 
 
+class TimedRun(NamedTuple):
+    prefill_ms: float
+    decode_ms: float
+    phases: PhaseTimes  # of the decode
+
+    @property
+    def step_ms(self) -> float:
+        return self.decode_ms / max(self.phases.steps, 1)
+
+
 def _measure(
     engine: Engine,
     config: ServeConfig,
     batch_sizes: list[int],
-    input_len: int,
+    input_lens: list[int],
     output_len: int,
+    runs: int,
     profile: bool,
 ) -> tuple[list[LatencyRow], dict[str, object]]:
     timer = engine.loop.runner.enable_phase_timing()
     dtype = str(engine.facts.configuration["dtype"])
     bandwidth = read_bandwidth(config.device)
-    weights = weight_bytes(engine.model_config, dtype)
-    kv_per_token = kv_bytes_per_token(engine.model_config, dtype)
+    # Under tensor parallelism every rank reads its share at the same time.
+    roofline = Roofline(
+        bandwidth * config.tensor_parallel_size,
+        weight_bytes(engine.model_config, dtype),
+        kv_bytes_per_token(engine.model_config, dtype),
+    )
     rows = []
     rids = itertools.count()
-    for batch in batch_sizes:
+    for batch, input_len in itertools.product(batch_sizes, input_lens):
         # Untimed first: allocator growth, and the CUDA graphs of every batch and KV bound
-        # the timed run will meet.
+        # the timed runs will meet.
         _run(engine, timer, rids, batch, input_len, output_len)
-        prefill_ms, decode_ms, phases = _run(engine, timer, rids, batch, input_len, output_len)
+        timed = [_run(engine, timer, rids, batch, input_len, output_len) for _ in range(runs)]
         if profile:
             run = functools.partial(_run, engine, timer, rids, batch, input_len, output_len)
             _profile(engine, batch, run)
-        steps = max(phases.steps, 1)
-        tokens = batch * (output_len - 1)
-        mean_context = input_len + output_len / 2
-        # Under tensor parallelism every rank reads its share at the same time.
-        ranks_bandwidth = bandwidth * config.tensor_parallel_size
-        roofline = batch * ranks_bandwidth / (weights + batch * mean_context * kv_per_token)
-        decode_tok_s = tokens / (decode_ms / 1e3)
-        rows.append(
-            LatencyRow(
-                batch=batch,
-                input_len=input_len,
-                output_len=output_len,
-                prefill_ms=prefill_ms,
-                decode_steps=phases.steps,
-                step_ms=decode_ms / steps,
-                decode_tok_s=decode_tok_s,
-                tokens_per_step=(output_len - 1) / steps,
-                roofline_tok_s=roofline,
-                percent_of_roofline=100 * decode_tok_s / roofline,
-                draft_ms=phases.draft_ms / steps,
-                verify_ms=phases.verify_ms / steps,
-                catch_up_ms=phases.catch_up_ms / steps,
-                graph_ms=phases.graph_ms / steps,
-            )
-        )
+        rows.append(latency_row(timed, roofline, batch, input_len, output_len))
     device = torch.cuda.get_device_name() if config.device == "cuda" else platform.processor()
     facts: dict[str, object] = {
         "device": device or platform.machine(),
@@ -101,9 +95,53 @@ def _measure(
         "tensor_parallel_size": config.tensor_parallel_size,
         "width": engine.loop.runner.shape.width,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-        "weight_gb": round(weights / 1e9, 3),
+        "weight_gb": round(roofline.weight_bytes / 1e9, 3),
     }
     return rows, facts
+
+
+class Roofline(NamedTuple):
+    """What one decode step must read: every weight once, and each row's KV."""
+
+    bandwidth: float  # bytes/s, over every rank
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+    def tok_s(self, batch: int, mean_context: float) -> float:
+        """One token per row per step at ``bandwidth``."""
+        step_bytes = self.weight_bytes + batch * mean_context * self.kv_bytes_per_token
+        return batch * self.bandwidth / step_bytes
+
+
+def latency_row(
+    timed: list[TimedRun], roofline: Roofline, batch: int, input_len: int, output_len: int
+) -> LatencyRow:
+    """The row of the median run by step time (the lower middle for an even count)."""
+    ordered = sorted(timed, key=lambda run: run.step_ms)
+    median = ordered[(len(ordered) - 1) // 2]
+    steps = max(median.phases.steps, 1)
+    tokens = batch * (output_len - 1)
+    decode_tok_s = tokens / (median.decode_ms / 1e3)
+    ceiling = roofline.tok_s(batch, input_len + output_len / 2)
+    return LatencyRow(
+        batch=batch,
+        input_len=input_len,
+        output_len=output_len,
+        prefill_ms=median.prefill_ms,
+        decode_steps=median.phases.steps,
+        step_ms=median.step_ms,
+        decode_tok_s=decode_tok_s,
+        tokens_per_step=(output_len - 1) / steps,
+        roofline_tok_s=ceiling,
+        percent_of_roofline=100 * decode_tok_s / ceiling,
+        draft_ms=median.phases.draft_ms / steps,
+        verify_ms=median.phases.verify_ms / steps,
+        catch_up_ms=median.phases.catch_up_ms / steps,
+        graph_ms=median.phases.graph_ms / steps,
+        runs=len(timed),
+        step_ms_min=ordered[0].step_ms,
+        step_ms_max=ordered[-1].step_ms,
+    )
 
 
 def _run(
@@ -113,14 +151,18 @@ def _run(
     batch: int,
     input_len: int,
     output_len: int,
-) -> tuple[float, float, PhaseTimes]:
-    """(prefill ms, decode ms, decode phases) of ``batch`` greedy requests run to the end."""
+) -> TimedRun:
+    """``batch`` greedy requests run to the end."""
     loop, scheduler = engine.loop, engine.scheduler
-    prompts = random_prompts(batch, input_len, engine.facts.vocab_size, seed=batch)
+    batch_rids = [next(rids) for _ in range(batch)]
+    # NOTE: fresh prompts every run (seeded by the first rid): the prefix cache would serve
+    # most of a repeated prompt's prefill, and a longer prompt drawn from the same seed starts
+    # with a shorter one.
+    prompts = random_prompts(batch, input_len, engine.facts.vocab_size, seed=batch_rids[0])
     _synchronize(engine)
     started = time.perf_counter()
-    for prompt in prompts:
-        scheduler.add(benchmark_request(next(rids), prompt, output_len))
+    for rid, prompt in zip(batch_rids, prompts, strict=True):
+        scheduler.add(benchmark_request(rid, prompt, output_len))
     # Prefill: until every request has been extended (its first token is sampled there).
     finals = []
     while scheduler.waiting or any(not r.decoding for r in scheduler.running):
@@ -138,7 +180,7 @@ def _run(
         # A failed step ends its requests early: nothing was measured.
         if update.finish is None or update.finish.reason != "length":
             raise RuntimeError(f"a benchmark request ended with {update.error or update.finish}")
-    return prefill_ms, decode_ms, timer.take()
+    return TimedRun(prefill_ms, decode_ms, timer.take())
 
 
 def _profile(engine: Engine, batch: int, run: Callable[[], object]) -> None:

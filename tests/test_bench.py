@@ -98,3 +98,41 @@ def test_profile_prints_the_top_operations(
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2  # the facts and one row: the profile stays off stdout
     assert "profile of batch 1 (prefill and decode):" in err and "aten::mm" in err
+
+
+def test_runs_give_a_row_per_batch_and_input_length(
+    llama_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    facts, *rows = bench(
+        capsys, "--model", llama_dir, "--batch-size", "1", "2", "--input-len", "8", "16",
+        "--output-len", "5", "--runs", "3",
+    )  # fmt: skip
+    assert facts["speculative"] == "none"
+    assert [(row["batch"], row["input_len"]) for row in rows] == [(1, 8), (1, 16), (2, 8), (2, 16)]
+    for row in rows:
+        assert (row["runs"], row["decode_steps"], row["output_len"]) == (3, 4, 5)
+        assert 0 < row["step_ms_min"] <= row["step_ms"] <= row["step_ms_max"]  # type: ignore[operator]
+        assert row["decode_tok_s"] == pytest.approx(
+            row["batch"] * 4 / (4 * row["step_ms"] / 1e3)  # type: ignore[operator]
+        )
+
+
+def test_a_row_is_the_run_of_median_step_time() -> None:
+    """Every figure of a row comes from one run (the lower middle of an even count), the
+    spread from all of them."""
+    from outrider.daemon.bench_latency import Roofline, TimedRun, latency_row
+    from outrider.daemon.engine.timing import PhaseTimes
+
+    def timed(decode_ms: float, steps: int, prefill_ms: float) -> TimedRun:
+        return TimedRun(prefill_ms, decode_ms, PhaseTimes(steps, 0.0, decode_ms, 0.0, 0.0))
+
+    roofline = Roofline(bandwidth=1e9, weight_bytes=10**6, kv_bytes_per_token=10**3)
+    runs = [timed(40.0, 4, 1.0), timed(90.0, 3, 2.0), timed(44.0, 4, 3.0)]  # 10, 30, 11 ms
+    row = latency_row(runs, roofline, batch=2, input_len=8, output_len=5)
+    assert (row.runs, row.step_ms_min, row.step_ms, row.step_ms_max) == (3, 10.0, 11.0, 30.0)
+    assert (row.prefill_ms, row.decode_steps, row.verify_ms) == (3.0, 4, 11.0)
+    assert row.decode_tok_s == pytest.approx(2 * 4 / 0.044)
+    assert row.roofline_tok_s == pytest.approx(2 * 1e9 / (10**6 + 2 * 10.5 * 10**3))
+    even = latency_row([*runs[:2], timed(100.0, 4, 4.0)], roofline, 2, 8, 5)  # 10, 25, 30
+    assert latency_row([*runs, timed(100.0, 4, 4.0)], roofline, 2, 8, 5).step_ms == 11.0
+    assert even.step_ms == 25.0
