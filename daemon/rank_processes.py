@@ -33,6 +33,7 @@ import select
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("outrider.daemon")
 
 DEATH_GRACE_S = 5.0
+# A rank killed from outside may take this long to exit (a CUDA context's teardown).
+DYING_S = 2.0
 # A stopped rank (its plans ended) destroys its process group and exits within this.
 STOP_TIMEOUT_S = 30.0
 
@@ -133,8 +136,9 @@ def run_rank(spec: RankSpec, parent_conn: Connection) -> None:
     torch.set_num_threads(torch_threads(spec.config))
     tp = spec.placement.join(spec.local)
     steps = build_follower(spec.config, tp).run()
-    log.debug("rank %d stopped after %d steps", rank, steps)
-    torch.distributed.destroy_process_group()
+    log.info("rank %d stopped after %d steps", rank, steps)
+    logging.shutdown()
+    os._exit(0)  # no teardown of the group (stop_leader)
 
 
 def _exit_when_parent_goes(conn: Connection) -> None:
@@ -199,14 +203,16 @@ class LocalRanks:
         self._released = True
 
     def stop(self) -> None:
-        """Wait for released ranks to exit (``STOP_TIMEOUT_S``), kill the others and any
-        late one, then close the pipes."""
+        """Wait for released ranks to exit (``STOP_TIMEOUT_S``; otherwise ``DYING_S`` for
+        those already on their way out, whose deaths are then logged), kill the rest, close
+        the pipes."""
         self._taken_over.set()
+        deadline = time.monotonic() + (STOP_TIMEOUT_S if self._released else DYING_S)
+        for proc in self.procs.values():
+            proc.join(max(deadline - time.monotonic(), 0.0))
         if not self._released:
             self._report_deaths()
         for rank, proc in self.procs.items():
-            if self._released:
-                proc.join(STOP_TIMEOUT_S)
             if proc.is_alive():
                 if self._released:
                     log.warning("tensor-parallel rank %d did not exit; killing it", rank)
@@ -261,14 +267,15 @@ def start_leader(config: ServeConfig) -> tuple[LocalRanks | None, TPGroup]:
 
 
 def stop_leader(engine: Engine, ranks: LocalRanks | None) -> None:
-    """After rank 0's last step: end the other ranks' plans, wait for this host's to exit,
-    leave the group."""
+    """After rank 0's last step: end the other ranks' plans and wait for this host's to exit.
+    NOTE: no rank destroys the process group: with NCCL (2.28, torch 2.11, after CUDA graphs
+    captured its collectives) ``destroy_process_group`` blocked the stop for good. The ranks'
+    processes end instead, which frees what the group holds."""
     if ranks is None:
         return
     engine.stop_ranks()
     ranks.release()
     ranks.stop()
-    torch.distributed.destroy_process_group()
 
 
 def serve_follower_host(config: ServeConfig) -> int:
@@ -289,11 +296,10 @@ def serve_follower_host(config: ServeConfig) -> int:
         log.info("rank %d ready: running rank 0's plans", tp.rank)
         steps = follower.run()
         ranks.release()
+        log.info("rank 0 stopped the ranks after %d steps", steps)
     except RuntimeError as exc:  # torch.distributed's errors: a peer went away
         log.error("tensor-parallel rank %d stopped: %s", where.rank(0), exc)
         return 1
     finally:
         ranks.stop()
-    log.info("rank 0 stopped the ranks after %d steps", steps)
-    torch.distributed.destroy_process_group()
     return 0

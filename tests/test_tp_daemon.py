@@ -108,8 +108,9 @@ def test_ranks_on_two_hosts_meet_at_the_init_address(
     spawn: Callable[..., Daemon], prompts: list[list[int]], expected: dict[int, list[int]]
 ) -> None:
     hosts = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}")
-    daemon = spawn("host0", *hosts, "--node-rank", "0")
-    other = spawn("host1", *hosts, "--node-rank", "1")
+    # Each host's rank takes its first visible GPU: on one machine, two different ones.
+    daemon = spawn("host0", *hosts, "--node-rank", "0", env={"CUDA_VISIBLE_DEVICES": "0"})
+    other = spawn("host1", *hosts, "--node-rank", "1", env={"CUDA_VISIBLE_DEVICES": "1"})
     daemon.wait_serving()
     assert _served(daemon, prompts) == expected
     assert daemon.stop() == 0, daemon.log()
