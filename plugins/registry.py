@@ -243,6 +243,22 @@ def discover() -> Registry:
     )
 
 
+def named_spec(kind: PluginKind, name: str) -> PluginSpec:
+    """The spec of the installed plugin ``name`` alone, as ``Registry.get`` gives it, without
+    discovering the others: for a plugin that runs another (``auto`` attention). Raises
+    ``PluginError``."""
+    points = tuple(entry_points(group=ENTRY_POINT_GROUPS[kind], name=name))
+    if not points:
+        raise PluginError(f"unknown {KIND_NAMES[kind]} {name!r}")
+    if len(points) > 1:
+        others = ", ".join(_origin(ep) for ep in points)
+        raise PluginError(f"{KIND_NAMES[kind]} {name!r} is registered more than once: {others}")
+    spec, error = _load_spec(kind, points[0])
+    if spec is None:
+        raise PluginError(f"{KIND_NAMES[kind]} {name!r} cannot be used: {error}")
+    return spec
+
+
 def _load_spec(kind: PluginKind, ep: EntryPoint) -> tuple[PluginSpec | None, str | None]:
     try:
         obj = ep.load()

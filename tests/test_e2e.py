@@ -716,7 +716,7 @@ def test_start_up_refusals(spawn: Callable[..., Daemon], model_dir: Path, tmp_pa
             ["--attention-backend", "nope"],
             {},
             "outrider serve: the configuration cannot run:\n"
-            "  --attention-backend: unknown attention backend 'nope'; available: fa4, "
+            "  --attention-backend: unknown attention backend 'nope'; available: auto, fa4, "
             "flashinfer, torch, triton",
             False,
         ),

@@ -1,0 +1,87 @@
+"""The ``auto`` attention backend's spec: plain decode routed per batch size between two
+backends that read every length on the device.
+
+FA4 has no split-KV on SM 9.0: one long sequence runs a few thread blocks and reads its KV at a
+tenth of the bandwidth, while a split-KV decoder (the ``triton`` plugin) fills the GPU at any
+batch size; from some batch size up, FA4's kernel is the faster one (BENCHMARKS.md, "The
+backend matrix"). ``auto`` decodes batches of fewer than ``large_from_batch`` rows with
+``small`` and the others with ``large``. The batch size is known on the host, and a decode graph
+is captured per batch size, so each graph holds one backend's kernels: the route costs nothing
+per step. Only the decode phase: with speculative decoding the cycle's verify is routed by
+``--verify-attention-backend``.
+
+Both backends run with their default options, and must read lengths on the device (no host
+plans, one graph per batch size whatever the KV bound): ``auto`` declares what they share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+import msgspec
+
+from outrider.plugins.api import AttentionCapabilities, CheckContext, PluginSpec, Problem
+from outrider.plugins.checks import attention_problems
+
+OPTION = "--attention-config auto"
+
+
+class AutoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    small: str = "triton"  # split-KV: small batches, long contexts
+    large: str = "fa4"
+    # The smallest batch decoded by ``large``.
+    large_from_batch: Annotated[int, msgspec.Meta(ge=1)] = 8
+
+
+def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
+    from outrider.plugins.registry import PluginError, named_spec
+
+    try:
+        options = spec.parse_options(ctx.attention_config.get(spec.name))
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return []  # the registry reports the options themselves
+    problems: list[Problem] = []
+    assert isinstance(options, AutoOptions)
+    for role, name in (("small", options.small), ("large", options.large)):
+        try:
+            child = named_spec("attention", name)
+        except PluginError as exc:
+            problems.append(Problem(OPTION, f"{role}: {exc}"))
+            continue
+        caps = child.attention
+        assert caps is not None, "the registry loads no attention spec without capabilities"
+        if name == spec.name or caps.host_plans or caps.graph_kv_bound or not caps.cuda_graphs:
+            problems.append(
+                Problem(
+                    OPTION,
+                    f"{role}: {name} cannot be routed by auto, which takes backends that read "
+                    "every length on the device (no host plans, one CUDA graph per batch size)",
+                )
+            )
+            continue
+        # The child as the configuration would run it in auto's place.
+        routes = {p: name if r == spec.name else r for p, r in ctx.attention_routes.items()}
+        child_ctx = dataclasses.replace(ctx, attention_routes=routes)
+        found = attention_problems(child, caps, child_ctx) + list(child.check(child, child_ctx))
+        problems += [Problem(OPTION, f"{role}: {p.option}: {p.message}") for p in found]
+    return problems
+
+
+SPEC = PluginSpec(
+    name="auto",
+    kind="attention",
+    summary="plain decode routed by batch size: split-KV (triton) for small batches, FA4 above",
+    implementation="outrider.plugins.attention.auto_impl:AutoAttention",
+    options=AutoOptions,
+    attention=AttentionCapabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),
+        page_sizes=None,
+        cuda_graphs=True,
+        graph_kv_bound=False,
+        host_plans=False,
+        phases=frozenset({"decode"}),
+    ),
+    check=_check,
+)

@@ -1,0 +1,122 @@
+"""The ``auto`` attention backend: its check of the two backends it routes, its route by batch
+size (Triton's interpreter on CPU, compiled kernels on a GPU), and the engine decoding through
+it on a GPU within the numeric rule of the split-KV backend alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+from engine_harness import engine_for, request, run
+from numeric_rule import MAX_DIFF, assert_within_rule
+from test_attention_graphs import KINDS, make_batch
+from test_triton_backend import DEVICE, SHAPE, _graph_rows, _inputs
+
+from outrider.daemon.family import embedded_family
+from outrider.plugins.api import PHASES, CheckContext, Phase
+from outrider.plugins.attention.auto_backend import SPEC, AutoOptions
+from outrider.plugins.attention.auto_impl import AutoAttention
+from outrider.plugins.device import ForwardBatch
+from outrider.plugins.registry import discover
+from outrider.protocol.messages import TokenLogprob
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed"
+)
+OPTION = "--attention-config auto"
+ROUTES: dict[Phase, str] = {**dict.fromkeys(PHASES, "triton"), "decode": "auto"}
+
+
+def _ctx(auto: str = "", **changes: object) -> CheckContext:
+    ctx = CheckContext(
+        device="cuda",
+        dtype="bfloat16",
+        page_size=16,
+        overlap=True,
+        attention_routes=ROUTES,
+        speculative_algorithm="none",
+        cuda_capability=(9, 0),
+        attention_config={"auto": auto} if auto else {},
+    )
+    return dataclasses.replace(ctx, **changes)  # type: ignore[arg-type]
+
+
+def _problems(auto: str, **changes: object) -> list[str]:
+    return [str(p) for p in SPEC.check(SPEC, _ctx(auto, **changes))]
+
+
+def test_auto_declares_decode_on_cuda_and_defaults_to_triton_then_fa4() -> None:
+    assert discover().get("attention", "auto") is SPEC
+    caps = SPEC.attention
+    assert caps is not None
+    assert caps.phases == {"decode"} and caps.devices == {"cuda"}
+    assert (caps.cuda_graphs, caps.graph_kv_bound, caps.host_plans) == (True, False, False)
+    assert SPEC.parse_options(None) == AutoOptions("triton", "fa4", 8)
+
+
+@needs_triton
+def test_auto_checks_the_backends_it_routes() -> None:
+    assert _problems('{"small": "triton", "large": "triton"}') == []
+    kv_bound, host_plans = (
+        f"{OPTION}: large: {name} cannot be routed by auto, which takes backends that read every "
+        "length on the device (no host plans, one CUDA graph per batch size)"
+        for name in ("torch", "flashinfer")
+    )
+    assert _problems('{"large": "torch"}') == [kv_bound]
+    assert _problems('{"large": "flashinfer"}') == [host_plans]
+    assert _problems('{"small": "nope", "large": "triton"}') == [
+        f"{OPTION}: small: unknown attention backend 'nope'"
+    ]
+    # The routed backend's own checks, as if it ran the decode phase itself.
+    assert _problems('{"large": "triton"}', dtype="float32") == []
+    assert f"{OPTION}: large: --dtype: fa4 does not support float32" in _problems(
+        "", dtype="float32"
+    )
+
+
+@needs_triton
+def test_auto_routes_each_batch_by_its_size() -> None:
+    """Below ``large_from_batch`` rows the small backend attends, from it the large one: the
+    outputs are exactly theirs."""
+    gen = torch.Generator().manual_seed(3)
+    rows = _graph_rows(SHAPE, gen)
+    options = AutoOptions(small="torch", large="triton", large_from_batch=3)
+    auto = AutoAttention(SHAPE, options, DEVICE)
+    assert (type(auto.route(2)).__name__, type(auto.route(3)).__name__) == (
+        "TorchAttention",
+        "TritonAttention",
+    )
+    for bs in (1, 2, 3, 4):
+        layout = make_batch(KINDS[0], rows, bs, gen)
+        q, k, v = _inputs(SHAPE, bs, gen)
+        routed = ForwardBatch.bind(layout, auto, rows.kv).attend(0, q, k, v)
+        alone = ForwardBatch.bind(layout, auto.route(bs), rows.kv).attend(0, q, k, v)
+        assert torch.equal(routed, alone), bs
+
+
+@pytest.mark.gpu
+def test_the_engine_decodes_through_auto_within_the_rule_of_triton() -> None:
+    """The embedded family in bf16, prompts on triton, decode batches of 1 to 10 rows through
+    auto (triton below 4 rows, fa4 from 4) under CUDA graphs, against triton alone."""
+    pytest.importorskip("flash_attn.cute")
+    family = embedded_family()
+    assert family is not None, "the family package is installed with the test extra"
+    prompts = [[3 + (7 * i + 3 * j) % 4000 for j in range(5 + 9 * i)] for i in range(10)]
+    requests = [request(i, p, max_new_tokens=32, logprobs=2) for i, p in enumerate(prompts)]
+
+    def serve(decode: str) -> dict[int, list[TokenLogprob]]:
+        engine = engine_for(
+            str(family.target), device="cuda", dtype="bfloat16", attention_backend="triton",
+            decode_attention_backend=decode, speculative_algorithm="none", max_running=12,
+            attention_config=('auto={"large_from_batch": 4}',),
+        )  # fmt: skip
+        outcomes = run(engine, requests, stagger=2)
+        return {
+            rid: [lp for u in o.updates for lp in u.logprobs or []] for rid, o in outcomes.items()
+        }
+
+    routed, alone = serve("auto"), serve("triton")
+    same = sum(assert_within_rule(alone[r], routed[r], MAX_DIFF["bfloat16"]) for r in alone)
+    print(f"auto: {same} of {len(alone)} requests token for token")
