@@ -272,7 +272,6 @@ _ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}
 _SHOWN_DEFAULT: dict[str, str] = {
     "model": "the embedded family",
     "threads": "automatic",
-    "generation_config": "auto (none for the embedded family)",
     "listen": "the runtime socket",
     "prefill_attention_backend": "--attention-backend",
     "decode_attention_backend": "--attention-backend",

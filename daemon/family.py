@@ -1,7 +1,8 @@
 """The embedded model family: the ``outrider-family`` distribution (built from ``family/`` in
 this repository) holds a tiny target and its drafts. Without ``--model`` the daemon serves it:
 the target with DFlash speculation; ``--speculative-algorithm eagle3`` takes the embedded
-EAGLE-3 draft, ``none`` turns speculation off, and every flag can still be overridden."""
+EAGLE-3 draft, ``none`` turns speculation off, and every flag can still be overridden.
+Requests that leave sampling values out get the target's generation_config.json values."""
 
 from __future__ import annotations
 
@@ -46,9 +47,7 @@ def family_defaults(values: Mapping[str, Any]) -> dict[str, Any] | None:
     defaults: dict[str, Any] = {"model": str(family.target), "speculative_algorithm": algorithm}
     if "draft_model" not in values and algorithm in family.drafts:
         defaults["draft_model"] = str(family.drafts[algorithm])
-    # NOTE: the target's generation_config.json is the recipe's export (do_sample false, which
-    # --generation-config auto reads as greedy), not chosen sampling defaults: until some are
-    # chosen by measurement, the family keeps Outrider's unless the flag is given.
-    if "generation_config" not in values:
-        defaults["generation_config"] = "none"
+    # NOTE: --generation-config keeps its default, auto: the target's generation_config.json
+    # holds sampling defaults chosen by measurement (benchmarks/family_generation.py), and the
+    # recipe's export writes the same values (recipe/model.py, GENERATION_DEFAULTS).
     return defaults

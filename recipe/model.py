@@ -25,6 +25,15 @@ EXPORT_FILES = (
 )
 EOS_ID = chat.SPECIAL_TOKENS.index(chat.IM_END)
 PAD_ID = chat.SPECIAL_TOKENS.index(chat.ENDOFTEXT)
+# The sampling defaults generation_config.json gives requests that leave them out, chosen on the
+# shipped family by benchmarks/family_generation.py (BENCHMARKS.md, "Sampling defaults of the
+# embedded family"): below temperature 1, or with top_k, most outputs fall into loops.
+GENERATION_DEFAULTS: dict[str, bool | float | int] = {
+    "do_sample": True,
+    "temperature": 1.0,
+    "top_p": 0.95,
+    "top_k": 0,
+}
 
 
 @dataclass(frozen=True)
@@ -100,9 +109,9 @@ def count_parameters(model: torch.nn.Module) -> int:
 def export(
     model: Qwen3ForCausalLM, tokenizer_dir: Path, export_dir: Path, dtype: torch.dtype
 ) -> None:
-    """config.json, generation_config.json (eos ``<|im_end|>``), model.safetensors in
-    ``dtype`` without ``lm_head.weight`` (tied), and the tokenizer stage's files, byte for
-    byte."""
+    """config.json, generation_config.json (eos ``<|im_end|>``, ``GENERATION_DEFAULTS``),
+    model.safetensors in ``dtype`` without ``lm_head.weight`` (tied), and the tokenizer stage's
+    files, byte for byte."""
     import copy
 
     from safetensors.torch import save_file
@@ -121,7 +130,7 @@ def export(
     config.dtype = dtype
     config.save_pretrained(export_dir)
     generation = GenerationConfig(
-        bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
+        bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID, **GENERATION_DEFAULTS
     )
     generation.save_pretrained(export_dir)
     for name in (TOKENIZER_JSON, TOKENIZER_CONFIG):

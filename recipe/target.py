@@ -346,7 +346,13 @@ def _stats(run: _Run, state: TrainState, heldout_loss: float) -> dict[str, Any]:
 
 
 def stage_identity(config: TargetConfig) -> dict[str, Any]:
-    return asdict(config) | {"model_shape": asdict(model.SHAPES[config.shape]), "version": VERSION}
+    """The config, the shape, and the sampling defaults the export writes: a change to any of
+    them makes a complete stage run again."""
+    return asdict(config) | {
+        "model_shape": asdict(model.SHAPES[config.shape]),
+        "generation": model.GENERATION_DEFAULTS,
+        "version": VERSION,
+    }
 
 
 def stage_inputs(out: Path) -> dict[str, str]:

@@ -543,7 +543,9 @@ def test_plugins_check_resolves_what_serve_runs(
     assert out[1] == f"  --model {family.target} (the embedded family)"
     if config.draft_model:
         assert out[2] == f"  --draft-model {config.draft_model}"
-    assert out[-1].startswith("  sampling defaults: temperature 1, top_p 1, top_k 0")
+    # The family's generation_config.json (tests/test_family_defaults.py).
+    generation = family.target / "generation_config.json"
+    assert out[-1] == f"  sampling defaults: temperature 1, top_p 0.95, top_k 0 (from {generation})"
 
 
 @pytest.mark.usefixtures("no_outrider_env")
