@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from outrider.daemon.bench_cmd import LatencyRow
-from outrider.daemon.config import ServeConfig
+from outrider.daemon.config import ServeConfig, torch_threads
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.timing import PhaseTimer, PhaseTimes
 from outrider.daemon.internal import TokenizedRequest, own_request
@@ -34,6 +34,7 @@ def measure_latency(
     """One row per batch size and prompt length (batch-major), each the run of median step
     time of ``runs`` timed runs, and the facts every row shares (device, versions,
     bandwidth); with ``profile``, each row's top operations by device time go to stderr."""
+    torch.set_num_threads(torch_threads(config))  # as serve does (each rank sets its own)
     ranks, tp = start_leader(config)
     try:
         engine = build_engine(config, tp=tp)
@@ -93,6 +94,7 @@ def _measure(
         "dtype": dtype,
         "speculative": config.speculative_algorithm,
         "tensor_parallel_size": config.tensor_parallel_size,
+        "torch_threads": torch.get_num_threads(),
         "width": engine.loop.runner.shape.width,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "weight_gb": round(roofline.weight_bytes / 1e9, 3),

@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+import torch
 from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tau_of
 from model_fixtures import VOCAB
 
@@ -23,11 +24,16 @@ def bench(capsys: pytest.CaptureFixture[str], *args: str) -> list[dict[str, obje
 def test_plain_decoding_takes_one_step_per_token(
     llama_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    facts, *rows = bench(
-        capsys, "--model", llama_dir, "--batch-size", "1", "3", "--input-len", "20",
-        "--output-len", "9",
-    )  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        facts, *rows = bench(
+            capsys, "--model", llama_dir, "--batch-size", "1", "3", "--input-len", "20",
+            "--output-len", "9", "--threads", str(threads + 1),
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
     assert (facts["speculative"], facts["width"], facts["dtype"]) == ("none", 1, "float32")
+    assert facts["torch_threads"] == threads + 1  # --threads, as serve takes it
     assert float(facts["read_bandwidth_gb_s"]) > 0  # type: ignore[arg-type]
     assert [row["batch"] for row in rows] == [1, 3]
     for row in rows:
