@@ -483,7 +483,8 @@ async def test_fifty_concurrent_requests_get_exactly_one_final(stack: Stack) -> 
             expected[request_id] = "length"
         await raw.send({"type": "generate", "request_id": request_id, **body})
     held = [r for r in ids if expected[r] == "abort"]
-    await until(lambda: all(r in stack.daemon.requests for r in held))
+    # Generous: 50 requests pass the front door first, slower on a loaded 2-core host.
+    await until(lambda: all(r in stack.daemon.requests for r in held), timeout=20.0)
     for request_id in held:
         await raw.send(Abort(f"abort-{request_id}", request_id))
 
