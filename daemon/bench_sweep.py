@@ -40,9 +40,10 @@ from outrider.plugins.api import CheckContext, PluginKind, PluginSpec, Problem
 from outrider.plugins.checks import ATTENTION_FLAG, SPECULATIVE_FLAG
 from outrider.plugins.registry import PluginError, Registry, discover
 
-# The split-KV decode partner of FA4 in the mix (FA4 has no split-KV on SM90: a few long rows
-# under-fill the GPU). One name, to change once the sweep has measured the alternatives.
-MIX_DECODE_BACKEND = "triton"
+# FA4's decode partner in the mix (FA4 has no split-KV on SM90: a few long rows under-fill the
+# GPU): ``auto`` routes small batches to split-KV triton and the others to FA4 (BENCHMARKS.md,
+# "Where FA4 overtakes split-KV decode"). Cells measured with another partner run again.
+MIX_DECODE_BACKEND = "auto"
 
 LLAMA = "Llama-3.1-8B-Instruct.config.json"
 LLAMA_EAGLE3 = "Llama-3.1-8B-EAGLE3.config.json"
@@ -147,10 +148,8 @@ class SweepConfig:
         b, a = self.backends.name, self.algorithm.name
         return [Cell(b, a, n, c) for n, c in itertools.product(BATCH_SIZES, CONTEXTS)]
 
-    def latency_args(
-        self, configs: str, runs: int, batches: Sequence[int], contexts: Sequence[int]
-    ) -> list[str]:
-        """The ``bench latency`` flags measuring ``batches`` x ``contexts``."""
+    def config_flags(self, configs: str) -> list[str]:
+        """The ``bench latency`` flags that make this configuration (the engine it builds)."""
         algorithm = self.algorithm
         draft = ["--draft-model", os.path.join(configs, algorithm.draft_model)]
         return [
@@ -159,6 +158,14 @@ class SweepConfig:
             *algorithm.flags,
             *self.backends.flags,
             *COMMON_FLAGS,
+        ]  # fmt: skip
+
+    def latency_args(
+        self, configs: str, runs: int, batches: Sequence[int], contexts: Sequence[int]
+    ) -> list[str]:
+        """The ``bench latency`` flags measuring ``batches`` x ``contexts``."""
+        return [
+            *self.config_flags(configs),
             "--batch-size", *map(str, batches),
             "--input-len", *map(str, contexts),
             "--output-len", str(OUTPUT_LEN),
@@ -255,10 +262,15 @@ def run_sweep(
     started = clock()
     outcome = SweepOutcome()
     for config in matrix:
+        # A cell recorded by another configuration of its name (its flags changed since: e.g.
+        # the mix's decode backend) is measured again.
+        same = shlex.join(["python", *LATENCY_COMMAND, *config.config_flags(options.configs)])
         pending = [
             c
             for c in config.cells()
-            if c not in done or (options.retry_failed and done[c].status == "failed")
+            if c not in done
+            or not done[c].command.startswith(same + " ")
+            or (options.retry_failed and done[c].status == "failed")
         ]
         if not pending:
             continue

@@ -98,7 +98,7 @@ def test_the_matrix_has_64_cells_with_the_exact_flags() -> None:
         "--draft-model", f"{CONFIGS}/Qwen3-8B-DFlash-b16.config.json",
         "--speculative-algorithm", "dflash", "--speculative-simulate-acceptance", "6.4",
         "--prefill-attention-backend", "fa4", "--verify-attention-backend", "fa4",
-        "--draft-attention-backend", "fa4", "--decode-attention-backend", "triton", *end,
+        "--draft-attention-backend", "fa4", "--decode-attention-backend", "auto", *end,
     ]  # fmt: skip
     for config in MATRIX:  # the models exist where the sweep runs (the repository root)
         for flag in ("--model", "--draft-model"):
@@ -167,6 +167,17 @@ def test_done_cells_are_skipped_and_missing_ones_run(tmp_path: Path) -> None:
     outcome = run_sweep(matrix, results, SweepOptions(), runner=third)
     assert (third.calls, outcome.ran) == ([], [])
     assert len(read_results(results)) == 8
+    # A cell recorded with other configuration flags (here: another decode backend) runs again.
+    recorded = results.read_text().splitlines()
+    changed = recorded[0].replace(" --attention-backend triton ", " --attention-backend fa4 ", 1)
+    assert changed != recorded[0]
+    results.write_text("\n".join([changed, *recorded[1:]]) + "\n")
+    fourth = FakeLatency()
+    outcome = run_sweep(matrix, results, SweepOptions(), runner=fourth)
+    assert outcome.ran == ["triton/none"]
+    assert [(values(f, "--batch-size"), values(f, "--input-len")) for f in fourth.calls] == [
+        ([1], [1024])
+    ]
 
 
 def test_the_budget_stops_starting_configurations(tmp_path: Path) -> None:
@@ -244,7 +255,7 @@ def test_the_report_table() -> None:
         "Wall time per decode step or speculative cycle (the median of 5 runs) and decode "
         "tok/s; bfloat16, dummy weights, a batch of prompts of the context's length, 64 new "
         "tokens each. mix: `--prefill-attention-backend fa4 --verify-attention-backend fa4 "
-        "--draft-attention-backend fa4 --decode-attention-backend triton`.\n"
+        "--draft-attention-backend fa4 --decode-attention-backend auto`.\n"
         "Mix within 3 %: its step time against the best single backend's.\n"
         "Device: NVIDIA H100 80GB HBM3; versions: outrider 0.1.0, torch 2.11.0.\n"
         "\n"
