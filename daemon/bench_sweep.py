@@ -18,7 +18,6 @@ Run from the repository root: the models are the public config.json files of
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.metadata
 import itertools
 import json
@@ -36,7 +35,7 @@ import msgspec
 
 from outrider.daemon.bench_cmd import LatencyRow, add_latency_arguments
 from outrider.daemon.config import ConfigError, resolve
-from outrider.plugins.api import CheckContext, PluginKind, PluginSpec, Problem
+from outrider.plugins.api import PluginKind, Problem
 from outrider.plugins.checks import ATTENTION_FLAG, SPECULATIVE_FLAG
 from outrider.plugins.registry import PluginError, Registry, discover
 
@@ -380,13 +379,8 @@ def refusal(latency_flags: list[str], registry: Registry) -> list[str]:
         except PluginError as exc:
             problems.append(Problem(option, str(exc)))
             continue
-        declared = dataclasses.replace(spec, check=_no_own_problems)
-        problems += registry.check_spec(declared, ctx, option)
+        problems += registry.declared_problems(spec, ctx)
     return list(dict.fromkeys(map(str, problems)))
-
-
-def _no_own_problems(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
-    return []
 
 
 def run_process(latency_flags: list[str], timeout_s: float) -> Finished:

@@ -19,9 +19,7 @@ import msgspec
 from outrider.daemon.config import Device, DTypeName
 from outrider.plugins.api import PHASES, CheckContext, Phase, PluginSpec, Problem
 from outrider.plugins.checks import (
-    ATTENTION_FLAG,
     PHASE_FLAGS,
-    SPECULATIVE_FLAG,
     phase_problems,
     used_phases,
 )
@@ -144,13 +142,15 @@ def _backend_matrix(
     devices: dict[str, MatrixCell] = {}
     for device, dtype in DEVICE_DTYPES.items():
         ctx = dataclasses.replace(base, device=device, dtype=dtype)
-        devices[device] = MatrixCell(True, _options(_declared(registry, spec, ctx), "--device"))
+        devices[device] = MatrixCell(
+            True, _options(registry.declared_problems(spec, ctx), "--device")
+        )
     dtypes = [
         dtype
         for dtype in get_args(DTypeName)
         if dtype != "auto"
         and not _options(
-            _declared(registry, spec, dataclasses.replace(base, dtype=dtype)), "--dtype"
+            registry.declared_problems(spec, dataclasses.replace(base, dtype=dtype)), "--dtype"
         )
     ]
     slots = []
@@ -201,21 +201,10 @@ def _slot_cell(
         return MatrixCell(False, [])
     problems = []
     for backend in dict.fromkeys(ctx.attention_routes.values()):
-        problems += _declared(registry, registry.get("attention", backend), ctx)
+        problems += registry.declared_problems(registry.get("attention", backend), ctx)
     if column.algorithm != "none":
-        problems += _declared(registry, registry.get("speculative", column.algorithm), ctx)
+        problems += registry.declared_problems(registry.get("speculative", column.algorithm), ctx)
     return MatrixCell(True, problems)
-
-
-def _declared(registry: Registry, spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
-    """The registry's verdict on ``spec``'s declared capabilities in ``ctx``, its own
-    ``check`` left out."""
-    option = ATTENTION_FLAG if spec.kind == "attention" else SPECULATIVE_FLAG
-    return registry.check_spec(dataclasses.replace(spec, check=_no_problems), ctx, option)
-
-
-def _no_problems(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
-    return []
 
 
 def _options(problems: Iterable[Problem], option: str) -> list[Problem]:

@@ -54,7 +54,7 @@ log = logging.getLogger("outrider.daemon")
 DEATH_GRACE_S = 5.0
 # A rank killed from outside may take this long to exit (a CUDA context's teardown).
 DYING_S = 2.0
-# A stopped rank (its plans ended) destroys its process group and exits within this.
+# A rank whose plans ended (rank 0 stopped them) exits within this.
 STOP_TIMEOUT_S = 30.0
 
 

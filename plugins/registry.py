@@ -132,7 +132,7 @@ class Registry:
     def check_spec(self, spec: PluginSpec, ctx: CheckContext, option: str) -> list[Problem]:
         """The problems of ``spec`` under ``ctx``: its declared capabilities', then those of its
         own ``check``; a check that raises is itself reported against ``option``."""
-        problems = self._capability_problems(spec, ctx)
+        problems = self.declared_problems(spec, ctx)
         try:
             own = list(spec.check(spec, ctx))
         except Exception as exc:  # third-party code: report, never crash the start
@@ -174,7 +174,9 @@ class Registry:
             return [Problem(option, str(exc))]
         return self.check_spec(spec, ctx, option)
 
-    def _capability_problems(self, spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
+    def declared_problems(self, spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
+        """The problems of ``spec``'s declared capabilities under ``ctx`` alone, its own
+        ``check`` left out: a verdict that holds wherever the plugin is installed."""
         if spec.kind == "attention":
             assert spec.attention is not None, "_load_spec admits attention specs with capabilities"
             return attention_problems(spec, spec.attention, ctx, self._drafts_run(ctx))

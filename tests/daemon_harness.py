@@ -20,9 +20,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -228,6 +228,23 @@ class Daemon:
                 code = None
         self.kill_all()
         return code
+
+
+@contextlib.contextmanager
+def daemons(model: Path, workdir: Path) -> Iterator[Callable[..., Daemon]]:
+    """``start(name, *flags, endpoint=..., env=...)`` starts a daemon on ``model`` under
+    ``workdir / name``; each is killed, with everything it started, on leaving."""
+    started: list[Daemon] = []
+
+    def start(name: str, *args: str, **options: Any) -> Daemon:
+        started.append(Daemon(model, workdir / name, *args, name=name, **options))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for daemon in started:
+            daemon.kill_all()
 
 
 # A client process that sends streams and reads nothing until told to (a line on stdin),

@@ -37,6 +37,7 @@ from daemon_harness import (
     UnreadClient,
     async_poll_until,
     build_model_dir,
+    daemons,
     poll_until,
 )
 from e2e_workload import (
@@ -503,17 +504,9 @@ async def test_longest_prompt_gets_one_token(shared: Daemon, reference: Referenc
 
 @pytest.fixture
 def spawn(model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
-    """Starts daemons of this test (``spawn(name, *flags, endpoint=..., env=...)``); each is
-    killed, with everything it started, at teardown."""
-    started: list[Daemon] = []
-
-    def start(name: str, *args: str, **options: Any) -> Daemon:
-        started.append(Daemon(model_dir, tmp_path / name, *args, name=name, **options))
-        return started[-1]
-
-    yield start
-    for daemon in started:
-        daemon.kill_all()
+    """Starts daemons of this test (``spawn(name, *flags, ...)``, daemon_harness.daemons)."""
+    with daemons(model_dir, tmp_path) as start:
+        yield start
 
 
 @pytest.fixture

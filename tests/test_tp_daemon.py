@@ -16,11 +16,10 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from daemon_harness import TEST_DEVICE, Daemon, build_model_dir, free_port
+from daemon_harness import TEST_DEVICE, Daemon, build_model_dir, daemons, free_port
 from engine_harness import engine_for, request, run, tokens_of
 
 from outrider.daemon.cli import main
@@ -58,15 +57,9 @@ def expected(model_dir: Path, prompts: list[list[int]]) -> dict[int, list[int]]:
 
 @pytest.fixture
 def spawn(model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
-    started: list[Daemon] = []
-
-    def start(name: str, *args: str, **options: Any) -> Daemon:
-        started.append(Daemon(model_dir, tmp_path / name, *args, name=name, **options))
-        return started[-1]
-
-    yield start
-    for daemon in started:
-        daemon.kill_all()
+    """Starts daemons of this test (``spawn(name, *flags, ...)``, daemon_harness.daemons)."""
+    with daemons(model_dir, tmp_path) as start:
+        yield start
 
 
 def _served(daemon: Daemon, prompts: list[list[int]]) -> dict[int, list[int]]:
