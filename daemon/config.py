@@ -110,6 +110,7 @@ class ServeConfig:
             speculative_config=self.speculative_config,
             draft_model=self.draft_model,
             attention_config=dict(item.split("=", 1) for item in self.attention_config),
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     @property

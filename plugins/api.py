@@ -63,6 +63,8 @@ class CheckContext:
     draft_model: str = ""
     # --attention-config: the options (JSON) per backend name.
     attention_config: dict[str, str] = field(default_factory=dict)
+    # --tensor-parallel-size: ranks a draft model is sharded over as the target is.
+    tensor_parallel_size: int = 1
 
     @property
     def speculative_width(self) -> int:

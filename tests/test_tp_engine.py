@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +281,22 @@ def test_a_failed_step_of_ranks_is_fatal(llama_dir: str, monkeypatch: pytest.Mon
     engine.scheduler.add(request(0, [5, 6, 7]))
     with pytest.raises(StepFailed, match="a step of tensor-parallel ranks failed: boom"):
         engine.loop.iterate()
+
+
+def test_a_draft_that_does_not_divide_is_refused_before_loading(
+    llama_dir: str, eagle3_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    draft = tmp_path / "eagle3"
+    shutil.copytree(eagle3_dir, draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps(config | {"draft_vocab_size": 149}))
+    flags = ["--model", llama_dir, "--speculative-algorithm", "eagle3", "--draft-model", str(draft)]
+    assert main(["plugins", "--check", *flags, "--tp", "2"]) == EXIT_CONFIG
+    refusal = (
+        "--tensor-parallel-size: 2 does not divide the EAGLE-3 draft's draft_vocab_size (149): "
+        "each rank takes an equal share"
+    )
+    assert refusal in capsys.readouterr().out
+    assert main(["serve", *flags, "--tp", "2"]) == EXIT_CONFIG
+    assert refusal in capsys.readouterr().err
+    assert main(["plugins", "--check", *flags]) == 0  # one rank takes it whole

@@ -15,6 +15,7 @@ from outrider.plugins.speculative.draft_config import (
     DRAFT_FLAG,
     check_draft,
     feature_size_problem,
+    sharding_problems,
     tokenizer_vocab,
 )
 from outrider.plugins.speculative.draft_options import DraftOptions
@@ -28,6 +29,7 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
     if draft is None:
         return problems
     problems += feature_size_problem(draft, target)
+    problems += sharding_problems(draft, ctx, "the DFlash draft's")
     block = draft.get("block_size")
     if not isinstance(block, int) or block < 2:
         problems.append(Problem(DRAFT_FLAG, f"the draft's block_size {block!r} is not an int >= 2"))

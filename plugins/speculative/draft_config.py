@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from outrider.daemon.models.config import TENSOR_PARALLEL_FLAG, tensor_parallel_problems
 from outrider.plugins.api import CheckContext, Problem
 
 DRAFT_FLAG = "--draft-model"
@@ -81,3 +82,22 @@ def feature_size_problem(draft: dict[str, Any], target: dict[str, Any] | None) -
             f"{target.get('hidden_size')}",
         )
     ]
+
+
+# What tensor parallelism divides in every decoder layer (as ModelConfig.layer_shares).
+_LAYER_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def sharding_problems(
+    draft: dict[str, Any], ctx: CheckContext, whose: str, vocab_key: str = ""
+) -> list[Problem]:
+    """What keeps a draft of config.json ``draft`` from being sharded as the target is, over
+    ``ctx.tensor_parallel_size`` ranks: its layers' heads, KV heads and MLP rows, and its own
+    head's vocabulary ``vocab_key`` when it has one (a draft that shares the target's head has
+    none). The same rule as the draft's build, refused before anything loads."""
+    keys = (*_LAYER_KEYS, vocab_key) if vocab_key else _LAYER_KEYS
+    shares = {key: draft[key] for key in keys if key in draft}
+    size = ctx.tensor_parallel_size
+    found = tensor_parallel_problems(shares, size, whose, vocab_key or "vocab_size")
+    flag = f"{TENSOR_PARALLEL_FLAG} "
+    return [Problem(TENSOR_PARALLEL_FLAG, message.removeprefix(flag)) for message in found]

@@ -9,7 +9,11 @@ from outrider.plugins.api import (
     Problem,
     SpeculativeCapabilities,
 )
-from outrider.plugins.speculative.draft_config import check_draft, feature_size_problem
+from outrider.plugins.speculative.draft_config import (
+    check_draft,
+    feature_size_problem,
+    sharding_problems,
+)
 from outrider.plugins.speculative.draft_options import DraftOptions, tree_sample_problems
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -19,6 +23,7 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
     draft, target, problems = check_draft(spec.name, ARCHITECTURE, ctx)
     if draft is not None:
         problems += feature_size_problem(draft, target)
+        problems += sharding_problems(draft, ctx, "the EAGLE-3 draft's", "draft_vocab_size")
     return problems + tree_sample_problems(ctx)
 
 

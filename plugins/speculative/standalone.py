@@ -10,7 +10,12 @@ from outrider.plugins.api import (
     Problem,
     SpeculativeCapabilities,
 )
-from outrider.plugins.speculative.draft_config import DRAFT_FLAG, read_config, tokenizer_vocab
+from outrider.plugins.speculative.draft_config import (
+    DRAFT_FLAG,
+    read_config,
+    sharding_problems,
+    tokenizer_vocab,
+)
 from outrider.plugins.speculative.draft_options import DraftOptions
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -22,7 +27,7 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
     draft = read_config(ctx.draft_model)
     if draft is None:
         return [Problem(DRAFT_FLAG, f"no readable config.json at {ctx.draft_model}")]
-    problems = []
+    problems = sharding_problems(draft, ctx, "the draft model's", "vocab_size")
     architectures = draft.get("architectures") or []
     if not set(architectures) & set(SUPPORTED):
         problems.append(
