@@ -41,6 +41,16 @@ class Outcome:
         return [t for u in self.updates for t in u.token_ids]
 
 
+# The engine configurations each attention backend's GPU tests serve the family with: plain
+# decoding, DFlash's non-causal draft, and an EAGLE-3 tree.
+ENGINE_ALGORITHMS: dict[str, dict[str, object]] = {
+    "plain": {"speculative_algorithm": "none"},
+    "dflash": {"speculative_algorithm": "dflash"},
+    "eagle3 tree": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3,
+                    "speculative_topk": 2, "speculative_num_draft_tokens": 6},
+}  # fmt: skip
+
+
 def engine_for(model: str, **overrides: object) -> Engine:
     """An engine for tests; a speculative one drafts every decode batch unless the overrides
     set ``speculative_min_acceptance`` (its counters then count every step)."""

@@ -5,6 +5,7 @@ forwards."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -128,20 +129,60 @@ def make_batch(kind: Kind, rows: PagedRows, bs: int, gen: torch.Generator) -> Ba
     )
 
 
-def paged_rows(gen: torch.Generator, device: str = "cpu") -> PagedRows:
-    """Every slot holds ``MAX_LEN`` positions of random K/V."""
+Device = torch.device | str
+
+
+def paged_rows(
+    gen: torch.Generator, device: Device = "cpu", shape: AttentionShape = SHAPE
+) -> PagedRows:
+    """Every slot holds ``MAX_LEN`` positions of random K/V, pages of ``PAGE``."""
     rows = PagedRows(
-        num_layers=1, shape=SHAPE, page_size=PAGE, max_len=MAX_LEN, max_slots=MAX_BS, device=device
-    )
-    rows.batch(torch_backend(SHAPE, device), [(slot, [0] * MAX_LEN) for slot in range(MAX_BS)])
+        num_layers=1, shape=shape, page_size=PAGE, max_len=MAX_LEN, max_slots=MAX_BS,
+        dtype=shape.dtype, device=device,
+    )  # fmt: skip
+    rows.batch(torch_backend(shape, device), [(slot, [0] * MAX_LEN) for slot in range(MAX_BS)])
     for cache in (*rows.kv.k, *rows.kv.v):
         cache.copy_(torch.randn(cache.shape, generator=gen))
     return rows
 
 
-def qkv(n: int, gen: torch.Generator, device: str = "cpu") -> list[torch.Tensor]:
-    heads = (SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.num_kv_heads)
-    return [torch.randn(n, h, SHAPE.head_dim, generator=gen).to(device) for h in heads]
+def qkv(
+    n: int, gen: torch.Generator, device: Device = "cpu", shape: AttentionShape = SHAPE
+) -> list[torch.Tensor]:
+    """Random q, k and v of ``n`` tokens in ``shape``'s heads and dtype."""
+    heads = (shape.num_q_heads, shape.num_kv_heads, shape.num_kv_heads)
+    return [torch.randn(n, h, shape.head_dim, generator=gen).to(device, shape.dtype) for h in heads]
+
+
+def graph_replays(
+    kind: Kind, rows: PagedRows, attention: AttentionBackend, gen: torch.Generator
+) -> Iterator[tuple[BatchLayout, torch.Tensor, list[torch.Tensor]]]:
+    """As the engine captures decode graphs: ``build`` and the layer in one graph per bucket
+    (after a warm-up on a side stream, which also compiles JIT kernels), each replayed three
+    times over a new batch written into the fixed inputs. Yields each replayed batch, the
+    graph's output and the q, k, v it read, for the caller to compare with eager forwards."""
+    device, shape = rows.device, attention.shape
+    fixed = FixedInputs(kind, rows)
+    static = qkv(MAX_BS * kind.width, gen, device, shape)
+    for bs in BUCKETS:
+        n = bs * kind.width
+        inputs = [t[:n] for t in static]
+        layout = fixed.write(make_batch(kind, rows, bs, gen))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ForwardBatch.bind(layout, attention, rows.kv).attend(0, *inputs)  # the warm-up
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ForwardBatch.bind(layout, attention, rows.kv).attend(0, *inputs)
+        for _ in range(3):
+            batch = make_batch(kind, rows, bs, gen)
+            fixed.write(batch)
+            for buffer, value in zip(inputs, qkv(n, gen, device, shape), strict=True):
+                buffer.copy_(value)
+            graph.replay()
+            yield batch, out, inputs
 
 
 def backend(name: str, device: str = "cpu") -> AttentionBackend:
@@ -173,35 +214,11 @@ def test_attention_over_the_graph_bound_equals_the_batchs_own(kind: Kind) -> Non
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
 def test_cuda_graph_replays_equal_eager_attention(kind: Kind) -> None:
-    """As the engine captures it: ``build`` and the layer inside one graph per bucket, then
-    replays over new batches written into the fixed inputs give what an eager forward over
+    """Replays over new batches written into the fixed inputs give what an eager forward over
     each batch gives."""
     gen = torch.Generator().manual_seed(11)
     rows = paged_rows(gen, "cuda")
     torch_attention = backend("torch", "cuda")
-    fixed = FixedInputs(kind, rows)
-    static = qkv(MAX_BS * kind.width, gen, "cuda")
-    for bs in BUCKETS:
-        n = bs * kind.width
-        q, k, v = (t[:n] for t in static)
-        layout = fixed.write(make_batch(kind, rows, bs, gen))
-
-        def step(layout: BatchLayout, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            return ForwardBatch.bind(layout, torch_attention, rows.kv).attend(0, *inputs)
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step(layout, (q, k, v))  # warm-up, as capture requires
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(layout, (q, k, v))
-        for _ in range(3):
-            batch = make_batch(kind, rows, bs, gen)
-            fixed.write(batch)
-            for buffer, value in zip((q, k, v), qkv(n, gen, "cuda"), strict=True):
-                buffer.copy_(value)
-            graph.replay()
-            own = ForwardBatch.bind(batch, torch_attention, rows.kv).attend(0, q, k, v)
-            torch.testing.assert_close(out, own, atol=1e-4, rtol=1e-4)
+    for batch, out, inputs in graph_replays(kind, rows, torch_attention, gen):
+        own = ForwardBatch.bind(batch, torch_attention, rows.kv).attend(0, *inputs)
+        torch.testing.assert_close(out, own, atol=1e-4, rtol=1e-4)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from engine_harness import engine_for, request, run
 from numeric_rule import MAX_DIFF, assert_within_rule
-from test_attention_graphs import KINDS, make_batch
-from test_triton_backend import DEVICE, SHAPE, _graph_rows, _inputs
+from test_attention_graphs import KINDS, make_batch, paged_rows, qkv
+from test_triton_backend import DEVICE, SHAPE
 
 from outrider.daemon.family import embedded_family
 from outrider.plugins.api import PHASES, CheckContext, Phase
@@ -81,7 +81,7 @@ def test_auto_routes_each_batch_by_its_size() -> None:
     """Below ``large_from_batch`` rows the small backend attends, from it the large one: the
     outputs are exactly theirs."""
     gen = torch.Generator().manual_seed(3)
-    rows = _graph_rows(SHAPE, gen)
+    rows = paged_rows(gen, DEVICE, SHAPE)
     options = AutoOptions(small="torch", large="triton", large_from_batch=3)
     auto = AutoAttention(SHAPE, options, DEVICE)
     assert (type(auto.route(2)).__name__, type(auto.route(3)).__name__) == (
@@ -90,7 +90,7 @@ def test_auto_routes_each_batch_by_its_size() -> None:
     )
     for bs in (1, 2, 3, 4):
         layout = make_batch(KINDS[0], rows, bs, gen)
-        q, k, v = _inputs(SHAPE, bs, gen)
+        q, k, v = qkv(bs, gen, DEVICE, SHAPE)
         routed = ForwardBatch.bind(layout, auto, rows.kv).attend(0, q, k, v)
         alone = ForwardBatch.bind(layout, auto.route(bs), rows.kv).attend(0, q, k, v)
         assert torch.equal(routed, alone), bs

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import engine_for, request, run, tokens_of
+from engine_harness import ENGINE_ALGORITHMS, engine_for, request, run, tokens_of
 from model_fixtures import PagedRows, torch_backend
-from test_attention_graphs import BUCKETS, KINDS, MAX_BS, MAX_LEN, FixedInputs, Kind, make_batch
+from test_attention_graphs import KINDS, Kind, graph_replays, make_batch, paged_rows, qkv
 from test_layer_kernels import LLAMA
 
 from outrider.daemon.engine.accept import tree_geometry
@@ -144,8 +144,7 @@ def test_metadata_is_fa4s_int32_view_of_the_layout() -> None:
     """Lengths, queries and pages straight from the layout's device tensors; causal layouts
     map to FA4's causal mask, DFlash blocks to none, trees to the tree mask."""
     gen = torch.Generator().manual_seed(3)
-    rows = PagedRows(num_layers=1, shape=SHAPE_CPU, page_size=4, max_len=MAX_LEN, max_slots=MAX_BS)
-    rows.batch(torch_backend(SHAPE_CPU), [(slot, [0] * MAX_LEN) for slot in range(MAX_BS)])
+    rows = paged_rows(gen, "cpu", SHAPE_CPU)
     for kind in KINDS:
         layout = make_batch(kind, rows, 3, gen)
         meta = fa4_metadata(layout)
@@ -181,16 +180,11 @@ def fa4_backend(shape: AttentionShape) -> AttentionBackend:
     return built
 
 
-def _inputs(shape: AttentionShape, n: int, gen: torch.Generator) -> list[torch.Tensor]:
-    heads = (shape.num_q_heads, shape.num_kv_heads, shape.num_kv_heads)
-    return [torch.randn(n, h, shape.head_dim, generator=gen).to(CUDA, shape.dtype) for h in heads]
-
-
 def _attend_both(
     fb: ForwardBatch, backend: AttentionBackend, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA4's output and the torch backend's (``fb``'s) over the same layout, cache and inputs."""
-    q, k, v = _inputs(backend.shape, fb.layout.num_tokens, gen)
+    q, k, v = qkv(fb.layout.num_tokens, gen, CUDA, backend.shape)
     want = fb.attend(0, q, k, v)
     got = ForwardBatch.bind(fb.layout, backend, fb.kv).attend(0, q, k, v)
     return got, want
@@ -325,18 +319,6 @@ def test_speculative_blocks_over_long_rows_match_torch(kind: Block, dtype: torch
         torch.testing.assert_close(got, want, **tolerance)
 
 
-def _graph_rows(shape: AttentionShape, gen: torch.Generator) -> PagedRows:
-    """``MAX_BS`` slots of ``MAX_LEN`` positions of random K/V, pages of four."""
-    rows = PagedRows(
-        num_layers=1, shape=shape, page_size=4, max_len=MAX_LEN, max_slots=MAX_BS,
-        dtype=shape.dtype, device=CUDA,
-    )  # fmt: skip
-    rows.batch(torch_backend(shape, CUDA), [(slot, [0] * MAX_LEN) for slot in range(MAX_BS)])
-    for cache in (*rows.kv.k, *rows.kv.v):
-        cache.copy_(torch.randn(cache.shape, generator=gen))
-    return rows
-
-
 @pytest.mark.gpu
 @needs_fa4
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
@@ -345,46 +327,16 @@ def test_cuda_graph_replays_equal_eager_fa4_attention(kind: Kind) -> None:
     batches of other lengths written into the fixed inputs: exactly what an eager forward over
     each batch gives, and the torch backend within bf16 rounding."""
     gen = torch.Generator().manual_seed(11)
-    rows = _graph_rows(SHAPE, gen)
+    rows = paged_rows(gen, CUDA, SHAPE)
     fused, reference = fa4_backend(SHAPE), torch_backend(SHAPE, CUDA)
-    fixed = FixedInputs(kind, rows)
-    static = _inputs(SHAPE, MAX_BS * kind.width, gen)
-    for bs in BUCKETS:
-        n = bs * kind.width
-        q, k, v = (t[:n] for t in static)
-        layout = fixed.write(make_batch(kind, rows, bs, gen))
-
-        def step(layout: BatchLayout, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            return ForwardBatch.bind(layout, fused, rows.kv).attend(0, *inputs)
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step(layout, (q, k, v))  # warm-up: compiles the kernel before the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(layout, (q, k, v))
-        for _ in range(3):
-            batch = make_batch(kind, rows, bs, gen)
-            fixed.write(batch)
-            for buffer, value in zip((q, k, v), _inputs(SHAPE, n, gen), strict=True):
-                buffer.copy_(value)
-            graph.replay()
-            eager = ForwardBatch.bind(batch, fused, rows.kv).attend(0, q, k, v)
-            torch.testing.assert_close(out, eager, atol=0, rtol=0)
-            want = ForwardBatch.bind(batch, reference, rows.kv).attend(0, q, k, v)
-            torch.testing.assert_close(out, want, **BF16)
+    for batch, out, inputs in graph_replays(kind, rows, fused, gen):
+        eager = ForwardBatch.bind(batch, fused, rows.kv).attend(0, *inputs)
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+        want = ForwardBatch.bind(batch, reference, rows.kv).attend(0, *inputs)
+        torch.testing.assert_close(out, want, **BF16)
 
 
 # --- the engine with FA4 (GPU) ---------------------------------------------------------------
-
-ENGINE_ALGORITHMS: dict[str, dict[str, object]] = {
-    "plain": {"speculative_algorithm": "none"},
-    "dflash": {"speculative_algorithm": "dflash"},
-    "eagle3 tree": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3,
-                    "speculative_topk": 2, "speculative_num_draft_tokens": 6},
-}  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -10,9 +10,18 @@ import os
 
 import pytest
 import torch
-from engine_harness import engine_for, request, run, tokens_of
+from engine_harness import ENGINE_ALGORITHMS, engine_for, request, run, tokens_of
 from model_fixtures import PagedRows, torch_backend
-from test_attention_graphs import BUCKETS, KINDS, MAX_BS, MAX_LEN, FixedInputs, Kind, make_batch
+from test_attention_graphs import (
+    BUCKETS,
+    KINDS,
+    FixedInputs,
+    Kind,
+    graph_replays,
+    make_batch,
+    paged_rows,
+    qkv,
+)
 
 from outrider.daemon.family import embedded_family
 from outrider.plugins.api import PHASES, CheckContext, Phase
@@ -20,7 +29,7 @@ from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.attention.triton_backend import SPEC, TritonOptions
 from outrider.plugins.attention.triton_plan import MODE_CAUSAL, MODE_TREE, launch_plan
 from outrider.plugins.checks import attention_problems
-from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
+from outrider.plugins.device import AttentionShape, ForwardBatch
 from outrider.plugins.registry import discover
 
 CUDA = torch.cuda.is_available()
@@ -135,16 +144,11 @@ def triton_backend(shape: AttentionShape, kv_splits: int = 0) -> AttentionBacken
     return built
 
 
-def _inputs(shape: AttentionShape, n: int, gen: torch.Generator) -> list[torch.Tensor]:
-    heads = (shape.num_q_heads, shape.num_kv_heads, shape.num_kv_heads)
-    return [torch.randn(n, h, shape.head_dim, generator=gen).to(DEVICE, shape.dtype) for h in heads]
-
-
 def _attend_both(
     fb: ForwardBatch, backend: AttentionBackend, gen: torch.Generator, shape: AttentionShape
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch backend's output and ``backend``'s over the same layout, cache and inputs."""
-    q, k, v = _inputs(shape, fb.layout.num_tokens, gen)
+    q, k, v = qkv(fb.layout.num_tokens, gen, DEVICE, shape)
     want = fb.attend(0, q, k, v)
     got = ForwardBatch.bind(fb.layout, backend, fb.kv).attend(0, q, k, v)
     return got, want
@@ -195,18 +199,6 @@ def test_half_precision_matches_torch() -> None:
     _prompts_then_decode(shape, page_size=16, kv_splits=3, atol=5e-3)
 
 
-def _graph_rows(shape: AttentionShape, gen: torch.Generator) -> PagedRows:
-    """``MAX_BS`` slots of ``MAX_LEN`` positions of random K/V, pages of four."""
-    rows = PagedRows(
-        num_layers=1, shape=shape, page_size=4, max_len=MAX_LEN, max_slots=MAX_BS,
-        dtype=shape.dtype, device=DEVICE,
-    )  # fmt: skip
-    rows.batch(torch_backend(shape, DEVICE), [(slot, [0] * MAX_LEN) for slot in range(MAX_BS)])
-    for cache in (*rows.kv.k, *rows.kv.v):
-        cache.copy_(torch.randn(cache.shape, generator=gen))
-    return rows
-
-
 @needs_triton
 @pytest.mark.parametrize("kv_splits", [0, 3], ids=["auto splits", "3 splits"])
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
@@ -215,12 +207,12 @@ def test_decode_and_verify_layouts_of_a_graph_match_torch(kind: Kind, kv_splits:
     graph lays them out (fixed buffers, the graph's KV bound): the torch backend's result over
     each batch's own layout."""
     gen = torch.Generator().manual_seed(7)
-    rows = _graph_rows(SHAPE, gen)
+    rows = paged_rows(gen, DEVICE, SHAPE)
     fused, reference = triton_backend(SHAPE, kv_splits), torch_backend(SHAPE, DEVICE)
     fixed = FixedInputs(kind, rows)
     for bs in BUCKETS:
         batch = make_batch(kind, rows, bs, gen)
-        q, k, v = _inputs(SHAPE, bs * kind.width, gen)
+        q, k, v = qkv(bs * kind.width, gen, DEVICE, SHAPE)
         got = ForwardBatch.bind(fixed.write(batch), fused, rows.kv).attend(0, q, k, v)
         want = ForwardBatch.bind(batch, reference, rows.kv).attend(0, q, k, v)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -247,44 +239,13 @@ def test_cuda_graph_replays_equal_eager_triton_attention(kind: Kind) -> None:
     each batch gives, and the torch backend within bf16 rounding."""
     shape = AttentionShape(32, 8, 128, 128**-0.5, torch.bfloat16)
     gen = torch.Generator().manual_seed(11)
-    rows = _graph_rows(shape, gen)
+    rows = paged_rows(gen, DEVICE, shape)
     fused, reference = triton_backend(shape), torch_backend(shape, DEVICE)
-    fixed = FixedInputs(kind, rows)
-    static = _inputs(shape, MAX_BS * kind.width, gen)
-    for bs in BUCKETS:
-        n = bs * kind.width
-        q, k, v = (t[:n] for t in static)
-        layout = fixed.write(make_batch(kind, rows, bs, gen))
-
-        def step(layout: BatchLayout, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            return ForwardBatch.bind(layout, fused, rows.kv).attend(0, *inputs)
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step(layout, (q, k, v))  # warm-up: compiles the kernels before the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(layout, (q, k, v))
-        for _ in range(3):
-            batch = make_batch(kind, rows, bs, gen)
-            fixed.write(batch)
-            for buffer, value in zip((q, k, v), _inputs(shape, n, gen), strict=True):
-                buffer.copy_(value)
-            graph.replay()
-            eager = ForwardBatch.bind(batch, fused, rows.kv).attend(0, q, k, v)
-            torch.testing.assert_close(out, eager, atol=0, rtol=0)
-            want = ForwardBatch.bind(batch, reference, rows.kv).attend(0, q, k, v)
-            torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
-
-
-ENGINE_ALGORITHMS: dict[str, dict[str, object]] = {
-    "plain": {"speculative_algorithm": "none"},
-    "dflash": {"speculative_algorithm": "dflash"},
-    "eagle3 tree": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3,
-                    "speculative_topk": 2, "speculative_num_draft_tokens": 6},
-}  # fmt: skip
+    for batch, out, inputs in graph_replays(kind, rows, fused, gen):
+        eager = ForwardBatch.bind(batch, fused, rows.kv).attend(0, *inputs)
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+        want = ForwardBatch.bind(batch, reference, rows.kv).attend(0, *inputs)
+        torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
