@@ -78,6 +78,7 @@ class Algorithm:
     # realistic commits (EAGLE-3 chains as BENCHMARKS.md's earlier rows, the tree at the same
     # rate so that its extra cost shows; DFlash-b16 on Qwen3-8B as issue 13 quotes).
     flags: tuple[str, ...] = ()
+    plain: str = ""  # the algorithm that decodes the same target without speculation
 
 
 BACKEND_SETS = (
@@ -103,6 +104,7 @@ ALGORITHMS = (
         LLAMA_EAGLE3,
         ("--speculative-algorithm", "eagle3", "--speculative-num-steps", "3",
          "--speculative-simulate-acceptance", "3"),
+        plain="none",
     ),
     Algorithm(
         "eagle3-tree",
@@ -111,12 +113,15 @@ ALGORITHMS = (
         ("--speculative-algorithm", "eagle3", "--speculative-num-steps", "5",
          "--speculative-topk", "4", "--speculative-num-draft-tokens", "8",
          "--speculative-simulate-acceptance", "3"),
+        plain="none",
     ),
+    Algorithm("none-qwen3", QWEN3),  # DFlash's target decoding alone: its cycle's yardstick
     Algorithm(
         "dflash",
         QWEN3,
         QWEN3_DFLASH,
         ("--speculative-algorithm", "dflash", "--speculative-simulate-acceptance", "6.4"),
+        plain="none-qwen3",
     ),
 )  # fmt: skip
 

@@ -1,6 +1,7 @@
 """``outrider bench sweep --report`` and ``--list``: a results file as Markdown, a row per
 algorithm, batch and context, a column per backend set, then the best single backend and the
-mix against it; and the state of every cell.
+mix against it; each speculative cycle against its target's plain step; and the state of every
+cell.
 
 A cell recorded twice counts by its last line (``--retry-failed`` appends).
 """
@@ -54,7 +55,7 @@ def format_report(results: Sequence[CellResult]) -> str:
                 cells = {n: last.get(Cell(n, algorithm.name, batch, context)) for n in names}
                 if any(cells.values()):
                     rows.append(_table_row(algorithm.name, batch, context, cells, notes))
-    text = [*_preamble(list(last.values())), "", *rows]
+    text = [*_preamble(list(last.values())), "", *rows, *_cycle_table(last)]
     if notes.numbers:
         text += ["", "Refused or failed:", "", *notes.lines()]
     return "\n".join(text) + "\n"
@@ -89,6 +90,34 @@ def _table_row(
         percent = 100 * (steps[mixes[0]] / steps[best] - 1)
         verdict = f"{'yes' if percent <= WITHIN_PERCENT else 'no'}, {percent:+.1f} %"
     return _row([algorithm, str(batch), str(context), *shown, best or MISSING, verdict])
+
+
+def _cycle_table(last: dict[Cell, CellResult]) -> list[str]:
+    """Each measured speculative cycle over the plain step of the same target, backend set,
+    batch and context (the algorithm's ``plain``); empty when no pair is measured."""
+
+    def step_ms(backends: str, algorithm: str, batch: int, context: int) -> float | None:
+        result = last.get(Cell(backends, algorithm, batch, context))
+        return result.row.step_ms if result is not None and result.row is not None else None
+
+    names = [b.name for b in BACKEND_SETS]
+    rows = []
+    for algorithm in (a for a in ALGORITHMS if a.plain):
+        for batch in BATCH_SIZES:
+            for context in CONTEXTS:
+                ratios = []
+                for name in names:
+                    cycle = step_ms(name, algorithm.name, batch, context)
+                    plain = step_ms(name, algorithm.plain, batch, context)
+                    ratios.append(f"{cycle / plain:.2f}x" if cycle and plain else MISSING)
+                if any(r != MISSING for r in ratios):
+                    rows.append(_row([algorithm.name, str(batch), str(context), *ratios]))
+    if not rows:
+        return []
+    head = _row(["algorithm", "batch", "context", *names])
+    rule = _row(["---", "---:", "---:", *["---:"] * len(names)])
+    caption = "A speculative cycle against the plain step of its target (same backends):"
+    return ["", caption, "", head, rule, *rows]
 
 
 def _preamble(results: list[CellResult]) -> list[str]:

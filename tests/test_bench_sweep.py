@@ -71,11 +71,11 @@ def configs_named(*names: str) -> list[SweepConfig]:
     return [c for c in MATRIX if c.name in names]
 
 
-def test_the_matrix_has_64_cells_with_the_exact_flags() -> None:
+def test_the_matrix_has_80_cells_with_the_exact_flags() -> None:
     cells = [cell for config in MATRIX for cell in config.cells()]
-    assert len(cells) == len(set(cells)) == 64
-    names = ["fa4/none", "fa4/eagle3-chain", "fa4/eagle3-tree", "fa4/dflash"]
-    assert [c.name for c in MATRIX[:4]] == names
+    assert len(cells) == len(set(cells)) == 80
+    names = ["fa4/none", "fa4/eagle3-chain", "fa4/eagle3-tree", "fa4/none-qwen3", "fa4/dflash"]
+    assert [c.name for c in MATRIX[:5]] == names
     flags = {c.name: c.latency_args(CONFIGS, 5, [1, 32], [1024, 8192]) for c in MATRIX}
     llama = ["--model", f"{CONFIGS}/Llama-3.1-8B-Instruct.config.json"]
     eagle3 = [
@@ -84,6 +84,8 @@ def test_the_matrix_has_64_cells_with_the_exact_flags() -> None:
     ]  # fmt: skip
     end = [*TARGET, *SHAPE, "--runs", "5", "--json"]
     assert flags["fa4/none"] == [*llama, "--attention-backend", "fa4", *end]
+    qwen3 = ["--model", f"{CONFIGS}/Qwen3-8B.config.json"]
+    assert flags["triton/none-qwen3"] == [*qwen3, "--attention-backend", "triton", *end]
     assert flags["flashinfer/eagle3-chain"] == [
         *llama, *eagle3, "--speculative-num-steps", "3", "--speculative-simulate-acceptance", "3",
         "--attention-backend", "flashinfer", *end,
@@ -109,7 +111,7 @@ def test_the_matrix_has_64_cells_with_the_exact_flags() -> None:
 
 def test_only_keeps_the_named_sets_of_each_dimension() -> None:
     assert [c.name for c in select(["mix", "fa4", "dflash"])] == ["fa4/dflash", "mix/dflash"]
-    assert len(select(["triton"])) == 4 and len(select([])) == 16
+    assert len(select(["triton"])) == 5 and len(select([])) == 20
     with pytest.raises(ValueError, match=r"--only fa3: backend sets are fa4, flashinfer"):
         select(["fa3"])
 
@@ -198,7 +200,7 @@ def test_the_budget_stops_starting_configurations(tmp_path: Path) -> None:
     assert outcome.left == [c.name for c in matrix[2:]]
     now[0] = 0.0
     outcome = run_sweep(matrix, results, options, runner=slow, clock=lambda: now[0])
-    assert outcome.ran == ["triton/eagle3-tree", "triton/dflash"]
+    assert outcome.ran == ["triton/eagle3-tree", "triton/none-qwen3"]
     assert len(read_results(results)) == 16
 
 
@@ -273,6 +275,28 @@ def test_the_report_table() -> None:
         "1. exit status 1: RuntimeError: out of memory\n"
         "2. --draft-attention-backend: flashinfer cannot run the draft_decode phase\n"
     )  # fmt: skip
+
+
+def test_the_report_sets_each_cycle_against_its_targets_plain_step() -> None:
+    """EAGLE-3 against Llama's plain row, DFlash against Qwen3's, cell by cell; a cycle whose
+    plain step is missing shows a dash, and a pair without any ratio gets no row."""
+    results = results_of(
+        ("fa4", "none", 1, 1024, "ok", 10.0),
+        ("triton", "none", 1, 1024, "ok", 8.0),
+        ("fa4", "eagle3-chain", 1, 1024, "ok", 12.5),
+        ("triton", "eagle3-chain", 1, 1024, "ok", 10.0),
+        ("mix", "eagle3-chain", 1, 1024, "ok", 11.0),
+        ("fa4", "none-qwen3", 1, 8192, "ok", 8.0),
+        ("fa4", "dflash", 1, 8192, "ok", 11.0),
+        ("fa4", "dflash", 32, 1024, "ok", 30.0),
+    )
+    assert format_report(results).split("\n\n")[2:4] == [
+        "A speculative cycle against the plain step of its target (same backends):",
+        "| algorithm | batch | context | fa4 | flashinfer | triton | mix |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+        "| eagle3-chain | 1 | 1024 | 1.25x | — | 1.25x | — |\n"
+        "| dflash | 1 | 8192 | 1.38x | — | — | — |\n",
+    ]
 
 
 def test_the_command_lists_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
