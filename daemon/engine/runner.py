@@ -6,6 +6,7 @@ EXTEND:        forward -> sample the rows that end their prompt -> seed their re
 decode:        relay -> draft -> forward over (root, drafts) -> verify -> advance the relay
                -> the worker's catch-up
 plain decode:  relay -> forward over the root -> sample -> advance the relay -> catch-up
+               (or its inputs buffered, for one batch later: engine/deferred.py)
 collect:       wait for the copy -> StepOutput
 ```
 Inputs live in fixed device buffers (inputs.py), per-slot state in ``SlotState`` (slots.py),
@@ -19,7 +20,9 @@ It commits the target's own draw at the row's output index, which is the token a
 step commits there too (the chain and tree rules and coupled drafts commit the target's
 draws), so seeded outputs do not depend on which steps draft. The worker's catch-up sees it
 as a verify of the root alone that accepted nothing (``Accepted`` one column wide), so its
-state stays current without drafting.
+state stays current without drafting; a worker that defers it (``deferred_positions``)
+buffers the step's inputs instead, and the runner has it catch up in one batch before the
+slot drafts again (engine/deferred.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from outrider.daemon.engine.accept import check_tree, tree_geometry
+from outrider.daemon.engine.deferred import DeferredCatchUp
 from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
 from outrider.daemon.engine.inputs import Capacity, InputBuffers, StepInputs, host_values
 from outrider.daemon.engine.plan import StepOutput, StepPlan
@@ -115,6 +119,12 @@ class ModelRunner:
         self.host_starts = (
             HostStarts(slots.relay_starts) if exact_verify_lengths and shape.speculative else None
         )
+        # Plain steps buffer the draft's catch-up (deferred.py); None: they run it at once.
+        self.deferred = (
+            DeferredCatchUp(worker.deferred_positions, rows, device)
+            if worker.deferred_positions
+            else None
+        )
         # Rank 0 of tensor-parallel ranks: every plan goes to the other ranks first (ranks.py).
         self.channel: RankChannel | None = None
 
@@ -151,7 +161,14 @@ class ModelRunner:
         return self.results.collect(launched)
 
     def _launch(self, plan: StepPlan) -> Launched:
+        catch_up = self.deferred.due(plan) if self.deferred is not None else None
+        if catch_up is not None:
+            assert self.deferred is not None
+            # Eager, and before the plan writes anything (released slots' state is intact).
+            self.worker.catch_up_deferred(self.deferred.stage(catch_up, self.slots.relay_starts))
         launched = self._launch_plan(plan)
+        if self.deferred is not None:
+            self.deferred.advance(plan, catch_up)
         if self.host_starts is not None:
             self.host_starts.refresh()
         return launched
@@ -219,6 +236,8 @@ class ModelRunner:
         """Prompt chunks: the forward, then one sampled token per row whose chunk ends its
         prompt, which seeds the row's relay (next input, KV length, output count)."""
         fb = self._forward_batch(plan, inputs, "extend", inputs.positions, max_kv)
+        if self.worker.deferred is not None:  # each row's slot starts afresh (deferred.py)
+            self.worker.deferred.clear(inputs.slots)
         hidden = self.model.forward(inputs.input_ids, fb)  # [T, H]
         view = ExtendView(
             fb, inputs.input_ids, inputs.next_tokens, inputs.sample_rows, inputs.sample_slots
@@ -310,7 +329,11 @@ class ModelRunner:
         self.slots.write(inputs.slots, out.tokens, relay.starts + 1, relay.out_lens + 1)
         tokens, lens, path = out.tokens.unsqueeze(1), self.ones[:bs], self.zeros[:bs]  # [bs, 1]
         self._mark("catch_up")
-        self.worker.after_accept(view, fb, Accepted(tokens, lens.view(bs), path))
+        accepted = Accepted(tokens, lens.view(bs), path)
+        if self.deferred is not None:
+            self.worker.defer(view, fb, accepted)
+        else:
+            self.worker.after_accept(view, fb, accepted)
         self._mark("end")
         return StepResults(
             tokens=tokens,

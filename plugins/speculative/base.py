@@ -36,6 +36,7 @@ from outrider.plugins.device import (
     SamplingBatch,
     flat_kv_index,
 )
+from outrider.plugins.speculative.deferred import DeferredBuffer, DeferredRows
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,11 @@ class SpeculativeWorker(ABC):
     # Whole pages a prefix-cache hit gives back to be recomputed: a draft whose cached state
     # at the last hit position depends on the token after it sets 1.
     prefix_margin_pages: int = 0
+    # Plain steps buffer their catch-up for up to this many positions a slot (``defer``), and
+    # the runner has the draft catch up on them in one batch (``catch_up_deferred``,
+    # deferred.py); 0: every plain step catches up at once through ``after_accept``.
+    deferred_positions: int = 0
+    deferred: DeferredBuffer | None = None  # the buffer, where deferred_positions > 0
 
     def __init__(self, ctx: WorkerContext, options: Any) -> None:
         self.ctx = ctx
@@ -207,6 +213,35 @@ class SpeculativeWorker(ABC):
     def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         """Catch-up after the accept. ``verify``: the target's verify forward (``width``
         nodes per row, with its captures, one row per verify node)."""
+
+    def _defer_plain_steps(self, positions: int, *, keeps_tokens: bool, taps_width: int) -> None:
+        """Plain steps buffer up to ``positions`` a slot (0: they catch up at once), each a
+        token (``keeps_tokens``) and the target's taps (``taps_width`` wide; 0: none)."""
+        self.deferred_positions = positions
+        if positions:
+            ctx = self.ctx
+            self.deferred = DeferredBuffer(
+                ctx.max_slots + 1,
+                positions,
+                keeps_tokens=keeps_tokens,
+                taps_width=taps_width,
+                dtype=ctx.dtype,
+                device=ctx.device,
+            )
+
+    def _deferred(self) -> DeferredBuffer:
+        assert self.deferred is not None, "only a worker with deferred_positions defers"
+        return self.deferred
+
+    def defer(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
+        """A plain step's catch-up, buffered instead of run (``deferred_positions`` > 0):
+        ``verify`` is the forward over each row's root, ``accepted`` one token a row."""
+        raise NotImplementedError(f"{type(self).__name__} does not defer its catch-up")
+
+    def catch_up_deferred(self, rows: DeferredRows) -> None:
+        """The draft over ``rows``' buffered positions, as if each plain step had caught up
+        at once; empties their buffers."""
+        raise NotImplementedError(f"{type(self).__name__} does not defer its catch-up")
 
 
 class NoDraft(SpeculativeWorker):

@@ -38,6 +38,7 @@ from outrider.plugins.speculative.base import (
     SpeculativeWorker,
     WorkerContext,
 )
+from outrider.plugins.speculative.deferred import DeferredRows
 from outrider.plugins.speculative.dflash import resolve_mask_token
 from outrider.plugins.speculative.dflash_model import DFlashConfig, DFlashDraft, load_dflash
 from outrider.plugins.speculative.draft_options import DraftOptions
@@ -71,6 +72,10 @@ class DFlashWorker(SpeculativeWorker):
             (ctx.max_slots, self.shape.width), mask_id, dtype=torch.int64,
             device=ctx.device,
         )  # fmt: skip
+        # A plain step's row: the target's taps at the root, for its context K/V.
+        self._defer_plain_steps(
+            options.deferred_catch_up, keeps_tokens=False, taps_width=self.model.fc.in_features
+        )
 
     def after_extend(self, view: ExtendView) -> None:
         self._materialize(view.fb)
@@ -104,7 +109,17 @@ class DFlashWorker(SpeculativeWorker):
     def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         self._materialize(verify)
 
+    def defer(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
+        self._deferred().append(view.slots, taps=self._taps(verify))
+
+    def catch_up_deferred(self, rows: DeferredRows) -> None:
+        _, taps = self._deferred().take(rows)
+        assert taps is not None, "DFlash keeps the target's taps"
+        self.model.materialize(taps, rows.layout(self.ctx.page_table, self.ctx.page_size), self.kv)
+
     def _materialize(self, fb: ForwardBatch) -> None:
         """Context K/V of ``fb``'s positions from the target's captured features."""
-        taps = torch.cat([fb.captured[layer] for layer in self.capture_layers], dim=-1)
-        self.model.materialize(taps, fb.layout, self.kv)
+        self.model.materialize(self._taps(fb), fb.layout, self.kv)
+
+    def _taps(self, fb: ForwardBatch) -> torch.Tensor:
+        return torch.cat([fb.captured[layer] for layer in self.capture_layers], dim=-1)

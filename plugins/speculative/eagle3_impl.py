@@ -50,6 +50,7 @@ from outrider.plugins.speculative.base import (
     SpeculativeWorker,
     WorkerContext,
 )
+from outrider.plugins.speculative.deferred import DeferredRows
 from outrider.plugins.speculative.draft_options import DraftOptions
 from outrider.plugins.speculative.eagle3_model import (
     Eagle3Config,
@@ -89,6 +90,10 @@ class Eagle3Worker(SpeculativeWorker):
         # The target id of each draft vocabulary entry: the column a coupled race keys on.
         self.draft_ids = self.model.to_target_ids(
             torch.arange(config.draft_vocab_size, device=ctx.device)
+        )
+        # A plain step's row: the token after the root and the target's taps at the root.
+        self._defer_plain_steps(
+            options.deferred_catch_up, keeps_tokens=True, taps_width=self.model.fc.in_features
         )
 
     # --- EXTEND --------------------------------------------------------------------------
@@ -156,6 +161,16 @@ class Eagle3Worker(SpeculativeWorker):
         y = self._run(accepted.tokens.view(-1), feats.view(bs * m, -1), layout, self.extend_backend)
         last = self.token_ids[:bs] * m + accepted.lens - 1  # the bonus's row
         self.feat.index_copy_(0, view.slots, y[last])
+
+    def defer(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
+        self._deferred().append(view.slots, accepted.tokens[:, 0], self._taps(verify))
+
+    def catch_up_deferred(self, rows: DeferredRows) -> None:
+        tokens, taps = self._deferred().take(rows)
+        assert tokens is not None and taps is not None, "EAGLE-3 keeps both"
+        layout = rows.layout(self.ctx.page_table, self.ctx.page_size)
+        y = self._run(tokens, self.model.project(taps), layout, self.extend_backend)
+        self.feat.index_copy_(0, rows.slots, y[rows.q_start[1:] - 1])
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -228,8 +243,11 @@ class Eagle3Worker(SpeculativeWorker):
         return torch.zeros_like(token, dtype=q.dtype), token, q
 
     def _features(self, fb: ForwardBatch) -> torch.Tensor:
-        taps = [fb.captured[layer] for layer in self.capture_layers]
-        return self.model.project(torch.cat(taps, dim=-1))
+        return self.model.project(self._taps(fb))
+
+    def _taps(self, fb: ForwardBatch) -> torch.Tensor:
+        """The target's captured layers, concatenated: ``[T, taps_width]``."""
+        return torch.cat([fb.captured[layer] for layer in self.capture_layers], dim=-1)
 
     def _run(
         self,

@@ -32,6 +32,7 @@ from outrider.plugins.speculative.base import (
     SpeculativeWorker,
     WorkerContext,
 )
+from outrider.plugins.speculative.deferred import DeferredRows
 from outrider.plugins.speculative.draft_options import DraftOptions
 from outrider.plugins.speculative.sampled import coupled_scores
 
@@ -66,6 +67,8 @@ class StandaloneWorker(SpeculativeWorker):
         local = self.model.config.vocab_size // ctx.tp.size
         self.local_ids = torch.arange(local, device=ctx.device) + ctx.tp.rank * local
         self.local_limited = self.model.config.vocab_size > ctx.vocab_limit
+        # A plain step's row: the root, at its position.
+        self._defer_plain_steps(options.deferred_catch_up, keeps_tokens=True, taps_width=0)
 
     def after_extend(self, view: ExtendView) -> None:
         self.model(view.input_ids, ForwardBatch.bind(view.fb.layout, self.extend_backend, self.kv))
@@ -100,6 +103,15 @@ class StandaloneWorker(SpeculativeWorker):
         block = torch.cat([view.roots.unsqueeze(1), accepted.tokens], dim=1)
         last = block.gather(1, drafts_taken.unsqueeze(1)).squeeze(1)
         self._forward(last, view.starts + drafts_taken, view)
+
+    def defer(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
+        self._deferred().append(view.slots, view.roots)
+
+    def catch_up_deferred(self, rows: DeferredRows) -> None:
+        tokens, _ = self._deferred().take(rows)
+        assert tokens is not None, "the standalone draft keeps the roots"
+        layout = rows.layout(self.ctx.page_table, self.ctx.page_size)
+        self.model(tokens, ForwardBatch.bind(layout, self.extend_backend, self.kv))
 
     def _forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, view: DecodeView

@@ -1,0 +1,116 @@
+"""Deferred catch-up: a plain step of a speculative engine (one token a row, no drafts) buffers
+what its draft would have caught up on, and the draft runs over the buffered positions later,
+in one batch: before the row's next drafting step, when a slot's buffer is full, or once its
+request has ended (so that prefix-cache pages carry the draft's KV).
+
+After ``n`` plain steps a row whose committed length (relay start) is ``start`` has buffered
+positions ``start - n .. start - 1``, oldest first: position ``start - n + i`` is buffer entry
+``i`` of the slot, a token (the worker's choice: the root, or the token after it) and, for
+drafts fed by the target, its tapped features at that position.
+
+The host knows every count (each plain step adds one a row; the runner's ``DeferredCatchUp``
+keeps them), so a catch-up batch is laid out from host lengths; the device keeps its own
+count per slot, the write index of the next plain step, which a captured plain-step graph
+reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from outrider.plugins.device import BatchLayout, flat_kv_index
+
+
+@dataclass(frozen=True)
+class DeferredRows:
+    """The rows of one catch-up batch (device tensors, laid out from host counts): row ``r``
+    catches up slot ``slots[r]``'s ``counts[r]`` buffered positions."""
+
+    slots: torch.Tensor  # [n] int64
+    counts: torch.Tensor  # [n] int64, each >= 1
+    starts: torch.Tensor  # [n] int64: each slot's committed length (its relay start)
+    q_start: torch.Tensor  # [n + 1] int64: cumulative counts
+    token_rows: torch.Tensor  # [T] int64: each buffered position's row
+    token_index: torch.Tensor  # [T] int64: its buffer entry (0: the oldest)
+    max_q: int  # the largest count
+    max_kv: int  # host bound on any row's KV length
+
+    def layout(self, page_table: torch.Tensor, page_size: int) -> BatchLayout:
+        """The causal layout of the buffered positions, each row's the last ``count``
+        positions before its start; their K/V go to the row's own pages."""
+        back = self.counts[self.token_rows] - self.token_index  # 1 .. count
+        positions = self.starts[self.token_rows] - back
+        out_loc = flat_kv_index(page_table, self.slots[self.token_rows], positions, page_size)
+        return BatchLayout(
+            page_table=page_table,
+            page_size=page_size,
+            slots=self.slots,
+            positions=positions,
+            out_loc=out_loc,
+            q_start=self.q_start,
+            seq_lens=self.starts,
+            q_pad_index=self.token_rows * self.max_q + self.token_index,
+            bs=self.slots.shape[0],
+            max_q=self.max_q,
+            max_kv=self.max_kv,
+        )
+
+
+class DeferredBuffer:
+    """Per slot, up to ``capacity`` buffered positions, each with what the worker keeps: a
+    token (``keeps_tokens``) and the target's tapped features (the concatenated capture
+    layers, ``taps_width`` wide, in ``dtype``; 0: none)."""
+
+    def __init__(
+        self,
+        rows: int,
+        capacity: int,
+        *,
+        keeps_tokens: bool,
+        taps_width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.capacity = capacity
+        self.tokens = (
+            torch.zeros(rows, capacity, dtype=torch.int64, device=device) if keeps_tokens else None
+        )
+        self.taps = (
+            torch.zeros(rows, capacity, taps_width, dtype=dtype, device=device)
+            if taps_width
+            else None
+        )
+        self.count = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.ones = torch.ones(rows, dtype=torch.int64, device=device)
+
+    def append(
+        self,
+        slots: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+        taps: torch.Tensor | None = None,
+    ) -> None:
+        """One more position for each of ``slots`` [bs]: ``tokens`` [bs], ``taps`` [bs, D]."""
+        # NOTE: the runner catches a live slot up before its buffer overflows; only the scratch
+        # slot (the padding rows of captured graphs, several per batch) runs past the end, and
+        # its entries are never read.
+        index = self.count[slots].clamp(max=self.capacity - 1)
+        for kept, value in ((self.tokens, tokens), (self.taps, taps)):
+            if kept is not None:
+                assert value is not None, "the buffer keeps it: every position must bring it"
+                kept.index_put_((slots, index), value)
+        self.count.index_add_(0, slots, self.ones[: slots.shape[0]])
+
+    def clear(self, slots: torch.Tensor) -> None:
+        """``slots`` [n] start afresh: what they buffered is dropped."""
+        self.count.index_fill_(0, slots, 0)
+
+    def take(self, rows: DeferredRows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The tokens [T] and taps [T, D] (None where not kept) of ``rows``' buffered
+        positions, in the layout's order; their slots' buffers are empty afterwards."""
+        flat = rows.slots[rows.token_rows] * self.capacity + rows.token_index
+        tokens = None if self.tokens is None else self.tokens.view(-1)[flat]
+        taps = None if self.taps is None else self.taps.view(-1, self.taps.shape[2])[flat]
+        self.clear(rows.slots)
+        return tokens, taps

@@ -1,0 +1,208 @@
+"""Deferred catch-up (plugins/speculative/deferred.py, engine/deferred.py): plain steps of a
+speculative engine buffer the draft's catch-up, and the draft ends up exactly where catching
+up at every plain step leaves it: the same drafts at every drafting step, the same draft KV."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from engine_harness import debug_checks_fixture, engine_for, request, run, tokens_of
+from model_fixtures import VOCAB, save_random_dflash, save_tiny_model
+
+from outrider.daemon.engine.build import Engine
+from outrider.daemon.engine.deferred import CatchUp, DeferredCatchUp
+from outrider.daemon.engine.plan import StepPlan
+from outrider.daemon.internal import TokenizedRequest
+from outrider.daemon.scheduler.request import Request
+from outrider.plugins.speculative.base import DecodeView, Drafts
+
+debug_checks = debug_checks_fixture()
+
+# --- the host's decisions -----------------------------------------------------------------
+
+
+def _plan(kind: str, slots: list[int], *, width: int = 1, released: list[int] = ()) -> StepPlan:
+    return StepPlan(
+        kind=kind,  # type: ignore[arg-type]  # "extend" or "decode"
+        slots=slots,
+        starts=[10 * (s + 1) for s in slots],
+        q_lens=[width] * len(slots),
+        input_ids=[],
+        sample_rows=[],
+        sample_positions=[],
+        page_writes=[],
+        page_values=[],
+        slot_params=[],
+        max_logprobs=0,
+        all_greedy=True,
+        released_slots=list(released),
+    )
+
+
+def test_the_host_catches_up_before_drafting_when_full_and_when_released() -> None:
+    deferred = DeferredCatchUp(capacity=3, rows=5, device=torch.device("cpu"))
+
+    def step(plan: StepPlan) -> CatchUp | None:
+        due = deferred.due(plan)
+        deferred.advance(plan, due)
+        return due
+
+    assert step(_plan("extend", [0, 1, 2])) is None
+    assert step(_plan("decode", [0, 1, 2])) is None
+    assert step(_plan("decode", [0, 1])) is None  # plain: slots 0 and 1 hold 2, slot 2 holds 1
+    assert deferred.pending[:3] == [2, 2, 1]
+    # A drafting step catches its rows up first; the KV bound is the last plain step's.
+    assert step(_plan("decode", [1, 2], width=4)) == CatchUp([1, 2], [2, 1], max_kv=31)
+    assert deferred.pending[:3] == [2, 0, 0]
+    assert step(_plan("decode", [0, 1, 2])) is None  # slot 0 now full
+    assert deferred.pending[:3] == [3, 1, 1]
+    # A plain step with a full row catches every buffered row of the batch up.
+    assert step(_plan("decode", [0, 1])) == CatchUp([0, 1], [3, 1], max_kv=21)
+    assert deferred.pending[:3] == [1, 1, 1]
+    # An ended request's slot catches up with the next plan, whatever it is; an EXTEND row
+    # starts its slot afresh.
+    assert step(_plan("extend", [3], released=[2, 4])) == CatchUp([2], [1], max_kv=31)
+    assert deferred.pending[:4] == [1, 1, 0, 0]
+
+
+def test_a_catch_up_batch_lays_out_each_row_before_its_start() -> None:
+    deferred = DeferredCatchUp(capacity=4, rows=3, device=torch.device("cpu"))
+    starts = torch.tensor([7, 20, 3])
+    rows = deferred.stage(CatchUp([2, 0], [1, 3], max_kv=21), starts)
+    assert rows.slots.tolist() == [2, 0] and rows.starts.tolist() == [3, 7]
+    assert rows.q_start.tolist() == [0, 1, 4]
+    assert rows.token_rows.tolist() == [0, 1, 1, 1]
+    assert rows.token_index.tolist() == [0, 0, 1, 2]
+    assert (rows.max_q, rows.max_kv) == (3, 21)
+    page_table = torch.arange(3 * 4, dtype=torch.int32).view(3, 4)  # slot s: pages 4s ..
+    layout = rows.layout(page_table, page_size=4)
+    assert layout.positions.tolist() == [2, 4, 5, 6]  # slot 2: 3 - 1; slot 0: 7 - 3 ..
+    assert layout.out_loc.tolist() == [8 * 4 + 2, 0 * 4 + 4, 5, 6]
+    assert layout.seq_lens.tolist() == [3, 7]
+    assert layout.q_pad_index.tolist() == [0, 3, 4, 5]
+
+
+# --- the engine ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: str, eagle3_dir: str) -> dict:
+    root = tmp_path_factory.mktemp("deferred")
+    with torch.no_grad():
+        save_tiny_model("qwen2", root / "small")
+    return {
+        "target": llama_dir,
+        "eagle3": eagle3_dir,
+        "dflash": str(save_random_dflash(Path(root / "dflash"))),
+        "standalone": str(root / "small"),
+    }
+
+
+ALGORITHMS: dict[str, dict[str, object]] = {
+    "dflash": {"speculative_algorithm": "dflash"},
+    "eagle3 chain": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3},
+    "eagle3 tree": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3,
+                    "speculative_topk": 2, "speculative_num_draft_tokens": 6},
+    "standalone": {"speculative_algorithm": "standalone"},
+}  # fmt: skip
+
+
+class EveryNth:
+    """Every ``n``-th decode batch drafts: plain stretches longer than a small buffer."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.batches = n, 0
+
+    def drafting(self, rows: list[Request]) -> bool:
+        self.batches += 1
+        return self.batches % self.n == 0
+
+    def observe(self, req: Request, commit_len: int) -> None:
+        pass
+
+
+def _workload(first_rid: int = 0) -> list[TokenizedRequest]:
+    prompts = [[3 + (5 * i + 2 * j) % (VOCAB - 3) for j in range(4 + 3 * i)] for i in range(5)]
+    return [
+        request(first_rid + i, p, max_new_tokens=23, temperature=0.0 if i % 2 else 0.8, seed=i)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def _recorded(engine: Engine) -> list[torch.Tensor]:
+    """Every drafting step's drafts, in order, from now on."""
+    worker, drafts = engine.loop.runner.worker, []
+    draft = worker.draft
+
+    def recording(view: DecodeView) -> Drafts:
+        out = draft(view)
+        drafts.append(out.tokens.clone())
+        return out
+
+    worker.draft = recording  # type: ignore[method-assign]
+    return drafts
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_deferred_catch_up_leaves_the_draft_where_catching_up_at_once_does(
+    dirs: dict[str, str], algorithm: str, overlap: bool
+) -> None:
+    """Buffers of 3 positions against plain stretches of 6 steps: full buffers catch up in
+    plain steps, the rest before drafting, and ended requests' slots with the next plan (a
+    second wave, then a lone prompt). Drafts agree at every drafting step and the draft's KV
+    everywhere."""
+    settings = dict(ALGORITHMS[algorithm])
+    settings["draft_model"] = dirs[str(settings["speculative_algorithm"])]
+    engines, drafts, tokens = [], [], []
+    for capacity in (3, 0):
+        engine = engine_for(
+            dirs["target"],
+            no_overlap=not overlap,
+            speculative_config=json.dumps({"deferred_catch_up": capacity}),
+            **settings,
+        )
+        assert (engine.loop.runner.deferred is None) == (capacity == 0)
+        engine.scheduler.use_policy(EveryNth(7))
+        drafts.append(_recorded(engine))
+        tokens.append(tokens_of(run(engine, _workload(), stagger=2)))
+        tokens[-1] |= tokens_of(run(engine, _workload(first_rid=10)[:2]))
+        # A prompt alone: the plan that catches the second wave's slots up.
+        run(engine, [request(20, [4, 5, 6], max_new_tokens=1)])
+        engines.append(engine)
+    assert tokens[0] == tokens[1]
+    assert len(drafts[0]) == len(drafts[1]) > 4
+    for deferred, at_once in zip(*drafts, strict=True):
+        assert torch.equal(deferred, at_once)
+    kv = [e.loop.runner.worker.kv for e in engines]  # type: ignore[attr-defined]
+    for cache in ("k", "v"):
+        for deferred, at_once in zip(getattr(kv[0], cache), getattr(kv[1], cache), strict=True):
+            torch.testing.assert_close(deferred, at_once, rtol=1e-5, atol=1e-5)
+
+
+def test_plain_steps_buffer_instead_of_running_the_draft(dirs: dict[str, str]) -> None:
+    """With the policy off (no step drafts), the draft runs only over EXTEND chunks and the
+    catch-up batches of ended requests, never once per plain step."""
+    settings = {**ALGORITHMS["eagle3 chain"], "draft_model": dirs["eagle3"]}
+    engine = engine_for(dirs["target"], **settings)
+    engine.scheduler.use_policy(EveryNth(10**9))
+    worker = engine.loop.runner.worker
+    calls: list[int] = []
+    run_draft = worker._run  # type: ignore[attr-defined]
+
+    def counting(tokens: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(tokens.shape[0])
+        return run_draft(tokens, *args)
+
+    worker._run = counting  # type: ignore[attr-defined]
+    requests = _workload()[:2]
+    run(engine, requests)
+    prompt_tokens = sum(len(r.input_ids) for r in requests)
+    # 22 plain steps a request (23 tokens, the first from the prompt): buffers of 32 hold
+    # them all, caught up when the next plan comes.
+    assert calls == [prompt_tokens]
+    run(engine, _workload(first_rid=10)[2:3])
+    assert calls[1] == 2 * 22  # the two ended requests' catch-up batch, before the prompt
