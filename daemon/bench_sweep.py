@@ -39,10 +39,11 @@ from outrider.plugins.api import PluginKind, Problem
 from outrider.plugins.checks import ATTENTION_FLAG, SPECULATIVE_FLAG
 from outrider.plugins.registry import PluginError, Registry, discover
 
-# FA4's decode partner in the mix (FA4 has no split-KV on SM90: a few long rows under-fill the
-# GPU): ``auto`` routes small batches to split-KV triton and the others to FA4 (BENCHMARKS.md,
-# "Where FA4 overtakes split-KV decode"). Cells measured with another partner run again.
-MIX_DECODE_BACKEND = "auto"
+# FA4's partner in the mix (FA4 has no split-KV on SM90: a few long rows under-fill the GPU):
+# ``auto`` routes the decode, verify and draft batches of few rows to split-KV triton and the
+# others to FA4 (BENCHMARKS.md, "Where FA4 overtakes split-KV decode"). Cells measured with
+# another partner run again.
+MIX_PARTNER = "auto"
 
 LLAMA = "Llama-3.1-8B-Instruct.config.json"
 LLAMA_EAGLE3 = "Llama-3.1-8B-EAGLE3.config.json"
@@ -89,9 +90,9 @@ BACKEND_SETS = (
         "mix",
         (
             "--prefill-attention-backend", "fa4",
-            "--verify-attention-backend", "fa4",
-            "--draft-attention-backend", "fa4",
-            "--decode-attention-backend", MIX_DECODE_BACKEND,
+            "--decode-attention-backend", MIX_PARTNER,
+            "--verify-attention-backend", MIX_PARTNER,
+            "--draft-attention-backend", MIX_PARTNER,
         ),
         single=False,
     ),

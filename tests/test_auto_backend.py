@@ -47,11 +47,12 @@ def _problems(auto: str, **changes: object) -> list[str]:
     return [str(p) for p in SPEC.check(SPEC, _ctx(auto, **changes))]
 
 
-def test_auto_declares_decode_on_cuda_and_defaults_to_triton_then_fa4() -> None:
+def test_auto_declares_the_decode_side_phases_on_cuda_and_defaults_to_triton_then_fa4() -> None:
     assert discover().get("attention", "auto") is SPEC
     caps = SPEC.attention
     assert caps is not None
-    assert caps.phases == {"decode"} and caps.devices == {"cuda"}
+    assert caps.phases == {"decode", "verify", "draft_decode", "draft_extend"}
+    assert caps.devices == {"cuda"} and caps.tree_mask and caps.non_causal
     assert (caps.cuda_graphs, caps.graph_kv_bound, caps.host_plans) == (True, False, False)
     assert SPEC.parse_options(None) == AutoOptions("triton", "fa4", 8)
 

@@ -1,17 +1,19 @@
-"""The ``auto`` attention backend's spec: plain decode routed per batch size between two
-backends that read every length on the device.
+"""The ``auto`` attention backend's spec: the decode-side phases (plain decode, verify, draft
+steps and the draft's catch-up) routed per batch size between two backends that read every
+length on the device.
 
 FA4 has no split-KV on SM 9.0: one long sequence runs a few thread blocks and reads its KV at a
-tenth of the bandwidth, while a split-KV decoder (the ``triton`` plugin) fills the GPU at any
-batch size; from some batch size up, FA4's kernel is the faster one (BENCHMARKS.md, "The
-backend matrix"). ``auto`` decodes batches of fewer than ``large_from_batch`` rows with
-``small`` and the others with ``large``. The batch size is known on the host, and a decode graph
-is captured per batch size, so each graph holds one backend's kernels: the route costs nothing
-per step. Only the decode phase: with speculative decoding the cycle's verify is routed by
-``--verify-attention-backend``.
+tenth of the bandwidth, while a split-KV kernel (the ``triton`` plugin) fills the GPU at any
+batch size; from some batch size up, FA4's kernel is the faster one, for one query a row as for
+a verify block (BENCHMARKS.md, "The backend matrix"). ``auto`` runs batches of fewer than
+``large_from_batch`` rows with ``small`` and the others with ``large``. The batch size is known
+on the host, and a decode graph is captured per batch size, so each graph holds one backend's
+kernels: the route costs nothing per step. Each phase routed to ``auto`` has its own pair of
+backends (and graph state); prompt chunks are not routed (``--prefill-attention-backend``).
 
-Both backends run with their default options, and must read lengths on the device (no host
-plans, one graph per batch size whatever the KV bound): ``auto`` declares what they share.
+Both backends run with their default options, must read lengths on the device (no host plans,
+one graph per batch size whatever the KV bound), and must draw tree masks and non-causal
+blocks: ``auto`` declares what they share.
 """
 
 from __future__ import annotations
@@ -60,6 +62,15 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
                 )
             )
             continue
+        if not (caps.tree_mask and caps.non_causal):
+            problems.append(
+                Problem(
+                    OPTION,
+                    f"{role}: {name} cannot be routed by auto, which draws tree masks and "
+                    "non-causal blocks",
+                )
+            )
+            continue
         # The child as the configuration would run it in auto's place.
         routes = {p: name if r == spec.name else r for p, r in ctx.attention_routes.items()}
         child_ctx = dataclasses.replace(ctx, attention_routes=routes)
@@ -71,7 +82,8 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
 SPEC = PluginSpec(
     name="auto",
     kind="attention",
-    summary="plain decode routed by batch size: split-KV (triton) for small batches, FA4 above",
+    summary="decode, verify and draft routed by batch size: split-KV (triton) for small "
+    "batches, FA4 above",
     implementation="outrider.plugins.attention.auto_impl:AutoAttention",
     options=AutoOptions,
     attention=AttentionCapabilities(
@@ -81,7 +93,9 @@ SPEC = PluginSpec(
         cuda_graphs=True,
         graph_kv_bound=False,
         host_plans=False,
-        phases=frozenset({"decode"}),
+        non_causal=True,
+        tree_mask=True,
+        phases=frozenset({"decode", "verify", "draft_decode", "draft_extend"}),
     ),
     check=_check,
 )

@@ -1,6 +1,6 @@
-"""``auto`` attention (auto_backend.py): each decode batch goes to one of two backends by its
-size. The metadata is the chosen backend's own, so ``forward`` hands the batch to the backend
-that built it (the same size picks the same one)."""
+"""``auto`` attention (auto_backend.py): each batch of a phase routed to it goes to one of two
+backends by its size. The metadata is the chosen backend's own, so ``forward`` hands the batch
+to the backend that built it (the same size picks the same one)."""
 
 from __future__ import annotations
 
