@@ -24,9 +24,9 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
     "flashinfer": {"attention_backend": "flashinfer", "draft_attention_backend": "fa4"},
     "mix": {
         "prefill_attention_backend": "fa4",
-        "verify_attention_backend": "fa4",
-        "draft_attention_backend": "fa4",
         "decode_attention_backend": "auto",
+        "verify_attention_backend": "auto",
+        "draft_attention_backend": "auto",
     },
 }
 ALGORITHMS = {**ENGINE_ALGORITHMS, "eagle3 chain": {"speculative_algorithm": "eagle3"}}
