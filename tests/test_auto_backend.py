@@ -15,7 +15,13 @@ from test_attention_graphs import KINDS, make_batch, paged_rows, qkv
 from test_triton_backend import DEVICE, SHAPE
 
 from outrider.daemon.family import embedded_family
-from outrider.plugins.api import PHASES, CheckContext, Phase
+from outrider.plugins.api import (
+    PHASES,
+    AttentionCapabilities,
+    CheckContext,
+    Phase,
+    PluginSpec,
+)
 from outrider.plugins.attention.auto_backend import SPEC, AutoOptions
 from outrider.plugins.attention.auto_impl import AutoAttention
 from outrider.plugins.device import ForwardBatch
@@ -75,6 +81,33 @@ def test_auto_checks_the_backends_it_routes() -> None:
     assert f"{OPTION}: large: --dtype: fa4 does not support float32" in _problems(
         "", dtype="float32"
     )
+
+
+def test_auto_refuses_a_partner_without_tree_masks_or_non_causal_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backend that reads its lengths on the device but draws causal attention alone (a
+    third-party one, say) cannot serve the phases auto declares."""
+    import outrider.plugins.registry as registry
+
+    flat = PluginSpec(
+        name="flat",
+        kind="attention",
+        summary="causal only",
+        implementation="nowhere:Flat",
+        attention=AttentionCapabilities(
+            devices=frozenset({"cuda"}), cuda_graphs=True, graph_kv_bound=False
+        ),
+    )
+    real = registry.named_spec
+    monkeypatch.setattr(
+        registry, "named_spec", lambda kind, name: flat if name == "flat" else real(kind, name)
+    )
+    assert _problems('{"small": "flat", "large": "flat"}') == [
+        f"{OPTION}: {role}: flat cannot be routed by auto, which draws tree masks and non-causal "
+        "blocks"
+        for role in ("small", "large")
+    ]
 
 
 @needs_triton
