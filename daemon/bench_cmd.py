@@ -209,10 +209,10 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         return fail(str(exc))
     if args.report:
-        print(format_report(results), end="")
+        print(format_report(results, args.configs), end="")
         return 0
     if args.list:
-        print(list_cells(matrix, results), end="")
+        print(list_cells(matrix, results, args.configs), end="")
         return 0
     options = SweepOptions(
         args.runs, args.configs, args.budget_s, args.timeout_s, args.retry_failed

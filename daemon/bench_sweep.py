@@ -233,6 +233,21 @@ class SweepOutcome:
     failed_cells: int = 0
 
 
+def current(results: Iterable[CellResult], configs: str) -> dict[Cell, CellResult]:
+    """Each cell's last line recorded by the matrix's configuration of its name: a line of a
+    configuration whose flags changed since (e.g. the mix's partner) counts as not measured."""
+    prefixes = {
+        config.name: shlex.join(["python", *LATENCY_COMMAND, *config.config_flags(configs)]) + " "
+        for config in MATRIX
+    }
+    kept: dict[Cell, CellResult] = {}
+    for result in results:
+        prefix = prefixes.get(f"{result.backends}/{result.algorithm}")
+        if prefix is not None and result.command.startswith(prefix):
+            kept[result.cell] = result
+    return kept
+
+
 def select(only: Sequence[str], matrix: Sequence[SweepConfig] = MATRIX) -> list[SweepConfig]:
     """The configurations ``only`` names: any of its backend sets with any of its algorithms
     (a dimension it does not name: all); raises ValueError for an unknown name."""
@@ -262,20 +277,15 @@ def run_sweep(
     appending its lines as each ends; past ``options.budget_s`` no configuration starts."""
     runner = runner or run_process
     registry = registry or discover()
-    done = {r.cell: r for r in read_results(results)} if results.exists() else {}
+    done = current(read_results(results), options.configs) if results.exists() else {}
     versions = installed_versions()
     started = clock()
     outcome = SweepOutcome()
     for config in matrix:
-        # A cell recorded by another configuration of its name (its flags changed since: e.g.
-        # the mix's decode backend) is measured again.
-        same = shlex.join(["python", *LATENCY_COMMAND, *config.config_flags(options.configs)])
         pending = [
             c
             for c in config.cells()
-            if c not in done
-            or not done[c].command.startswith(same + " ")
-            or (options.retry_failed and done[c].status == "failed")
+            if c not in done or (options.retry_failed and done[c].status == "failed")
         ]
         if not pending:
             continue

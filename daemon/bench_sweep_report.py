@@ -3,7 +3,8 @@ algorithm, batch and context, a column per backend set, then the best single bac
 mix against it; each speculative cycle against its target's plain step; and the state of every
 cell.
 
-A cell recorded twice counts by its last line (``--retry-failed`` appends).
+A cell recorded twice counts by its last line (``--retry-failed`` appends); a line recorded by
+a configuration whose flags have changed since counts as not run (``bench_sweep.current``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from outrider.daemon.bench_sweep import (
     Cell,
     CellResult,
     SweepConfig,
+    SweepOptions,
+    current,
 )
 
 MISSING = "—"
@@ -41,10 +44,11 @@ class _Notes:
         return [f"{n}. {_escape(text)}" for text, n in self.numbers.items()]
 
 
-def format_report(results: Sequence[CellResult]) -> str:
+def format_report(results: Sequence[CellResult], configs: str = SweepOptions.configs) -> str:
     """The table of every (algorithm, batch, context) with at least one cell in ``results``,
-    in the matrix's order, and the notes its refused and failed cells number."""
-    last = {r.cell: r for r in results}
+    in the matrix's order, and the notes its refused and failed cells number (``configs``: the
+    models folder the sweep ran with)."""
+    last = current(results, configs)
     notes = _Notes()
     names = [b.name for b in BACKEND_SETS]
     head = ["algorithm", "batch", "context", *names, "best single", f"mix within {WITHIN}"]
@@ -139,9 +143,13 @@ def _preamble(results: list[CellResult]) -> list[str]:
     return lines
 
 
-def list_cells(matrix: Sequence[SweepConfig], results: Sequence[CellResult]) -> str:
+def list_cells(
+    matrix: Sequence[SweepConfig],
+    results: Sequence[CellResult],
+    configs: str = SweepOptions.configs,
+) -> str:
     """A line per cell with its state (the last line recorded, else "to run"), then counts."""
-    done = {r.cell: r for r in results}
+    done = current(results, configs)
     lines, states = [], []
     for config in matrix:
         for cell in config.cells():

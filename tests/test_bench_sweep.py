@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import shlex
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from outrider.daemon.bench_cmd import LatencyRow
 from outrider.daemon.bench_sweep import (
+    LATENCY_COMMAND,
     MATRIX,
     CellResult,
     Finished,
@@ -222,14 +225,17 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path: Pat
 
 
 def results_of(*lines: tuple[str, str, int, int, str, float | list[str]]) -> list[CellResult]:
+    """Lines as the matrix's configurations record them (their commands)."""
     made = []
     for backends, algorithm, batch, context, status, what in lines:
         measured = isinstance(what, float)
+        (config,) = configs_named(f"{backends}/{algorithm}")
+        flags = ["python", *LATENCY_COMMAND, *config.latency_args(CONFIGS, 5, [batch], [context])]
         made.append(
             CellResult(
                 backends=backends, algorithm=algorithm, batch=batch, context=context,
                 status=status,  # type: ignore[arg-type]
-                command="python -m outrider.daemon.cli bench latency ...",
+                command=shlex.join(flags),
                 device="NVIDIA H100 80GB HBM3" if measured else "",
                 versions={"outrider": "0.1.0", "torch": "2.11.0"},
                 row=row(batch, context, what) if isinstance(what, float) else None,
@@ -297,6 +303,26 @@ def test_the_report_sets_each_cycle_against_its_targets_plain_step() -> None:
         "| eagle3-chain | 1 | 1024 | 1.25x | — | 1.25x | — |\n"
         "| dflash | 1 | 8192 | 1.38x | — | — | — |\n",
     ]
+
+
+def test_a_line_of_a_changed_configuration_counts_as_not_run() -> None:
+    """A mix cell recorded before the mix's flags changed shows as not run, in the report as
+    in the list (the sweep measures it again)."""
+    (fresh,) = results_of(("mix", "none", 1, 1024, "ok", 10.0))
+    stale = msgspec.structs.replace(
+        fresh,
+        command=fresh.command.replace(
+            "--verify-attention-backend auto", "--verify-attention-backend fa4"
+        ),
+    )
+    assert stale.command != fresh.command
+    table = [line for line in format_report([stale]).splitlines() if line.startswith("| none")]
+    assert table == []
+    assert "| none | 1 | 1024 | not run | not run | not run | 10.00 ms, 100.0 tok/s |" in (
+        format_report([stale, fresh])
+    )
+    listed = list_cells(configs_named("mix/none"), [stale]).splitlines()
+    assert listed[0] == "to run   mix/none batch 1 context 1024"
 
 
 def test_the_command_lists_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
