@@ -3,15 +3,19 @@ at which drafting pays (``BreakEven``, scheduler/drafting.py), per batch size, f
 for sampled batches.
 
 At each size a batch of requests decodes through the loop, first drafting every step, then
-plain; the ratio of the fastest loop turns is the break-even acceptance length (the fastest:
-other work on the host only ever slows a turn down, so the minimum is the steadiest estimate
-of what the step itself costs). On the CPU device a turn is timed in the loop thread's CPU
-time: when the host is oversubscribed, other processes stretch every turn's wall time, which
-no minimum removes (the family's EAGLE-3 measured 1.00 to 2.90 in wall time, 1.65 to 1.71 in
-CPU time, at a load of 5 on 2 cores); the process's other threads (its sockets' I/O) do no
-part of a step. Torch's worker threads, where there are several, are not counted either: the
-loop thread runs its share of every parallel region, so the ratio holds while both kinds of
-step split alike. On a GPU the work is the device's: wall time there.
+plain; the ratio of their turns' times is the break-even acceptance length. On the CPU device
+a turn is the fastest one's time in the loop thread's CPU time (other work on the host only
+ever slows a turn down, so the minimum is the steadiest estimate): when the host is
+oversubscribed, other processes stretch every turn's wall time, which no minimum removes (the
+family's EAGLE-3 measured 1.00 to 2.90 in wall time, 1.65 to 1.71 in CPU time, at a load of 5
+on 2 cores); the process's other threads (its sockets' I/O) do no part of a step. Torch's
+worker threads, where there are several, are not counted either: the loop thread runs its
+share of every parallel region, so the ratio holds while both kinds of step split alike. On a
+GPU a turn's host work and the device's step overlap, and one turn's wall time is only the
+host's part when the device is ahead: the turn is the mean wall time between the ends of
+consecutive turns, each of which waits for the step before it, so it costs the slower of the
+two (the fastest single turn gave the family 1.00-1.25 on an H100, where a cycle costs about
+1.7 plain steps).
 
 A cycle's cost does not depend on what its drafts are, so the requests' tokens do not matter,
 but it depends on whether the batch samples: a sampled batch sorts the vocabulary at every
@@ -49,7 +53,7 @@ from outrider.plugins.api import StepShape
 log = logging.getLogger("outrider.engine")
 
 SIZES = (1, 4, 16, 64)  # batch sizes measured, up to the most running requests
-TIMED_TURNS = 4  # loop turns timed per mode; the fastest is taken
+TIMED_TURNS = 8  # loop turns timed per mode
 PROMPT = 256  # tokens of each request's prompt, where the context allows
 SAMPLED_TEMPERATURE = 1.0
 
@@ -59,7 +63,8 @@ def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> 
     prefix cache holding the timing's prompt)."""
     started = time.perf_counter()
     limits, page_size = loop.scheduler.planner.limits, loop.scheduler.pages.page_size
-    # Per mode: one turn that runs the other mode's step in flight, then the timed turns.
+    # Per mode: one turn that runs the other mode's step in flight, then the timed turns (one
+    # more on a GPU).
     new_tokens = 2 * (TIMED_TURNS + 2) * shape.max_commit
     step_room = 2 * shape.kv_span
     prompt = max(min(PROMPT, limits.context_length - new_tokens - step_room), 1)
@@ -89,7 +94,7 @@ def _listed(taus: tuple[float, ...]) -> str:
 def _cycle_cost(
     loop: EngineLoop, bs: int, prompt: list[int], new_tokens: int, temperature: float
 ) -> float:
-    """A drafting turn's time over a plain turn's (the fastest of each), for ``bs`` rows at
+    """A drafting turn's time over a plain turn's (``_turn_time``), for ``bs`` rows at
     ``temperature`` (row ``i`` seeded ``i``)."""
     scheduler = loop.scheduler
     policy = FixedDrafting(on=True)
@@ -101,21 +106,33 @@ def _cycle_cost(
         scheduler.add(own_request(rid, "cycle-cost", prompt, new_tokens, sampling))
     while not all(req.decoding for req in scheduler.running) or len(scheduler.running) < bs:
         loop.iterate()
-    clock = time.thread_time if loop.runner.device.type == "cpu" else time.perf_counter
-    fastest = {}
+    turn = {}
     for drafting in (True, False):
         policy.on = drafting
         loop.iterate()
-        times = []
-        for _ in range(TIMED_TURNS):
-            started = clock()
-            loop.iterate()
-            times.append(clock() - started)
-        fastest[drafting] = min(times)
+        turn[drafting] = _turn_time(loop)
     for rid in rids:
         scheduler.abort(rid, "start-up timing done")
     while loop.has_work:
         loop.iterate()
     scheduler.take_updates()
     scheduler.use_policy(previous)
-    return max(fastest[True] / fastest[False], 1.0)
+    return max(turn[True] / turn[False], 1.0)
+
+
+def _turn_time(loop: EngineLoop) -> float:
+    """A turn of the current mode (module docstring): on the CPU device the fastest of
+    ``TIMED_TURNS`` in the loop thread's CPU time, else the mean wall time between the ends of
+    ``TIMED_TURNS + 1`` turns."""
+    if loop.runner.device.type == "cpu":
+        times = []
+        for _ in range(TIMED_TURNS):
+            started = time.thread_time()
+            loop.iterate()
+            times.append(time.thread_time() - started)
+        return min(times)
+    ends = []
+    for _ in range(TIMED_TURNS + 1):
+        loop.iterate()
+        ends.append(time.perf_counter())
+    return (ends[-1] - ends[0]) / TIMED_TURNS
