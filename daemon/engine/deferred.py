@@ -7,7 +7,7 @@ A slot catches up, in one eager batch queued before the plan's own work:
   buffered positions (their buffers fill again together);
 - when its request has ended (``plan.released_slots``): its pages may be in the prefix cache,
   and a later hit reads the draft's KV there. The slot's relay and request-table row still hold
-  the ended request's: the catch-up runs before the plan writes anything;
+  the ended request's: the catch-up runs before the plan writes anything.
 
 An EXTEND starts a slot afresh: positions it still holds are dropped, on the host and on the
 device (the runner clears the slot's buffer), not caught up. Only slots whose end no plan
@@ -40,6 +40,9 @@ class CatchUp:
 
 
 class DeferredCatchUp:
+    """The buffered positions of every slot, the catch-ups they call for, and the staging of a
+    catch-up batch's index arrays."""
+
     def __init__(self, capacity: int, rows: int, device: torch.device) -> None:
         assert capacity > 0, "deferral needs room for a position"
         self.capacity = capacity

@@ -161,14 +161,14 @@ class ModelRunner:
         return self.results.collect(launched)
 
     def _launch(self, plan: StepPlan) -> Launched:
-        catch_up = self.deferred.due(plan) if self.deferred is not None else None
-        if catch_up is not None:
-            assert self.deferred is not None
-            # Eager, and before the plan writes anything (released slots' state is intact).
-            self.worker.catch_up_deferred(self.deferred.stage(catch_up, self.slots.relay_starts))
+        deferred, catch_up = self.deferred, None
+        if deferred is not None:
+            catch_up = deferred.due(plan)
+            if catch_up is not None:  # eager, before the plan writes anything (deferred.py)
+                self.worker.catch_up_deferred(deferred.stage(catch_up, self.slots.relay_starts))
         launched = self._launch_plan(plan)
-        if self.deferred is not None:
-            self.deferred.advance(plan, catch_up)
+        if deferred is not None:
+            deferred.advance(plan, catch_up)
         if self.host_starts is not None:
             self.host_starts.refresh()
         return launched
