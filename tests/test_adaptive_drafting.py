@@ -265,8 +265,8 @@ def test_the_policy_stops_drafting_where_acceptance_does_not_pay(
 def test_the_break_even_is_measured_at_start_by_default(
     dirs: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Greedy and sampled, at a prompt of 168 tokens: the tiny target's context of 256 less
-    the timing's own tokens (DFlash block 4: 2 x (8 + 2) turns x 4) and two steps' span."""
+    """Greedy and sampled, at a prompt of 200 tokens: the tiny target's context of 256 less
+    the timing's own tokens (DFlash block 4: 2 x (4 + 2) turns x 4) and two steps' span."""
     with caplog.at_level(logging.INFO, "outrider.engine"):
         engine = engine_for(
             dirs["target"], speculative_min_acceptance=-1.0, **_settings(dirs, "dflash")
@@ -277,7 +277,7 @@ def test_the_break_even_is_measured_at_start_by_default(
     assert break_even.sizes == (1, 4)
     for taus in (break_even.greedy, break_even.sampled):
         assert len(taus) == 2 and all(tau >= 1.0 for tau in taus)
-    assert "batch 1, 4, 168-token prompts" in caplog.text
+    assert "batch 1, 4, 200-token prompts" in caplog.text
     counters = engine.scheduler.counters()  # the timing left nothing behind
     assert (counters.running, counters.waiting, counters.spec_drafts) == (0, 0, 0)
     plain = engine_for(dirs["target"], speculative_min_acceptance=-1.0)

@@ -35,7 +35,7 @@ rows share one prompt through the prefix cache: it is computed once (the first s
 row), and the pool must hold it once plus each row's own pages; sizes whose rows the pool
 could not hold without retracting are skipped.
 
-Cost at start: at each size, two kinds of batch x 2 modes x (1 + ``TIMED_TURNS``) turns, plus
+Cost at start: at each size, two kinds of batch x 2 modes x (1 + the timed turns) turns, plus
 one prompt; the log line says how long it took (on the family, CPU: about 0.5 s at batch 1,
 1.2-1.5 s at batch 1 and 4, against 0.6 s for the greedy 4-token timing before).
 """
@@ -53,7 +53,8 @@ from outrider.plugins.api import StepShape
 log = logging.getLogger("outrider.engine")
 
 SIZES = (1, 4, 16, 64)  # batch sizes measured, up to the most running requests
-TIMED_TURNS = 8  # loop turns timed per mode
+CPU_TURNS = 4  # the CPU device: loop turns timed per mode, the fastest taken
+GPU_TURNS = 8  # a GPU: intervals between turn ends averaged per mode
 PROMPT = 256  # tokens of each request's prompt, where the context allows
 SAMPLED_TEMPERATURE = 1.0
 
@@ -63,9 +64,8 @@ def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> 
     prefix cache holding the timing's prompt)."""
     started = time.perf_counter()
     limits, page_size = loop.scheduler.planner.limits, loop.scheduler.pages.page_size
-    # Per mode: one turn that runs the other mode's step in flight, then the timed turns (one
-    # more on a GPU).
-    new_tokens = 2 * (TIMED_TURNS + 2) * shape.max_commit
+    # Per mode: one turn that runs the other mode's step in flight, then the timed turns.
+    new_tokens = 2 * (_timed_turns(loop) + 2) * shape.max_commit
     step_room = 2 * shape.kv_span
     prompt = max(min(PROMPT, limits.context_length - new_tokens - step_room), 1)
     # A row's own pages: the generated tokens, the step's span, the prefix hit's margin pages
@@ -120,19 +120,23 @@ def _cycle_cost(
     return max(turn[True] / turn[False], 1.0)
 
 
+def _timed_turns(loop: EngineLoop) -> int:
+    return CPU_TURNS if loop.runner.device.type == "cpu" else GPU_TURNS + 1
+
+
 def _turn_time(loop: EngineLoop) -> float:
     """A turn of the current mode (module docstring): on the CPU device the fastest of
-    ``TIMED_TURNS`` in the loop thread's CPU time, else the mean wall time between the ends of
-    ``TIMED_TURNS + 1`` turns."""
+    ``CPU_TURNS`` in the loop thread's CPU time, else the mean wall time between the ends of
+    ``GPU_TURNS + 1`` turns."""
     if loop.runner.device.type == "cpu":
         times = []
-        for _ in range(TIMED_TURNS):
+        for _ in range(CPU_TURNS):
             started = time.thread_time()
             loop.iterate()
             times.append(time.thread_time() - started)
         return min(times)
     ends = []
-    for _ in range(TIMED_TURNS + 1):
+    for _ in range(GPU_TURNS + 1):
         loop.iterate()
         ends.append(time.perf_counter())
-    return (ends[-1] - ends[0]) / TIMED_TURNS
+    return (ends[-1] - ends[0]) / GPU_TURNS
