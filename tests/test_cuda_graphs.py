@@ -24,10 +24,12 @@ from outrider.daemon.engine.build import (
     _activation_bytes,
     _fit_check,
     _graph_kv_limit,
+    _graph_pool_estimate,
     _graph_settings,
     _GraphSettings,
 )
 from outrider.daemon.engine.graphs import (
+    CAPTURE_WORKSPACE_BYTES,
     MIB,
     DecodeGraphs,
     GraphKey,
@@ -259,6 +261,11 @@ def test_graph_pool_estimate_of_a_tiny_model() -> None:
     assert graph_pool_bytes(model, 2, bs=4, width=1, kv_bound=None) == layer + logits
     # A speculative row verifies `width` tokens: everything but the gathered K/V scales.
     assert graph_pool_bytes(model, 2, bs=1, width=4, kv_bound=None) == layer + logits
+    # The fit check budgets the largest step and the captures' workspace.
+    settings = _GraphSettings(max_bs=4, kv_bounded=True)
+    budgeted = _graph_pool_estimate(settings, model, "bfloat16", 1, 128, 1)
+    assert budgeted == layer + logits + attention + CAPTURE_WORKSPACE_BYTES
+    assert _graph_pool_estimate(None, model, "bfloat16", 1, 128, 1) == 0
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

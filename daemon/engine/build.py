@@ -17,6 +17,7 @@ from outrider.daemon.config import ConfigError, ServeConfig, debug_knob
 from outrider.daemon.engine.accept import step_reservation
 from outrider.daemon.engine.cycle_cost import measure_break_even
 from outrider.daemon.engine.graphs import (
+    CAPTURE_WORKSPACE_BYTES,
     MIB,
     DecodeGraphs,
     capture_progress,
@@ -438,14 +439,16 @@ def _graph_pool_estimate(
     max_positions: int,
     tensor_parallel_size: int,
 ) -> int:
-    """The graph pool the fit check budgets: the largest captured step (0 without graphs)."""
+    """The graph pool the fit check budgets: the largest captured step and the captures'
+    workspace (0 without graphs)."""
     if settings is None:
         return 0
     kv_bound = max_positions if settings.kv_bounded else None
     itemsize = _DTYPES[dtype_name].itemsize
-    return graph_pool_bytes(
+    step = graph_pool_bytes(
         model_config, itemsize, settings.max_bs, width, kv_bound, tensor_parallel_size
     )
+    return step + CAPTURE_WORKSPACE_BYTES
 
 
 def _decode_graphs(

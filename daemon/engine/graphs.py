@@ -85,6 +85,12 @@ def kv_buckets(max_kv: int, bounded: bool) -> list[int]:
     return [*sizes, max_kv]
 
 
+# What the first capture allocates in the graph pool for good: a 32 MiB block in every
+# measured pool (BENCHMARKS.md, "The CUDA graph pool"), the size of cuBLAS's default workspace
+# (CUBLAS_WORKSPACE_CONFIG=:4096:8) that the captured GEMMs use.
+CAPTURE_WORKSPACE_BYTES = 32 * 2**20
+
+
 def graph_pool_bytes(
     model: ModelConfig,
     itemsize: int,
