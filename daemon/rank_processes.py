@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -278,9 +278,10 @@ def stop_leader(engine: Engine, ranks: LocalRanks | None) -> None:
     ranks.stop()
 
 
-def serve_follower_host(config: ServeConfig) -> int:
+def serve_follower_host(config: ServeConfig) -> NoReturn:
     """``--node-rank`` > 0: this host's ranks and nothing else (no sockets, no children),
-    until rank 0 stops them. The exit status: 0 once stopped, 1 when rank 0 went away."""
+    until rank 0 stops them; then the process exits: 0 once stopped, 1 when rank 0 went
+    away."""
     from outrider.daemon.engine.build import build_follower
 
     where = placement(config)
@@ -290,6 +291,7 @@ def serve_follower_host(config: ServeConfig) -> int:
         where.world, where.init_method,
     )  # fmt: skip
     ranks = LocalRanks(config, where)
+    status = 0
     try:
         tp = where.join(0)
         follower = build_follower(config, tp)
@@ -299,7 +301,11 @@ def serve_follower_host(config: ServeConfig) -> int:
         log.info("rank 0 stopped the ranks after %d steps", steps)
     except RuntimeError as exc:  # torch.distributed's errors: a peer went away
         log.error("tensor-parallel rank %d stopped: %s", where.rank(0), exc)
-        return 1
+        status = 1
     finally:
         ranks.stop()
-    return 0
+    # NOTE: as a spawned rank does (run_rank), exit without the interpreter's teardown: the
+    # group is never destroyed (stop_leader), and destroying its objects at exit can abort the
+    # process ("terminate called without an active exception", status -6, seen once in CI).
+    logging.shutdown()
+    os._exit(status)

@@ -340,8 +340,8 @@ def _stop_while_starting(signum: int, _frame: object) -> None:
 
 
 def serve(config: ServeConfig) -> int:
-    """Run the daemon until SIGTERM (on ``--node-rank`` > 0: this host's tensor-parallel
-    ranks until rank 0 stops them); returns the exit code."""
+    """Run the daemon until SIGTERM and return the exit code (on ``--node-rank`` > 0: this
+    host's tensor-parallel ranks until rank 0 stops them, then the process exits)."""
     notifier = Notifier()
     strip_notify_env(os.environ)  # children must not talk to systemd
     if config.node_rank > 0:
@@ -349,7 +349,7 @@ def serve(config: ServeConfig) -> int:
         if problems:
             raise ConfigError("; ".join(problems))
         _set_torch_threads(config)
-        return serve_follower_host(config)
+        serve_follower_host(config)
     endpoint = config.listen or default_endpoint()
     problem = tcp_bind_problem(
         endpoint, curve_keys=bool(config.curve_secret_key_file), insecure_tcp=config.insecure_tcp
