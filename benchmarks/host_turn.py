@@ -21,7 +21,7 @@ import torch
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.family import embedded_family
-from outrider.daemon.internal import SamplingSpec, TokenizedRequest
+from outrider.daemon.internal import SamplingSpec, own_request
 
 PROMPT = [5, 6, 7, 8] * 8
 OUT_OF_REACH = 100.0  # an acceptance length no draft reaches
@@ -46,21 +46,8 @@ def build(device: str, algorithm: str, plain_only: bool) -> Engine:
 def serve(engine: Engine, rid: int, new_tokens: int, temperature: float) -> int:
     """One request to its end; the loop turns it took."""
     loop = engine.loop
-    loop.scheduler.add(
-        TokenizedRequest(
-            rid=rid,
-            request_id=f"turn-{rid}",
-            input_ids=PROMPT,
-            sampling=SamplingSpec(temperature, 1.0, 0, rid, 0),
-            max_new_tokens=new_tokens,
-            stop=[],
-            stop_token_ids=[],
-            ignore_eos=True,
-            stream=False,
-            want_logprobs=False,
-            arrival=time.time(),
-        )
-    )
+    sampling = SamplingSpec(temperature, 1.0, 0, rid, 0)
+    loop.scheduler.add(own_request(rid, f"turn-{rid}", PROMPT, new_tokens, sampling))
     turns = 0
     while loop.has_work:
         loop.iterate()

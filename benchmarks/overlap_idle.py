@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 from outrider.daemon.config import add_serve_arguments, resolve
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.family import embedded_family
-from outrider.daemon.internal import SamplingSpec, TokenizedRequest
+from outrider.daemon.internal import SamplingSpec, own_request
 from outrider.daemon.tokenizer import load_tokenizer
 
 PROMPTS_FILE = "heldout_prompts.jsonl"
@@ -73,24 +73,6 @@ def random_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
 
 
-def make_request(
-    rid: int, prompt: Sequence[int], new_tokens: int, temperature: float
-) -> TokenizedRequest:
-    return TokenizedRequest(
-        rid=rid,
-        request_id=f"r{rid}",
-        input_ids=list(prompt),
-        sampling=SamplingSpec(temperature, 1.0, 0, rid, 0),
-        max_new_tokens=new_tokens,
-        stop=[],
-        stop_token_ids=[],
-        ignore_eos=True,
-        stream=False,
-        want_logprobs=False,
-        arrival=time.time(),
-    )
-
-
 def serve(
     engine: Engine,
     prompts: Sequence[Sequence[int]],
@@ -108,7 +90,9 @@ def serve(
     while waiting or loop.has_work:
         while waiting and running < concurrency:
             index = waiting.pop()
-            loop.scheduler.add(make_request(index, prompts[index], new_tokens, temperature))
+            sampling = SamplingSpec(temperature, 1.0, 0, index, 0)
+            request = own_request(index, f"r{index}", list(prompts[index]), new_tokens, sampling)
+            loop.scheduler.add(request)
             running += 1
         if on_turn is not None:
             on_turn(turn)
