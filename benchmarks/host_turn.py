@@ -3,6 +3,7 @@ and with the serial one, for one request at a time, optionally with a cProfile o
 
     python benchmarks/host_turn.py --device cuda
     python benchmarks/host_turn.py --device cuda --algorithm eagle3 --plain-only --profile 25
+    python benchmarks/host_turn.py --device cuda --algorithm eagle3 --plain-only --trace 20
 
 ``--plain-only`` holds a speculative engine to plain steps (its drafting policy's break-even is
 set out of reach: only its probes draft), so its turns compare with ``none``'s step for step.
@@ -17,6 +18,7 @@ import pstats
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
@@ -69,6 +71,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=400)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
+    parser.add_argument(
+        "--trace", type=int, default=0, help="print the N costliest ops of a serial request's trace"
+    )
     args = parser.parse_args()
     engine = build(args.device, args.algorithm, args.plain_only)
     serve(engine, 0, 64, args.temperature)  # warm: first-use paths
@@ -94,6 +99,26 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
         print(text.getvalue())
+    if args.trace:
+        trace(engine, args)
+
+
+def trace(engine: Engine, args: argparse.Namespace) -> None:
+    """A serial request under the torch profiler: the ops costliest on the host and on the
+    device, per turn (every device op or runtime call a turn adds shows as its count)."""
+    engine.loop.overlap = False
+    activities = [ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        turns = serve(engine, 4, args.new_tokens, args.temperature)
+        synchronize(args.device)
+    print(f"traced {turns} serial turns; counts below are for all of them")
+    averages = prof.key_averages()
+    for key in ("self_cpu_time_total", "self_device_time_total"):
+        if key == "self_device_time_total" and args.device != "cuda":
+            continue
+        print(averages.table(sort_by=key, row_limit=args.trace, max_name_column_width=60))
 
 
 if __name__ == "__main__":
