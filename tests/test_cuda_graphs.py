@@ -31,6 +31,7 @@ from outrider.daemon.engine.build import (
 from outrider.daemon.engine.graphs import (
     CAPTURE_WORKSPACE_BYTES,
     MIB,
+    SMALL_SEGMENTS_BYTES,
     DecodeGraphs,
     GraphKey,
     batch_buckets,
@@ -264,7 +265,7 @@ def test_graph_pool_estimate_of_a_tiny_model() -> None:
     # The fit check budgets the largest step and the captures' workspace.
     settings = _GraphSettings(max_bs=4, kv_bounded=True)
     budgeted = _graph_pool_estimate(settings, model, "bfloat16", 1, 128, 1)
-    assert budgeted == layer + logits + attention + CAPTURE_WORKSPACE_BYTES
+    assert budgeted == layer + logits + attention + CAPTURE_WORKSPACE_BYTES + SMALL_SEGMENTS_BYTES
     assert _graph_pool_estimate(None, model, "bfloat16", 1, 128, 1) == 0
 
 
@@ -359,10 +360,15 @@ def test_start_captures_cover_the_served_batches(dirs: dict[str, str], algorithm
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
-def test_cuda_graphs_are_captured_before_ready(dirs: dict[str, str], algorithm: str) -> None:
+def test_cuda_graphs_are_captured_before_ready(
+    dirs: dict[str, str], algorithm: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A CUDA engine holds every start key when built (the warm-up adds the logprob variants
-    of its batches of 1 and 2), and serving batches of 3 and 5 captures nothing new."""
-    graphed = engine(dirs, algorithm, device="cuda")
+    of its batches of 1 and 2) within the pool the fit check budgeted, and serving batches of 3
+    and 5 captures nothing new."""
+    with caplog.at_level(logging.INFO, logger="outrider.graphs"):
+        graphed = engine(dirs, algorithm, device="cuda")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     graphs = graphed.loop.runner.graphs
     assert graphs is not None and graphs.started
     reservation = 16  # one page: the widest step's span plus one commit

@@ -19,6 +19,7 @@ from outrider.daemon.engine.cycle_cost import measure_break_even
 from outrider.daemon.engine.graphs import (
     CAPTURE_WORKSPACE_BYTES,
     MIB,
+    SMALL_SEGMENTS_BYTES,
     DecodeGraphs,
     capture_progress,
     graph_pool_bytes,
@@ -439,8 +440,8 @@ def _graph_pool_estimate(
     max_positions: int,
     tensor_parallel_size: int,
 ) -> int:
-    """The graph pool the fit check budgets: the largest captured step and the captures'
-    workspace (0 without graphs)."""
+    """The graph pool the fit check budgets: the largest captured step, the captures'
+    workspaces and the pool's small-block segments (0 without graphs)."""
     if settings is None:
         return 0
     kv_bound = max_positions if settings.kv_bounded else None
@@ -448,7 +449,7 @@ def _graph_pool_estimate(
     step = graph_pool_bytes(
         model_config, itemsize, settings.max_bs, width, kv_bound, tensor_parallel_size
     )
-    return step + CAPTURE_WORKSPACE_BYTES
+    return step + CAPTURE_WORKSPACE_BYTES + SMALL_SEGMENTS_BYTES
 
 
 def _decode_graphs(

@@ -85,10 +85,13 @@ def kv_buckets(max_kv: int, bounded: bool) -> list[int]:
     return [*sizes, max_kv]
 
 
-# What the first capture allocates in the graph pool for good: a 32 MiB block in every
-# measured pool (BENCHMARKS.md, "The CUDA graph pool"), the size of cuBLAS's default workspace
-# (CUBLAS_WORKSPACE_CONFIG=:4096:8) that the captured GEMMs use.
-CAPTURE_WORKSPACE_BYTES = 32 * 2**20
+# cuBLAS's default workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8), which it keeps for good for
+# each stream it ran on: the captures' stream keeps one in the graph pool (the 32 MiB block of
+# every measured pool, BENCHMARKS.md "The CUDA graph pool"), the warm-ups' stream one beside it.
+CAPTURE_WORKSPACE_BYTES = 2 * 32 * 2**20
+# The pool's segments of small blocks (the caching allocator keeps every block under 1 MiB,
+# such as a graph's static results, in 2 MiB segments): 4 or 5 in every measured pool.
+SMALL_SEGMENTS_BYTES = 8 * 2 * 2**20
 
 
 def graph_pool_bytes(
@@ -159,6 +162,10 @@ class DecodeGraphs:
         self.max_logprobs = max_logprobs
         self.scratch_slot = scratch_slot
         self.pool: _POOL_HANDLE | None = None  # shared by every graph, made at the first
+        # Every capture's warm-up runs on this one stream: cuBLAS keeps a workspace for each
+        # stream it ran on, for good (outside the graph pool), and torch hands out up to 32
+        # different streams to ``torch.cuda.Stream()`` calls.
+        self.warm_stream: torch.cuda.Stream | None = None
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, StepResults]] = {}
         self.last_copy: torch.cuda.Event | None = None
         self.started = False  # capture_all is done: later captures are first uses
@@ -270,7 +277,9 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream()
+            if self.warm_stream is None:
+                self.warm_stream = torch.cuda.Stream()
+            side = self.warm_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 run()  # warm-up: lazy initialisations happen outside the graph
