@@ -117,7 +117,9 @@ class AdaptiveSettings:
     smoothing: float = 0.3  # weight of a request's newest commit length in its average
     engine_smoothing: float = 0.05  # the same in its kind's mean, once past 1 / count
     probe_every: int = 8  # plain steps before the first probe
-    max_probe_every: int = 64
+    # At most this many plain steps between probes: a probe whose acceptance stays low costs a
+    # cycle's excess and the deferred catch-up before it (several plain steps on a GPU).
+    max_probe_every: int = 256
 
 
 @dataclass
