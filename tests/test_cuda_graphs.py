@@ -377,8 +377,7 @@ def test_cuda_graphs_are_captured_before_ready(
     assert set(graphs.start_keys()) <= at_ready
     lazy = {k for k in at_ready if k.max_logprobs}
     assert lazy and lazy <= {
-        GraphKey(1, 64, False, MAX_LOGPROBS),
-        GraphKey(2, 64, False, MAX_LOGPROBS),
+        GraphKey(bs, 64, False, MAX_LOGPROBS, width) for bs in (1, 2) for width in graphs.widths
     }
     serve_batches_of_3_and_5(graphed)
     assert set(graphs.graphs) == at_ready
