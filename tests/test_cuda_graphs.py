@@ -30,6 +30,7 @@ from outrider.daemon.engine.build import (
 )
 from outrider.daemon.engine.graphs import (
     CAPTURE_WORKSPACE_BYTES,
+    DRAFT_BYTES_PER_LOGIT,
     MIB,
     SMALL_SEGMENTS_BYTES,
     DecodeGraphs,
@@ -199,6 +200,25 @@ def test_graph_settings_take_the_kv_bound_from_the_capabilities(llama_dir: str) 
     assert _graph_settings(dataclasses.replace(config, device="cpu"), plugins) is None
 
 
+@pytest.mark.parametrize(
+    ("algorithm", "draft_rows"),
+    [("eagle3 chain", 3), ("eagle3 tree", 3 * 2), ("dflash", 3), ("ngram", 0), ("none", 0)],
+)
+def test_graph_settings_count_the_drafts_vocabulary_rows(
+    dirs: dict[str, str], algorithm: str, draft_rows: int
+) -> None:
+    """Chains and blocks score one vocabulary row per draft token, trees K at each of S
+    steps, n-gram none (this module's algorithms: width 4; the tree S 3, K 2)."""
+    settings: dict[str, object] = dict(ALGORITHMS[algorithm])
+    name = str(settings.get("speculative_algorithm", ""))
+    if name in ("eagle3", "dflash"):
+        settings["draft_model"] = dirs[name]
+    config = ServeConfig(model=dirs["target"], device="cuda", **settings)  # type: ignore[arg-type]
+    plugins = discover().resolve(config.check_context("bfloat16", (9, 0)))
+    graph_settings = _graph_settings(config, plugins)
+    assert graph_settings is not None and graph_settings.draft_rows == draft_rows
+
+
 def test_start_keys_are_every_bucket_largest_first() -> None:
     graphs = DecodeGraphs(3, 200, 20, 3)
     keys = [(k.bs, k.max_kv, k.all_greedy, k.max_logprobs) for k in graphs.start_keys()]
@@ -262,6 +282,9 @@ def test_graph_pool_estimate_of_a_tiny_model() -> None:
     assert graph_pool_bytes(model, 2, bs=4, width=1, kv_bound=None) == layer + logits
     # A speculative row verifies `width` tokens: everything but the gathered K/V scales.
     assert graph_pool_bytes(model, 2, bs=1, width=4, kv_bound=None) == layer + logits
+    # A drafting step's vocabulary rows: 3 a row, 256 logits each.
+    draft = 1 * 3 * 256 * DRAFT_BYTES_PER_LOGIT
+    assert graph_pool_bytes(model, 2, 1, 4, None, draft_rows=3) == layer + logits + draft
     # The fit check budgets the largest step and the captures' workspace.
     settings = _GraphSettings(max_bs=4, kv_bounded=True)
     budgeted = _graph_pool_estimate(settings, model, "bfloat16", 1, 128, 1)

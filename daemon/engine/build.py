@@ -372,6 +372,7 @@ def _speculative_plugin(plugins: ResolvedPlugins) -> _Speculative | None:
 class _GraphSettings:
     max_bs: int  # the largest decode batch replayed from a graph
     kv_bounded: bool  # some backend of a decode batch declares graph_kv_bound
+    draft_rows: int = 0  # vocabulary rows a drafting step scores per batch row
 
 
 def _graph_settings(config: ServeConfig, plugins: ResolvedPlugins) -> _GraphSettings | None:
@@ -393,9 +394,11 @@ def _graph_settings(config: ServeConfig, plugins: ResolvedPlugins) -> _GraphSett
     if lacking:
         log.info("decode batches run eagerly: %s declares no CUDA graphs", ", ".join(lacking))
         return None
+    speculative = _speculative_plugin(plugins)
     return _GraphSettings(
         max_bs=min(config.cuda_graph_max_bs, config.max_running),
         kv_bounded=any(cap.graph_kv_bound for cap in caps),
+        draft_rows=(speculative.worker_class.draft_logit_rows(plugins.shape) if speculative else 0),
     )
 
 
@@ -417,7 +420,13 @@ def _graph_kv_limit(
         kv
         for kv in buckets
         if graph_pool_bytes(
-            model_config, itemsize, settings.max_bs, width, kv, tensor_parallel_size
+            model_config,
+            itemsize,
+            settings.max_bs,
+            width,
+            kv,
+            tensor_parallel_size,
+            settings.draft_rows,
         )
         <= budget
     ]
@@ -447,7 +456,13 @@ def _graph_pool_estimate(
     kv_bound = max_positions if settings.kv_bounded else None
     itemsize = _DTYPES[dtype_name].itemsize
     step = graph_pool_bytes(
-        model_config, itemsize, settings.max_bs, width, kv_bound, tensor_parallel_size
+        model_config,
+        itemsize,
+        settings.max_bs,
+        width,
+        kv_bound,
+        tensor_parallel_size,
+        settings.draft_rows,
     )
     return step + CAPTURE_WORKSPACE_BYTES + SMALL_SEGMENTS_BYTES
 

@@ -50,6 +50,11 @@ KV_BUCKET_GROWTH = 2  # each KV bucket is this many times the previous one
 # Sampling scratch per logit of a sampled row at its peak: the sorted values and their int64
 # ids, the softmax and its running mass, the race's int64 hash words and its float scores.
 SAMPLING_BYTES_PER_LOGIT = 40
+# A drafting step's share per logit of its rows (``draft_logit_rows``): measured with DFlash b16
+# on Qwen3-8B, 64 sampled rows, eager: 7,251 MiB at the draft's peak over 64 x 15 rows of
+# 151,936 logits. Within a capture the pool does not hand the draft's freed blocks to the
+# verify after it: the captured pool measured the draft's peak plus the verify's.
+DRAFT_BYTES_PER_LOGIT = 52
 MIB = 2**20
 
 # (graphs captured so far, graphs of the set): a progress bar's update.
@@ -101,15 +106,17 @@ def graph_pool_bytes(
     width: int,
     kv_bound: int | None,
     tensor_parallel_size: int = 1,
+    draft_rows: int = 0,
 ) -> int:
     """Estimated peak working set of the largest captured step, which the shared graph pool
     holds: ``bs`` rows of ``width`` tokens, all sampled, through the target model (one rank's
     shard of it under tensor parallelism: its heads, MLP rows and vocabulary slice, plus the
     gathered logits). ``kv_bound``: the largest KV bucket when a backend declares
     ``graph_kv_bound`` (budgeted as gathering each row's K and V over the bound at query-head
-    width, with a boolean mask), None when the backends' work does not grow with it. A draft
-    model's working set is smaller than its target's, and runs before or after it: it is not
-    added."""
+    width, with a boolean mask), None when the backends' work does not grow with it.
+    ``draft_rows``: vocabulary rows a drafting step scores per batch row
+    (``SpeculativeWorker.draft_logit_rows``), budgeted beside the target's at
+    ``DRAFT_BYTES_PER_LOGIT``; the draft's layers are small next to them."""
     tokens, tp = bs * width, tensor_parallel_size
     q_width = model.num_q_heads // tp * model.head_dim
     kv_width = model.num_kv_heads // tp * model.head_dim
@@ -128,7 +135,8 @@ def graph_pool_bytes(
     if kv_bound is not None:
         gathered = 2 * (kv_width + q_width) * itemsize  # K and V, as stored and per q head
         attention = bs * kv_bound * (gathered + 8) + tokens * kv_bound  # + indices, mask
-    return layer + logits + attention
+    draft = bs * draft_rows * model.vocab_size * DRAFT_BYTES_PER_LOGIT
+    return layer + logits + attention + draft
 
 
 @dataclass(frozen=True)

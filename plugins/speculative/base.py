@@ -157,6 +157,13 @@ class SpeculativeWorker(ABC):
             (ctx.max_slots + 1) * max(self.shape.width, self.shape.kv_span), device=ctx.device
         )
 
+    @classmethod
+    def draft_logit_rows(cls, shape: StepShape) -> int:
+        """Rows of vocabulary logits a drafting step scores per batch row: one per draft
+        token of a chain or block, ``K`` children at each of a tree's ``S`` steps. The start-up
+        fit check budgets their sampling in the CUDA graph pool (graphs.py)."""
+        return shape.depth * shape.topk if shape.tree else shape.width - 1
+
     def allocate_kv(self, num_layers: int, shape: AttentionShape) -> KVCache:
         """A draft's own paged KV: the target's pages and page size, the draft's heads."""
         ctx = self.ctx

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from outrider.plugins.api import StepShape
 from outrider.plugins.device import ForwardBatch, flat_kv_index
 from outrider.plugins.speculative.base import (
     Accepted,
@@ -29,6 +30,10 @@ from outrider.plugins.speculative.ngram import NgramOptions
 
 
 class NgramWorker(SpeculativeWorker):
+    @classmethod
+    def draft_logit_rows(cls, shape: StepShape) -> int:
+        return 0  # drafts are read from the history: no logits
+
     def __init__(self, ctx: WorkerContext, options: NgramOptions) -> None:
         super().__init__(ctx, options)
         self.max_match = options.max_match
