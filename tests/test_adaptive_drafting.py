@@ -70,7 +70,7 @@ def test_kinds_are_greedy_and_temperature_bands() -> None:
 
 
 def test_a_kind_never_observed_drafts_to_learn_and_counts_at_the_break_even() -> None:
-    policy = _policy(BreakEven((1, 2), (2.0, 2.0), (3.0, 3.0)))
+    policy = _policy(BreakEven((1, 2), (2.0, 2.0), (3.0, 3.0)), resume_margin=0.0)
     greedy, sampled = _req(1), _req(2, temperature=1.0)
     assert policy.estimate(greedy) is None and policy.estimate(sampled) is None
     assert policy.drafting([greedy]) and policy.drafting([sampled, greedy])
@@ -80,6 +80,32 @@ def test_a_kind_never_observed_drafts_to_learn_and_counts_at_the_break_even() ->
     assert not policy.drafting([other, sampled])
     other.tau_estimate = 3.2
     assert policy.drafting([other, sampled])
+
+
+def test_drafting_resumes_after_a_plain_step_only_past_the_margin() -> None:
+    """Break-even 2, margin 0.25: drafting goes on at 2, stops below it, and resumes from 2.5
+    (the catch-up of the buffered positions comes first), after a probe too; rows of a kind
+    never observed still draft to learn."""
+    policy = _policy(BreakEven.fixed(2.0), resume_margin=0.25, probe_every=4)
+    row = _req(1, temperature=0.7)
+    decisions = []
+    for estimate in (2.0, 1.9, 2.0, 2.4, 2.5, 2.0):
+        row.tau_estimate = estimate
+        decisions.append(policy.drafting([row]))
+    assert decisions == [True, False, False, False, True, True]
+    row.tau_estimate = 1.0
+    assert [policy.drafting([row]) for _ in range(5)] == [False] * 4 + [True]  # a probe
+    row.tau_estimate = 2.4
+    assert not policy.drafting([row])  # the probe's result resumes only past the margin
+    row.tau_estimate = 2.5
+    assert policy.drafting([row])
+    row.tau_estimate = 2.0
+    assert policy.drafting([row])  # the run goes on at the break-even
+    row.tau_estimate = 1.0
+    assert not policy.drafting([row])
+    assert policy.drafting([_req(2, temperature=1.5)])  # never observed: drafts to learn
+    assert not policy.drafting([row])
+    assert not policy.drafting([row, _req(3, temperature=1.5)])  # (1 + 2.5) / 2 < 2.5
 
 
 def test_kind_means_start_as_plain_means_then_move_slowly() -> None:
@@ -144,7 +170,7 @@ def test_plain_batches_probe_with_a_growing_wait() -> None:
     decisions = [policy.drafting([low]) for _ in range(3 + 5 + 9 + 9)]
     probes = [i for i, d in enumerate(decisions) if d]
     assert probes == [2, 7, 16, 25]  # after 2, then 4, then 8 (the cap) plain steps
-    low.tau_estimate = 3.0  # acceptance recovered: drafting resumes, the wait starts over
+    low.tau_estimate = 3.75  # recovered past the margin: drafting resumes, the wait starts over
     assert policy.drafting([low]) and policy.probe_every == 2
     low.tau_estimate = 1.0
     assert [policy.drafting([low]) for _ in range(3)] == [False, False, True]

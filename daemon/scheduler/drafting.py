@@ -16,12 +16,21 @@ Estimates, all updated from the commit counts the host sees (outputs.py), per ki
 - per request, a moving average of its commit lengths (``smoothing``), started at its kind's
   mean; a request with no drafting step yet is estimated at its kind's mean.
 
-A kind never observed has no estimate: its rows count at the break-even, so a batch of them
-drafts (to learn) and a mixed batch decides by the others. There is no optimistic start: once
+A kind never observed has no estimate: its rows count at the break-even (after a plain step,
+at the resume threshold below), so a batch of them drafts (to learn) and a mixed batch decides
+by the others. There is no optimistic start: once
 one cycle of a kind has been seen, its requests start where that kind's acceptance was
 measured, so a weak draft at T = 1.0 stops after its first cycle whose commits fall short
 (and a later request of the kind starts plain), while a good draft at T = 0 drafts from the
 first step of every request.
+
+Drafting resumes after a plain step only where the mean clears the break-even by
+``resume_margin`` (a fraction of it): the draft first catches up on the positions the plain
+steps buffered (engine/deferred.py), one eager batch that costs 1-2 ms on an H100 (2-3 plain
+steps of the embedded family) whatever its length, so a batch whose acceptance hovers at the
+break-even would pay it every few steps (the family's EAGLE-3 at T = 0.7 switched 18 times in
+447 steps, drafting 2.8 steps a time). A drafting run, once resumed, goes on at the
+break-even itself; a probe's result resumes one only past the margin too.
 
 A batch that stays plain learns nothing, so after ``probe_every`` plain steps in a row the
 batch drafts once (a probe); each probe that does not bring drafting back doubles the wait, up
@@ -116,6 +125,7 @@ class AdaptiveSettings:
     break_even: BreakEven
     smoothing: float = 0.3  # weight of a request's newest commit length in its average
     engine_smoothing: float = 0.05  # the same in its kind's mean, once past 1 / count
+    resume_margin: float = 0.25  # drafting resumes after a plain step from (1 + this) x break-even
     probe_every: int = 8  # plain steps before the first probe
     # At most this many plain steps between probes: a probe whose acceptance stays low costs a
     # cycle's excess and the deferred catch-up before it (several plain steps on a GPU).
@@ -143,6 +153,7 @@ class AdaptiveDrafting:
         self.kind_tau: dict[int, KindMean] = {}  # kinds observed so far
         self.probe_every = settings.probe_every
         self.plain_run = 0  # plain steps in a row
+        self.drafting_run = True  # the last decision drafted by the estimates (a probe: not)
 
     def estimate(self, req: Request) -> float | None:
         """``req``'s estimated acceptance length; None while its kind was never observed."""
@@ -155,8 +166,10 @@ class AdaptiveDrafting:
         all_greedy = all(req.sampling.temperature == 0.0 for req in rows)
         break_even = self.settings.break_even.at(len(rows), all_greedy)
         estimates = [self.estimate(req) for req in rows]
-        mean = sum(break_even if e is None else e for e in estimates) / len(rows)
-        if mean >= break_even:
+        threshold = break_even * (1.0 if self.drafting_run else 1.0 + self.settings.resume_margin)
+        mean = sum(threshold if e is None else e for e in estimates) / len(rows)
+        self.drafting_run = mean >= threshold
+        if self.drafting_run:
             self.plain_run = 0
             self.probe_every = self.settings.probe_every
             return True
