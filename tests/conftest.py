@@ -65,3 +65,23 @@ def eagle3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from model_fixtures import save_random_eagle3
 
     return str(save_random_eagle3(tmp_path_factory.mktemp("eagle3")))
+
+
+@pytest.fixture(scope="session")
+def speculative_dirs(
+    tmp_path_factory: pytest.TempPathFactory, llama_dir: str, eagle3_dir: str
+) -> dict[str, str]:
+    """``llama_dir`` as "target" and a random draft for it under each draft algorithm's name
+    (the standalone draft: a tiny qwen2 of the same vocabulary)."""
+    import torch
+    from model_fixtures import save_random_dflash, save_tiny_model
+
+    root = tmp_path_factory.mktemp("drafts")
+    with torch.no_grad():
+        save_tiny_model("qwen2", root / "small")
+    return {
+        "target": llama_dir,
+        "eagle3": eagle3_dir,
+        "dflash": str(save_random_dflash(root / "dflash")),
+        "standalone": str(root / "small"),
+    }

@@ -51,6 +51,18 @@ ENGINE_ALGORITHMS: dict[str, dict[str, object]] = {
 }  # fmt: skip
 
 
+# Every drafting algorithm as engine settings, the tree at S = 3, K = 2, N = 6; the drafts for
+# ``speculative_dirs`` (conftest.py).
+DRAFT_ALGORITHMS: dict[str, dict[str, object]] = {
+    "ngram": {"speculative_algorithm": "ngram"},
+    "dflash": {"speculative_algorithm": "dflash"},
+    "eagle3 chain": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3},
+    "eagle3 tree": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3,
+                    "speculative_topk": 2, "speculative_num_draft_tokens": 6},
+    "standalone": {"speculative_algorithm": "standalone"},
+}  # fmt: skip
+
+
 def engine_for(model: str, **overrides: object) -> Engine:
     """An engine for tests; a speculative one drafts every decode batch unless the overrides
     set ``speculative_min_acceptance`` (its counters then count every step)."""

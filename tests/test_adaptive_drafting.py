@@ -5,12 +5,17 @@ steps draft."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
-import torch
-from engine_harness import debug_checks_fixture, engine_for, request, run, tokens_of
-from model_fixtures import VOCAB, save_random_dflash, save_tiny_model
+from engine_harness import (
+    DRAFT_ALGORITHMS,
+    debug_checks_fixture,
+    engine_for,
+    request,
+    run,
+    tokens_of,
+)
+from model_fixtures import VOCAB
 
 from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
 from outrider.daemon.internal import SamplingSpec, TokenizedRequest
@@ -70,7 +75,7 @@ def test_kinds_are_greedy_and_temperature_bands() -> None:
 
 
 def test_a_kind_never_observed_drafts_to_learn_and_counts_at_the_break_even() -> None:
-    policy = _policy(BreakEven((1, 2), (2.0, 2.0), (3.0, 3.0)), resume_margin=0.0)
+    policy = _policy(BreakEven((1, 2), (2.0, 2.0), (3.0, 3.0)))
     greedy, sampled = _req(1), _req(2, temperature=1.0)
     assert policy.estimate(greedy) is None and policy.estimate(sampled) is None
     assert policy.drafting([greedy]) and policy.drafting([sampled, greedy])
@@ -82,11 +87,12 @@ def test_a_kind_never_observed_drafts_to_learn_and_counts_at_the_break_even() ->
     assert policy.drafting([other, sampled])
 
 
-def test_drafting_resumes_after_a_plain_step_only_past_the_margin() -> None:
-    """Break-even 2, margin 0.25: drafting goes on at 2, stops below it, and resumes from 2.5
-    (the catch-up of the buffered positions comes first), after a probe too; rows of a kind
+def test_drafting_resumes_after_plain_steps_where_it_gains_the_catch_up_back() -> None:
+    """Break-even 2, a resume costing 4 plain steps more, over 8 cycles: drafting goes on at
+    2, stops below it, and resumes from 2 + 4 / 8 = 2.5, after a probe too; rows of a kind
     never observed still draft to learn."""
-    policy = _policy(BreakEven.fixed(2.0), resume_margin=0.25, probe_every=4)
+    break_even = BreakEven((1,), (2.0,), (2.0,), resume=4.0)
+    policy = _policy(break_even, resume_horizon=8, probe_every=4)
     row = _req(1, temperature=0.7)
     decisions = []
     for estimate in (2.0, 1.9, 2.0, 2.4, 2.5, 2.0):
@@ -96,7 +102,7 @@ def test_drafting_resumes_after_a_plain_step_only_past_the_margin() -> None:
     row.tau_estimate = 1.0
     assert [policy.drafting([row]) for _ in range(5)] == [False] * 4 + [True]  # a probe
     row.tau_estimate = 2.4
-    assert not policy.drafting([row])  # the probe's result resumes only past the margin
+    assert not policy.drafting([row])  # a probe's result resumes only from 2.5 too
     row.tau_estimate = 2.5
     assert policy.drafting([row])
     row.tau_estimate = 2.0
@@ -170,7 +176,7 @@ def test_plain_batches_probe_with_a_growing_wait() -> None:
     decisions = [policy.drafting([low]) for _ in range(3 + 5 + 9 + 9)]
     probes = [i for i, d in enumerate(decisions) if d]
     assert probes == [2, 7, 16, 25]  # after 2, then 4, then 8 (the cap) plain steps
-    low.tau_estimate = 3.75  # recovered past the margin: drafting resumes, the wait starts over
+    low.tau_estimate = 3.0  # acceptance recovered: drafting resumes, the wait starts over
     assert policy.drafting([low]) and policy.probe_every == 2
     low.tau_estimate = 1.0
     assert [policy.drafting([low]) for _ in range(3)] == [False, False, True]
@@ -203,29 +209,6 @@ def test_start_keys_hold_plain_graphs_beside_the_cycles() -> None:
 # --- the engine -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: str, eagle3_dir: str) -> dict:
-    root = tmp_path_factory.mktemp("adaptive")
-    with torch.no_grad():
-        save_tiny_model("qwen2", root / "small")
-    return {
-        "target": llama_dir,
-        "eagle3": eagle3_dir,
-        "dflash": str(save_random_dflash(Path(root / "dflash"))),
-        "standalone": str(root / "small"),
-    }
-
-
-ALGORITHMS: dict[str, dict[str, object]] = {
-    "ngram": {"speculative_algorithm": "ngram"},
-    "dflash": {"speculative_algorithm": "dflash"},
-    "eagle3 chain": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3},
-    "eagle3 tree": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3,
-                    "speculative_topk": 2, "speculative_num_draft_tokens": 6},
-    "standalone": {"speculative_algorithm": "standalone"},
-}  # fmt: skip
-
-
 def _workload() -> list[TokenizedRequest]:
     """Greedy and seeded sampled requests, some repetitive (n-gram drafts get accepted)."""
     prompts = [[3 + (7 * i + 3 * j) % (VOCAB - 3) for j in range(5 + 2 * i)] for i in range(6)]
@@ -237,24 +220,26 @@ def _workload() -> list[TokenizedRequest]:
 
 
 @pytest.fixture(scope="module")
-def expected(dirs: dict[str, str]) -> dict[int, list[int]]:
-    return tokens_of(run(engine_for(dirs["target"]), _workload()))
+def expected(speculative_dirs: dict[str, str]) -> dict[int, list[int]]:
+    return tokens_of(run(engine_for(speculative_dirs["target"]), _workload()))
 
 
-def _settings(dirs: dict[str, str], algorithm: str) -> dict[str, object]:
-    settings = dict(ALGORITHMS[algorithm])
+def _settings(speculative_dirs: dict[str, str], algorithm: str) -> dict[str, object]:
+    settings = dict(DRAFT_ALGORITHMS[algorithm])
     name = str(settings["speculative_algorithm"])
     if name in ("eagle3", "dflash", "standalone"):
-        settings["draft_model"] = dirs[name]
+        settings["draft_model"] = speculative_dirs[name]
     return settings
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", DRAFT_ALGORITHMS)
 def test_alternating_plain_and_drafting_steps_keep_every_token(
-    dirs: dict[str, str], expected: dict[int, list[int]], algorithm: str, overlap: bool
+    speculative_dirs: dict[str, str], expected: dict[int, list[int]], algorithm: str, overlap: bool
 ) -> None:
-    engine = engine_for(dirs["target"], no_overlap=not overlap, **_settings(dirs, algorithm))
+    engine = engine_for(
+        speculative_dirs["target"], no_overlap=not overlap, **_settings(speculative_dirs, algorithm)
+    )
     policy = AlternateDrafting()
     engine.scheduler.use_policy(policy)
     outcomes = run(engine, _workload(), stagger=2)
@@ -268,12 +253,14 @@ def test_alternating_plain_and_drafting_steps_keep_every_token(
 
 
 def test_the_policy_stops_drafting_where_acceptance_does_not_pay(
-    dirs: dict[str, str], expected: dict[int, list[int]]
+    speculative_dirs: dict[str, str], expected: dict[int, list[int]]
 ) -> None:
     """Random drafts are almost never accepted: with a break-even of 2.5 the batches run plain
     after the first few cycles, probing now and then; the tokens stay the target's."""
     engine = engine_for(
-        dirs["target"], speculative_min_acceptance=2.5, **_settings(dirs, "eagle3 chain")
+        speculative_dirs["target"],
+        speculative_min_acceptance=2.5,
+        **_settings(speculative_dirs, "eagle3 chain"),
     )
     assert engine.loop.runner.graphs is None  # CPU: eager
     policy = engine.scheduler.policy
@@ -289,13 +276,17 @@ def test_the_policy_stops_drafting_where_acceptance_does_not_pay(
 
 
 def test_the_break_even_is_measured_at_start_by_default(
-    dirs: dict[str, str], caplog: pytest.LogCaptureFixture
+    speculative_dirs: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Greedy and sampled, at a prompt of 200 tokens: the tiny target's context of 256 less
-    the timing's own tokens (DFlash block 4: 2 x (4 + 2) turns x 4) and two steps' span."""
+    """Greedy and sampled, at a prompt of 164 tokens: the tiny target's context of 256 less
+    the timing's own tokens (DFlash block 4: (2 x (4 + 2) + 3 resumes x 3) turns x 4) and two
+    steps' span; the resume's cost where plain steps defer the catch-up, and none for n-gram,
+    which has no draft to catch up."""
     with caplog.at_level(logging.INFO, "outrider.engine"):
         engine = engine_for(
-            dirs["target"], speculative_min_acceptance=-1.0, **_settings(dirs, "dflash")
+            speculative_dirs["target"],
+            speculative_min_acceptance=-1.0,
+            **_settings(speculative_dirs, "dflash"),
         )
     policy = engine.scheduler.policy
     assert isinstance(policy, AdaptiveDrafting)
@@ -303,8 +294,16 @@ def test_the_break_even_is_measured_at_start_by_default(
     assert break_even.sizes == (1, 4)
     for taus in (break_even.greedy, break_even.sampled):
         assert len(taus) == 2 and all(tau >= 1.0 for tau in taus)
-    assert "batch 1, 4, 200-token prompts" in caplog.text
+    assert "batch 1, 4, 164-token prompts" in caplog.text
+    assert break_even.resume >= 0.0 and "resuming it after plain steps costs" in caplog.text
+    ngram = engine_for(
+        speculative_dirs["target"],
+        speculative_min_acceptance=-1.0,
+        **_settings(speculative_dirs, "ngram"),
+    )
+    assert isinstance(ngram.scheduler.policy, AdaptiveDrafting)
+    assert ngram.scheduler.policy.settings.break_even.resume == 0.0
     counters = engine.scheduler.counters()  # the timing left nothing behind
     assert (counters.running, counters.waiting, counters.spec_drafts) == (0, 0, 0)
-    plain = engine_for(dirs["target"], speculative_min_acceptance=-1.0)
+    plain = engine_for(speculative_dirs["target"], speculative_min_acceptance=-1.0)
     assert isinstance(plain.scheduler.policy, FixedDrafting)

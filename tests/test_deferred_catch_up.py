@@ -5,12 +5,18 @@ up at every plain step leaves it: the same drafts at every drafting step, the sa
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import debug_checks_fixture, engine_for, request, run, tokens_of
-from model_fixtures import VOCAB, save_random_dflash, save_tiny_model
+from engine_harness import (
+    DRAFT_ALGORITHMS,
+    debug_checks_fixture,
+    engine_for,
+    request,
+    run,
+    tokens_of,
+)
+from model_fixtures import VOCAB
 
 from outrider.daemon.engine.build import Engine
 from outrider.daemon.engine.deferred import CatchUp, DeferredCatchUp
@@ -88,26 +94,8 @@ def test_a_catch_up_batch_lays_out_each_row_before_its_start() -> None:
 # --- the engine ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: str, eagle3_dir: str) -> dict:
-    root = tmp_path_factory.mktemp("deferred")
-    with torch.no_grad():
-        save_tiny_model("qwen2", root / "small")
-    return {
-        "target": llama_dir,
-        "eagle3": eagle3_dir,
-        "dflash": str(save_random_dflash(Path(root / "dflash"))),
-        "standalone": str(root / "small"),
-    }
-
-
-ALGORITHMS: dict[str, dict[str, object]] = {
-    "dflash": {"speculative_algorithm": "dflash"},
-    "eagle3 chain": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3},
-    "eagle3 tree": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3,
-                    "speculative_topk": 2, "speculative_num_draft_tokens": 6},
-    "standalone": {"speculative_algorithm": "standalone"},
-}  # fmt: skip
+# n-gram keeps no draft state: nothing to defer.
+ALGORITHMS = {name: flags for name, flags in DRAFT_ALGORITHMS.items() if name != "ngram"}
 
 
 class EveryNth:
@@ -158,7 +146,7 @@ DEVICES = [
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_deferred_catch_up_leaves_the_draft_where_catching_up_at_once_does(
-    dirs: dict[str, str],
+    speculative_dirs: dict[str, str],
     algorithm: str,
     overlap: bool,
     device: str,
@@ -172,11 +160,11 @@ def test_deferred_catch_up_leaves_the_draft_where_catching_up_at_once_does(
     if device == "cuda":  # the relay check syncs inside a step and keeps graphs off
         monkeypatch.delenv("OUTRIDER_DEBUG_RELAY_CHECK")
     settings = dict(ALGORITHMS[algorithm])
-    settings["draft_model"] = dirs[str(settings["speculative_algorithm"])]
+    settings["draft_model"] = speculative_dirs[str(settings["speculative_algorithm"])]
     engines, drafts, tokens = [], [], []
     for capacity in (3, 0):
         engine = engine_for(
-            dirs["target"],
+            speculative_dirs["target"],
             device=device,
             no_overlap=not overlap,
             speculative_config=json.dumps({"deferred_catch_up": capacity}),
@@ -205,11 +193,11 @@ def test_deferred_catch_up_leaves_the_draft_where_catching_up_at_once_does(
             torch.testing.assert_close(deferred, at_once, rtol=tolerance, atol=tolerance)
 
 
-def test_plain_steps_buffer_instead_of_running_the_draft(dirs: dict[str, str]) -> None:
+def test_plain_steps_buffer_instead_of_running_the_draft(speculative_dirs: dict[str, str]) -> None:
     """With the policy off (no step drafts), the draft runs only over EXTEND chunks and the
     catch-up batches of ended requests, never once per plain step."""
-    settings = {**ALGORITHMS["eagle3 chain"], "draft_model": dirs["eagle3"]}
-    engine = engine_for(dirs["target"], **settings)
+    settings = {**ALGORITHMS["eagle3 chain"], "draft_model": speculative_dirs["eagle3"]}
+    engine = engine_for(speculative_dirs["target"], **settings)
     engine.scheduler.use_policy(EveryNth(10**9))
     worker = engine.loop.runner.worker
     calls: list[int] = []

@@ -35,9 +35,16 @@ rows share one prompt through the prefix cache: it is computed once (the first s
 row), and the pool must hold it once plus each row's own pages; sizes whose rows the pool
 could not hold without retracting are skipped.
 
+The resume: where plain steps defer the draft's catch-up (engine/deferred.py), a drafting step
+right after plain ones runs the catch-up first, an eager batch whose cost hardly depends on the
+buffered count on a GPU (launches). At the smallest size, greedy, drafting resumes after two
+plain turns three times; what such a turn takes beyond a drafting turn, over a plain turn, is
+``BreakEven.resume`` (scheduler/drafting.py says how the policy uses it).
+
 Cost at start: at each size, two kinds of batch x 2 modes x (1 + the timed turns) turns, plus
-one prompt; the log line says how long it took (on the family, CPU: about 0.5 s at batch 1,
-1.2-1.5 s at batch 1 and 4, against 0.6 s for the greedy 4-token timing before).
+the resumes' 9 turns and one prompt; the log line says how long it took (on the family, CPU:
+about 0.5 s at batch 1, 1.2-1.5 s at batch 1 and 4, against 0.6 s for the greedy 4-token
+timing before).
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ SIZES = (1, 4, 16, 64)  # batch sizes measured, up to the most running requests
 CPU_TURNS = 4  # the CPU device: loop turns timed per mode, the fastest taken
 GPU_TURNS = 8  # a GPU: intervals between turn ends averaged per mode
 PROMPT = 256  # tokens of each request's prompt, where the context allows
+RESUMES = 3  # resumes timed at the smallest size (greedy)
+PLAIN_BEFORE_RESUME = 2  # plain turns before each: a plain step in flight, positions buffered
 SAMPLED_TEMPERATURE = 1.0
 
 
@@ -64,8 +73,10 @@ def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> 
     prefix cache holding the timing's prompt)."""
     started = time.perf_counter()
     limits, page_size = loop.scheduler.planner.limits, loop.scheduler.pages.page_size
-    # Per mode: one turn that runs the other mode's step in flight, then the timed turns.
-    new_tokens = 2 * (_timed_turns(loop) + 2) * shape.max_commit
+    # Per mode: one turn that runs the other mode's step in flight, then the timed turns; then
+    # the resumes, each after its plain turns.
+    turns = 2 * (_timed_turns(loop) + 2) + RESUMES * (PLAIN_BEFORE_RESUME + 1)
+    new_tokens = turns * shape.max_commit
     step_room = 2 * shape.kv_span
     prompt = max(min(PROMPT, limits.context_length - new_tokens - step_room), 1)
     # A row's own pages: the generated tokens, the step's span, the prefix hit's margin pages
@@ -74,17 +85,28 @@ def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> 
     sizes = [
         bs for bs in SIZES if bs <= limits.max_running and prompt + 2 * bs * row <= pool_tokens
     ] or [1]
-    greedy = tuple(_cycle_cost(loop, bs, [0] * prompt, new_tokens, 0.0) for bs in sizes)
+    # The resume's cost, once: at the smallest size, greedy, where the runner defers catch-ups.
+    resume_at = sizes[0] if loop.runner.deferred is not None else 0
+    timed = [_cycle_cost(loop, bs, [0] * prompt, new_tokens, 0.0, bs == resume_at) for bs in sizes]
+    greedy = tuple(ratio for ratio, _ in timed)
     sampled = tuple(
-        _cycle_cost(loop, bs, [0] * prompt, new_tokens, SAMPLED_TEMPERATURE) for bs in sizes
+        _cycle_cost(loop, bs, [0] * prompt, new_tokens, SAMPLED_TEMPERATURE, False)[0]
+        for bs in sizes
+    )
+    resume = timed[0][1]
+    resumed = (
+        f"; resuming it after plain steps costs {resume:.2f} plain steps more (the draft's "
+        "catch-up)"
+        if resume_at
+        else ""
     )
     log.info(
         "drafting pays from an acceptance length of %s greedy, %s sampled (batch %s, "
-        "%d-token prompts; the cycle's time over a plain step's; timed in %.1f s)",
-        _listed(greedy), _listed(sampled), ", ".join(map(str, sizes)), prompt,
+        "%d-token prompts; the cycle's time over a plain step's)%s; timed in %.1f s",
+        _listed(greedy), _listed(sampled), ", ".join(map(str, sizes)), prompt, resumed,
         time.perf_counter() - started,
     )  # fmt: skip
-    return BreakEven(tuple(sizes), greedy, sampled)
+    return BreakEven(tuple(sizes), greedy, sampled, resume)
 
 
 def _listed(taus: tuple[float, ...]) -> str:
@@ -92,10 +114,16 @@ def _listed(taus: tuple[float, ...]) -> str:
 
 
 def _cycle_cost(
-    loop: EngineLoop, bs: int, prompt: list[int], new_tokens: int, temperature: float
-) -> float:
+    loop: EngineLoop,
+    bs: int,
+    prompt: list[int],
+    new_tokens: int,
+    temperature: float,
+    resume: bool,
+) -> tuple[float, float]:
     """A drafting turn's time over a plain turn's (``_turn_time``), for ``bs`` rows at
-    ``temperature`` (row ``i`` seeded ``i``)."""
+    ``temperature`` (row ``i`` seeded ``i``); and with ``resume``, what a drafting turn right
+    after plain ones costs beyond a drafting turn, in plain turns (``_resume_time``), else 0."""
     scheduler = loop.scheduler
     policy = FixedDrafting(on=True)
     previous = scheduler.policy
@@ -111,13 +139,33 @@ def _cycle_cost(
         policy.on = drafting
         loop.iterate()
         turn[drafting] = _turn_time(loop)
+    extra = 0.0
+    if resume:
+        extra = max(_resume_time(loop, policy) - turn[True], 0.0) / turn[False]
     for rid in rids:
         scheduler.abort(rid, "start-up timing done")
     while loop.has_work:
         loop.iterate()
     scheduler.take_updates()
     scheduler.use_policy(previous)
-    return max(turn[True] / turn[False], 1.0)
+    return max(turn[True] / turn[False], 1.0), extra
+
+
+def _resume_time(loop: EngineLoop, policy: FixedDrafting) -> float:
+    """A drafting turn right after plain turns (their positions buffered), timed as
+    ``_turn_time`` times one turn: the fastest of ``RESUMES`` in thread CPU time on the CPU
+    device, else their mean wall time from the end of the plain turn before."""
+    times = []
+    for _ in range(RESUMES):
+        policy.on = False
+        for _ in range(PLAIN_BEFORE_RESUME):
+            loop.iterate()
+        policy.on = True
+        started = time.thread_time() if loop.runner.device.type == "cpu" else time.perf_counter()
+        loop.iterate()
+        ended = time.thread_time() if loop.runner.device.type == "cpu" else time.perf_counter()
+        times.append(ended - started)
+    return min(times) if loop.runner.device.type == "cpu" else sum(times) / len(times)
 
 
 def _timed_turns(loop: EngineLoop) -> int:

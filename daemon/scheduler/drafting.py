@@ -24,13 +24,15 @@ measured, so a weak draft at T = 1.0 stops after its first cycle whose commits f
 (and a later request of the kind starts plain), while a good draft at T = 0 drafts from the
 first step of every request.
 
-Drafting resumes after a plain step only where the mean clears the break-even by
-``resume_margin`` (a fraction of it): the draft first catches up on the positions the plain
-steps buffered (engine/deferred.py), one eager batch that costs 1-2 ms on an H100 (2-3 plain
-steps of the embedded family) whatever its length, so a batch whose acceptance hovers at the
-break-even would pay it every few steps (the family's EAGLE-3 at T = 0.7 switched 18 times in
-447 steps, drafting 2.8 steps a time). A drafting run, once resumed, goes on at the
-break-even itself; a probe's result resumes one only past the margin too.
+Resuming drafting after plain steps costs more than a cycle: the draft first catches up on
+the positions the plain steps buffered (engine/deferred.py), one eager batch that costs 1-2 ms
+on an H100 whatever its length (2-3 plain steps of the embedded family, a fraction of one on
+its CPU or of an 8B model's step), measured at start as ``BreakEven.resume``. A batch whose
+acceptance hovers at the break-even would pay it every few steps (the family's EAGLE-3 at
+T = 0.7 on an H100 switched 18 times in 447 steps, drafting 2.8 steps a time), so drafting
+resumes only where ``resume_horizon`` cycles at the batch's mean would gain the catch-up back:
+from ``break_even + resume / resume_horizon``. A run, once resumed, goes on at the break-even
+itself; a probe's result resumes one only past that threshold too.
 
 A batch that stays plain learns nothing, so after ``probe_every`` plain steps in a row the
 batch drafts once (a probe); each probe that does not bring drafting back doubles the wait, up
@@ -110,6 +112,7 @@ class BreakEven:
     sizes: tuple[int, ...]
     greedy: tuple[float, ...]
     sampled: tuple[float, ...]
+    resume: float = 0.0  # what resuming after plain steps costs beyond a cycle, in plain steps
 
     @classmethod
     def fixed(cls, tau: float) -> BreakEven:
@@ -125,7 +128,7 @@ class AdaptiveSettings:
     break_even: BreakEven
     smoothing: float = 0.3  # weight of a request's newest commit length in its average
     engine_smoothing: float = 0.05  # the same in its kind's mean, once past 1 / count
-    resume_margin: float = 0.25  # drafting resumes after a plain step from (1 + this) x break-even
+    resume_horizon: int = 8  # cycles a resumed run must last to gain its catch-up back
     probe_every: int = 8  # plain steps before the first probe
     # At most this many plain steps between probes: a probe whose acceptance stays low costs a
     # cycle's excess and the deferred catch-up before it (several plain steps on a GPU).
@@ -166,7 +169,9 @@ class AdaptiveDrafting:
         all_greedy = all(req.sampling.temperature == 0.0 for req in rows)
         break_even = self.settings.break_even.at(len(rows), all_greedy)
         estimates = [self.estimate(req) for req in rows]
-        threshold = break_even * (1.0 if self.drafting_run else 1.0 + self.settings.resume_margin)
+        threshold = break_even
+        if not self.drafting_run:
+            threshold += self.settings.break_even.resume / self.settings.resume_horizon
         mean = sum(threshold if e is None else e for e in estimates) / len(rows)
         self.drafting_run = mean >= threshold
         if self.drafting_run:
