@@ -26,6 +26,7 @@ from outrider.daemon.scheduler.drafting import (
     BreakEven,
     FixedDrafting,
     kind_of,
+    probe_cap,
 )
 from outrider.daemon.scheduler.request import Request
 
@@ -112,6 +113,15 @@ def test_drafting_resumes_after_plain_steps_where_it_gains_the_catch_up_back() -
     assert policy.drafting([_req(2, temperature=1.5)])  # never observed: drafts to learn
     assert not policy.drafting([row])
     assert not policy.drafting([row, _req(3, temperature=1.5)])  # (1 + 2.5) / 2 < 2.5
+
+
+def test_the_probe_cap_keeps_probes_near_one_percent_of_plain_time() -> None:
+    """A probe costs the dearest sampled cycle's excess over one token and the catch-up."""
+    assert probe_cap(BreakEven((1, 4), (1.5, 2.0), (2.5, 3.0), resume=0.5)) == 250
+    assert probe_cap(BreakEven.fixed(1.2)) == 64  # 20, the least cap
+    assert probe_cap(BreakEven.fixed(20.0)) == 1024  # 1,900, the most
+    assert AdaptiveDrafting(AdaptiveSettings(BreakEven.fixed(3.0))).max_probe_every == 200
+    assert _policy(BreakEven.fixed(3.0), max_probe_every=8).max_probe_every == 8
 
 
 def test_kind_means_start_as_plain_means_then_move_slowly() -> None:

@@ -36,12 +36,14 @@ itself; a probe's result resumes one only past that threshold too.
 
 A batch that stays plain learns nothing, so after ``probe_every`` plain steps in a row the
 batch drafts once (a probe); each probe that does not bring drafting back doubles the wait, up
-to ``max_probe_every``, so that a batch whose acceptance stays low pays one cycle's excess
-every ``max_probe_every`` steps at most. Under the overlap loop a decision is made before the
-previous step's commits are known: estimates lag one step, which changes only when drafting
-resumes or stops, never what is committed (the runner's module docstring says why). Drafts
-drawn with ``"sample": "rejection"`` are the exception: every committed token is distributed
-as the target's either way, but which tokens a seed gives then depends on which steps drafted.
+to ``max_probe_every`` (``probe_cap``: where probes take 1 % of the time), so that a batch whose
+acceptance stays low pays one cycle's excess and one catch-up every ``max_probe_every`` steps
+at most; a shorter cap sees a change of acceptance sooner. Under the overlap loop a decision is
+made before the previous step's commits are known: estimates lag one step, which changes only
+when drafting resumes or stops, never what is committed (the runner's module docstring says
+why). Drafts drawn with ``"sample": "rejection"`` are the exception: every committed token is
+distributed as the target's either way, but which tokens a seed gives then depends on which
+steps drafted.
 """
 
 from __future__ import annotations
@@ -130,9 +132,22 @@ class AdaptiveSettings:
     engine_smoothing: float = 0.05  # the same in its kind's mean, once past 1 / count
     resume_horizon: int = 8  # cycles a resumed run must last to gain its catch-up back
     probe_every: int = 8  # plain steps before the first probe
-    # At most this many plain steps between probes: a probe whose acceptance stays low costs a
-    # cycle's excess and the deferred catch-up before it (several plain steps on a GPU).
-    max_probe_every: int = 256
+    # At most this many plain steps between probes; None: ``probe_cap`` of the break-even.
+    max_probe_every: int | None = None
+
+
+PROBE_SHARE = 0.01  # of a plain batch's time, what its probes may take at most
+PROBE_CAP_RANGE = (64, 1024)
+
+
+def probe_cap(break_even: BreakEven) -> int:
+    """Plain steps between probes at most: a probe at low acceptance costs its cycle's excess
+    over the one token it commits, ``break_even - 1`` plain steps (the dearest sampled size),
+    and the catch-up before it (``resume``); once every this many plain steps it takes
+    ``PROBE_SHARE`` of the time, within ``PROBE_CAP_RANGE``."""
+    cost = max(break_even.sampled) - 1.0 + break_even.resume
+    low, high = PROBE_CAP_RANGE
+    return min(max(round(cost / PROBE_SHARE), low), high)
 
 
 @dataclass
@@ -155,6 +170,7 @@ class AdaptiveDrafting:
         self.settings = settings
         self.kind_tau: dict[int, KindMean] = {}  # kinds observed so far
         self.probe_every = settings.probe_every
+        self.max_probe_every = settings.max_probe_every or probe_cap(settings.break_even)
         self.plain_run = 0  # plain steps in a row
         self.drafting_run = True  # the last decision drafted by the estimates (a probe: not)
 
@@ -180,7 +196,7 @@ class AdaptiveDrafting:
             return True
         if self.plain_run >= self.probe_every:
             self.plain_run = 0
-            self.probe_every = min(2 * self.probe_every, self.settings.max_probe_every)
+            self.probe_every = min(2 * self.probe_every, self.max_probe_every)
             return True
         self.plain_run += 1
         return False
