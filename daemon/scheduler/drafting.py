@@ -18,18 +18,17 @@ Estimates, all updated from the commit counts the host sees (outputs.py), per ki
 
 A kind never observed has no estimate: its rows count at the break-even (after a plain step,
 at the resume threshold below), so a batch of them drafts (to learn) and a mixed batch decides
-by the others. There is no optimistic start: once
-one cycle of a kind has been seen, its requests start where that kind's acceptance was
-measured, so a weak draft at T = 1.0 stops after its first cycle whose commits fall short
-(and a later request of the kind starts plain), while a good draft at T = 0 drafts from the
-first step of every request.
+by the others. There is no optimistic start: once one cycle of a kind has been seen, its
+requests start where that kind's acceptance was measured, so a weak draft at T = 1.0 stops
+after its first cycle whose commits fall short (and a later request of the kind starts
+plain), while a good draft at T = 0 drafts from the first step of every request.
 
 Resuming drafting after plain steps costs more than a cycle: the draft first catches up on
 the positions the plain steps buffered (engine/deferred.py), one eager batch that costs 1-2 ms
 on an H100 whatever its length (2-3 plain steps of the embedded family, a fraction of one on
 its CPU or of an 8B model's step), measured at start as ``BreakEven.resume``. A batch whose
 acceptance hovers at the break-even would pay it every few steps (the family's EAGLE-3 at
-T = 0.7 on an H100 switched 18 times in 447 steps, drafting 2.8 steps a time), so drafting
+T = 0.7, on the CPU, switched 18 times in 447 steps, drafting 2.8 steps a time), so drafting
 resumes only where ``resume_horizon`` cycles at the batch's mean would gain the catch-up back:
 from ``break_even + resume / resume_horizon``. A run, once resumed, goes on at the break-even
 itself; a probe's result resumes one only past that threshold too.
