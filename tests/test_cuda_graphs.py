@@ -12,9 +12,8 @@ import logging
 from collections.abc import Callable
 
 import pytest
-import torch
-from engine_harness import debug_checks_fixture, engine_for, request, run
-from model_fixtures import VOCAB, save_random_dflash, save_random_eagle3, save_tiny_model
+from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
+from model_fixtures import VOCAB
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine import graphs as graphs_module
@@ -48,14 +47,10 @@ from outrider.plugins.registry import ResolvedPlugins, discover
 # The relay check poisons the scratch slot too; graphs are off under it (build.py).
 debug_checks = debug_checks_fixture(relay_check=False)
 
-ALGORITHMS = {
+ALGORITHMS: dict[str, dict[str, object]] = {
     "none": {},
-    "ngram": {"speculative_algorithm": "ngram"},
-    "eagle3 chain": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3},
-    "eagle3 tree": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3,
-                    "speculative_topk": 2, "speculative_num_draft_tokens": 6},
-    "dflash": {"speculative_algorithm": "dflash"},
-}  # fmt: skip
+    **{name: flags for name, flags in DRAFT_ALGORITHMS.items() if name != "standalone"},
+}
 
 
 class EagerGraphs(DecodeGraphs):
@@ -80,24 +75,12 @@ class EagerGraphs(DecodeGraphs):
         return self.runs[key]()
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("graphs")
-    with torch.no_grad():
-        save_tiny_model("llama", root / "target")
-    return {
-        "target": str(root / "target"),
-        "eagle3": str(save_random_eagle3(root / "eagle3")),
-        "dflash": str(save_random_dflash(root / "dflash")),
-    }
-
-
-def engine(dirs: dict[str, str], algorithm: str, **overrides: object) -> Engine:
+def engine(speculative_dirs: dict[str, str], algorithm: str, **overrides: object) -> Engine:
     settings: dict[str, object] = dict(ALGORITHMS[algorithm])
     name = str(settings.get("speculative_algorithm", ""))
     if name in ("eagle3", "dflash"):
-        settings["draft_model"] = dirs[name]
-    return engine_for(dirs["target"], max_running=MAX_RUNNING, **settings, **overrides)
+        settings["draft_model"] = speculative_dirs[name]
+    return engine_for(speculative_dirs["target"], max_running=MAX_RUNNING, **settings, **overrides)
 
 
 MAX_RUNNING = 12  # buckets 1 .. 8 and 12: batches of 9 to 11 rows are padded
@@ -205,15 +188,15 @@ def test_graph_settings_take_the_kv_bound_from_the_capabilities(llama_dir: str) 
     [("eagle3 chain", 3), ("eagle3 tree", 3 * 2), ("dflash", 3), ("ngram", 0), ("none", 0)],
 )
 def test_graph_settings_count_the_drafts_vocabulary_rows(
-    dirs: dict[str, str], algorithm: str, draft_rows: int
+    speculative_dirs: dict[str, str], algorithm: str, draft_rows: int
 ) -> None:
     """Chains and blocks score one vocabulary row per draft token, trees K at each of S
     steps, n-gram none (this module's algorithms: width 4; the tree S 3, K 2)."""
     settings: dict[str, object] = dict(ALGORITHMS[algorithm])
     name = str(settings.get("speculative_algorithm", ""))
     if name in ("eagle3", "dflash"):
-        settings["draft_model"] = dirs[name]
-    config = ServeConfig(model=dirs["target"], device="cuda", **settings)  # type: ignore[arg-type]
+        settings["draft_model"] = speculative_dirs[name]
+    config = ServeConfig(model=speculative_dirs["target"], device="cuda", **settings)  # type: ignore[arg-type]
     plugins = discover().resolve(config.check_context("bfloat16", (9, 0)))
     graph_settings = _graph_settings(config, plugins)
     assert graph_settings is not None and graph_settings.draft_rows == draft_rows
@@ -293,9 +276,11 @@ def test_graph_pool_estimate_of_a_tiny_model() -> None:
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_padded_replays_give_the_eager_tokens(dirs: dict[str, str], algorithm: str) -> None:
-    eager = engine(dirs, algorithm)
-    graphed = engine(dirs, algorithm)
+def test_padded_replays_give_the_eager_tokens(
+    speculative_dirs: dict[str, str], algorithm: str
+) -> None:
+    eager = engine(speculative_dirs, algorithm)
+    graphed = engine(speculative_dirs, algorithm)
     runner = graphed.loop.runner
     graphs = EagerGraphs(MAX_RUNNING, 256, 20, runner.slots.scratch_slot)
     runner.graphs = graphs
@@ -307,14 +292,14 @@ def test_padded_replays_give_the_eager_tokens(dirs: dict[str, str], algorithm: s
 @pytest.mark.gpu
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_cuda_graphs_give_the_eager_tokens(
-    dirs: dict[str, str], algorithm: str, monkeypatch: pytest.MonkeyPatch
+    speculative_dirs: dict[str, str], algorithm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """float32 on CUDA, every launch under the sync check: graphs on (the default) against
     --disable-cuda-graph."""
     monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
-    graphed = engine(dirs, algorithm, device="cuda")
+    graphed = engine(speculative_dirs, algorithm, device="cuda")
     assert graphed.loop.runner.graphs is not None
-    eager = engine(dirs, algorithm, device="cuda", disable_cuda_graph=True)
+    eager = engine(speculative_dirs, algorithm, device="cuda", disable_cuda_graph=True)
     assert eager.loop.runner.graphs is None
     assert_same_outputs(graphed, eager)
     assert len(graphed.loop.runner.graphs.graphs) >= 3
@@ -365,10 +350,12 @@ def serve_batches_of_3_and_5(engine: Engine) -> None:
 
 
 @pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
-def test_start_captures_cover_the_served_batches(dirs: dict[str, str], algorithm: str) -> None:
+def test_start_captures_cover_the_served_batches(
+    speculative_dirs: dict[str, str], algorithm: str
+) -> None:
     """With every start key captured, batches of 3 and 5 capture nothing new (on CPU, eager
     "graphs" through the runner's own capture path)."""
-    graphed = engine(dirs, algorithm)
+    graphed = engine(speculative_dirs, algorithm)
     runner = graphed.loop.runner
     widths = (runner.shape.width,)  # the engine drafts every decode batch (engine_for)
     graphs = EagerGraphs(MAX_RUNNING, 272, 20, runner.slots.scratch_slot, widths=widths)
@@ -384,13 +371,13 @@ def test_start_captures_cover_the_served_batches(dirs: dict[str, str], algorithm
 @pytest.mark.gpu
 @pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
 def test_cuda_graphs_are_captured_before_ready(
-    dirs: dict[str, str], algorithm: str, caplog: pytest.LogCaptureFixture
+    speculative_dirs: dict[str, str], algorithm: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A CUDA engine holds every start key when built (the warm-up adds the logprob variants
     of its batches of 1 and 2) within the pool the fit check budgeted, and serving batches of 3
     and 5 captures nothing new."""
     with caplog.at_level(logging.INFO, logger="outrider.graphs"):
-        graphed = engine(dirs, algorithm, device="cuda")
+        graphed = engine(speculative_dirs, algorithm, device="cuda")
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     graphs = graphed.loop.runner.graphs
     assert graphs is not None and graphs.started

@@ -155,17 +155,18 @@ def _resume_time(loop: EngineLoop, policy: FixedDrafting) -> float:
     """A drafting turn right after plain turns (their positions buffered), timed as
     ``_turn_time`` times one turn: the fastest of ``RESUMES`` in thread CPU time on the CPU
     device, else their mean wall time from the end of the plain turn before."""
+    cpu = loop.runner.device.type == "cpu"
+    clock = time.thread_time if cpu else time.perf_counter
     times = []
     for _ in range(RESUMES):
         policy.on = False
         for _ in range(PLAIN_BEFORE_RESUME):
             loop.iterate()
         policy.on = True
-        started = time.thread_time() if loop.runner.device.type == "cpu" else time.perf_counter()
+        started = clock()
         loop.iterate()
-        ended = time.thread_time() if loop.runner.device.type == "cpu" else time.perf_counter()
-        times.append(ended - started)
-    return min(times) if loop.runner.device.type == "cpu" else sum(times) / len(times)
+        times.append(clock() - started)
+    return min(times) if cpu else sum(times) / len(times)
 
 
 def _timed_turns(loop: EngineLoop) -> int:
