@@ -11,6 +11,7 @@ rank's draft model must hold its shard (half the heads, MLP rows and draft vocab
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -154,6 +155,10 @@ def _rank_main(rank: int, port: int, cells: dict[str, dict[str, Any]], out: Path
                     seen[name] = {"steps": follower.run(), "draft": shapes}
                 seen[name]["drafted"] = [d.tolist() for d in drafted]
         (out / f"rank{rank}.json").write_text(json.dumps(seen))
+        # NOTE: leave as the daemon's ranks do (rank_processes.py), without the interpreter's
+        # teardown: gloo's objects destroyed at exit aborted a rank that had saved its results
+        # ("terminate called without an active exception", once in CI).
+        os._exit(0)
     finally:
         dist.destroy_process_group()
 
