@@ -306,6 +306,7 @@ def _build_runner(
         vocab_limit,
         config.max_running,
         (shape.width, 1) if adaptive else (shape.width,),
+        worker.deferred_positions,
     )
     runner = ModelRunner(
         model, kv, backends, slots, worker, shape, limits, device,
@@ -316,7 +317,12 @@ def _build_runner(
     # synchronise: the sync check starts after them. Every rank captures the same keys in
     # the same order (their forwards' collectives pair up).
     if graphs is not None:
-        graphs.capture_all(runner.capture_graph, graph_estimate, capture_progress())
+        graphs.capture_all(
+            runner.capture_graph,
+            graph_estimate,
+            capture_progress(),
+            runner.capture_catch_up if runner.deferred is not None else None,
+        )
     return _Built(
         runner=runner,
         model_config=model_config,
@@ -473,9 +479,10 @@ def _decode_graphs(
     vocab_limit: int,
     max_running: int,
     widths: tuple[int, ...],
+    catch_up_capacity: int,
 ) -> DecodeGraphs | None:
-    """CUDA graphs for decode batches (``max_running`` is the scratch slot) of each row width;
-    None: eager."""
+    """CUDA graphs for decode batches (``max_running`` is the scratch slot) of each row width,
+    and for catch-ups of ``catch_up_capacity`` positions a slot (0: none); None: eager."""
     if settings is None:
         return None
     return DecodeGraphs(
@@ -485,6 +492,7 @@ def _decode_graphs(
         max_running,
         kv_bounded=settings.kv_bounded,
         widths=widths,
+        catch_up_capacity=catch_up_capacity,
     )
 
 

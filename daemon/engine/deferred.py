@@ -1,7 +1,7 @@
 """The host's side of deferred catch-up (plugins/speculative/deferred.py): how many positions
 each slot's plain steps have buffered, and which slots catch up before a plan runs.
 
-A slot catches up, in one eager batch queued before the plan's own work:
+A slot catches up, in one batch queued before the plan's own work:
 - when the plan drafts for it (its draft must be current before drafting);
 - when the plan is a plain step and some row's buffer is full: then every row of the plan with
   buffered positions (their buffers fill again together);
@@ -17,6 +17,12 @@ the engine replaces before READY; their pages may belong to other requests by th
 Every count is exact on the host: a plain step buffers one position a row, an EXTEND starts a
 slot afresh, a catch-up empties it. A tensor-parallel rank makes the same decisions from the
 same plans.
+
+Under CUDA graphs a small batch replays a captured catch-up (graphs.py): its rows padded to a
+bucket of lengths and its row count to a bucket, which needs every row's committed length to
+be at least the row length (the padding sits before the buffered positions). The host keeps a
+floor under each slot's length for that: the end of its last prompt chunk plus a token for
+every decode step since.
 """
 
 from __future__ import annotations
@@ -32,10 +38,30 @@ from outrider.plugins.speculative.deferred import DeferredRows
 
 @dataclass(frozen=True)
 class CatchUp:
-    """Slots to catch up before a plan, their buffered counts and a bound on their KV."""
+    """Slots to catch up before a plan, their buffered counts, a bound on their KV and a floor
+    under their committed lengths (every decode step commits a token a row at least)."""
 
     slots: list[int]
     counts: list[int]
+    max_kv: int
+    min_start: int
+
+
+@dataclass(frozen=True)
+class Padding:
+    """A catch-up batch in a captured graph's shape: ``rows`` rows of ``row_len`` tokens."""
+
+    rows: int
+    row_len: int
+
+
+@dataclass(frozen=True)
+class StagedShape:
+    """The sizes of the catch-up batch staged last (what ``DeferredCatchUp.rows`` reads)."""
+
+    rows: int
+    tokens: int
+    max_q: int
     max_kv: int
 
 
@@ -44,12 +70,16 @@ class DeferredCatchUp:
     catch-up batch's index arrays."""
 
     def __init__(self, capacity: int, rows: int, device: torch.device) -> None:
+        """``rows``: the request table's, the scratch slot last."""
         assert capacity > 0, "deferral needs room for a position"
         self.capacity = capacity
+        self.scratch_slot = rows - 1
         self.pending = [0] * rows  # buffered positions per slot
         # Per slot, a bound on its KV length after its last plain step: the plan's start (an
         # upper bound on the committed length under speculation) plus the step's token.
         self.kv_bound = [0] * rows
+        # Per slot, a floor under its committed length: its prompt's, plus a token a step.
+        self.kv_floor = [0] * rows
         pin, host = device.type == "cuda", torch.device("cpu")
         self._staging = [_Staging(rows, capacity, host, pin=pin) for _ in (0, 1)]
         self._device = _Staging(rows, capacity, device, pin=False)
@@ -65,64 +95,121 @@ class DeferredCatchUp:
         if not slots:
             return None
         counts = [self.pending[s] for s in slots]
-        return CatchUp(slots, counts, max(self.kv_bound[s] for s in slots))
+        return CatchUp(
+            slots,
+            counts,
+            max(self.kv_bound[s] for s in slots),
+            min(self.kv_floor[s] for s in slots),
+        )
 
     def advance(self, plan: StepPlan, catch_up: CatchUp | None) -> None:
         """The counts after ``plan`` (and ``catch_up`` before it) were launched."""
         for slot in catch_up.slots if catch_up is not None else ():
             self.pending[slot] = 0
         if plan.kind == "extend":
-            for slot in plan.slots:
+            for slot, start, q_len in zip(plan.slots, plan.starts, plan.q_lens, strict=True):
                 self.pending[slot] = 0
-        elif not plan.drafting:
+                self.kv_floor[slot] = start + q_len
+            return
+        for slot in plan.slots:
+            self.kv_floor[slot] += 1
+        if not plan.drafting:
             for slot, start in zip(plan.slots, plan.starts, strict=True):
                 self.pending[slot] += 1
                 self.kv_bound[slot] = start + 1
                 assert self.pending[slot] <= self.capacity, "a full buffer catches up first"
 
-    def stage(self, catch_up: CatchUp, starts: torch.Tensor) -> DeferredRows:
-        """``catch_up``'s rows on the device (copies queued on the current stream); ``starts``:
-        the relay's start of every slot. Staging is double-buffered as the step inputs are
-        (inputs.py): a set is refilled two launches later, after the loop waited for the
-        first."""
-        counts = np.asarray(catch_up.counts, dtype=np.int64)
-        n, total = len(catch_up.slots), int(counts.sum())
-        q_start = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=q_start[1:])
-        token_rows = np.repeat(np.arange(n, dtype=np.int64), counts)
-        values = {
-            "slots": np.asarray(catch_up.slots, dtype=np.int64),
-            "counts": counts,
-            "q_start": q_start,
-            "token_rows": token_rows,
-            "token_index": np.arange(total, dtype=np.int64) - q_start[token_rows],
-        }
+    def stage(self, catch_up: CatchUp, padding: Padding | None = None) -> StagedShape:
+        """Queue the copies of ``catch_up``'s index arrays to the device (on the current
+        stream), laid out exactly or, with ``padding``, in a captured graph's shape
+        (``DeferredRows``; the caller checked that every row fits and starts at
+        ``row_len`` or later). Staging is double-buffered as the step inputs are (inputs.py):
+        a set is refilled two launches later, after the loop waited for the first."""
+        real = np.asarray(catch_up.counts, dtype=np.int64)
+        if padding is None:
+            values = _exact(catch_up.slots, real)
+            shape = StagedShape(len(real), int(real.sum()), int(real.max()), catch_up.max_kv)
+        else:
+            n, length = padding.rows, padding.row_len
+            extra = n - len(real)
+            assert extra >= 0 and int(real.max(initial=0)) <= length <= catch_up.min_start
+            slots = catch_up.slots + [self.scratch_slot] * extra
+            values = _padded(slots, np.concatenate([real, np.zeros(extra, np.int64)]), length)
+            shape = StagedShape(n, n * length, length, catch_up.max_kv)
         host, self._parity = self._staging[self._parity], self._parity ^ 1
-        views = {}
         for name, value in values.items():
-            staged, device = getattr(host, name)[: len(value)], getattr(self._device, name)
+            staged = getattr(host, name)[: len(value)]
             staged.numpy()[:] = value
-            views[name] = device[: len(value)]
-            views[name].copy_(staged, non_blocking=True)
-        slots = views["slots"]
+            getattr(self._device, name)[: len(value)].copy_(staged, non_blocking=True)
+        return shape
+
+    def rows(self, shape: StagedShape, starts: torch.Tensor) -> DeferredRows:
+        """The staged batch of ``shape`` on the device; ``starts``: the relay's start of every
+        slot. Device work only (a graph captures it with the worker's catch-up)."""
+        n, tokens, device = shape.rows, shape.tokens, self._device
+        slots, counts = device.slots[:n], device.counts[:n]
         return DeferredRows(
             slots=slots,
-            counts=views["counts"],
-            starts=starts[slots],
-            q_start=views["q_start"],
-            token_rows=views["token_rows"],
-            token_index=views["token_index"],
-            max_q=int(counts.max()),
-            max_kv=catch_up.max_kv,
+            counts=counts,
+            # A padding row (count 0, the scratch slot) starts where its row's length ends.
+            starts=torch.where(counts > 0, starts[slots], shape.max_q),
+            q_start=device.q_start[: n + 1],
+            token_rows=device.token_rows[:tokens],
+            token_index=device.token_index[:tokens],
+            back=device.back[:tokens],
+            real=device.real[:tokens],
+            q_pad_index=device.q_pad_index[:tokens],
+            max_q=shape.max_q,
+            max_kv=shape.max_kv,
         )
+
+
+def _exact(slots: list[int], counts: np.ndarray) -> dict[str, np.ndarray]:
+    """Index arrays of rows of their own lengths: every token a buffered position."""
+    n, total = len(counts), int(counts.sum())
+    q_start = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=q_start[1:])
+    token_rows = np.repeat(np.arange(n, dtype=np.int64), counts)
+    index = np.arange(total, dtype=np.int64) - q_start[token_rows]
+    return {
+        "slots": np.asarray(slots, dtype=np.int64),
+        "counts": counts,
+        "q_start": q_start,
+        "token_rows": token_rows,
+        "token_index": index,
+        "back": counts[token_rows] - index,
+        "real": np.ones(total, dtype=np.bool_),
+        "q_pad_index": token_rows * int(counts.max()) + index,
+    }
+
+
+def _padded(slots: list[int], counts: np.ndarray, length: int) -> dict[str, np.ndarray]:
+    """Index arrays of rows of ``length`` tokens each, the buffered positions last."""
+    n = len(counts)
+    token_rows = np.repeat(np.arange(n, dtype=np.int64), length)
+    place = np.tile(np.arange(length, dtype=np.int64), n)  # within the row
+    index = place - (length - counts[token_rows])  # the buffer entry; < 0: padding
+    return {
+        "slots": np.asarray(slots, dtype=np.int64),
+        "counts": counts,
+        "q_start": np.arange(n + 1, dtype=np.int64) * length,
+        "token_rows": token_rows,
+        "token_index": np.maximum(index, 0),
+        "back": length - place,
+        "real": index >= 0,
+        "q_pad_index": np.arange(n * length, dtype=np.int64),
+    }
 
 
 class _Staging:
     """The catch-up batch's index arrays, sized for every slot's full buffer."""
 
     def __init__(self, rows: int, capacity: int, device: torch.device, *, pin: bool) -> None:
-        def make(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int64, device=device, pin_memory=pin)
+        def make(n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=device, pin_memory=pin)
 
+        tokens = rows * capacity
         self.slots, self.counts, self.q_start = make(rows), make(rows), make(rows + 1)
-        self.token_rows, self.token_index = make(rows * capacity), make(rows * capacity)
+        self.token_rows, self.token_index = make(tokens), make(tokens)
+        self.back, self.q_pad_index = make(tokens), make(tokens)
+        self.real = make(tokens, torch.bool)

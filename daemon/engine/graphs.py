@@ -21,6 +21,12 @@ fit check, before any graph exists: the widest step's working set. The width-1 g
 speculative engine are captured after the wide graph of their batch and KV bucket and reuse its
 blocks; what each keeps for itself (its static results, under a kilobyte a row) is within the
 estimate's slack.
+
+A speculative engine that defers its draft's catch-up (engine/deferred.py) also replays small
+catch-up batches: up to ``CATCH_UP_ROWS[-1]`` rows, each padded to a bucket of lengths (from
+``MIN_CATCH_UP_LEN``, doubling, up to the buffer's capacity), per KV bucket; larger ones, and
+rows too short to pad, run eagerly. They are captured before READY with the decode graphs, from
+scratch rows, and share their pool.
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 import torch
 
+from outrider.daemon.engine.deferred import CatchUp
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
 
@@ -56,6 +63,12 @@ SAMPLING_BYTES_PER_LOGIT = 40
 # verify after it: the captured pool measured the draft's peak plus the verify's.
 DRAFT_BYTES_PER_LOGIT = 52
 MIB = 2**20
+# Row buckets of captured catch-up batches: a catch-up is mostly an ended request's, or the
+# rows of a small batch resuming drafting; larger batches spread an eager one over more rows.
+CATCH_UP_ROWS = (1, 2, 4, 8)
+MIN_CATCH_UP_LEN = 16  # the shortest padded row of a captured catch-up
+
+_Out = TypeVar("_Out")  # what a captured run returns
 
 # (graphs captured so far, graphs of the set): a progress bar's update.
 CaptureProgress = Callable[[int, int], None]
@@ -70,12 +83,30 @@ class GraphKey:
     width: int = 1  # tokens a row: the speculative width, or 1 for a plain step
 
 
+@dataclass(frozen=True)
+class CatchUpKey:
+    rows: int  # padding rows included
+    row_len: int  # tokens a row, padding included
+    max_kv: int  # the KV bound of the graph's layout
+
+
 def batch_buckets(max_bs: int) -> list[int]:
     """Padded batch sizes: every size up to 8, then every 8 (the small ones matter most)."""
     sizes = list(range(1, min(max_bs, 8) + 1)) + list(range(16, max_bs + 1, 8))
     if sizes[-1] != max_bs:
         sizes.append(max_bs)
     return sizes
+
+
+def catch_up_lengths(capacity: int) -> list[int]:
+    """Padded row lengths of captured catch-ups: doubling from ``MIN_CATCH_UP_LEN`` below the
+    buffer's ``capacity``, then the capacity itself (none without deferral)."""
+    sizes = []
+    size = MIN_CATCH_UP_LEN
+    while size < capacity:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, capacity] if capacity else []
 
 
 def kv_buckets(max_kv: int, bounded: bool) -> list[int]:
@@ -159,11 +190,15 @@ class DecodeGraphs:
         scratch_slot: int,
         kv_bounded: bool = True,
         widths: tuple[int, ...] = (1,),
+        catch_up_capacity: int = 0,
     ) -> None:
         """``kv_bounded``: some backend of a decode batch declares ``graph_kv_bound``;
         ``widths``: the row widths decode batches run with (the speculative width, and 1
-        where plain steps run)."""
+        where plain steps run); ``catch_up_capacity``: the positions a slot's plain steps
+        buffer for the draft's catch-up (0: none)."""
         self.buckets = batch_buckets(max_bs)
+        self.catch_up_rows = [rows for rows in CATCH_UP_ROWS if rows <= max_bs]
+        self.catch_up_lens = catch_up_lengths(catch_up_capacity)
         self.widths = sorted(widths, reverse=True)
         self.kv_buckets = kv_buckets(max_kv, kv_bounded)
         self.max_kv = max_kv
@@ -175,6 +210,8 @@ class DecodeGraphs:
         # different streams to ``torch.cuda.Stream()`` calls.
         self.warm_stream: torch.cuda.Stream | None = None
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, StepResults]] = {}
+        self.catch_ups: dict[CatchUpKey, torch.cuda.CUDAGraph] = {}
+        self.catch_up_replays = 0
         self.last_copy: torch.cuda.Event | None = None
         self.started = False  # capture_all is done: later captures are first uses
 
@@ -193,6 +230,17 @@ class DecodeGraphs:
             width=plan.q_lens[0],
         )
 
+    def catch_up_key(self, catch_up: CatchUp) -> CatchUpKey | None:
+        """The graph for ``catch_up``, None when it runs eagerly: more rows than the largest
+        bucket, a count past the buffer, or a row whose length may be under the padded row
+        length (``catch_up.min_start``)."""
+        rows = next((r for r in self.catch_up_rows if r >= len(catch_up.slots)), 0)
+        length = next((n for n in self.catch_up_lens if n >= max(catch_up.counts)), 0)
+        kv = next((b for b in self.kv_buckets if b >= catch_up.max_kv), 0)
+        if not rows or not length or not kv or catch_up.min_start < length:
+            return None
+        return CatchUpKey(rows, length, kv)
+
     def start_keys(self) -> list[GraphKey]:
         """The keys captured before READY: every batch bucket x width x KV bucket, sampled
         and greedy, without logprobs; largest first (KV bound, then batch, then width), so
@@ -205,31 +253,52 @@ class DecodeGraphs:
             for all_greedy in (False, True)
         ]
 
+    def catch_up_start_keys(self) -> list[CatchUpKey]:
+        """The catch-up keys captured before READY: every row bucket x length x KV bucket,
+        largest first."""
+        return [
+            CatchUpKey(rows, length, kv)
+            for kv in reversed(self.kv_buckets)
+            for rows in reversed(self.catch_up_rows)
+            for length in reversed(self.catch_up_lens)
+        ]
+
     def capture_all(
         self,
         capture: Callable[[GraphKey], None],
         estimate: int,
         progress: CaptureProgress | None = None,
+        capture_catch_up: Callable[[CatchUpKey], None] | None = None,
     ) -> CaptureSet:
         """Capture every key of ``start_keys`` not captured yet with ``capture`` (the runner's
-        ``capture_graph``), log the set in one line, and warn when the graphs kept more memory
-        than ``estimate`` (``graph_pool_bytes``, which the fit check budgeted)."""
+        ``capture_graph``), then every catch-up key with ``capture_catch_up``, log the set in
+        one line, and warn when the graphs kept more memory than ``estimate``
+        (``graph_pool_bytes``, which the fit check budgeted)."""
         keys = [key for key in self.start_keys() if key not in self.graphs]
+        catch_ups = [key for key in self.catch_up_start_keys() if key not in self.catch_ups]
+        if capture_catch_up is None:
+            catch_ups = []
+        total = len(keys) + len(catch_ups)
         reserved = _reserved_after_release()
         started = time.monotonic()
         for done, key in enumerate(keys, 1):
             capture(key)
             if progress is not None:
-                progress(done, len(keys))
+                progress(done, total)
+        for done, catch_up in enumerate(catch_ups, len(keys) + 1):
+            assert capture_catch_up is not None
+            capture_catch_up(catch_up)
+            if progress is not None:
+                progress(done, total)
         captured = CaptureSet(
             keys, time.monotonic() - started, _reserved_after_release() - reserved
         )
         self.started = True
         log.info(
-            "captured %d decode graphs (batch %s, width %s, KV bound %s, greedy + sampled) in "
+            "captured %d decode graphs (batch %s, width %s, KV bound %s, greedy + sampled)%s in "
             "%.1f s, pool %d MiB (estimate %d MiB); logprob variants are captured on first use",
             len(keys), _span(self.buckets), "/".join(map(str, self.widths)),
-            _span(self.kv_buckets), captured.seconds,
+            _span(self.kv_buckets), self._catch_up_span(len(catch_ups)), captured.seconds,
             captured.pool_bytes // MIB, estimate // MIB,
         )  # fmt: skip
         if captured.pool_bytes > estimate:
@@ -276,6 +345,37 @@ class DecodeGraphs:
     def capture(self, key: GraphKey, run: Callable[[], StepResults]) -> None:
         """Capture ``run`` (a decode step over staged scratch rows) for ``key``."""
         started = time.monotonic()
+        self.graphs[key] = self._captured(run)
+        # Start-up captures are summed up by capture_all; a later one is a first use.
+        log.log(
+            logging.INFO if self.started else logging.DEBUG,
+            "captured a decode graph%s: batch %d, width %d, KV bound %d, %s%s in %.2f s",
+            " on first use" if self.started else "",
+            key.bs, key.width, key.max_kv, "greedy" if key.all_greedy else "sampling",
+            ", logprobs" if key.max_logprobs else "", time.monotonic() - started,
+        )  # fmt: skip
+
+    def capture_catch_up(self, key: CatchUpKey, run: Callable[[], None]) -> None:
+        """Capture ``run`` (a catch-up over staged scratch rows) for ``key``."""
+        self.catch_ups[key] = self._captured(run)[0]
+        log.debug("captured a catch-up graph: %s", key)
+
+    def replay_catch_up(self, key: CatchUpKey) -> None:
+        """Replay ``key``'s catch-up over the rows staged now."""
+        self.catch_ups[key].replay()
+        self.catch_up_replays += 1
+
+    def _catch_up_span(self, captured: int) -> str:
+        if not captured:
+            return ""
+        return (
+            f" and {captured} catch-up graphs (rows {_span(self.catch_up_rows)}, length "
+            f"{_span(self.catch_up_lens)})"
+        )
+
+    def _captured(self, run: Callable[[], _Out]) -> tuple[torch.cuda.CUDAGraph, _Out]:
+        """``run``'s graph in the shared pool, after a warm-up run on the warm-up stream, and
+        what the captured run returned (its static outputs)."""
         # NOTE: capture synchronises; a launch under the sync check must not raise for it.
         sync_mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)
@@ -298,15 +398,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
         finally:
             torch.cuda.set_sync_debug_mode(sync_mode)
-        self.graphs[key] = (graph, outputs)
-        # Start-up captures are summed up by capture_all; a later one is a first use.
-        log.log(
-            logging.INFO if self.started else logging.DEBUG,
-            "captured a decode graph%s: batch %d, width %d, KV bound %d, %s%s in %.2f s",
-            " on first use" if self.started else "",
-            key.bs, key.width, key.max_kv, "greedy" if key.all_greedy else "sampling",
-            ", logprobs" if key.max_logprobs else "", time.monotonic() - started,
-        )  # fmt: skip
+        return graph, outputs
 
     def replay(self, key: GraphKey) -> StepResults:
         """Replay ``key``'s graph over the inputs staged now; its static results."""

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from outrider.daemon.engine.accept import check_tree, tree_geometry
-from outrider.daemon.engine.deferred import DeferredCatchUp
-from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
+from outrider.daemon.engine.deferred import CatchUp, DeferredCatchUp, Padding
+from outrider.daemon.engine.graphs import CatchUpKey, DecodeGraphs, GraphKey
 from outrider.daemon.engine.inputs import Capacity, InputBuffers, StepInputs, host_values
 from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
@@ -164,8 +164,8 @@ class ModelRunner:
         deferred, catch_up = self.deferred, None
         if deferred is not None:
             catch_up = deferred.due(plan)
-            if catch_up is not None:  # eager, before the plan writes anything (deferred.py)
-                self.worker.catch_up_deferred(deferred.stage(catch_up, self.slots.relay_starts))
+            if catch_up is not None:  # before the plan writes anything (deferred.py)
+                self._catch_up(deferred, catch_up)
         launched = self._launch_plan(plan)
         if deferred is not None:
             deferred.advance(plan, catch_up)
@@ -201,6 +201,31 @@ class ModelRunner:
         launched = self.results.copy(plan, results)
         graphs.last_copy = launched.done
         return launched
+
+    def _catch_up(self, deferred: DeferredCatchUp, catch_up: CatchUp) -> None:
+        """The draft's catch-up on ``catch_up``'s buffered positions: replayed from a graph
+        when one fits (captured first from scratch rows when new), else eagerly."""
+        graphs = self.graphs
+        key = graphs.catch_up_key(catch_up) if graphs is not None else None
+        if graphs is None or key is None:
+            shape = deferred.stage(catch_up)
+            self.worker.catch_up_deferred(deferred.rows(shape, self.slots.relay_starts))
+            return
+        if key not in graphs.catch_ups:
+            self.capture_catch_up(key)
+        deferred.stage(catch_up, Padding(key.rows, key.row_len))
+        graphs.replay_catch_up(key)
+
+    def capture_catch_up(self, key: CatchUpKey) -> None:
+        """Capture ``key``'s catch-up graph from rows on the scratch slot (no live state)."""
+        graphs, deferred = self.graphs, self.deferred
+        assert graphs is not None and deferred is not None, "graphs and deferral are on"
+        scratch = CatchUp(slots=[], counts=[], max_kv=key.max_kv, min_start=key.row_len)
+        shape = deferred.stage(scratch, Padding(key.rows, key.row_len))
+        starts = self.slots.relay_starts
+        graphs.capture_catch_up(
+            key, lambda: self.worker.catch_up_deferred(deferred.rows(shape, starts))
+        )
 
     def capture_graph(self, key: GraphKey) -> None:
         """Capture ``key``'s decode graph from a batch of scratch rows (no live state)."""

@@ -20,38 +20,49 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.plugins.device import BatchLayout, flat_kv_index
+from outrider.plugins.device import SCRATCH_PAGE, BatchLayout, flat_kv_index
 
 
 @dataclass(frozen=True)
 class DeferredRows:
     """The rows of one catch-up batch (device tensors, laid out from host counts): row ``r``
-    catches up slot ``slots[r]``'s ``counts[r]`` buffered positions."""
+    catches up slot ``slots[r]``'s ``counts[r]`` buffered positions, the row's last ``counts[r]``
+    tokens.
+
+    A batch replayed from a CUDA graph has its graph's shape: every row ``max_q`` tokens long,
+    the buffered positions last, and rows past the real ones on the scratch slot with a count
+    of 0 (their start is ``max_q``). Its other tokens are padding (not ``real``): each sits at a
+    position before its row's buffered ones (the host pads only rows that long), reads buffer
+    entry 0, writes its K/V to the scratch page, and its output is never read. A worker treats
+    both shapes alike: ``layout`` and ``DeferredBuffer.take`` place the padding."""
 
     slots: torch.Tensor  # [n] int64
-    counts: torch.Tensor  # [n] int64, each >= 1
+    counts: torch.Tensor  # [n] int64: 0 for a padding row
     starts: torch.Tensor  # [n] int64: each slot's committed length (its relay start)
-    q_start: torch.Tensor  # [n + 1] int64: cumulative counts
-    token_rows: torch.Tensor  # [T] int64: each buffered position's row
-    token_index: torch.Tensor  # [T] int64: its buffer entry (0: the oldest)
-    max_q: int  # the largest count
+    q_start: torch.Tensor  # [n + 1] int64: cumulative row lengths
+    token_rows: torch.Tensor  # [T] int64: each token's row
+    token_index: torch.Tensor  # [T] int64: its buffer entry (0: the oldest; padding: 0)
+    back: torch.Tensor  # [T] int64: how far before its row's start it sits (1 .. count if real)
+    real: torch.Tensor  # [T] bool: a buffered position, not padding
+    q_pad_index: torch.Tensor  # [T] int64: row * max_q + its place in the row
+    max_q: int  # the longest row
     max_kv: int  # host bound on any row's KV length
 
     def layout(self, page_table: torch.Tensor, page_size: int) -> BatchLayout:
-        """The causal layout of the buffered positions, each row's the last ``count``
-        positions before its start; their K/V go to the row's own pages."""
-        back = self.counts[self.token_rows] - self.token_index  # 1 .. count
-        positions = self.starts[self.token_rows] - back
+        """The causal layout of the rows, each the positions right before its start; the
+        buffered positions' K/V go to the row's own pages, the padding's to the scratch
+        page."""
+        positions = self.starts[self.token_rows] - self.back
         out_loc = flat_kv_index(page_table, self.slots[self.token_rows], positions, page_size)
         return BatchLayout(
             page_table=page_table,
             page_size=page_size,
             slots=self.slots,
             positions=positions,
-            out_loc=out_loc,
+            out_loc=torch.where(self.real, out_loc, SCRATCH_PAGE * page_size),
             q_start=self.q_start,
             seq_lens=self.starts,
-            q_pad_index=self.token_rows * self.max_q + self.token_index,
+            q_pad_index=self.q_pad_index,
             bs=self.slots.shape[0],
             max_q=self.max_q,
             max_kv=self.max_kv,
@@ -107,8 +118,9 @@ class DeferredBuffer:
         self.count.index_fill_(0, slots, 0)
 
     def take(self, rows: DeferredRows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The tokens [T] and taps [T, D] (None where not kept) of ``rows``' buffered
-        positions, in the layout's order; their slots' buffers are empty afterwards."""
+        """The tokens [T] and taps [T, D] (None where not kept) of ``rows``' tokens, in the
+        layout's order (a padding token's: its slot's first entry); their slots' buffers are
+        empty afterwards."""
         flat = rows.slots[rows.token_rows] * self.capacity + rows.token_index
         tokens = None if self.tokens is None else self.tokens.view(-1)[flat]
         taps = None if self.taps is None else self.taps.view(-1, self.taps.shape[2])[flat]
