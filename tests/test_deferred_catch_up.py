@@ -241,8 +241,10 @@ def test_deferred_catch_up_leaves_the_draft_where_catching_up_at_once_does(
         drafts.append(_recorded(engine))
         tokens.append(tokens_of(run(engine, _workload(), stagger=2)))
         tokens[-1] |= tokens_of(run(engine, _workload(first_rid=10)[:2]))
-        # A prompt alone: the plan that catches the second wave's slots up.
-        run(engine, [request(20, [4, 5, 6], max_new_tokens=1)])
+        # A prompt alone: the plan that catches the second wave's slots up. Longer than the
+        # buffer, it runs the draft at once (a shorter one would stay buffered: no plan after
+        # reports its end).
+        run(engine, [request(20, [4, 5, 6, 7], max_new_tokens=1)])
         engines.append(engine)
     assert tokens[0] == tokens[1]
     graphs = engines[0].loop.runner.graphs
@@ -264,10 +266,14 @@ def test_deferred_catch_up_leaves_the_draft_where_catching_up_at_once_does(
 
 
 def test_plain_steps_buffer_instead_of_running_the_draft(speculative_dirs: dict[str, str]) -> None:
-    """With the policy off (no step drafts), the draft runs only over EXTEND chunks and the
-    catch-up batches of ended requests, never once per plain step."""
+    """With the policy off (no step drafts), the draft runs only over prompt endings longer
+    than the buffer and the catch-up batches of ended requests, never once per plain step."""
     settings = {**ALGORITHMS["eagle3 chain"], "draft_model": speculative_dirs["eagle3"]}
-    engine = engine_for(speculative_dirs["target"], **settings)
+    engine = engine_for(
+        speculative_dirs["target"],
+        speculative_config=json.dumps({"deferred_catch_up": 32}),
+        **settings,
+    )
     engine.scheduler.use_policy(EveryNth(10**9))
     worker = engine.loop.runner.worker
     calls: list[int] = []
@@ -280,9 +286,11 @@ def test_plain_steps_buffer_instead_of_running_the_draft(speculative_dirs: dict[
     worker._run = counting  # type: ignore[attr-defined]
     requests = _workload()[:2]
     run(engine, requests)
-    prompt_tokens = sum(len(r.input_ids) for r in requests)
-    # 22 plain steps a request (23 tokens, the first from the prompt): buffers of 32 hold
-    # them all, caught up when the next plan comes.
-    assert calls == [prompt_tokens]
-    run(engine, _workload(first_rid=10)[2:3])
-    assert calls[1] == 2 * 22  # the two ended requests' catch-up batch, before the prompt
+    # Prompts of 4 and 7 tokens, then 22 plain steps each (23 tokens, the first from the
+    # prompt): buffers of 32 hold them all, caught up when the next plan comes.
+    assert [len(r.input_ids) for r in requests] == [4, 7] and calls == []
+    long_prompt = [3 + i % (VOCAB - 3) for i in range(40)]
+    run(engine, [request(10, long_prompt, max_new_tokens=2)])
+    # Its plan catches the two ended requests up in one batch first, then runs the draft
+    # over its 40 tokens at once.
+    assert calls == [4 + 7 + 2 * 22, 40]

@@ -36,10 +36,11 @@ row), and the pool must hold it once plus each row's own pages; sizes whose rows
 could not hold without retracting are skipped.
 
 The resume: where plain steps defer the draft's catch-up (engine/deferred.py), a drafting step
-right after plain ones runs the catch-up first, an eager batch whose cost hardly depends on the
-buffered count on a GPU (launches). At the smallest size, greedy, drafting resumes after two
-plain turns three times; what such a turn takes beyond a drafting turn, over a plain turn, is
-``BreakEven.resume`` (scheduler/drafting.py says how the policy uses it).
+right after plain ones runs the catch-up first, a batch whose cost hardly depends on the
+buffered count on a GPU (launches, or a graph's replay). At the smallest size, greedy,
+drafting resumes after two plain turns three times; what such a turn takes beyond a drafting
+turn, over a plain turn, is ``BreakEven.resume`` (scheduler/drafting.py says how the policy
+uses it).
 
 Cost at start: at each size, two kinds of batch x 2 modes x (1 + the timed turns) turns, plus
 the resumes' 9 turns and one prompt; the log line says how long it took (on the family, CPU:

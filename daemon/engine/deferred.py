@@ -12,7 +12,10 @@ A slot catches up, in one batch queued before the plan's own work:
 An EXTEND starts a slot afresh: positions it still holds are dropped, on the host and on the
 device (the runner clears the slot's buffer), not caught up. Only slots whose end no plan
 reported hold any: the warm-up's and the start-up timing's, whose scheduler (and prefix cache)
-the engine replaces before READY; their pages may belong to other requests by then.
+the engine replaces before READY; their pages may belong to other requests by then. An EXTEND
+batch whose rows all end their prompts, each in at most ``capacity`` tokens (a prefix hit's
+remainder, a short prompt), buffers its positions too (``buffers``) instead of running the
+draft over them: the draft catches up on them with the plain steps after, in one batch.
 
 Every count is exact on the host: a plain step buffers one position a row, an EXTEND starts a
 slot afresh, a catch-up empties it. A tensor-parallel rank makes the same decisions from the
@@ -102,14 +105,24 @@ class DeferredCatchUp:
             min(self.kv_floor[s] for s in slots),
         )
 
+    def buffers(self, plan: StepPlan) -> bool:
+        """Whether EXTEND ``plan`` buffers its positions: every row ends its prompt in it (a
+        later chunk would start the slot afresh) and fits the buffer."""
+        return (
+            plan.kind == "extend"
+            and len(plan.sample_rows) == plan.bs
+            and max(plan.q_lens) <= self.capacity
+        )
+
     def advance(self, plan: StepPlan, catch_up: CatchUp | None) -> None:
         """The counts after ``plan`` (and ``catch_up`` before it) were launched."""
         for slot in catch_up.slots if catch_up is not None else ():
             self.pending[slot] = 0
         if plan.kind == "extend":
+            buffered = self.buffers(plan)
             for slot, start, q_len in zip(plan.slots, plan.starts, plan.q_lens, strict=True):
-                self.pending[slot] = 0
-                self.kv_floor[slot] = start + q_len
+                self.pending[slot] = q_len if buffered else 0
+                self.kv_bound[slot] = self.kv_floor[slot] = start + q_len
             return
         for slot in plan.slots:
             self.kv_floor[slot] += 1

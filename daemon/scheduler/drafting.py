@@ -24,9 +24,10 @@ after its first cycle whose commits fall short (and a later request of the kind 
 plain), while a good draft at T = 0 drafts from the first step of every request.
 
 Resuming drafting after plain steps costs more than a cycle: the draft first catches up on
-the positions the plain steps buffered (engine/deferred.py), one eager batch that costs 1-2 ms
-on an H100 whatever its length (2-3 plain steps of the embedded family, a fraction of one on
-its CPU or of an 8B model's step), measured at start as ``BreakEven.resume``. A batch whose
+the positions the plain steps buffered (engine/deferred.py), one batch whose cost hardly
+depends on its length (eager, 1-2 ms on an H100, 2-3 plain steps of the embedded family; a
+fraction of one replayed from a CUDA graph, on the family's CPU or beside an 8B model's step),
+measured at start as ``BreakEven.resume``. A batch whose
 acceptance hovers at the break-even would pay it every few steps (the family's EAGLE-3 at
 T = 0.7, on the CPU, switched 18 times in 447 steps, drafting 2.8 steps a time), so drafting
 resumes only where ``resume_horizon`` cycles at the batch's mean would gain the catch-up back:

@@ -143,9 +143,10 @@ class SpeculativeWorker(ABC):
     # Whole pages a prefix-cache hit gives back to be recomputed: a draft whose cached state
     # at the last hit position depends on the token after it sets 1.
     prefix_margin_pages: int = 0
-    # Plain steps buffer their catch-up for up to this many positions a slot (``defer``), and
-    # the runner has the draft catch up on them in one batch (``catch_up_deferred``,
-    # deferred.py); 0: every plain step catches up at once through ``after_accept``.
+    # Plain steps buffer their catch-up for up to this many positions a slot (``defer``), as
+    # do short prompt endings (``defer_extend``), and the runner has the draft catch up on
+    # them in one batch (``catch_up_deferred``, deferred.py); 0: every plain step catches up
+    # at once through ``after_accept``.
     deferred_positions: int = 0
     deferred: DeferredBuffer | None = None  # the buffer, where deferred_positions > 0
 
@@ -245,9 +246,15 @@ class SpeculativeWorker(ABC):
         ``verify`` is the forward over each row's root, ``accepted`` one token a row."""
         raise NotImplementedError(f"{type(self).__name__} does not defer its catch-up")
 
+    def defer_extend(self, view: ExtendView) -> None:
+        """``after_extend`` buffered instead of run (``deferred_positions`` > 0): an EXTEND
+        batch whose rows all end their prompts, each within the buffer (``DeferredBuffer.fill``;
+        the slots start afresh)."""
+        raise NotImplementedError(f"{type(self).__name__} does not defer its catch-up")
+
     def catch_up_deferred(self, rows: DeferredRows) -> None:
-        """The draft over ``rows``' buffered positions, as if each plain step had caught up
-        at once; empties their buffers."""
+        """The draft over ``rows``' buffered positions, as if each plain step (and the
+        EXTEND before them) had caught up at once; empties their buffers."""
         raise NotImplementedError(f"{type(self).__name__} does not defer its catch-up")
 
 

@@ -3,6 +3,9 @@ what its draft would have caught up on, and the draft runs over the buffered pos
 in one batch: before the row's next drafting step, when a slot's buffer is full, or once its
 request has ended (so that prefix-cache pages carry the draft's KV).
 
+A prompt's last chunk may be buffered the same way when it is short (engine/deferred.py
+says when), each position with the token after it.
+
 After ``n`` plain steps a row whose committed length (relay start) is ``start`` has buffered
 positions ``start - n .. start - 1``, oldest first: position ``start - n + i`` is buffer entry
 ``i`` of the slot, a token (the worker's choice: the root, or the token after it) and, for
@@ -112,6 +115,23 @@ class DeferredBuffer:
                 assert value is not None, "the buffer keeps it: every position must bring it"
                 kept.index_put_((slots, index), value)
         self.count.index_add_(0, slots, self.ones[: slots.shape[0]])
+
+    def fill(
+        self,
+        layout: BatchLayout,
+        tokens: torch.Tensor | None = None,
+        taps: torch.Tensor | None = None,
+    ) -> None:
+        """The positions of an EXTEND batch (``layout``; its slots start afresh, each row's
+        tokens from entry 0): ``tokens`` [T], ``taps`` [T, D]."""
+        row = layout.q_pad_index // layout.max_q
+        entry = layout.q_pad_index - row * layout.max_q
+        slots = layout.slots[row]
+        for kept, value in ((self.tokens, tokens), (self.taps, taps)):
+            if kept is not None:
+                assert value is not None, "the buffer keeps it: every position must bring it"
+                kept.index_put_((slots, entry), value)
+        self.count.index_copy_(0, layout.slots, layout.q_start[1:] - layout.q_start[:-1])
 
     def clear(self, slots: torch.Tensor) -> None:
         """``slots`` [n] start afresh: what they buffered is dropped."""

@@ -80,6 +80,9 @@ class DFlashWorker(SpeculativeWorker):
     def after_extend(self, view: ExtendView) -> None:
         self._materialize(view.fb)
 
+    def defer_extend(self, view: ExtendView) -> None:
+        self._deferred().fill(view.fb.layout, taps=self._taps(view.fb))
+
     def draft(self, view: DecodeView) -> Drafts:
         bs, width = view.bs, self.shape.width
         block = self.block[:bs]

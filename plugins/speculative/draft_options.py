@@ -21,12 +21,13 @@ Greedy rows draft the argmax under every mode, so a batch mixing greedy and samp
 each its own rule.
 
 ``deferred_catch_up`` (default 128): the steps the drafting policy runs without drafts buffer
-the draft's catch-up for up to this many positions a request, and the draft catches up on them
-in one batch before the request drafts again (deferred.py): a plain step then costs what it
-costs without speculation. 0: every plain step runs the draft over its token at once. A
-catch-up batch is eager and costs about the same whatever its length (1-2 ms of launches on an
-H100), so a longer buffer pays it less often; each position keeps the target's taps (EAGLE-3
-on Llama-3.1-8B: 24 KiB, 3 MiB a request at 128).
+the draft's catch-up for up to this many positions a request (as does a prompt's last chunk
+when it is that short), and the draft catches up on them in one batch before the request
+drafts again (deferred.py): a plain step then costs what it costs without speculation. 0:
+every plain step runs the draft over its token at once. A catch-up batch costs about the same
+whatever its length (eager: 1-2 ms of launches on an H100; from a CUDA graph, which small
+batches replay, a fraction of that), so a longer buffer pays it less often; each position
+keeps the target's taps (EAGLE-3 on Llama-3.1-8B: 24 KiB, 3 MiB a request at 128).
 """
 
 from __future__ import annotations

@@ -101,13 +101,21 @@ class Eagle3Worker(SpeculativeWorker):
     def after_extend(self, view: ExtendView) -> None:
         fb = view.fb
         feats = self._features(fb)  # [T, H]
-        # Each position takes the token after it: the row's next input, and at the row's
-        # end the token after the chunk.
-        tokens = torch.roll(view.input_ids, -1)
-        last = fb.layout.q_start[1:] - 1  # [bs]: each row's last token
-        tokens[last] = view.next_tokens
+        tokens, last = self._next_tokens(view)
         y = self._run(tokens, feats, fb.layout, self.extend_backend)  # [T, H]
         self.feat.index_copy_(0, view.sample_slots, y[last[view.sample_rows]])
+
+    def defer_extend(self, view: ExtendView) -> None:
+        tokens, _ = self._next_tokens(view)
+        self._deferred().fill(view.fb.layout, tokens, self._taps(view.fb))
+
+    def _next_tokens(self, view: ExtendView) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token after each position [T] (the row's next input, and at the row's end the
+        token after the chunk), and each row's last token [bs]."""
+        tokens = torch.roll(view.input_ids, -1)
+        last = view.fb.layout.q_start[1:] - 1
+        tokens[last] = view.next_tokens
+        return tokens, last
 
     # --- decode --------------------------------------------------------------------------
 

@@ -73,6 +73,9 @@ class StandaloneWorker(SpeculativeWorker):
     def after_extend(self, view: ExtendView) -> None:
         self.model(view.input_ids, ForwardBatch.bind(view.fb.layout, self.extend_backend, self.kv))
 
+    def defer_extend(self, view: ExtendView) -> None:
+        self._deferred().fill(view.fb.layout, tokens=view.input_ids)
+
     def draft(self, view: DecodeView) -> Drafts:
         mode, sampling, limit = self.options.sample, view.sampling, self.ctx.vocab_limit
         if sampling.all_greedy:
