@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+import msgspec
 import pytest
 import torch
 from engine_harness import (
@@ -75,6 +76,22 @@ def test_the_host_catches_up_before_drafting_when_full_and_when_released() -> No
     # starts its slot afresh.
     assert step(_plan("extend", [3], released=[2, 4])) == CatchUp([2], [1], 31, 34)
     assert deferred.pending[:4] == [1, 1, 0, 0]
+
+
+def test_a_short_prompt_ending_is_buffered_and_a_longer_or_unfinished_chunk_is_not() -> None:
+    deferred = DeferredCatchUp(capacity=4, rows=4, device=torch.device("cpu"))
+    ending = msgspec.structs.replace(_plan("extend", [0, 1]), q_lens=[4, 2], sample_rows=[0, 1])
+    assert deferred.buffers(ending)
+    deferred.advance(ending, None)
+    assert deferred.pending[:2] == [4, 2] and deferred.kv_floor[:2] == [14, 22]
+    # A row past the buffer, or a chunk that does not end its prompt, runs the draft at once
+    # (a later chunk would start the slot afresh).
+    assert not deferred.buffers(msgspec.structs.replace(ending, q_lens=[5, 2]))
+    assert not deferred.buffers(msgspec.structs.replace(ending, sample_rows=[1]))
+    chunk = msgspec.structs.replace(_plan("extend", [2, 3]), q_lens=[4, 2], sample_rows=[1])
+    deferred.advance(chunk, None)
+    assert deferred.pending[:4] == [4, 2, 0, 0] and deferred.kv_floor[2:4] == [34, 42]
+    assert not deferred.buffers(_plan("decode", [0, 1]))
 
 
 def test_a_catch_up_batch_lays_out_each_row_before_its_start() -> None:
