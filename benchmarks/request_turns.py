@@ -8,8 +8,9 @@ labelled by the plan it launched.
 Labels: ``extend`` (a prompt turn), ``plain`` (a decode turn without drafts), ``draft`` (a
 speculative cycle); ``+rel`` where the plan reported an ended request, ``+cu`` where the turn ran
 an eager catch-up first (a catch-up replayed from a CUDA graph does not show). A first round
-is not measured, so that the measured rounds' prompts hit the prefix cache, as a daemon's
-repeated runs do.
+is not counted in the table, so that the counted rounds' prompts hit the prefix cache, as a
+daemon's repeated runs do; its time a request is printed beside them (the first pass of a
+daemon, whose prompts all miss the cache).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def main() -> None:
             torch.cuda.synchronize()
 
     turns: dict[str, list[float]] = collections.defaultdict(list)
+    first_round = 0.0
     rid = 0
     for round_ in range(args.rounds + 1):
         for seed, prompt in enumerate(prompts):
@@ -114,14 +116,18 @@ def main() -> None:
                 started = time.perf_counter()
                 loop.iterate()
                 sync()
+                elapsed = (time.perf_counter() - started) * 1e3
                 if round_:
-                    turns[label[0]].append((time.perf_counter() - started) * 1e3)
+                    turns[label[0]].append(elapsed)
+                else:
+                    first_round += elapsed
             loop.scheduler.take_updates()
     requests = args.rounds * len(prompts)
     total = sum(sum(times) for times in turns.values())
     print(
         f"{args.algorithm} at T = {args.temperature}: {total / requests:.2f} ms a request "
-        f"({requests * args.new_tokens / total * 1e3:.1f} tok/s)"
+        f"({requests * args.new_tokens / total * 1e3:.1f} tok/s); the first round "
+        f"{first_round / len(prompts):.2f} ms a request"
     )
     for kind, times in sorted(turns.items()):
         times.sort()
