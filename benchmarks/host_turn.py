@@ -29,7 +29,8 @@ PROMPT = [5, 6, 7, 8] * 8
 OUT_OF_REACH = 100.0  # an acceptance length no draft reaches
 
 
-def build(device: str, algorithm: str, plain_only: bool) -> Engine:
+def family_settings(device: str, algorithm: str) -> dict[str, object]:
+    """``serve``'s settings for the embedded family with ``algorithm`` and its draft."""
     family = embedded_family()
     if family is None:
         raise SystemExit("the outrider-family package is not installed (pip install ./family)")
@@ -40,6 +41,11 @@ def build(device: str, algorithm: str, plain_only: bool) -> Engine:
     }
     if algorithm in family.drafts:
         settings["draft_model"] = str(family.drafts[algorithm])
+    return settings
+
+
+def build(device: str, algorithm: str, plain_only: bool) -> Engine:
+    settings = family_settings(device, algorithm)
     if algorithm != "none":
         settings["speculative_min_acceptance"] = OUT_OF_REACH if plain_only else 0.0
     return build_engine(ServeConfig(**settings))  # type: ignore[arg-type]  # typed above

@@ -19,14 +19,15 @@ import argparse
 import collections
 import json
 import time
+from pathlib import Path
 
 import torch
+from host_turn import family_settings  # benchmarks/ is sys.path[0] when run as a script
 from transformers import AutoTokenizer
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.family import embedded_family
 from outrider.daemon.internal import SamplingSpec, own_request
 from outrider.plugins.speculative.deferred import DeferredRows
 
@@ -35,21 +36,13 @@ PROMPTS_FILE = "heldout_prompts.jsonl"
 
 def build(device: str, algorithm: str, steps: int) -> tuple[Engine, list[list[int]]]:
     """The family's engine as ``serve`` builds it, and its held-out prompts' token ids."""
-    family = embedded_family()
-    if family is None:
-        raise SystemExit("the outrider-family package is not installed (pip install ./family)")
-    settings: dict[str, object] = {
-        "model": str(family.target),
-        "device": device,
-        "speculative_algorithm": algorithm,
-    }
-    if algorithm in family.drafts:
-        settings["draft_model"] = str(family.drafts[algorithm])
+    settings = family_settings(device, algorithm)
     if steps:
         settings["speculative_num_steps"] = steps
     engine = build_engine(ServeConfig(**settings))  # type: ignore[arg-type]  # typed above
-    tokenizer = AutoTokenizer.from_pretrained(family.target)
-    lines = (family.target.parent / PROMPTS_FILE).read_text().splitlines()
+    target = Path(str(settings["model"]))
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    lines = (target.parent / PROMPTS_FILE).read_text().splitlines()
     prompts = []
     for line in lines:
         ids = tokenizer.apply_chat_template(
