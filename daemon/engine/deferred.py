@@ -18,8 +18,8 @@ remainder, a short prompt), buffers its positions too (``buffers``) instead of r
 draft over them: the draft catches up on them with the plain steps after, in one batch.
 
 Every count is exact on the host: a plain step buffers one position a row, an EXTEND starts a
-slot afresh, a catch-up empties it. A tensor-parallel rank makes the same decisions from the
-same plans.
+slot afresh (with its chunk's positions, or none), a catch-up empties it. A tensor-parallel
+rank makes the same decisions from the same plans.
 
 Under CUDA graphs a small batch replays a captured catch-up (graphs.py): its rows padded to a
 bucket of lengths and its row count to a bucket, which needs every row's committed length to
