@@ -26,7 +26,11 @@ A speculative engine that defers its draft's catch-up (engine/deferred.py) also 
 catch-up batches: up to ``CATCH_UP_ROWS[-1]`` rows, each padded to a bucket of lengths (from
 ``MIN_CATCH_UP_LEN``, doubling, up to the buffer's capacity), per KV bucket; larger ones, and
 rows too short to pad, run eagerly. They are captured before READY with the decode graphs, from
-scratch rows, and share their pool.
+scratch rows, and share their pool. The estimate leaves them out: a catch-up's rows are at most
+the decode graphs' largest batch (its attention gathers no more), and its tokens (8 rows of
+the buffer's capacity at most) pass through the draft alone, with no vocabulary rows, against
+the decode step's logits and sampling of every row; the start-up warning says if the pool
+outgrew the estimate anyway.
 """
 
 from __future__ import annotations
