@@ -40,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
@@ -279,21 +280,18 @@ class DecodeGraphs:
         one line, and warn when the graphs kept more memory than ``estimate``
         (``graph_pool_bytes``, which the fit check budgeted)."""
         keys = [key for key in self.start_keys() if key not in self.graphs]
-        catch_ups = [key for key in self.catch_up_start_keys() if key not in self.catch_ups]
-        if capture_catch_up is None:
-            catch_ups = []
-        total = len(keys) + len(catch_ups)
+        runs = [partial(capture, key) for key in keys]
+        catch_ups = 0
+        if capture_catch_up is not None:
+            new = [key for key in self.catch_up_start_keys() if key not in self.catch_ups]
+            runs += [partial(capture_catch_up, key) for key in new]
+            catch_ups = len(new)
         reserved = _reserved_after_release()
         started = time.monotonic()
-        for done, key in enumerate(keys, 1):
-            capture(key)
+        for done, run in enumerate(runs, 1):
+            run()
             if progress is not None:
-                progress(done, total)
-        for done, catch_up in enumerate(catch_ups, len(keys) + 1):
-            assert capture_catch_up is not None
-            capture_catch_up(catch_up)
-            if progress is not None:
-                progress(done, total)
+                progress(done, len(runs))
         captured = CaptureSet(
             keys, time.monotonic() - started, _reserved_after_release() - reserved
         )
@@ -302,7 +300,7 @@ class DecodeGraphs:
             "captured %d decode graphs (batch %s, width %s, KV bound %s, greedy + sampled)%s in "
             "%.1f s, pool %d MiB (estimate %d MiB); logprob variants are captured on first use",
             len(keys), _span(self.buckets), "/".join(map(str, self.widths)),
-            _span(self.kv_buckets), self._catch_up_span(len(catch_ups)), captured.seconds,
+            _span(self.kv_buckets), self._catch_up_span(catch_ups), captured.seconds,
             captured.pool_bytes // MIB, estimate // MIB,
         )  # fmt: skip
         if captured.pool_bytes > estimate:

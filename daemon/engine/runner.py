@@ -267,7 +267,6 @@ class ModelRunner:
         view = ExtendView(
             fb, inputs.input_ids, inputs.next_tokens, inputs.sample_rows, inputs.sample_slots
         )
-        buffered = self.deferred is not None and self.deferred.buffers(plan)
         if not plan.sample_rows:
             self.worker.after_extend(view)
             return None
@@ -279,7 +278,7 @@ class ModelRunner:
             inputs.sample_slots, out.tokens, last_positions + 1, inputs.sample_positions + 1
         )
         inputs.next_tokens.index_copy_(0, inputs.sample_rows, out.tokens)
-        if buffered:
+        if self.deferred is not None and self.deferred.buffers(plan):
             self.worker.defer_extend(view)
         else:
             self.worker.after_extend(view)
