@@ -18,6 +18,9 @@ to its own backend and cache: metadata never outlives its batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,6 +50,26 @@ __all__ = [
 
 SCRATCH_PAGE = 0
 
+_GRAPH_BUILD: ContextVar[bool] = ContextVar("outrider_graph_build", default=False)
+
+
+@contextmanager
+def building_graph() -> Iterator[None]:
+    """Marks the runs inside as a CUDA graph's warm-up and capture. Kernels whose launch costs
+    more host time than a library kernel's (Triton's, about 20 µs) may serve these runs only:
+    a replay launches nothing again. The warm-up is inside too, so that such kernels compile
+    and load before the capture."""
+    token = _GRAPH_BUILD.set(True)
+    try:
+        yield
+    finally:
+        _GRAPH_BUILD.reset(token)
+
+
+def in_graph_build() -> bool:
+    """Whether the current run is a CUDA graph's warm-up or capture (``building_graph``)."""
+    return _GRAPH_BUILD.get()
+
 
 def flat_kv_index(
     page_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, page_size: int
@@ -55,6 +78,21 @@ def flat_kv_index(
     broadcast together)."""
     pages = page_table[slots, torch.div(positions, page_size, rounding_mode="floor")]
     return pages.to(torch.int64) * page_size + positions % page_size
+
+
+def _store_fits(cache: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``kv_store.store_kv`` writes ``value: [T, H, D]`` into ``cache: [P, S, H, D]``:
+    the same dtype, on a GPU, each token's heads contiguous (a row may be a view of a wider
+    one)."""
+    heads, dim = value.shape[1], value.shape[2]
+    return (
+        value.is_cuda
+        and value.dtype == cache.dtype
+        and value.stride(2) == 1
+        and value.stride(1) == dim
+        and cache.is_contiguous()
+        and (cache.shape[2], cache.shape[3]) == (heads, dim)
+    )
 
 
 @dataclass(frozen=True)
@@ -80,8 +118,14 @@ class KVCache:
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k, v: [T, kv_heads, head_dim]`` of layer ``layer`` at flat indices ``loc``
-        ``[T]`` (in the cache's dtype)."""
-        for cache, value in ((self.k[layer], k), (self.v[layer], v)):
+        ``[T]`` (in the cache's dtype). A graph being built writes both in one kernel."""
+        k_cache, v_cache = self.k[layer], self.v[layer]
+        if in_graph_build() and _store_fits(k_cache, k) and _store_fits(v_cache, v):
+            from outrider.plugins.kv_store import store_kv
+
+            store_kv(k_cache, v_cache, loc, k, v)
+            return
+        for cache, value in ((k_cache, k), (v_cache, v)):
             flat = cache.view(-1, *cache.shape[2:])
             flat.index_copy_(0, loc, value.to(flat.dtype))
 

@@ -1,5 +1,6 @@
-"""The layer kernels: which implementation serves where, and FlashInfer's fused kernels against
-the torch reference (per operation, and whole models under DESIGN.md 4.4's bf16 rule)."""
+"""The layer kernels: which implementation serves where, and the fused kernels (FlashInfer's, and
+Triton's while a graph is built) against the torch reference (per operation, and whole models
+under DESIGN.md 4.4's bf16 rule)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from model_fixtures import PagedRows, torch_backend
 
 from outrider.daemon.models.config import ModelConfig
 from outrider.daemon.models.kernels import (
     TORCH_KERNELS,
-    FlashInferKernels,
+    FusedKernels,
     TorchKernels,
+    UsesKernels,
     select_kernels,
     use_kernels,
 )
 from outrider.daemon.models.layers import MLP, RMSNorm, RotaryEmbedding
 from outrider.daemon.models.loader import build_model, load_model
+from outrider.daemon.models.parallel import ColumnParallelLinear, RowParallelLinear
+from outrider.plugins.device import AttentionShape, KVCache, building_graph
 
 FAMILY_TARGET = Path(__file__).parents[1] / "family" / "outrider_family" / "target"
 CUDA = torch.device("cuda")
@@ -78,6 +83,9 @@ def test_the_debug_knob_and_a_missing_flashinfer_choose_the_reference(
 ) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import raises ImportError
     assert select_kernels(CUDA, torch.bfloat16, 128) is TORCH_KERNELS
+    monkeypatch.setitem(sys.modules, "flashinfer", type(sys)("flashinfer"))  # installed
+    monkeypatch.setitem(sys.modules, "outrider.daemon.models.triton_kernels", None)  # Triton not
+    assert select_kernels(CUDA, torch.bfloat16, 128) is TORCH_KERNELS
     monkeypatch.setenv("OUTRIDER_DEBUG_TORCH_KERNELS", "1")
     monkeypatch.delitem(sys.modules, "flashinfer")
     assert select_kernels(CUDA, torch.float16, 64) is TORCH_KERNELS
@@ -88,18 +96,25 @@ def test_use_kernels_reaches_every_module_that_runs_them() -> None:
     model = build_model(config, max_positions=16, dtype=torch.float32, device="meta")
     marker = TorchKernels()
     use_kernels(model, marker)
-    users = [m for m in model.modules() if isinstance(m, RMSNorm | MLP | RotaryEmbedding)]
+    users = [m for m in model.modules() if isinstance(m, UsesKernels)]
+    norms = [m for m in users if isinstance(m, RMSNorm | MLP | RotaryEmbedding)]
+    linears = [m for m in users if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
     # Two layers: 2 norms + q/k norms absent (llama) + an MLP each; the final norm; rotary.
-    assert len(users) == 2 * 3 + 2
+    assert len(norms) == 2 * 3 + 2
+    # Each layer's qkv, o, gate/up and down projections; the LM head.
+    assert len(linears) == 2 * 4 + 1
+    assert model in users  # its LM head's logits
     assert all(m.kernels is marker for m in users)
 
 
-# GPU: FlashInfer against the reference ---------------------------------------------------------
+# GPU: the fused kernels against the reference -------------------------------------------------
 
 
-def _fused() -> FlashInferKernels:
+def _fused() -> FusedKernels:
     flashinfer = pytest.importorskip("flashinfer")
-    return FlashInferKernels(flashinfer)
+    from outrider.daemon.models import triton_kernels
+
+    return FusedKernels(flashinfer, triton_kernels)
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -136,6 +151,67 @@ def test_fused_norms_and_activation_match_the_reference() -> None:
 
     gate_up = randn(tokens, 2 * 3584)
     _close(fused.silu_and_mul(gate_up), TORCH_KERNELS.silu_and_mul(gate_up), "silu_and_mul")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_token_projections_take_the_gemv_while_a_graph_is_built(dtype: torch.dtype) -> None:
+    """One row, inside ``building_graph``: the Triton GEMV, which rounds the float32 product
+    once; eagerly, or for two rows, ``F.linear`` itself."""
+    fused = _fused()
+    from outrider.daemon.models import triton_kernels
+
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    # Narrow and wide outputs (16 and 8 rows a program), K past and short of one 512 step.
+    for n, k in ((1000, 700), (9000, 1536), (7, 4096)):
+        x = torch.randn(2, k, generator=gen, device=CUDA).to(dtype)
+        weight = (0.05 * torch.randn(n, k, generator=gen, device=CUDA)).to(dtype)
+        bias = torch.randn(n, generator=gen, device=CUDA).to(dtype)
+        for b in (None, bias):
+            exact = F.linear(x[:1].float(), weight.float(), None if b is None else b.float())
+            assert torch.equal(fused.linear(x[:1], weight, b), F.linear(x[:1], weight, b))
+            with building_graph():
+                one = fused.linear(x[:1], weight, b)
+                two = fused.linear(x, weight, b)
+            assert torch.equal(two, F.linear(x, weight, b))
+            assert torch.equal(one, triton_kernels.gemv(x[:1], weight, b))
+            # One rounding of the float32 sum: within one unit in the last place.
+            _close(one, exact.to(dtype), f"gemv {n} x {k}, bias {b is not None}")
+            assert ((one.float() - exact).abs() <= exact.abs() * 2**-7 + 1e-4).all()
+
+
+@pytest.mark.gpu
+def test_triton_silu_and_mul_computes_what_flashinfer_does() -> None:
+    fused = _fused()
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    for tokens in (1, 5, 40):
+        gate_up = torch.randn(tokens, 2 * 3584, generator=gen, device=CUDA).bfloat16()
+        eager = fused.silu_and_mul(gate_up)
+        with building_graph():
+            graphed = fused.silu_and_mul(gate_up)
+        # Both compute in float32 and round once.
+        torch.testing.assert_close(graphed, eager, atol=0, rtol=2**-8)
+        _close(graphed, TORCH_KERNELS.silu_and_mul(gate_up), "silu_and_mul")
+
+
+@pytest.mark.gpu
+def test_the_kv_store_of_a_graph_being_built_writes_what_index_copy_does() -> None:
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    q_heads, kv_heads, dim, tokens = 8, 2, 128, 9
+    shape = AttentionShape(q_heads, kv_heads, dim, dim**-0.5, torch.bfloat16)
+    caches = [KVCache.allocate(2, 6, 16, shape, torch.bfloat16, CUDA) for _ in range(2)]
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, generator=gen, device=CUDA)
+    qkv = qkv.bfloat16()
+    # Views of the fused projection, as the attention layers pass them.
+    k = qkv[:, q_heads * dim : (q_heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (q_heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    loc = torch.randperm(6 * 16, generator=gen, device=CUDA)[:tokens]
+    caches[0].store(1, loc, k, v)
+    with building_graph():
+        caches[1].store(1, loc, k, v)
+    for eager, graphed in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v, strict=True):
+        assert torch.equal(eager, graphed)
+    assert torch.equal(caches[1].k[1].view(-1, kv_heads, dim)[loc], k)
 
 
 @pytest.mark.gpu

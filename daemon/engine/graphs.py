@@ -49,6 +49,7 @@ import torch
 from outrider.daemon.engine.deferred import CatchUp
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
+from outrider.plugins.device import building_graph
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -391,12 +392,13 @@ class DecodeGraphs:
                 self.warm_stream = torch.cuda.Stream()
             side = self.warm_stream
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                run()  # warm-up: lazy initialisations happen outside the graph
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = run()
+            with building_graph():
+                with torch.cuda.stream(side):
+                    run()  # warm-up: lazy initialisations happen outside the graph
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    outputs = run()
             torch.cuda.synchronize()
         finally:
             torch.cuda.set_sync_debug_mode(sync_mode)

@@ -1,12 +1,14 @@
-"""The elementwise work of a decoder layer: RMSNorm (alone, or with the residual add fused in),
-rotary embedding and SiLU-and-multiply, in two implementations.
+"""The per-layer work of a decoder besides attention: the projections, RMSNorm (alone, or with
+the residual add fused in), rotary embedding and SiLU-and-multiply, in two implementations.
 
 ``TorchKernels`` is the reference: plain torch ops that round as the HF reference does, on
 every device and dtype (the float32 CPU path, which tests compare token for token, runs it).
-``FlashInferKernels`` runs FlashInfer's fused CUDA kernels for half-precision models on a GPU:
-one kernel per operation instead of five to ten, which is most of what a batch-1 decode step
-launches besides its GEMMs. They compute in float32 and round once, so their results differ
-from the reference's by bf16 rounding only (DESIGN.md 4.4).
+``FusedKernels`` serves half-precision models on a GPU: FlashInfer's fused norm and rotary
+kernels (one kernel per operation instead of five to ten, which is most of what a batch-1
+decode step launches besides its GEMMs), and while a CUDA graph is built our Triton GEMV for
+one-token projections and SiLU-and-multiply (``triton_kernels.py``). They compute in float32
+and round once, so their results differ from the reference's by bf16 rounding only (DESIGN.md
+4.4).
 
 Modules reach their kernels through ``UsesKernels.kernels``; ``use_kernels`` sets them on a
 whole model once it sits on its serving device.
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from outrider.daemon.config import debug_knob
+from outrider.plugins.device import in_graph_build
 
 if TYPE_CHECKING:
     from outrider.daemon.models.layers import RotaryEmbedding
@@ -67,6 +70,12 @@ class TorchKernels:
     """Plain torch ops (the reference)."""
 
     name = "torch"
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x W^T + b`` for ``x: [T, K]``, ``weight: [N, K]``."""
+        return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of ``x: [..., D]``."""
@@ -122,13 +131,22 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.view(x.shape[0], -1)
 
 
-class FlashInferKernels(TorchKernels):
-    """FlashInfer's fused kernels (CUDA, float16 / bfloat16)."""
+class FusedKernels(TorchKernels):
+    """FlashInfer's fused kernels, and Triton's for graphs being built (CUDA, float16 /
+    bfloat16)."""
 
-    name = "flashinfer"
+    name = "fused"
 
-    def __init__(self, flashinfer: Any) -> None:
+    def __init__(self, flashinfer: Any, triton_kernels: Any) -> None:
         self.flashinfer = flashinfer
+        self.triton = triton_kernels  # the module triton_kernels.py
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if in_graph_build() and self.triton.gemv_fits(x, weight):
+            return self.triton.gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # 2-D rows, or 3-D [T, H, D] per-head rows (Qwen3's q/k norm over a strided view).
@@ -142,6 +160,8 @@ class FlashInferKernels(TorchKernels):
         return x, residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if in_graph_build():
+            return self.triton.silu_and_mul(gate_up)
         return self.flashinfer.silu_and_mul(gate_up)
 
     def rotation(self, table: RotaryEmbedding, positions: torch.Tensor) -> Rotation:
@@ -163,9 +183,9 @@ FUSED_HEAD_DIMS = (64, 128, 256, 512)
 
 
 def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> TorchKernels:
-    """FlashInfer's kernels for half-precision models of a common head dim on a GPU when
-    FlashInfer is installed (and ``OUTRIDER_DEBUG_TORCH_KERNELS`` is unset), else the
-    reference."""
+    """The fused kernels for half-precision models of a common head dim on a GPU when
+    FlashInfer and Triton are installed (and ``OUTRIDER_DEBUG_TORCH_KERNELS`` is unset), else
+    the reference."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return TORCH_KERNELS
     if head_dim not in FUSED_HEAD_DIMS:
@@ -176,10 +196,12 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> T
         return TORCH_KERNELS
     try:
         import flashinfer
-    except ImportError:
-        log.info("layer kernels: torch (FlashInfer is not installed)")
+
+        from outrider.daemon.models import triton_kernels
+    except ImportError as exc:
+        log.info("layer kernels: torch (%s is not installed)", exc.name)
         return TORCH_KERNELS
-    return FlashInferKernels(flashinfer)
+    return FusedKernels(flashinfer, triton_kernels)
 
 
 def use_kernels(model: torch.nn.Module, kernels: TorchKernels) -> None:

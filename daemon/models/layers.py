@@ -14,7 +14,6 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from outrider.daemon.models.kernels import Rotation, UsesKernels
@@ -244,7 +243,7 @@ def run_layers(
     return norm.add(x, residual)[0]
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module, UsesKernels):
     """What every model offers the engine. ``model_type`` names the config family a subclass
     accepts; the architecture-specific shape (biases, q/k norm) comes from ``ModelConfig``.
     Under tensor parallelism (``tp``) each rank builds its shard: the shapes it reports
@@ -308,7 +307,7 @@ class DecoderForCausalLM(nn.Module):
         """``hidden: [n, hidden]`` -> ``[n, vocab / N]`` float32: the rank's vocabulary
         slice (``vocab_start ..`` of the embedding), with no communication."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.kernels.linear(hidden, weight, None).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden: [n, hidden]`` -> ``[n]`` int64 argmax ids over the whole vocabulary,

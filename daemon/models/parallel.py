@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.daemon.models.config import TENSOR_PARALLEL_FLAG
+from outrider.daemon.models.kernels import UsesKernels
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -121,7 +122,7 @@ class Sharded:
         raise NotImplementedError
 
 
-class ColumnParallelLinear(nn.Linear, Sharded):
+class ColumnParallelLinear(nn.Linear, Sharded, UsesKernels):
     """``y = x W^T + b`` with the rank's ``out_features / N`` output rows: the output stays
     split (the next layer is row-parallel, or the caller gathers)."""
 
@@ -131,11 +132,14 @@ class ColumnParallelLinear(nn.Linear, Sharded):
         super().__init__(in_features, tp.part(out_features, "output features"), bias=bias)
         self.tp = tp
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.weight, self.bias)
+
     def param_split(self, name: str) -> Split | None:
         return self.tp.split(0)
 
 
-class RowParallelLinear(nn.Linear, Sharded):
+class RowParallelLinear(nn.Linear, Sharded, UsesKernels):
     """``y = x W^T + b`` from the rank's ``in_features / N`` input columns (``x`` split the
     same way), summed over the ranks."""
 
@@ -147,10 +151,10 @@ class RowParallelLinear(nn.Linear, Sharded):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.kernels.linear(x, self.weight, self.bias)
         # NOTE: every rank holds the whole bias; only rank 0 adds it, or the sum counts it N times.
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(F.linear(x, self.weight, bias))
+        return self.tp.all_reduce(self.kernels.linear(x, self.weight, bias))
 
     def param_split(self, name: str) -> Split | None:
         return self.tp.split(1) if name == "weight" else None
