@@ -162,8 +162,8 @@ def test_one_token_projections_take_the_gemv_while_a_graph_is_built(dtype: torch
     from outrider.daemon.models import triton_kernels
 
     gen = torch.Generator(device=CUDA).manual_seed(3)
-    # Narrow and wide outputs (16 and 8 rows a program), K past and short of one 512 step.
-    for n, k in ((1000, 700), (9000, 1536), (7, 4096)):
+    # Rows past a program's 8, K short of one 1,024 step and past two.
+    for n, k in ((1003, 700), (9000, 2600), (7, 4096)):
         x = torch.randn(2, k, generator=gen, device=CUDA).to(dtype)
         weight = (0.05 * torch.randn(n, k, generator=gen, device=CUDA)).to(dtype)
         bias = torch.randn(n, generator=gen, device=CUDA).to(dtype)

@@ -20,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Measured on an H100 over Llama-3.1-8B's projections (N x K from 4,096 x 4,096 to
-# 128,256 x 4,096): 8 output rows a program for wide outputs, 16 for narrow ones, a K step
-# of 512, 8 warps, 3 pipeline stages.
-_GEMV_BLOCK_K = 512
-_GEMV_WIDE_N = 8192
+# Measured on an H100 over Llama-3.1-8B's and Qwen3-8B's projections (N x K from 4,096 x
+# 4,096 to 151,936 x 4,096, weights read from memory, not L2): 8 output rows a program, a K
+# step of 1,024, 8 warps, 3 pipeline stages is within 2 % of each shape's best of 72 configs.
+_GEMV_BLOCK_N = 8
+_GEMV_BLOCK_K = 1024
 _SILU_BLOCK = 512
 
 
@@ -68,11 +68,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     """``F.linear(x, weight, bias)`` for ``x: [1, K]`` (``gemv_fits``) -> ``[1, N]``."""
     n, k = weight.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_n = 8 if n > _GEMV_WIDE_N else 16
     block_k = min(_GEMV_BLOCK_K, triton.next_power_of_2(k))
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(triton.cdiv(n, _GEMV_BLOCK_N),)](
         x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=3,
+        HAS_BIAS=bias is not None, BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=block_k,
+        num_warps=8, num_stages=3,
     )  # fmt: skip
     return y
 
