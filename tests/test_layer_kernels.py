@@ -215,6 +215,39 @@ def test_the_kv_store_of_a_graph_being_built_writes_what_index_copy_does() -> No
 
 
 @pytest.mark.gpu
+def test_qwen3_q_k_norm_and_rotation_run_as_one_kernel_while_a_graph_is_built() -> None:
+    fused = _fused()
+    config = ModelConfig.from_dict(LLAMA)
+    table = RotaryEmbedding(128, config.rope, max_positions=9000).to(CUDA)
+    table.init_table()
+    gen = torch.Generator(device=CUDA).manual_seed(6)
+    tokens, q_heads, kv_heads = 6, 8, 2
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * 128, generator=gen, device=CUDA)
+    qkv = qkv.bfloat16()
+    before = qkv.clone()
+    q = qkv[:, : q_heads * 128].view(tokens, q_heads, 128)
+    k = qkv[:, q_heads * 128 : (q_heads + kv_heads) * 128].view(tokens, kv_heads, 128)
+    q_weight = (1 + 0.1 * torch.randn(128, generator=gen, device=CUDA)).bfloat16()
+    k_weight = (1 + 0.1 * torch.randn(128, generator=gen, device=CUDA)).bfloat16()
+    positions = torch.tensor([0, 1, 17, 4000, 8191, 8999], device=CUDA)
+    args = (q_weight, k_weight, 1e-6)
+    eager_q, eager_k = fused.qk_norm_rotate(q, k, *args, fused.rotation(table, positions))
+    with building_graph():
+        got_q, got_k = fused.qk_norm_rotate(q, k, *args, fused.rotation(table, positions))
+    assert torch.equal(qkv, before)  # new tensors: the projection is left alone
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    _close(got_q, eager_q, "fused q norm and rotation")
+    _close(got_k, eager_k, "fused k norm and rotation")
+    reference = RotaryEmbedding(128, config.rope, max_positions=9000).to(CUDA, torch.bfloat16)
+    reference.init_table()
+    ref_q, ref_k = TORCH_KERNELS.qk_norm_rotate(
+        q, k, *args, TORCH_KERNELS.rotation(reference, positions)
+    )
+    _close(got_q, ref_q, "q against the reference")
+    _close(got_k, ref_k, "k against the reference")
+
+
+@pytest.mark.gpu
 def test_fused_rotary_matches_the_reference_in_place() -> None:
     fused = _fused()
     config = ModelConfig.from_dict(LLAMA)

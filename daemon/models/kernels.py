@@ -6,7 +6,8 @@ every device and dtype (the float32 CPU path, which tests compare token for toke
 ``FusedKernels`` serves half-precision models on a GPU: FlashInfer's fused norm and rotary
 kernels (one kernel per operation instead of five to ten, which is most of what a batch-1
 decode step launches besides its GEMMs), and while a CUDA graph is built our Triton GEMV for
-one-token projections and SiLU-and-multiply (``triton_kernels.py``). They compute in float32
+one-token projections, SiLU-and-multiply and Qwen3's q/k norm with the rotation
+(``triton_kernels.py``). They compute in float32
 and round once, so their results differ from the reference's by bf16 rounding only (DESIGN.md
 4.4).
 
@@ -101,6 +102,19 @@ class TorchKernels:
         """The rotation of ``positions: [T]`` (each < ``table.max_positions``)."""
         return TableRotation(table.cos[positions], table.sin[positions])
 
+    def qk_norm_rotate(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        rotation: Rotation,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorm of ``q: [T, Hq, D]`` and ``k: [T, Hkv, D]``, then
+        ``rotation``."""
+        return rotation.rotate(self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps))
+
 
 @dataclass(frozen=True)
 class FusedRotation(Rotation):
@@ -166,6 +180,21 @@ class FusedKernels(TorchKernels):
 
     def rotation(self, table: RotaryEmbedding, positions: torch.Tensor) -> Rotation:
         return FusedRotation(self.flashinfer, positions, table.cos_sin_float32())
+
+    def qk_norm_rotate(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        rotation: Rotation,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if in_graph_build() and isinstance(rotation, FusedRotation):
+            return self.triton.qk_norm_rope(
+                q, k, q_weight, k_weight, eps, rotation.positions, rotation.cos_sin
+            )
+        return super().qk_norm_rotate(q, k, q_weight, k_weight, eps, rotation)
 
 
 TORCH_KERNELS = TorchKernels()

@@ -134,7 +134,7 @@ class FusedLinear(ColumnParallelLinear):
             start += rows
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, UsesKernels):
     """Self-attention over the rank's ``num_q_heads`` and ``num_kv_heads`` (the model's
     divided by the group's size); its KV cache holds those KV heads only."""
 
@@ -167,8 +167,11 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotation.rotate(q, k)
+            q, k = self.kernels.qk_norm_rotate(
+                q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rotation
+            )
+        else:
+            q, k = rotation.rotate(q, k)
         out = fb.attend(self.layer_id, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_q_heads * self.head_dim))
 

@@ -1,6 +1,6 @@
 """Triton kernels for the decoder's graph-captured batches, where the library kernels leave
-device time on the table (measured on an H100, BENCHMARKS.md "Triton GEMV, SiLU-mul and K/V
-store"):
+device time on the table (measured on an H100: BENCHMARKS.md, "Triton kernels inside the
+decode graphs"):
 
 - ``gemv``: a one-token projection ``x W^T (+ b)``. cuBLAS serves a single row with split-K
   kernels and their reduces (the o and down projections) or under the read bandwidth (q/k/v,
@@ -8,6 +8,9 @@ store"):
   byte is read once with no reduce step, and accumulates in float32.
 - ``silu_and_mul``: FlashInfer's runs one block per token, a single SM at batch 1; this grid is
   tokens x blocks of the intermediate size. Same arithmetic (float32, one rounding).
+- ``qk_norm_rope``: Qwen3's per-head RMSNorm of q and k and the rotary embedding in one kernel
+  (three FlashInfer launches a layer otherwise), rounding where those do: after the norm and
+  after the rotation.
 
 A Triton launch from Python costs about 20 µs of host time, several library launches' worth,
 so the layer kernels run these only while a CUDA graph is built (``in_graph_build``): replays
@@ -21,8 +24,10 @@ import triton
 import triton.language as tl
 
 # Measured on an H100 over Llama-3.1-8B's and Qwen3-8B's projections (N x K from 4,096 x
-# 4,096 to 151,936 x 4,096, weights read from memory, not L2): 8 output rows a program, a K
-# step of 1,024, 8 warps, 3 pipeline stages is within 2 % of each shape's best of 72 configs.
+# 4,096 to 151,936 x 4,096, weights read from memory, not L2), 72 configs each: 8 output rows
+# a program, a K step of 1,024, 8 warps and 3 pipeline stages is the best for the o projection
+# and Qwen3's q/k/v and within 1 % of it for gate/up and down; every shape's best has the
+# 1,024 step and 8 warps.
 _GEMV_BLOCK_N = 8
 _GEMV_BLOCK_K = 1024
 _SILU_BLOCK = 512
@@ -35,13 +40,15 @@ def _gemv_kernel(
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < N
+    # NOTE: a large LM head has more than 2^31 weights: row offsets in int64.
+    row_at = rows.to(tl.int64)[:, None] * stride_w
     step = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + step
         cols_ok = cols < K
         w = tl.load(
-            w_ptr + rows[:, None] * stride_w + cols[None, :],
+            w_ptr + row_at + cols[None, :],
             mask=rows_ok[:, None] & cols_ok[None, :],
             other=0.0,
         )
@@ -98,3 +105,58 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=_SILU_BLOCK, num_warps=4
         )
     return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr, q_out_ptr, k_out_ptr,
+    stride_q, stride_k, eps, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # q heads first, then k heads
+    half = tl.arange(0, DIM // 2)
+    if head < Q_HEADS:
+        src = q_ptr + token * stride_q + head * DIM
+        weight = q_weight_ptr
+        dst = q_out_ptr + (token * Q_HEADS + head) * DIM
+    else:
+        src = k_ptr + token * stride_k + (head - Q_HEADS) * DIM
+        weight = k_weight_ptr
+        dst = k_out_ptr + (token * KV_HEADS + head - Q_HEADS) * DIM
+    x1 = tl.load(src + half).to(tl.float32)
+    x2 = tl.load(src + DIM // 2 + half).to(tl.float32)
+    scale = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / DIM + eps)
+    # The norm's output is rounded to the model dtype, as the unfused norm stores it.
+    dtype = q_out_ptr.dtype.element_ty
+    n1 = (x1 * scale * tl.load(weight + half).to(tl.float32)).to(dtype).to(tl.float32)
+    n2 = (x2 * scale * tl.load(weight + DIM // 2 + half).to(tl.float32)).to(dtype).to(tl.float32)
+    at = cos_sin_ptr + tl.load(positions_ptr + token) * DIM
+    cos = tl.load(at + half)
+    sin = tl.load(at + DIM // 2 + half)
+    tl.store(dst + half, (n1 * cos - n2 * sin).to(dtype))
+    tl.store(dst + DIM // 2 + half, (n2 * cos + n1 * sin).to(dtype))
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q: [T, Hq, D]``, ``k: [T, Hkv, D]`` (views whose heads are contiguous) -> each head
+    RMS-normalised with its weight, then rotated (rotate-half) at ``positions: [T]`` from the
+    float32 ``cos_sin: [P, D]`` table (cos, then sin): two new contiguous tensors."""
+    tokens, q_heads, dim = q.shape
+    kv_heads = k.shape[1]
+    q_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((tokens, kv_heads, dim), dtype=k.dtype, device=k.device)
+    if tokens:
+        _qk_norm_rope_kernel[(tokens, q_heads + kv_heads)](
+            q, k, q_weight, k_weight, cos_sin, positions, q_out, k_out,
+            q.stride(0), k.stride(0), eps, Q_HEADS=q_heads, KV_HEADS=kv_heads, DIM=dim,
+            num_warps=1,
+        )  # fmt: skip
+    return q_out, k_out
