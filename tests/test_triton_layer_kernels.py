@@ -1,0 +1,127 @@
+"""The Triton kernels that graphs being built run (``daemon/models/triton_kernels.py``,
+``plugins/kv_store.py``) against what they replace: the GEMV against ``F.linear``, SiLU-and-
+multiply and Qwen3's q/k norm with the rotation against the reference kernels, the K/V store
+against ``index_copy_``. Without a GPU they run in Triton's interpreter on CPU tensors (float32:
+the interpreter has no bfloat16); ``test_layer_kernels.py`` covers them compiled, in bf16."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from outrider.daemon.models.config import ModelConfig
+from outrider.daemon.models.kernels import TORCH_KERNELS
+from outrider.daemon.models.layers import RotaryEmbedding
+from outrider.plugins.device import AttentionShape, KVCache
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # NOTE: Triton reads this when a kernel is defined, before the kernels' modules are imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="Triton is not installed (pip install 'outrider[triton]')",
+)
+
+ROPE = ModelConfig.from_dict(
+    {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+    }
+).rope
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(0)
+
+
+def test_the_gemv_is_f_linear_for_one_row() -> None:
+    from outrider.daemon.models import triton_kernels
+
+    gen = _gen()
+    # Rows past a program's 8 and short of it; K short of a step and past one.
+    for n, k in ((13, 40), (5, 1100)):
+        x = torch.randn(3, k, generator=gen, device=DEVICE)
+        weight = torch.randn(n, k, generator=gen, device=DEVICE)
+        bias = torch.randn(n, generator=gen, device=DEVICE)
+        for b in (None, bias):
+            got = triton_kernels.gemv(x[:1], weight, b)
+            torch.testing.assert_close(got, F.linear(x[:1], weight, b), rtol=1e-5, atol=1e-4)
+    # One row, contiguous along K, one dtype: nothing else takes the GEMV.
+    row, weight = torch.zeros(1, 8), torch.zeros(4, 8)
+    assert triton_kernels.gemv_fits(row, weight)
+    assert not triton_kernels.gemv_fits(torch.zeros(2, 8), weight)
+    assert not triton_kernels.gemv_fits(torch.zeros(8, 2)[:, :1].t(), weight)
+    assert not triton_kernels.gemv_fits(row, torch.zeros(8, 4).t())
+    assert not triton_kernels.gemv_fits(row.half(), weight)
+
+
+def test_silu_and_mul_matches_the_reference() -> None:
+    from outrider.daemon.models import triton_kernels
+
+    gen = _gen()
+    for tokens, width in ((1, 600), (3, 40), (0, 16)):
+        gate_up = torch.randn(tokens, 2 * width, generator=gen, device=DEVICE)
+        got = triton_kernels.silu_and_mul(gate_up)
+        assert got.shape == (tokens, width)
+        torch.testing.assert_close(got, TORCH_KERNELS.silu_and_mul(gate_up))
+
+
+def test_q_k_norm_and_rotation_match_the_reference() -> None:
+    from outrider.daemon.models import triton_kernels
+
+    gen = _gen()
+    tokens, q_heads, kv_heads, dim = 3, 4, 2, 16
+    table = RotaryEmbedding(dim, ROPE, max_positions=64).to(DEVICE)
+    table.init_table()
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, generator=gen, device=DEVICE)
+    before = qkv.clone()
+    q = qkv[:, : q_heads * dim].view(tokens, q_heads, dim)
+    k = qkv[:, q_heads * dim : (q_heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    q_weight = 1 + 0.1 * torch.randn(dim, generator=gen, device=DEVICE)
+    k_weight = 1 + 0.1 * torch.randn(dim, generator=gen, device=DEVICE)
+    positions = torch.tensor([0, 9, 63], device=DEVICE)
+    got_q, got_k = triton_kernels.qk_norm_rope(
+        q, k, q_weight, k_weight, 1e-6, positions, table.cos_sin_float32()
+    )
+    ref_q, ref_k = TORCH_KERNELS.qk_norm_rotate(
+        q, k, q_weight, k_weight, 1e-6, TORCH_KERNELS.rotation(table, positions)
+    )
+    assert torch.equal(qkv, before)  # new tensors: the projection is left alone
+    torch.testing.assert_close(got_q, ref_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kv_store_writes_what_index_copy_does() -> None:
+    from outrider.plugins.kv_store import store_kv
+
+    gen = _gen()
+    q_heads, kv_heads, dim, tokens = 4, 2, 16, 5
+    shape = AttentionShape(q_heads, kv_heads, dim, dim**-0.5, torch.float32)
+    caches = [KVCache.allocate(1, 4, 4, shape, torch.float32, DEVICE) for _ in range(2)]
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, generator=gen, device=DEVICE)
+    k = qkv[:, q_heads * dim : (q_heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (q_heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    loc = torch.randperm(16, generator=gen, device=DEVICE)[:tokens]
+    caches[0].store(0, loc, k, v)  # eagerly: index_copy_
+    store_kv(caches[1].k[0], caches[1].v[0], loc, k, v)
+    assert torch.equal(caches[0].k[0], caches[1].k[0])
+    assert torch.equal(caches[0].v[0], caches[1].v[0])
+    assert caches[1].k[0].count_nonzero() == tokens * kv_heads * dim
