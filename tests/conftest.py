@@ -1,5 +1,6 @@
-"""Shared test setup: one torch thread per process, GPU tests skipped without a GPU, the front
-door tests' tokenizer, the tiny llama target and its random EAGLE-3 draft."""
+"""Shared test setup: one torch thread per process, GPU tests skipped without a GPU (and Triton's
+kernels run in its interpreter there), the front door tests' tokenizer, the tiny llama target
+and its random EAGLE-3 draft."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def _cuda_available() -> bool:
 
 
 CUDA = _cuda_available()
+if not CUDA:
+    # NOTE: Triton reads this when a kernel is defined, so before any kernel module is imported:
+    # without a GPU every Triton kernel runs in its interpreter, on CPU tensors.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

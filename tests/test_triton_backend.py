@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -32,11 +31,7 @@ from outrider.plugins.checks import attention_problems
 from outrider.plugins.device import AttentionShape, ForwardBatch
 from outrider.plugins.registry import discover
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # NOTE: Triton reads this when a kernel is defined, so before triton_kernels is imported:
-    # without a GPU every kernel runs in Triton's interpreter, on CPU tensors.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+CUDA = torch.cuda.is_available()  # without one, conftest.py runs Triton's interpreter
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,

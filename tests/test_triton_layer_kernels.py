@@ -7,7 +7,6 @@ the interpreter has no bfloat16); ``test_layer_kernels.py`` covers them compiled
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -18,10 +17,7 @@ from outrider.daemon.models.kernels import TORCH_KERNELS
 from outrider.daemon.models.layers import RotaryEmbedding
 from outrider.plugins.device import AttentionShape, KVCache
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # NOTE: Triton reads this when a kernel is defined, before the kernels' modules are imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+CUDA = torch.cuda.is_available()  # without one, conftest.py runs Triton's interpreter
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
