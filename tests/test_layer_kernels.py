@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from model_fixtures import PagedRows, torch_backend
 
+import outrider.daemon.models
 from outrider.daemon.models.config import ModelConfig
 from outrider.daemon.models.kernels import (
     TORCH_KERNELS,
@@ -84,7 +85,10 @@ def test_the_debug_knob_and_a_missing_flashinfer_choose_the_reference(
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import raises ImportError
     assert select_kernels(CUDA, torch.bfloat16, 128) is TORCH_KERNELS
     monkeypatch.setitem(sys.modules, "flashinfer", type(sys)("flashinfer"))  # installed
-    monkeypatch.setitem(sys.modules, "outrider.daemon.models.triton_kernels", None)  # Triton not
+    monkeypatch.setitem(sys.modules, "triton", None)  # not installed
+    # triton_kernels.py imports afresh, whether another test imported it before or not.
+    monkeypatch.delitem(sys.modules, "outrider.daemon.models.triton_kernels", raising=False)
+    monkeypatch.delattr(outrider.daemon.models, "triton_kernels", raising=False)
     assert select_kernels(CUDA, torch.bfloat16, 128) is TORCH_KERNELS
     monkeypatch.setenv("OUTRIDER_DEBUG_TORCH_KERNELS", "1")
     monkeypatch.delitem(sys.modules, "flashinfer")

@@ -101,6 +101,8 @@ def test_q_k_norm_and_rotation_match_the_reference() -> None:
         q, k, q_weight, k_weight, 1e-6, TORCH_KERNELS.rotation(table, positions)
     )
     assert torch.equal(qkv, before)  # new tensors: the projection is left alone
+    assert triton_kernels.heads_contiguous(q) and triton_kernels.heads_contiguous(k)
+    assert not triton_kernels.heads_contiguous(q.transpose(1, 2))
     torch.testing.assert_close(got_q, ref_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
 

@@ -190,7 +190,8 @@ class FusedKernels(TorchKernels):
         eps: float,
         rotation: Rotation,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if in_graph_build() and isinstance(rotation, FusedRotation):
+        fits = self.triton.heads_contiguous(q) and self.triton.heads_contiguous(k)
+        if in_graph_build() and isinstance(rotation, FusedRotation) and fits:
             return self.triton.qk_norm_rope(
                 q, k, q_weight, k_weight, eps, rotation.positions, rotation.cos_sin
             )
