@@ -218,22 +218,34 @@ def test_the_kv_store_of_a_graph_being_built_writes_what_index_copy_does() -> No
     assert torch.equal(caches[1].k[1].view(-1, kv_heads, dim)[loc], k)
 
 
-@pytest.mark.gpu
-def test_qwen3_q_k_norm_and_rotation_run_as_one_kernel_while_a_graph_is_built() -> None:
-    fused = _fused()
+def _rotary_case(seed: int) -> tuple[RotaryEmbedding, RotaryEmbedding, torch.Tensor]:
+    """Llama-3.1's rotary tables (float32 for the fused kernels, bf16 for the reference) and
+    a bf16 projection ``[6, (8 + 2 * 2) * 128]``: 8 q heads, 2 KV heads, head dim 128."""
     config = ModelConfig.from_dict(LLAMA)
     table = RotaryEmbedding(128, config.rope, max_positions=9000).to(CUDA)
     table.init_table()
-    gen = torch.Generator(device=CUDA).manual_seed(6)
+    reference = RotaryEmbedding(128, config.rope, max_positions=9000).to(CUDA, torch.bfloat16)
+    reference.init_table()
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    qkv = torch.randn(6, (8 + 2 * 2) * 128, generator=gen, device=CUDA).bfloat16()
+    return table, reference, qkv
+
+
+ROTARY_POSITIONS = [0, 1, 17, 4000, 8191, 8999]
+
+
+@pytest.mark.gpu
+def test_qwen3_q_k_norm_and_rotation_run_as_one_kernel_while_a_graph_is_built() -> None:
+    fused = _fused()
+    table, reference, qkv = _rotary_case(6)
     tokens, q_heads, kv_heads = 6, 8, 2
-    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * 128, generator=gen, device=CUDA)
-    qkv = qkv.bfloat16()
     before = qkv.clone()
     q = qkv[:, : q_heads * 128].view(tokens, q_heads, 128)
     k = qkv[:, q_heads * 128 : (q_heads + kv_heads) * 128].view(tokens, kv_heads, 128)
+    gen = torch.Generator(device=CUDA).manual_seed(7)
     q_weight = (1 + 0.1 * torch.randn(128, generator=gen, device=CUDA)).bfloat16()
     k_weight = (1 + 0.1 * torch.randn(128, generator=gen, device=CUDA)).bfloat16()
-    positions = torch.tensor([0, 1, 17, 4000, 8191, 8999], device=CUDA)
+    positions = torch.tensor(ROTARY_POSITIONS, device=CUDA)
     args = (q_weight, k_weight, 1e-6)
     eager_q, eager_k = fused.qk_norm_rotate(q, k, *args, fused.rotation(table, positions))
     with building_graph():
@@ -242,8 +254,6 @@ def test_qwen3_q_k_norm_and_rotation_run_as_one_kernel_while_a_graph_is_built() 
     assert got_q.is_contiguous() and got_k.is_contiguous()
     _close(got_q, eager_q, "fused q norm and rotation")
     _close(got_k, eager_k, "fused k norm and rotation")
-    reference = RotaryEmbedding(128, config.rope, max_positions=9000).to(CUDA, torch.bfloat16)
-    reference.init_table()
     ref_q, ref_k = TORCH_KERNELS.qk_norm_rotate(
         q, k, *args, TORCH_KERNELS.rotation(reference, positions)
     )
@@ -254,16 +264,9 @@ def test_qwen3_q_k_norm_and_rotation_run_as_one_kernel_while_a_graph_is_built() 
 @pytest.mark.gpu
 def test_fused_rotary_matches_the_reference_in_place() -> None:
     fused = _fused()
-    config = ModelConfig.from_dict(LLAMA)
-    table = RotaryEmbedding(128, config.rope, max_positions=9000).to(CUDA)
-    table.init_table()
-    reference = RotaryEmbedding(128, config.rope, max_positions=9000).to(CUDA, torch.bfloat16)
-    reference.init_table()
-    gen = torch.Generator(device=CUDA).manual_seed(1)
+    table, reference, qkv = _rotary_case(1)
     tokens, q_heads, kv_heads = 6, 8, 2
-    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * 128, generator=gen, device=CUDA)
-    qkv = qkv.bfloat16()
-    positions = torch.tensor([0, 1, 17, 4000, 8191, 8999], device=CUDA)
+    positions = torch.tensor(ROTARY_POSITIONS, device=CUDA)
     q = qkv[:, : q_heads * 128].view(tokens, q_heads, 128)
     k = qkv[:, q_heads * 128 : (q_heads + kv_heads) * 128].view(tokens, kv_heads, 128)
     v_before = qkv[:, (q_heads + kv_heads) * 128 :].clone()

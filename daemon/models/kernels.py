@@ -190,8 +190,12 @@ class FusedKernels(TorchKernels):
         eps: float,
         rotation: Rotation,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        fits = self.triton.heads_contiguous(q) and self.triton.heads_contiguous(k)
-        if in_graph_build() and isinstance(rotation, FusedRotation) and fits:
+        if (
+            in_graph_build()
+            and isinstance(rotation, FusedRotation)
+            and self.triton.heads_contiguous(q)
+            and self.triton.heads_contiguous(k)
+        ):
             return self.triton.qk_norm_rope(
                 q, k, q_weight, k_weight, eps, rotation.positions, rotation.cos_sin
             )
