@@ -562,6 +562,9 @@ DEBUG_KNOBS: dict[str, str] = {
         "run norms, rotary and activations as plain torch ops where FlashInfer's fused "
         "kernels would serve (to compare them)"
     ),
+    "OUTRIDER_DEBUG_NO_PDL": (
+        "launch the Triton kernels without programmatic dependent launch (to compare)"
+    ),
     "OUTRIDER_DEBUG_RELAY_CHECK": (
         "poison released relay rows; assert decode batches read none (syncs)"
     ),

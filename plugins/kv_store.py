@@ -10,12 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
+from outrider.plugins.triton_launch import pdl_options, wait_for_previous
+
 
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, stride_k, stride_v,
-    WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
     token = tl.program_id(0)
     at = tl.load(loc_ptr + token).to(tl.int64) * WIDTH
     cols = tl.arange(0, BLOCK)
@@ -38,4 +41,5 @@ def store_kv(
         _store_kv_kernel[(k.shape[0],)](
             k, v, k_cache, v_cache, loc, k.stride(0), v.stride(0),
             WIDTH=width, BLOCK=triton.next_power_of_2(width), num_warps=4,
+            **pdl_options(k.device),
         )  # fmt: skip

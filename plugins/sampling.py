@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from outrider.plugins.graph_build import in_graph_build
+
 if TYPE_CHECKING:
     from outrider.daemon.internal import SamplingSpec
 
@@ -224,6 +226,14 @@ def sample(
     _check_limits(logits, vocab_limit, batch.max_logprobs)
     # Slicing is free and keeps shapes static: padded ids simply do not exist below here.
     logits = logits[:, :vocab_limit].float()  # [n, Vl]
+    # A graph being built reads the vocabulary once for the greedy token and its logprob
+    # (greedy_kernel.py); eagerly, two Triton launches cost more host time than they save.
+    if batch.all_greedy and not batch.max_logprobs and in_graph_build():
+        from outrider.plugins.greedy_kernel import greedy_fits, greedy_logprob
+
+        if greedy_fits(logits):
+            tokens, logprob = greedy_logprob(logits)
+            return SampleResult(tokens, logprob, *_no_top(logits))
     tokens = _greedy(logits)
     if not batch.all_greedy:
         values, ids = _filtered_sorted(logits, batch)
@@ -246,9 +256,14 @@ def token_logprobs(
         top_values, top_ids = torch.topk(logits, max_logprobs, dim=-1)
         top_logprobs = top_values - log_norm.unsqueeze(-1)
     else:
-        top_ids = torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
-        top_logprobs = torch.empty((logits.shape[0], 0), dtype=logits.dtype, device=logits.device)
+        top_ids, top_logprobs = _no_top(logits)
     return SampleResult(tokens, logprob, top_ids, top_logprobs)
+
+
+def _no_top(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty top ids and logprobs for the rows of ``logits`` [n, V]: ``[n, 0]`` each."""
+    top_ids = torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
+    return top_ids, torch.empty((logits.shape[0], 0), dtype=logits.dtype, device=logits.device)
 
 
 def processed_probs(

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from model_fixtures import PagedRows, torch_backend
 
 import outrider.daemon.models
+from outrider.daemon.internal import SamplingSpec
 from outrider.daemon.models.config import ModelConfig
 from outrider.daemon.models.kernels import (
     TORCH_KERNELS,
@@ -196,6 +197,43 @@ def test_triton_silu_and_mul_computes_what_flashinfer_does() -> None:
         # Both compute in float32 and round once.
         torch.testing.assert_close(graphed, eager, atol=0, rtol=2**-8)
         _close(graphed, TORCH_KERNELS.silu_and_mul(gate_up), "silu_and_mul")
+
+
+@pytest.mark.gpu
+def test_the_down_projection_of_one_token_fuses_silu_and_mul_while_a_graph_is_built() -> None:
+    fused = _fused()
+    from outrider.daemon.models import triton_kernels
+
+    gen = torch.Generator(device=CUDA).manual_seed(6)
+    weight = (0.05 * torch.randn(1024, 3584, generator=gen, device=CUDA)).bfloat16()
+    gate_up = torch.randn(2, 2 * 3584, generator=gen, device=CUDA).bfloat16()
+    with building_graph():
+        one = fused.silu_mul_linear(gate_up[:1], weight, None)
+        two = fused.silu_mul_linear(gate_up, weight, None)
+        # What the two kernels compute, bit for bit: one launch fewer, nothing else.
+        unfused = fused.linear(fused.silu_and_mul(gate_up[:1]), weight, None)
+    assert torch.equal(one, unfused)
+    assert torch.equal(one, triton_kernels.silu_mul_gemv(gate_up[:1], weight, None))
+    _close(two, TORCH_KERNELS.silu_mul_linear(gate_up, weight, None), "silu_mul_linear, 2 rows")
+    _close(one, fused.silu_mul_linear(gate_up[:1], weight, None), "silu_mul_linear, eager")
+
+
+@pytest.mark.gpu
+def test_greedy_sampling_of_a_graph_being_built_chooses_torch_argmax() -> None:
+    from outrider.plugins.sampling import SamplingBatch, sample
+
+    gen = torch.Generator(device=CUDA).manual_seed(7)
+    logits = torch.randn(3, 151_936, generator=gen, device=CUDA)
+    logits[1, [5, 150_000]] = 30.0  # equal maxima far apart: the lowest id wins
+    greedy = SamplingBatch.from_specs([SamplingSpec(temperature=0.0)] * 3, CUDA)
+    position = torch.zeros(3, dtype=torch.int64, device=CUDA)
+    eager = sample(logits, greedy, position, vocab_limit=151_000)
+    with building_graph():
+        graphed = sample(logits, greedy, position, vocab_limit=151_000)
+    assert graphed.tokens[1].item() == 5
+    assert torch.equal(graphed.tokens, eager.tokens)
+    torch.testing.assert_close(graphed.logprob, eager.logprob, rtol=0, atol=1e-5)
+    assert graphed.top_ids.shape == graphed.top_logprobs.shape == (3, 0)
 
 
 @pytest.mark.gpu

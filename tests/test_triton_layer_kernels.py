@@ -1,8 +1,10 @@
 """The Triton kernels that graphs being built run (``daemon/models/triton_kernels.py``,
-``plugins/kv_store.py``) against what they replace: the GEMV against ``F.linear``, SiLU-and-
-multiply and Qwen3's q/k norm with the rotation against the reference kernels, the K/V store
-against ``index_copy_``. Without a GPU they run in Triton's interpreter on CPU tensors (float32:
-the interpreter has no bfloat16); ``test_layer_kernels.py`` covers them compiled, in bf16."""
+``plugins/kv_store.py``, ``plugins/greedy_kernel.py``) against what they replace: the GEMV
+against ``F.linear``, SiLU-and-multiply and Qwen3's q/k norm with the rotation against the
+reference kernels, the down projection with SiLU-and-multiply fused against the two kernels,
+the K/V store against ``index_copy_``, the greedy token and its logprob against torch's.
+Without a GPU they run in Triton's interpreter on CPU tensors (float32: the interpreter has no
+bfloat16); ``test_layer_kernels.py`` covers them compiled, in bf16."""
 
 from __future__ import annotations
 
@@ -80,6 +82,23 @@ def test_silu_and_mul_matches_the_reference() -> None:
         torch.testing.assert_close(got, TORCH_KERNELS.silu_and_mul(gate_up))
 
 
+def test_the_fused_down_projection_is_silu_and_mul_then_the_gemv() -> None:
+    from outrider.daemon.models import triton_kernels
+
+    gen = _gen()
+    for n, k in ((13, 40), (5, 1100)):
+        gate_up = 3 * torch.randn(1, 2 * k, generator=gen, device=DEVICE)
+        weight = torch.randn(n, k, generator=gen, device=DEVICE)
+        bias = torch.randn(n, generator=gen, device=DEVICE)
+        for b in (None, bias):
+            got = triton_kernels.silu_mul_gemv(gate_up, weight, b)
+            # The same products in the same order: bit for bit the two kernels' result.
+            unfused = triton_kernels.gemv(triton_kernels.silu_and_mul(gate_up), weight, b)
+            assert torch.equal(got, unfused)
+            ref = TORCH_KERNELS.silu_mul_linear(gate_up, weight, b)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
 def test_q_k_norm_and_rotation_match_the_reference() -> None:
     from outrider.daemon.models import triton_kernels
 
@@ -123,3 +142,33 @@ def test_the_kv_store_writes_what_index_copy_does() -> None:
     assert torch.equal(caches[0].k[0], caches[1].k[0])
     assert torch.equal(caches[0].v[0], caches[1].v[0])
     assert caches[1].k[0].count_nonzero() == tokens * kv_heads * dim
+
+
+def test_the_greedy_kernel_is_torch_argmax_and_log_softmax() -> None:
+    from outrider.plugins import greedy_kernel
+
+    gen = _gen()
+    # A vocabulary of several chunks and a partial last one, read through a row stride wider
+    # than it (the sampler slices padded ids off).
+    rows, vocab = 4, 5000
+    padded = torch.randn(rows, vocab + 24, generator=gen, device=DEVICE)
+    logits = padded[:, :vocab]
+    logits[1, 4999] = 9.0  # the maximum in the partial chunk
+    logits[2, [7, 3000, 4100]] = 8.0  # equal maxima in three chunks: the lowest id wins
+    logits[3, [2050, 2060]] = 8.0  # equal maxima in one chunk
+    logits[3, 4096:] = float("-inf")  # a chunk with nothing but masked ids
+    tokens, logprob = greedy_kernel.greedy_logprob(logits)
+    assert tokens.tolist()[1:] == [4999, 7, 2050]
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    expected = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(dim=-1)
+    torch.testing.assert_close(logprob, expected, rtol=0, atol=1e-5)
+    empty_tokens, empty_logprob = greedy_kernel.greedy_logprob(logits[:0])
+    assert empty_tokens.shape == empty_logprob.shape == (0,)
+    assert greedy_kernel.greedy_fits(logits.to(DEVICE)) == CUDA
+
+
+def test_kernels_on_cpu_tensors_launch_without_pdl() -> None:
+    from outrider.plugins.triton_launch import pdl_options
+
+    # Triton's interpreter has no dependent launch: its kernels take PDL off.
+    assert pdl_options(torch.device("cpu")) == {"PDL": False}

@@ -98,6 +98,12 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def silu_mul_linear(
+        self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``linear(silu_and_mul(gate_up), weight, bias)``: the MLP's down projection."""
+        return self.linear(self.silu_and_mul(gate_up), weight, bias)
+
     def rotation(self, table: RotaryEmbedding, positions: torch.Tensor) -> Rotation:
         """The rotation of ``positions: [T]`` (each < ``table.max_positions``)."""
         return TableRotation(table.cos[positions], table.sin[positions])
@@ -177,6 +183,13 @@ class FusedKernels(TorchKernels):
         if in_graph_build():
             return self.triton.silu_and_mul(gate_up)
         return self.flashinfer.silu_and_mul(gate_up)
+
+    def silu_mul_linear(
+        self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if in_graph_build() and self.triton.gemv_fits(gate_up, weight):
+            return self.triton.silu_mul_gemv(gate_up, weight, bias)
+        return super().silu_mul_linear(gate_up, weight, bias)
 
     def rotation(self, table: RotaryEmbedding, positions: torch.Tensor) -> Rotation:
         return FusedRotation(self.flashinfer, positions, table.cos_sin_float32())

@@ -184,7 +184,7 @@ class MLP(nn.Module, UsesKernels):
         self.down_proj = RowParallelLinear(rows, config.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.silu_mul_forward(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -150,11 +150,18 @@ class RowParallelLinear(nn.Linear, Sharded, UsesKernels):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return self.kernels.linear(x, self.weight, self.bias)
+        return self._summed(self.kernels.linear(x, self.weight, self._rank_bias()))
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``forward(kernels.silu_and_mul(gate_up))``, in one kernel where the kernels can."""
+        return self._summed(self.kernels.silu_mul_linear(gate_up, self.weight, self._rank_bias()))
+
+    def _rank_bias(self) -> torch.Tensor | None:
         # NOTE: every rank holds the whole bias; only rank 0 adds it, or the sum counts it N times.
-        bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(self.kernels.linear(x, self.weight, bias))
+        return self.bias if self.tp.rank == 0 else None
+
+    def _summed(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.tp.size == 1 else self.tp.all_reduce(y)
 
     def param_split(self, name: str) -> Split | None:
         return self.tp.split(1) if name == "weight" else None

@@ -8,6 +8,9 @@ decode graphs"):
   byte is read once with no reduce step, and accumulates in float32.
 - ``silu_and_mul``: FlashInfer's runs one block per token, a single SM at batch 1; this grid is
   tokens x blocks of the intermediate size. Same arithmetic (float32, one rounding).
+- ``silu_mul_gemv``: the MLP's down projection of one token with SiLU-and-multiply computed as
+  the GEMV loads its input (the same arithmetic and rounding as ``silu_and_mul``, so the result
+  is bit for bit the two kernels'), one launch a layer fewer.
 - ``qk_norm_rope``: Qwen3's per-head RMSNorm of q and k and the rotary embedding in one kernel
   (three FlashInfer launches a layer otherwise), rounding where those do: after the norm and
   after the rotation.
@@ -23,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from outrider.plugins.triton_launch import pdl_options, wait_for_previous
+
 # Measured on an H100 over Llama-3.1-8B's and Qwen3-8B's projections (N x K from 4,096 x
 # 4,096 to 151,936 x 4,096, weights read from memory, not L2), 72 configs each: 8 output rows
 # a program, a K step of 1,024, 8 warps and 3 pipeline stages is the best for the o projection
@@ -34,10 +39,19 @@ _SILU_BLOCK = 512
 
 
 @triton.jit
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` in float32 from float32 inputs, rounded to ``dtype`` once."""
+    return (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
+    # GATED: x holds 2K values (gate, then up) and the input is their silu_and_mul.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < N
     # NOTE: a large LM head has more than 2^31 weights: row offsets in int64.
@@ -53,6 +67,9 @@ def _gemv_kernel(
             other=0.0,
         )
         x = tl.load(x_ptr + cols, mask=cols_ok, other=0.0)
+        if GATED:
+            up = tl.load(x_ptr + K + cols, mask=cols_ok, other=0.0)
+            x = _silu_mul(x.to(tl.float32), up.to(tl.float32), w_ptr.dtype.element_ty)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
@@ -73,26 +90,42 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x: [1, K]`` (``gemv_fits``) -> ``[1, N]``."""
+    return _launch_gemv(x, weight, bias, gated=False)
+
+
+def silu_mul_gemv(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``gemv(silu_and_mul(gate_up), weight, bias)`` for ``gate_up: [1, 2K]`` (``gemv_fits``
+    against ``weight: [N, K]`` but twice as wide) -> ``[1, N]``, in one kernel."""
+    return _launch_gemv(gate_up, weight, bias, gated=True)
+
+
+def _launch_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, gated: bool
+) -> torch.Tensor:
     n, k = weight.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     block_k = min(_GEMV_BLOCK_K, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, _GEMV_BLOCK_N),)](
         x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=block_k,
-        num_warps=8, num_stages=3,
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=block_k,
+        num_warps=8, num_stages=3, **pdl_options(x.device),
     )  # fmt: skip
     return y
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, width, stride_x, stride_y, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, y_ptr, width, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_previous(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
     gate = tl.load(x_ptr + token * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + token * stride_x + width + cols, mask=ok, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(y_ptr + token * stride_y + cols, out.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + token * stride_y + cols, _silu_mul(gate, up, y_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -102,8 +135,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if tokens:
         grid = (tokens, triton.cdiv(width, _SILU_BLOCK))
         _silu_and_mul_kernel[grid](
-            gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=_SILU_BLOCK, num_warps=4
-        )
+            gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=_SILU_BLOCK,
+            num_warps=4, **pdl_options(gate_up.device),
+        )  # fmt: skip
     return out
 
 
@@ -111,7 +145,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr, q_out_ptr, k_out_ptr,
     stride_q, stride_k, eps, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)  # q heads first, then k heads
     half = tl.arange(0, DIM // 2)
@@ -163,6 +199,6 @@ def qk_norm_rope(
         _qk_norm_rope_kernel[(tokens, q_heads + kv_heads)](
             q, k, q_weight, k_weight, cos_sin, positions, q_out, k_out,
             q.stride(0), k.stride(0), eps, Q_HEADS=q_heads, KV_HEADS=kv_heads, DIM=dim,
-            num_warps=1,
+            num_warps=1, **pdl_options(q.device),
         )  # fmt: skip
     return q_out, k_out

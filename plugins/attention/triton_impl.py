@@ -27,6 +27,7 @@ from outrider.plugins.attention.triton_plan import (
     launch_plan,
 )
 from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
+from outrider.plugins.triton_launch import pdl_options
 
 LOG2_E = 1.4426950408889634
 
@@ -108,6 +109,7 @@ class TritonAttention(AttentionBackend):
             out.stride(0), out.stride(1),
             meta.plan.splits,
             HEAD_DIM=self.shape.head_dim,
+            **pdl_options(q.device),
         )  # fmt: skip
         return out
 
@@ -151,4 +153,5 @@ class TritonAttention(AttentionBackend):
             # fp32 as fp32 (no TF32 rounding); the default for half types.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=4 if shape.head_dim <= 128 else 8,
+            **pdl_options(q.device),
         )  # fmt: skip

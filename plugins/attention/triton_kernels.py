@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from outrider.plugins.attention import triton_plan as plan
+from outrider.plugins.triton_launch import wait_for_previous
 
 # Constexpr copies of the plan's constants: a kernel reads only constexpr globals.
 MODE_CAUSAL = tl.constexpr(plan.MODE_CAUSAL)
@@ -47,8 +48,9 @@ def attend_kernel(
     num_kv_heads, page_size, tree_block, scale_log2, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MERGED: tl.constexpr, MODE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
     row = tl.program_id(0) // num_kv_heads
     kv_head = tl.program_id(0) % num_kv_heads
     split = tl.program_id(2)
@@ -154,8 +156,9 @@ def merge_kernel(
     stride_lt, stride_lh,  # lse: [T, Hq, S] float32, base 2
     stride_ot, stride_oh,  # out: [T, Hq, D]
     num_splits,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     dim = tl.arange(0, HEAD_DIM)
