@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import zmq.asyncio
 from daemon_harness import Daemon, RawDealer, build_model_dir, free_port
+from soak_faults import DEEP
 
 from outrider.protocol import AsyncClient, Client, RequestError
 from outrider.protocol.frames import request_codec
@@ -67,7 +68,7 @@ async def test_health_answers_within_a_second_under_hostile_frames(daemon: Daemo
         raw = RawDealer(ctx, daemon.endpoint)
         bad = {
             "utf8": header + b"\x82\xa4type\xa6health\xaarequest_id\xa1\xff",
-            "nested": header + b"\x82\xa4type\xa6health\xa7unknown" + b"\x91" * 1000 + b"\xc0",
+            "nested": header + b"\x82\xa4type\xa6health\xa7unknown" + b"\x91" * DEEP + b"\xc0",
         }
         for name, frame in bad.items():
             reply = await raw.call(frame)

@@ -8,7 +8,7 @@ changed. Concurrently (tests/soak_workers.py):
 - clients closed with streams and generates in flight, a new one opened at once, and the
   tight ``Client(); health(); close(); Client(); generate(timeout=10)`` loop;
 - malformed frames from raw DEALER sockets (garbage, wrong version or kind, invalid UTF-8,
-  1,000-deep nesting, multi-part, out-of-range fields), and a frame over the size limit;
+  20,000-deep nesting, multi-part, out-of-range fields), and a frame over the size limit;
 - a client process that streams and is SIGKILLed mid-way, restarted, again and again.
 
 Afterwards: every waited request got exactly one final frame and none was lost; the daemon

@@ -1,6 +1,7 @@
 """Trees under the overlap loop on CUDA, for every installed attention backend that declares
 tree masks: the embedded family with its EAGLE-3 tree (S 5, K 4, N 8) in bf16, every phase on
-the backend, CUDA graphs on, greedy outputs of the overlap loop against the serial loop within
+the backend (prompts on triton where the backend serves no extend phase: auto routes the
+others), CUDA graphs on, greedy outputs of the overlap loop against the serial loop within
 the numeric rule (numeric_rule.py: the two loops batch the requests differently, and the
 kernels round differently per batch size)."""
 
@@ -19,15 +20,14 @@ from outrider.protocol.messages import TokenLogprob
 NEW_TOKENS = 40
 
 
-def _tree_backends() -> list[str]:
-    return sorted(
-        entry.name
-        for entry in discover().entries("attention")
-        if entry.spec is not None
-        and entry.spec.attention is not None
-        and entry.spec.attention.tree_mask
-        and "cuda" in entry.spec.attention.devices
-    )
+def _tree_backends() -> dict[str, str]:
+    """Each backend with tree masks on CUDA -> the backend of its prompt (EXTEND) batches."""
+    backends = {}
+    for entry in discover().entries("attention"):
+        spec = entry.spec.attention if entry.spec is not None else None
+        if spec is not None and spec.tree_mask and "cuda" in spec.devices:
+            backends[entry.name] = entry.name if "extend" in spec.phases else "triton"
+    return dict(sorted(backends.items()))
 
 
 def _engine(model: str, **settings: object) -> Engine:
@@ -43,6 +43,7 @@ def _engine(model: str, **settings: object) -> Engine:
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", _tree_backends())
 def test_trees_under_overlap_follow_the_serial_loop(backend: str) -> None:
+    prefill = _tree_backends()[backend]
     family = embedded_family()
     assert family is not None, "the family package is installed with the test extra"
     prompts = [[3 + (11 * i + 5 * j) % 4000 for j in range(5 + 9 * i)] for i in range(10)]
@@ -51,6 +52,7 @@ def test_trees_under_overlap_follow_the_serial_loop(backend: str) -> None:
     def serve(overlap: bool) -> tuple[dict[int, list[TokenLogprob]], float]:
         engine = _engine(
             str(family.target), device="cuda", dtype="bfloat16", attention_backend=backend,
+            prefill_attention_backend=prefill,
             speculative_algorithm="eagle3", draft_model=str(family.drafts["eagle3"]),
             speculative_num_steps=5, speculative_topk=4, speculative_num_draft_tokens=8,
             no_overlap=not overlap, max_running=8,
