@@ -26,6 +26,7 @@ from outrider.daemon.engine.build import (
     _graph_pool_estimate,
     _graph_settings,
     _GraphSettings,
+    _speculative_plugin,
 )
 from outrider.daemon.engine.graphs import (
     CAPTURE_WORKSPACE_BYTES,
@@ -174,13 +175,15 @@ def test_graph_settings_take_the_kv_bound_from_the_capabilities(llama_dir: str) 
     config = ServeConfig(model=llama_dir, device="cuda", max_running=48, cuda_graph_max_bs=32)
     context = config.check_context("bfloat16", (9, 0))
     plugins = discover().resolve(context)
-    torch_settings = _graph_settings(config, plugins)
+    torch_settings = _graph_settings(config, plugins, _speculative_plugin(plugins))
     assert torch_settings is not None  # the torch backend declares graph_kv_bound
     assert (torch_settings.max_bs, torch_settings.kv_bounded) == (32, True)
-    lengths_on_device = _graph_settings(config, _with_kv_bound(plugins, False))
+    lengths_on_device = _graph_settings(config, _with_kv_bound(plugins, False), None)
     assert lengths_on_device is not None and not lengths_on_device.kv_bounded
-    assert _graph_settings(dataclasses.replace(config, disable_cuda_graph=True), plugins) is None
-    assert _graph_settings(dataclasses.replace(config, device="cpu"), plugins) is None
+    no_graphs = dataclasses.replace(config, disable_cuda_graph=True)
+    on_cpu = dataclasses.replace(config, device="cpu")
+    assert _graph_settings(no_graphs, plugins, None) is None
+    assert _graph_settings(on_cpu, plugins, None) is None
 
 
 @pytest.mark.parametrize(
@@ -198,7 +201,7 @@ def test_graph_settings_count_the_drafts_vocabulary_rows(
         settings["draft_model"] = speculative_dirs[name]
     config = ServeConfig(model=speculative_dirs["target"], device="cuda", **settings)  # type: ignore[arg-type]
     plugins = discover().resolve(config.check_context("bfloat16", (9, 0)))
-    graph_settings = _graph_settings(config, plugins)
+    graph_settings = _graph_settings(config, plugins, _speculative_plugin(plugins))
     assert graph_settings is not None and graph_settings.draft_rows == draft_rows
 
 

@@ -232,7 +232,7 @@ def _build_runner(
     def agreed(value: int) -> int:  # sizes from each rank's free memory: the smallest
         return value if channel is None else channel.agree_min(value)
 
-    graph_settings = _graph_settings(config, plugins)
+    graph_settings = _graph_settings(config, plugins, speculative)
     graph_kv = context_length + reservation  # the largest KV bound a graph is built with
     if graph_settings is not None and graph_settings.kv_bounded:
         free, _total = torch.cuda.mem_get_info()
@@ -381,9 +381,12 @@ class _GraphSettings:
     draft_rows: int = 0  # vocabulary rows a drafting step scores per batch row
 
 
-def _graph_settings(config: ServeConfig, plugins: ResolvedPlugins) -> _GraphSettings | None:
+def _graph_settings(
+    config: ServeConfig, plugins: ResolvedPlugins, speculative: _Speculative | None
+) -> _GraphSettings | None:
     """Whether decode batches replay CUDA graphs (the device, the flags and every backend a
-    decode batch runs allow them) and how they are keyed; None: they run eagerly."""
+    decode batch runs allow them) and how they are keyed; None: they run eagerly.
+    ``speculative``: the resolved plugin's loaded worker (``_speculative_plugin``)."""
     if config.device != "cuda" or config.disable_cuda_graph:
         return None
     if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
@@ -400,7 +403,6 @@ def _graph_settings(config: ServeConfig, plugins: ResolvedPlugins) -> _GraphSett
     if lacking:
         log.info("decode batches run eagerly: %s declares no CUDA graphs", ", ".join(lacking))
         return None
-    speculative = _speculative_plugin(plugins)
     return _GraphSettings(
         max_bs=min(config.cuda_graph_max_bs, config.max_running),
         kv_bounded=any(cap.graph_kv_bound for cap in caps),
