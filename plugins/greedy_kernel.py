@@ -1,8 +1,9 @@
 """The greedy token and its log-softmax over a vocabulary in two Triton kernels, for
 graph-captured batches (``sampling.sample`` of all-greedy rows without top logprobs while
 ``in_graph_build``). torch runs ``argmax`` and ``logsumexp`` as three reductions of one block
-a row over the whole vocabulary: on an H100 about 54 µs a step at 128,256 ids, where these
-kernels spread each row over many programs and read it once.
+a row over the whole vocabulary: on an H100 about 54 µs a step at 128,256 ids and 35 µs at
+151,936, where these kernels spread each row over many programs and read it once (together
+under 4 µs a step at 151,936 ids, BENCHMARKS.md).
 
 Pass 1 gives each (row, chunk) its maximum, the first id reaching it and the sum of
 ``exp(logit - maximum)``; pass 2 combines a row's chunks. The token is exactly torch's (the
