@@ -43,6 +43,7 @@ __all__ = [
     "SamplingBatch",
     "building_graph",
     "flat_kv_index",
+    "heads_contiguous",
     "in_graph_build",
     "processed_probs",
     "sample_probs",
@@ -60,18 +61,22 @@ def flat_kv_index(
     return pages.to(torch.int64) * page_size + positions % page_size
 
 
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """Whether ``x: [T, H, D]`` has each token's heads side by side, as the Triton kernels of
+    graphs being built read them; a token's row may be a view of a wider one (a projection)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def _store_fits(cache: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether ``kv_store.store_kv`` writes ``value: [T, H, D]`` into ``cache: [P, S, H, D]``:
     the same dtype, on a GPU, each token's heads contiguous (a row may be a view of a wider
     one)."""
-    heads, dim = value.shape[1], value.shape[2]
     return (
         value.is_cuda
         and value.dtype == cache.dtype
-        and value.stride(2) == 1
-        and value.stride(1) == dim
+        and heads_contiguous(value)
         and cache.is_contiguous()
-        and (cache.shape[2], cache.shape[3]) == (heads, dim)
+        and cache.shape[2:] == value.shape[1:]
     )
 
 

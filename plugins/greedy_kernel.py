@@ -91,12 +91,13 @@ def greedy_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprob = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
+        pdl = pdl_options(logits.device)
         _chunk_kernel[(rows, chunks)](
             logits, parts[0], args, parts[1], vocab, logits.stride(0), chunks,
-            CHUNK=_CHUNK, num_warps=4, **pdl_options(logits.device),
+            CHUNK=_CHUNK, num_warps=4, **pdl,
         )  # fmt: skip
         _combine_kernel[(rows,)](
             logits, parts[0], args, parts[1], tokens, logprob, logits.stride(0), chunks,
-            BLOCK=triton.next_power_of_2(chunks), num_warps=1, **pdl_options(logits.device),
+            BLOCK=triton.next_power_of_2(chunks), num_warps=1, **pdl,
         )  # fmt: skip
     return tokens, logprob

@@ -13,22 +13,21 @@ stream are unaffected: a kernel without PDL waits as it always did.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from outrider.daemon.config import debug_knob
+
 # PDL needs compute capability 9.0 (Hopper) or later.
 _PDL_MIN_MAJOR = 9
-# The daemon's debug knob (daemon/config.py DEBUG_KNOBS) that launches without PDL.
-NO_PDL_KNOB = "OUTRIDER_DEBUG_NO_PDL"
 
 
 @cache
 def _pdl_device(index: int) -> bool:
-    if os.environ.get(NO_PDL_KNOB, "0").strip() not in ("", "0"):
+    if debug_knob("OUTRIDER_DEBUG_NO_PDL"):
         return False
     return torch.cuda.get_device_capability(index)[0] >= _PDL_MIN_MAJOR
 

@@ -41,9 +41,8 @@ def _engine(model: str, **settings: object) -> Engine:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", _tree_backends())
-def test_trees_under_overlap_follow_the_serial_loop(backend: str) -> None:
-    prefill = _tree_backends()[backend]
+@pytest.mark.parametrize(("backend", "prefill"), list(_tree_backends().items()))
+def test_trees_under_overlap_follow_the_serial_loop(backend: str, prefill: str) -> None:
     family = embedded_family()
     assert family is not None, "the family package is installed with the test extra"
     prompts = [[3 + (11 * i + 5 * j) % 4000 for j in range(5 + 9 * i)] for i in range(10)]

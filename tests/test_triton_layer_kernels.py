@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from outrider.daemon.models.config import ModelConfig
 from outrider.daemon.models.kernels import TORCH_KERNELS
 from outrider.daemon.models.layers import RotaryEmbedding
-from outrider.plugins.device import AttentionShape, KVCache
+from outrider.plugins.device import AttentionShape, KVCache, heads_contiguous
 
 CUDA = torch.cuda.is_available()  # without one, conftest.py runs Triton's interpreter
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -120,8 +120,8 @@ def test_q_k_norm_and_rotation_match_the_reference() -> None:
         q, k, q_weight, k_weight, 1e-6, TORCH_KERNELS.rotation(table, positions)
     )
     assert torch.equal(qkv, before)  # new tensors: the projection is left alone
-    assert triton_kernels.heads_contiguous(q) and triton_kernels.heads_contiguous(k)
-    assert not triton_kernels.heads_contiguous(q.transpose(1, 2))
+    assert heads_contiguous(q) and heads_contiguous(k)
+    assert not heads_contiguous(q.transpose(1, 2))
     torch.testing.assert_close(got_q, ref_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
 

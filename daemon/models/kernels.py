@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from outrider.daemon.config import debug_knob
-from outrider.plugins.device import in_graph_build
+from outrider.plugins.device import heads_contiguous, in_graph_build
 
 if TYPE_CHECKING:
     from outrider.daemon.models.layers import RotaryEmbedding
@@ -206,8 +206,8 @@ class FusedKernels(TorchKernels):
         if (
             in_graph_build()
             and isinstance(rotation, FusedRotation)
-            and self.triton.heads_contiguous(q)
-            and self.triton.heads_contiguous(k)
+            and heads_contiguous(q)
+            and heads_contiguous(k)
         ):
             return self.triton.qk_norm_rope(
                 q, k, q_weight, k_weight, eps, rotation.positions, rotation.cos_sin

@@ -173,12 +173,6 @@ def _qk_norm_rope_kernel(
     tl.store(dst + DIM // 2 + half, (n2 * cos + n1 * sin).to(dtype))
 
 
-def heads_contiguous(x: torch.Tensor) -> bool:
-    """Whether ``x: [T, H, D]`` has each token's heads side by side (``qk_norm_rope`` reads it
-    so); a token's row may be a view of a wider one."""
-    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
-
-
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -188,7 +182,7 @@ def qk_norm_rope(
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q: [T, Hq, D]``, ``k: [T, Hkv, D]`` (``heads_contiguous``) -> each head
+    """``q: [T, Hq, D]``, ``k: [T, Hkv, D]`` (``device.heads_contiguous``) -> each head
     RMS-normalised with its weight, then rotated (rotate-half) at ``positions: [T]`` from the
     float32 ``cos_sin: [P, D]`` table (cos, then sin): two new contiguous tensors."""
     tokens, q_heads, dim = q.shape
