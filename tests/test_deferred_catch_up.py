@@ -148,6 +148,39 @@ def test_captured_catch_ups_take_small_batches_of_rows_long_enough_to_pad() -> N
     assert DecodeGraphs(4, 300, 20, 4).catch_up_start_keys() == []  # no deferral
 
 
+def test_a_whole_request_buffered_catches_up_in_two_graphed_pieces() -> None:
+    """Slot 1 buffered its whole request (20 positions of 20): 20 pads to 32, past its start,
+    so its oldest 16 entries go first (ending 4 before the start: room for no padding), then
+    its last 4 with slot 2's 5 (padded to 16, both starts past 16)."""
+    graphs = DecodeGraphs(4, 300, 20, 4, kv_bounded=True, catch_up_capacity=40)
+    deferred = DeferredCatchUp(capacity=40, rows=4, device=torch.device("cpu"))
+    deferred.kv_floor[1:3] = [20, 100]
+    catch_up = CatchUp([1, 2], [20, 5], max_kv=120, min_start=20)
+    assert graphs.catch_up_key(catch_up) is None
+    pieces = deferred.split(catch_up, graphs.catch_up_lens)
+    assert pieces == (
+        CatchUp([1], [16], 120, 16, first=(0,), behind=(4,)),
+        CatchUp([1, 2], [4, 5], 120, 20, first=(16, 0), behind=(0, 0)),
+    )
+    keys = [graphs.catch_up_key(piece) for piece in pieces]
+    assert keys == [CatchUpKey(1, 16, 128), CatchUpKey(2, 16, 128)]
+    starts = torch.tensor([0, 20, 100, 0])
+    page_table = torch.arange(4 * 32, dtype=torch.int32).view(4, 32)
+    first = deferred.rows(deferred.stage(pieces[0], Padding(1, 16)), starts)
+    assert first.starts.tolist() == [16] and first.real.all()
+    assert first.token_index.tolist() == list(range(16))
+    assert first.layout(page_table, page_size=4).positions.tolist() == list(range(16))
+    second = deferred.rows(deferred.stage(pieces[1], Padding(2, 16)), starts)
+    assert second.starts.tolist() == [20, 100]
+    # Slot 1's padding reads its piece's first entry (16); its buffered ones are 16 .. 19.
+    assert second.token_index.tolist() == [16] * 12 + [16, 17, 18, 19] + [0] * 11 + list(range(5))
+    positions = second.layout(page_table, page_size=4).positions.tolist()
+    assert positions[12:16] == [16, 17, 18, 19] and positions[27:] == [95, 96, 97, 98, 99]
+    # A row shorter than the shortest length has nothing to split off: it runs eagerly.
+    deferred.kv_floor[3] = 10
+    assert deferred.split(CatchUp([3], [10], 20, 10), graphs.catch_up_lens) is None
+
+
 # --- the engine ---------------------------------------------------------------------------
 
 
@@ -169,8 +202,10 @@ class EveryNth:
         pass
 
 
-def _workload(first_rid: int = 0) -> list[TokenizedRequest]:
-    prompts = [[3 + (5 * i + 2 * j) % (VOCAB - 3) for j in range(4 + 3 * i)] for i in range(5)]
+def _workload(first_rid: int = 0, shortest: int = 4) -> list[TokenizedRequest]:
+    prompts = [
+        [3 + (5 * i + 2 * j) % (VOCAB - 3) for j in range(shortest + 3 * i)] for i in range(5)
+    ]
     return [
         request(first_rid + i, p, max_new_tokens=23, temperature=0.0 if i % 2 else 0.8, seed=i)
         for i, p in enumerate(prompts)
@@ -211,11 +246,27 @@ class EagerCatchUpGraphs(DecodeGraphs):
         self.catch_up_replays += 1
 
 
+def _record_splits(deferred: DeferredCatchUp, outcomes: list[bool]) -> None:
+    """Append to ``outcomes``, for every catch-up that did not fit a graph whole, whether it
+    split into pieces that do."""
+    split = deferred.split
+
+    def recorded(catch_up: CatchUp, lengths: list[int]) -> tuple[CatchUp, CatchUp] | None:
+        pieces = split(catch_up, lengths)
+        outcomes.append(pieces is not None)
+        return pieces
+
+    deferred.split = recorded  # type: ignore[method-assign]
+
+
 DEVICES = [
     pytest.param("cpu", id="cpu"),
     # Every catch-up padded to its graph's shape (rows of the buffer's 3 positions, scratch
     # rows up to a bucket), run eagerly.
     pytest.param("cpu-padded", id="cpu-padded"),
+    # The same with buffers of 40 positions (lengths 16, 32 and 40) and prompts of 17 tokens
+    # or more: whole requests buffered, caught up in two pieces.
+    pytest.param("cpu-split", id="cpu-split"),
     # float32 under CUDA graphs (the plain-step graphs hold the buffer's appends, their padding
     # rows the scratch slot's), every launch under the sync check.
     pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
@@ -242,31 +293,37 @@ def test_deferred_catch_up_leaves_the_draft_where_catching_up_at_once_does(
     settings = dict(ALGORITHMS[algorithm])
     settings["draft_model"] = speculative_dirs[str(settings["speculative_algorithm"])]
     engines, drafts, tokens = [], [], []
-    for capacity in (3, 0):
+    buffered, shortest = (40, 17) if device == "cpu-split" else (3, 4)
+    split_counts: list[bool] = []  # per catch-up that did not fit whole: whether it split
+    for capacity in (buffered, 0):
         engine = engine_for(
             speculative_dirs["target"],
-            device="cpu" if device == "cpu-padded" else device,
+            device="cpu" if device.startswith("cpu-") else device,
             no_overlap=not overlap,
             speculative_config=json.dumps({"deferred_catch_up": capacity}),
             **settings,
         )
         runner = engine.loop.runner
         assert (runner.deferred is None) == (capacity == 0)
-        if device == "cpu-padded" and capacity:
+        if device.startswith("cpu-") and runner.deferred is not None:
             runner.graphs = EagerCatchUpGraphs(8, capacity)
+            _record_splits(runner.deferred, split_counts)
         engine.scheduler.use_policy(EveryNth(7))
         drafts.append(_recorded(engine))
-        tokens.append(tokens_of(run(engine, _workload(), stagger=2)))
-        tokens[-1] |= tokens_of(run(engine, _workload(first_rid=10)[:2]))
+        tokens.append(tokens_of(run(engine, _workload(shortest=shortest), stagger=2)))
+        tokens[-1] |= tokens_of(run(engine, _workload(10, shortest)[:2]))
         # A prompt alone: the plan that catches the second wave's slots up. Longer than the
         # buffer, it runs the draft at once (a shorter one would stay buffered: no plan after
         # reports its end).
-        run(engine, [request(20, [4, 5, 6, 7], max_new_tokens=1)])
+        lone = [4 + i % (VOCAB - 4) for i in range(buffered + 1)]
+        run(engine, [request(20, lone, max_new_tokens=1)])
         engines.append(engine)
     assert tokens[0] == tokens[1]
+    if device == "cpu-split":  # a whole wave buffered (prompts and plain steps) split
+        assert split_counts and all(split_counts)
     graphs = engines[0].loop.runner.graphs
     if device != "cpu":  # most catch-ups replayed: the shortest prompt pads no row of 3
-        assert graphs is not None and graphs.catch_up_replays > 10
+        assert graphs is not None and graphs.catch_up_replays > (10 if buffered == 3 else 5)
     if device != "cuda":  # under CUDA graphs the drafting replays without calling the worker
         assert len(drafts[0]) == len(drafts[1]) > 4
         for deferred, at_once in zip(*drafts, strict=True):

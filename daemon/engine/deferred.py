@@ -25,7 +25,12 @@ Under CUDA graphs a small batch replays a captured catch-up (graphs.py): its row
 bucket of lengths and its row count to a bucket, which needs every row's committed length to
 be at least the row length (the padding sits before the buffered positions). The host keeps a
 floor under each slot's length for that: the end of its last prompt chunk plus a token for
-every decode step since.
+every decode step since. A row whose whole request is buffered (a short prompt and its plain
+steps) is about as long as its count and seldom reaches the length its count pads to; such a
+batch replays in two pieces (``split``): first each such row's oldest entries, exactly a
+length of the buckets, which end before the rest and so sit after at least that many
+positions; then every row's remaining entries. The draft's state after both is the one
+catch-up's: each piece runs causally after what came before it.
 """
 
 from __future__ import annotations
@@ -38,16 +43,27 @@ import torch
 from outrider.daemon.engine.plan import StepPlan
 from outrider.plugins.speculative.deferred import DeferredRows
 
+# Host sets the catch-up's index arrays are staged in: two batches a launch (a split
+# catch-up) over two launches in flight.
+STAGING_SETS = 4
+
 
 @dataclass(frozen=True)
 class CatchUp:
     """Slots to catch up before a plan, their buffered counts, a bound on their KV and a floor
-    under their committed lengths (every decode step commits a token a row at least)."""
+    under their committed lengths (every decode step commits a token a row at least).
+
+    A piece of a split catch-up (``DeferredCatchUp.split``) takes part of each row's
+    buffer: the ``counts[r]`` entries from ``first[r]`` on, ending ``behind[r]`` positions
+    before the row's start; ``min_start`` is then a floor under the piece's own end. Empty
+    ``first`` and ``behind``: the whole buffer of every row."""
 
     slots: list[int]
     counts: list[int]
     max_kv: int
     min_start: int
+    first: tuple[int, ...] = ()
+    behind: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,9 +100,9 @@ class DeferredCatchUp:
         # Per slot, a floor under its committed length: its prompt's, plus a token a step.
         self.kv_floor = [0] * rows
         pin, host = device.type == "cuda", torch.device("cpu")
-        self._staging = [_Staging(rows, capacity, host, pin=pin) for _ in (0, 1)]
+        self._staging = [_Staging(rows, capacity, host, pin=pin) for _ in range(STAGING_SETS)]
         self._device = _Staging(rows, capacity, device, pin=False)
-        self._parity = 0
+        self._next = 0  # the staging set the next batch fills
 
     def due(self, plan: StepPlan) -> CatchUp | None:
         """What must catch up before ``plan`` runs (module docstring), or None."""
@@ -104,6 +120,47 @@ class DeferredCatchUp:
             max(self.kv_bound[s] for s in slots),
             min(self.kv_floor[s] for s in slots),
         )
+
+    def split(self, catch_up: CatchUp, lengths: list[int]) -> tuple[CatchUp, CatchUp] | None:
+        """``catch_up`` in two pieces for captured graphs whose rows are padded to ``lengths``
+        (ascending), or None where that does not help. A row whose count pads to more than
+        the floor under its start (a whole request buffered: its prompt and every plain step)
+        gives its oldest entries, as many as the longest length under its count, to a first
+        piece, which ends the rest of its count before the start and so has that much more
+        room for padding; the second piece takes every row's remaining entries (module
+        docstring). Each piece still needs a key of its own (``DecodeGraphs.catch_up_key``)."""
+        assert not catch_up.first and not catch_up.behind, "a whole catch-up splits"
+        heads = []  # per row: the entries its first piece takes (0: none)
+        for slot, count in zip(catch_up.slots, catch_up.counts, strict=True):
+            padded = next((n for n in lengths if n >= count), 0)
+            head = 0
+            if not padded or padded > self.kv_floor[slot]:
+                head = max((n for n in lengths if n < count), default=0)
+                if not head:
+                    return None
+            heads.append(head)
+        if not any(heads):
+            return None
+        split = [i for i, head in enumerate(heads) if head]
+        behind = tuple(catch_up.counts[i] - heads[i] for i in split)
+        floors = [self.kv_floor[catch_up.slots[i]] - catch_up.counts[i] + heads[i] for i in split]
+        first_piece = CatchUp(
+            slots=[catch_up.slots[i] for i in split],
+            counts=[heads[i] for i in split],
+            max_kv=catch_up.max_kv,
+            min_start=min(floors),
+            first=(0,) * len(split),
+            behind=behind,
+        )
+        second_piece = CatchUp(
+            slots=catch_up.slots,
+            counts=[count - head for count, head in zip(catch_up.counts, heads, strict=True)],
+            max_kv=catch_up.max_kv,
+            min_start=catch_up.min_start,
+            first=tuple(heads),
+            behind=(0,) * len(heads),
+        )
+        return first_piece, second_piece
 
     def buffers(self, plan: StepPlan) -> bool:
         """Whether EXTEND ``plan`` buffers its positions: every row ends its prompt in it (a
@@ -136,20 +193,28 @@ class DeferredCatchUp:
         """Queue the copies of ``catch_up``'s index arrays to the device (on the current
         stream), laid out exactly or, with ``padding``, in a captured graph's shape
         (``DeferredRows``; the caller checked that every row fits and starts at
-        ``row_len`` or later). Staging is double-buffered as the step inputs are (inputs.py):
-        a set is refilled two launches later, after the loop waited for the first."""
+        ``row_len`` or later). Staging rotates over ``STAGING_SETS`` host sets: a launch
+        stages two batches at most (a split catch-up), so a set is refilled two launches later
+        at the earliest, after the loop waited for the first (as the step inputs, inputs.py)."""
         real = np.asarray(catch_up.counts, dtype=np.int64)
+        first = np.asarray(catch_up.first or [0] * len(real), dtype=np.int64)
+        behind = np.asarray(catch_up.behind or [0] * len(real), dtype=np.int64)
         if padding is None:
-            values = _exact(catch_up.slots, real)
+            values = _exact(catch_up.slots, real, first)
             shape = StagedShape(len(real), int(real.sum()), int(real.max()), catch_up.max_kv)
         else:
             n, length = padding.rows, padding.row_len
-            extra = n - len(real)
-            assert extra >= 0 and int(real.max(initial=0)) <= length <= catch_up.min_start
-            slots = catch_up.slots + [self.scratch_slot] * extra
-            values = _padded(slots, np.concatenate([real, np.zeros(extra, np.int64)]), length)
+            extra = np.zeros(n - len(real), np.int64)  # the scratch slot's rows
+            assert int(real.max(initial=0)) <= length <= catch_up.min_start and n >= len(real)
+            slots = catch_up.slots + [self.scratch_slot] * len(extra)
+            values = _padded(
+                slots, np.concatenate([real, extra]), np.concatenate([first, extra]), length
+            )
+            behind = np.concatenate([behind, extra])
             shape = StagedShape(n, n * length, length, catch_up.max_kv)
-        host, self._parity = self._staging[self._parity], self._parity ^ 1
+        values["behind"] = behind
+        host = self._staging[self._next]
+        self._next = (self._next + 1) % len(self._staging)
         for name, value in values.items():
             staged = getattr(host, name)[: len(value)]
             staged.numpy()[:] = value
@@ -165,7 +230,7 @@ class DeferredCatchUp:
             slots=slots,
             counts=counts,
             # A padding row (count 0, the scratch slot) starts where its row's length ends.
-            starts=torch.where(counts > 0, starts[slots], shape.max_q),
+            starts=torch.where(counts > 0, starts[slots] - device.behind[:n], shape.max_q),
             q_start=device.q_start[: n + 1],
             token_rows=device.token_rows[:tokens],
             token_index=device.token_index[:tokens],
@@ -177,8 +242,9 @@ class DeferredCatchUp:
         )
 
 
-def _exact(slots: list[int], counts: np.ndarray) -> dict[str, np.ndarray]:
-    """Index arrays of rows of their own lengths: every token a buffered position."""
+def _exact(slots: list[int], counts: np.ndarray, first: np.ndarray) -> dict[str, np.ndarray]:
+    """Index arrays of rows of their own lengths: every token a buffered position, row ``r``'s
+    from buffer entry ``first[r]`` on."""
     n, total = len(counts), int(counts.sum())
     q_start = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(counts, out=q_start[1:])
@@ -189,15 +255,18 @@ def _exact(slots: list[int], counts: np.ndarray) -> dict[str, np.ndarray]:
         "counts": counts,
         "q_start": q_start,
         "token_rows": token_rows,
-        "token_index": index,
+        "token_index": index + first[token_rows],
         "back": counts[token_rows] - index,
         "real": np.ones(total, dtype=np.bool_),
         "q_pad_index": token_rows * int(counts.max()) + index,
     }
 
 
-def _padded(slots: list[int], counts: np.ndarray, length: int) -> dict[str, np.ndarray]:
-    """Index arrays of rows of ``length`` tokens each, the buffered positions last."""
+def _padded(
+    slots: list[int], counts: np.ndarray, first: np.ndarray, length: int
+) -> dict[str, np.ndarray]:
+    """Index arrays of rows of ``length`` tokens each, the buffered positions last (row
+    ``r``'s from buffer entry ``first[r]`` on; its padding reads that entry)."""
     n = len(counts)
     token_rows = np.repeat(np.arange(n, dtype=np.int64), length)
     place = np.tile(np.arange(length, dtype=np.int64), n)  # within the row
@@ -207,7 +276,7 @@ def _padded(slots: list[int], counts: np.ndarray, length: int) -> dict[str, np.n
         "counts": counts,
         "q_start": np.arange(n + 1, dtype=np.int64) * length,
         "token_rows": token_rows,
-        "token_index": np.maximum(index, 0),
+        "token_index": np.maximum(index, 0) + first[token_rows],
         "back": length - place,
         "real": index >= 0,
         "q_pad_index": np.arange(n * length, dtype=np.int64),
@@ -223,6 +292,7 @@ class _Staging:
 
         tokens = rows * capacity
         self.slots, self.counts, self.q_start = make(rows), make(rows), make(rows + 1)
+        self.behind = make(rows)
         self.token_rows, self.token_index = make(tokens), make(tokens)
         self.back, self.q_pad_index = make(tokens), make(tokens)
         self.real = make(tokens, torch.bool)

@@ -203,18 +203,20 @@ class ModelRunner:
         return launched
 
     def _catch_up(self, deferred: DeferredCatchUp, catch_up: CatchUp) -> None:
-        """The draft's catch-up on ``catch_up``'s buffered positions: replayed from a graph
-        when one fits (captured first from scratch rows when new), else eagerly."""
+        """The draft's catch-up on ``catch_up``'s buffered positions: replayed from graphs
+        when they fit, whole or in two pieces (captured first from scratch rows when new),
+        else eagerly."""
         graphs = self.graphs
-        key = graphs.catch_up_key(catch_up) if graphs is not None else None
-        if graphs is None or key is None:
+        pieces = _graphed_pieces(graphs, deferred, catch_up) if graphs is not None else None
+        if graphs is None or pieces is None:
             shape = deferred.stage(catch_up)
             self.worker.catch_up_deferred(deferred.rows(shape, self.slots.relay_starts))
             return
-        if key not in graphs.catch_ups:
-            self.capture_catch_up(key)
-        deferred.stage(catch_up, Padding(key.rows, key.row_len))
-        graphs.replay_catch_up(key)
+        for piece, key in pieces:
+            if key not in graphs.catch_ups:
+                self.capture_catch_up(key)
+            deferred.stage(piece, Padding(key.rows, key.row_len))
+            graphs.replay_catch_up(key)
 
     def capture_catch_up(self, key: CatchUpKey) -> None:
         """Capture ``key``'s catch-up graph from rows on the scratch slot (no live state)."""
@@ -429,3 +431,23 @@ class ModelRunner:
         if plan.kind == "extend":
             return max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True))
         return max(plan.starts) + (self.shape.kv_span if plan.drafting else 1)
+
+
+def _graphed_pieces(
+    graphs: DecodeGraphs, deferred: DeferredCatchUp, catch_up: CatchUp
+) -> list[tuple[CatchUp, CatchUpKey]] | None:
+    """``catch_up`` as batches that captured graphs replay, each with its key: the batch whole,
+    or its two pieces (``DeferredCatchUp.split``); None where neither fits."""
+    key = graphs.catch_up_key(catch_up)
+    if key is not None:
+        return [(catch_up, key)]
+    pieces = deferred.split(catch_up, graphs.catch_up_lens)
+    if pieces is None:
+        return None
+    keyed = []
+    for piece in pieces:
+        key = graphs.catch_up_key(piece)
+        if key is None:
+            return None
+        keyed.append((piece, key))
+    return keyed

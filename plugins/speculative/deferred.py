@@ -29,8 +29,11 @@ from outrider.plugins.device import SCRATCH_PAGE, BatchLayout, flat_kv_index
 @dataclass(frozen=True)
 class DeferredRows:
     """The rows of one catch-up batch (device tensors, laid out from host counts): row ``r``
-    catches up slot ``slots[r]``'s ``counts[r]`` buffered positions, the row's last ``counts[r]``
-    tokens.
+    catches up ``counts[r]`` of slot ``slots[r]``'s buffered positions, the row's last
+    ``counts[r]`` tokens, which end at ``starts[r]``. A slot's positions may come in two
+    batches, its oldest first (the first ending before the committed length): each token
+    reads its own buffer entry (``token_index``), and each batch sees the draft's KV of the
+    one before.
 
     A batch replayed from a CUDA graph has its graph's shape: every row ``max_q`` tokens long,
     the buffered positions last, and rows past the real ones on the scratch slot with a count
@@ -41,7 +44,7 @@ class DeferredRows:
 
     slots: torch.Tensor  # [n] int64
     counts: torch.Tensor  # [n] int64: 0 for a padding row
-    starts: torch.Tensor  # [n] int64: each slot's committed length (its relay start)
+    starts: torch.Tensor  # [n] int64: where each row's positions end (its relay start or less)
     q_start: torch.Tensor  # [n + 1] int64: cumulative row lengths
     token_rows: torch.Tensor  # [T] int64: each token's row
     token_index: torch.Tensor  # [T] int64: its buffer entry (0: the oldest; padding: 0)
