@@ -40,7 +40,13 @@ def build(device: str, algorithm: str, steps: int) -> tuple[Engine, list[list[in
     if steps:
         settings["speculative_num_steps"] = steps
     engine = build_engine(ServeConfig(**settings))  # type: ignore[arg-type]  # typed above
-    target = Path(str(settings["model"]))
+    return engine, held_out_prompts(str(settings["model"]))
+
+
+def held_out_prompts(model: str) -> list[list[int]]:
+    """The family's held-out prompts (beside the target ``model``'s directory) through its
+    chat template, as token ids."""
+    target = Path(model)
     tokenizer = AutoTokenizer.from_pretrained(target)
     lines = (target.parent / PROMPTS_FILE).read_text().splitlines()
     prompts = []
@@ -49,7 +55,7 @@ def build(device: str, algorithm: str, steps: int) -> tuple[Engine, list[list[in
             json.loads(line)["messages"], add_generation_prompt=True, tokenize=True
         )
         prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
-    return engine, prompts
+    return prompts
 
 
 def label_turns(engine: Engine) -> list[str]:
