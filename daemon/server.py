@@ -108,9 +108,11 @@ class Daemon:
         children: Children,
         notifier: Notifier,
         sockets: DaemonSockets,
+        start_signals: StartSignals,
         ranks: LocalRanks | None = None,
     ) -> None:
         self.config = config
+        self.start_signals = start_signals
         self.engine = engine
         self.children = children
         self.ranks = ranks
@@ -129,6 +131,10 @@ class Daemon:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._start_drain, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+        stopped = self.start_signals.received
+        if stopped is not None:  # a signal the start could not act on (StartSignals)
+            log.info("%s while starting: stopping", stopped)
+            self._start_drain(stopped)
         engine_loop = self.engine.loop
         while True:
             self.children.raise_if_exited()
@@ -335,8 +341,36 @@ class _StopWhileStarting(Exception):
     """SIGTERM or SIGINT arrived before the event loop took the signals over."""
 
 
-def _stop_while_starting(signum: int, _frame: object) -> None:
-    raise _StopWhileStarting(signal.Signals(signum).name)
+class StartSignals:
+    """SIGTERM and SIGINT before the event loop takes them over: the handler raises
+    ``_StopWhileStarting`` to cut the start short. Where Python cannot propagate an exception
+    (the handler ran inside a weakref callback or a finaliser, e.g. importlib's module-lock
+    cleanup while the model's code is imported) it reports it as unraisable instead and the
+    start goes on: the signal is remembered (``received``), that report silenced, and the
+    event loop stops as soon as it has taken the signals over (``Daemon.run``)."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._hook = sys.unraisablehook
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._raise)
+        sys.unraisablehook = self._unraisable
+
+    def ignore(self) -> None:
+        """Stopping takes a moment (children flush): a second signal must not cut it short."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        sys.unraisablehook = self._hook
+
+    def _raise(self, signum: int, _frame: object) -> None:
+        self.received = signal.Signals(signum).name
+        raise _StopWhileStarting(self.received)
+
+    def _unraisable(self, unraisable: sys.UnraisableHookArgs) -> None:
+        if unraisable.exc_type is not _StopWhileStarting:
+            self._hook(unraisable)
 
 
 def serve(config: ServeConfig) -> int:
@@ -376,10 +410,10 @@ def serve(config: ServeConfig) -> int:
         _check_http_free(config)
         runtime = RuntimeDir()
         cleanup.callback(runtime.cleanup)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _stop_while_starting)
+        start_signals = StartSignals()
+        start_signals.install()
         try:
-            return _serve(config, defaults, notifier, endpoint, runtime, cleanup)
+            return _serve(config, defaults, notifier, endpoint, runtime, cleanup, start_signals)
         except _StopWhileStarting as exc:
             log.info("%s while starting: stopping", exc)
             notifier.stopping()
@@ -392,9 +426,7 @@ def serve(config: ServeConfig) -> int:
             log.error("%s; exiting so that the service is restarted", exc)
             return 1
         finally:
-            # Stopping takes a moment (children flush); a second signal must not cut it short.
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, signal.SIG_IGN)
+            start_signals.ignore()
 
 
 def _serve(
@@ -404,6 +436,7 @@ def _serve(
     endpoint: str,
     runtime: RuntimeDir,
     cleanup: contextlib.ExitStack,
+    start_signals: StartSignals,
 ) -> int:
     pipes = runtime.internal_endpoints()
     boot_id = uuid.uuid4().hex
@@ -462,7 +495,8 @@ def _serve(
             log.info("OpenAI-compatible HTTP API on %s", http_bound)
         notifier.ready(f"serving {config.model} on {bound}")
         log.info("serving %s on %s (boot %s)", config.model, bound, boot_id)
-        code = uvloop.run(Daemon(config, engine, children, notifier, sockets, ranks).run())
+        daemon = Daemon(config, engine, children, notifier, sockets, start_signals, ranks)
+        code = uvloop.run(daemon.run())
     except ClientBindFailed as exc:
         raise EndpointError(f"cannot listen on {endpoint}: {exc}") from None
     except ChildDied:
