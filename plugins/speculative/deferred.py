@@ -38,16 +38,17 @@ class DeferredRows:
     A batch replayed from a CUDA graph has its graph's shape: every row ``max_q`` tokens long,
     the buffered positions last, and rows past the real ones on the scratch slot with a count
     of 0 (their start is ``max_q``). Its other tokens are padding (not ``real``): each sits at a
-    position before its row's buffered ones (the host pads only rows that long), reads buffer
-    entry 0, writes its K/V to the scratch page, and its output is never read. A worker treats
-    both shapes alike: ``layout`` and ``DeferredBuffer.take`` place the padding."""
+    position before its row's buffered ones (the host pads only rows that long), reads the
+    row's first entry, writes its K/V to the scratch page, and its output is never read. A
+    worker treats both shapes alike: ``layout`` and ``DeferredBuffer.take`` place the
+    padding."""
 
     slots: torch.Tensor  # [n] int64
     counts: torch.Tensor  # [n] int64: 0 for a padding row
     starts: torch.Tensor  # [n] int64: where each row's positions end (its relay start or less)
     q_start: torch.Tensor  # [n + 1] int64: cumulative row lengths
     token_rows: torch.Tensor  # [T] int64: each token's row
-    token_index: torch.Tensor  # [T] int64: its buffer entry (0: the oldest; padding: 0)
+    token_index: torch.Tensor  # [T] int64: its buffer entry (0: the oldest; padding: row's first)
     back: torch.Tensor  # [T] int64: how far before its row's start it sits (1 .. count if real)
     real: torch.Tensor  # [T] bool: a buffered position, not padding
     q_pad_index: torch.Tensor  # [T] int64: row * max_q + its place in the row
