@@ -20,6 +20,7 @@ from outrider.daemon.config import Device, DTypeName
 from outrider.plugins.api import PHASES, CheckContext, Phase, PluginSpec, Problem
 from outrider.plugins.checks import (
     PHASE_FLAGS,
+    draft_phases,
     phase_problems,
     used_phases,
 )
@@ -182,11 +183,11 @@ def _slot_cell(
         attention_routes=base.attention_routes | {phase: name for phase in phases},
         speculative_algorithm=column.algorithm,
     )
-    drafts_run = False
+    drafts: frozenset[Phase] = frozenset()
     if column.algorithm != "none":
         spec = registry.get("speculative", column.algorithm)
         assert spec.speculative is not None, "drafting_columns keeps algorithms with capabilities"
-        drafts_run = spec.speculative.needs_draft_model  # as Registry._drafts_run decides
+        drafts = draft_phases(spec.speculative)  # as Registry._draft_phases decides
         ctx = dataclasses.replace(
             ctx, draft_model=DRAFT_PLACEHOLDER if spec.speculative.needs_draft_model else ""
         )
@@ -197,7 +198,7 @@ def _slot_cell(
                 speculative_num_steps=TREE_STEPS,
                 speculative_num_draft_tokens=TREE_TOKENS,
             )
-    if not set(phases) & set(used_phases(ctx, drafts_run)):
+    if not set(phases) & set(used_phases(ctx, drafts)):
         return MatrixCell(False, [])
     problems = []
     for backend in dict.fromkeys(ctx.attention_routes.values()):
@@ -255,8 +256,8 @@ def format_matrix(matrix: Matrix) -> str:
         "",
         "CUDA graphs: decode batches replay them (per KV bound: one per KV length bucket, its "
         "work growing with the bound; no: they run eagerly). Host plans: it plans each forward "
-        "on the host from exact lengths; as the verify backend, each speculative cycle waits "
-        "for the previous one's accepted counts.",
+        "on the host from exact lengths; routed to a phase of the speculative cycle (verify or "
+        "draft), each cycle waits for the previous one's accepted counts.",
         "",
         f"Each backend routed by one flag, every other phase on `{REFERENCE_BACKEND}`; "
         f"{matrix.device}, {matrix.dtype}, page size {matrix.page_size}; a tree is "

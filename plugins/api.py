@@ -145,9 +145,10 @@ class AttentionCapabilities:
     # size, built with the largest bound, serves any length.
     graph_kv_bound: bool = True
     # It schedules each forward on the host from every row's exact KV length. In a speculative
-    # cycle those exist only on the device (the accepted counts): as the verify backend, the
-    # engine then waits for the previous cycle's lengths before launching the next, and the
-    # overlap loop keeps only the host work before that wait.
+    # cycle those exist only on the device (the accepted counts): routed to a phase of the
+    # cycle (verify or a draft phase), the engine then waits for the previous cycle's lengths
+    # before launching the next, and the overlap loop keeps only the host work before that
+    # wait. Its draft phases need ``SpeculativeCapabilities.exact_draft_lengths``.
     host_plans: bool = False
     phases: frozenset[Phase] = frozenset(PHASES)
 
@@ -161,6 +162,13 @@ class SpeculativeCapabilities:
     tree: bool = False  # takes --speculative-topk > 1
     # Drafts with non-causal attention: its draft_decode backend needs ``non_causal``.
     non_causal_draft: bool = False
+    # The attention phases its draft model runs (with ``needs_draft_model``).
+    draft_phases: frozenset[Phase] = frozenset({"draft_decode", "draft_extend"})
+    # Every draft batch's KV lengths are known on the host once the cycle's starts are (each a
+    # fixed amount past its row's start), as a backend that plans on the host needs
+    # (``AttentionCapabilities.host_plans``). False: some follow the accepted counts, which
+    # exist only on the device.
+    exact_draft_lengths: bool = True
     # False: a request with temperature > 0 is refused.
     sampling: bool = True
     # False: a request with logprobs > 0 is refused.

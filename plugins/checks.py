@@ -35,6 +35,7 @@ PHASE_FLAGS: dict[Phase, str] = {
     "draft_decode": "--draft-attention-backend",
     "draft_extend": "--draft-attention-backend",
 }
+DRAFT_PHASES: frozenset[Phase] = frozenset({"draft_decode", "draft_extend"})
 
 
 class PluginProblems(Exception):
@@ -88,7 +89,31 @@ def speculative_problems(
             f"{name} drafts with non-causal attention",
             attention_caps,
         )
+    if caps.needs_draft_model and not caps.exact_draft_lengths:
+        problems += _host_planners(name, ctx, caps.draft_phases, attention_caps)
     return problems
+
+
+def _host_planners(
+    name: str,
+    ctx: CheckContext,
+    phases: frozenset[Phase],
+    attention_caps: Callable[[str], AttentionCapabilities | None],
+) -> list[Problem]:
+    """A problem for each flag routing one of ``phases`` to a backend that plans on the host,
+    which draft ``name``'s batches cannot give (their lengths follow the accepted counts)."""
+    problems: dict[str, Problem] = {}
+    for phase in PHASES:
+        backend, flag = ctx.attention_routes[phase], PHASE_FLAGS[phase]
+        caps = attention_caps(backend)
+        if phase in phases and caps is not None and caps.host_plans and flag not in problems:
+            problems[flag] = Problem(
+                flag,
+                f"{backend} plans each batch on the host from exact lengths, and {name}'s "
+                "draft batches follow the accepted counts, known only on the device: route "
+                "the draft phases to another backend",
+            )
+    return list(problems.values())
 
 
 def _tree_problems(
@@ -152,19 +177,28 @@ def request_refusal(spec: PluginSpec, facts: RequestFacts) -> str | None:
     return spec.check_request(facts)
 
 
-def used_phases(ctx: CheckContext, drafts_run: bool) -> tuple[Phase, ...]:
+def used_phases(ctx: CheckContext, drafts: frozenset[Phase]) -> tuple[Phase, ...]:
     """The phases a configuration runs: prompts and plain decoding, or prompts and the
-    speculative cycle's verify, and its draft phases when the algorithm runs a draft model
-    (``drafts_run``; n-gram drafts from the tokens alone)."""
+    speculative cycle's verify, and ``drafts``, the phases its draft model runs (none for
+    n-gram, which drafts from the tokens alone)."""
     if ctx.speculative_algorithm == "none":
         return ("extend", "decode")
-    if not drafts_run:
-        return ("extend", "verify")
-    return ("extend", "verify", "draft_decode", "draft_extend")
+    return ("extend", "verify", *(phase for phase in PHASES if phase in drafts))
+
+
+def draft_phases(caps: SpeculativeCapabilities | None) -> frozenset[Phase]:
+    """The phases the draft of an algorithm declaring ``caps`` runs (an algorithm that
+    declares none counts as running every draft phase: its own check reports it)."""
+    if caps is None:
+        return DRAFT_PHASES
+    return caps.draft_phases if caps.needs_draft_model else frozenset()
 
 
 def attention_problems(
-    spec: PluginSpec, caps: AttentionCapabilities, ctx: CheckContext, drafts_run: bool = True
+    spec: PluginSpec,
+    caps: AttentionCapabilities,
+    ctx: CheckContext,
+    drafts: frozenset[Phase] = DRAFT_PHASES,
 ) -> list[Problem]:
     problems: list[Problem] = []
     name = spec.name
@@ -177,7 +211,7 @@ def attention_problems(
         problems.append(
             Problem("--page-size", f"{name} takes page sizes {sizes}, not {ctx.page_size}")
         )
-    for phase in used_phases(ctx, drafts_run):
+    for phase in used_phases(ctx, drafts):
         if ctx.attention_routes[phase] == name:
             problems += phase_problems(name, caps, phase)
     try:

@@ -142,8 +142,9 @@ class KVCache:
 @dataclass(frozen=True)
 class HostLengths:
     """Each row's query and KV lengths of a batch as the host knows them exactly: prompt
-    (extend) batches and plain decode batches. A speculative cycle's lengths exist only on the
-    device (the accepted counts), so its layouts carry none."""
+    (extend) batches and plain decode batches. A speculative cycle's lengths follow the
+    accepted counts, on the device: its layouts carry them only where the engine waited for
+    the previous cycle (a backend routed to the cycle plans on the host)."""
 
     q_lens: tuple[int, ...]  # query tokens per row
     seq_lens: tuple[int, ...]  # KV length per row after the batch

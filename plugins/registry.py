@@ -35,10 +35,12 @@ from outrider.plugins.api import (
 )
 from outrider.plugins.checks import (
     ATTENTION_FLAG,
+    DRAFT_PHASES,
     PHASE_FLAGS,
     SPECULATIVE_FLAG,
     PluginProblems,
     attention_problems,
+    draft_phases,
     speculative_problems,
     step_shape,
 )
@@ -179,21 +181,21 @@ class Registry:
         ``check`` left out: a verdict that holds wherever the plugin is installed."""
         if spec.kind == "attention":
             assert spec.attention is not None, "_load_spec admits attention specs with capabilities"
-            return attention_problems(spec, spec.attention, ctx, self._drafts_run(ctx))
+            return attention_problems(spec, spec.attention, ctx, self._draft_phases(ctx))
         if spec.speculative is None:
             return [Problem(SPECULATIVE_FLAG, f"{spec.name} declares no SpeculativeCapabilities")]
         return speculative_problems(spec, spec.speculative, ctx, self._attention_capabilities)
 
-    def _drafts_run(self, ctx: CheckContext) -> bool:
-        """Whether ``ctx``'s speculative algorithm runs a draft model (an unknown or broken
-        one counts as running one: its own check reports it)."""
+    def _draft_phases(self, ctx: CheckContext) -> frozenset[Phase]:
+        """The phases the draft of ``ctx``'s speculative algorithm runs (an unknown or broken
+        one counts as running every draft phase: its own check reports it)."""
         if ctx.speculative_algorithm == "none":
-            return False
+            return frozenset()
         try:
             caps = self.get("speculative", ctx.speculative_algorithm).speculative
         except PluginError:
-            return True
-        return caps is None or caps.needs_draft_model
+            return DRAFT_PHASES
+        return draft_phases(caps)
 
     def _attention_capabilities(self, name: str) -> AttentionCapabilities | None:
         """The declared capabilities of attention backend ``name``; None when it is unknown or

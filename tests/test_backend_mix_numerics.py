@@ -16,12 +16,11 @@ from outrider.daemon.family import embedded_family
 from outrider.protocol.messages import TokenLogprob
 
 NEW_TOKENS = 32
-# The sweep's backend sets (daemon/bench_sweep.py), flags as engine settings; flashinfer serves
-# no draft phase, so its speculative engines draft on fa4.
+# The sweep's backend sets (daemon/bench_sweep.py), flags as engine settings.
 BACKEND_SETS: dict[str, dict[str, str]] = {
     "fa4": {"attention_backend": "fa4"},
     "triton": {"attention_backend": "triton"},
-    "flashinfer": {"attention_backend": "flashinfer", "draft_attention_backend": "fa4"},
+    "flashinfer": {"attention_backend": "flashinfer"},
     "mix": {
         "prefill_attention_backend": "fa4",
         "decode_attention_backend": "auto",
@@ -30,8 +29,6 @@ BACKEND_SETS: dict[str, dict[str, str]] = {
     },
 }
 ALGORITHMS = {**ENGINE_ALGORITHMS, "eagle3 chain": {"speculative_algorithm": "eagle3"}}
-# What the capability checks refuse (as the sweep's matrix does): flashinfer has no tree masks.
-REFUSED = {("flashinfer", "eagle3 tree"): "--verify-attention-backend: eagle3 with .* a tree"}
 
 
 def _serve(**settings: object) -> dict[int, list[TokenLogprob]]:
@@ -68,11 +65,6 @@ def reference() -> dict[int, list[TokenLogprob]]:
 def test_backend_sets_follow_the_torch_backend_under_the_rule(
     reference: dict[int, list[TokenLogprob]], backends: str, algorithm: str
 ) -> None:
-    refusal = REFUSED.get((backends, algorithm))
-    if refusal is not None:
-        with pytest.raises(ConfigError, match=refusal):
-            _serve(**BACKEND_SETS[backends], **ALGORITHMS[algorithm])
-        return
     got = _serve(**BACKEND_SETS[backends], **ALGORITHMS[algorithm])
     assert got.keys() == reference.keys()
     assert all(len(tokens) == NEW_TOKENS for tokens in got.values())

@@ -15,6 +15,7 @@ from outrider.daemon.bench_cmd import LatencyRow
 from outrider.daemon.bench_sweep import (
     LATENCY_COMMAND,
     MATRIX,
+    BackendSet,
     CellResult,
     Finished,
     SweepConfig,
@@ -120,30 +121,22 @@ def test_only_keeps_the_named_sets_of_each_dimension() -> None:
 
 
 def test_refused_configurations_are_recorded_not_run(tmp_path: Path) -> None:
-    """flashinfer serves no draft phase: its speculative cells carry the checks' refusal and
-    no process starts for them (never another backend in its place)."""
+    """A configuration the capability checks refuse (here fa4 over pages it does not take)
+    gets their refusal in each of its cells and no process starts for it (never another
+    backend in its place)."""
     results = tmp_path / "sweep.jsonl"
     runner = FakeLatency()
-    outcome = run_sweep(
-        configs_named("flashinfer/none", "flashinfer/dflash"),
-        results,
-        SweepOptions(),
-        runner=runner,
-    )
-    assert (outcome.ran, outcome.refused) == (["flashinfer/none"], ["flashinfer/dflash"])
+    [plain] = configs_named("flashinfer/none")
+    big_pages = BackendSet("fa4", ("--attention-backend", "fa4", "--page-size", "256"), True)
+    refused = SweepConfig(big_pages, plain.algorithm)
+    outcome = run_sweep([plain, refused], results, SweepOptions(), runner=runner)
+    assert (outcome.ran, outcome.refused) == (["flashinfer/none"], ["fa4/none"])
     assert len(runner.calls) == 1 and "Llama-3.1-8B-Instruct" in runner.calls[0][1]
     lines = read_results(results)
-    statuses = [(r.algorithm, r.status) for r in lines]
-    assert statuses == [("none", "ok")] * 4 + [("dflash", "refused")] * 4
+    statuses = [(r.backends, r.status) for r in lines]
+    assert statuses == [("flashinfer", "ok")] * 4 + [("fa4", "refused")] * 4
     assert lines[4].reason == [
-        "--draft-attention-backend: flashinfer cannot run the draft_decode phase (it serves "
-        "extend, decode, verify): route that phase to another backend with "
-        "--draft-attention-backend",
-        "--draft-attention-backend: flashinfer cannot run the draft_extend phase (it serves "
-        "extend, decode, verify): route that phase to another backend with "
-        "--draft-attention-backend",
-        "--draft-attention-backend: dflash drafts with non-causal attention, which flashinfer "
-        "cannot do",
+        "--page-size: fa4 takes page sizes 1, 2, 4, 8, 16, 32, 64, 128, not 256"
     ]
     ok = lines[0]
     assert (ok.batch, ok.context, ok.device) == (1, 1024, "NVIDIA H100 80GB HBM3")

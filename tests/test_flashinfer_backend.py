@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from engine_harness import engine_for, request, run, tokens_of
 from model_fixtures import PagedRows, torch_backend
 
+from outrider.daemon.engine.build import Engine
 from outrider.daemon.family import embedded_family
 from outrider.plugins.api import NoOptions
 from outrider.plugins.attention.flashinfer_impl import PageLists, _HostPlan, fill_page_lists
+from outrider.plugins.attention.flashinfer_masks import (
+    mask_capacity,
+    mask_offsets,
+    pack_tree_mask,
+)
 from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, HostLengths
 
 PAGE = 4
@@ -84,6 +91,28 @@ def test_host_plan_counts_queries_for_prompt_chunks() -> None:
     assert host.last_page_len.tolist() == [3, 1]
 
 
+@pytest.mark.parametrize(("queries", "block"), [(1, 1), (6, 6), (3, 9), (16, 16), (5, 21)])
+def test_packed_tree_masks_are_each_rows_bits_from_a_byte_of_its_own(
+    queries: int, block: int
+) -> None:
+    """``pack_tree_mask`` writes, for each row, the ``queries x kv`` matrix (context all set,
+    then the row's tree mask) as numpy packs it little-endian, from the row's byte offset on;
+    rows of lengths that are and are not multiples of 8 side by side."""
+    gen = torch.Generator().manual_seed(queries * 100 + block)
+    seq_lens = [block, block + 1, block + 7, block + 8, block + 37]
+    tree = torch.rand(len(seq_lens), queries, block, generator=gen) < 0.5
+    offsets = mask_offsets(queries, seq_lens)
+    out = torch.zeros(mask_capacity(len(seq_lens), queries, max(seq_lens) + 5), dtype=torch.uint8)
+    indptr = torch.tensor(offsets, dtype=torch.int32)
+    pack_tree_mask(tree, torch.tensor(seq_lens), indptr, out)
+    for row, kv in enumerate(seq_lens):
+        full = torch.ones(queries, kv, dtype=torch.bool)
+        full[:, kv - block :] = tree[row]
+        want = np.packbits(full.flatten().numpy(), bitorder="little")
+        assert offsets[row + 1] - offsets[row] == len(want)
+        assert out[offsets[row] : offsets[row + 1]].tolist() == want.tolist(), row
+
+
 # GPU --------------------------------------------------------------------------------------
 
 CUDA = torch.device("cuda")
@@ -130,6 +159,56 @@ def test_flashinfer_attention_matches_torch(page_size: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("queries", "block"), [(6, 6), (3, 9)], ids=["verify", "draft step"])
+def test_flashinfer_trees_and_blocks_match_torch(queries: int, block: int) -> None:
+    """Rows of ``queries`` tokens at the end of their KV: under a tree mask over their last
+    ``block`` positions (a tree's verify, and a tree draft step seeing earlier steps' nodes),
+    and non-causally (DFlash's block), FlashInfer's output against SDPA's, batch after batch
+    (the eager tree sites are reused and grown), within bf16 rounding."""
+    pytest.importorskip("flashinfer")
+    from outrider.plugins.attention.flashinfer_impl import FlashInferAttention
+
+    fused = FlashInferAttention(SHAPE, NoOptions(), CUDA)
+    reference = torch_backend(SHAPE, CUDA)
+    rows = PagedRows(
+        num_layers=1, shape=SHAPE, page_size=16, max_len=900, dtype=torch.bfloat16,
+        device=CUDA,
+    )  # fmt: skip
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+
+    def qkv(tokens: int) -> list[torch.Tensor]:
+        return [
+            torch.randn(tokens, heads, 128, generator=gen, device=CUDA).bfloat16()
+            for heads in (32, 8, 8)
+        ]
+
+    prompts = {0: 37, 3: 300, 5: 9 + block, 6: 700}
+    _, fb = rows.batch(reference, [(slot, [5] * n) for slot, n in prompts.items()])
+    reference.forward(0, *qkv(fb.layout.num_tokens), fb)  # the context's K/V
+    for step in range(3):
+        # The block's earlier nodes (block > queries: a draft step's) are stored already.
+        batch = [(slot, [5] * queries) for slot in prompts]
+        _, fb = rows.batch(reference, batch, kv_slack=400 * step)
+        q, k, v = qkv(fb.layout.num_tokens)
+        bs = len(prompts)
+        lower = torch.ones(queries, block, dtype=torch.bool, device=CUDA).tril(block - queries)
+        seen = torch.rand(bs, queries, block, generator=gen, device=CUDA) < 0.5
+        itself = torch.arange(queries, device=CUDA)
+        diagonal = torch.zeros(queries, block, dtype=torch.bool, device=CUDA)
+        diagonal[itself, block - queries + itself] = True
+        tree = (seen & lower) | diagonal  # ancestors and itself
+        lens = fb.layout.seq_lens.tolist()
+        host = HostLengths((queries,) * bs, tuple(lens))
+        for layout in (
+            dataclasses.replace(fb.layout, tree_mask=tree, host=host),
+            dataclasses.replace(fb.layout, causal=False, host=host),
+        ):
+            want = reference.forward(0, q, k, v, ForwardBatch.bind(layout, reference, fb.kv))
+            got = fused.forward(0, q, k, v, ForwardBatch.bind(layout, fused, fb.kv))
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_the_engine_serves_with_flashinfer_graphs_as_eagerly(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -158,33 +237,54 @@ def test_the_engine_serves_with_flashinfer_graphs_as_eagerly(
     }
 
 
+# Speculative engines wholly on FlashInfer: DFlash (its chains' verify and its drafts'
+# non-causal blocks), an EAGLE-3 tree (custom masks in the verify and the draft's steps), and
+# an EAGLE-3 chain whose acceptance policy runs plain steps between drafting ones (the
+# draft's deferred catch-ups, graphed whole or in pieces).
+CYCLES: dict[str, dict[str, object]] = {
+    "dflash": {"speculative_algorithm": "dflash"},
+    "eagle3 tree": {"speculative_algorithm": "eagle3", "speculative_num_steps": 3,
+                    "speculative_topk": 2, "speculative_num_draft_tokens": 6},
+    "eagle3 chain, plain steps": {"speculative_algorithm": "eagle3",
+                                  "speculative_min_acceptance": 2.5},
+}  # fmt: skip
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("cycle", CYCLES)
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
-def test_flashinfer_verifies_speculative_chains(
-    overlap: bool, monkeypatch: pytest.MonkeyPatch
+def test_flashinfer_runs_speculative_cycles_graphed_as_eagerly(
+    overlap: bool, cycle: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The embedded family with DFlash in bf16, flashinfer verifying (the draft on torch):
-    cycles replayed from graphs, each planned from the exact lengths the host waited for, give
-    exactly the tokens of eager cycles with the same kernels, for batches of changing size."""
+    """The embedded family in bf16, FlashInfer in the cycle (module ``CYCLES``), every launch
+    under the sync check: cycles replayed from graphs, each forward planned from the exact
+    lengths the host waited for, give exactly the tokens of eager cycles with the same
+    kernels, for batches of changing size."""
     pytest.importorskip("flashinfer")
     # The same kernels: the layers' plain torch ops in both (graphs being built would run the
     # Triton GEMV where eager batches run cuBLAS, which round differently).
     monkeypatch.setenv("OUTRIDER_DEBUG_TORCH_KERNELS", "1")
+    monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
     family = embedded_family()
     assert family is not None, "the family package is installed with the test extra"
+    settings = CYCLES[cycle]
+    draft = family.drafts[str(settings["speculative_algorithm"])]
     prompts = [[3 + (5 * i + 7 * j) % 4000 for j in range(4 + 11 * i)] for i in range(8)]
     requests = [request(i, p, max_new_tokens=24 + 5 * i) for i, p in enumerate(prompts)]
 
-    def serve(**overrides: object) -> dict[int, list[int]]:
+    def serve(**overrides: object) -> tuple[dict[int, list[int]], Engine]:
         engine = engine_for(
             str(family.target), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
-            draft_attention_backend="torch", speculative_algorithm="dflash",
-            draft_model=str(family.drafts["dflash"]), no_overlap=not overlap, max_running=8,
-            **overrides,
+            draft_model=str(draft), no_overlap=not overlap, max_running=8,
+            **settings, **overrides,
         )  # fmt: skip
         assert engine.loop.runner.host_starts is not None
-        return tokens_of(run(engine, requests, stagger=2))
+        return tokens_of(run(engine, requests, stagger=2)), engine
 
-    graphed = serve()
-    assert graphed == serve(disable_cuda_graph=True)
+    graphed, engine = serve()
+    assert graphed == serve(disable_cuda_graph=True)[0]
     assert {rid: len(t) for rid, t in graphed.items()} == {i: 24 + 5 * i for i in range(8)}
+    graphs = engine.loop.runner.graphs
+    assert graphs is not None
+    if "speculative_min_acceptance" in settings:  # deferred catch-ups replayed from graphs
+        assert graphs.catch_up_replays > 0

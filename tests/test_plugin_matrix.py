@@ -28,23 +28,12 @@ from outrider.plugins.api import ENTRY_POINT_GROUPS, PHASES, CheckContext, Plugi
 from outrider.plugins.registry import Registry, discover
 
 ROOT = Path(__file__).parents[1]
-TREE_VERIFY = Problem(
-    "--verify-attention-backend",
-    "eagle3 with --speculative-topk 2 verifies a tree (a tree mask), which flashinfer cannot do",
-)
-TREE_DRAFT = Problem("--draft-attention-backend", TREE_VERIFY.message)
-NON_CAUSAL = Problem(
+HOST_PLANNED_DRAFT = Problem(
     "--draft-attention-backend",
-    "dflash drafts with non-causal attention, which flashinfer cannot do",
+    "flashinfer plans each batch on the host from exact lengths, and standalone's draft "
+    "batches follow the accepted counts, known only on the device: route the draft phases to "
+    "another backend",
 )
-
-
-def _phase_refusal(name: str, phase: str, served: str) -> Problem:
-    return Problem(
-        "--draft-attention-backend",
-        f"{name} cannot run the {phase} phase (it serves {served}): route that phase to "
-        "another backend with --draft-attention-backend",
-    )
 
 
 def _project_points() -> dict[PluginKind, list[EntryPoint]]:
@@ -97,24 +86,15 @@ def test_flashinfer_cells_are_the_checks_refusals() -> None:
     assert (flashinfer.cuda_graphs, flashinfer.graph_kv_bound, flashinfer.host_plans) == (
         True, False, True,
     )  # fmt: skip
-    served = "extend, decode, verify"
-    assert flashinfer.phases == {
-        "extend": MatrixCell(True, []),
-        "decode": MatrixCell(True, []),
-        "verify": MatrixCell(True, []),
-        "draft_decode": MatrixCell(True, [_phase_refusal("flashinfer", "draft_decode", served)]),
-        "draft_extend": MatrixCell(True, [_phase_refusal("flashinfer", "draft_extend", served)]),
-    }
+    assert flashinfer.phases == {phase: MatrixCell(True, []) for phase in PHASES}
     verify = _slot(flashinfer, "--verify-attention-backend")
     assert verify["none"] == MatrixCell(False, [])  # plain decoding verifies nothing
-    assert verify["eagle3 tree"] == MatrixCell(True, [TREE_VERIFY])
-    for label in ("dflash", "eagle3 chain", "ngram", "standalone"):
-        assert verify[label].supported, label
+    for label in ("dflash", "eagle3 chain", "eagle3 tree", "ngram", "standalone"):
+        assert verify[label] == MatrixCell(True, []), label
     draft = _slot(flashinfer, "--draft-attention-backend")
-    phases = [_phase_refusal("flashinfer", p, served) for p in ("draft_decode", "draft_extend")]
-    assert draft["dflash"] == MatrixCell(True, [*phases, NON_CAUSAL])
-    assert draft["eagle3 chain"] == MatrixCell(True, phases)
-    assert draft["eagle3 tree"] == MatrixCell(True, [*phases, TREE_DRAFT])
+    for label in ("dflash", "eagle3 chain", "eagle3 tree"):  # DFlash's block, trees' masks
+        assert draft[label] == MatrixCell(True, []), label
+    assert draft["standalone"] == MatrixCell(True, [HOST_PLANNED_DRAFT])
     assert draft["ngram"] == MatrixCell(False, [])  # no draft model: no draft phases
     decode = _slot(flashinfer, "--decode-attention-backend")
     assert decode["none"].supported
@@ -265,9 +245,11 @@ def test_json_form_carries_the_cells(capsys: pytest.CaptureFixture[str]) -> None
     [flashinfer] = [b for b in matrix["backends"] if b["name"] == "flashinfer"]
     [verify] = [s for s in flashinfer["slots"] if s["flag"] == "--verify-attention-backend"]
     assert verify["phases"] == ["verify"]
-    assert verify["cells"]["eagle3 tree"] == {
-        "runs": True,
-        "problems": [{"option": TREE_VERIFY.option, "message": TREE_VERIFY.message}],
+    assert verify["cells"]["eagle3 tree"] == {"runs": True, "problems": []}
+    [draft] = [s for s in flashinfer["slots"] if s["flag"] == "--draft-attention-backend"]
+    assert draft["cells"]["standalone"]["problems"][0] == {
+        "option": HOST_PLANNED_DRAFT.option,
+        "message": HOST_PLANNED_DRAFT.message,
     }
     assert verify["cells"]["none"] == {"runs": False, "problems": []}
 

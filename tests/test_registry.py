@@ -21,6 +21,7 @@ from outrider.daemon.frontdoor_validation import Rejected, Validator, speculativ
 from outrider.plugins.api import (
     NO_DRAFT,
     PHASES,
+    AttentionCapabilities,
     CheckContext,
     Phase,
     Problem,
@@ -430,37 +431,67 @@ def test_flashinfer_serves_plain_decoding_on_every_phase_flag() -> None:
     assert attention_problems(spec, spec.attention, _flashinfer_ctx(everywhere, "none")) == []
 
 
-def test_flashinfer_verifies_chains_and_refuses_the_draft_phases_naming_their_flags() -> None:
+def test_flashinfer_serves_every_phase_of_dflash_and_eagle3_trees() -> None:
     spec = discover().get("attention", "flashinfer")
     assert spec.attention is not None
+    registry = discover()
     everywhere = {phase: "flashinfer" for phase in PHASES}
-    problems = attention_problems(spec, spec.attention, _flashinfer_ctx(everywhere, "eagle3"))
-    assert [(p.option, p.message.split(" (")[0]) for p in problems] == [
-        ("--draft-attention-backend", "flashinfer cannot run the draft_decode phase"),
-        ("--draft-attention-backend", "flashinfer cannot run the draft_extend phase"),
-    ]
-    assert problems[0].message.endswith(
-        "(it serves extend, decode, verify): route that phase to another backend with "
-        "--draft-attention-backend"
-    )
-    hybrid = everywhere | {"draft_decode": "torch", "draft_extend": "torch"}
-    assert attention_problems(spec, spec.attention, _flashinfer_ctx(hybrid, "eagle3")) == []
-    # n-gram runs no draft model: flashinfer serves all it runs.
-    ngram = _flashinfer_ctx(everywhere, "ngram")
-    assert attention_problems(spec, spec.attention, ngram, drafts_run=False) == []
-    # The registry knows n-gram runs none (whatever else this machine lacks, e.g. FlashInfer).
-    problems = discover().check(dataclasses.replace(ngram, speculative_num_draft_tokens=4))
-    assert [p for p in problems if "phase" in p.message] == []
-    # A tree's verify needs a tree mask, which flashinfer does not declare.
+    for algorithm in ("dflash", "eagle3", "ngram"):
+        ctx = _flashinfer_ctx(everywhere, algorithm)
+        assert attention_problems(spec, spec.attention, ctx) == [], algorithm
+    # DFlash's draft runs its decode phase only (the context is projected, not attended), its
+    # block non-causal.
+    dflash = dataclasses.replace(_flashinfer_ctx(everywhere, "dflash"), draft_model="/draft")
+    assert registry.declared_problems(registry.get("speculative", "dflash"), dflash) == []
+    # A tree's verify and draft steps take a custom mask.
     tree = dataclasses.replace(
-        _flashinfer_ctx(hybrid, "eagle3"),
+        _flashinfer_ctx(everywhere, "eagle3"),
         speculative_topk=4,
         speculative_num_steps=3,
         speculative_num_draft_tokens=8,
+        draft_model="/draft",
     )
-    assert [p.option for p in discover().check(tree) if "tree" in p.message] == [
-        "--verify-attention-backend"
+    assert registry.declared_problems(registry.get("speculative", "eagle3"), tree) == []
+    # The registry knows n-gram runs no draft model (whatever else this machine lacks).
+    ngram = _flashinfer_ctx(everywhere, "ngram")
+    problems = registry.check(dataclasses.replace(ngram, speculative_num_draft_tokens=4))
+    assert [p for p in problems if "phase" in p.message] == []
+
+
+def test_the_phases_a_configuration_runs_follow_its_draft() -> None:
+    """Used phases decide which routes a check reads: DFlash's draft never runs the extend
+    phase, so a backend routed there alone is never asked; n-gram runs no draft phase."""
+    serves_verify_only = AttentionCapabilities(phases=frozenset({"extend", "verify"}))
+    spec = dataclasses.replace(discover().get("attention", "torch"), name="verifier")
+    routes = {phase: "torch" for phase in PHASES}
+    routes |= {"verify": "verifier", "draft_extend": "verifier"}
+    dflash = _ctx(routes, "dflash")
+    assert attention_problems(spec, serves_verify_only, dflash, frozenset({"draft_decode"})) == []
+    [problem] = attention_problems(spec, serves_verify_only, dflash)
+    assert problem.option == "--draft-attention-backend"
+    assert problem.message.startswith("verifier cannot run the draft_extend phase")
+    assert attention_problems(spec, serves_verify_only, _ctx(routes, "ngram"), frozenset()) == []
+
+
+def test_a_standalone_draft_is_refused_a_backend_that_plans_on_the_host() -> None:
+    """The standalone draft's catch-up sits at each row's accepted length, which only the
+    device has: a draft phase on flashinfer is refused, naming the flag."""
+    registry = discover()
+    ctx = dataclasses.replace(
+        _flashinfer_ctx({phase: "flashinfer" for phase in PHASES}, "standalone"),
+        draft_model="/draft",
+    )
+    problems = registry.declared_problems(registry.get("speculative", "standalone"), ctx)
+    assert [str(p) for p in problems] == [
+        "--draft-attention-backend: flashinfer plans each batch on the host from exact lengths, "
+        "and standalone's draft batches follow the accepted counts, known only on the device: "
+        "route the draft phases to another backend"
     ]
+    on_torch = dataclasses.replace(
+        ctx,
+        attention_routes=ctx.attention_routes | {"draft_decode": "torch", "draft_extend": "torch"},
+    )
+    assert registry.declared_problems(registry.get("speculative", "standalone"), on_torch) == []
 
 
 def test_flashinfer_checks_its_install_and_the_compute_capability(

@@ -63,6 +63,8 @@ _CPU_KV_FRACTION = 0.25
 # attention backend's graphs grow with the KV bound (the torch backend gathers each row's K/V
 # over it): 64 rows of Llama-3.1-8B at a bound of 8192 would take about 11 GB.
 GRAPH_MEMORY_SHARE = 0.125
+# The phases a speculative decode step (its graph) runs.
+CYCLE_PHASES: tuple[Phase, ...] = ("verify", "draft_decode", "draft_extend")
 
 
 @dataclass
@@ -271,6 +273,7 @@ def _build_runner(
     # NOTE: a draft model is sharded as the target is (its worker gets the rank's tp); it
     # shares the target's vocabulary-parallel embedding and head, whose collectives every
     # rank runs alike: greedy drafts from the head's local slice, sampled ones gathered.
+    draft_backends: list[AttentionBackend] = []
     worker_context = WorkerContext(
         device=device,
         dtype=dtype,
@@ -290,7 +293,9 @@ def _build_runner(
         model=config.model,
         draft_model=config.draft_model,
         load_format=config.load_format,
-        make_backend=lambda phase, shape: _backend(plugins, phase, shape, device),
+        make_backend=lambda phase, shape: _remembered(
+            draft_backends, _backend(plugins, phase, shape, device)
+        ),
         tp=tp,
     )
     worker = (
@@ -311,7 +316,8 @@ def _build_runner(
     runner = ModelRunner(
         model, kv, backends, slots, worker, shape, limits, device,
         simulate_acceptance=config.speculative_simulate_acceptance, graphs=graphs,
-        exact_verify_lengths=_attention_caps(plugins, "verify").host_plans,
+        exact_cycle_lengths=any(_attention_caps(plugins, p).host_plans for p in CYCLE_PHASES),
+        draft_backends=draft_backends,
     )  # fmt: skip
     # NOTE: captures and warm-up compile kernels (JIT backends, CUDA graphs), and compilers
     # synchronise: the sync check starts after them. Every rank captures the same keys in
@@ -393,7 +399,7 @@ def _graph_settings(
         return None  # the relay check syncs inside the step
     phases: tuple[Phase, ...] = ("decode",)
     if plugins.shape.speculative:
-        phases = ("verify", "draft_decode", "draft_extend")
+        phases = CYCLE_PHASES
     caps = [_attention_caps(plugins, phase) for phase in phases]
     lacking = {
         plugins.attention[phase].spec.name
@@ -516,6 +522,11 @@ def _backends(
             instances[name] = _backend(plugins, phase, shape, device)
         routes[phase] = instances[name]
     return routes
+
+
+def _remembered(made: list[AttentionBackend], backend: AttentionBackend) -> AttentionBackend:
+    made.append(backend)
+    return backend
 
 
 def _backend(

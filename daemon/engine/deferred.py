@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from outrider.daemon.engine.plan import StepPlan
+from outrider.plugins.device import HostLengths
 from outrider.plugins.speculative.deferred import DeferredRows
 
 # Host sets the catch-up's index arrays are staged in: two batches a launch (a split
@@ -221,9 +222,12 @@ class DeferredCatchUp:
             getattr(self._device, name)[: len(value)].copy_(staged, non_blocking=True)
         return shape
 
-    def rows(self, shape: StagedShape, starts: torch.Tensor) -> DeferredRows:
+    def rows(
+        self, shape: StagedShape, starts: torch.Tensor, host: HostLengths | None = None
+    ) -> DeferredRows:
         """The staged batch of ``shape`` on the device; ``starts``: the relay's start of every
-        slot. Device work only (a graph captures it with the worker's catch-up)."""
+        slot; ``host``: the batch's lengths on the host, where it has them (``host_lengths``).
+        Device work only (a graph captures it with the worker's catch-up)."""
         n, tokens, device = shape.rows, shape.tokens, self._device
         slots, counts = device.slots[:n], device.counts[:n]
         return DeferredRows(
@@ -239,7 +243,21 @@ class DeferredCatchUp:
             q_pad_index=device.q_pad_index[:tokens],
             max_q=shape.max_q,
             max_kv=shape.max_kv,
+            host=host,
         )
+
+    def host_lengths(
+        self, catch_up: CatchUp, padding: Padding | None, starts: list[int]
+    ) -> HostLengths:
+        """``catch_up``'s rows laid out as ``stage`` lays them out, as the host knows them:
+        each row's tokens, and the KV length it ends at (``DeferredRows.starts``) from its
+        slot's exact start ``starts[r]``; a padding row's is its length."""
+        behind = catch_up.behind or (0,) * len(catch_up.slots)
+        ends = [start - back for start, back in zip(starts, behind, strict=True)]
+        if padding is None:
+            return HostLengths(tuple(catch_up.counts), tuple(ends))
+        extra = padding.rows - len(ends)
+        return HostLengths((padding.row_len,) * padding.rows, (*ends, *[padding.row_len] * extra))
 
 
 def _exact(slots: list[int], counts: np.ndarray, first: np.ndarray) -> dict[str, np.ndarray]:

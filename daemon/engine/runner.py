@@ -27,7 +27,7 @@ slot drafts again (engine/deferred.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -89,12 +89,15 @@ class ModelRunner:
         device: torch.device,
         simulate_acceptance: float = 0.0,
         graphs: DecodeGraphs | None = None,
-        exact_verify_lengths: bool = False,
+        exact_cycle_lengths: bool = False,
+        draft_backends: Sequence[AttentionBackend] = (),
     ) -> None:
         """``simulate_acceptance`` (debug, > 0): verify.py's ``SimulatedAcceptance``;
         ``graphs``: decode batches replay CUDA graphs (graphs.py), None: all eager;
-        ``exact_verify_lengths``: the verify backend plans on the host from exact lengths, so
-        each speculative cycle first waits for the previous one's (``HostStarts``)."""
+        ``exact_cycle_lengths``: a backend of the speculative cycle (verify or draft) plans on
+        the host from exact lengths, so each cycle first waits for the previous one's
+        (``HostStarts``); ``draft_backends``: the worker's backends, which plan their part of
+        the decode graphs too (``AttentionBackend.plan_replay``)."""
         self.model = model
         self.kv = kv
         self.backends = backends
@@ -117,8 +120,10 @@ class ModelRunner:
         self.zeros = torch.zeros(rows, 1, dtype=torch.int64, device=device)  # plain paths
         self.graphs = graphs
         self.host_starts = (
-            HostStarts(slots.relay_starts) if exact_verify_lengths and shape.speculative else None
+            HostStarts(slots.relay_starts) if exact_cycle_lengths and shape.speculative else None
         )
+        # Every backend a decode graph runs, once each.
+        self.graph_backends = tuple(dict.fromkeys((backends[self.decode_phase], *draft_backends)))
         # Plain steps buffer the draft's catch-up (deferred.py); None: they run it at once.
         self.deferred = (
             DeferredCatchUp(worker.deferred_positions, rows, device)
@@ -206,16 +211,25 @@ class ModelRunner:
         """The draft's catch-up on ``catch_up``'s buffered positions: replayed from graphs
         when they fit, whole or in two pieces (captured first from scratch rows when new),
         else eagerly."""
-        graphs = self.graphs
+        graphs, host_starts = self.graphs, self.host_starts
         pieces = _graphed_pieces(graphs, deferred, catch_up) if graphs is not None else None
+        # Where a backend plans on the host, each batch's lengths from the slots' exact starts
+        # (the first read waits for them).
         if graphs is None or pieces is None:
             shape = deferred.stage(catch_up)
-            self.worker.catch_up_deferred(deferred.rows(shape, self.slots.relay_starts))
+            host = None
+            if host_starts is not None:
+                host = deferred.host_lengths(catch_up, None, host_starts.read(catch_up.slots))
+            self.worker.catch_up_deferred(deferred.rows(shape, self.slots.relay_starts, host))
             return
         for piece, key in pieces:
             if key not in graphs.catch_ups:
                 self.capture_catch_up(key)
-            deferred.stage(piece, Padding(key.rows, key.row_len))
+            padding = Padding(key.rows, key.row_len)
+            deferred.stage(piece, padding)
+            if host_starts is not None:
+                starts = host_starts.read(piece.slots)
+                self._plan_catch_up(key, deferred.host_lengths(piece, padding, starts))
             graphs.replay_catch_up(key)
 
     def capture_catch_up(self, key: CatchUpKey) -> None:
@@ -223,11 +237,27 @@ class ModelRunner:
         graphs, deferred = self.graphs, self.deferred
         assert graphs is not None and deferred is not None, "graphs and deferral are on"
         scratch = CatchUp(slots=[], counts=[], max_kv=key.max_kv, min_start=key.row_len)
-        shape = deferred.stage(scratch, Padding(key.rows, key.row_len))
+        padding = Padding(key.rows, key.row_len)
+        shape = deferred.stage(scratch, padding)
+        host = None
+        if self.host_starts is not None:  # every row padding: no live start is read
+            host = deferred.host_lengths(scratch, padding, [])
+            self._plan_catch_up(key, host)
         starts = self.slots.relay_starts
-        graphs.capture_catch_up(
-            key, lambda: self.worker.catch_up_deferred(deferred.rows(shape, starts))
-        )
+
+        def run() -> None:
+            # The warm-up's layouts carry the host lengths; the capture's none (base.py).
+            rows = deferred.rows(shape, starts, None if self._capturing() else host)
+            self.worker.catch_up_deferred(rows)
+
+        graphs.capture_catch_up(key, run)
+
+    def _plan_catch_up(self, key: CatchUpKey, host: HostLengths) -> None:
+        """Let the draft's backends that schedule on the host plan ``key``'s catch-up graph:
+        its one forward ends each row at its length (``DeferredRows.starts``)."""
+        bounds = GraphBounds(key.rows, key.row_len, key.max_kv, self.kv.page_size)
+        for backend in self.graph_backends:
+            backend.plan_replay(key, host.seq_lens, bounds)
 
     def capture_graph(self, key: GraphKey) -> None:
         """Capture ``key``'s decode graph from a batch of scratch rows (no live state)."""
@@ -243,12 +273,13 @@ class ModelRunner:
             self.timer = timer
 
     def _plan_replay(self, plan: StepPlan, key: GraphKey) -> None:
-        """Let a decode backend that schedules on the host plan ``key``'s graph for ``plan``
-        (its exact lengths, when the host has them)."""
-        host = self._host_lengths(plan)
-        if host is not None:
+        """Let the backends that schedule on the host plan ``key``'s graph for ``plan`` (its
+        exact starts, when the host has them)."""
+        starts = self._host_starts(plan)
+        if starts is not None:
             bounds = GraphBounds(key.bs, key.width, key.max_kv, self.kv.page_size)
-            self.backends[self.decode_phase].plan_replay(host, bounds)
+            for backend in self.graph_backends:
+                backend.plan_replay(key, starts, bounds)
 
     def _padded_decode(
         self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int
@@ -303,7 +334,10 @@ class ModelRunner:
         tokens = inputs.input_ids.view(bs, width)
         tokens[:, 0] = relay.roots
         sampling = self.slots.sampling(inputs.slots, plan)
-        view = DecodeView(inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, max_kv)
+        view = DecodeView(
+            inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, max_kv,
+            self._host_starts(plan),
+        )  # fmt: skip
         self._mark("draft")
         drafts = self.worker.draft(view)
         self._mark("verify")
@@ -350,7 +384,10 @@ class ModelRunner:
         inputs.positions.copy_(relay.starts)
         torch.add(relay.starts, 1, out=inputs.seq_lens)
         sampling = self.slots.sampling(inputs.slots, plan)
-        view = DecodeView(inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, max_kv)
+        view = DecodeView(
+            inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, max_kv,
+            self._host_starts(plan),
+        )  # fmt: skip
         self._mark("verify")
         fb = self._forward_batch(plan, inputs, self.decode_phase, relay.starts, max_kv)
         hidden = self.model.forward(inputs.input_ids, fb)  # [bs, H]
@@ -399,9 +436,7 @@ class ModelRunner:
             max_q=max(plan.q_lens),
             max_kv=max_kv,
             tree_mask=tree_mask,
-            # Under capture the backends were planned beforehand (``_plan_replay``): no host
-            # lengths, and no wait for them (a capture must not synchronise).
-            host=None if self._capturing() else self._host_lengths(plan),
+            host=self._host_lengths(plan),
         )
         return ForwardBatch.bind(layout, self.backends[phase], self.kv, self.worker.capture_layers)
 
@@ -413,17 +448,24 @@ class ModelRunner:
             self.timer.mark(phase)
 
     def _host_lengths(self, plan: StepPlan) -> HostLengths | None:
-        """The exact lengths of ``plan``'s rows when the host knows them: prompt chunks, and
+        """The exact lengths of ``plan``'s rows when the host knows their starts."""
+        starts = self._host_starts(plan)
+        if starts is None:
+            return None
+        q_lens = tuple(plan.q_lens)
+        return HostLengths(q_lens, tuple(s + q for s, q in zip(starts, q_lens, strict=True)))
+
+    def _host_starts(self, plan: StepPlan) -> tuple[int, ...] | None:
+        """The exact starts of ``plan``'s rows when the host knows them: prompt chunks, and
         plain decode (whose ``starts`` are exact: every step commits one token a row). A
         speculative cycle's starts (the accepted lengths) exist only on the device: the host
-        has them only by waiting for the previous cycle (``host_starts``)."""
-        q_lens = tuple(plan.q_lens)
+        has them only by waiting for the previous cycle (``host_starts``). None under a
+        graph's capture, which must not wait (its backends were planned beforehand)."""
+        if self._capturing():
+            return None
         if plan.kind == "decode" and self.shape.speculative:
-            if self.host_starts is None:
-                return None
-            starts = self.host_starts.read(plan.slots)
-            return HostLengths(q_lens, tuple(s + q for s, q in zip(starts, q_lens, strict=True)))
-        return HostLengths(q_lens, tuple(s + q for s, q in zip(plan.starts, q_lens, strict=True)))
+            return None if self.host_starts is None else tuple(self.host_starts.read(plan.slots))
+        return tuple(plan.starts)
 
     def _max_kv(self, plan: StepPlan) -> int:
         """The host's bound on any row's KV length during ``plan``; decode starts are upper

@@ -4,11 +4,13 @@ to the backend that built it (the same size picks the same one)."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 from outrider.plugins.attention.auto_backend import AutoOptions
 from outrider.plugins.attention.base import AttentionBackend, GraphBounds
-from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, HostLengths
+from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
 from outrider.plugins.registry import named_spec
 
 
@@ -36,5 +38,5 @@ class AutoAttention(AttentionBackend):
     ) -> torch.Tensor:
         return self.route(fb.layout.bs).forward(layer, q, k, v, fb)
 
-    def plan_replay(self, host: HostLengths, bounds: GraphBounds) -> None:
-        self.route(bounds.max_bs).plan_replay(host, bounds)
+    def plan_replay(self, graph: Hashable, starts: tuple[int, ...], bounds: GraphBounds) -> None:
+        self.route(bounds.max_bs).plan_replay(graph, starts, bounds)

@@ -9,8 +9,12 @@ CUDA graphs (declared by the spec's ``AttentionCapabilities.cuda_graphs``): the 
 a whole decode step, ``build`` included, over fixed input buffers, so a backend whose metadata
 is device work needs nothing more; every layout of a graph is built with the graph's KV bound.
 A backend that schedules on the host (from exact lengths) plans in ``plan_replay``, called
-outside the graph before its capture and before each replay, and its ``build`` under capture
-(``torch.cuda.is_current_stream_capturing()``) only writes the device side of that plan into
+outside the graph before its warm-up and capture and before each replay (decode steps, and the
+draft's deferred catch-ups): every layout such a graph builds has each row's KV length a fixed
+amount past the row's start (the verify block, a draft step). The warm-up runs the graph's
+work eagerly (``in_graph_build()``), its layouts carrying exact host lengths, so the backend
+learns each forward of the graph there, in order; its ``build`` under capture
+(``torch.cuda.is_current_stream_capturing()``) only writes the device side of a plan into
 buffers it allocated beforehand: a replay reads every tensor at the address it was captured
 with.
 """
@@ -18,12 +22,13 @@ with.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, HostLengths
+from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -58,8 +63,10 @@ class AttentionBackend(ABC):
         ``layer`` of ``fb.kv`` (``KVCache.store``), then attend ``q: [T, q_heads, head_dim]``
         over each row's KV with ``fb.metadata``. Returns ``[T, q_heads, head_dim]``."""
 
-    def plan_replay(self, host: HostLengths, bounds: GraphBounds) -> None:
-        """Before a decode graph of ``len(host.seq_lens)`` rows is captured and before each
-        of its replays: the rows' exact lengths (padding rows included) and the bounds of the
-        captured layouts. Backends that schedule on the host plan here; nothing by default."""
+    def plan_replay(self, graph: Hashable, starts: tuple[int, ...], bounds: GraphBounds) -> None:
+        """Before graph ``graph`` (of ``len(starts)`` rows) is warmed up and captured, and
+        before each of its replays: each row's start, the KV length its layouts' lengths count
+        from (a decode step's: the committed length; a deferred catch-up's: where its row
+        ends), padding rows included, and the bounds of the captured layouts. Backends that
+        schedule on the host plan every forward of the graph here; nothing by default."""
         return None

@@ -3,11 +3,13 @@ reading the cache in place (split-KV decode for small batches of long contexts).
 
 FlashInfer schedules each forward on the host from every row's exact KV length. The host knows
 those for prompt (extend) batches and for plain decode batches, also one step ahead under the
-overlap loop. A speculative verify's lengths follow the previous cycle's accepted counts, which
-exist only on the device: as the verify backend (chains only: no tree masks), the engine waits
-for them before launching each cycle (``host_plans``), so that cycles run one after another
-with the host's planning and launch between them. The draft phases are not served: their
-layouts carry no host lengths (``--draft-attention-backend``).
+overlap loop. A speculative cycle's lengths follow the previous cycle's accepted counts, which
+exist only on the device: routed to a phase of the cycle (the verify of chains, and of trees
+under a custom mask; the draft's steps, DFlash's non-causal block, its catch-ups), the engine
+waits for them before launching each cycle (``host_plans``), so that cycles run one after
+another with the host's planning and launch between them. A draft whose batches sit at the
+accepted lengths themselves (the standalone draft's catch-up) is refused
+(``SpeculativeCapabilities.exact_draft_lengths``).
 """
 
 from __future__ import annotations
@@ -38,16 +40,17 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
 SPEC = PluginSpec(
     name="flashinfer",
     kind="attention",
-    summary="FlashInfer paged prefill, split-KV decode and chain verify (CUDA)",
+    summary="FlashInfer paged prefill, split-KV decode, trees and DFlash blocks (CUDA)",
     implementation="outrider.plugins.attention.flashinfer_impl:FlashInferAttention",
     attention=AttentionCapabilities(
         devices=frozenset({"cuda"}),
         dtypes=frozenset({"bfloat16", "float16"}),
         page_sizes=None,
+        non_causal=True,
+        tree_mask=True,
         cuda_graphs=True,
         graph_kv_bound=False,  # lengths come from the plan and the device, not max_kv
         host_plans=True,
-        phases=frozenset({"extend", "decode", "verify"}),
     ),
     check=_check,
 )

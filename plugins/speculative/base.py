@@ -32,6 +32,7 @@ from outrider.plugins.device import (
     AttentionShape,
     BatchLayout,
     ForwardBatch,
+    HostLengths,
     KVCache,
     SamplingBatch,
     flat_kv_index,
@@ -101,6 +102,9 @@ class DecodeView:
     out_lens: torch.Tensor  # [bs] int64: output tokens committed (the randomness counter)
     sampling: SamplingBatch  # each row's sampling parameters
     max_kv: int  # host bound on any row's KV length during the batch (start + kv_span)
+    # The starts as the host knows them exactly, where it does (``HostLengths``); None
+    # under a graph's capture.
+    host_starts: tuple[int, ...] | None = None
 
     @property
     def bs(self) -> int:
@@ -177,19 +181,23 @@ class SpeculativeWorker(ABC):
         view: DecodeView,
         positions: torch.Tensor,
         *,
+        kv_end: int | None = None,
         kv_slots: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
         causal: bool = True,
         tree_mask: torch.Tensor | None = None,
     ) -> BatchLayout:
         """A draft batch of ``q`` tokens per row at ``positions: [bs, q]``, their K/V stored
-        at ``kv_slots`` (default: the positions). ``seq_lens`` [bs]: each row's KV length
-        after it (default: last position + 1)."""
+        at ``kv_slots`` (default: the positions). ``kv_end``: each row's KV length after it
+        is its start plus this (the layout then carries host lengths where the view has host
+        starts); None: the last position + 1, on the device only."""
         bs, q = positions.shape
         page_size = self.ctx.page_size
         where = positions if kv_slots is None else kv_slots
         out_loc = flat_kv_index(self.ctx.page_table, view.slots.unsqueeze(1), where, page_size)
         flat = self.token_ids[: bs * q]
+        host = None
+        if kv_end is not None and view.host_starts is not None:
+            host = HostLengths((q,) * bs, tuple(start + kv_end for start in view.host_starts))
         return BatchLayout(
             page_table=self.ctx.page_table,
             page_size=page_size,
@@ -199,13 +207,14 @@ class SpeculativeWorker(ABC):
             positions=positions.reshape(-1).contiguous(),
             out_loc=out_loc.view(-1),
             q_start=self.token_ids[: bs + 1] * q,
-            seq_lens=positions[:, -1] + 1 if seq_lens is None else seq_lens,
+            seq_lens=positions[:, -1] + 1 if kv_end is None else view.starts + kv_end,
             q_pad_index=flat,
             bs=bs,
             max_q=q,
             max_kv=view.max_kv,
             causal=causal,
             tree_mask=tree_mask,
+            host=host,
         )
 
     @abstractmethod

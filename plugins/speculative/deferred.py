@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.plugins.device import SCRATCH_PAGE, BatchLayout, flat_kv_index
+from outrider.plugins.device import SCRATCH_PAGE, BatchLayout, HostLengths, flat_kv_index
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ class DeferredRows:
     q_pad_index: torch.Tensor  # [T] int64: row * max_q + its place in the row
     max_q: int  # the longest row
     max_kv: int  # host bound on any row's KV length
+    # Each row's length and ``starts`` as the host knows them exactly, where it does
+    # (``HostLengths``; for a backend that plans on the host).
+    host: HostLengths | None = None
 
     def layout(self, page_table: torch.Tensor, page_size: int) -> BatchLayout:
         """The causal layout of the rows, each the positions right before its start; the
@@ -73,6 +76,7 @@ class DeferredRows:
             bs=self.slots.shape[0],
             max_q=self.max_q,
             max_kv=self.max_kv,
+            host=self.host,
         )
 
 

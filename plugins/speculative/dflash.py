@@ -83,7 +83,10 @@ SPEC = PluginSpec(
     implementation="outrider.plugins.speculative.dflash_impl:DFlashWorker",
     options=DraftOptions,
     speculative=SpeculativeCapabilities(
-        needs_draft_model=True, non_causal_draft=True, width_key="block_size"
+        needs_draft_model=True,
+        non_causal_draft=True,
+        draft_phases=frozenset({"draft_decode"}),  # the context K/V is projected, not attended
+        width_key="block_size",
     ),
     check=_check,
 )

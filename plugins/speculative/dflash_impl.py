@@ -88,7 +88,7 @@ class DFlashWorker(SpeculativeWorker):
         block = self.block[:bs]
         block[:, 0] = view.roots
         positions = view.starts.unsqueeze(1) + self.block_offsets  # [bs, B]
-        layout = self.row_layout(view, positions, causal=False)
+        layout = self.row_layout(view, positions, kv_end=width, causal=False)
         fb = ForwardBatch.bind(layout, self.backend, self.kv)
         hidden = self.model(self.ctx.embed(block.reshape(-1)), fb)  # [bs * B, H]
         drafted = hidden.view(bs, width, -1)[:, 1:].reshape(-1, hidden.shape[-1])

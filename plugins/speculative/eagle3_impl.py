@@ -165,7 +165,7 @@ class Eagle3Worker(SpeculativeWorker):
         feats = feats.view(bs, feats.shape[0] // bs, -1)  # [bs, nodes, H]
         feats = feats.gather(1, accepted.path.unsqueeze(2).expand(-1, -1, feats.shape[2]))
         positions = view.starts.unsqueeze(1) + self.commit_offsets[:m]  # [bs, M]
-        layout = self.row_layout(view, positions)
+        layout = self.row_layout(view, positions, kv_end=m)
         y = self._run(accepted.tokens.view(-1), feats.view(bs * m, -1), layout, self.extend_backend)
         last = self.token_ids[:bs] * m + accepted.lens - 1  # the bonus's row
         self.feat.index_copy_(0, view.slots, y[last])
@@ -197,13 +197,13 @@ class Eagle3Worker(SpeculativeWorker):
         seq = view.starts.unsqueeze(1)  # [bs, 1]
         positions = (seq + (step - 1)).expand(bs, k)
         if k == 1:  # a chain: the node slot is the position, and attention plain causal
-            layout = self.row_layout(view, positions)
+            layout = self.row_layout(view, positions, kv_end=step)
         else:
             layout = self.row_layout(
                 view,
                 positions,
+                kv_end=step * k,
                 kv_slots=seq + (step - 1) * k + self.node_offsets,
-                seq_lens=view.starts + step * k,
                 tree_mask=ancestors,
             )
         feats = feats.expand(bs, k, feats.shape[2]).reshape(bs * k, -1)

@@ -64,6 +64,11 @@ SPEC = PluginSpec(
     summary="a small causal LM with the target's tokenizer drafts a chain",
     implementation="outrider.plugins.speculative.standalone_impl:StandaloneWorker",
     options=DraftOptions,
-    speculative=SpeculativeCapabilities(needs_draft_model=True, default_width=4),
+    speculative=SpeculativeCapabilities(
+        needs_draft_model=True,
+        default_width=4,
+        # The catch-up feeds each row's last accepted token at its accepted length.
+        exact_draft_lengths=False,
+    ),
     check=_check,
 )
