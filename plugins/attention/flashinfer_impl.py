@@ -207,7 +207,6 @@ class _GraphBuild:
     its warm-up met, each with its rows' distance past their starts, and how many of them its
     capture has used."""
 
-    graph: Hashable
     starts: tuple[int, ...]
     sites: list[tuple[_Site, int]] = field(default_factory=list)
     captured: int = 0
@@ -256,7 +255,7 @@ class FlashInferAttention(AttentionBackend):
     def plan_replay(self, graph: Hashable, starts: tuple[int, ...], bounds: GraphBounds) -> None:
         sites = self._graphs.get(graph)
         if sites is None:  # its warm-up and capture come next
-            self._building = _GraphBuild(graph, starts)
+            self._building = _GraphBuild(starts)
             self._graphs[graph] = self._building.sites
             return
         for site, past in sites:
