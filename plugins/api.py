@@ -20,6 +20,7 @@ API_VERSION = 1
 PluginKind = Literal["attention", "speculative"]
 Phase = Literal["extend", "decode", "verify", "draft_decode", "draft_extend"]
 PHASES: tuple[Phase, ...] = ("extend", "decode", "verify", "draft_decode", "draft_extend")
+DRAFT_PHASES: frozenset[Phase] = frozenset({"draft_decode", "draft_extend"})
 ENTRY_POINT_GROUPS: dict[PluginKind, str] = {
     "attention": "outrider.attention_backends",
     "speculative": "outrider.speculative",
@@ -163,7 +164,7 @@ class SpeculativeCapabilities:
     # Drafts with non-causal attention: its draft_decode backend needs ``non_causal``.
     non_causal_draft: bool = False
     # The attention phases its draft model runs (with ``needs_draft_model``).
-    draft_phases: frozenset[Phase] = frozenset({"draft_decode", "draft_extend"})
+    draft_phases: frozenset[Phase] = DRAFT_PHASES
     # Every draft batch's KV lengths are known on the host once the cycle's starts are (each a
     # fixed amount past its row's start), as a backend that plans on the host needs
     # (``AttentionCapabilities.host_plans``). False: some follow the accepted counts, which

@@ -11,6 +11,7 @@ from typing import Literal
 import msgspec
 
 from outrider.plugins.api import (
+    DRAFT_PHASES,
     PHASES,
     AttentionCapabilities,
     CheckContext,
@@ -35,7 +36,6 @@ PHASE_FLAGS: dict[Phase, str] = {
     "draft_decode": "--draft-attention-backend",
     "draft_extend": "--draft-attention-backend",
 }
-DRAFT_PHASES: frozenset[Phase] = frozenset({"draft_decode", "draft_extend"})
 
 
 class PluginProblems(Exception):

@@ -23,6 +23,7 @@ import msgspec
 
 from outrider.plugins.api import (
     API_VERSION,
+    DRAFT_PHASES,
     ENTRY_POINT_GROUPS,
     NO_DRAFT,
     AttentionCapabilities,
@@ -35,7 +36,6 @@ from outrider.plugins.api import (
 )
 from outrider.plugins.checks import (
     ATTENTION_FLAG,
-    DRAFT_PHASES,
     PHASE_FLAGS,
     SPECULATIVE_FLAG,
     PluginProblems,

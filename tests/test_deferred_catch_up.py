@@ -113,10 +113,10 @@ def test_a_catch_up_batch_lays_out_each_row_before_its_start() -> None:
     assert layout.seq_lens.tolist() == [3, 7]
     assert layout.q_pad_index.tolist() == [0, 3, 4, 5]
     # The host's view of the batch, for a backend that plans on the host: the same lengths.
-    catch_up = CatchUp([2, 0], [1, 3], max_kv=21, min_start=3)
-    host = deferred.host_lengths(catch_up, None, [3, 7])
-    assert host == HostLengths((1, 3), (3, 7))
-    assert deferred.rows(shape, starts, host).layout(page_table, page_size=4).host == host
+    assert shape.host is None and layout.host is None  # no exact starts given
+    exact = deferred.stage(CatchUp([2, 0], [1, 3], max_kv=21, min_start=3), None, [3, 7])
+    assert exact.host == HostLengths((1, 3), (3, 7))
+    assert deferred.rows(exact, starts).layout(page_table, page_size=4).host == exact.host
 
 
 def test_a_padded_catch_up_puts_its_padding_before_the_buffered_positions() -> None:
@@ -142,9 +142,7 @@ def test_a_padded_catch_up_puts_its_padding_before_the_buffered_positions() -> N
     assert layout.seq_lens.tolist() == [5, 7, 4]
     assert layout.q_pad_index.tolist() == list(range(12))
     catch_up = CatchUp([2, 0], [1, 3], max_kv=21, min_start=5)
-    assert deferred.host_lengths(catch_up, Padding(3, 4), [5, 7]) == HostLengths(
-        (4, 4, 4), (5, 7, 4)
-    )
+    assert deferred.stage(catch_up, Padding(3, 4), [5, 7]).host == HostLengths((4, 4, 4), (5, 7, 4))
 
 
 def test_captured_catch_ups_take_small_batches_of_rows_long_enough_to_pad() -> None:
@@ -187,8 +185,8 @@ def test_a_whole_request_buffered_catches_up_in_two_graphed_pieces() -> None:
     positions = second.layout(page_table, page_size=4).positions.tolist()
     assert positions[12:16] == [16, 17, 18, 19] and positions[27:] == [95, 96, 97, 98, 99]
     # On the host, each piece ends where its rows do: the first 4 before slot 1's start.
-    assert deferred.host_lengths(pieces[0], Padding(1, 16), [20]) == HostLengths((16,), (16,))
-    assert deferred.host_lengths(pieces[1], Padding(2, 16), [20, 100]) == HostLengths(
+    assert deferred.stage(pieces[0], Padding(1, 16), [20]).host == HostLengths((16,), (16,))
+    assert deferred.stage(pieces[1], Padding(2, 16), [20, 100]).host == HostLengths(
         (16, 16), (20, 100)
     )
     # A row shorter than the shortest length has nothing to split off: it runs eagerly.

@@ -35,6 +35,7 @@ catch-up's: each piece runs causally after what came before it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,9 @@ class StagedShape:
     tokens: int
     max_q: int
     max_kv: int
+    # Each row's tokens and the KV length it ends at (``DeferredRows.starts``) on the host,
+    # where the slots' exact starts were given (for a backend that plans on the host).
+    host: HostLengths | None = None
 
 
 class DeferredCatchUp:
@@ -190,18 +194,27 @@ class DeferredCatchUp:
                 self.kv_bound[slot] = start + 1
                 assert self.pending[slot] <= self.capacity, "a full buffer catches up first"
 
-    def stage(self, catch_up: CatchUp, padding: Padding | None = None) -> StagedShape:
+    def stage(
+        self,
+        catch_up: CatchUp,
+        padding: Padding | None = None,
+        starts: list[int] | None = None,
+    ) -> StagedShape:
         """Queue the copies of ``catch_up``'s index arrays to the device (on the current
         stream), laid out exactly or, with ``padding``, in a captured graph's shape
         (``DeferredRows``; the caller checked that every row fits and starts at
-        ``row_len`` or later). Staging rotates over ``STAGING_SETS`` host sets: a launch
+        ``row_len`` or later). ``starts``: the slots' exact starts, where the host has them
+        (``StagedShape.host``). Staging rotates over ``STAGING_SETS`` host sets: a launch
         stages two batches at most (a split catch-up), so a set is refilled two launches later
         at the earliest, after the loop waited for the first (as the step inputs, inputs.py)."""
         real = np.asarray(catch_up.counts, dtype=np.int64)
         first = np.asarray(catch_up.first or [0] * len(real), dtype=np.int64)
         behind = np.asarray(catch_up.behind or [0] * len(real), dtype=np.int64)
+        # Where each row's positions end (``DeferredRows.starts``), on the host.
+        ends = None if starts is None else [s - int(b) for s, b in zip(starts, behind, strict=True)]
         if padding is None:
             values = _exact(catch_up.slots, real, first)
+            q_lens = tuple(catch_up.counts)
             shape = StagedShape(len(real), int(real.sum()), int(real.max()), catch_up.max_kv)
         else:
             n, length = padding.rows, padding.row_len
@@ -212,7 +225,12 @@ class DeferredCatchUp:
                 slots, np.concatenate([real, extra]), np.concatenate([first, extra]), length
             )
             behind = np.concatenate([behind, extra])
+            q_lens = (length,) * n
+            if ends is not None:  # a padding row ends at its length
+                ends += [length] * len(extra)
             shape = StagedShape(n, n * length, length, catch_up.max_kv)
+        if ends is not None:
+            shape = dataclasses.replace(shape, host=HostLengths(q_lens, tuple(ends)))
         values["behind"] = behind
         host = self._staging[self._next]
         self._next = (self._next + 1) % len(self._staging)
@@ -222,12 +240,9 @@ class DeferredCatchUp:
             getattr(self._device, name)[: len(value)].copy_(staged, non_blocking=True)
         return shape
 
-    def rows(
-        self, shape: StagedShape, starts: torch.Tensor, host: HostLengths | None = None
-    ) -> DeferredRows:
+    def rows(self, shape: StagedShape, starts: torch.Tensor) -> DeferredRows:
         """The staged batch of ``shape`` on the device; ``starts``: the relay's start of every
-        slot; ``host``: the batch's lengths on the host, where it has them (``host_lengths``).
-        Device work only (a graph captures it with the worker's catch-up)."""
+        slot. Device work only (a graph captures it with the worker's catch-up)."""
         n, tokens, device = shape.rows, shape.tokens, self._device
         slots, counts = device.slots[:n], device.counts[:n]
         return DeferredRows(
@@ -243,21 +258,8 @@ class DeferredCatchUp:
             q_pad_index=device.q_pad_index[:tokens],
             max_q=shape.max_q,
             max_kv=shape.max_kv,
-            host=host,
+            host=shape.host,
         )
-
-    def host_lengths(
-        self, catch_up: CatchUp, padding: Padding | None, starts: list[int]
-    ) -> HostLengths:
-        """``catch_up``'s rows laid out as ``stage`` lays them out, as the host knows them:
-        each row's tokens, and the KV length it ends at (``DeferredRows.starts``) from its
-        slot's exact start ``starts[r]``; a padding row's is its length."""
-        behind = catch_up.behind or (0,) * len(catch_up.slots)
-        ends = [start - back for start, back in zip(starts, behind, strict=True)]
-        if padding is None:
-            return HostLengths(tuple(catch_up.counts), tuple(ends))
-        extra = padding.rows - len(ends)
-        return HostLengths((padding.row_len,) * padding.rows, (*ends, *[padding.row_len] * extra))
 
 
 def _exact(slots: list[int], counts: np.ndarray, first: np.ndarray) -> dict[str, np.ndarray]:

@@ -211,46 +211,40 @@ class ModelRunner:
         """The draft's catch-up on ``catch_up``'s buffered positions: replayed from graphs
         when they fit, whole or in two pieces (captured first from scratch rows when new),
         else eagerly."""
-        graphs, host_starts = self.graphs, self.host_starts
+        graphs = self.graphs
         pieces = _graphed_pieces(graphs, deferred, catch_up) if graphs is not None else None
-        # Where a backend plans on the host, each batch's lengths from the slots' exact starts
-        # (the first read waits for them).
         if graphs is None or pieces is None:
-            shape = deferred.stage(catch_up)
-            host = None
-            if host_starts is not None:
-                host = deferred.host_lengths(catch_up, None, host_starts.read(catch_up.slots))
-            self.worker.catch_up_deferred(deferred.rows(shape, self.slots.relay_starts, host))
+            shape = deferred.stage(catch_up, None, self._catch_up_starts(catch_up))
+            self.worker.catch_up_deferred(deferred.rows(shape, self.slots.relay_starts))
             return
         for piece, key in pieces:
             if key not in graphs.catch_ups:
                 self.capture_catch_up(key)
             padding = Padding(key.rows, key.row_len)
-            deferred.stage(piece, padding)
-            if host_starts is not None:
-                starts = host_starts.read(piece.slots)
-                self._plan_catch_up(key, deferred.host_lengths(piece, padding, starts))
+            shape = deferred.stage(piece, padding, self._catch_up_starts(piece))
+            if shape.host is not None:
+                self._plan_catch_up(key, shape.host)
             graphs.replay_catch_up(key)
+
+    def _catch_up_starts(self, catch_up: CatchUp) -> list[int] | None:
+        """The exact starts of ``catch_up``'s slots where a backend plans on the host (the
+        first read waits for the previous step), else None."""
+        return None if self.host_starts is None else self.host_starts.read(catch_up.slots)
 
     def capture_catch_up(self, key: CatchUpKey) -> None:
         """Capture ``key``'s catch-up graph from rows on the scratch slot (no live state)."""
         graphs, deferred = self.graphs, self.deferred
         assert graphs is not None and deferred is not None, "graphs and deferral are on"
         scratch = CatchUp(slots=[], counts=[], max_kv=key.max_kv, min_start=key.row_len)
-        padding = Padding(key.rows, key.row_len)
-        shape = deferred.stage(scratch, padding)
-        host = None
-        if self.host_starts is not None:  # every row padding: no live start is read
-            host = deferred.host_lengths(scratch, padding, [])
-            self._plan_catch_up(key, host)
+        # Every row padding: no live start to read (nor wait for).
+        no_starts: list[int] | None = None if self.host_starts is None else []
+        shape = deferred.stage(scratch, Padding(key.rows, key.row_len), no_starts)
+        if shape.host is not None:
+            self._plan_catch_up(key, shape.host)
         starts = self.slots.relay_starts
-
-        def run() -> None:
-            # The warm-up's layouts carry the host lengths; the capture's none (base.py).
-            rows = deferred.rows(shape, starts, None if self._capturing() else host)
-            self.worker.catch_up_deferred(rows)
-
-        graphs.capture_catch_up(key, run)
+        graphs.capture_catch_up(
+            key, lambda: self.worker.catch_up_deferred(deferred.rows(shape, starts))
+        )
 
     def _plan_catch_up(self, key: CatchUpKey, host: HostLengths) -> None:
         """Let the draft's backends that schedule on the host plan ``key``'s catch-up graph:
@@ -293,7 +287,9 @@ class ModelRunner:
     ) -> StepResults | None:
         """Prompt chunks: the forward, then one sampled token per row whose chunk ends its
         prompt, which seeds the row's relay (next input, KV length, output count)."""
-        fb = self._forward_batch(plan, inputs, "extend", inputs.positions, max_kv)
+        fb = self._forward_batch(
+            plan, inputs, "extend", inputs.positions, max_kv, self._host_starts(plan)
+        )
         if self.worker.deferred is not None:  # each row's slot starts afresh (deferred.py)
             self.worker.deferred.clear(inputs.slots)
         hidden = self.model.forward(inputs.input_ids, fb)  # [T, H]
@@ -353,7 +349,9 @@ class ModelRunner:
         torch.add(relay.starts, width, out=inputs.seq_lens)
         # A tree's nodes share positions but not KV slots: node i's KV sits at start + i.
         kv_positions = starts + offsets
-        fb = self._forward_batch(plan, inputs, self.decode_phase, kv_positions, max_kv, visible)
+        fb = self._forward_batch(
+            plan, inputs, self.decode_phase, kv_positions, max_kv, view.host_starts, visible
+        )
         hidden = self.model.forward(inputs.input_ids, fb)  # [bs * W, H]
         logits = self.model.compute_logits(hidden)  # [bs * W, V]
         verified = self.verifier.verify(plan, inputs, relay, drafts, depth, logits)
@@ -389,7 +387,9 @@ class ModelRunner:
             self._host_starts(plan),
         )  # fmt: skip
         self._mark("verify")
-        fb = self._forward_batch(plan, inputs, self.decode_phase, relay.starts, max_kv)
+        fb = self._forward_batch(
+            plan, inputs, self.decode_phase, relay.starts, max_kv, view.host_starts
+        )
         hidden = self.model.forward(inputs.input_ids, fb)  # [bs, H]
         logits = self.model.compute_logits(hidden)  # [bs, V]
         out = sample(logits, sampling, relay.out_lens, vocab_limit=self.limits.vocab_limit)
@@ -417,11 +417,17 @@ class ModelRunner:
         phase: Phase,
         kv_positions: torch.Tensor,
         max_kv: int,
+        starts: tuple[int, ...] | None,
         tree_mask: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """The target's forward over ``inputs``; token ``i``'s K/V goes to its row's position
-        ``kv_positions[i]``."""
+        ``kv_positions[i]``; ``starts``: the rows' exact starts, where the host has them
+        (``_host_starts``)."""
         page_table, page_size = self.slots.page_table, self.kv.page_size
+        host = None
+        if starts is not None:
+            ends = tuple(start + q for start, q in zip(starts, plan.q_lens, strict=True))
+            host = HostLengths(tuple(plan.q_lens), ends)
         out_loc = flat_kv_index(page_table, inputs.token_slots, kv_positions.reshape(-1), page_size)
         layout = BatchLayout(
             page_table=page_table,
@@ -436,7 +442,7 @@ class ModelRunner:
             max_q=max(plan.q_lens),
             max_kv=max_kv,
             tree_mask=tree_mask,
-            host=self._host_lengths(plan),
+            host=host,
         )
         return ForwardBatch.bind(layout, self.backends[phase], self.kv, self.worker.capture_layers)
 
@@ -446,14 +452,6 @@ class ModelRunner:
     def _mark(self, phase: TimedPhase) -> None:
         if self.timer is not None:
             self.timer.mark(phase)
-
-    def _host_lengths(self, plan: StepPlan) -> HostLengths | None:
-        """The exact lengths of ``plan``'s rows when the host knows their starts."""
-        starts = self._host_starts(plan)
-        if starts is None:
-            return None
-        q_lens = tuple(plan.q_lens)
-        return HostLengths(q_lens, tuple(s + q for s, q in zip(starts, q_lens, strict=True)))
 
     def _host_starts(self, plan: StepPlan) -> tuple[int, ...] | None:
         """The exact starts of ``plan``'s rows when the host knows them: prompt chunks, and

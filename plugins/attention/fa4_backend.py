@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import importlib.util
 
-from outrider.plugins.api import AttentionCapabilities, CheckContext, Phase, PluginSpec, Problem
+from outrider.plugins.api import (
+    DRAFT_PHASES,
+    AttentionCapabilities,
+    CheckContext,
+    Phase,
+    PluginSpec,
+    Problem,
+)
 from outrider.plugins.speculative.draft_config import read_config
 
 # Hopper (9.x) and Blackwell data-centre parts (10.x, 11.x): FA4 has no paged KV before SM 9.0
@@ -27,7 +34,6 @@ PAGE_SIZES = frozenset({1, 2, 4, 8, 16, 32, 64, 128})
 # Head dims are multiples of 16 bytes: 8 elements in 16-bit types.
 HEAD_DIM_ALIGN = 8
 TARGET_PHASES: tuple[Phase, ...] = ("extend", "decode", "verify")
-DRAFT_PHASES: tuple[Phase, ...] = ("draft_decode", "draft_extend")
 
 
 def head_dim_problem(head_dim: int, capability: tuple[int, int] | None) -> str | None:

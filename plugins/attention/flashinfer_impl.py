@@ -187,8 +187,7 @@ class _Site:
             )
         if mask is not None:
             # The wrapper's event (recorded after this copy too) guards the pinned source.
-            offsets = mask_offsets(self.key.q, host.seq_lens)
-            mask.host_indptr.copy_(torch.tensor(offsets, dtype=torch.int32))
+            mask.host_indptr.numpy()[:] = mask_offsets(self.key.q, host.seq_lens)
             mask.indptr.copy_(mask.host_indptr, non_blocking=True)
             self.wrapper.record()
 
