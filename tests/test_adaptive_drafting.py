@@ -5,6 +5,7 @@ steps draft."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pytest
 from engine_harness import (
@@ -192,6 +193,56 @@ def test_plain_batches_probe_with_a_growing_wait() -> None:
     assert [policy.drafting([low]) for _ in range(3)] == [False, False, True]
 
 
+def test_a_kind_that_does_not_pay_stops_feeding_the_draft_and_probes_by_request() -> None:
+    """A break-even of 2 against a plain step costing 1.25 of the target's own: a kind pays
+    from 2.5. Never observed, it feeds the draft (to learn); at a mean of 2 its requests do not,
+    save one fed probe after 2, then 4 (the cap) unfed admissions; a probe drafts at once, and
+    a mean raised to 3 feeds every request again."""
+    policy = _policy(
+        BreakEven((1,), (2.0,), (2.0,), unfed=1.25), probe_requests=2, max_probe_requests=4
+    )
+    first = _req(1)
+    assert policy.feeds(first, 0) and not first.probe
+    policy.observe(first, 2)
+    requests = [_req(i) for i in range(2, 15)]
+    fed = [policy.feeds(req, 0) for req in requests]
+    assert [i for i, f in enumerate(fed) if f] == [2, 7, 12]
+    assert all(req.probe == f for req, f in zip(requests, fed, strict=True))
+    probe = requests[2]
+    assert policy.estimate(probe) is None and policy.drafting([probe])
+    policy.observe(probe, 4)  # the kind's mean: 3
+    after = _req(20)
+    assert policy.feeds(after, 0) and not after.probe
+    assert policy.feeds(_req(21, temperature=1.0), 0)  # another kind, never observed
+
+
+def test_a_request_whose_own_mean_does_not_pay_stops_feeding_the_draft() -> None:
+    """A break-even of 2: where its batch runs plain, a request whose 8 drafting steps
+    averaged 1.5 stops feeding the draft for good; one at 2.5 keeps feeding it, and so does
+    one with 7 steps only."""
+    policy = _policy(BreakEven.fixed(2.0), probe_every=100)
+    weak, good, young = _req(1), _req(2), _req(3)
+    for req, drafts, accepted in ((weak, 8, 4), (good, 8, 12), (young, 7, 0)):
+        req.fed, req.spec_drafts, req.spec_accepted_tokens = True, drafts, accepted
+        req.tau_estimate = 1.2  # its batch runs plain
+        assert not policy.drafting([req])
+    assert (weak.fed, good.fed, young.fed) == (False, True, True)
+    assert policy.estimate(weak) == 1.0
+
+
+def test_rows_not_feeding_the_draft_count_one_and_alone_never_draft() -> None:
+    policy = _policy(BreakEven((1, 2), (1.5, 2.0), (1.5, 2.0)), probe_every=2)
+    unfed = _req(1)
+    unfed.fed = False
+    assert policy.estimate(unfed) == 1.0
+    assert not any(policy.drafting([unfed]) for _ in range(10))  # no probes either
+    good = _req(2)
+    good.tau_estimate = 3.0
+    assert policy.drafting([good, unfed])  # (3 + 1) / 2 reaches 2
+    good.tau_estimate = 2.6
+    assert not policy.drafting([good, unfed])
+
+
 def test_the_break_even_depends_on_the_batch_size_and_kind() -> None:
     policy = _policy(BreakEven((1, 4), (1.5, 3.0), (2.5, 3.5)))
     rows = [_req(i) for i in range(4)]
@@ -219,14 +270,17 @@ def test_start_keys_hold_plain_graphs_beside_the_cycles() -> None:
 # --- the engine -------------------------------------------------------------------------
 
 
-def _workload() -> list[TokenizedRequest]:
+def _workload(first_rid: int = 0) -> list[TokenizedRequest]:
     """Greedy and seeded sampled requests, some repetitive (n-gram drafts get accepted)."""
     prompts = [[3 + (7 * i + 3 * j) % (VOCAB - 3) for j in range(5 + 2 * i)] for i in range(6)]
     prompts[1] = [5, 6, 7, 8] * 4
     return [
-        request(i, p, max_new_tokens=14, temperature=0.0 if i % 2 else 0.9, top_k=20, seed=i)
+        request(
+            first_rid + i, p, max_new_tokens=14, temperature=0.0 if i % 2 else 0.9, top_k=20,
+            seed=i,
+        )
         for i, p in enumerate(prompts)
-    ]
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +316,55 @@ def test_alternating_plain_and_drafting_steps_keep_every_token(
     assert all(u.spec_drafts < u.completion_tokens - 1 for u in usage)
 
 
+class FeedingNothing:
+    """No request feeds the draft, and no batch drafts."""
+
+    def drafting(self, rows: list[Request]) -> bool:
+        return False
+
+    def feeds(self, req: Request, running: int) -> bool:
+        return False
+
+    def observe(self, req: Request, commit_len: int) -> None:
+        pass
+
+
+WORKER_HOOKS = ("after_extend", "defer_extend", "draft", "after_accept", "defer")
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "eagle3 chain", "standalone", "ngram"])
+def test_requests_not_feeding_the_draft_run_the_targets_steps_alone(
+    speculative_dirs: dict[str, str], expected: dict[int, list[int]], algorithm: str
+) -> None:
+    """No worker hook runs for them and nothing is buffered; their pages are published as
+    lacking the draft's KV, so the same prompts fed later hit none of them, keep every token,
+    and publish their own in their place."""
+    engine = engine_for(speculative_dirs["target"], **_settings(speculative_dirs, algorithm))
+    runner, cache = engine.loop.runner, engine.scheduler.cache
+    calls: dict[str, int] = dict.fromkeys(WORKER_HOOKS, 0)
+    for name in WORKER_HOOKS:
+        setattr(runner.worker, name, _counted(calls, name, getattr(runner.worker, name)))
+    engine.scheduler.use_policy(FeedingNothing())
+    assert tokens_of(run(engine, _workload(), stagger=2)) == expected
+    assert calls == dict.fromkeys(WORKER_HOOKS, 0)
+    assert runner.deferred is None or not any(runner.deferred.pending)
+    assert cache.nodes and not any(node.drafted for node in cache.nodes.values())
+    hits = cache.hits
+    engine.scheduler.use_policy(FixedDrafting())
+    fed = run(engine, _workload(first_rid=100), stagger=2)
+    assert {rid - 100: tokens for rid, tokens in tokens_of(fed).items()} == expected
+    assert cache.hits == hits and calls["draft"] > 0
+    assert all(node.drafted for node in cache.nodes.values())
+
+
+def _counted(calls: dict[str, int], name: str, hook: Callable[..., None]) -> Callable[..., None]:
+    def counted(*args: object) -> None:
+        calls[name] += 1
+        return hook(*args)
+
+    return counted
+
+
 def test_the_policy_stops_drafting_where_acceptance_does_not_pay(
     speculative_dirs: dict[str, str], expected: dict[int, list[int]]
 ) -> None:
@@ -288,10 +391,10 @@ def test_the_policy_stops_drafting_where_acceptance_does_not_pay(
 def test_the_break_even_is_measured_at_start_by_default(
     speculative_dirs: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Greedy and sampled, at a prompt of 164 tokens: the tiny target's context of 256 less
-    the timing's own tokens (DFlash block 4: (2 x (4 + 2) + 3 resumes x 3) turns x 4) and two
-    steps' span; the resume's cost where plain steps defer the catch-up, and none for n-gram,
-    which has no draft to catch up."""
+    """Greedy and sampled, at a prompt of 140 tokens: the tiny target's context of 256 less
+    the timing's own tokens (DFlash block 4: (3 x (4 + 2) + 3 resumes x 3) turns x 4) and two
+    steps' span; the resume's cost where plain steps defer the catch-up (not n-gram's, which
+    has no draft to catch up), and the unfed plain step's."""
     with caplog.at_level(logging.INFO, "outrider.engine"):
         engine = engine_for(
             speculative_dirs["target"],
@@ -304,8 +407,9 @@ def test_the_break_even_is_measured_at_start_by_default(
     assert break_even.sizes == (1, 4)
     for taus in (break_even.greedy, break_even.sampled):
         assert len(taus) == 2 and all(tau >= 1.0 for tau in taus)
-    assert "batch 1, 4, 164-token prompts" in caplog.text
+    assert "batch 1, 4, 140-token prompts" in caplog.text
     assert break_even.resume >= 0.0 and "resuming it after plain steps costs" in caplog.text
+    assert break_even.unfed >= 1.0 and "a plain step costs" in caplog.text
     ngram = engine_for(
         speculative_dirs["target"],
         speculative_min_acceptance=-1.0,
@@ -313,6 +417,7 @@ def test_the_break_even_is_measured_at_start_by_default(
     )
     assert isinstance(ngram.scheduler.policy, AdaptiveDrafting)
     assert ngram.scheduler.policy.settings.break_even.resume == 0.0
+    assert ngram.scheduler.policy.settings.break_even.unfed >= 1.0
     counters = engine.scheduler.counters()  # the timing left nothing behind
     assert (counters.running, counters.waiting, counters.spec_drafts) == (0, 0, 0)
     plain = engine_for(speculative_dirs["target"], speculative_min_acceptance=-1.0)

@@ -43,6 +43,7 @@ from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import MAX_LOGPROBS, StepResults
 from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.models.config import ModelConfig
+from outrider.daemon.scheduler.request import Request
 from outrider.plugins.registry import ResolvedPlugins, discover
 
 # The relay check poisons the scratch slot too; graphs are off under it (build.py).
@@ -306,6 +307,51 @@ def test_cuda_graphs_give_the_eager_tokens(
     assert eager.loop.runner.graphs is None
     assert_same_outputs(graphed, eager)
     assert len(graphed.loop.runner.graphs.graphs) >= 3
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("algorithm", ["dflash", "eagle3 chain"])
+def test_graphs_of_requests_not_feeding_the_draft_give_the_eager_tokens(
+    speculative_dirs: dict[str, str], algorithm: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the first four requests feed the draft, and batches with a fed row draft every
+    other time: once they end, batches of unfed rows alone replay the target's own plain
+    graph; mixed ones replay the plain and drafting graphs; the tokens are the eager
+    engine's (on the CPU through the runner's capture path, replayed eagerly)."""
+    monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
+    graphed = engine(speculative_dirs, algorithm, device=device)
+    eager = engine(speculative_dirs, algorithm, device=device, disable_cuda_graph=True)
+    runner = graphed.loop.runner
+    if device == "cpu":
+        widths = (runner.shape.width, 1)
+        runner.graphs = EagerGraphs(MAX_RUNNING, 256, 20, runner.slots.scratch_slot, widths=widths)
+    for built in (graphed, eager):
+        built.scheduler.use_policy(FeedingBelow(4))
+    assert_same_outputs(graphed, eager)
+    graphs = runner.graphs
+    assert graphs is not None
+    assert {key.fed for key in graphs.graphs if key.width == 1} == {True, False}
+    assert all(key.fed for key in graphs.graphs if key.width > 1)
+
+
+class FeedingBelow:
+    """Requests below rid ``end`` feed the draft; a batch with a fed row drafts every other
+    time, one without never."""
+
+    def __init__(self, end: int) -> None:
+        self.end, self.batches = end, 0
+
+    def drafting(self, rows: list[Request]) -> bool:
+        if all(req.fed is False for req in rows):
+            return False
+        self.batches += 1
+        return self.batches % 2 == 0
+
+    def feeds(self, req: Request, running: int) -> bool:
+        return req.rid < self.end
+
+    def observe(self, req: Request, commit_len: int) -> None:
+        pass
 
 
 def test_graphs_growing_with_the_kv_bound_stop_where_their_pool_passes_its_share(

@@ -84,3 +84,27 @@ def test_a_parent_left_as_a_leaf_keeps_its_own_recency() -> None:
     assert sorted(got) == sorted([chain[1], other])
     assert list(cache.nodes) == [chain[0]]
     _check(cache, dict.fromkeys(got, 1), {})
+
+
+def test_requests_feeding_the_draft_match_only_pages_holding_its_kv() -> None:
+    """Pages published without the draft's KV serve requests that do not feed it; a request
+    that does stops before them, and its own pages take the place of the idle ones."""
+    cache = PrefixCache(num_pages=9, page_size=2)
+    unfed = cache.allocate(2)
+    cache.release(cache.insert([1, 2, 3, 4], unfed, drafted=False))
+    assert cache.match([1, 2, 3, 4, 5], drafted=True) == []
+    held = cache.match([1, 2, 9])  # a request not feeding the draft holds the first page
+    assert held == unfed[:1]
+    fed = cache.allocate(2)
+    assert cache.insert([1, 2, 3, 4], fed) == []
+    # The first node is in use: it stays, and the copy is freed; the second is replaced.
+    assert unfed[1] in cache.free and fed[0] in cache.free
+    assert cache.match([1, 2, 3, 4, 5], drafted=True) == []
+    _check(cache, {}, {unfed[0]: 1})
+    cache.release(held)
+    again = cache.allocate(1)
+    cache.insert([1, 2], again)
+    hit = cache.match([1, 2, 3, 4, 5], drafted=True)
+    assert hit == [again[0], fed[1]] and unfed[0] in cache.free
+    assert cache.match([1, 2, 3, 4, 5]) == hit  # any request may use drafted pages
+    _check(cache, {}, {again[0]: 2, fed[1]: 2})

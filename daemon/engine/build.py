@@ -133,6 +133,7 @@ def build_engine(
                 context_length=context_length,
                 retract_every=debug_knob("OUTRIDER_DEBUG_RETRACT_EVERY"),
                 prefix_margin_pages=runner.worker.prefix_margin_pages,
+                draft_state=shape.speculative and runner.worker.draft_state,
             ),
             shape,
             PrefixCache(num_pages, page_size),
@@ -312,6 +313,7 @@ def _build_runner(
         config.max_running,
         (shape.width, 1) if adaptive else (shape.width,),
         worker.deferred_positions,
+        unfed_plain=adaptive and worker.draft_state,
     )
     runner = ModelRunner(
         model, kv, backends, slots, worker, shape, limits, device,
@@ -488,9 +490,12 @@ def _decode_graphs(
     max_running: int,
     widths: tuple[int, ...],
     catch_up_capacity: int,
+    *,
+    unfed_plain: bool,
 ) -> DecodeGraphs | None:
-    """CUDA graphs for decode batches (``max_running`` is the scratch slot) of each row width,
-    and for catch-ups of ``catch_up_capacity`` positions a slot (0: none); None: eager."""
+    """CUDA graphs for decode batches (``max_running`` is the scratch slot) of each row width
+    (and plain steps of unfed rows: ``unfed_plain``), and for catch-ups of
+    ``catch_up_capacity`` positions a slot (0: none); None: eager."""
     if settings is None:
         return None
     return DecodeGraphs(
@@ -501,6 +506,7 @@ def _decode_graphs(
         kv_bounded=settings.kv_bounded,
         widths=widths,
         catch_up_capacity=catch_up_capacity,
+        unfed_plain=unfed_plain,
     )
 
 

@@ -42,6 +42,10 @@ drafting resumes after two plain turns three times; what such a turn takes beyon
 turn, over a plain turn, is ``BreakEven.resume`` (scheduler/drafting.py says how the policy
 uses it).
 
+The unfed plain step: where the draft keeps state over the context, the same rows then stop
+feeding it (``Request.fed``) and plain turns are timed again: a plain turn's time over this
+one's is ``BreakEven.unfed`` (scheduler/drafting.py).
+
 Cost at start: at each size, two kinds of batch x 2 modes x (1 + the timed turns) turns, plus
 the resumes' 9 turns and one prompt; the log line says how long it took (on the family, CPU:
 about 0.5 s at batch 1, 1.2-1.5 s at batch 1 and 4, against 0.6 s for the greedy 4-token
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from outrider.daemon.internal import SamplingSpec, own_request
 from outrider.daemon.scheduler.drafting import BreakEven, FixedDrafting
@@ -75,8 +80,8 @@ def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> 
     started = time.perf_counter()
     limits, page_size = loop.scheduler.planner.limits, loop.scheduler.pages.page_size
     # Per mode: one turn that runs the other mode's step in flight, then the timed turns; then
-    # the resumes, each after its plain turns.
-    turns = 2 * (_timed_turns(loop) + 2) + RESUMES * (PLAIN_BEFORE_RESUME + 1)
+    # the resumes, each after its plain turns; then the unfed plain turns.
+    turns = 3 * (_timed_turns(loop) + 2) + RESUMES * (PLAIN_BEFORE_RESUME + 1)
     new_tokens = turns * shape.max_commit
     step_room = 2 * shape.kv_span
     prompt = max(min(PROMPT, limits.context_length - new_tokens - step_room), 1)
@@ -86,28 +91,36 @@ def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> 
     sizes = [
         bs for bs in SIZES if bs <= limits.max_running and prompt + 2 * bs * row <= pool_tokens
     ] or [1]
-    # The resume's cost, once: at the smallest size, greedy, where the runner defers catch-ups.
-    resume_at = sizes[0] if loop.runner.deferred is not None else 0
-    timed = [_cycle_cost(loop, bs, [0] * prompt, new_tokens, 0.0, bs == resume_at) for bs in sizes]
-    greedy = tuple(ratio for ratio, _ in timed)
+    # The resume's and the unfed step's costs, once: at the smallest size, greedy.
+    timed = [_cycle_cost(loop, bs, [0] * prompt, new_tokens, 0.0, bs == sizes[0]) for bs in sizes]
+    greedy = tuple(t.cycle for t in timed)
     sampled = tuple(
-        _cycle_cost(loop, bs, [0] * prompt, new_tokens, SAMPLED_TEMPERATURE, False)[0]
+        _cycle_cost(loop, bs, [0] * prompt, new_tokens, SAMPLED_TEMPERATURE, False).cycle
         for bs in sizes
     )
-    resume = timed[0][1]
-    resumed = (
-        f"; resuming it after plain steps costs {resume:.2f} plain steps more (the draft's "
-        "catch-up)"
-        if resume_at
-        else ""
-    )
+    first = timed[0]
+    extras = ""
+    if loop.runner.deferred is not None:
+        extras += (
+            f"; resuming it after plain steps costs {first.resume:.2f} plain steps more (the "
+            "draft's catch-up)"
+        )
+    if limits.draft_state:
+        extras += f"; a plain step costs {first.unfed:.2f} of the target's own"
     log.info(
         "drafting pays from an acceptance length of %s greedy, %s sampled (batch %s, "
         "%d-token prompts; the cycle's time over a plain step's)%s; timed in %.1f s",
-        _listed(greedy), _listed(sampled), ", ".join(map(str, sizes)), prompt, resumed,
+        _listed(greedy), _listed(sampled), ", ".join(map(str, sizes)), prompt, extras,
         time.perf_counter() - started,
     )  # fmt: skip
-    return BreakEven(tuple(sizes), greedy, sampled, resume)
+    return BreakEven(tuple(sizes), greedy, sampled, first.resume, first.unfed)
+
+
+@dataclass(frozen=True)
+class _Timed:
+    cycle: float  # a drafting turn's time over a plain turn's
+    resume: float = 0.0  # what resuming costs beyond a drafting turn, in plain turns
+    unfed: float = 1.0  # a plain turn's time over an unfed plain turn's
 
 
 def _listed(taus: tuple[float, ...]) -> str:
@@ -120,11 +133,12 @@ def _cycle_cost(
     prompt: list[int],
     new_tokens: int,
     temperature: float,
-    resume: bool,
-) -> tuple[float, float]:
+    extras: bool,
+) -> _Timed:
     """A drafting turn's time over a plain turn's (``_turn_time``), for ``bs`` rows at
-    ``temperature`` (row ``i`` seeded ``i``); and with ``resume``, what a drafting turn right
-    after plain ones costs beyond a drafting turn, in plain turns (``_resume_time``), else 0."""
+    ``temperature`` (row ``i`` seeded ``i``); with ``extras``, where the engine has them, what
+    a drafting turn right after plain ones costs beyond a drafting turn, in plain turns
+    (``_resume_time``), and a plain turn's time over that of the same rows unfed."""
     scheduler = loop.scheduler
     policy = FixedDrafting(on=True)
     previous = scheduler.policy
@@ -140,16 +154,22 @@ def _cycle_cost(
         policy.on = drafting
         loop.iterate()
         turn[drafting] = _turn_time(loop)
-    extra = 0.0
-    if resume:
-        extra = max(_resume_time(loop, policy) - turn[True], 0.0) / turn[False]
+    resume, unfed = 0.0, 1.0
+    if extras and loop.runner.deferred is not None:
+        resume = max(_resume_time(loop, policy) - turn[True], 0.0) / turn[False]
+    if extras and scheduler.planner.limits.draft_state:
+        policy.on = False
+        for req in scheduler.running:
+            req.fed = False  # for good: their buffered positions are dropped
+        loop.iterate()
+        unfed = max(turn[False] / _turn_time(loop), 1.0)
     for rid in rids:
         scheduler.abort(rid, "start-up timing done")
     while loop.has_work:
         loop.iterate()
     scheduler.take_updates()
     scheduler.use_policy(previous)
-    return max(turn[True] / turn[False], 1.0), extra
+    return _Timed(max(turn[True] / turn[False], 1.0), resume, unfed)
 
 
 def _resume_time(loop: EngineLoop, policy: FixedDrafting) -> float:

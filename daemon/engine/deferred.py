@@ -17,6 +17,10 @@ batch whose rows all end their prompts, each in at most ``capacity`` tokens (a p
 remainder, a short prompt), buffers its positions too (``buffers``) instead of running the
 draft over them: the draft catches up on them with the plain steps after, in one batch.
 
+A slot whose request does not feed the draft (``StepPlan.unfed``) buffers nothing the host
+counts and never catches up: what it had buffered is dropped (the device's count and entries
+stay until the slot's next EXTEND clears them, and nothing reads them).
+
 Every count is exact on the host: a plain step buffers one position a row, an EXTEND starts a
 slot afresh (with its chunk's positions, or none), a catch-up empties it. A tensor-parallel
 rank makes the same decisions from the same plans.
@@ -113,7 +117,8 @@ class DeferredCatchUp:
         """What must catch up before ``plan`` runs (module docstring), or None."""
         slots = [s for s in plan.released_slots if self.pending[s]]
         if plan.kind == "decode":
-            buffered = [s for s in plan.slots if self.pending[s]]
+            unfed = set(plan.unfed)
+            buffered = [s for s in plan.slots if self.pending[s] and s not in unfed]
             if plan.drafting or any(self.pending[s] >= self.capacity for s in buffered):
                 slots += buffered
         if not slots:
@@ -178,18 +183,21 @@ class DeferredCatchUp:
 
     def advance(self, plan: StepPlan, catch_up: CatchUp | None) -> None:
         """The counts after ``plan`` (and ``catch_up`` before it) were launched."""
-        for slot in catch_up.slots if catch_up is not None else ():
+        for slot in (*(catch_up.slots if catch_up is not None else ()), *plan.unfed):
             self.pending[slot] = 0
+        unfed = set(plan.unfed)
         if plan.kind == "extend":
             buffered = self.buffers(plan)
             for slot, start, q_len in zip(plan.slots, plan.starts, plan.q_lens, strict=True):
-                self.pending[slot] = q_len if buffered else 0
+                self.pending[slot] = q_len if buffered and slot not in unfed else 0
                 self.kv_bound[slot] = self.kv_floor[slot] = start + q_len
             return
         for slot in plan.slots:
             self.kv_floor[slot] += 1
         if not plan.drafting:
             for slot, start in zip(plan.slots, plan.starts, strict=True):
+                if slot in unfed:
+                    continue
                 self.pending[slot] += 1
                 self.kv_bound[slot] = start + 1
                 assert self.pending[slot] <= self.capacity, "a full buffer catches up first"

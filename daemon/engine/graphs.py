@@ -87,6 +87,7 @@ class GraphKey:
     all_greedy: bool
     max_logprobs: int  # 0, or the most any request may ask
     width: int = 1  # tokens a row: the speculative width, or 1 for a plain step
+    fed: bool = True  # False: a plain step of rows that do not feed the draft (the target's)
 
 
 @dataclass(frozen=True)
@@ -197,15 +198,18 @@ class DecodeGraphs:
         kv_bounded: bool = True,
         widths: tuple[int, ...] = (1,),
         catch_up_capacity: int = 0,
+        unfed_plain: bool = False,
     ) -> None:
         """``kv_bounded``: some backend of a decode batch declares ``graph_kv_bound``;
         ``widths``: the row widths decode batches run with (the speculative width, and 1
         where plain steps run); ``catch_up_capacity``: the positions a slot's plain steps
-        buffer for the draft's catch-up (0: none)."""
+        buffer for the draft's catch-up (0: none); ``unfed_plain``: plain steps of rows that
+        do not feed the draft run too (their own graphs: the target's step alone)."""
         self.buckets = batch_buckets(max_bs)
         self.catch_up_rows = [rows for rows in CATCH_UP_ROWS if rows <= max_bs]
         self.catch_up_lens = catch_up_lengths(catch_up_capacity)
         self.widths = sorted(widths, reverse=True)
+        self.unfed_plain = unfed_plain
         self.kv_buckets = kv_buckets(max_kv, kv_bounded)
         self.max_kv = max_kv
         self.max_logprobs = max_logprobs
@@ -234,6 +238,7 @@ class DecodeGraphs:
             all_greedy=plan.all_greedy,
             max_logprobs=self.max_logprobs if plan.max_logprobs else 0,
             width=plan.q_lens[0],
+            fed=not plan.target_only,
         )
 
     def catch_up_key(self, catch_up: CatchUp) -> CatchUpKey | None:
@@ -248,14 +253,17 @@ class DecodeGraphs:
         return CatchUpKey(rows, length, kv)
 
     def start_keys(self) -> list[GraphKey]:
-        """The keys captured before READY: every batch bucket x width x KV bucket, sampled
-        and greedy, without logprobs; largest first (KV bound, then batch, then width), so
-        later captures fit in the blocks the earlier ones freed."""
+        """The keys captured before READY: every batch bucket x width x KV bucket (and the
+        unfed plain step), sampled and greedy, without logprobs; largest first (KV bound, then
+        batch, then width), so later captures fit in the blocks the earlier ones freed."""
+        variants = [(width, True) for width in self.widths]
+        if self.unfed_plain:
+            variants.append((1, False))
         return [
-            GraphKey(bs, kv, all_greedy, 0, width)
+            GraphKey(bs, kv, all_greedy, 0, width, fed)
             for kv in reversed(self.kv_buckets)
             for bs in reversed(self.buckets)
-            for width in self.widths
+            for width, fed in variants
             for all_greedy in (False, True)
         ]
 
@@ -318,14 +326,16 @@ class DecodeGraphs:
         sampling variant."""
         extra = key.bs - plan.bs
         width = plan.q_lens[0]
+        scratch = [self.scratch_slot] * extra
         return msgspec.structs.replace(
             plan,
-            slots=plan.slots + [self.scratch_slot] * extra,
+            slots=plan.slots + scratch,
             starts=plan.starts + [0] * extra,
             q_lens=plan.q_lens + [width] * extra,
             sample_rows=list(range(key.bs)),
             all_greedy=key.all_greedy,
             max_logprobs=key.max_logprobs,
+            unfed=plan.unfed if key.fed else plan.unfed + scratch,
         )
 
     def scratch_plan(self, key: GraphKey) -> StepPlan:
@@ -343,6 +353,7 @@ class DecodeGraphs:
             slot_params=[],
             max_logprobs=key.max_logprobs,
             all_greedy=key.all_greedy,
+            unfed=[] if key.fed else [self.scratch_slot] * key.bs,
         )
 
     def capture(self, key: GraphKey, run: Callable[[], StepResults]) -> None:
@@ -352,9 +363,9 @@ class DecodeGraphs:
         # Start-up captures are summed up by capture_all; a later one is a first use.
         log.log(
             logging.INFO if self.started else logging.DEBUG,
-            "captured a decode graph%s: batch %d, width %d, KV bound %d, %s%s in %.2f s",
-            " on first use" if self.started else "",
-            key.bs, key.width, key.max_kv, "greedy" if key.all_greedy else "sampling",
+            "captured a decode graph%s: batch %d, width %d%s, KV bound %d, %s%s in %.2f s",
+            " on first use" if self.started else "", key.bs, key.width,
+            "" if key.fed else " (unfed)", key.max_kv, "greedy" if key.all_greedy else "sampling",
             ", logprobs" if key.max_logprobs else "", time.monotonic() - started,
         )  # fmt: skip
 

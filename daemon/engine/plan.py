@@ -43,6 +43,9 @@ class StepPlan(Struct, array_like=True, frozen=True):
     # EXTEND: per row, the token after its chunk when the host knows it (0 where the chunk
     # ends the prompt: that token is sampled on the device).
     next_ids: list[int] = []
+    # Slots of rows whose requests do not feed the draft (scheduler/drafting.py): their
+    # draft's state is never caught up.
+    unfed: list[int] = []
 
     @property
     def bs(self) -> int:
@@ -53,6 +56,12 @@ class StepPlan(Struct, array_like=True, frozen=True):
         """A decode batch whose rows verify drafts (width > 1); False: a plain decode step,
         one token a row, on any engine (a speculative engine's drafting policy chooses)."""
         return self.kind == "decode" and self.q_lens[0] > 1
+
+    @property
+    def target_only(self) -> bool:
+        """No row feeds the draft, and the batch does not draft: it is the target's alone (no
+        captured layers, no catch-up, nothing buffered)."""
+        return len(self.unfed) == self.bs and not self.drafting
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,10 @@ as a verify of the root alone that accepted nothing (``Accepted`` one column wid
 state stays current without drafting; a worker that defers it (``deferred_positions``)
 buffers the step's inputs instead, and the runner has it catch up in one batch before the
 slot drafts again (engine/deferred.py).
+
+Rows whose requests do not feed the draft (``StepPlan.unfed``, scheduler/drafting.py) take
+part in a batch as any other, but a batch of such rows alone is the target's: its forward
+captures nothing, and no worker hook runs (a plain step replays a graph of its own).
 """
 
 from __future__ import annotations
@@ -297,7 +301,8 @@ class ModelRunner:
             fb, inputs.input_ids, inputs.next_tokens, inputs.sample_rows, inputs.sample_slots
         )
         if not plan.sample_rows:
-            self.worker.after_extend(view)
+            if not plan.target_only:
+                self.worker.after_extend(view)
             return None
         logits = self.model.compute_logits(hidden[inputs.sample_index])  # [n, V]
         batch = self.slots.sampling(inputs.sample_slots, plan)
@@ -307,10 +312,11 @@ class ModelRunner:
             inputs.sample_slots, out.tokens, last_positions + 1, inputs.sample_positions + 1
         )
         inputs.next_tokens.index_copy_(0, inputs.sample_rows, out.tokens)
-        if self.deferred is not None and self.deferred.buffers(plan):
-            self.worker.defer_extend(view)
-        else:
-            self.worker.after_extend(view)
+        if not plan.target_only:
+            if self.deferred is not None and self.deferred.buffers(plan):
+                self.worker.defer_extend(view)
+            else:
+                self.worker.after_extend(view)
         return StepResults(
             tokens=out.tokens.unsqueeze(1),
             commit_lens=None,
@@ -397,10 +403,11 @@ class ModelRunner:
         tokens, lens, path = out.tokens.unsqueeze(1), self.ones[:bs], self.zeros[:bs]  # [bs, 1]
         self._mark("catch_up")
         accepted = Accepted(tokens, lens.view(bs), path)
-        if self.deferred is not None:
-            self.worker.defer(view, fb, accepted)
-        else:
-            self.worker.after_accept(view, fb, accepted)
+        if not plan.target_only:
+            if self.deferred is not None:
+                self.worker.defer(view, fb, accepted)
+            else:
+                self.worker.after_accept(view, fb, accepted)
         self._mark("end")
         return StepResults(
             tokens=tokens,
@@ -444,7 +451,8 @@ class ModelRunner:
             tree_mask=tree_mask,
             host=host,
         )
-        return ForwardBatch.bind(layout, self.backends[phase], self.kv, self.worker.capture_layers)
+        capture = () if plan.target_only else self.worker.capture_layers
+        return ForwardBatch.bind(layout, self.backends[phase], self.kv, capture)
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

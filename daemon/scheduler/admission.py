@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from outrider.daemon.scheduler.pages import PageDelta, PageManager
 from outrider.daemon.scheduler.request import Request
@@ -36,16 +37,19 @@ class Admission:
         self.requests[req.rid] = req
         self.waiting.append(req)
 
-    def admit_next(self, delta: PageDelta) -> Request | None:
+    def admit_next(self, delta: PageDelta, feeds: Callable[[Request], bool]) -> Request | None:
         """Admit the head of the queue (its page-table entries go to ``delta``), or None when
-        it must wait: no free slot, a step of it still in flight, or its pages do not fit."""
+        it must wait: no free slot, a step of it still in flight, or its pages do not fit.
+        ``feeds``: whether a request feeds its draft (``Request.fed``), asked once."""
         if not self.waiting or not self.slots.has_free:
             return None
         req = self.waiting[0]
         if req.steps_in_flight:
             return None  # retracted with a step still in flight: its last token is unknown
+        if req.fed is None:
+            req.fed = feeds(req)
         known = req.known_ids()
-        reservation = self.pages.reserve(known, self._headroom())
+        reservation = self.pages.reserve(known, self._headroom(), fed=req.fed)
         if reservation is None:
             return None
         self.waiting.popleft()

@@ -44,6 +44,22 @@ when drafting resumes or stops, never what is committed (the runner's module doc
 why). Drafts drawn with ``"sample": "rejection"`` are the exception: every committed token is
 distributed as the target's either way, but which tokens a seed gives then depends on which
 steps drafted.
+
+Feeding the draft: a draft that keeps state over the context (EAGLE-3, DFlash, a standalone
+draft: its own KV) costs a request something even where no step drafts: the target's forwards
+capture its layers, plain steps buffer them, and the draft catches up on them, at the end of
+the request too. A request of a kind whose acceptance does not pay for drafting does not feed
+the draft at all (``Request.fed`` False, decided at its first admission by ``feeds``): its
+steps are the target's alone, as without speculation, and its pages enter the prefix cache
+marked as lacking the draft's KV (radix.py). A kind pays where its mean reaches the break-even
+counted against the target's own plain step (``BreakEven.unfed``: what a fed plain step costs
+over it), plus the resume margin. Every ``probe_requests`` unfed admissions of a kind (doubling
+up to ``max_probe_requests``) one is fed anyway (``Request.probe``): it counts as unobserved,
+so it drafts, and measures its kind again. A fed request stops feeding the draft for good
+where a batch of it runs plain and its own mean over at least ``demote_after`` drafting steps
+does not pay as its kind's would not (what it had buffered is dropped, never caught up). An
+unfed row counts an acceptance length of 1 in a mixed batch; a batch of unfed rows never
+drafts.
 """
 
 from __future__ import annotations
@@ -60,6 +76,10 @@ class DraftPolicy(Protocol):
         """Whether the decode batch of ``rows`` drafts."""
         ...
 
+    def feeds(self, req: Request, running: int) -> bool:
+        """Whether ``req``, admitted beside ``running`` requests, feeds the draft."""
+        ...
+
     def observe(self, req: Request, commit_len: int) -> None:
         """A drafting step of ``req`` committed ``commit_len`` tokens (1 + accepted drafts)."""
         ...
@@ -74,20 +94,29 @@ class FixedDrafting:
     def drafting(self, rows: list[Request]) -> bool:
         return self.on
 
+    def feeds(self, req: Request, running: int) -> bool:
+        return True
+
     def observe(self, req: Request, commit_len: int) -> None:
         pass
 
 
 class AlternateDrafting:
-    """Every other decode batch drafts, whatever was accepted: the warm-up before READY runs
-    both kinds of step, and tests check that outputs do not depend on the choice."""
+    """Every other decode batch drafts and every other request feeds the draft, whatever was
+    accepted: the warm-up before READY runs every kind of step, and tests check that outputs
+    do not depend on the choices."""
 
     def __init__(self) -> None:
         self.decisions: list[bool] = []
+        self.fed: list[bool] = []
 
     def drafting(self, rows: list[Request]) -> bool:
         self.decisions.append(len(self.decisions) % 2 == 0)
         return self.decisions[-1]
+
+    def feeds(self, req: Request, running: int) -> bool:
+        self.fed.append(len(self.fed) % 2 == 0)
+        return self.fed[-1]
 
     def observe(self, req: Request, commit_len: int) -> None:
         pass
@@ -115,6 +144,7 @@ class BreakEven:
     greedy: tuple[float, ...]
     sampled: tuple[float, ...]
     resume: float = 0.0  # what resuming after plain steps costs beyond a cycle, in plain steps
+    unfed: float = 1.0  # a plain step's time over the target's own (no row feeding the draft)
 
     @classmethod
     def fixed(cls, tau: float) -> BreakEven:
@@ -134,6 +164,9 @@ class AdaptiveSettings:
     probe_every: int = 8  # plain steps before the first probe
     # At most this many plain steps between probes; None: ``probe_cap`` of the break-even.
     max_probe_every: int | None = None
+    probe_requests: int = 4  # unfed admissions of a kind before its first fed probe
+    max_probe_requests: int = 64
+    demote_after: int = 8  # drafting steps of a request before its own mean may stop feeding
 
 
 PROBE_SHARE = 0.01  # of a plain batch's time, what its probes may take at most
@@ -173,15 +206,46 @@ class AdaptiveDrafting:
         self.max_probe_every = settings.max_probe_every or probe_cap(settings.break_even)
         self.plain_run = 0  # plain steps in a row
         self.drafting_run = True  # the last decision drafted by the estimates (a probe: not)
+        # Per kind: unfed admissions since its last fed one, and how many make a probe.
+        self.unfed_run: dict[int, int] = {}
+        self.probe_requests: dict[int, int] = {}
 
     def estimate(self, req: Request) -> float | None:
-        """``req``'s estimated acceptance length; None while its kind was never observed."""
+        """``req``'s estimated acceptance length; None while its kind was never observed,
+        and for a probe that has not drafted yet."""
+        if req.fed is False:
+            return 1.0  # its drafts have no context
         if req.tau_estimate > 0.0:
             return req.tau_estimate
         kind = self.kind_tau.get(kind_of(req))
-        return kind.value if kind is not None else None
+        return kind.value if kind is not None and not req.probe else None
+
+    def feeding_pays(self, tau: float, req: Request, batch: int) -> bool:
+        """Whether drafting at ``tau`` for ``req`` in a batch of ``batch`` pays for feeding the
+        draft: the break-even against the target's own plain step, resumed."""
+        break_even = self.settings.break_even
+        pays_from = break_even.at(batch, req.sampling.temperature == 0.0) * break_even.unfed
+        return tau >= pays_from + break_even.resume / self.settings.resume_horizon
+
+    def feeds(self, req: Request, running: int) -> bool:
+        settings, kind = self.settings, kind_of(req)
+        mean = self.kind_tau.get(kind)
+        if mean is None or self.feeding_pays(mean.value, req, running + 1):
+            self.unfed_run[kind] = 0
+            self.probe_requests[kind] = settings.probe_requests
+            return True
+        self.unfed_run[kind] = self.unfed_run.get(kind, 0) + 1
+        wait = self.probe_requests.setdefault(kind, settings.probe_requests)
+        if self.unfed_run[kind] <= wait:
+            return False
+        self.unfed_run[kind] = 0
+        self.probe_requests[kind] = min(2 * wait, settings.max_probe_requests)
+        req.probe = True
+        return True
 
     def drafting(self, rows: list[Request]) -> bool:
+        if all(req.fed is False for req in rows):
+            return False
         all_greedy = all(req.sampling.temperature == 0.0 for req in rows)
         break_even = self.settings.break_even.at(len(rows), all_greedy)
         estimates = [self.estimate(req) for req in rows]
@@ -194,12 +258,23 @@ class AdaptiveDrafting:
             self.plain_run = 0
             self.probe_every = self.settings.probe_every
             return True
+        for req in rows:
+            self._demote(req)
+        if all(req.fed is False for req in rows):
+            return False
         if self.plain_run >= self.probe_every:
             self.plain_run = 0
             self.probe_every = min(2 * self.probe_every, self.max_probe_every)
             return True
         self.plain_run += 1
         return False
+
+    def _demote(self, req: Request) -> None:
+        """``req`` stops feeding the draft where its own mean does not pay (docstring)."""
+        drafted = req.spec_drafts
+        if req.fed and drafted >= self.settings.demote_after:
+            mean = 1.0 + req.spec_accepted_tokens / drafted
+            req.fed = self.feeding_pays(mean, req, 1)
 
     def observe(self, req: Request, commit_len: int) -> None:
         settings, start = self.settings, self.estimate(req)

@@ -42,13 +42,14 @@ class PageManager:
     def pages_for(self, positions: int) -> int:
         return (positions + self.page_size - 1) // self.page_size
 
-    def reserve(self, known: list[int], headroom: int) -> Reservation | None:
+    def reserve(self, known: list[int], headroom: int, *, fed: bool) -> Reservation | None:
         """Pages for ``known`` plus one sampled token, reusing the longest cached prefix less
-        its last ``prefix_margin_pages`` (given back: speculative drafts recompute them).
+        its last ``prefix_margin_pages`` (given back: speculative drafts recompute them); a
+        request that feeds its draft (``fed``) reuses pages holding the draft's KV only.
         None, holding nothing, when they would leave fewer than ``headroom`` pages."""
         # NOTE: an admission that backs out is retried next step: count the query only once
         # it succeeds.
-        cached = self.cache.match(known, record=False)
+        cached = self.cache.match(known, record=False, drafted=fed)
         if self.prefix_margin_pages and cached:
             give_back = cached[max(0, len(cached) - self.prefix_margin_pages) :]
             self.cache.release(give_back)
@@ -81,11 +82,13 @@ class PageManager:
 
     def release(self, req: Request, *, publish: bool) -> None:
         """Drop ``req``'s pages; ``publish`` first puts its whole pages into the prefix cache
-        (only positions whose KV a launched step writes, with known tokens)."""
+        (only positions whose KV a launched step writes, with known tokens), marked as holding
+        the draft's KV where ``req`` fed its draft to the end."""
         pages = req.pages
         if publish:
             known = req.known_ids()
-            pages = self.cache.insert(known[: min(req.scheduled_len, len(known))], pages)
+            written = known[: min(req.scheduled_len, len(known))]
+            pages = self.cache.insert(written, pages, drafted=req.fed is not False)
         self.cache.release(pages)
         req.pages, req.num_cached_pages, req.allocated_len = [], 0, 0
 

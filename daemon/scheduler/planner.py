@@ -83,7 +83,7 @@ class Planner:
                 budget -= rows[-1].chunk
         delta = PageDelta()
         admitted: list[SlotParams] = []
-        while budget > 0 and (new := self.admission.admit_next(delta)) is not None:
+        while budget > 0 and (new := self.admission.admit_next(delta, self._feeds)) is not None:
             s = new.sampling
             admitted.append(SlotParams(new.slot, s.temperature, s.top_p, s.top_k, s.seed))
             rows.append(ExtendRow(new, min(budget, new.extend_end - new.scheduled_len)))
@@ -128,8 +128,14 @@ class Planner:
             all_greedy=_all_greedy(sampled),
             released_slots=self.slots.take_released(),
             next_ids=next_ids,
+            unfed=_unfed(requests),
         )
         return Planned(plan, requests)
+
+    def _feeds(self, req: Request) -> bool:
+        """Whether ``req`` feeds the draft (``Request.fed``): the policy's choice where the
+        draft keeps state over the context, else always."""
+        return not self.limits.draft_state or self.policy.feeds(req, len(self.admission.running))
 
     # --- decode ------------------------------------------------------------------------
 
@@ -172,6 +178,7 @@ class Planner:
             max_logprobs=_max_logprobs(rows),
             all_greedy=_all_greedy(rows),
             released_slots=self.slots.take_released(),
+            unfed=_unfed(rows),
         )
         return Planned(plan, rows, max_commit)
 
@@ -198,6 +205,10 @@ class Planner:
 
 def _max_logprobs(requests: list[Request]) -> int:
     return max((r.sampling.logprobs for r in requests), default=0)
+
+
+def _unfed(requests: list[Request]) -> list[int]:
+    return [r.slot for r in requests if r.fed is False]
 
 
 def _all_greedy(requests: list[Request]) -> bool:

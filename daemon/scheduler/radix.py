@@ -11,6 +11,12 @@ Every page except the scratch page 0 is in exactly one state:
 
 A tree node holds one page and the ``page_size`` token ids stored in it; a path from the root
 spells a prefix. ``check`` verifies the table; the scheduler runs it when idle and in tests.
+
+A speculative engine whose draft keeps its own KV in the same pages marks each node
+``drafted`` when its page holds the draft's KV too: a request that does not feed its draft
+(scheduler/drafting.py) publishes pages holding the target's KV alone. A request that feeds its
+draft matches drafted nodes only, and its own page takes the place of an undrafted node of the
+same tokens that no request uses.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class Node:
     parent: Node | None
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     last_use: int = 0
+    drafted: bool = True  # the page holds the draft's KV as well as the target's
 
 
 class PrefixCache:
@@ -109,26 +116,29 @@ class PrefixCache:
 
     # --- prefix matching -----------------------------------------------------------------
 
-    def match(self, token_ids: list[int], *, record: bool = True) -> list[int]:
+    def match(
+        self, token_ids: list[int], *, record: bool = True, drafted: bool = False
+    ) -> list[int]:
         """Cached pages spelling a prefix of ``token_ids``; each gets one more reference.
 
         The hit is capped at ``len(token_ids) - 1`` tokens (the last prompt token must run
-        to produce logits) and is whole pages only. ``record=False`` leaves the query/hit
-        counters to the caller (``record_query``), e.g. for an admission that may back out.
+        to produce logits) and is whole pages only; ``drafted``: it ends before the first
+        undrafted node. ``record=False`` leaves the query/hit counters to the caller
+        (``record_query``), e.g. for an admission that may back out.
         """
-        pages = self._walk(token_ids) if self.enabled else []
+        pages = self._walk(token_ids, drafted) if self.enabled else []
         if record:
             self.record_query(hit=bool(pages))
         return pages
 
-    def _walk(self, token_ids: list[int]) -> list[int]:
+    def _walk(self, token_ids: list[int], drafted: bool) -> list[int]:
         ps = self.page_size
         limit = (len(token_ids) - 1) // ps
         node, pages = self.root, []
         self._clock += 1
         for i in range(limit):
             child = node.children.get(tuple(token_ids[i * ps : (i + 1) * ps]))
-            if child is None:
+            if child is None or (drafted and not child.drafted):
                 break
             child.last_use = self._clock
             pages.append(child.page)
@@ -143,12 +153,13 @@ class PrefixCache:
         self.queries += 1
         self.hits += hit
 
-    def insert(self, token_ids: list[int], pages: list[int]) -> list[int]:
+    def insert(self, token_ids: list[int], pages: list[int], *, drafted: bool = True) -> list[int]:
         """Publish the whole pages of a finished prefix and drop the caller's references.
 
         ``pages[i]`` holds the KV of ``token_ids[i * page_size : (i + 1) * page_size]``;
-        only ``len(token_ids) // page_size`` pages are published. Returns the pages the caller
-        must still release (the partial tail and pages beyond ``token_ids``).
+        only ``len(token_ids) // page_size`` pages are published; ``drafted``: they hold the
+        draft's KV too. Returns the pages the caller must still release (the partial tail and
+        pages beyond ``token_ids``).
         """
         ps = self.page_size
         full = min(len(token_ids) // ps, len(pages)) if self.enabled else 0
@@ -159,15 +170,26 @@ class PrefixCache:
             page = pages[i]
             child = node.children.get(key)
             if child is None:
-                child = Node(key=key, page=page, parent=node)
+                child = Node(key=key, page=page, parent=node, drafted=drafted)
                 node.children[key] = child
                 self.nodes[page] = child
+            elif drafted and not child.drafted and self.refcount[child.page] == 0:
+                self._replace_page(child, page)
             child.last_use = self._clock
             node = child
         # Every published page loses the caller's reference; a page whose chunk was already
         # cached under another page is a duplicate and goes back to the free list.
         self.release(pages[:full])
         return pages[full:]
+
+    def _replace_page(self, node: Node, page: int) -> None:
+        """``page`` (the caller's, drafted) takes the place of idle undrafted ``node``'s."""
+        old = node.page
+        del self.nodes[old]
+        self.evictable -= 1
+        self.free.append(old)
+        node.page, node.drafted = page, True
+        self.nodes[page] = node
 
     # --- integrity -----------------------------------------------------------------------
 

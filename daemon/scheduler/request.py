@@ -62,6 +62,11 @@ class Request:
     spec_accepted_tokens: int = 0
     # Moving average of the commit lengths of its drafting steps; 0: none yet (drafting.py).
     tau_estimate: float = 0.0
+    # Whether it feeds a draft that keeps state over the context (drafting.py): decided at its
+    # first admission (None before); False for good once it stops.
+    fed: bool | None = None
+    # Fed to measure its kind's acceptance again, where that said not to feed (drafting.py).
+    probe: bool = False
     first_token_time: float = 0.0
     admit_time: float = 0.0
 

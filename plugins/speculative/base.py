@@ -153,6 +153,12 @@ class SpeculativeWorker(ABC):
     # at once through ``after_accept``.
     deferred_positions: int = 0
     deferred: DeferredBuffer | None = None  # the buffer, where deferred_positions > 0
+    # The draft keeps state over each row's context (its own KV, n-gram's token table),
+    # which the target's forwards feed. A request may then run without feeding it (the
+    # engine's drafting policy): its forwards capture nothing for the worker, and neither
+    # ``after_extend`` nor a plain step's catch-up runs for it; a batch of such rows calls no
+    # worker hook at all.
+    draft_state: bool = True
 
     def __init__(self, ctx: WorkerContext, options: Any) -> None:
         self.ctx = ctx
@@ -269,6 +275,8 @@ class SpeculativeWorker(ABC):
 
 class NoDraft(SpeculativeWorker):
     """Plain decoding: a decode row is its root alone, and nothing is drafted."""
+
+    draft_state = False
 
     def __init__(self, ctx: WorkerContext) -> None:
         super().__init__(ctx, NoOptions())

@@ -57,7 +57,10 @@ class NgramWorker(SpeculativeWorker):
         # The tokens after the match; past the root the history ends: repeat the root.
         index = (end.unsqueeze(1) + self.draft_offsets).clamp_(max=last)  # [bs, W - 1]
         drafts = history.gather(1, index)
-        return Drafts(torch.where(found.unsqueeze(1), drafts, view.roots.unsqueeze(1)))
+        # NOTE: the table of a row that does not feed it (the drafting policy's unfed rows,
+        # which a mixed batch drafts for) holds -1 or stale tokens: never draft a -1.
+        keep = found.unsqueeze(1) & (drafts >= 0)
+        return Drafts(torch.where(keep, drafts, view.roots.unsqueeze(1)))
 
     def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         # Committed token j sits at position seq + 1 + j; the block starts with the root (a
