@@ -196,8 +196,9 @@ _HELP: dict[str, str] = {
     "draft_model": "draft model directory, for the plugins that need one",
     "speculative_min_acceptance": (
         "a decode batch drafts while its requests' measured acceptance length (1 + accepted "
-        "drafts per cycle) reaches A, else it runs plain steps (probing now and then); "
-        "negative: the cycle's cost in plain steps, measured at start; 0: always draft"
+        "drafts per cycle) reaches A, else it runs plain steps (probing now and then), and "
+        "requests of a kind whose acceptance does not pay do not feed the draft; negative: the "
+        "cycle's cost in plain steps, measured at start; 0: always draft"
     ),
     "speculative_simulate_acceptance": (
         "debug, for dummy weights: commit a mean of A tokens per verify (1 + accepted drafts) "
