@@ -8,7 +8,8 @@ daemon's (``family_temperatures.py``), and every pass counts its turns by kind.
         --engines none eagle3 eagle3:plain dflash
 
 An engine is an algorithm, or ``ALGORITHM:plain`` for the same engine held to plain steps
-(its drafting policy's break-even out of reach: only its probes draft). Turn kinds are
+(its drafting policy's break-even out of reach: only its probes draft, and past its kind's
+first request only the probe requests feed the draft). Turn kinds are
 ``request_turns.py``'s (``+cu``: an eager catch-up ran first). Pass 0 is a warm-up (prompts
 miss the prefix cache) and is not counted.
 """

@@ -193,11 +193,14 @@ def test_plain_batches_probe_with_a_growing_wait() -> None:
     assert [policy.drafting([low]) for _ in range(3)] == [False, False, True]
 
 
-def test_a_kind_that_does_not_pay_stops_feeding_the_draft_and_probes_by_request() -> None:
+def test_a_kind_that_does_not_pay_stops_feeding_the_draft_and_probes_by_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A break-even of 2 against a plain step costing 1.25 of the target's own: a kind pays
     from 2.5. Never observed, it feeds the draft (to learn); at a mean of 2 its requests do not,
     save one fed probe after 2, then 4 (the cap) unfed admissions; a probe drafts at once, and
-    a mean raised to 3 feeds every request again."""
+    a mean raised to 3 feeds every request again; each change is logged once."""
+    caplog.set_level(logging.INFO, logger="outrider.scheduler")
     policy = _policy(
         BreakEven((1,), (2.0,), (2.0,), unfed=1.25), probe_requests=2, max_probe_requests=4
     )
@@ -214,6 +217,11 @@ def test_a_kind_that_does_not_pay_stops_feeding_the_draft_and_probes_by_request(
     after = _req(20)
     assert policy.feeds(after, 0) and not after.probe
     assert policy.feeds(_req(21, temperature=1.0), 0)  # another kind, never observed
+    assert [r.getMessage() for r in caplog.records] == [
+        "greedy requests stop feeding the draft: their mean acceptance length 2.00, feeding "
+        "pays from 2.50",
+        "greedy requests feed the draft: their mean acceptance length 3.00, feeding pays from 2.50",
+    ]
 
 
 def test_a_request_whose_own_mean_does_not_pay_stops_feeding_the_draft() -> None:

@@ -47,9 +47,9 @@ feeding it (``Request.fed``) and plain turns are timed again: a plain turn's tim
 one's is ``BreakEven.unfed`` (scheduler/drafting.py).
 
 Cost at start: at each size, two kinds of batch x 2 modes x (1 + the timed turns) turns, plus
-the resumes' 9 turns and one prompt; the log line says how long it took (on the family, CPU:
-about 0.5 s at batch 1, 1.2-1.5 s at batch 1 and 4, against 0.6 s for the greedy 4-token
-timing before).
+the resumes' 9 turns, the unfed plain turns and one prompt; the log line says how long it took
+(on the family, CPU: about 0.5 s at batch 1, 1.2-1.5 s at batch 1 and 4, against 0.6 s for the
+greedy 4-token timing before).
 """
 
 from __future__ import annotations

@@ -65,10 +65,13 @@ drafts.
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 from outrider.daemon.scheduler.request import Request
+
+log = logging.getLogger("outrider.scheduler")
 
 
 class DraftPolicy(Protocol):
@@ -132,6 +135,16 @@ def kind_of(req: Request) -> int:
     if temperature == 0.0:
         return 0
     return 1 + bisect.bisect_left(TEMPERATURE_BANDS, temperature)
+
+
+def kind_name(kind: int) -> str:
+    """``kind_of``'s kind in words: "greedy", or its temperature band."""
+    if kind == 0:
+        return "greedy"
+    low = TEMPERATURE_BANDS[kind - 2] if kind > 1 else 0.0
+    if kind > len(TEMPERATURE_BANDS):
+        return f"T > {low}"
+    return f"{low} < T <= {TEMPERATURE_BANDS[kind - 1]}"
 
 
 @dataclass(frozen=True)
@@ -209,6 +222,7 @@ class AdaptiveDrafting:
         # Per kind: unfed admissions since its last fed one, and how many make a probe.
         self.unfed_run: dict[int, int] = {}
         self.probe_requests: dict[int, int] = {}
+        self.kind_feeds: dict[int, bool] = {}  # the last feeding choice of each kind
 
     def estimate(self, req: Request) -> float | None:
         """``req``'s estimated acceptance length; None while its kind was never observed,
@@ -220,17 +234,26 @@ class AdaptiveDrafting:
         kind = self.kind_tau.get(kind_of(req))
         return kind.value if kind is not None and not req.probe else None
 
-    def feeding_pays(self, tau: float, req: Request, batch: int) -> bool:
-        """Whether drafting at ``tau`` for ``req`` in a batch of ``batch`` pays for feeding the
-        draft: the break-even against the target's own plain step, resumed."""
+    def feeding_pays_from(self, req: Request, batch: int) -> float:
+        """The acceptance length from which drafting for ``req`` in a batch of ``batch`` pays
+        for feeding the draft: the break-even against the target's own plain step, resumed."""
         break_even = self.settings.break_even
         pays_from = break_even.at(batch, req.sampling.temperature == 0.0) * break_even.unfed
-        return tau >= pays_from + break_even.resume / self.settings.resume_horizon
+        return pays_from + break_even.resume / self.settings.resume_horizon
 
     def feeds(self, req: Request, running: int) -> bool:
         settings, kind = self.settings, kind_of(req)
         mean = self.kind_tau.get(kind)
-        if mean is None or self.feeding_pays(mean.value, req, running + 1):
+        pays_from = self.feeding_pays_from(req, running + 1)
+        pays = mean is None or mean.value >= pays_from
+        if mean is not None and pays != self.kind_feeds.get(kind, True):
+            log.info(
+                "%s requests %s the draft: their mean acceptance length %.2f, feeding pays "
+                "from %.2f", kind_name(kind), "feed" if pays else "stop feeding", mean.value,
+                pays_from,
+            )  # fmt: skip
+        self.kind_feeds[kind] = pays
+        if pays:
             self.unfed_run[kind] = 0
             self.probe_requests[kind] = settings.probe_requests
             return True
@@ -274,7 +297,7 @@ class AdaptiveDrafting:
         drafted = req.spec_drafts
         if req.fed and drafted >= self.settings.demote_after:
             mean = 1.0 + req.spec_accepted_tokens / drafted
-            req.fed = self.feeding_pays(mean, req, 1)
+            req.fed = mean >= self.feeding_pays_from(req, 1)
 
     def observe(self, req: Request, commit_len: int) -> None:
         settings, start = self.settings, self.estimate(req)
