@@ -7,7 +7,7 @@ and apply their results. It composes small parts, one concern each:
 | ``SlotTable``       | slots.py     | free slots, their owners, slots released since last plan  |
 | ``PageManager``     | pages.py     | requests' pages, prefix hits, page-table deltas           |
 | ``Planner``         | planner.py   | extend and decode plans, page growth with retraction      |
-| ``DraftPolicy``     | drafting.py  | whether a speculative engine's decode batch drafts        |
+| ``DraftPolicy``     | drafting.py  | whether a decode batch drafts, a request feeds the draft  |
 | ``OutputProcessor`` | outputs.py   | step results, streaming, finish (the lifetime rules)      |
 | ``SchedulerStats``  | counters.py  | finishes and speculative acceptance                       |
 
