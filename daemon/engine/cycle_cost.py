@@ -42,21 +42,24 @@ drafting resumes after two plain turns three times; what such a turn takes beyon
 turn, over a plain turn, is ``BreakEven.resume`` (scheduler/drafting.py says how the policy
 uses it).
 
-The unfed plain step: where the draft keeps state over the context, the same rows then stop
-feeding it (``Request.fed``) and plain turns are timed again: a plain turn's time over this
-one's is ``BreakEven.unfed`` (scheduler/drafting.py).
+The unfed plain step: where the draft keeps state over the context, a last batch at the
+smallest size runs plain turns, then its rows stop feeding the draft (``Request.fed``) and
+plain turns are timed again: the first turn's time over the second's is ``BreakEven.unfed``
+(scheduler/drafting.py). It comes last, so that no other batch meets the pages its requests
+publish as lacking the draft's state.
 
 Cost at start: at each size, two kinds of batch x 2 modes x (1 + the timed turns) turns, plus
-the resumes' 9 turns, the unfed plain turns and one prompt; the log line says how long it took
-(on the family, CPU: about 0.5 s at batch 1, 1.2-1.5 s at batch 1 and 4, against 0.6 s for the
-greedy 4-token timing before).
+the resumes' 9 turns, the unfed batch's plain turns and one prompt; the log line says how long
+it took (on the family, CPU: about 0.5 s at batch 1, 1.2-1.5 s at batch 1 and 4, against 0.6 s
+for the greedy 4-token timing before).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from outrider.daemon.internal import SamplingSpec, own_request
 from outrider.daemon.scheduler.drafting import BreakEven, FixedDrafting
@@ -80,65 +83,54 @@ def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> 
     started = time.perf_counter()
     limits, page_size = loop.scheduler.planner.limits, loop.scheduler.pages.page_size
     # Per mode: one turn that runs the other mode's step in flight, then the timed turns; then
-    # the resumes, each after its plain turns; then the unfed plain turns.
-    turns = 3 * (_timed_turns(loop) + 2) + RESUMES * (PLAIN_BEFORE_RESUME + 1)
+    # the resumes, each after its plain turns.
+    turns = 2 * (_timed_turns(loop) + 2) + RESUMES * (PLAIN_BEFORE_RESUME + 1)
     new_tokens = turns * shape.max_commit
     step_room = 2 * shape.kv_span
-    prompt = max(min(PROMPT, limits.context_length - new_tokens - step_room), 1)
+    prompt = [0] * max(min(PROMPT, limits.context_length - new_tokens - step_room), 1)
     # A row's own pages: the generated tokens, the step's span, the prefix hit's margin pages
     # (recomputed) and the prompt's partial page.
     row = new_tokens + step_room + (loop.scheduler.pages.prefix_margin_pages + 1) * page_size
     sizes = [
-        bs for bs in SIZES if bs <= limits.max_running and prompt + 2 * bs * row <= pool_tokens
+        bs for bs in SIZES if bs <= limits.max_running and len(prompt) + 2 * bs * row <= pool_tokens
     ] or [1]
-    # The resume's and the unfed step's costs, once: at the smallest size, greedy.
-    timed = [_cycle_cost(loop, bs, [0] * prompt, new_tokens, 0.0, bs == sizes[0]) for bs in sizes]
-    greedy = tuple(t.cycle for t in timed)
+    # The resume's cost, once: at the smallest size, greedy, where the runner defers catch-ups.
+    resume_at = sizes[0] if loop.runner.deferred is not None else 0
+    timed = [_cycle_cost(loop, bs, prompt, new_tokens, 0.0, bs == resume_at) for bs in sizes]
+    greedy = tuple(ratio for ratio, _ in timed)
     sampled = tuple(
-        _cycle_cost(loop, bs, [0] * prompt, new_tokens, SAMPLED_TEMPERATURE, False).cycle
-        for bs in sizes
+        _cycle_cost(loop, bs, prompt, new_tokens, SAMPLED_TEMPERATURE, False)[0] for bs in sizes
     )
-    first = timed[0]
+    resume = timed[0][1]
     extras = ""
-    if loop.runner.deferred is not None:
+    if resume_at:
         extras += (
-            f"; resuming it after plain steps costs {first.resume:.2f} plain steps more (the "
-            "draft's catch-up)"
+            f"; resuming it after plain steps costs {resume:.2f} plain steps more (the draft's "
+            "catch-up)"
         )
-    if limits.draft_state:
-        extras += f"; a plain step costs {first.unfed:.2f} of the target's own"
+    unfed = 1.0
+    if limits.draft_state:  # last: its requests publish pages as lacking the draft's state
+        unfed = _unfed_cost(loop, sizes[0], prompt, new_tokens)
+        extras += f"; a plain step costs {unfed:.2f} of the target's own"
     log.info(
         "drafting pays from an acceptance length of %s greedy, %s sampled (batch %s, "
         "%d-token prompts; the cycle's time over a plain step's)%s; timed in %.1f s",
-        _listed(greedy), _listed(sampled), ", ".join(map(str, sizes)), prompt, extras,
+        _listed(greedy), _listed(sampled), ", ".join(map(str, sizes)), len(prompt), extras,
         time.perf_counter() - started,
     )  # fmt: skip
-    return BreakEven(tuple(sizes), greedy, sampled, first.resume, first.unfed)
-
-
-@dataclass(frozen=True)
-class _Timed:
-    cycle: float  # a drafting turn's time over a plain turn's
-    resume: float = 0.0  # what resuming costs beyond a drafting turn, in plain turns
-    unfed: float = 1.0  # a plain turn's time over an unfed plain turn's
+    return BreakEven(tuple(sizes), greedy, sampled, resume, unfed)
 
 
 def _listed(taus: tuple[float, ...]) -> str:
     return ", ".join(f"{tau:.2f}" for tau in taus)
 
 
-def _cycle_cost(
-    loop: EngineLoop,
-    bs: int,
-    prompt: list[int],
-    new_tokens: int,
-    temperature: float,
-    extras: bool,
-) -> _Timed:
-    """A drafting turn's time over a plain turn's (``_turn_time``), for ``bs`` rows at
-    ``temperature`` (row ``i`` seeded ``i``); with ``extras``, where the engine has them, what
-    a drafting turn right after plain ones costs beyond a drafting turn, in plain turns
-    (``_resume_time``), and a plain turn's time over that of the same rows unfed."""
+@contextmanager
+def _timing_batch(
+    loop: EngineLoop, bs: int, prompt: list[int], new_tokens: int, temperature: float
+) -> Iterator[FixedDrafting]:
+    """``bs`` rows at ``temperature`` (row ``i`` seeded ``i``) decoding under the yielded
+    policy (drafting); aborted and drained afterwards, the loop's policy restored."""
     scheduler = loop.scheduler
     policy = FixedDrafting(on=True)
     previous = scheduler.policy
@@ -149,27 +141,51 @@ def _cycle_cost(
         scheduler.add(own_request(rid, "cycle-cost", prompt, new_tokens, sampling))
     while not all(req.decoding for req in scheduler.running) or len(scheduler.running) < bs:
         loop.iterate()
-    turn = {}
-    for drafting in (True, False):
-        policy.on = drafting
-        loop.iterate()
-        turn[drafting] = _turn_time(loop)
-    resume, unfed = 0.0, 1.0
-    if extras and loop.runner.deferred is not None:
-        resume = max(_resume_time(loop, policy) - turn[True], 0.0) / turn[False]
-    if extras and scheduler.planner.limits.draft_state:
+    try:
+        yield policy
+    finally:
+        for rid in rids:
+            scheduler.abort(rid, "start-up timing done")
+        while loop.has_work:
+            loop.iterate()
+        scheduler.take_updates()
+        scheduler.use_policy(previous)
+
+
+def _cycle_cost(
+    loop: EngineLoop,
+    bs: int,
+    prompt: list[int],
+    new_tokens: int,
+    temperature: float,
+    resume: bool,
+) -> tuple[float, float]:
+    """A drafting turn's time over a plain turn's (``_turn_time``), for ``bs`` rows at
+    ``temperature``; and with ``resume``, what a drafting turn right after plain ones costs
+    beyond a drafting turn, in plain turns (``_resume_time``), else 0."""
+    with _timing_batch(loop, bs, prompt, new_tokens, temperature) as policy:
+        turn = {}
+        for drafting in (True, False):
+            policy.on = drafting
+            loop.iterate()
+            turn[drafting] = _turn_time(loop)
+        extra = 0.0
+        if resume:
+            extra = max(_resume_time(loop, policy) - turn[True], 0.0) / turn[False]
+    return max(turn[True] / turn[False], 1.0), extra
+
+
+def _unfed_cost(loop: EngineLoop, bs: int, prompt: list[int], new_tokens: int) -> float:
+    """A plain turn's time over that of the same ``bs`` greedy rows once they stop feeding the
+    draft (``Request.fed``; their buffered positions are dropped)."""
+    with _timing_batch(loop, bs, prompt, new_tokens, 0.0) as policy:
         policy.on = False
-        for req in scheduler.running:
-            req.fed = False  # for good: their buffered positions are dropped
         loop.iterate()
-        unfed = max(turn[False] / _turn_time(loop), 1.0)
-    for rid in rids:
-        scheduler.abort(rid, "start-up timing done")
-    while loop.has_work:
+        plain = _turn_time(loop)
+        for req in loop.scheduler.running:
+            req.fed = False
         loop.iterate()
-    scheduler.take_updates()
-    scheduler.use_policy(previous)
-    return _Timed(max(turn[True] / turn[False], 1.0), resume, unfed)
+        return max(plain / _turn_time(loop), 1.0)
 
 
 def _resume_time(loop: EngineLoop, policy: FixedDrafting) -> float:
