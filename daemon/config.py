@@ -18,6 +18,7 @@ from outrider.daemon.family import family_defaults
 from outrider.daemon.http_config import parse_host_port
 from outrider.daemon.runtime import is_loopback
 from outrider.plugins.api import PHASES, CheckContext, Phase
+from outrider.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 
 Device = Literal["cpu", "cuda"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -62,7 +63,7 @@ class ServeConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64  # the largest decode batch replayed from a CUDA graph
     chunked_prefill_tokens: int = 2048
-    max_message_bytes: int = 8 * 2**20  # a prompt of a 128k context is about 1 MiB
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # a 128k-token prompt is about 1 MiB
     max_inflight_per_client: int = 1024
     max_inflight: int = 4096
     drain_timeout: float = 60.0
@@ -285,7 +286,7 @@ _SHOWN_DEFAULT: dict[str, str] = {
     "speculative_min_acceptance": "measured at start",
     "dist_init_addr": "a free loopback port (one host)",
     "socket_mode": "0600",
-    "max_message_bytes": "8388608 (8 MiB)",
+    "max_message_bytes": f"{DEFAULT_MAX_MESSAGE_BYTES} ({DEFAULT_MAX_MESSAGE_BYTES // 2**20} MiB)",
     "served_model_name": "the model directory's name (outrider-family for the embedded family)",
 }
 
@@ -461,6 +462,12 @@ def validate(config: ServeConfig) -> list[str]:
     if config.curve_client_keys and not config.curve_secret_key_file:
         problems.append("--curve-client-keys needs --curve-secret-key-file (CURVE is off)")
     problems += _http_problems(config)
+    if config.listen and not config.listen.startswith(("ipc://", "tcp://")):
+        problems.append(
+            f"--listen {config.listen}: expected ipc://PATH or tcp://HOST:PORT (lower case)"
+        )
+    if config.max_message_bytes < 1024:
+        problems.append("--max-message-bytes must be at least 1024")
     if config.socket_mode & ~0o660:
         problems.append(
             f"--socket-mode {config.socket_mode:04o}: only owner and group read/write bits "

@@ -4,11 +4,13 @@ Each request's output is decoded incrementally with the same ``IncrementalDecode
 daemon's stop-string matcher uses, so ``FinishInfo.text_cut`` (a character offset into the
 request's whole output text) means the same text here. A request's decoder lives from its
 first update to its final one. Without a tokenizer (token ids only) frames pass through and
-``text`` stays "".
+``text`` stays "". Every ``BEAT_S`` it also sends the front door an empty batch: the front
+door's ``health`` says ``serving`` only while these keep coming.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -24,10 +26,12 @@ from outrider.daemon.child_runtime import (
     internal_sender,
     run_child,
 )
-from outrider.daemon.internal import RequestUpdate, outputs_codec
+from outrider.daemon.internal import Outputs, RequestUpdate, outputs_codec
 from outrider.daemon.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 log = logging.getLogger("outrider.detokenizer")
+
+BEAT_S = 1.0  # the empty batch that tells the front door this process runs
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ async def _main(cfg: DetokenizerConfig, parent_conn: Connection, ctx: zmq.asynci
     outputs = internal_sender(ctx, cfg.frontdoor_endpoint)
     tasks = ChildTasks(parent)
     tasks.spawn(_forward(inputs, outputs, texts, tasks))
+    tasks.spawn(_beat(outputs))
     parent.report("started")
     log.info("detokenizer started (%s)", "text" if texts is not None else "token ids only")
     await tasks.run()
@@ -77,6 +82,13 @@ async def _forward(
         for update in batch.updates:
             texts.fill(update)
         outputs.send(codec.encode(batch), zmq.DONTWAIT)
+
+
+async def _beat(outputs: zmq.Socket[bytes]) -> None:
+    empty = outputs_codec().encode(Outputs([]))
+    while True:
+        outputs.send(empty, zmq.DONTWAIT)
+        await asyncio.sleep(BEAT_S)
 
 
 class OutputTexts:

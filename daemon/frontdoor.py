@@ -14,8 +14,14 @@ It owns client identities and live request ids, validates and tokenizes requests
   ``max_new_tokens=0`` or for one aborted while its prompt was tokenized, or the one its
   final update becomes. Anything for a rid after its
   final update is dropped.
-- A client that vanishes (a send to it, a reply or a probe, answers EHOSTUNREACH) or stops
-  reading for ``slow_consumer_timeout`` has its live requests aborted in the daemon.
+- Whatever a client does, each of its requests gets its final frame, or the client is gone:
+  one that vanishes (a send to it, a reply or a probe, answers EHOSTUNREACH) has its live
+  requests aborted in the daemon; one that does not keep up for ``slow_consumer_timeout``
+  has them aborted too, each answered ``Error("slow_consumer")``, queued behind the finals
+  it has not read yet (frontdoor_clients.py: and cut off if it still floods).
+- Request ids are a client's own: two clients may use the same one at once.
+- ``health`` says ``serving`` only while both the daemon's heartbeat and the detokenizer's
+  beat (an empty ``Outputs`` batch) are fresh: requests need both to finish.
 - No client input can stop the front door: a message whose handling raises is answered
   ``internal`` and logged, and the front door goes on.
 """
@@ -74,6 +80,7 @@ from outrider.daemon.sampling_defaults import OUTRIDER_DEFAULTS, SamplingDefault
 from outrider.daemon.tokenizer import load_tokenizer
 from outrider.protocol.frames import FrameError, reply_codec, request_codec
 from outrider.protocol.messages import (
+    DEFAULT_MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Abort,
     Ack,
@@ -86,11 +93,14 @@ from outrider.protocol.messages import (
     HealthQuery,
     ServerInfoQuery,
     Usage,
+    is_final,
 )
 
 log = logging.getLogger("outrider.frontdoor")
 
-HEARTBEAT_FRESH_S = 5.0  # health() says "serving" only with a heartbeat younger than this
+HEARTBEAT_FRESH_S = 5.0  # health() says "serving" only with heartbeats younger than this
+# A client is cut off once this many of the largest frames it may send are queued for it.
+BACKLOG_MESSAGES = 8
 # Sent to clients with requests in flight to learn whether they are still connected; no
 # request has an empty id, so every client drops it.
 PROBE = Ack("")
@@ -108,7 +118,7 @@ class FrontDoorConfig:
     control_endpoint: str  # PULL bind: Control from the daemon (.control)
     boot_id: str
     version: str
-    max_message_bytes: int = 8 * 2**20  # ZMQ_MAXMSGSIZE: a larger frame drops the client
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # ZMQ_MAXMSGSIZE: larger drops the client
     curve_server_keys: tuple[bytes, bytes] | None = None  # (public, secret), Z85
     curve_client_keys: tuple[bytes, ...] = ()  # Z85 public keys allowed in (with CURVE)
     socket_mode: int = 0o600  # an ipc:// client socket's file mode, whatever the umask
@@ -120,6 +130,11 @@ class FrontDoorConfig:
     log_level: str = "info"
     # What requests that leave temperature, top_p or top_k out get (--generation-config).
     sampling_defaults: SamplingDefaults = OUTRIDER_DEFAULTS
+
+    @property
+    def max_backlog_bytes(self) -> int:
+        """Bytes queued for one client past which it is cut off (frontdoor_clients.py)."""
+        return BACKLOG_MESSAGES * self.max_message_bytes
 
 
 def run_frontdoor(cfg: FrontDoorConfig, parent_conn: Connection) -> None:
@@ -147,7 +162,8 @@ class FrontDoor:
         self._validator: Validator | None = None
         self._prompts: PromptTokenizer | None = None
         self._state: Literal["loading", "ready", "draining"] = "loading"
-        self._heartbeat_at = -math.inf
+        self._heartbeat_at = -math.inf  # the daemon's last Heartbeat
+        self._detokenizer_at = -math.inf  # the detokenizer's last frame
         self._info_queries: dict[int, tuple[bytes, str]] = {}  # query id -> (client, id)
         self._next_query = 0
         # Finals given here without the daemon (max_new_tokens=0, aborted while tokenized).
@@ -216,7 +232,9 @@ class FrontDoor:
 
     def _bind_client(self) -> None:
         try:
-            port = ClientPort(self._ctx, self.cfg, self._on_client_message, self._client_gone)
+            port = ClientPort(
+                self._ctx, self.cfg, self._on_client_message, self._client_slow, self._client_gone
+            )
         except zmq.ZMQError as exc:
             # The daemon checked the endpoint before loading; another process took it since.
             reason = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
@@ -226,7 +244,7 @@ class FrontDoor:
         self._client = port
         self._tasks.spawn(port.receive_loop())
         self._tasks.spawn(port.flush_loop())
-        self._tasks.spawn(port.probe_loop(self._live.clients, self._replies_codec.encode(PROBE)))
+        self._tasks.spawn(port.probe_loop(self._watched, self._replies_codec.encode(PROBE)))
         self._parent.report("serving", port.endpoint)
         log.info("serving on %s", port.endpoint)
 
@@ -282,11 +300,15 @@ class FrontDoor:
         self._live.add(req)  # from here its request_id is taken, also while it is tokenized
         self._prompts.tokenize(msg, prompt, lambda ids: self._admit(req, msg, prompt, ids))
 
+    def _watched(self) -> set[bytes]:
+        """The clients with calls in flight: live requests or pending ``server_info``."""
+        return set(self._live.clients()).union(asker for asker, _ in self._info_queries.values())
+
     def _check_room(self, identity: bytes, request_id: str) -> None:
         cfg = self.cfg
         if self._state == "draining":
             raise Rejected("shutting_down", "the daemon is shutting down (draining)")
-        if self._live.by_request_id(request_id) is not None:
+        if self._live.by_request_id(identity, request_id) is not None:
             raise Rejected(
                 "duplicate_request_id", f"request_id {request_id!r} is already in flight"
             )
@@ -350,8 +372,8 @@ class FrontDoor:
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         # Only the owner may abort: another client's request is "unknown" to this one.
-        req = self._live.by_request_id(msg.target_id)
-        if req is None or req.identity != identity:
+        req = self._live.by_request_id(identity, msg.target_id)
+        if req is None:
             message = f"target_id {msg.target_id!r} is not a request in flight"
             self._reply(identity, Error(msg.request_id, "unknown_request", message))
             return
@@ -359,7 +381,8 @@ class FrontDoor:
         self._reply(identity, Ack(msg.request_id))
 
     def _health(self, request_id: str) -> Health:
-        fresh = time.monotonic() - self._heartbeat_at < HEARTBEAT_FRESH_S
+        now = time.monotonic()
+        fresh = now - min(self._heartbeat_at, self._detokenizer_at) < HEARTBEAT_FRESH_S
         status: Literal["serving", "not_serving", "draining"] = "not_serving"
         if self._state == "draining":
             status = "draining"
@@ -396,7 +419,20 @@ class FrontDoor:
     def _reply(self, identity: bytes, reply: ClientReply) -> bool:
         """Send one frame to a client; False if the client turned out to be gone."""
         assert self._client is not None
-        return self._client.send(identity, self._replies_codec.encode(reply))
+        return self._client.send(identity, self._replies_codec.encode(reply), is_final(reply))
+
+    def _client_slow(self, identity: bytes, why: str) -> None:
+        """A client did not keep up: each of its live requests is aborted and answered
+        ``slow_consumer`` (its pending ``server_info`` answers still come)."""
+        reqs = self._live.orphan_client(identity)
+        message = f"this client read its replies too slowly ({why}): the request was aborted"
+        for req in reqs:
+            self._abort(req, "slow consumer")
+        for req in reqs:
+            if not self._reply(identity, Error(req.request_id, "slow_consumer", message)):
+                break
+        if reqs:
+            log.info("slow consumer: aborted %d requests of client %s", len(reqs), identity.hex())
 
     def _client_gone(self, identity: bytes, reason: str) -> None:
         """A client vanished: abort its live requests, forget its pending queries."""
@@ -428,7 +464,7 @@ class FrontDoor:
         while True:
             frame = await self._outputs.recv(copy=False)
             self._tasks.touch()
-            now = time.monotonic()
+            now = self._detokenizer_at = time.monotonic()
             for update in self._outputs_codec.decode(frame.buffer).updates:
                 self._on_update(update, now)
 

@@ -2,12 +2,19 @@
 
 - Sends use DONTWAIT. When a client's pipe is full (its high-water mark is reached) the frame
   waits in that client's backlog and every later frame to that client queues behind it, so a
-  client sees its frames in order. The backlogs are retried every ``FLUSH_INTERVAL_S``; a
-  client whose backlog has not emptied for ``slow_consumer_timeout`` is a slow consumer.
+  client sees its frames in order. The backlogs are retried every ``FLUSH_INTERVAL_S``.
+- A client whose backlog has not emptied for ``slow_consumer_timeout``, or has grown past
+  ``max_backlog_bytes``, is a slow consumer: the frames queued for it that end nothing
+  (chunks, probes) are dropped, ``on_slow`` ends every request it still has with a final
+  frame, queued behind the finals it has not read, and the wait starts again. A backlog thus
+  holds final frames, one per request, and what came after the last eviction. A client whose
+  finals alone are past ``max_backlog_bytes`` (it sends requests and never reads) is cut off:
+  its backlog is dropped, ``on_gone`` is called, and it is never sent to nor heard again
+  (its client library's idle limit ends its calls).
 - A client is gone when a send to it answers EHOSTUNREACH (``ROUTER_MANDATORY``: the ROUTER
-  holds no connection with its routing id) or when it is a slow consumer: ``on_gone(identity,
+  holds no connection with its routing id) or when it is cut off: ``on_gone(identity,
   reason)`` is called once and the port forgets its backlog. Each watched client (one with
-  requests in flight) is sent a probe frame that clients ignore, ``PROBE_FIRST_S`` after it
+  calls in flight) is sent a probe frame that clients ignore, ``PROBE_FIRST_S`` after it
   became watched and then at doubling intervals up to ``PROBE_MAX_S``, so that a client that
   vanished while its request runs is noticed even when nothing else is sent to it, and one
   that waits long before reading finds only a few probes queued.
@@ -28,7 +35,7 @@ import asyncio
 import logging
 import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -39,6 +46,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from outrider.daemon.curve_auth import start_client_auth
 from outrider.protocol.endpoints import ipc_path
+from outrider.protocol.messages import PROBE_MAX_S
 
 if TYPE_CHECKING:
     from outrider.daemon.frontdoor import FrontDoorConfig
@@ -46,17 +54,34 @@ if TYPE_CHECKING:
 log = logging.getLogger("outrider.frontdoor")
 
 FLUSH_INTERVAL_S = 0.005  # backlog retry period while any client's pipe is full
-PROBE_FIRST_S = 0.5  # a client with requests in flight is first probed after this long
-PROBE_MAX_S = 8.0  # the longest interval between its probes
+PROBE_FIRST_S = 0.5  # a client with calls in flight is first probed after this long
 RECV_BATCH = 64  # client messages handled before yielding to the other tasks
+CUT_OFF_REMEMBERED = 4096  # identities of cut-off clients whose messages are ignored
 
 T = TypeVar("T")
 
 
 @dataclass
 class _Backlog:
-    since: float  # monotonic time at which the backlog became non-empty
-    frames: deque[bytes] = field(default_factory=deque)
+    since: float  # monotonic time at which the backlog became non-empty, or was evicted
+    frames: deque[tuple[bytes, bool]] = field(default_factory=deque)  # (frame, is final)
+    size: int = 0  # bytes in frames
+    evicting: bool = False  # its requests are being ended: their finals queue unchecked
+
+    def append(self, frame: bytes, final: bool) -> None:
+        self.frames.append((frame, final))
+        self.size += len(frame)
+
+    def popleft(self) -> None:
+        self.size -= len(self.frames.popleft()[0])
+
+    def keep_finals(self) -> int:
+        """Drop every frame that ends nothing; returns how many were dropped."""
+        kept = deque(entry for entry in self.frames if entry[1])
+        dropped = len(self.frames) - len(kept)
+        self.frames = kept
+        self.size = sum(len(frame) for frame, _ in kept)
+        return dropped
 
 
 @dataclass
@@ -73,6 +98,7 @@ class ClientPort:
         ctx: zmq.asyncio.Context,
         cfg: FrontDoorConfig,
         on_message: Callable[[bytes, list[zmq.Frame]], None],
+        on_slow: Callable[[bytes, str], None],
         on_gone: Callable[[bytes, str], None],
     ) -> None:
         sock = ctx.socket(zmq.ROUTER)
@@ -95,9 +121,12 @@ class ClientPort:
             raise
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._on_message = on_message
+        self._on_slow = on_slow
         self._on_gone = on_gone
         self._slow_after = cfg.slow_consumer_timeout
+        self._max_backlog = cfg.max_backlog_bytes
         self._backlogs: dict[bytes, _Backlog] = {}
+        self._cut_off: OrderedDict[bytes, None] = OrderedDict()
         self._pending = asyncio.Event()  # set while any backlog is non-empty
 
     def close(self, linger_ms: int) -> None:
@@ -111,19 +140,24 @@ class ClientPort:
         """Whether frames wait for a client whose pipe is full."""
         return bool(self._backlogs)
 
-    def send(self, identity: bytes, frame: bytes) -> bool:
-        """Send or queue one frame; False (after ``on_gone``) if the client is gone."""
+    def send(self, identity: bytes, frame: bytes, final: bool) -> bool:
+        """Send or queue one frame (``final``: it ends a request or a call); False (after
+        ``on_gone``, or for a client cut off before) if the client is gone."""
+        if identity in self._cut_off:
+            return False
         backlog = self._backlogs.get(identity)
-        if backlog is not None:
-            backlog.frames.append(frame)
-            return True
-        sent = self._try_send(identity, frame)
-        if sent is None:
-            self._backlogs[identity] = _Backlog(time.monotonic(), deque([frame]))
+        if backlog is None:
+            sent = self._try_send(identity, frame)
+            if sent is False:
+                self._gone(identity, "client disconnected")
+            if sent is not None:
+                return sent
+            backlog = self._backlogs[identity] = _Backlog(time.monotonic())
             self._pending.set()
-        elif not sent:
-            self._gone(identity, "client disconnected")
-        return sent is not False
+        backlog.append(frame, final)
+        if backlog.size > self._max_backlog and not backlog.evicting:
+            self._evict(identity, backlog, f"{backlog.size} bytes queued")
+        return identity not in self._cut_off
 
     async def receive_loop(self) -> None:
         poller = zmq.asyncio.Poller()
@@ -135,7 +169,9 @@ class ClientPort:
                     frames = _nowait(self._sock.recv_multipart(zmq.DONTWAIT, copy=False))
                 except zmq.Again:
                     break
-                self._on_message(frames[0].bytes, frames[1:])
+                identity = frames[0].bytes
+                if identity not in self._cut_off:
+                    self._on_message(identity, frames[1:])
             await asyncio.sleep(0)  # a ready poll() does not yield: let the other tasks run
 
     async def probe_loop(self, watched: Callable[[], Collection[bytes]], probe: bytes) -> None:
@@ -154,7 +190,7 @@ class ClientPort:
                     continue
                 next_probe.interval = min(2 * next_probe.interval, PROBE_MAX_S)
                 next_probe.at = now + next_probe.interval
-                self.send(identity, probe)
+                self.send(identity, probe, final=False)
 
     async def flush_loop(self) -> None:
         while True:
@@ -164,21 +200,50 @@ class ClientPort:
             for identity, backlog in list(self._backlogs.items()):
                 sent: bool | None = True
                 while backlog.frames:
-                    sent = self._try_send(identity, backlog.frames[0])
+                    sent = self._try_send(identity, backlog.frames[0][0])
                     if not sent:
                         break
-                    backlog.frames.popleft()
+                    backlog.popleft()
                 if sent is False:
                     self._gone(identity, "client disconnected")
                 elif not backlog.frames:
                     del self._backlogs[identity]
                 elif now - backlog.since >= self._slow_after:
-                    log.warning(
-                        "client %s read nothing for %.1f s", identity.hex(), now - backlog.since
-                    )
-                    self._gone(identity, "slow consumer")
+                    self._evict(identity, backlog, f"behind for {now - backlog.since:.1f} s")
             if not self._backlogs:
                 self._pending.clear()
+
+    def _evict(self, identity: bytes, backlog: _Backlog, why: str) -> None:
+        """A slow consumer: keep only its finals, end what it still has, wait again; cut it
+        off if its finals alone are over the limit."""
+        dropped = backlog.keep_finals()
+        log.warning(
+            "client %s does not keep up (%s): %d frames dropped, %d finals kept",
+            identity.hex(),
+            why,
+            dropped,
+            len(backlog.frames),
+        )
+        backlog.since = time.monotonic()
+        backlog.evicting = True
+        try:
+            self._on_slow(identity, why)  # its finals queue behind the kept ones
+        finally:
+            backlog.evicting = False
+        if backlog.size > self._max_backlog:
+            self._cut(identity, backlog.size)
+
+    def _cut(self, identity: bytes, queued: int) -> None:
+        log.warning(
+            "client %s is cut off: %d bytes of finals queued for it (the limit is %d)",
+            identity.hex(),
+            queued,
+            self._max_backlog,
+        )
+        self._cut_off[identity] = None
+        if len(self._cut_off) > CUT_OFF_REMEMBERED:
+            self._cut_off.popitem(last=False)
+        self._gone(identity, "slow consumer cut off")
 
     def _gone(self, identity: bytes, reason: str) -> None:
         self._backlogs.pop(identity, None)

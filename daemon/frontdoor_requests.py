@@ -3,8 +3,10 @@
 A request is live from the moment it is accepted for tokenizing until its final frame: given
 by the front door when the daemon never saw it (refused after tokenizing, aborted while
 tokenized, ``max_new_tokens=0``), else made from its final update (daemon -> detokenizer ->
-front door), even after an abort or after its client vanished. Until then its ``request_id``
-stays taken and it counts against the in-flight limits.
+front door), even after an abort or after its client vanished. It counts against the global
+in-flight limit until then. A ``request_id`` is its client's own (another client may use the
+same one at once); it stays taken until the request's final frame, or until the request is
+orphaned (its client vanished, or was answered ``slow_consumer`` for it).
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ class LiveRequest:
 
 
 class LiveRequests:
-    """Live requests by rid, by client request id (global) and by client."""
+    """Live requests by rid, by (client, request id) and by client."""
 
     def __init__(self) -> None:
         self._by_rid: dict[int, LiveRequest] = {}
-        self._rid_of: dict[str, int] = {}
+        self._rid_of: dict[tuple[bytes, str], int] = {}  # of requests that have a client
         self._of_client: dict[bytes, set[int]] = {}
         self._next_rid = 0
 
@@ -81,16 +83,19 @@ class LiveRequests:
         return self._next_rid
 
     def add(self, req: LiveRequest) -> None:
-        assert req.identity is not None and req.request_id not in self._rid_of
+        assert req.identity is not None
+        key = (req.identity, req.request_id)
+        assert key not in self._rid_of
         self._by_rid[req.rid] = req
-        self._rid_of[req.request_id] = req.rid
+        self._rid_of[key] = req.rid
         self._of_client.setdefault(req.identity, set()).add(req.rid)
 
     def get(self, rid: int) -> LiveRequest | None:
         return self._by_rid.get(rid)
 
-    def by_request_id(self, request_id: str) -> LiveRequest | None:
-        rid = self._rid_of.get(request_id)
+    def by_request_id(self, identity: bytes, request_id: str) -> LiveRequest | None:
+        """Client ``identity``'s live request ``request_id``."""
+        rid = self._rid_of.get((identity, request_id))
         return None if rid is None else self._by_rid[rid]
 
     def clients(self) -> Collection[bytes]:
@@ -102,20 +107,22 @@ class LiveRequests:
 
     def pop(self, rid: int) -> LiveRequest:
         req = self._by_rid.pop(rid)
-        del self._rid_of[req.request_id]
         if req.identity is not None:
             self._detach(req)
         return req
 
     def orphan_client(self, identity: bytes) -> list[LiveRequest]:
-        """Detach every live request of a vanished client; returns them (still live)."""
+        """Detach every live request of a client (vanished, or answered for them); returns
+        them, still live until their final updates. Their request ids are free again."""
         reqs = [self._by_rid[rid] for rid in self._of_client.pop(identity, ())]
         for req in reqs:
+            del self._rid_of[identity, req.request_id]
             req.identity = None
         return reqs
 
     def _detach(self, req: LiveRequest) -> None:
         assert req.identity is not None
+        del self._rid_of[req.identity, req.request_id]
         rids = self._of_client[req.identity]
         rids.discard(req.rid)
         if not rids:

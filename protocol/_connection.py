@@ -10,8 +10,16 @@ register (id unique among live ids) -> send -> replies...  -> final reply: unreg
                                                 and a Generate still running is aborted
                                              -> link lost / daemon restarted: final
                                                 Error('connection_lost') delivered locally
+                                             -> connected, but nothing at all heard for
+                                                idle_timeout: Timeout, unregistered (aborted)
 ```
-Nothing is ever resubmitted.
+Nothing is ever resubmitted. Every call has a deadline by default: the daemon sends a
+client with calls in flight some frame at least every ``PROBE_MAX_S`` (a reply, or a probe),
+so a connected client that hears nothing for ``idle_timeout`` (``IDLE_TIMEOUT_S`` unless
+given; None: never) has lost it. While no connection exists the wait is for a daemon to bind,
+bounded by the caller's ``timeout`` only. A request frame over ``max_message_bytes`` (the
+daemon's ``--max-message-bytes``) is refused before it is sent: the daemon would drop the
+whole connection for it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import asyncio
 import contextlib
 import math
 import os
+import time
 import uuid
 import weakref
 from collections import deque
@@ -40,6 +49,8 @@ from outrider.protocol.endpoints import default_endpoint, ipc_path
 from outrider.protocol.errors import NotListening, RequestError, Timeout
 from outrider.protocol.frames import FrameError, reply_codec, request_codec
 from outrider.protocol.messages import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    PROBE_MAX_S,
     Chunk,
     ClientReply,
     ClientRequest,
@@ -55,6 +66,7 @@ from outrider.protocol.messages import (
 LINGER_MS: Final = 500
 HEARTBEAT_IVL_MS: Final = 2_000
 HEARTBEAT_TIMEOUT_MS: Final = 10_000
+IDLE_TIMEOUT_S: Final = 4 * PROBE_MAX_S
 
 _MONITOR_EVENTS: Final = (
     zmq.EVENT_CONNECTED
@@ -82,6 +94,10 @@ class Inbox:
             return
         self.replies.append(reply)
         self.final = is_final(reply)
+        self.wake()
+
+    def wake(self) -> None:
+        """Let the task waiting on this inbox look again (a reply, or a changed deadline)."""
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
@@ -99,9 +115,14 @@ class Connection:
         timeout: float | None,
         curve_server_key: CurveKey | None,
         curve_keypair: tuple[CurveKey, CurveKey] | None,
+        idle_timeout: float | None = IDLE_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.endpoint = endpoint if endpoint is not None else default_endpoint()
         self.timeout = timeout
+        self.idle_timeout = idle_timeout
+        self.max_message_bytes = max_message_bytes
+        self._heard_at = -math.inf  # time.monotonic() of the last frame or connect event
         self.boot_id: str | None = None  # the last one seen in Health / ServerInfo
         self._requests = request_codec()
         self._replies = reply_codec()
@@ -202,6 +223,38 @@ class Connection:
             return Timeout(f"the daemon at {self.endpoint} did not answer in time", request_id)
         return NotListening(_not_listening_message(self.endpoint), request_id)
 
+    def _wait_limit(self, deadline: float | None, since: float, request_id: str) -> float | None:
+        """When a wait that began at ``since`` (``time.monotonic()``) must look again, on
+        ``_now``'s clock (None: never): the caller's ``deadline`` or the idle limit, whichever
+        comes first. Raises ``Timeout`` once one of them has passed."""
+        now = self._now()
+        if deadline is not None and now >= deadline:
+            raise self._timeout_error(request_id)
+        if self.idle_timeout is None or not self._connected:
+            return deadline
+        idle_left = max(self._heard_at, since) + self.idle_timeout - time.monotonic()
+        idle_until = now + idle_left
+        if idle_left <= 0:
+            raise Timeout(
+                f"the daemon at {self.endpoint} sent nothing for {self.idle_timeout:g} s "
+                "(idle_timeout): it is stuck, or this client was cut off",
+                request_id,
+            )
+        return idle_until if deadline is None else min(deadline, idle_until)
+
+    def _encode(self, msg: ClientRequest) -> bytes:
+        """``msg`` as a frame; ``RequestError('invalid_request')`` when it is over
+        ``max_message_bytes``."""
+        frame = self._requests.encode(msg)
+        if len(frame) > self.max_message_bytes:
+            raise RequestError(
+                "invalid_request",
+                f"the request is {len(frame)} bytes, over the daemon's limit of "
+                f"{self.max_message_bytes} (--max-message-bytes)",
+                msg.request_id,
+            )
+        return frame
+
     def _register(self, request_id: str) -> Inbox:
         self._service()
         if self._link_dead:
@@ -260,6 +313,7 @@ class Connection:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._heard_at = time.monotonic()
             self._dispatch(frames[0])
 
     def _dispatch(self, frame: bytes) -> None:
@@ -289,6 +343,10 @@ class Connection:
                 return
             if event == zmq.EVENT_CONNECTED:
                 self._connected = True
+                self._heard_at = time.monotonic()
+                # The idle limit starts now: waiters computed their wake-up without it.
+                for inbox in self._pending.values():
+                    inbox.wake()
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._handshake_failure = " (handshake failed: authentication)"
             elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:

@@ -8,6 +8,8 @@ replies to the waiting tasks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
@@ -25,8 +27,9 @@ from outrider.protocol._client_common import (
     server_info_query,
     to_result,
 )
-from outrider.protocol._connection import Connection, Inbox, StreamState
+from outrider.protocol._connection import IDLE_TIMEOUT_S, Connection, Inbox, StreamState
 from outrider.protocol.messages import (
+    DEFAULT_MAX_MESSAGE_BYTES,
     Ack,
     ChatMessage,
     Chunk,
@@ -51,6 +54,8 @@ class AsyncClient(Connection):
         endpoint: str | None = None,
         *,
         timeout: float | None = None,
+        idle_timeout: float | None = IDLE_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         curve_server_key: CurveKey | None = None,
         curve_keypair: tuple[CurveKey, CurveKey] | None = None,
     ) -> None:
@@ -60,8 +65,9 @@ class AsyncClient(Connection):
         self._asock = ctx.socket(zmq.DEALER)
         self._amonitor = ctx.socket(zmq.PAIR)
         super().__init__(
-            self._asock, self._amonitor, endpoint, timeout, curve_server_key, curve_keypair
-        )
+            self._asock, self._amonitor, endpoint, timeout, curve_server_key, curve_keypair,
+            idle_timeout, max_message_bytes,
+        )  # fmt: skip
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task[None] | None = None
 
@@ -191,10 +197,11 @@ class AsyncClient(Connection):
     async def _submit(self, msg: ClientRequest, deadline: float | None) -> Inbox:
         self._check_open()
         self._start_reader()
+        frame = self._encode(msg)
         inbox = self._register(msg.request_id)
         try:
             async with asyncio.timeout_at(deadline):
-                await self._asock.send(self._requests.encode(msg))
+                await self._asock.send(frame)
         except TimeoutError:
             self._release(inbox, abort=False)
             raise self._timeout_error(inbox.request_id) from None
@@ -205,14 +212,16 @@ class AsyncClient(Connection):
 
     async def _receive(self, inbox: Inbox, deadline: float | None) -> ClientReply:
         """As ``Client._receive``; cancellation releases the request too."""
+        since = time.monotonic()
         try:
-            async with asyncio.timeout_at(deadline):
-                while not inbox.replies:
-                    inbox.waiter = asyncio.get_running_loop().create_future()
-                    await inbox.waiter
-        except TimeoutError:
-            self._release(inbox, abort=True)
-            raise self._timeout_error(inbox.request_id) from None
+            while not inbox.replies:
+                limit = self._wait_limit(deadline, since, inbox.request_id)
+                inbox.waiter = asyncio.get_running_loop().create_future()
+                # NOTE: a limit that passes only means "look again": frames heard meanwhile
+                # move the idle limit, and _wait_limit raises once one has really passed.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(limit):
+                        await inbox.waiter
         except BaseException:
             self._release(inbox, abort=True)
             raise

@@ -32,6 +32,7 @@ from outrider.protocol._client_common import (
 from outrider.protocol._connection import (
     HEARTBEAT_IVL_MS,
     HEARTBEAT_TIMEOUT_MS,
+    IDLE_TIMEOUT_S,
     LINGER_MS,
     Connection,
     Inbox,
@@ -39,6 +40,7 @@ from outrider.protocol._connection import (
 )
 from outrider.protocol.async_client import AsyncClient, AsyncTokenStream
 from outrider.protocol.messages import (
+    DEFAULT_MAX_MESSAGE_BYTES,
     Ack,
     ChatMessage,
     Chunk,
@@ -53,6 +55,7 @@ from outrider.protocol.messages import (
 __all__ = [
     "HEARTBEAT_IVL_MS",
     "HEARTBEAT_TIMEOUT_MS",
+    "IDLE_TIMEOUT_S",
     "LINGER_MS",
     "AsyncClient",
     "AsyncTokenStream",
@@ -68,10 +71,14 @@ class Client(Connection):
     """Blocking client of one daemon; use it from one thread.
 
     ``timeout`` (seconds) is the default for calls that take one; a call's own ``timeout``
-    overrides it; None everywhere (or ``math.inf``) waits forever. A request sent before the
-    daemon binds is queued by ZeroMQ and delivered once it does; a call that times out
-    meanwhile raises ``NotListening``, one that a connected daemon leaves unanswered a plain
-    ``Timeout``. CURVE is used when ``curve_server_key`` is given, with
+    overrides it; None everywhere (or ``math.inf``) sets no overall limit. A request sent
+    before the daemon binds is queued by ZeroMQ and delivered once it does; a call that times
+    out meanwhile raises ``NotListening``, one that a connected daemon leaves unanswered a
+    plain ``Timeout``. Whatever ``timeout`` says, a call raises ``Timeout`` once a connected
+    daemon has sent nothing at all for ``idle_timeout`` seconds (it probes clients with calls
+    in flight every few seconds; None: no such limit). A request frame over
+    ``max_message_bytes`` (the daemon's ``--max-message-bytes``) raises ``RequestError``
+    (``invalid_request``) unsent. CURVE is used when ``curve_server_key`` is given, with
     ``curve_keypair = (public, secret)`` or a fresh one.
     """
 
@@ -80,12 +87,17 @@ class Client(Connection):
         endpoint: str | None = None,
         *,
         timeout: float | None = None,
+        idle_timeout: float | None = IDLE_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         curve_server_key: CurveKey | None = None,
         curve_keypair: tuple[CurveKey, CurveKey] | None = None,
     ) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         dealer, monitor = ctx.socket(zmq.DEALER), ctx.socket(zmq.PAIR)
-        super().__init__(dealer, monitor, endpoint, timeout, curve_server_key, curve_keypair)
+        super().__init__(
+            dealer, monitor, endpoint, timeout, curve_server_key, curve_keypair,
+            idle_timeout, max_message_bytes,
+        )  # fmt: skip
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -187,14 +199,13 @@ class Client(Connection):
     def _now(self) -> float:
         return time.monotonic()
 
-    def _poll_ms(self, deadline: float | None, request_id: str) -> int | None:
-        """Milliseconds left before ``deadline`` (None: no deadline); ``Timeout`` once passed."""
-        if deadline is None:
+    def _poll_ms(self, deadline: float | None, since: float, request_id: str) -> int | None:
+        """Milliseconds to wait before looking again (None: no limit); ``Timeout`` once the
+        caller's deadline or the idle limit of a wait that began at ``since`` has passed."""
+        limit = self._wait_limit(deadline, since, request_id)
+        if limit is None:
             return None
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise self._timeout_error(request_id)
-        return math.ceil(left * 1000)
+        return max(1, math.ceil((limit - time.monotonic()) * 1000))
 
     def _call(self, msg: ClientRequest, timeout: float | None) -> ClientReply:
         deadline = self._deadline(timeout)
@@ -202,15 +213,17 @@ class Client(Connection):
 
     def _submit(self, msg: ClientRequest, deadline: float | None) -> Inbox:
         self._check_open()
+        frame = self._encode(msg)
         inbox = self._register(msg.request_id)
-        frame = self._requests.encode(msg)
+        since = time.monotonic()
         try:
             while True:
                 try:
                     self._sock.send(frame, zmq.NOBLOCK)
                     break
                 except zmq.Again:
-                    self._sock.poll(self._poll_ms(deadline, inbox.request_id), zmq.POLLOUT)
+                    self._sock.poll(self._poll_ms(deadline, since, inbox.request_id), zmq.POLLOUT)
+                    self._service()
         except BaseException:
             self._release(inbox, abort=False)
             raise
@@ -219,9 +232,10 @@ class Client(Connection):
     def _receive(self, inbox: Inbox, deadline: float | None) -> ClientReply:
         """The next reply for ``inbox``; its request is released after its final reply and
         on any exception (``Timeout``, ``KeyboardInterrupt``)."""
+        since = time.monotonic()
         try:
             while not inbox.replies:
-                self._poller.poll(self._poll_ms(deadline, inbox.request_id))
+                self._poller.poll(self._poll_ms(deadline, since, inbox.request_id))
                 self._pump()
         except BaseException:
             self._release(inbox, abort=True)

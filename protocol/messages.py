@@ -18,6 +18,13 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
+# The largest client frame a daemon takes by default (``--max-message-bytes``): a larger one
+# ends the sender's connection, so the client library refuses to send one.
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 2**20
+# A daemon sends every client with calls in flight some frame (a reply, or the probe
+# ``Ack("")``) at least this often; a client that hears nothing for several times as long
+# has lost the daemon (the client library's ``idle_timeout``).
+PROBE_MAX_S = 8.0
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -32,6 +39,7 @@ ErrorCode = Literal[
     "unsupported_version",
     "malformed",
     "connection_lost",
+    "slow_consumer",
     "internal",
 ]
 ERROR_CODES: frozenset[str] = frozenset(ErrorCode.__args__)  # type: ignore[attr-defined]  # Literal

@@ -97,6 +97,18 @@ def test_threads_leave_a_core_to_the_children_unless_given() -> None:
         resolve(parser.parse_args(["--model", "/m", "--threads", "-1"]), environ={})
 
 
+@pytest.mark.parametrize(
+    "listen", ["TCP://0.0.0.0:5555", "Ipc:///tmp/x.sock", "inproc://x", "ws://127.0.0.1:1", "/x"]
+)
+def test_a_listen_endpoint_libzmq_cannot_bind_is_refused_before_loading(listen: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    with pytest.raises(ConfigError, match=r"expected ipc://PATH or tcp://HOST:PORT"):
+        resolve(parser.parse_args(["--model", "/m", "--listen", listen]), environ={})
+    for good in ("tcp://127.0.0.1:5555", "ipc:///tmp/x.sock"):
+        assert resolve(parser.parse_args(["--model", "/m", "--listen", good]), {}).listen == good
+
+
 # --- generate: --chat and the timeout -------------------------------------------------------
 
 

@@ -757,3 +757,86 @@ class _RefuseAll:
 
     def callback(self, domain: str, key: bytes) -> bool:
         return False
+
+
+# --- deadlines by default and the size check ------------------------------------------------
+
+
+def probing(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+    """A daemon that holds every request and probes its client every 0.1 s (from the
+    handler's thread, for 1.5 s), as the front door probes clients with calls in flight."""
+    if not isinstance(req, Generate):
+        return
+    for _ in range(15):
+        peer.send(identity, Ack(""))
+        time.sleep(0.1)
+
+
+def test_a_silent_daemon_fails_calls_after_the_idle_timeout(
+    endpoint: str, peers: list[Peer]
+) -> None:
+    run_peer(peers, endpoint, silent)
+    with Client(endpoint, idle_timeout=0.5) as client:
+        start = time.monotonic()
+        with pytest.raises(Timeout) as err:
+            client.generate("held")
+        assert 0.5 <= time.monotonic() - start < 3.0
+        assert "sent nothing for 0.5 s" in err.value.message and not isinstance(
+            err.value, NotListening
+        )
+        stream = client.stream("held too")
+        with pytest.raises(Timeout):
+            next(stream)
+
+    def aborted() -> list[str]:
+        return sorted(r.target_id for r in peers[0].requests if isinstance(r, Abort))
+
+    deadline = time.monotonic() + 2
+    while len(aborted()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert aborted() == sorted(r.request_id for r in peers[0].requests if isinstance(r, Generate))
+
+
+def test_probes_keep_a_call_alive_past_the_idle_timeout(endpoint: str, peers: list[Peer]) -> None:
+    run_peer(peers, endpoint, probing)
+    with Client(endpoint, idle_timeout=0.5) as client:
+        start = time.monotonic()
+        with pytest.raises(Timeout):  # probed for 1.5 s, then silent
+            client.generate("held")
+        assert time.monotonic() - start >= 1.5
+
+
+async def test_async_idle_timeout_and_probes(endpoint: str, peers: list[Peer]) -> None:
+    run_peer(peers, endpoint, probing)
+    async with AsyncClient(endpoint, idle_timeout=0.5) as client:
+        start = time.monotonic()
+        with pytest.raises(Timeout) as err:
+            await client.generate("held")
+        assert time.monotonic() - start >= 1.5
+        assert "idle_timeout" in err.value.message
+
+
+def test_idle_timeout_none_waits_for_the_caller_deadline(endpoint: str, peers: list[Peer]) -> None:
+    run_peer(peers, endpoint, silent)
+    with Client(endpoint, idle_timeout=None) as client:
+        start = time.monotonic()
+        with pytest.raises(Timeout) as err:
+            client.generate("held", timeout=1.0)
+        assert time.monotonic() - start >= 1.0 and "did not answer in time" in err.value.message
+
+
+async def test_an_oversized_request_is_refused_unsent(endpoint: str, peers: list[Peer]) -> None:
+    run_peer(peers, endpoint, echo)
+    with Client(endpoint, timeout=5.0, max_message_bytes=1024) as client:
+        with pytest.raises(RequestError) as err:
+            client.generate("x" * 1024)
+        assert err.value.code == "invalid_request"
+        assert "over the daemon's limit of 1024 (--max-message-bytes)" in err.value.message
+        assert client.generate("small").text == "small"  # the connection is unharmed
+    async with AsyncClient(endpoint, timeout=5.0, max_message_bytes=1024) as aclient:
+        with pytest.raises(RequestError) as err:
+            await aclient.generate(input_ids=[7] * 1024)
+        assert err.value.code == "invalid_request"
+        assert (await aclient.generate("again")).text == "again"
+    sent = [r.prompt for r in peers[0].requests if isinstance(r, Generate)]
+    assert sent == ["small", "again"]

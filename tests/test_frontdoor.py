@@ -24,6 +24,7 @@ import zmq
 from frontdoor_harness import (
     CONTEXT_LENGTH,
     REPLY_TEXT,
+    RawClient,
     Stack,
     finish,
     install_speculative_spec,
@@ -32,7 +33,7 @@ from frontdoor_harness import (
     until,
 )
 
-from outrider.daemon.frontdoor import FrontDoorConfig, run_frontdoor
+from outrider.daemon.frontdoor import HEARTBEAT_FRESH_S, FrontDoorConfig, run_frontdoor
 from outrider.daemon.frontdoor_clients import PROBE_FIRST_S
 from outrider.daemon.internal import ErrorInfo, RequestUpdate, StateChange
 from outrider.daemon.sampling_defaults import SamplingDefaults
@@ -49,6 +50,7 @@ from outrider.protocol.messages import (
     Abort,
     Ack,
     Chunk,
+    ClientReply,
     Error,
     Finished,
     Generate,
@@ -396,16 +398,30 @@ async def test_error_update_becomes_an_error_frame(stack: Stack, client: Client)
     assert (err.value.code, err.value.message) == ("internal", "kaboom")
 
 
-async def test_duplicate_ids_abort_ack_and_unknown(stack: Stack, client: Client) -> None:
+async def test_request_ids_are_each_clients_own(stack: Stack, client: Client) -> None:
     stream = client.stream(input_ids=[5], request_id="dup")
     rid = (await stack.daemon.request("dup")).rid
-    with Client(stack.client_endpoint, timeout=5.0) as other:
-        with pytest.raises(RequestError) as err:
-            await call(other.generate, input_ids=[5], request_id="dup")
-        assert err.value.code == "duplicate_request_id" and "dup" in err.value.message
-        with pytest.raises(RequestError) as err:  # only its owner may abort a request
-            await call(other.abort, "dup")
-        assert err.value.code == "unknown_request"
+    raw = stack.raw()
+    try:
+        with Client(stack.client_endpoint, timeout=5.0) as other:
+            with pytest.raises(RequestError) as err:  # another client sees no request "dup"
+                await call(other.abort, "dup")
+            assert err.value.code == "unknown_request"
+        # Another client's id is no secret to reveal and no obstacle: "dup" runs for it too.
+        await raw.send(Generate("dup", input_ids=[5], max_new_tokens=2))
+        await until(lambda: stack.daemon.requests["dup"].rid != rid)
+        reply = await raw.recv()
+        assert isinstance(reply, Finished) and reply.request_id == "dup"
+        # Within one client an id in flight is taken.
+        await raw.send(Generate("dup2", input_ids=[5], stream=True))
+        await stack.daemon.request("dup2")
+        reply = await raw.call(Generate("dup2", input_ids=[5]))
+        assert isinstance(reply, Error) and reply.code == "duplicate_request_id"
+        assert "dup2" in reply.message
+        reply = await raw.call(Abort("ab", "dup2"))
+        assert reply == Ack("ab")
+    finally:
+        raw.close()
     await call(client.abort, "dup")
     chunks, result = await call(drain, stream)
     assert (chunks, result.finish_reason) == ([], "abort")
@@ -432,16 +448,87 @@ async def test_client_disconnect_aborts_its_requests(stack: Stack) -> None:
     await until(lambda: hasty_rid in {a.rid for a in stack.daemon.aborts}, 3 * PROBE_FIRST_S)
 
 
-async def test_slow_consumer_is_cut_off(stack: Stack) -> None:
-    raw = stack.raw(rcvhwm=1)  # and it never reads
-    await raw.send(Generate("slow", input_ids=[5], stream=True))
-    rid = (await stack.daemon.request("slow")).rid
+async def read_finals(raw: RawClient, wanted: int, timeout: float = 10.0) -> list[ClientReply]:
+    """Every final frame ``raw`` reads until it has ``wanted`` of them (chunks skipped)."""
+    finals: list[ClientReply] = []
+    while len(finals) < wanted:
+        reply = await raw.recv(timeout)
+        if is_final(reply):
+            finals.append(reply)
+    return finals
+
+
+async def test_a_slow_consumer_gets_one_final_per_request(stack: Stack) -> None:
+    raw = stack.raw(rcvhwm=1)  # and it reads nothing until the end
+    for i in range(3):
+        await raw.send(Generate(f"slow{i}", input_ids=[5], stream=True))
+    rids = [(await stack.daemon.request(f"slow{i}")).rid for i in range(3)]
     ids = stack.daemon.reply_ids
-    for _ in range(400):  # far more than the socket buffers hold
-        await stack.daemon.send(RequestUpdate(rid, ids * 4))
-    await until(lambda: rid in {a.rid for a in stack.daemon.aborts}, 10)
-    assert [a.reason for a in stack.daemon.aborts if a.rid == rid] == ["slow consumer"]
+    flood = [RequestUpdate(rid, ids * 4) for rid in rids]
+    for _ in range(100):  # far more than the socket buffers hold
+        await stack.daemon.send(*flood)
+    # Finished while its client is behind: its final waits in the backlog and must survive.
+    await raw.send(Generate("late", input_ids=[5], max_new_tokens=2))
+    while not set(rids) <= {a.rid for a in stack.daemon.aborts}:
+        await stack.daemon.send(*flood)
+        await asyncio.sleep(0.01)
+    assert {a.reason for a in stack.daemon.aborts if a.rid in rids} == {"slow consumer"}
+    for rid in rids:  # the daemon's own finals for them, dropped by the front door
+        await stack.daemon.send(RequestUpdate(rid, [], finish=finish("abort")))
+    finals = await read_finals(raw, 4)
+    assert sorted(f.request_id for f in finals) == ["late", "slow0", "slow1", "slow2"]
+    late = next(f for f in finals if f.request_id == "late")
+    assert isinstance(late, Finished) and late.output_ids == ids[:2]
+    for final in finals:
+        if final.request_id != "late":
+            assert isinstance(final, Error) and final.code == "slow_consumer"
+            assert "read its replies too slowly" in final.message
+    with pytest.raises(TimeoutError):  # nothing more: exactly one final each
+        await raw.recv(1.0)
+    # The client is still a client: its ids are free again and it is served.
+    reply = await raw.call(Generate("slow0", input_ids=[5], max_new_tokens=2))
+    assert isinstance(reply, Finished) and reply.request_id == "slow0"
     raw.close()
+
+
+async def test_a_client_that_floods_without_reading_is_cut_off(tokenizer_dir: Path) -> None:
+    # Cut off once the finals queued for it are over BACKLOG_MESSAGES x 4096 bytes.
+    s = start_stack(
+        tokenizer_dir, [7] * 40, slow_consumer_timeout=0.2, max_message_bytes=4096, client_hwm=4
+    )
+    try:
+        assert (await s.status("frontdoor")).state == "started"
+        await s.daemon.start_serving(model_facts(tokenizer_dir, 1000))
+        assert (await s.status("frontdoor")).state == "serving"
+        flooder = s.raw(rcvhwm=1)  # it sends and never reads
+        for i in range(600):
+            await flooder.send(Generate(f"f{i}", input_ids=[5], max_new_tokens=40, stream=True))
+        seen = -1
+        while seen != len(s.daemon.requests):  # until no more of them reach the daemon
+            seen = len(s.daemon.requests)
+            await asyncio.sleep(0.5)
+        # From now on the flooder is not heard: its next request never reaches the daemon.
+        await flooder.send(Generate("after-the-cut", input_ids=[5], max_new_tokens=2))
+        with Client(s.client_endpoint, timeout=5.0) as other:  # while others are served
+            result = await call(other.generate, input_ids=[5], max_new_tokens=2)
+        assert result.output_ids == [7, 7]
+        await asyncio.sleep(0.5)
+        assert "after-the-cut" not in s.daemon.requests
+        flooder.close()
+    finally:
+        assert await s.stop() == {"frontdoor": 0, "detokenizer": 0}
+
+
+async def test_health_needs_the_detokenizer_running(stack: Stack, client: Client) -> None:
+    assert (await call(client.health)).status == "serving"
+    pid = stack.processes["detokenizer"].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await until(lambda: client.health().status == "not_serving", 2 * HEARTBEAT_FRESH_S)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await until(lambda: client.health().status == "serving", 5.0)
 
 
 async def test_inflight_limits_answer_overloaded(stack: Stack) -> None:
