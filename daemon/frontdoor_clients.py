@@ -3,14 +3,15 @@
 - Sends use DONTWAIT. When a client's pipe is full (its high-water mark is reached) the frame
   waits in that client's backlog and every later frame to that client queues behind it, so a
   client sees its frames in order. The backlogs are retried every ``FLUSH_INTERVAL_S``.
-- A client whose backlog has not emptied for ``slow_consumer_timeout``, or has grown past
-  ``max_backlog_bytes``, is a slow consumer: the frames queued for it that end nothing
-  (chunks, probes) are dropped, ``on_slow`` ends every request it still has with a final
-  frame, queued behind the finals it has not read, and the wait starts again. A backlog thus
-  holds final frames, one per request, and what came after the last eviction. A client whose
-  finals alone are past ``max_backlog_bytes`` (it sends requests and never reads) is cut off:
-  its backlog is dropped, ``on_gone`` is called, and it is never sent to nor heard again
-  (its client library's idle limit ends its calls).
+- A client whose backlog holds chunks or probes and has not emptied for
+  ``slow_consumer_timeout``, or has grown past ``max_backlog_bytes``, is a slow consumer:
+  the frames queued for it that end nothing (chunks, probes) are dropped, ``on_slow`` ends
+  every request it still has with a final frame, queued behind the finals it has not read,
+  and the wait starts again. A backlog thus holds final frames, one per request, and what
+  came after the last eviction. A client whose finals alone are past ``max_backlog_bytes``
+  (it sends requests and never reads) is cut off: its backlog is dropped, ``on_gone`` is
+  called, and it is never sent to nor heard again (its client library's idle limit ends its
+  calls).
 - A client is gone when a send to it answers EHOSTUNREACH (``ROUTER_MANDATORY``: the ROUTER
   holds no connection with its routing id) or when it is cut off: ``on_gone(identity,
   reason)`` is called once and the port forgets its backlog. Each watched client (one with
@@ -66,21 +67,25 @@ class _Backlog:
     since: float  # monotonic time at which the backlog became non-empty, or was evicted
     frames: deque[tuple[bytes, bool]] = field(default_factory=deque)  # (frame, is final)
     size: int = 0  # bytes in frames
+    partials: int = 0  # frames that end nothing (chunks, probes)
     evicting: bool = False  # its requests are being ended: their finals queue unchecked
 
     def append(self, frame: bytes, final: bool) -> None:
         self.frames.append((frame, final))
         self.size += len(frame)
+        self.partials += not final
 
     def popleft(self) -> None:
-        self.size -= len(self.frames.popleft()[0])
+        frame, final = self.frames.popleft()
+        self.size -= len(frame)
+        self.partials -= not final
 
     def keep_finals(self) -> int:
         """Drop every frame that ends nothing; returns how many were dropped."""
-        kept = deque(entry for entry in self.frames if entry[1])
-        dropped = len(self.frames) - len(kept)
-        self.frames = kept
-        self.size = sum(len(frame) for frame, _ in kept)
+        dropped = self.partials
+        self.frames = deque(entry for entry in self.frames if entry[1])
+        self.size = sum(len(frame) for frame, _ in self.frames)
+        self.partials = 0
         return dropped
 
 
@@ -208,8 +213,12 @@ class ClientPort:
                     self._gone(identity, "client disconnected")
                 elif not backlog.frames:
                     del self._backlogs[identity]
-                elif now - backlog.since >= self._slow_after:
+                elif now - backlog.since < self._slow_after:
+                    pass
+                elif backlog.partials:
                     self._evict(identity, backlog, f"behind for {now - backlog.since:.1f} s")
+                else:  # finals only: nothing runs for it, they wait for it to read
+                    backlog.since = now
             if not self._backlogs:
                 self._pending.clear()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import random
 import signal
@@ -54,6 +55,9 @@ from outrider.protocol.messages import Health
 
 WAIT_S = 120.0  # a waited request's timeout: 4x the longest (1,000 tokens) under the soak
 RECONNECT_TIMEOUT_S = 10.0
+STALLED_STREAMS = 4  # streams a stalled reader starts at once (the KV has room for them)
+STALLED_TOKENS = 256
+STALL_S = 3.0  # how long it then reads nothing: past the front door's 2 s for slow consumers
 IN_FLIGHT = 4  # requests each async client keeps in flight
 
 
@@ -337,6 +341,37 @@ def blocking_worker(soak: Soak, index: int) -> None:
         client.close()
 
 
+def stalled_reader_worker(soak: Soak) -> None:
+    """A blocking Client that starts long streams, reads one chunk of each, stops reading for
+    longer than the front door waits for a slow consumer, then reads on: each stream ends
+    once, finished or answered ``slow_consumer``, and the client goes on being served."""
+    rng = random.Random(700)
+    client = soak.client()
+    try:
+        while soak.going():
+            started = []
+            for _ in range(STALLED_STREAMS):
+                spec = dataclasses.replace(long_spec(rng), max_new_tokens=STALLED_TOKENS)
+                request_id = soak.ledger.add("stalled", spec, waited=True)
+                tokens = client.stream(request_id=request_id, timeout=WAIT_S, **spec.kwargs())
+                started.append((request_id, spec, tokens))
+            firsts = [next(tokens) for _, _, tokens in started]
+            time.sleep(STALL_S)
+            for (request_id, spec, tokens), first in zip(started, firsts, strict=True):
+                try:
+                    chunks = [first, *tokens]
+                except RequestError as exc:
+                    if exc.code != "slow_consumer":
+                        soak.ledger.failed(request_id, exc.code, exc.message)
+                    soak.ledger.sent[request_id].outcome = f"error:{exc.code}"
+                    soak.tally.add(f"stalled reader: {exc.code}")
+                    continue
+                soak.check(request_id, spec, tokens.result, chunks)
+                soak.tally.add("stalled reader: finished")
+    finally:
+        client.close()
+
+
 def reconnect_worker(soak: Soak, index: int) -> None:
     """``Client(); health(); close(); Client(); generate(timeout=10)``, as fast as it goes."""
     rng = random.Random(500 + index)
@@ -473,6 +508,7 @@ async def run_soak(soak: Soak, pids: dict[str, int]) -> None:
 
     enabled = lambda name: name not in soak.skip  # noqa: E731
     threads = [guarded(blocking_worker, 0), guarded(blocking_worker, 1)]
+    threads += [guarded(stalled_reader_worker)] if enabled("stall") else []
     threads += [guarded(reconnect_worker, i) for i in range(2)] if enabled("reconnect") else []
     threads += [guarded(killer_worker)] if enabled("kill") else []
     coros: list[Coroutine[Any, Any, None]] = [malformed_worker(soak)]

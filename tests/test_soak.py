@@ -9,7 +9,9 @@ changed. Concurrently (tests/soak_workers.py):
   tight ``Client(); health(); close(); Client(); generate(timeout=10)`` loop;
 - malformed frames from raw DEALER sockets (garbage, wrong version or kind, invalid UTF-8,
   20,000-deep nesting, multi-part, out-of-range fields), and a frame over the size limit;
-- a client process that streams and is SIGKILLed mid-way, restarted, again and again.
+- a client process that streams and is SIGKILLed mid-way, restarted, again and again;
+- a client that starts long streams and stops reading for longer than the front door waits
+  for a slow consumer, then reads on: each ends once, finished or ``slow_consumer``.
 
 Afterwards: every waited request got exactly one final frame and none was lost; the daemon
 serves with its three processes alive; its counters add up with what it logged; its KV is back
@@ -17,7 +19,7 @@ in the prefix cache; a fixed set of greedy and seeded requests gives the same to
 RSS stayed bounded; the log has no Traceback and no ERROR.
 
 ``OUTRIDER_SOAK_SKIP=utf8,nesting`` leaves fault categories out (BadFrame categories, and
-abort, disconnect, reconnect, kill, oversize), to chase one failure at a time.
+abort, disconnect, reconnect, kill, oversize, stall), to chase one failure at a time.
 """
 
 from __future__ import annotations
