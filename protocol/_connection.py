@@ -67,6 +67,10 @@ LINGER_MS: Final = 500
 HEARTBEAT_IVL_MS: Final = 2_000
 HEARTBEAT_TIMEOUT_MS: Final = 10_000
 IDLE_TIMEOUT_S: Final = 4 * PROBE_MAX_S
+# Replies ZeroMQ's I/O thread takes in for a client that is not reading them (libzmq's
+# default); past it they wait in the daemon, which ends a client that stays behind
+# (slow_consumer). 0: no limit, for a server that reads promptly and bounds its own memory.
+REPLY_HWM: Final = 1000
 
 _MONITOR_EVENTS: Final = (
     zmq.EVENT_CONNECTED
@@ -117,6 +121,7 @@ class Connection:
         curve_keypair: tuple[CurveKey, CurveKey] | None,
         idle_timeout: float | None = IDLE_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        reply_hwm: int = REPLY_HWM,
     ) -> None:
         self.endpoint = endpoint if endpoint is not None else default_endpoint()
         self.timeout = timeout
@@ -143,7 +148,7 @@ class Connection:
         try:
             if curve_keypair is not None and curve_server_key is None:
                 raise ValueError("curve_keypair needs curve_server_key")
-            self._configure(curve_server_key, curve_keypair)
+            self._configure(curve_server_key, curve_keypair, reply_hwm)
             try:
                 self._sock.connect(self.endpoint)
             except zmq.ZMQError as exc:
@@ -153,10 +158,14 @@ class Connection:
             raise
 
     def _configure(
-        self, curve_server_key: CurveKey | None, curve_keypair: tuple[CurveKey, CurveKey] | None
+        self,
+        curve_server_key: CurveKey | None,
+        curve_keypair: tuple[CurveKey, CurveKey] | None,
+        reply_hwm: int,
     ) -> None:
         sock = self._sock
         sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.setsockopt(zmq.RCVHWM, reply_hwm)
         if self.endpoint.startswith("tcp://"):
             # NOTE: heartbeats only where a peer can vanish silently. libzmq 4.3 aborts the
             # process when the heartbeat timer fires on a connection whose peer closed while

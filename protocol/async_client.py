@@ -27,7 +27,13 @@ from outrider.protocol._client_common import (
     server_info_query,
     to_result,
 )
-from outrider.protocol._connection import IDLE_TIMEOUT_S, Connection, Inbox, StreamState
+from outrider.protocol._connection import (
+    IDLE_TIMEOUT_S,
+    REPLY_HWM,
+    Connection,
+    Inbox,
+    StreamState,
+)
 from outrider.protocol.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Ack,
@@ -56,6 +62,7 @@ class AsyncClient(Connection):
         timeout: float | None = None,
         idle_timeout: float | None = IDLE_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        reply_hwm: int = REPLY_HWM,
         curve_server_key: CurveKey | None = None,
         curve_keypair: tuple[CurveKey, CurveKey] | None = None,
     ) -> None:
@@ -66,7 +73,7 @@ class AsyncClient(Connection):
         self._amonitor = ctx.socket(zmq.PAIR)
         super().__init__(
             self._asock, self._amonitor, endpoint, timeout, curve_server_key, curve_keypair,
-            idle_timeout, max_message_bytes,
+            idle_timeout, max_message_bytes, reply_hwm,
         )  # fmt: skip
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task[None] | None = None

@@ -34,6 +34,7 @@ from outrider.protocol._connection import (
     HEARTBEAT_TIMEOUT_MS,
     IDLE_TIMEOUT_S,
     LINGER_MS,
+    REPLY_HWM,
     Connection,
     Inbox,
     StreamState,
@@ -78,8 +79,10 @@ class Client(Connection):
     daemon has sent nothing at all for ``idle_timeout`` seconds (it probes clients with calls
     in flight every few seconds; None: no such limit). A request frame over
     ``max_message_bytes`` (the daemon's ``--max-message-bytes``) raises ``RequestError``
-    (``invalid_request``) unsent. CURVE is used when ``curve_server_key`` is given, with
-    ``curve_keypair = (public, secret)`` or a fresh one.
+    (``invalid_request``) unsent. ``reply_hwm`` is how many replies ZeroMQ takes in while
+    nobody reads them (0: no limit); past it they wait in the daemon, which answers the
+    requests of a client that stays behind ``slow_consumer``. CURVE is used when
+    ``curve_server_key`` is given, with ``curve_keypair = (public, secret)`` or a fresh one.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class Client(Connection):
         timeout: float | None = None,
         idle_timeout: float | None = IDLE_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        reply_hwm: int = REPLY_HWM,
         curve_server_key: CurveKey | None = None,
         curve_keypair: tuple[CurveKey, CurveKey] | None = None,
     ) -> None:
@@ -96,7 +100,7 @@ class Client(Connection):
         dealer, monitor = ctx.socket(zmq.DEALER), ctx.socket(zmq.PAIR)
         super().__init__(
             dealer, monitor, endpoint, timeout, curve_server_key, curve_keypair,
-            idle_timeout, max_message_bytes,
+            idle_timeout, max_message_bytes, reply_hwm,
         )  # fmt: skip
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)

@@ -39,6 +39,7 @@ from outrider.daemon.internal import ErrorInfo, RequestUpdate, StateChange
 from outrider.daemon.sampling_defaults import SamplingDefaults
 from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol import (
+    REPLY_HWM,
     Client,
     GenerateResult,
     RequestError,
@@ -489,6 +490,26 @@ async def test_a_slow_consumer_gets_one_final_per_request(stack: Stack) -> None:
     reply = await raw.call(Generate("slow0", input_ids=[5], max_new_tokens=2))
     assert isinstance(reply, Finished) and reply.request_id == "slow0"
     raw.close()
+
+
+async def test_a_client_without_a_reply_limit_is_never_behind(stack: Stack) -> None:
+    # Its ZeroMQ I/O thread takes every reply in, whatever the client's own thread does: the
+    # HTTP front's connection, whose event loop may stall, is such a client.
+    with Client(stack.client_endpoint, timeout=10.0, reply_hwm=0) as client:
+        streams = [client.stream(input_ids=[5], request_id=f"unbounded{i}") for i in range(3)]
+        rids = [(await stack.daemon.request(f"unbounded{i}")).rid for i in range(3)]
+        ids = stack.daemon.reply_ids
+        # Twice what the client's reply limit and the socket buffers of a client with the
+        # default limit hold: that one is a slow consumer.
+        for _ in range(2 * REPLY_HWM // len(rids)):
+            await stack.daemon.send(*(RequestUpdate(rid, ids * 20) for rid in rids))
+        await asyncio.sleep(3 * SLOW_CONSUMER_S)  # and it still reads nothing
+        await stack.daemon.send(*(RequestUpdate(rid, [], finish=finish("length")) for rid in rids))
+        for stream in streams:
+            _, result = await call(drain, stream)
+            assert result.output_ids == ids * 20 * (2 * REPLY_HWM // len(rids))
+            assert result.finish_reason == "length"
+    assert not {a.rid for a in stack.daemon.aborts} & set(rids)
 
 
 async def test_a_client_that_floods_without_reading_is_cut_off(tokenizer_dir: Path) -> None:
