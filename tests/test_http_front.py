@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from daemon_harness import poll_until
-from http_harness import API_KEY, FAMILY, HttpDaemon
+from http_harness import API_KEY, AUTH, FAMILY, HttpDaemon
 
 from outrider.protocol import Client
 from outrider.protocol.messages import ServerInfo
@@ -42,7 +42,7 @@ def test_models_health_and_version(server: HttpDaemon) -> None:
     models = server.openai().models.list()
     assert [m.id for m in models.data] == ["outrider-family"]
     assert httpx.get(server.base + "/health").json() == {"status": "serving"}
-    assert httpx.get(server.base + "/version").json()["version"] == "0.1.0"
+    assert httpx.get(server.base + "/version", headers=AUTH).json()["version"] == "0.1.0"
 
 
 def test_completions_stream_equals_non_streamed(server: HttpDaemon) -> None:
@@ -226,7 +226,7 @@ def test_sigterm_drains_running_streams_and_refuses_new_ones(tmp_path: Path) -> 
 
 def test_tokenize_round_trips_through_detokenize(server: HttpDaemon) -> None:
     prompt = "Once upon a time, the sea."
-    tokenized = httpx.post(server.base + "/tokenize", json={"prompt": prompt}).json()
+    tokenized = httpx.post(server.base + "/tokenize", json={"prompt": prompt}, headers=AUTH).json()
     assert tokenized["count"] == len(tokenized["tokens"]) > 0
     assert tokenized["max_model_len"] == 512
     # The daemon's own tokenization: a completion of the same prompt counts as many tokens.
@@ -235,10 +235,14 @@ def test_tokenize_round_trips_through_detokenize(server: HttpDaemon) -> None:
     )
     assert completion.usage is not None
     assert completion.usage.prompt_tokens == tokenized["count"]
-    detokenized = httpx.post(server.base + "/detokenize", json={"tokens": tokenized["tokens"]})
+    detokenized = httpx.post(
+        server.base + "/detokenize", json={"tokens": tokenized["tokens"]}, headers=AUTH
+    )
     assert detokenized.json() == {"prompt": prompt}
     messages = [{"role": "user", "content": "Tell me about the sea."}]
-    chat_tokens = httpx.post(server.base + "/tokenize", json={"messages": messages}).json()
+    chat_tokens = httpx.post(
+        server.base + "/tokenize", json={"messages": messages}, headers=AUTH
+    ).json()
     chat = server.openai().chat.completions.create(
         model="outrider-family",
         messages=messages,  # type: ignore[arg-type]
@@ -249,11 +253,13 @@ def test_tokenize_round_trips_through_detokenize(server: HttpDaemon) -> None:
 
 def test_tokenize_refusals(server: HttpDaemon) -> None:
     for body in ({"tokens": [1, 8192]}, {"tokens": [-1]}, {"tokens": "x"}):
-        refused = httpx.post(server.base + "/detokenize", json=body)
+        refused = httpx.post(server.base + "/detokenize", json=body, headers=AUTH)
         assert refused.status_code == 400, body
         assert refused.json()["error"]["type"] == "invalid_request_error"
     both = {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}
     for body in ({}, both):
-        assert httpx.post(server.base + "/tokenize", json=body).status_code == 400
-    unknown = httpx.post(server.base + "/tokenize", json={"prompt": "a", "model": "gpt-4"})
+        assert httpx.post(server.base + "/tokenize", json=body, headers=AUTH).status_code == 400
+    unknown = httpx.post(
+        server.base + "/tokenize", json={"prompt": "a", "model": "gpt-4"}, headers=AUTH
+    )
     assert unknown.status_code == 404

@@ -28,7 +28,9 @@ def _resolve(*argv: str) -> None:
 def test_http_flags_are_checked_when_resolved() -> None:
     _resolve("--http", "127.0.0.1:8000", "--api-key", "k", "--served-model-name", "m")
     _resolve("--http", "[::1]:0")
-    _resolve("--http", "0.0.0.0:8000", "--http-allow-remote")
+    _resolve("--http", "0.0.0.0:8000", "--http-allow-remote", "--api-key", "k")
+    with pytest.raises(ConfigError, match="--http-allow-remote needs --api-key"):
+        _resolve("--http", "0.0.0.0:8000", "--http-allow-remote")
     with pytest.raises(ConfigError, match="not a loopback address"):
         _resolve("--http", "0.0.0.0:8000")
     with pytest.raises(ConfigError, match="expected HOST:PORT"):
