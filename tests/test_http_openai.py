@@ -1,15 +1,21 @@
-"""The HTTP front's pieces that need no daemon: ``--http`` settings, and OpenAI requests
-translated to ``generate`` arguments."""
+"""The HTTP front's pieces that need no daemon: ``--http`` settings, OpenAI requests
+translated to ``generate`` arguments, hostile bodies refused as invalid requests, and the
+body limit that keeps every request's frame under the daemon's."""
 
 from __future__ import annotations
 
 import argparse
+import random
+from typing import Any
 
+import msgspec
 import pytest
 
 from outrider.daemon.config import ConfigError, add_serve_arguments, resolve
-from outrider.daemon.http_config import parse_host_port
+from outrider.daemon.http_config import FRAME_HEADROOM, body_limit, parse_host_port
+from outrider.daemon.http_errors import split_path
 from outrider.daemon.http_openai import (
+    DAEMON_FIELDS,
     ChatRequest,
     CompletionRequest,
     InvalidRequest,
@@ -17,6 +23,9 @@ from outrider.daemon.http_openai import (
     completion_args,
     decode_request,
 )
+from outrider.protocol._client_common import generate_request
+from outrider.protocol.frames import request_codec
+from outrider.protocol.messages import MAX_TOKEN_ID
 
 
 def _resolve(*argv: str) -> None:
@@ -70,3 +79,93 @@ def test_prompt_forms_and_refusals() -> None:
         assert exc.value.param == param
     with pytest.raises(InvalidRequest):
         decode_request(b'{"prompt": 5}', CompletionRequest)
+
+
+# Bodies that once raised past the routes (a 500 and a traceback each): each must be a 400.
+_HOSTILE_BODIES = {
+    b'{"prompt": "\xff\xfe"}': None,
+    b'{"model": "\xc3", "prompt": "a"}': None,
+    b'{"prompt": "a", "unknown": ' + b"[" * 1000 + b"]" * 1000 + b"}": None,
+    b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}": None,
+    b'{"prompt": "a", "seed": 18446744073709551616}': "seed",
+    b'{"prompt": "a", "max_tokens": 18446744073709551616}': "max_tokens",
+    b'{"prompt": "a", "top_k": -1}': "top_k",
+    b'{"prompt": [1, 18446744073709551616]}': "prompt",
+    b'{"prompt": [1, -2]}': "prompt",
+    b'{"prompt": "a", "stream": "yes"}': "stream",
+}
+
+
+@pytest.mark.parametrize("body", list(_HOSTILE_BODIES))
+def test_hostile_completion_bodies_are_invalid_requests(body: bytes) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        completion_args(decode_request(body, CompletionRequest))
+    assert exc.value.status == 400 and exc.value.param == _HOSTILE_BODIES[body]
+
+
+def test_hostile_chat_bodies_name_the_openai_field() -> None:
+    bad_content = b'{"messages": [{"role": "user", "content": "\xff"}]}'
+    with pytest.raises(InvalidRequest, match="UTF-8"):
+        decode_request(bad_content, ChatRequest)
+    wrong = b'{"messages": [{"role": "user", "content": 5}]}'
+    with pytest.raises(InvalidRequest) as exc:
+        decode_request(wrong, ChatRequest)
+    assert exc.value.param == "messages[0].content"
+    assert "`$.messages[0].content`" in str(exc.value)
+
+
+def test_daemon_field_names_become_the_openai_names() -> None:
+    message = "Expected `int` >= 0 - at `$.max_new_tokens`"
+    assert split_path(message, DAEMON_FIELDS) == (
+        "Expected `int` >= 0 - at `$.max_tokens`",
+        "max_tokens",
+    )
+    chat = DAEMON_FIELDS | {"max_new_tokens": "max_completion_tokens"}
+    assert split_path(message, chat)[1] == "max_completion_tokens"
+    assert split_path("Expected `int` - at `$.input_ids[3]`", DAEMON_FIELDS)[1] == "prompt[3]"
+    assert split_path("the daemon is draining") == ("the daemon is draining", None)
+
+
+def test_a_body_at_the_limit_fits_in_one_client_frame() -> None:
+    """Every field reaches the frame at most as long as its JSON, so a body of the derived
+    limit, whatever fills it, gives a frame under --max-message-bytes."""
+    max_message_bytes = 2**20
+    limit = body_limit(max_message_bytes)
+    codec = request_codec()
+    rng = random.Random(7)
+    ids = [rng.randrange(MAX_TOKEN_ID) for _ in range(limit // 11)]
+    fillers: list[Any] = [
+        {"prompt": "é\x00\\" * (limit // 12)},
+        {"prompt": ids},
+        {"prompt": "a", "stop": ["xy"] * (limit // 6)},
+    ]
+    for filler in fillers:
+        body = msgspec.json.encode(filler | {"max_tokens": MAX_TOKEN_ID, "seed": 2**63 - 1})
+        assert len(body) <= limit
+        args = completion_args(decode_request(body, CompletionRequest))
+        frame = codec.encode(generate_request(request_id=None, stream=True, stop_token_ids=[],
+                                              **args.client_kwargs()))  # fmt: skip
+        assert len(frame) <= len(body) + FRAME_HEADROOM // 64 <= max_message_bytes
+    chat = msgspec.json.encode(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}] * 9000}] * 3}
+    )
+    chat_args_ = chat_args(decode_request(chat, ChatRequest))
+    frame = codec.encode(generate_request(request_id=None, stream=False, stop_token_ids=[],
+                                          **chat_args_.client_kwargs()))  # fmt: skip
+    assert len(frame) <= len(chat)
+
+
+def test_http_limit_flags() -> None:
+    _resolve("--http", "127.0.0.1:1", "--http-max-body-bytes", "1000", "--http-read-timeout", "5")
+    _resolve("--http", "127.0.0.1:1", "--http-allow-origins", "http://a.example,https://b:8443")
+    for argv, problem in (
+        (("--http-max-body-bytes", str(8 * 2**20)), "--http-max-body-bytes must be in"),
+        (("--http-read-timeout", "0"), "must be > 0"),
+        (("--http-max-connections", "0"), "must be >= 1"),
+        (("--http-allow-origins", "*"), "expected scheme://host"),
+        (("--http-allow-origins", "http://a.example/path"), "expected scheme://host"),
+    ):
+        with pytest.raises(ConfigError, match=problem):
+            _resolve("--http", "127.0.0.1:1", *argv)
+    with pytest.raises(ConfigError, match="need --http"):
+        _resolve("--http-read-timeout", "5")
