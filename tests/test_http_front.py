@@ -263,3 +263,30 @@ def test_tokenize_refusals(server: HttpDaemon) -> None:
         server.base + "/tokenize", json={"prompt": "a", "model": "gpt-4"}, headers=AUTH
     )
     assert unknown.status_code == 404
+
+
+def test_the_key_covers_tokenize_and_its_scheme_is_case_insensitive(server: HttpDaemon) -> None:
+    for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [5]})):
+        assert httpx.post(server.base + path, json=body).status_code == 401
+        lower = {"Authorization": f"bearer {API_KEY}"}
+        assert httpx.post(server.base + path, json=body, headers=lower).status_code == 200
+    assert httpx.get(server.base + "/metrics").status_code == 401
+    assert httpx.get(server.base + "/health/ready").status_code == 200
+
+
+def test_hostile_bodies_are_400s_naming_the_field(server: HttpDaemon) -> None:
+    for path, body, param in (
+        ("/v1/completions", b'{"prompt": "\xff"}', None),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xc3"}]}', None),
+        ("/tokenize", b'{"prompt": "\xed\xa0\x80"}', None),
+        ("/v1/completions", b'{"prompt": "a", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}", None),
+        ("/v1/completions", b'{"prompt": "a", "seed": 18446744073709551616}', "seed"),
+        ("/v1/completions", b'{"prompt": "a", "max_tokens": 18446744073709551616}', "max_tokens"),
+        ("/v1/completions", b'{"prompt": [18446744073709551616]}', "prompt"),
+        ("/detokenize", b'{"tokens": [18446744073709551616]}', "tokens"),
+        ("/v1/completions", b'{"prompt": "a", "temperature": 1000}', "temperature"),
+    ):
+        answer = httpx.post(server.base + path, content=body, headers=AUTH)
+        assert answer.status_code == 400, (body, answer.text)
+        assert answer.json()["error"]["param"] == param, (body, answer.text)
+    assert "Traceback" not in server.daemon.log()

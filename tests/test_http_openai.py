@@ -169,3 +169,14 @@ def test_http_limit_flags() -> None:
             _resolve("--http", "127.0.0.1:1", *argv)
     with pytest.raises(ConfigError, match="need --http"):
         _resolve("--http-read-timeout", "5")
+
+
+def test_errors_do_not_name_the_daemon_endpoint() -> None:
+    from outrider.daemon.http_front import request_error_response
+    from outrider.protocol import RequestError
+
+    for code in ("connection_lost", "timeout"):
+        exc = RequestError(code, "no answer from ipc:///run/user/1000/outrider/o.sock")
+        answer = request_error_response(exc)
+        assert answer.status_code == 503 and b"ipc://" not in answer.body
+        assert b"/run/" not in answer.body
