@@ -42,7 +42,6 @@ class HttpFrontConfig:
     read_timeout_s: float
     send_timeout_s: float
     max_connections: int
-    allow_remote: bool = False
     api_key: str = ""  # "": no key checked
     allow_origins: tuple[str, ...] = ()
     log_level: str = "info"

@@ -111,6 +111,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._read_deadline: asyncio.TimerHandle | None = None
         self._send_deadline: asyncio.TimerHandle | None = None
 
+    # uvicorn types the transport as asyncio.Transport, narrower than Protocol's BaseTransport.
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
@@ -182,9 +183,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _send_timed_out(self) -> None:
         self._send_deadline = None
-        log.debug(
-            "HTTP client read nothing for %g s: connection reset", self.limits.send_timeout_s
-        )
+        log.debug("HTTP client read nothing for %g s: connection reset", self.limits.send_timeout_s)
         # NOTE: a plain close would queue a FIN behind the unread bytes, and the kernel would
         # keep the socket and its buffer until its zero-window probes give up (minutes); a
         # reset frees both now.

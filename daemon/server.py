@@ -561,7 +561,6 @@ def _http_front_config(config: ServeConfig, endpoint: str) -> HttpFrontConfig | 
         read_timeout_s=config.http_read_timeout,
         send_timeout_s=config.http_send_timeout,
         max_connections=config.http_max_connections,
-        allow_remote=config.http_allow_remote,
         api_key=config.api_key,
         allow_origins=config.http_origins,
         log_level=config.log_level,
