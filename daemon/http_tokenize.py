@@ -10,12 +10,17 @@ for a prompt and ``apply_chat_template`` (with the generation prompt) for messag
 ``count`` is what a ``/v1/completions`` or ``/v1/chat/completions`` request with that input
 would get as ``usage.prompt_tokens``.
 
-Limits: both answer at most ``max_tokens`` ids (``--http-max-tokenize-tokens``). A prompt
-longer than ``max_tokens`` tokens could be (``prompt_char_limit``) is refused before it is
-tokenized; a ``tokens`` list longer than ``max_tokens`` is refused before its ids are
-decoded. All work proportional to the input (decoding the body, the range check, the
-tokenizer) runs on the one worker thread of ``Tokenization``, off the event loop, with at most
-``MAX_QUEUED`` requests queued there (more: 429).
+Limits: both answer at most ``max_tokens`` ids (``--http-max-tokenize-tokens``), and the work
+spent on a longer input is bounded by the limit, not by the input. A text with more
+characters than ``max_tokens`` tokens can hold (``prompt_char_limit``) is refused at once; a
+longer text than ``PIECE_CHARS`` is counted piece by piece first (cut at a space before a
+word, where pre-tokenizers split anyway; each cut may add up to ``CUT_TOKENS`` tokens) and
+refused as soon as its pieces hold more than ``max_tokens``, so that no more than about
+``max_tokens`` tokens' worth of it is ever tokenized. A ``tokens`` list longer than
+``max_tokens`` is refused before its ids are decoded. All work proportional to the input
+(decoding the body, the range check, the tokenizer) runs on the one worker thread of
+``Tokenization``, off the event loop, with at most ``MAX_QUEUED`` requests queued there
+(more: 429).
 
 NOTE: a transformers tokenizer must not be used from two threads at once; every call runs on
 the one worker thread.
@@ -38,6 +43,10 @@ T = TypeVar("T")
 
 # Requests queued on (or running in) the worker at once.
 MAX_QUEUED = 4
+PIECE_CHARS = 2**16
+# Tokens a cut at a space before a word may add: none for byte-level BPE (the pre-tokenizer
+# splits there too), one for a Metaspace tokenizer that prefixes every text with a space.
+CUT_TOKENS = 2
 
 CheckModel = Callable[[str | None], None]
 
@@ -51,6 +60,16 @@ class TokenizeRequest(msgspec.Struct):
 class _DetokenizeHead(msgspec.Struct):
     tokens: msgspec.Raw  # decoded once its length is known to be within the limit
     model: str | None = None
+
+
+def _cut(text: str, near: int) -> int:
+    """A cut of ``text`` at or before ``near``: before a space that precedes a word, else at
+    ``near`` itself."""
+    lowest = max(near - PIECE_CHARS // 2, 1)
+    at = text.rfind(" ", lowest, near)
+    while at > lowest and (text[at - 1].isspace() or text[at + 1 : at + 2].isspace()):
+        at = text.rfind(" ", lowest, at)
+    return at if at > lowest else near
 
 
 class Tokenization:
@@ -86,12 +105,13 @@ class Tokenization:
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("exactly one of prompt and messages must be set", "prompt")
         if req.prompt is not None:
-            self._check_chars(tokenizer, len(req.prompt), "prompt")
+            self._check_length(tokenizer, req.prompt, "prompt")
             ids = tokenizer.encode_prompt(req.prompt)
         else:
             assert req.messages is not None
             turns = chat_turns(req.messages)
-            self._check_chars(tokenizer, sum(len(t["content"]) for t in turns), "messages")
+            # The template only adds to the contents' tokens.
+            self._check_length(tokenizer, "\n".join(t["content"] for t in turns), "messages")
             try:
                 ids = tokenizer.apply_chat_template(turns)
             except ChatTemplateError as exc:
@@ -100,10 +120,19 @@ class Tokenization:
             raise self._too_many(len(ids), "prompt" if req.prompt is not None else "messages")
         return ids
 
-    def _check_chars(self, tokenizer: Tokenizer, chars: int, param: str) -> None:
-        # More characters than max_tokens tokens can hold: refused without tokenizing.
-        if chars > prompt_char_limit(tokenizer, self._max_tokens + 1):
+    def _check_length(self, tokenizer: Tokenizer, text: str, param: str) -> None:
+        """Raises unless ``text`` may have at most ``max_tokens`` tokens (the module
+        docstring says how, in bounded work)."""
+        if len(text) > prompt_char_limit(tokenizer, self._max_tokens + 1):
             raise self._too_many(None, param)
+        counted, start, cuts = 0, 0, 0
+        while len(text) - start > PIECE_CHARS:
+            end = _cut(text, start + PIECE_CHARS)
+            piece = tokenizer.backend.encode(text[start:end], add_special_tokens=False)
+            counted += len(piece.ids)
+            if counted - cuts * CUT_TOKENS > self._max_tokens:
+                raise self._too_many(None, param)
+            start, cuts = end, cuts + 1
 
     def _detokenize(self, body: bytes, check_model: CheckModel) -> str:
         head = decode_request(body, _DetokenizeHead)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 from typing import Any
 
 import msgspec
 import pytest
 
 from outrider.daemon.config import ConfigError, add_serve_arguments, resolve
+from outrider.daemon.family import embedded_family
 from outrider.daemon.http_config import FRAME_HEADROOM, body_limit, parse_host_port
 from outrider.daemon.http_errors import split_path
 from outrider.daemon.http_openai import (
@@ -23,9 +25,12 @@ from outrider.daemon.http_openai import (
     completion_args,
     decode_request,
 )
+from outrider.daemon.http_tokenize import PIECE_CHARS, Tokenization
 from outrider.protocol._client_common import generate_request
 from outrider.protocol.frames import request_codec
 from outrider.protocol.messages import MAX_TOKEN_ID
+
+FAMILY = embedded_family()
 
 
 def _resolve(*argv: str) -> None:
@@ -180,3 +185,38 @@ def test_errors_do_not_name_the_daemon_endpoint() -> None:
         answer = request_error_response(exc)
         assert answer.status_code == 503 and b"ipc://" not in answer.body
         assert b"/run/" not in answer.body
+
+
+@pytest.mark.skipif(FAMILY is None, reason="the embedded family is not installed")
+def test_tokenize_work_is_bounded_by_the_limit() -> None:
+    """An 8 MB /tokenize or /detokenize body over the limit is refused after a bounded part of
+    it (it once took seconds and hundreds of MB); a text at the limit is still answered."""
+    assert FAMILY is not None
+    rng = random.Random(3)
+    words = ["the", "sea", "ships", "  ", "\n", "ééé", "x1y2", "gulls"]
+    text = " ".join(rng.choice(words) for _ in range(40_000))
+    count = len(Tokenization(str(FAMILY.target), 10**6)._tokenize(_prompt(text), _any_model))
+    assert len(text) > 2 * PIECE_CHARS and count > 20_000
+    assert (
+        len(Tokenization(str(FAMILY.target), count)._tokenize(_prompt(text), _any_model)) == count
+    )
+    with pytest.raises(InvalidRequest, match="more than"):
+        Tokenization(str(FAMILY.target), count - 1)._tokenize(_prompt(text), _any_model)
+    huge = _prompt(" ".join(rng.choice(words) for _ in range(1_900_000)))
+    assert len(huge) > 8_000_000
+    bounded = Tokenization(str(FAMILY.target), 4096)
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match="more than 4096 tokens"):
+        bounded._tokenize(huge, _any_model)
+    ids = msgspec.json.encode({"tokens": [5] * 4_000_000})
+    with pytest.raises(InvalidRequest, match="more than 4096 tokens"):
+        bounded._detokenize(ids, _any_model)
+    assert time.monotonic() - started < 2.0
+
+
+def _prompt(text: str) -> bytes:
+    return msgspec.json.encode({"prompt": text})
+
+
+def _any_model(_model: str | None) -> None:
+    pass
