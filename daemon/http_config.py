@@ -17,7 +17,8 @@ HTTP_MODULES = ("starlette", "uvicorn", "httptools", "prometheus_client")
 # field of a request body reaches the frame at most as long as its JSON (a msgpack string is
 # never longer than its JSON string, an integer never longer than its decimal digits plus a
 # separator); what the frame adds (its header, a request id, every field of ``Generate`` the
-# body left out, at their defaults) is under 1 KiB. ``test_http_limits`` checks it.
+# body left out, at their defaults) is under 1 KiB, which ``test_http_openai`` checks; the
+# rest leaves room for fields the frame may gain.
 FRAME_HEADROOM = 64 * 2**10
 
 
