@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from outrider.daemon.family import family_defaults
-from outrider.daemon.http_config import parse_host_port
+from outrider.daemon.http_config import FRAME_HEADROOM, body_limit, parse_host_port
 from outrider.daemon.runtime import is_loopback
 from outrider.plugins.api import PHASES, CheckContext, Phase
 from outrider.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
@@ -75,9 +75,25 @@ class ServeConfig:
     http: str = ""  # HOST:PORT of the OpenAI-compatible HTTP front; "": none
     http_allow_remote: bool = False
     api_key: str = ""  # "": the HTTP front checks no key
+    http_allow_origins: str = ""  # comma-separated browser origins; "": none (CORS off)
+    http_max_body_bytes: int = 0  # 0: body_limit(max_message_bytes)
+    http_max_tokenize_tokens: int = 131072
+    http_read_timeout: float = 30.0
+    http_send_timeout: float = 30.0
+    http_max_connections: int = 512
     served_model_name: str = ""  # "": the model directory's name (the family's name)
     log_level: str = "info"
     seed: int = 0  # seed of dummy weights
+
+    @property
+    def http_body_bytes(self) -> int:
+        """The HTTP front's body limit: ``--http-max-body-bytes``, else the largest body whose
+        client frame fits in ``--max-message-bytes``."""
+        return self.http_max_body_bytes or body_limit(self.max_message_bytes)
+
+    @property
+    def http_origins(self) -> tuple[str, ...]:
+        return tuple(o.strip() for o in self.http_allow_origins.split(",") if o.strip())
 
     @property
     def overlap(self) -> bool:
@@ -227,7 +243,28 @@ _HELP: dict[str, str] = {
     "socket_mode": "file mode of an ipc:// client socket, octal: at most 0660 (owner and group)",
     "http": "serve the OpenAI-compatible HTTP API there (loopback unless --http-allow-remote)",
     "http_allow_remote": "let --http bind beyond loopback",
-    "api_key": "with --http: /v1/* requires 'Authorization: Bearer KEY'",
+    "api_key": (
+        "with --http: every path but /health and /health/ready requires 'Authorization: "
+        "Bearer KEY'; required with --http-allow-remote"
+    ),
+    "http_allow_origins": (
+        "browser origins (scheme://host[:port], comma-separated) the HTTP API serves and "
+        "answers CORS preflight for; a request from any other origin is refused"
+    ),
+    "http_max_body_bytes": (
+        "largest HTTP request body (larger: 413, connection closed); at most the default"
+    ),
+    "http_max_tokenize_tokens": (
+        "most token ids /tokenize answers with and /detokenize takes (more: 400)"
+    ),
+    "http_read_timeout": (
+        "seconds an HTTP request's headers and body may take to arrive (then 408, closed)"
+    ),
+    "http_send_timeout": (
+        "seconds an HTTP response may wait for its client to read (then the connection "
+        "closes and its request is aborted)"
+    ),
+    "http_max_connections": "most HTTP connections at once (more: 503, closed)",
     "served_model_name": "the model name the HTTP API lists and requests may give",
     "log_level": "log level of the daemon and its children",
     "seed": "seed of --load-format dummy weights",
@@ -266,6 +303,9 @@ _METAVAR: dict[str, str] = {
     "http": "HOST:PORT",
     "api_key": "KEY",
     "served_model_name": "NAME",
+    "http_allow_origins": "ORIGINS",
+    "http_read_timeout": "S",
+    "http_send_timeout": "S",
 }
 
 # Other spellings of a flag, given before it (``--help`` and the tests name the last one).
@@ -287,6 +327,7 @@ _SHOWN_DEFAULT: dict[str, str] = {
     "dist_init_addr": "a free loopback port (one host)",
     "socket_mode": "0600",
     "max_message_bytes": f"{DEFAULT_MAX_MESSAGE_BYTES} ({DEFAULT_MAX_MESSAGE_BYTES // 2**20} MiB)",
+    "http_max_body_bytes": f"--max-message-bytes less {FRAME_HEADROOM // 2**10} KiB",
     "served_model_name": "the model directory's name (outrider-family for the embedded family)",
 }
 
@@ -476,20 +517,51 @@ def validate(config: ServeConfig) -> list[str]:
     return problems
 
 
+_HTTP_FIELDS = ("api_key", "served_model_name", *(n for n in _FIELDS if n.startswith("http_")))
+
+
 def _http_problems(config: ServeConfig) -> list[str]:
     if not config.http:
-        if config.http_allow_remote or config.api_key or config.served_model_name:
-            return ["--http-allow-remote, --api-key and --served-model-name need --http"]
-        return []
+        given = [flag_name(n) for n in _HTTP_FIELDS if getattr(config, n) != _FIELDS[n].default]
+        return [f"{', '.join(given)}: need --http"] if given else []
     try:
         host, _port = parse_host_port(config.http)
     except ValueError as exc:
         return [f"--http: {exc}"]
     if not config.http_allow_remote and not is_loopback(host):
         return [f"--http {config.http}: {host} is not a loopback address (--http-allow-remote)"]
+    if config.http_allow_remote and not config.api_key:
+        return [
+            "--http-allow-remote needs --api-key: beyond loopback, anyone who reaches the port "
+            "would drive the daemon"
+        ]
     if config.curve_secret_key_file:
         return ["--http with CURVE keys is not supported: the HTTP front would need a client key"]
-    return []
+    return _http_limit_problems(config)
+
+
+def _http_limit_problems(config: ServeConfig) -> list[str]:
+    problems = []
+    largest = body_limit(config.max_message_bytes)
+    if largest < 1:
+        problems.append(f"--max-message-bytes must exceed {FRAME_HEADROOM} with --http")
+    elif not 0 <= config.http_max_body_bytes <= largest:
+        problems.append(
+            f"--http-max-body-bytes must be in [1, {largest}] (--max-message-bytes less "
+            f"{FRAME_HEADROOM}), or 0 for that"
+        )
+    if config.http_max_tokenize_tokens < 1 or config.http_max_connections < 1:
+        problems.append("--http-max-tokenize-tokens and --http-max-connections must be >= 1")
+    if config.http_read_timeout <= 0 or config.http_send_timeout <= 0:
+        problems.append("--http-read-timeout and --http-send-timeout must be > 0")
+    for origin in config.http_origins:
+        scheme, sep, rest = origin.partition("://")
+        if scheme not in ("http", "https") or not sep or not rest or "/" in rest or "*" in rest:
+            problems.append(
+                f"--http-allow-origins {origin!r}: expected scheme://host[:port] (no path, "
+                "no wildcard)"
+            )
+    return problems
 
 
 # The children (front door, detokenizer, HTTP front) run one thread each; under load they take

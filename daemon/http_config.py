@@ -13,6 +13,19 @@ from dataclasses import dataclass
 # What the HTTP front imports beyond the daemon's own needs (the daemon extra has them).
 HTTP_MODULES = ("starlette", "uvicorn", "httptools", "prometheus_client")
 
+# NOTE: what a client frame may carry beyond the bytes of the HTTP body it came from. Every
+# field of a request body reaches the frame at most as long as its JSON (a msgpack string is
+# never longer than its JSON string, an integer never longer than its decimal digits plus a
+# separator); what the frame adds (its header, a request id, every field of ``Generate`` the
+# body left out, at their defaults) is under 1 KiB, which ``test_http_openai`` checks; the
+# rest leaves room for fields the frame may gain.
+FRAME_HEADROOM = 64 * 2**10
+
+
+def body_limit(max_message_bytes: int) -> int:
+    """The largest HTTP body whose client frame fits in ``max_message_bytes``."""
+    return max_message_bytes - FRAME_HEADROOM
+
 
 @dataclass(frozen=True)
 class HttpFrontConfig:
@@ -24,7 +37,14 @@ class HttpFrontConfig:
     served_model_name: str
     version: str
     model_dir: str | None  # for token texts in logprobs (its tokenizer.json)
+    max_message_bytes: int  # the daemon's client frame limit (--max-message-bytes)
+    max_body_bytes: int  # at most body_limit(max_message_bytes)
+    max_tokenize_tokens: int
+    read_timeout_s: float
+    send_timeout_s: float
+    max_connections: int
     api_key: str = ""  # "": no key checked
+    allow_origins: tuple[str, ...] = ()
     log_level: str = "info"
 
 

@@ -10,19 +10,21 @@ has had its final frame), and exits. While the daemon drains, new requests are a
 
 Status codes from the daemon's error codes: ``invalid_request`` / ``unsupported`` 400,
 ``prompt_too_long`` 413, ``overloaded`` 429, ``shutting_down`` / ``connection_lost`` /
-``timeout`` 503, anything else 500. A client that goes away aborts its request, streamed or
-not.
+``timeout`` 503, anything else 500 (http_errors.py). A client that goes away aborts its
+request, streamed or not.
 
-``--api-key`` guards ``/v1/*`` only: ``/health``, ``/metrics``, ``/tokenize`` and
-``/detokenize`` answer without it, as vLLM's do (a scraper or a gateway's health check has
-no key).
+Before a route runs, a request passes, outermost first: ``Guard`` (one 500 and one log line
+for anything unexpected), ``Access`` (the access rule: Host, Origin, the API key;
+http_access.py), ``BodyLimit`` (http_limits.py); the connection itself is held to
+``LimitedHttpProtocol``'s read, send and connection limits. Since every HTTP request shares
+one client connection, which the front door drops for a frame over ``--max-message-bytes``,
+the body limit keeps every accepted request's frame under it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import Connection
@@ -31,16 +33,26 @@ from typing import Any, TypeVar
 import msgspec
 import uvicorn
 import zmq.asyncio
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from outrider.daemon.child_runtime import ChildTasks, ParentPipe, child_setup, run_child
+from outrider.daemon.http_access import Access, AccessRule
 from outrider.daemon.http_config import HttpFrontConfig, bind_http
+from outrider.daemon.http_errors import (
+    STATUS_OF_CODE,
+    Guard,
+    error_body,
+    error_response,
+    public_message,
+    split_path,
+)
+from outrider.daemon.http_limits import BodyLimit, ConnectionLimits, limited_protocol
 from outrider.daemon.http_metrics import render_metrics
 from outrider.daemon.http_openai import (
+    DAEMON_FIELDS,
     ChatRequest,
     CompletionRequest,
     GenerateArgs,
@@ -53,7 +65,8 @@ from outrider.daemon.http_openai import (
     new_id,
     now,
 )
-from outrider.daemon.http_tokenize import DetokenizeRequest, Tokenization, TokenizeRequest
+from outrider.daemon.http_tokenize import Tokenization
+from outrider.daemon.runtime import is_loopback
 from outrider.protocol import AsyncClient, AsyncTokenStream, RequestError, TokenChunk
 
 log = logging.getLogger("outrider.http")
@@ -68,24 +81,6 @@ GRACEFUL_SHUTDOWN_S = 1  # within child_runtime.FLUSH_LIMIT_S
 # The status logged for a request whose client left before its answer (nginx's convention).
 CLIENT_GONE = 499
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-
-_STATUS_OF_CODE = {
-    "invalid_request": 400,
-    "unsupported": 400,
-    "prompt_too_long": 413,
-    "overloaded": 429,
-    "shutting_down": 503,
-    "connection_lost": 503,
-    "timeout": 503,
-}
-_TYPE_OF_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-}
 
 
 def run_http_front(cfg: HttpFrontConfig, parent_conn: Connection) -> None:
@@ -110,14 +105,18 @@ async def _main(cfg: HttpFrontConfig, parent: ParentPipe, _ctx: zmq.asyncio.Cont
         await ChildTasks(parent).run()
         return
     host, port = sock.getsockname()[:2]
-    client = AsyncClient(cfg.client_endpoint)
+    # NOTE: every HTTP request shares this connection. Its ZeroMQ thread takes every reply in
+    # (reply_hwm=0) whatever this event loop does, so the front door never finds it behind
+    # and no request ends another; each HTTP response has its own send timeout instead.
+    client = AsyncClient(cfg.client_endpoint, max_message_bytes=cfg.max_message_bytes, reply_hwm=0)
     front = HttpFront(cfg, client)
     app = front.app()
+    limits = ConnectionLimits(cfg.read_timeout_s, cfg.send_timeout_s, cfg.max_connections)
     server = _Server(
         uvicorn.Config(
             app,
             loop="none",
-            http="httptools",
+            http=limited_protocol(limits),
             lifespan="off",
             log_config=None,
             access_log=False,
@@ -140,6 +139,7 @@ async def _main(cfg: HttpFrontConfig, parent: ParentPipe, _ctx: zmq.asyncio.Cont
     tasks.spawn(serve())
     parent.report("serving", endpoint=f"http://{host}:{port}")
     log.info("HTTP front on http://%s:%d (model %s)", host, port, cfg.served_model_name)
+    log.info("%s", front.access.describe())
     try:
         await tasks.run(parent_gone=parent_gone, flushed=lambda: not server.server_state.tasks)
     finally:
@@ -147,42 +147,14 @@ async def _main(cfg: HttpFrontConfig, parent: ParentPipe, _ctx: zmq.asyncio.Cont
         client.close()
 
 
-class _ApiKey:
-    """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer KEY``."""
-
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self._app = app
-        self._expected = f"Bearer {key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                response = error_response(401, "invalid or missing API key", code="invalid_api_key")
-                await response(scope, receive, send)
-                return
-        await self._app(scope, receive, send)
-
-
-def error_body(status: int, message: str, param: str | None, code: str | None) -> bytes:
-    kind = _TYPE_OF_STATUS.get(status, "internal_error")
-    return msgspec.json.encode(
-        {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    )
-
-
-def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> Response:
-    return Response(error_body(status, message, param, code), status, media_type="application/json")
-
-
 def invalid_response(exc: InvalidRequest) -> Response:
     return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
 
 
-def request_error_response(exc: RequestError) -> Response:
-    return error_response(_STATUS_OF_CODE.get(exc.code, 500), exc.message, code=exc.code)
+def request_error_response(exc: RequestError, rename: dict[str, str] = DAEMON_FIELDS) -> Response:
+    """The answer to a daemon's refusal; a field it names is named as the client sent it."""
+    message, param = split_path(public_message(exc), rename)
+    return error_response(STATUS_OF_CODE.get(exc.code, 500), message, param, exc.code)
 
 
 def json_response(body: Any, status: int = 200) -> Response:
@@ -217,7 +189,12 @@ class HttpFront:
         self._cfg = cfg
         self._client = client
         self._texts = TokenTexts(cfg.model_dir)
-        self._tokenization = Tokenization(cfg.model_dir)
+        self._tokenization = Tokenization(cfg.model_dir, cfg.max_tokenize_tokens)
+        self.access = AccessRule(
+            loopback=is_loopback(cfg.host),
+            api_key=cfg.api_key,
+            allow_origins=frozenset(cfg.allow_origins),
+        )
         self._max_model_len: int | None = None  # the daemon's context length, once asked
         self._created = now()
 
@@ -233,15 +210,15 @@ class HttpFront:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
         ]
-        app: ASGIApp = Starlette(routes=routes)
-        return _ApiKey(app, self._cfg.api_key) if self._cfg.api_key else app
+        return Guard(Access(BodyLimit(Router(routes), self._cfg.max_body_bytes), self.access))
 
     async def health(self, _request: Request) -> Response:
         """200 when the daemon answers ``health`` at all (loading, serving or draining)."""
         try:
             health = await self._client.health(timeout=HEALTH_TIMEOUT_S)
         except RequestError as exc:
-            return error_response(503, f"the daemon does not answer: {exc.message}", code=exc.code)
+            message = f"the daemon does not answer: {public_message(exc)}"
+            return error_response(503, message, code=exc.code)
         return json_response({"status": health.status})
 
     async def ready(self, _request: Request) -> Response:
@@ -249,7 +226,8 @@ class HttpFront:
         try:
             health = await self._client.health(timeout=HEALTH_TIMEOUT_S)
         except RequestError as exc:
-            return error_response(503, f"the daemon does not answer: {exc.message}", code=exc.code)
+            message = f"the daemon does not answer: {public_message(exc)}"
+            return error_response(503, message, code=exc.code)
         status = 200 if health.status == "serving" else 503
         return json_response({"status": health.status}, status)
 
@@ -261,15 +239,14 @@ class HttpFront:
         try:
             info = await self._client.server_info(timeout=HEALTH_TIMEOUT_S)
         except RequestError as exc:
-            return error_response(503, f"the daemon does not answer: {exc.message}", code=exc.code)
+            message = f"the daemon does not answer: {public_message(exc)}"
+            return error_response(503, message, code=exc.code)
         body = render_metrics(info, self._cfg.served_model_name)
         return Response(body, media_type=PROMETHEUS_TEXT)
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            req = decode_request(await request.body(), TokenizeRequest)
-            self._check_model(req.model)
-            tokens = await self._tokenization.tokenize(req)
+            tokens = await self._tokenization.tokenize(await request.body(), self._check_model)
             max_model_len = await self._context_length()
         except InvalidRequest as exc:
             return invalid_response(exc)
@@ -281,9 +258,7 @@ class HttpFront:
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            req = decode_request(await request.body(), DetokenizeRequest)
-            self._check_model(req.model)
-            text = await self._tokenization.detokenize(req)
+            text = await self._tokenization.detokenize(await request.body(), self._check_model)
         except InvalidRequest as exc:
             return invalid_response(exc)
         return json_response({"prompt": text})
@@ -327,7 +302,10 @@ class HttpFront:
         self._check_model(req.model)
         args = to_args(req)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return await self._run(request, args, chat, req.stream, include_usage)
+        rename = DAEMON_FIELDS
+        if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+            rename = DAEMON_FIELDS | {"max_new_tokens": "max_completion_tokens"}
+        return await self._run(request, args, chat, req.stream, include_usage, rename)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self._cfg.served_model_name:
@@ -345,6 +323,7 @@ class HttpFront:
         chat: bool,
         streamed: bool,
         include_usage: bool,
+        rename: dict[str, str],
     ) -> Response:
         shape = Shape(
             chat=chat,
@@ -359,7 +338,7 @@ class HttpFront:
             try:
                 result = await _unless_gone(request, call)
             except RequestError as exc:
-                return request_error_response(exc)
+                return request_error_response(exc, rename)
             if result is None:  # nobody reads this answer: the request was aborted
                 return Response(status_code=CLIENT_GONE)
             return json_response(shape.full(result))
@@ -370,7 +349,7 @@ class HttpFront:
         except StopAsyncIteration:
             first = None
         except RequestError as exc:
-            return request_error_response(exc)
+            return request_error_response(exc, rename)
         return _Stream(_sse_events(shape, stream, first, include_usage), stream)
 
 
@@ -406,8 +385,8 @@ async def _sse_events(
         if include_usage:
             yield sse(shape.usage_chunk(result.usage))
     except RequestError as exc:
-        status = _STATUS_OF_CODE.get(exc.code, 500)
-        yield b"data: " + error_body(status, exc.message, None, exc.code) + b"\n\n"
+        status = STATUS_OF_CODE.get(exc.code, 500)
+        yield b"data: " + error_body(status, public_message(exc), None, exc.code) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 

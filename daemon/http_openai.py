@@ -11,12 +11,19 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
+from msgspec import Meta
 
+from outrider.daemon.http_errors import split_path
 from outrider.protocol import GenerateResult, TokenChunk
-from outrider.protocol.messages import MAX_LOGPROBS, TokenLogprob, Usage
+from outrider.protocol.messages import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, TokenLogprob, Usage
+
+# Integers a request may give; wider ones would not fit in the daemon's frame (and the
+# daemon would refuse them anyway), so they are refused here, by their OpenAI names.
+Count = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
 
 # --- requests -----------------------------------------------------------------------------
 
@@ -39,8 +46,8 @@ class _Sampling(msgspec.Struct):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: Count | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -50,15 +57,15 @@ class _Sampling(msgspec.Struct):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[Any] = ""
-    max_tokens: int | None = 16  # the OpenAI default for completions
+    max_tokens: Count | None = 16  # the OpenAI default for completions
     logprobs: int | None = None
     echo: bool = False
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessageIn] = []
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 
@@ -111,13 +118,26 @@ class GenerateArgs:
 T = TypeVar("T")
 
 
-def decode_request(body: bytes, kind: type[T]) -> T:
+def decode_request(body: bytes, kind: type[T], path_prefix: str = "") -> T:
+    """``body`` decoded as ``kind``; raises ``InvalidRequest`` (with the offending field as
+    ``param``, after ``path_prefix``) for anything else, whatever the bytes."""
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(str(exc)) from None
+        message, param = split_path(str(exc), prefix=path_prefix)
+        raise InvalidRequest(message, param) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the body is not JSON: {exc}") from None
+    # NOTE: msgspec passes invalid UTF-8 on as CPython's UnicodeDecodeError, and nesting past
+    # the interpreter's recursion limit as RecursionError, even in a field it only skips.
+    except UnicodeDecodeError:
+        raise InvalidRequest("the body is not valid UTF-8") from None
+    except RecursionError:
+        raise InvalidRequest("the body is nested too deeply") from None
+
+
+# The daemon's field names in its validation errors, as an OpenAI request names them.
+DAEMON_FIELDS = {"max_new_tokens": "max_tokens", "input_ids": "prompt"}
 
 
 def _common_checks(req: _Sampling) -> None:
@@ -145,6 +165,8 @@ def completion_args(req: CompletionRequest) -> GenerateArgs:
     if isinstance(raw, str):
         prompt = raw
     elif isinstance(raw, list) and all(type(x) is int for x in raw):
+        if not all(0 <= x <= MAX_TOKEN_ID for x in raw):
+            raise InvalidRequest(f"prompt: token ids must be in [0, {MAX_TOKEN_ID}]", "prompt")
         input_ids = raw
     else:
         raise InvalidRequest(

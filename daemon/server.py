@@ -555,7 +555,14 @@ def _http_front_config(config: ServeConfig, endpoint: str) -> HttpFrontConfig | 
         served_model_name=served_model_name(config),
         version=VERSION,
         model_dir=_tokenizer_dir(config.model),
+        max_message_bytes=config.max_message_bytes,
+        max_body_bytes=config.http_body_bytes,
+        max_tokenize_tokens=config.http_max_tokenize_tokens,
+        read_timeout_s=config.http_read_timeout,
+        send_timeout_s=config.http_send_timeout,
+        max_connections=config.http_max_connections,
         api_key=config.api_key,
+        allow_origins=config.http_origins,
         log_level=config.log_level,
     )
 

@@ -12,6 +12,7 @@ from daemon_harness import Daemon, free_port, poll_until
 from outrider.daemon.family import embedded_family
 
 API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FAMILY = embedded_family()
 
 

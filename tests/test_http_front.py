@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from daemon_harness import poll_until
-from http_harness import API_KEY, FAMILY, HttpDaemon
+from http_harness import API_KEY, AUTH, FAMILY, HttpDaemon
 
 from outrider.protocol import Client
 from outrider.protocol.messages import ServerInfo
@@ -42,7 +42,7 @@ def test_models_health_and_version(server: HttpDaemon) -> None:
     models = server.openai().models.list()
     assert [m.id for m in models.data] == ["outrider-family"]
     assert httpx.get(server.base + "/health").json() == {"status": "serving"}
-    assert httpx.get(server.base + "/version").json()["version"] == "0.1.0"
+    assert httpx.get(server.base + "/version", headers=AUTH).json()["version"] == "0.1.0"
 
 
 def test_completions_stream_equals_non_streamed(server: HttpDaemon) -> None:
@@ -226,7 +226,7 @@ def test_sigterm_drains_running_streams_and_refuses_new_ones(tmp_path: Path) -> 
 
 def test_tokenize_round_trips_through_detokenize(server: HttpDaemon) -> None:
     prompt = "Once upon a time, the sea."
-    tokenized = httpx.post(server.base + "/tokenize", json={"prompt": prompt}).json()
+    tokenized = httpx.post(server.base + "/tokenize", json={"prompt": prompt}, headers=AUTH).json()
     assert tokenized["count"] == len(tokenized["tokens"]) > 0
     assert tokenized["max_model_len"] == 512
     # The daemon's own tokenization: a completion of the same prompt counts as many tokens.
@@ -235,10 +235,14 @@ def test_tokenize_round_trips_through_detokenize(server: HttpDaemon) -> None:
     )
     assert completion.usage is not None
     assert completion.usage.prompt_tokens == tokenized["count"]
-    detokenized = httpx.post(server.base + "/detokenize", json={"tokens": tokenized["tokens"]})
+    detokenized = httpx.post(
+        server.base + "/detokenize", json={"tokens": tokenized["tokens"]}, headers=AUTH
+    )
     assert detokenized.json() == {"prompt": prompt}
     messages = [{"role": "user", "content": "Tell me about the sea."}]
-    chat_tokens = httpx.post(server.base + "/tokenize", json={"messages": messages}).json()
+    chat_tokens = httpx.post(
+        server.base + "/tokenize", json={"messages": messages}, headers=AUTH
+    ).json()
     chat = server.openai().chat.completions.create(
         model="outrider-family",
         messages=messages,  # type: ignore[arg-type]
@@ -249,11 +253,40 @@ def test_tokenize_round_trips_through_detokenize(server: HttpDaemon) -> None:
 
 def test_tokenize_refusals(server: HttpDaemon) -> None:
     for body in ({"tokens": [1, 8192]}, {"tokens": [-1]}, {"tokens": "x"}):
-        refused = httpx.post(server.base + "/detokenize", json=body)
+        refused = httpx.post(server.base + "/detokenize", json=body, headers=AUTH)
         assert refused.status_code == 400, body
         assert refused.json()["error"]["type"] == "invalid_request_error"
     both = {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}
     for body in ({}, both):
-        assert httpx.post(server.base + "/tokenize", json=body).status_code == 400
-    unknown = httpx.post(server.base + "/tokenize", json={"prompt": "a", "model": "gpt-4"})
+        assert httpx.post(server.base + "/tokenize", json=body, headers=AUTH).status_code == 400
+    unknown = httpx.post(
+        server.base + "/tokenize", json={"prompt": "a", "model": "gpt-4"}, headers=AUTH
+    )
     assert unknown.status_code == 404
+
+
+def test_the_key_covers_tokenize_and_its_scheme_is_case_insensitive(server: HttpDaemon) -> None:
+    for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [5]})):
+        assert httpx.post(server.base + path, json=body).status_code == 401
+        lower = {"Authorization": f"bearer {API_KEY}"}
+        assert httpx.post(server.base + path, json=body, headers=lower).status_code == 200
+    assert httpx.get(server.base + "/metrics").status_code == 401
+    assert httpx.get(server.base + "/health/ready").status_code == 200
+
+
+def test_hostile_bodies_are_400s_naming_the_field(server: HttpDaemon) -> None:
+    for path, body, param in (
+        ("/v1/completions", b'{"prompt": "\xff"}', None),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xc3"}]}', None),
+        ("/tokenize", b'{"prompt": "\xed\xa0\x80"}', None),
+        ("/v1/completions", b'{"prompt": "a", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}", None),
+        ("/v1/completions", b'{"prompt": "a", "seed": 18446744073709551616}', "seed"),
+        ("/v1/completions", b'{"prompt": "a", "max_tokens": 18446744073709551616}', "max_tokens"),
+        ("/v1/completions", b'{"prompt": [18446744073709551616]}', "prompt"),
+        ("/detokenize", b'{"tokens": [18446744073709551616]}', "tokens"),
+        ("/v1/completions", b'{"prompt": "a", "temperature": 1000}', "temperature"),
+    ):
+        answer = httpx.post(server.base + path, content=body, headers=AUTH)
+        assert answer.status_code == 400, (body, answer.text)
+        assert answer.json()["error"]["param"] == param, (body, answer.text)
+    assert "Traceback" not in server.daemon.log()

@@ -1,15 +1,23 @@
-"""The HTTP front's pieces that need no daemon: ``--http`` settings, and OpenAI requests
-translated to ``generate`` arguments."""
+"""The HTTP front's pieces that need no daemon: ``--http`` settings, OpenAI requests
+translated to ``generate`` arguments, hostile bodies refused as invalid requests, and the
+body limit that keeps every request's frame under the daemon's."""
 
 from __future__ import annotations
 
 import argparse
+import random
+import time
+from typing import Any
 
+import msgspec
 import pytest
 
 from outrider.daemon.config import ConfigError, add_serve_arguments, resolve
-from outrider.daemon.http_config import parse_host_port
+from outrider.daemon.family import embedded_family
+from outrider.daemon.http_config import FRAME_HEADROOM, body_limit, parse_host_port
+from outrider.daemon.http_errors import split_path
 from outrider.daemon.http_openai import (
+    DAEMON_FIELDS,
     ChatRequest,
     CompletionRequest,
     InvalidRequest,
@@ -17,6 +25,12 @@ from outrider.daemon.http_openai import (
     completion_args,
     decode_request,
 )
+from outrider.daemon.http_tokenize import PIECE_CHARS, Tokenization
+from outrider.protocol._client_common import generate_request
+from outrider.protocol.frames import request_codec
+from outrider.protocol.messages import MAX_TOKEN_ID
+
+FAMILY = embedded_family()
 
 
 def _resolve(*argv: str) -> None:
@@ -28,7 +42,9 @@ def _resolve(*argv: str) -> None:
 def test_http_flags_are_checked_when_resolved() -> None:
     _resolve("--http", "127.0.0.1:8000", "--api-key", "k", "--served-model-name", "m")
     _resolve("--http", "[::1]:0")
-    _resolve("--http", "0.0.0.0:8000", "--http-allow-remote")
+    _resolve("--http", "0.0.0.0:8000", "--http-allow-remote", "--api-key", "k")
+    with pytest.raises(ConfigError, match="--http-allow-remote needs --api-key"):
+        _resolve("--http", "0.0.0.0:8000", "--http-allow-remote")
     with pytest.raises(ConfigError, match="not a loopback address"):
         _resolve("--http", "0.0.0.0:8000")
     with pytest.raises(ConfigError, match="expected HOST:PORT"):
@@ -68,3 +84,139 @@ def test_prompt_forms_and_refusals() -> None:
         assert exc.value.param == param
     with pytest.raises(InvalidRequest):
         decode_request(b'{"prompt": 5}', CompletionRequest)
+
+
+# Bodies that once raised past the routes (a 500 and a traceback each): each must be a 400.
+_HOSTILE_BODIES = {
+    b'{"prompt": "\xff\xfe"}': None,
+    b'{"model": "\xc3", "prompt": "a"}': None,
+    b'{"prompt": "a", "unknown": ' + b"[" * 1000 + b"]" * 1000 + b"}": None,
+    b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}": None,
+    b'{"prompt": "a", "seed": 18446744073709551616}': "seed",
+    b'{"prompt": "a", "max_tokens": 18446744073709551616}': "max_tokens",
+    b'{"prompt": "a", "top_k": -1}': "top_k",
+    b'{"prompt": [1, 18446744073709551616]}': "prompt",
+    b'{"prompt": [1, -2]}': "prompt",
+    b'{"prompt": "a", "stream": "yes"}': "stream",
+}
+
+
+@pytest.mark.parametrize("body", list(_HOSTILE_BODIES))
+def test_hostile_completion_bodies_are_invalid_requests(body: bytes) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        completion_args(decode_request(body, CompletionRequest))
+    assert exc.value.status == 400 and exc.value.param == _HOSTILE_BODIES[body]
+
+
+def test_hostile_chat_bodies_name_the_openai_field() -> None:
+    bad_content = b'{"messages": [{"role": "user", "content": "\xff"}]}'
+    with pytest.raises(InvalidRequest, match="UTF-8"):
+        decode_request(bad_content, ChatRequest)
+    wrong = b'{"messages": [{"role": "user", "content": 5}]}'
+    with pytest.raises(InvalidRequest) as exc:
+        decode_request(wrong, ChatRequest)
+    assert exc.value.param == "messages[0].content"
+    assert "`$.messages[0].content`" in str(exc.value)
+
+
+def test_daemon_field_names_become_the_openai_names() -> None:
+    message = "Expected `int` >= 0 - at `$.max_new_tokens`"
+    assert split_path(message, DAEMON_FIELDS) == (
+        "Expected `int` >= 0 - at `$.max_tokens`",
+        "max_tokens",
+    )
+    chat = DAEMON_FIELDS | {"max_new_tokens": "max_completion_tokens"}
+    assert split_path(message, chat)[1] == "max_completion_tokens"
+    assert split_path("Expected `int` - at `$.input_ids[3]`", DAEMON_FIELDS)[1] == "prompt[3]"
+    assert split_path("the daemon is draining") == ("the daemon is draining", None)
+
+
+def test_a_body_at_the_limit_fits_in_one_client_frame() -> None:
+    """Every field reaches the frame at most as long as its JSON, so a body of the derived
+    limit, whatever fills it, gives a frame under --max-message-bytes."""
+    max_message_bytes = 2**20
+    limit = body_limit(max_message_bytes)
+    codec = request_codec()
+    rng = random.Random(7)
+    ids = [rng.randrange(MAX_TOKEN_ID) for _ in range(limit // 11)]
+    fillers: list[Any] = [
+        {"prompt": "é\x00\\" * (limit // 12)},
+        {"prompt": ids},
+        {"prompt": "a", "stop": ["xy"] * (limit // 6)},
+    ]
+    for filler in fillers:
+        body = msgspec.json.encode(filler | {"max_tokens": MAX_TOKEN_ID, "seed": 2**63 - 1})
+        assert len(body) <= limit
+        args = completion_args(decode_request(body, CompletionRequest))
+        frame = codec.encode(generate_request(request_id=None, stream=True, stop_token_ids=[],
+                                              **args.client_kwargs()))  # fmt: skip
+        assert len(frame) <= len(body) + FRAME_HEADROOM // 64 <= max_message_bytes
+    chat = msgspec.json.encode(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}] * 9000}] * 3}
+    )
+    chat_args_ = chat_args(decode_request(chat, ChatRequest))
+    frame = codec.encode(generate_request(request_id=None, stream=False, stop_token_ids=[],
+                                          **chat_args_.client_kwargs()))  # fmt: skip
+    assert len(frame) <= len(chat)
+
+
+def test_http_limit_flags() -> None:
+    _resolve("--http", "127.0.0.1:1", "--http-max-body-bytes", "1000", "--http-read-timeout", "5")
+    _resolve("--http", "127.0.0.1:1", "--http-allow-origins", "http://a.example,https://b:8443")
+    for argv, problem in (
+        (("--http-max-body-bytes", str(8 * 2**20)), "--http-max-body-bytes must be in"),
+        (("--http-read-timeout", "0"), "must be > 0"),
+        (("--http-max-connections", "0"), "must be >= 1"),
+        (("--http-allow-origins", "*"), "expected scheme://host"),
+        (("--http-allow-origins", "http://a.example/path"), "expected scheme://host"),
+    ):
+        with pytest.raises(ConfigError, match=problem):
+            _resolve("--http", "127.0.0.1:1", *argv)
+    with pytest.raises(ConfigError, match="need --http"):
+        _resolve("--http-read-timeout", "5")
+
+
+def test_errors_do_not_name_the_daemon_endpoint() -> None:
+    from outrider.daemon.http_front import request_error_response
+    from outrider.protocol import RequestError
+
+    for code in ("connection_lost", "timeout"):
+        exc = RequestError(code, "no answer from ipc:///run/user/1000/outrider/o.sock")
+        answer = request_error_response(exc)
+        assert answer.status_code == 503 and b"ipc://" not in answer.body
+        assert b"/run/" not in answer.body
+
+
+@pytest.mark.skipif(FAMILY is None, reason="the embedded family is not installed")
+def test_tokenize_work_is_bounded_by_the_limit() -> None:
+    """An 8 MB /tokenize or /detokenize body over the limit is refused after a bounded part of
+    it (it once took seconds and hundreds of MB); a text at the limit is still answered."""
+    assert FAMILY is not None
+    rng = random.Random(3)
+    words = ["the", "sea", "ships", "  ", "\n", "ééé", "x1y2", "gulls"]
+    text = " ".join(rng.choice(words) for _ in range(40_000))
+    count = len(Tokenization(str(FAMILY.target), 10**6)._tokenize(_prompt(text), _any_model))
+    assert len(text) > 2 * PIECE_CHARS and count > 20_000
+    assert (
+        len(Tokenization(str(FAMILY.target), count)._tokenize(_prompt(text), _any_model)) == count
+    )
+    with pytest.raises(InvalidRequest, match="more than"):
+        Tokenization(str(FAMILY.target), count - 1)._tokenize(_prompt(text), _any_model)
+    huge = _prompt(" ".join(rng.choice(words) for _ in range(1_900_000)))
+    assert len(huge) > 8_000_000
+    bounded = Tokenization(str(FAMILY.target), 4096)
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match="more than 4096 tokens"):
+        bounded._tokenize(huge, _any_model)
+    ids = msgspec.json.encode({"tokens": [5] * 4_000_000})
+    with pytest.raises(InvalidRequest, match="more than 4096 tokens"):
+        bounded._detokenize(ids, _any_model)
+    assert time.monotonic() - started < 2.0
+
+
+def _prompt(text: str) -> bytes:
+    return msgspec.json.encode({"prompt": text})
+
+
+def _any_model(_model: str | None) -> None:
+    pass

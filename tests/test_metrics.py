@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from http_harness import API_KEY, FAMILY, HttpDaemon
+from http_harness import API_KEY, AUTH, FAMILY, HttpDaemon
 from prometheus_client.parser import text_string_to_metric_families
 
 from outrider.daemon.frontdoor_metrics import Buckets
@@ -82,8 +82,10 @@ def _delta(after: dict[Any, float], before: dict[Any, float], name: str, **label
 @pytest.mark.e2e
 @pytest.mark.skipif(FAMILY is None, reason="the embedded family is not installed")
 def test_counters_move_as_the_requests_say(server: HttpDaemon) -> None:
-    scrape = lambda: httpx.get(server.base + "/metrics")  # noqa: E731
-    first = scrape()  # no API key: /metrics is open, as vLLM's
+    scrape = lambda: httpx.get(server.base + "/metrics", headers=AUTH)  # noqa: E731
+    # With --api-key, /metrics needs it too (a scrape configuration can send a bearer token).
+    assert httpx.get(server.base + "/metrics").status_code == 401
+    first = scrape()
     assert first.status_code == 200 and first.headers["content-type"].startswith("text/plain")
     before = _samples(first.text)
     prompts = ["The sea", "Once upon a time there was", "A B A B A B A B"]
