@@ -14,9 +14,9 @@ import pytest
 
 from outrider.daemon.config import ConfigError, add_serve_arguments, resolve
 from outrider.daemon.family import embedded_family
-from outrider.daemon.http_config import FRAME_HEADROOM, body_limit, parse_host_port
-from outrider.daemon.http_errors import split_path
-from outrider.daemon.http_openai import (
+from outrider.daemon.http.config import FRAME_HEADROOM, body_limit, parse_host_port
+from outrider.daemon.http.errors import split_path
+from outrider.daemon.http.openai import (
     DAEMON_FIELDS,
     ChatRequest,
     CompletionRequest,
@@ -25,7 +25,7 @@ from outrider.daemon.http_openai import (
     completion_args,
     decode_request,
 )
-from outrider.daemon.http_tokenize import PIECE_CHARS, Tokenization
+from outrider.daemon.http.tokenize import PIECE_CHARS, Tokenization
 from outrider.protocol._client_common import generate_request
 from outrider.protocol.frames import request_codec
 from outrider.protocol.messages import MAX_TOKEN_ID
@@ -177,7 +177,7 @@ def test_http_limit_flags() -> None:
 
 
 def test_errors_do_not_name_the_daemon_endpoint() -> None:
-    from outrider.daemon.http_front import request_error_response
+    from outrider.daemon.http.process import request_error_response
     from outrider.protocol import RequestError
 
     for code in ("connection_lost", "timeout"):

@@ -33,7 +33,7 @@ from outrider.daemon.internal import ModelFacts, SamplingSpec, own_request
 from outrider.daemon.models.config import ModelConfig, load_eos_ids, model_dir
 from outrider.daemon.models.loader import LoadProgress, load_model
 from outrider.daemon.models.parallel import SINGLE, TPGroup
-from outrider.daemon.preflight import resolve_plugins
+from outrider.daemon.processes.preflight import resolve_plugins
 from outrider.daemon.scheduler.drafting import (
     AdaptiveDrafting,
     AdaptiveSettings,

@@ -8,7 +8,7 @@ kernels (one kernel per operation instead of five to ten, which is most of what 
 decode step launches besides its GEMMs), and while a CUDA graph is built our Triton GEMV for
 one-token projections, SiLU-and-multiply and Qwen3's q/k norm with the rotation
 (``triton_kernels.py``). They compute in float32
-and round once, so their results differ from the reference's by bf16 rounding only (DESIGN.md
+and round once, so their results differ from the reference's by bf16 rounding only (ARCHITECTURE.md
 4.4).
 
 Modules reach their kernels through ``UsesKernels.kernels``; ``use_kernels`` sets them on a
