@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from outrider.daemon.bench.command import LatencyRow
+from outrider.daemon.bench.latency_io import LatencyRow
 from outrider.daemon.bench.sweep import (
     LATENCY_COMMAND,
     MATRIX,

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from outrider.daemon.bench.command import LatencyRow
+from outrider.daemon.bench.latency_io import LatencyRow
 from outrider.daemon.bench.roofline import kv_bytes_per_token, read_bandwidth, weight_bytes
 from outrider.daemon.config import ServeConfig, torch_threads
 from outrider.daemon.engine.build import Engine, build_engine

@@ -33,7 +33,7 @@ from typing import Literal
 
 import msgspec
 
-from outrider.daemon.bench.command import LatencyRow, add_latency_arguments
+from outrider.daemon.bench.latency_io import LatencyRow, add_latency_arguments
 from outrider.daemon.config import ConfigError, resolve
 from outrider.plugins.api import PluginKind, Problem
 from outrider.plugins.checks import ATTENTION_FLAG, SPECULATIVE_FLAG
