@@ -1,6 +1,8 @@
 """What ``Client`` and ``AsyncClient`` share above the socket: the result and chunk types they
 hand back, building and validating the requests they send, and turning replies into results
-or ``RequestError``. Nothing here blocks or awaits.
+or ``RequestError``. ``GenerateCall`` is the one description of the arguments of
+``generate`` and ``stream``; ``takes_generate_arguments`` gives both clients' methods its
+parameters. Nothing here blocks or awaits.
 """
 
 from __future__ import annotations
@@ -113,7 +115,6 @@ class GenerateCall:
                 ]
             except msgspec.ValidationError as exc:
                 raise RequestError("invalid_request", f"messages: {exc}", request_id) from None
-        stop = self.stop
         return Generate(
             request_id=request_id,
             prompt=self.prompt,
@@ -124,7 +125,7 @@ class GenerateCall:
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
-            stop=[stop] if isinstance(stop, str) else list(stop),
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop),
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
@@ -156,6 +157,8 @@ def _taking_arguments_of(
         )
         functools.update_wrapper(wrapper, method)
         self_parameter = next(iter(inspect.signature(method).parameters.values()))
+        # NOTE: inspect.signature (help()) stops at __signature__; without it, it would follow
+        # __wrapped__ to (self, built). mypy does not model the attribute on a function.
         wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
             [self_parameter, *parameters],
             return_annotation=inspect.signature(method).return_annotation,
