@@ -46,6 +46,7 @@ class AsyncClient(ClientCore):
     ``Client``; cancelling a call releases its request (a Generate is aborted, best effort).
     """
 
+    # Set by the first call (_start_reading).
     _loop: asyncio.AbstractEventLoop | None = None
     _reader: asyncio.Task[None] | None = None
 

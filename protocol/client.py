@@ -128,6 +128,7 @@ class Client(ClientCore):
         self.close()
 
     def _open_sockets(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """The sockets, and the poller every wait for a reply polls them with."""
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         dealer, monitor = ctx.socket(zmq.DEALER), ctx.socket(zmq.PAIR)
         self._poller = zmq.Poller()
