@@ -26,7 +26,7 @@ from outrider.daemon.http.openai import (
     decode_request,
 )
 from outrider.daemon.http.tokenize import PIECE_CHARS, Tokenization
-from outrider.protocol._client_common import generate_request
+from outrider.protocol._client_common import GenerateCall
 from outrider.protocol.frames import request_codec
 from outrider.protocol.messages import MAX_TOKEN_ID
 
@@ -148,15 +148,13 @@ def test_a_body_at_the_limit_fits_in_one_client_frame() -> None:
         body = msgspec.json.encode(filler | {"max_tokens": MAX_TOKEN_ID, "seed": 2**63 - 1})
         assert len(body) <= limit
         args = completion_args(decode_request(body, CompletionRequest))
-        frame = codec.encode(generate_request(request_id=None, stream=True, stop_token_ids=[],
-                                              **args.client_kwargs()))  # fmt: skip
+        frame = codec.encode(GenerateCall(**args.client_kwargs()).request(stream=True))
         assert len(frame) <= len(body) + FRAME_HEADROOM // 64 <= max_message_bytes
     chat = msgspec.json.encode(
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}] * 9000}] * 3}
     )
     chat_args_ = chat_args(decode_request(chat, ChatRequest))
-    frame = codec.encode(generate_request(request_id=None, stream=False, stop_token_ids=[],
-                                          **chat_args_.client_kwargs()))  # fmt: skip
+    frame = codec.encode(GenerateCall(**chat_args_.client_kwargs()).request(stream=False))
     assert len(frame) <= len(chat)
 
 
