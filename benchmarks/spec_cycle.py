@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from outrider.daemon.bench_latency import benchmark_request, random_prompts
+from outrider.daemon.bench.latency import benchmark_request, random_prompts
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from outrider.daemon.family import family_defaults
-from outrider.daemon.http_config import FRAME_HEADROOM, body_limit, parse_host_port
-from outrider.daemon.runtime import is_loopback
+from outrider.daemon.http.config import FRAME_HEADROOM, body_limit, parse_host_port
+from outrider.daemon.processes.runtime import is_loopback
 from outrider.plugins.api import PHASES, CheckContext, Phase
 from outrider.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 

@@ -18,7 +18,8 @@ from multiprocessing.connection import Connection
 import zmq
 import zmq.asyncio
 
-from outrider.daemon.child_runtime import (
+from outrider.daemon.internal import Outputs, RequestUpdate, outputs_codec
+from outrider.daemon.processes.child_runtime import (
     ChildTasks,
     ParentPipe,
     child_setup,
@@ -26,7 +27,6 @@ from outrider.daemon.child_runtime import (
     internal_sender,
     run_child,
 )
-from outrider.daemon.internal import Outputs, RequestUpdate, outputs_codec
 from outrider.daemon.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 log = logging.getLogger("outrider.detokenizer")

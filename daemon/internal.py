@@ -192,7 +192,7 @@ class ChildStatus(Struct, array_like=True, frozen=True, gc=False):
     TCP port chosen by the system for port 0). ``bind_failed`` (front door, HTTP front): the
     socket could not be bound; ``error`` says why (e.g. "Address already in use"), and the
     child stays up, without a client socket, until the daemon stops it. ``alive``: a
-    heartbeat from the child's event loop, every ``CHILD_HEARTBEAT_S`` (child_runtime.py).
+    heartbeat from the child's event loop, every ``CHILD_HEARTBEAT_S`` (processes/child_runtime.py).
     ``torch_imported`` must be False: children never import torch.
     """
 

@@ -5,7 +5,7 @@ Token layout: the ``T`` query tokens of a batch are flat, row after row. Row ``r
 bounds that size the work; validity always comes from the device tensors (``positions``,
 ``seq_lens``), so a batch never needs a host sync.
 
-KV layout (DESIGN.md 4.2): per layer ``k, v: [num_pages, page_size, kv_heads, head_dim]``.
+KV layout (ARCHITECTURE.md 4.2): per layer ``k, v: [num_pages, page_size, kv_heads, head_dim]``.
 Logical position ``p`` of the request in slot ``s`` lives at flat index
 ``page_table[s, p // page_size] * page_size + p % page_size``. Page 0 is a scratch page that is
 never handed out: padded tokens write there.

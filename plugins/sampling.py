@@ -1,4 +1,4 @@
-"""On-device token sampling with counter-based randomness (DESIGN.md 4.4).
+"""On-device token sampling with counter-based randomness (ARCHITECTURE.md 4.4).
 
 Rule, per row: greedy rows (``temperature == 0``) take the argmax of the raw logits, ties to
 the lowest id. Sampled rows divide by the temperature, keep the ``top_k`` largest (0 = all),

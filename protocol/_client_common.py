@@ -1,13 +1,18 @@
 """What ``Client`` and ``AsyncClient`` share above the socket: the result and chunk types they
 hand back, building and validating the requests they send, and turning replies into results
-or ``RequestError``. Nothing here blocks or awaits.
+or ``RequestError``. ``GenerateCall`` is the one description of the arguments of
+``generate`` and ``stream``; ``takes_generate_arguments`` gives both clients' methods its
+parameters. Nothing here blocks or awaits.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import Concatenate, ParamSpec, TypeVar, cast
 
 import msgspec
 
@@ -29,6 +34,10 @@ from outrider.protocol.messages import (
 
 CurveKey = bytes | str
 R = TypeVar("R", bound=ClientReply)
+P = ParamSpec("P")
+A = TypeVar("A")
+S = TypeVar("S")
+T = TypeVar("T")
 
 
 class GenerateResult(msgspec.Struct, frozen=True):
@@ -68,55 +77,100 @@ def server_info_query() -> ServerInfoQuery:
     return ServerInfoQuery(request_id=new_id())
 
 
-def generate_request(
-    *,
-    prompt: str | None,
-    input_ids: Sequence[int] | None,
-    messages: Sequence[ChatMessage | Mapping[str, str]] | None,
-    request_id: str | None,
-    stream: bool,
-    max_new_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: str | Sequence[str],
-    stop_token_ids: Sequence[int],
-    ignore_eos: bool,
-    logprobs: int,
-) -> Generate:
-    """The ``Generate`` frame for the arguments of ``generate`` / ``stream``; raises
-    ``RequestError('invalid_request')`` unless exactly one prompt form is given and valid."""
-    request_id = request_id if request_id is not None else new_id()
-    if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
-        raise RequestError(
-            "invalid_request", "give exactly one of prompt, input_ids, messages", request_id
+@dataclass(frozen=True)
+class GenerateCall:
+    """The arguments of ``generate`` and ``stream`` (both clients): one generation request
+    and the ``timeout`` of the call that sends it."""
+
+    prompt: str | None = None
+    _: KW_ONLY
+    input_ids: Sequence[int] | None = None
+    messages: Sequence[ChatMessage | Mapping[str, str]] | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0
+    request_id: str | None = None
+    timeout: float | None = None
+
+    def request(self, *, stream: bool) -> Generate:
+        """The ``Generate`` frame; raises ``RequestError('invalid_request')`` unless exactly
+        one prompt form is given and valid."""
+        request_id = self.request_id if self.request_id is not None else new_id()
+        if sum(x is not None for x in (self.prompt, self.input_ids, self.messages)) != 1:
+            raise RequestError(
+                "invalid_request", "give exactly one of prompt, input_ids, messages", request_id
+            )
+        chat: list[ChatMessage] | None = None
+        if self.messages is not None:
+            try:
+                chat = [
+                    m if isinstance(m, ChatMessage) else msgspec.convert(m, ChatMessage)
+                    for m in self.messages
+                ]
+            except msgspec.ValidationError as exc:
+                raise RequestError("invalid_request", f"messages: {exc}", request_id) from None
+        return Generate(
+            request_id=request_id,
+            prompt=self.prompt,
+            input_ids=list(self.input_ids) if self.input_ids is not None else None,
+            messages=chat,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop),
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            stream=stream,
         )
-    chat: list[ChatMessage] | None = None
-    if messages is not None:
-        try:
-            chat = [
-                m if isinstance(m, ChatMessage) else msgspec.convert(m, ChatMessage)
-                for m in messages
-            ]
-        except msgspec.ValidationError as exc:
-            raise RequestError("invalid_request", f"messages: {exc}", request_id) from None
-    return Generate(
-        request_id=request_id,
-        prompt=prompt,
-        input_ids=list(input_ids) if input_ids is not None else None,
-        messages=chat,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=[stop] if isinstance(stop, str) else list(stop),
-        stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos,
-        logprobs=logprobs,
-        stream=stream,
-    )
+
+
+def _taking_arguments_of(
+    build: Callable[P, A],
+) -> Callable[[Callable[[S, A], T]], Callable[Concatenate[S, P], T]]:
+    """A decorator: the method ``(self, built)`` becomes ``(self, *args, **kwargs)`` with the
+    parameters of ``build`` (for type checkers and ``help()``), and is handed
+    ``build(*args, **kwargs)``. A coroutine function stays one: ``build`` then runs when the
+    call is awaited, as a body would."""
+    parameters = list(inspect.signature(build).parameters.values())
+
+    def decorate(method: Callable[[S, A], T]) -> Callable[Concatenate[S, P], T]:
+        def call(self: S, *args: P.args, **kwargs: P.kwargs) -> T:
+            return method(self, build(*args, **kwargs))
+
+        async def call_async(self: S, *args: P.args, **kwargs: P.kwargs) -> object:
+            return await cast(Awaitable[object], method(self, build(*args, **kwargs)))
+
+        # NOTE: the async wrapper's result is the coroutine T stands for.
+        wrapper = (
+            cast(Callable[Concatenate[S, P], T], call_async)
+            if inspect.iscoroutinefunction(method)
+            else call
+        )
+        functools.update_wrapper(wrapper, method)
+        self_parameter = next(iter(inspect.signature(method).parameters.values()))
+        # NOTE: inspect.signature (help()) stops at __signature__; without it, it would follow
+        # __wrapped__ to (self, built). mypy does not model the attribute on a function.
+        wrapper.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [self_parameter, *parameters],
+            return_annotation=inspect.signature(method).return_annotation,
+        )
+        return wrapper
+
+    return decorate
+
+
+# The parameters of GenerateCall for a method (self, call: GenerateCall); see
+# _taking_arguments_of.
+takes_generate_arguments = _taking_arguments_of(GenerateCall)
 
 
 def expect(reply: ClientReply, kind: type[R]) -> R:

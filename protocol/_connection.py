@@ -1,6 +1,6 @@
-"""The connection ``Client`` and ``AsyncClient`` build on: socket configuration, reply
-demultiplexing into one inbox per live request, link supervision, and the stream state both
-token streams keep. Everything here runs without blocking; the clients add the waiting.
+"""The connection ``Client`` and ``AsyncClient`` build on: their constructor, socket
+configuration, reply demultiplexing into one inbox per live request, link supervision and
+deadlines. Everything here runs without blocking; the clients add the waiting.
 
 Lifetime of a live request on a client:
 
@@ -30,28 +30,19 @@ import math
 import os
 import time
 import uuid
-import weakref
 from collections import deque
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from outrider.protocol._client_common import (
-    CurveKey,
-    GenerateResult,
-    TokenChunk,
-    abort_request,
-    to_chunk,
-    to_result,
-)
+from outrider.protocol._client_common import CurveKey, abort_request
 from outrider.protocol.endpoints import default_endpoint, ipc_path
 from outrider.protocol.errors import NotListening, RequestError, Timeout
 from outrider.protocol.frames import FrameError, reply_codec, request_codec
 from outrider.protocol.messages import (
     DEFAULT_MAX_MESSAGE_BYTES,
     PROBE_MAX_S,
-    Chunk,
     ClientReply,
     ClientRequest,
     Error,
@@ -109,19 +100,19 @@ class Inbox:
 class Connection:
     """Socket setup, reply routing and link supervision shared by both clients. Every method
     runs on the client's one thread (for ``AsyncClient``: its event loop). A client supplies
-    its clock (``_now``) and what stops its reading at close (``_stop_reading``)."""
+    its sockets (``_open_sockets``), its clock (``_now``) and what starts and stops its reading
+    (``_start_reading``, ``_stop_reading``)."""
 
     def __init__(
         self,
-        dealer: zmq.Socket[Any],
-        monitor: zmq.Socket[Any],
-        endpoint: str | None,
-        timeout: float | None,
-        curve_server_key: CurveKey | None,
-        curve_keypair: tuple[CurveKey, CurveKey] | None,
+        endpoint: str | None = None,
+        *,
+        timeout: float | None = None,
         idle_timeout: float | None = IDLE_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         reply_hwm: int = REPLY_HWM,
+        curve_server_key: CurveKey | None = None,
+        curve_keypair: tuple[CurveKey, CurveKey] | None = None,
     ) -> None:
         self.endpoint = endpoint if endpoint is not None else default_endpoint()
         self.timeout = timeout
@@ -142,7 +133,7 @@ class Connection:
         # NOTE: only the owners may close the sockets. A socket closed through another
         # object is closed again by its owner when collected, by then perhaps a new socket
         # at the same address. Everything else uses these non-owning blocking views.
-        self._owners = (dealer, monitor)
+        dealer, monitor = self._owners = self._open_sockets()
         self._sock: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
         self._monitor: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
         try:
@@ -191,9 +182,16 @@ class Connection:
     def closed(self) -> bool:
         return self._closed
 
+    def _open_sockets(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
+        """A new DEALER and a PAIR (the monitor's reader), which this client owns."""
+        raise NotImplementedError
+
     def _now(self) -> float:
         """The clock deadlines are taken on (seconds)."""
         raise NotImplementedError
+
+    def _start_reading(self) -> None:
+        """Make sure whatever reads replies in the background runs (called before a send)."""
 
     def _stop_reading(self) -> None:
         """Stop whatever reads replies in the background (called by ``_shutdown``)."""
@@ -389,43 +387,6 @@ class Connection:
         for inbox in list(self._pending.values()):
             if inbox.request_id != keep:
                 inbox.put(Error(request_id=inbox.request_id, code=code, message=message))
-
-
-C = TypeVar("C", bound=Connection)
-
-
-class StreamState(Generic[C]):
-    """What ``TokenStream`` and ``AsyncTokenStream`` keep: the request's inbox (None until
-    sent), its deadline, the result once finished, and whether iteration is over."""
-
-    def __init__(self, client: C, request_id: str, deadline: float | None) -> None:
-        self.request_id = request_id
-        self.result: GenerateResult | None = None
-        self._client = client
-        self._inbox: Inbox | None = None
-        self._deadline = deadline
-        self._done = False
-
-    def _track(self, inbox: Inbox) -> Inbox:
-        """Adopt ``inbox``; a stream collected unfinished hands it to its client to abort."""
-        self._inbox = inbox
-        weakref.finalize(self, self._client._abandoned.append, inbox)
-        return inbox
-
-    def _step(self, reply: ClientReply) -> TokenChunk | None:
-        """The chunk ``reply`` carries; None once finished (``result`` set). Raises
-        ``RequestError`` for an error reply."""
-        if isinstance(reply, Chunk):
-            return to_chunk(reply)
-        self._done = True
-        self.result = to_result(reply)
-        return None
-
-    def close(self) -> None:
-        """Stop iterating; a request still running is aborted (best effort)."""
-        self._done = True
-        if self._inbox is not None:
-            self._client._release(self._inbox, abort=True)
 
 
 def _not_listening_message(endpoint: str) -> str:

@@ -1,43 +1,34 @@
 """``AsyncClient``: the asyncio twin of ``Client`` (``client.py``), with ``AsyncTokenStream``.
 
-Requests, replies and the connection are shared with ``Client`` (``_client_common.py``,
-``_connection.py``); this module adds only the awaiting: one reader task per client routes
-replies to the waiting tasks.
+Everything but the waiting is shared with ``Client`` (``_client_common.py``,
+``_connection.py``, ``_client_core.py``); this module adds only the awaiting: one reader task
+per client routes replies to the waiting tasks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 import zmq
 import zmq.asyncio
 
 from outrider.protocol._client_common import (
-    CurveKey,
+    GenerateCall,
     GenerateResult,
     TokenChunk,
     abort_request,
     expect,
-    generate_request,
     health_query,
     server_info_query,
+    takes_generate_arguments,
     to_result,
 )
-from outrider.protocol._connection import (
-    IDLE_TIMEOUT_S,
-    REPLY_HWM,
-    Connection,
-    Inbox,
-    StreamState,
-)
+from outrider.protocol._client_core import ClientCore, StreamState
+from outrider.protocol._connection import Inbox
 from outrider.protocol.messages import (
-    DEFAULT_MAX_MESSAGE_BYTES,
     Ack,
-    ChatMessage,
     Chunk,
     ClientReply,
     ClientRequest,
@@ -47,7 +38,7 @@ from outrider.protocol.messages import (
 )
 
 
-class AsyncClient(Connection):
+class AsyncClient(ClientCore):
     """asyncio client of one daemon, bound to the event loop of its first call.
 
     Any number of tasks may call it at once: one reader task (started on the first call)
@@ -55,88 +46,26 @@ class AsyncClient(Connection):
     ``Client``; cancelling a call releases its request (a Generate is aborted, best effort).
     """
 
-    def __init__(
-        self,
-        endpoint: str | None = None,
-        *,
-        timeout: float | None = None,
-        idle_timeout: float | None = IDLE_TIMEOUT_S,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        reply_hwm: int = REPLY_HWM,
-        curve_server_key: CurveKey | None = None,
-        curve_keypair: tuple[CurveKey, CurveKey] | None = None,
-    ) -> None:
-        ctx = zmq.asyncio.Context.instance()
-        # The owners, used to wait and to send; NOBLOCK reads and best-effort aborts go
-        # through the blocking views.
-        self._asock = ctx.socket(zmq.DEALER)
-        self._amonitor = ctx.socket(zmq.PAIR)
-        super().__init__(
-            self._asock, self._amonitor, endpoint, timeout, curve_server_key, curve_keypair,
-            idle_timeout, max_message_bytes, reply_hwm,
-        )  # fmt: skip
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: asyncio.Task[None] | None = None
+    # Set by the first call (_start_reading).
+    _loop: asyncio.AbstractEventLoop | None = None
+    _reader: asyncio.Task[None] | None = None
 
-    async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: Sequence[int] | None = None,
-        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        logprobs: int = 0,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ) -> GenerateResult:
+    @takes_generate_arguments
+    async def generate(self, call: GenerateCall) -> GenerateResult:
         """As ``Client.generate``."""
-        msg = generate_request(
-            prompt=prompt, input_ids=input_ids, messages=messages, request_id=request_id,
-            stream=False, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos, logprobs=logprobs,
-        )  # fmt: skip
-        deadline = self._deadline(timeout)
+        msg = call.request(stream=False)
+        deadline = self._deadline(call.timeout)
         inbox = await self._submit(msg, deadline)
         while True:
             reply = await self._receive(inbox, deadline)
             if not isinstance(reply, Chunk):
                 return to_result(reply)
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: Sequence[int] | None = None,
-        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        logprobs: int = 0,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ) -> AsyncTokenStream:
+    @takes_generate_arguments
+    def stream(self, call: GenerateCall) -> AsyncTokenStream:
         """As ``Client.stream``, but the request is sent when iteration starts, and
         ``timeout`` counts from then."""
-        msg = generate_request(
-            prompt=prompt, input_ids=input_ids, messages=messages, request_id=request_id,
-            stream=True, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos, logprobs=logprobs,
-        )  # fmt: skip
-        return AsyncTokenStream(self, msg, timeout)
+        return AsyncTokenStream(self, call.request(stream=True), call.timeout)
 
     async def abort(self, request_id: str, *, timeout: float | None = None) -> None:
         """As ``Client.abort``."""
@@ -168,18 +97,18 @@ class AsyncClient(Connection):
         if self._reader is not None:
             await asyncio.wait([self._reader])
 
+    def _open_sockets(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        ctx = zmq.asyncio.Context.instance()
+        # The owners, used to wait and to send; NOBLOCK reads and best-effort aborts go
+        # through the blocking views.
+        self._asock = ctx.socket(zmq.DEALER)
+        self._amonitor = ctx.socket(zmq.PAIR)
+        return self._asock, self._amonitor
+
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
-    def _stop_reading(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-
-    async def _call(self, msg: ClientRequest, timeout: float | None) -> ClientReply:
-        deadline = self._deadline(timeout)
-        return await self._receive(await self._submit(msg, deadline), deadline)
-
-    def _start_reader(self) -> None:
+    def _start_reading(self) -> None:
         loop = asyncio.get_running_loop()
         if self._reader is None:
             self._loop = loop
@@ -188,6 +117,10 @@ class AsyncClient(Connection):
             raise RuntimeError("an AsyncClient serves the event loop of its first call only")
         elif self._reader.done():
             raise RuntimeError("the reply reader of this AsyncClient has stopped")
+
+    def _stop_reading(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
 
     async def _read_replies(self) -> None:
         poller = zmq.asyncio.Poller()
@@ -201,39 +134,32 @@ class AsyncClient(Connection):
             self._fail_all("internal", f"the reply reader failed: {exc!r}")
             raise
 
+    async def _call(self, msg: ClientRequest, timeout: float | None) -> ClientReply:
+        deadline = self._deadline(timeout)
+        return await self._receive(await self._submit(msg, deadline), deadline)
+
     async def _submit(self, msg: ClientRequest, deadline: float | None) -> Inbox:
-        self._check_open()
-        self._start_reader()
-        frame = self._encode(msg)
-        inbox = self._register(msg.request_id)
-        try:
-            async with asyncio.timeout_at(deadline):
-                await self._asock.send(frame)
-        except TimeoutError:
-            self._release(inbox, abort=False)
-            raise self._timeout_error(inbox.request_id) from None
-        except BaseException:
-            self._release(inbox, abort=False)
-            raise
-        return self._mark_sent(inbox, msg)
+        with self._sending(msg) as outgoing:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._asock.send(outgoing.frame)
+            except TimeoutError:
+                raise self._timeout_error(msg.request_id) from None
+        return outgoing.inbox
 
     async def _receive(self, inbox: Inbox, deadline: float | None) -> ClientReply:
         """As ``Client._receive``; cancellation releases the request too."""
-        since = time.monotonic()
-        try:
-            while not inbox.replies:
-                limit = self._wait_limit(deadline, since, inbox.request_id)
+        with self._awaiting_reply(inbox, deadline) as limits:
+            for limit in limits:
                 inbox.waiter = asyncio.get_running_loop().create_future()
                 # NOTE: a limit that passes only means "look again": frames heard meanwhile
                 # move the idle limit, and _wait_limit raises once one has really passed.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout_at(limit):
-                        await inbox.waiter
-        except BaseException:
-            self._release(inbox, abort=True)
-            raise
-        finally:
-            inbox.waiter = None
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout_at(limit):
+                            await inbox.waiter
+                finally:
+                    inbox.waiter = None
         return self._take(inbox)
 
 

@@ -4,52 +4,42 @@
 Both own one DEALER socket connected to the daemon's ROUTER and speak the frames of
 ``frames.py``, one frame per message. Every request carries a ``request_id`` (uuid4 hex unless
 the caller gives one) and every reply echoes it; replies are demultiplexed into one inbox per
-live request, and replies for ids nobody waits on any more are dropped. What both share lives
-in ``_client_common.py`` (result types, requests, replies) and ``_connection.py`` (socket,
-demultiplexing, the lifetime of a live request); the clients add only the waiting.
+live request, and replies for ids nobody waits on any more are dropped. Everything but the
+waiting is shared: requests and results in ``_client_common.py``, the socket, demultiplexing
+and the lifetime of a live request in ``_connection.py``, a call around its waits in
+``_client_core.py``. ``Client`` waits by polling, blocking its thread.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 import zmq
 
 from outrider.protocol._client_common import (
     CurveKey,
+    GenerateCall,
     GenerateResult,
     TokenChunk,
     abort_request,
     expect,
-    generate_request,
     health_query,
     server_info_query,
+    takes_generate_arguments,
     to_result,
 )
+from outrider.protocol._client_core import ClientCore, StreamState
 from outrider.protocol._connection import (
     HEARTBEAT_IVL_MS,
     HEARTBEAT_TIMEOUT_MS,
     IDLE_TIMEOUT_S,
     LINGER_MS,
-    REPLY_HWM,
-    Connection,
     Inbox,
-    StreamState,
 )
 from outrider.protocol.async_client import AsyncClient, AsyncTokenStream
-from outrider.protocol.messages import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    Ack,
-    ChatMessage,
-    Chunk,
-    ClientReply,
-    ClientRequest,
-    Health,
-    ServerInfo,
-)
+from outrider.protocol.messages import Ack, Chunk, ClientReply, ClientRequest, Health, ServerInfo
 
 # The names this module has always offered; the async client and the shared types are
 # re-exported from where they now live.
@@ -68,7 +58,7 @@ __all__ = [
 ]
 
 
-class Client(Connection):
+class Client(ClientCore):
     """Blocking client of one daemon; use it from one thread.
 
     ``timeout`` (seconds) is the default for calls that take one; a call's own ``timeout``
@@ -85,90 +75,27 @@ class Client(Connection):
     ``curve_server_key`` is given, with ``curve_keypair = (public, secret)`` or a fresh one.
     """
 
-    def __init__(
-        self,
-        endpoint: str | None = None,
-        *,
-        timeout: float | None = None,
-        idle_timeout: float | None = IDLE_TIMEOUT_S,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        reply_hwm: int = REPLY_HWM,
-        curve_server_key: CurveKey | None = None,
-        curve_keypair: tuple[CurveKey, CurveKey] | None = None,
-    ) -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        dealer, monitor = ctx.socket(zmq.DEALER), ctx.socket(zmq.PAIR)
-        super().__init__(
-            dealer, monitor, endpoint, timeout, curve_server_key, curve_keypair,
-            idle_timeout, max_message_bytes, reply_hwm,
-        )  # fmt: skip
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
-
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: Sequence[int] | None = None,
-        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        logprobs: int = 0,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ) -> GenerateResult:
+    @takes_generate_arguments
+    def generate(self, call: GenerateCall) -> GenerateResult:
         """Run one request to its end. Exactly one of ``prompt``, ``input_ids``, ``messages``
         (``{"role", "content"}`` dicts or ``ChatMessage``). ``temperature``, ``top_p`` and
         ``top_k`` left None take the daemon's sampling defaults (the model's). Raises
         ``RequestError`` on an ``Error`` frame or a lost connection, ``Timeout`` when
         ``timeout`` passes first (the request is then aborted, best effort)."""
-        msg = generate_request(
-            prompt=prompt, input_ids=input_ids, messages=messages, request_id=request_id,
-            stream=False, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos, logprobs=logprobs,
-        )  # fmt: skip
-        deadline = self._deadline(timeout)
+        msg = call.request(stream=False)
+        deadline = self._deadline(call.timeout)
         inbox = self._submit(msg, deadline)
         while True:
             reply = self._receive(inbox, deadline)
             if not isinstance(reply, Chunk):
                 return to_result(reply)
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: Sequence[int] | None = None,
-        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        logprobs: int = 0,
-        request_id: str | None = None,
-        timeout: float | None = None,
-    ) -> TokenStream:
+    @takes_generate_arguments
+    def stream(self, call: GenerateCall) -> TokenStream:
         """Send a streamed request now and return the iterator over its chunks. Arguments and
         errors as for ``generate``; ``timeout`` bounds the time until the final frame."""
-        msg = generate_request(
-            prompt=prompt, input_ids=input_ids, messages=messages, request_id=request_id,
-            stream=True, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos, logprobs=logprobs,
-        )  # fmt: skip
-        deadline = self._deadline(timeout)
+        msg = call.request(stream=True)
+        deadline = self._deadline(call.timeout)
         return TokenStream(self, self._submit(msg, deadline), deadline)
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> None:
@@ -200,50 +127,42 @@ class Client(Connection):
     ) -> None:
         self.close()
 
+    def _open_sockets(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """The sockets, and the poller every wait for a reply polls them with."""
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        dealer, monitor = ctx.socket(zmq.DEALER), ctx.socket(zmq.PAIR)
+        self._poller = zmq.Poller()
+        self._poller.register(dealer, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+        return dealer, monitor
+
     def _now(self) -> float:
         return time.monotonic()
-
-    def _poll_ms(self, deadline: float | None, since: float, request_id: str) -> int | None:
-        """Milliseconds to wait before looking again (None: no limit); ``Timeout`` once the
-        caller's deadline or the idle limit of a wait that began at ``since`` has passed."""
-        limit = self._wait_limit(deadline, since, request_id)
-        if limit is None:
-            return None
-        return max(1, math.ceil((limit - time.monotonic()) * 1000))
 
     def _call(self, msg: ClientRequest, timeout: float | None) -> ClientReply:
         deadline = self._deadline(timeout)
         return self._receive(self._submit(msg, deadline), deadline)
 
     def _submit(self, msg: ClientRequest, deadline: float | None) -> Inbox:
-        self._check_open()
-        frame = self._encode(msg)
-        inbox = self._register(msg.request_id)
-        since = time.monotonic()
-        try:
+        with self._sending(msg) as outgoing:
+            since = time.monotonic()
             while True:
                 try:
-                    self._sock.send(frame, zmq.NOBLOCK)
+                    self._sock.send(outgoing.frame, zmq.NOBLOCK)
                     break
                 except zmq.Again:
-                    self._sock.poll(self._poll_ms(deadline, since, inbox.request_id), zmq.POLLOUT)
+                    limit = self._wait_limit(deadline, since, msg.request_id)
+                    self._sock.poll(_poll_ms(limit), zmq.POLLOUT)
                     self._service()
-        except BaseException:
-            self._release(inbox, abort=False)
-            raise
-        return self._mark_sent(inbox, msg)
+        return outgoing.inbox
 
     def _receive(self, inbox: Inbox, deadline: float | None) -> ClientReply:
         """The next reply for ``inbox``; its request is released after its final reply and
         on any exception (``Timeout``, ``KeyboardInterrupt``)."""
-        since = time.monotonic()
-        try:
-            while not inbox.replies:
-                self._poller.poll(self._poll_ms(deadline, since, inbox.request_id))
+        with self._awaiting_reply(inbox, deadline) as limits:
+            for limit in limits:
+                self._poller.poll(_poll_ms(limit))
                 self._pump()
-        except BaseException:
-            self._release(inbox, abort=True)
-            raise
         return self._take(inbox)
 
 
@@ -274,3 +193,8 @@ class TokenStream(StreamState[Client]):
         if chunk is None:
             raise StopIteration
         return chunk
+
+
+def _poll_ms(limit: float | None) -> int | None:
+    """Milliseconds to poll until ``limit`` (``time.monotonic()``; None: no limit), at least 1."""
+    return None if limit is None else max(1, math.ceil((limit - time.monotonic()) * 1000))

@@ -24,7 +24,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from outrider.daemon.detokenizer import DetokenizerConfig, run_detokenizer
-from outrider.daemon.frontdoor import FrontDoorConfig, run_frontdoor
+from outrider.daemon.frontdoor.config import FrontDoorConfig
+from outrider.daemon.frontdoor.process import run_frontdoor
 from outrider.daemon.internal import (
     AbortRid,
     ChildStatus,

@@ -1,4 +1,4 @@
-"""DESIGN.md 4.4's numeric rule for GPU outputs in bf16/fp16, over greedy outputs that carry
+"""ARCHITECTURE.md 4.4's numeric rule for GPU outputs in bf16/fp16, over greedy outputs that carry
 their top-2 log-probabilities (``logprobs=2``).
 
 Two paths over the same requests may round differently, so greedy tokens may part where the

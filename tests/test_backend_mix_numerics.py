@@ -1,7 +1,7 @@
 """Every attention backend set of the benchmark matrix (`outrider bench sweep`: fa4, triton,
 flashinfer where it serves the phases, and the Hopper mix) against the eager torch backend, on
 CUDA in bf16: the embedded family greedy with each speculative algorithm, CUDA graphs on,
-against the target alone on torch, under DESIGN.md 4.4's rule (numeric_rule.py):
+against the target alone on torch, under ARCHITECTURE.md 4.4's rule (numeric_rule.py):
 teacher-forced log-probabilities up to each request's first divergence, and a divergence only
 where the reference's two best nearly tie."""
 
@@ -16,7 +16,7 @@ from outrider.daemon.family import embedded_family
 from outrider.protocol.messages import TokenLogprob
 
 NEW_TOKENS = 32
-# The sweep's backend sets (daemon/bench_sweep.py), flags as engine settings.
+# The sweep's backend sets (daemon/bench/sweep.py), flags as engine settings.
 BACKEND_SETS: dict[str, dict[str, str]] = {
     "fa4": {"attention_backend": "fa4"},
     "triton": {"attention_backend": "triton"},

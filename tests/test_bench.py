@@ -10,7 +10,7 @@ import torch
 from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tau_of
 from model_fixtures import VOCAB
 
-from outrider.daemon.cli import main
+from outrider.daemon.cli.main import main
 from outrider.daemon.config import EXIT_CONFIG
 
 debug_checks = debug_checks_fixture()
@@ -126,7 +126,7 @@ def test_runs_give_a_row_per_batch_and_input_length(
 def test_a_row_is_the_run_of_median_step_time() -> None:
     """Every figure of a row comes from one run (the lower middle of an even count), the
     spread from all of them."""
-    from outrider.daemon.bench_latency import Roofline, TimedRun, latency_row
+    from outrider.daemon.bench.latency import Roofline, TimedRun, latency_row
     from outrider.daemon.engine.timing import PhaseTimes
 
     def timed(decode_ms: float, steps: int, prefill_ms: float) -> TimedRun:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from http_harness import API_KEY, FAMILY, HttpDaemon
 
-from outrider.daemon.bench_serve_data import iter_complete_elements, sharegpt_requests
-from outrider.daemon.cli import main
+from outrider.daemon.bench.serve_data import iter_complete_elements, sharegpt_requests
+from outrider.daemon.cli.main import main
 from outrider.daemon.tokenizer import load_tokenizer
 
 NUM_PROMPTS = 5

@@ -11,8 +11,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from outrider.daemon.bench_cmd import LatencyRow
-from outrider.daemon.bench_sweep import (
+from outrider.daemon.bench.latency_io import LatencyRow
+from outrider.daemon.bench.sweep import (
     LATENCY_COMMAND,
     MATRIX,
     BackendSet,
@@ -25,8 +25,8 @@ from outrider.daemon.bench_sweep import (
     run_sweep,
     select,
 )
-from outrider.daemon.bench_sweep_report import format_report, list_cells
-from outrider.daemon.cli import main
+from outrider.daemon.bench.sweep_report import format_report, list_cells
+from outrider.daemon.cli.main import main
 
 CONFIGS = "tests/fixtures/configs"
 TARGET = ["--load-format", "dummy", "--dtype", "bfloat16", "--device", "cuda"]

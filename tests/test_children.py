@@ -1,5 +1,5 @@
-"""daemon/children.py with stand-in children: a front door that cannot bind the client socket,
-and a child that exits."""
+"""daemon/processes/children.py with stand-in children: a front door that cannot bind the
+client socket, and a child that exits."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from outrider.daemon.children import ChildDied, Children, ClientBindFailed
 from outrider.daemon.internal import ChildStatus, child_status_codec
+from outrider.daemon.processes.children import ChildDied, Children, ClientBindFailed
 
 
 def _wait_for_parent(_cfg: object, conn: Connection) -> None:

@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from outrider.daemon import generate_cmd
-from outrider.daemon.cli import build_parser, main
+from outrider.daemon.cli import generate as generate_cmd
+from outrider.daemon.cli.main import build_parser, main
 from outrider.daemon.config import (
     ConfigError,
     ServeConfig,

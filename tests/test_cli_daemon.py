@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from daemon_harness import Daemon, build_model_dir, poll_until
 
-from outrider.daemon.cli import main
-from outrider.daemon.server import EXIT_INTERRUPTED
+from outrider.daemon.cli.main import main
+from outrider.daemon.processes.server import EXIT_INTERRUPTED
 from outrider.daemon.tokenizer import load_tokenizer
 from outrider.protocol import Client
 

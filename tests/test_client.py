@@ -24,8 +24,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from outrider.daemon import generate_cmd
-from outrider.daemon.generate_cmd import add_generate_arguments, run_generate
+from outrider.daemon.cli import generate as generate_cmd
+from outrider.daemon.cli.generate import add_generate_arguments, run_generate
 from outrider.protocol import (
     AsyncClient,
     ChatMessage,

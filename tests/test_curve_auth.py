@@ -1,5 +1,5 @@
-"""daemon/curve_auth.py in process: the key files' checks, and the ZAP handler on a real CURVE
-ROUTER (listed client keys get answers, others fail the handshake)."""
+"""daemon/frontdoor/curve_auth.py in process: the key files' checks, and the ZAP handler on a
+real CURVE ROUTER (listed client keys get answers, others fail the handshake)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import zmq.asyncio
 import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
-from outrider.daemon.curve_auth import (
+from outrider.daemon.frontdoor.curve_auth import (
     CurveKeyError,
     load_client_keys,
     load_server_keys,

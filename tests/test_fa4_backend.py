@@ -378,7 +378,7 @@ def test_the_engine_serves_with_fa4_graphs_as_eagerly(
     }
 
 
-# DESIGN.md 4.4: teacher-forced logits within 0.25 in bf16; a free-running divergence only
+# ARCHITECTURE.md 4.4: teacher-forced logits within 0.25 in bf16; a free-running divergence only
 # where the reference's top-2 gap is within twice that.
 MAX_LOGIT_DIFF = 0.25
 

@@ -16,7 +16,7 @@ from frontdoor_harness import model_facts
 
 from outrider.daemon import family
 from outrider.daemon.config import ConfigError, ServeConfig, add_serve_arguments, resolve
-from outrider.daemon.frontdoor_validation import Validator
+from outrider.daemon.frontdoor.validation import Validator
 from outrider.daemon.sampling_defaults import (
     SamplingDefaults,
     read_generation_config,

@@ -33,8 +33,9 @@ from frontdoor_harness import (
     until,
 )
 
-from outrider.daemon.frontdoor import HEARTBEAT_FRESH_S, FrontDoorConfig, run_frontdoor
-from outrider.daemon.frontdoor_clients import PROBE_FIRST_S
+from outrider.daemon.frontdoor.clients import PROBE_FIRST_S
+from outrider.daemon.frontdoor.config import FrontDoorConfig
+from outrider.daemon.frontdoor.process import HEARTBEAT_FRESH_S, run_frontdoor
 from outrider.daemon.internal import ErrorInfo, RequestUpdate, StateChange
 from outrider.daemon.sampling_defaults import SamplingDefaults
 from outrider.daemon.tokenizer import Tokenizer

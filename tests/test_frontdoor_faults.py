@@ -19,8 +19,8 @@ import pytest
 import pytest_asyncio
 from frontdoor_harness import Stack, model_facts, start_stack, until
 
-from outrider.daemon.frontdoor_clients import PROBE_FIRST_S
-from outrider.daemon.frontdoor_validation import (
+from outrider.daemon.frontdoor.clients import PROBE_FIRST_S
+from outrider.daemon.frontdoor.validation import (
     INLINE_PROMPT_CHARS,
     MAX_WAITING_PROMPTS,
     prompt_char_limit,

@@ -1,4 +1,4 @@
-"""The HTTP front's access rule (http_access.py) and its error guard (http_errors.py),
+"""The HTTP front's access rule (http/access.py) and its error guard (http/errors.py),
 driven through ASGI with no daemon: which Host, Origin and Authorization headers get in."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
-from outrider.daemon.http_access import Access, AccessRule, is_loopback_host
-from outrider.daemon.http_errors import Guard
+from outrider.daemon.http.access import Access, AccessRule, is_loopback_host
+from outrider.daemon.http.errors import Guard
 
 
 async def _ok(request: Request) -> Response:

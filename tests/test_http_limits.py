@@ -1,4 +1,4 @@
-"""The HTTP front's per-connection limits (http_limits.py) on a real uvicorn server in a
+"""The HTTP front's per-connection limits (http/limits.py) on a real uvicorn server in a
 thread, with no daemon: body size, read and send deadlines, the connection count. Every
 client here is a raw socket, so that it can misbehave."""
 
@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, Router
 
-from outrider.daemon.http_errors import Guard
-from outrider.daemon.http_limits import BodyLimit, ConnectionLimits, limited_protocol
+from outrider.daemon.http.errors import Guard
+from outrider.daemon.http.limits import BodyLimit, ConnectionLimits, limited_protocol
 
 MAX_BODY = 1000
 FAST = ConnectionLimits(read_timeout_s=0.5, send_timeout_s=0.5, max_connections=64)

@@ -14,9 +14,9 @@ import pytest
 
 from outrider.daemon.config import ConfigError, add_serve_arguments, resolve
 from outrider.daemon.family import embedded_family
-from outrider.daemon.http_config import FRAME_HEADROOM, body_limit, parse_host_port
-from outrider.daemon.http_errors import split_path
-from outrider.daemon.http_openai import (
+from outrider.daemon.http.config import FRAME_HEADROOM, body_limit, parse_host_port
+from outrider.daemon.http.errors import split_path
+from outrider.daemon.http.openai import (
     DAEMON_FIELDS,
     ChatRequest,
     CompletionRequest,
@@ -25,8 +25,8 @@ from outrider.daemon.http_openai import (
     completion_args,
     decode_request,
 )
-from outrider.daemon.http_tokenize import PIECE_CHARS, Tokenization
-from outrider.protocol._client_common import generate_request
+from outrider.daemon.http.tokenize import PIECE_CHARS, Tokenization
+from outrider.protocol._client_common import GenerateCall
 from outrider.protocol.frames import request_codec
 from outrider.protocol.messages import MAX_TOKEN_ID
 
@@ -148,15 +148,13 @@ def test_a_body_at_the_limit_fits_in_one_client_frame() -> None:
         body = msgspec.json.encode(filler | {"max_tokens": MAX_TOKEN_ID, "seed": 2**63 - 1})
         assert len(body) <= limit
         args = completion_args(decode_request(body, CompletionRequest))
-        frame = codec.encode(generate_request(request_id=None, stream=True, stop_token_ids=[],
-                                              **args.client_kwargs()))  # fmt: skip
+        frame = codec.encode(GenerateCall(**args.client_kwargs()).request(stream=True))
         assert len(frame) <= len(body) + FRAME_HEADROOM // 64 <= max_message_bytes
     chat = msgspec.json.encode(
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}] * 9000}] * 3}
     )
     chat_args_ = chat_args(decode_request(chat, ChatRequest))
-    frame = codec.encode(generate_request(request_id=None, stream=False, stop_token_ids=[],
-                                          **chat_args_.client_kwargs()))  # fmt: skip
+    frame = codec.encode(GenerateCall(**chat_args_.client_kwargs()).request(stream=False))
     assert len(frame) <= len(chat)
 
 
@@ -177,7 +175,7 @@ def test_http_limit_flags() -> None:
 
 
 def test_errors_do_not_name_the_daemon_endpoint() -> None:
-    from outrider.daemon.http_front import request_error_response
+    from outrider.daemon.http.process import request_error_response
     from outrider.protocol import RequestError
 
     for code in ("connection_lost", "timeout"):

@@ -31,7 +31,7 @@ import pytest
 from daemon_harness import poll_until
 from http_harness import FAMILY, HttpDaemon
 
-from outrider.daemon.http_config import body_limit
+from outrider.daemon.http.config import body_limit
 from outrider.protocol import Client
 
 pytestmark = [

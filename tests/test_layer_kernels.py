@@ -1,6 +1,6 @@
 """The layer kernels: which implementation serves where, and the fused kernels (FlashInfer's, and
 Triton's while a graph is built) against the torch reference (per operation, and whole models
-under DESIGN.md 4.4's bf16 rule)."""
+under ARCHITECTURE.md 4.4's bf16 rule)."""
 
 from __future__ import annotations
 
@@ -366,7 +366,7 @@ def test_fused_models_round_less_than_the_reference(
 ) -> None:
     """Teacher-forced bf16 logits of the fused and the torch path, each against the float32
     model: the fused kernels round once where the reference rounds several times, so they are
-    never farther from it. The paths differ by at most DESIGN.md 4.4's 0.25 where the
+    never farther from it. The paths differ by at most ARCHITECTURE.md 4.4's 0.25 where the
     reference's own bf16 error is within it (the dummy Llama; the trained family target's
     sharp logits take the bf16 reference itself 0.70 from float32, and the paths 0.31 apart,
     on an H100)."""

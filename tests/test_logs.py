@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import logging
 
-from outrider.daemon.logs import OneLineFormatter, escape_controls
+from outrider.daemon.processes.logs import OneLineFormatter, escape_controls
 
 
 def test_controls_and_line_breaks_are_escaped() -> None:

@@ -12,8 +12,8 @@ import pytest
 from http_harness import API_KEY, AUTH, FAMILY, HttpDaemon
 from prometheus_client.parser import text_string_to_metric_families
 
-from outrider.daemon.frontdoor_metrics import Buckets
-from outrider.daemon.http_metrics import render_metrics
+from outrider.daemon.frontdoor.metrics import Buckets
+from outrider.daemon.http.metrics import render_metrics
 from outrider.protocol.messages import ServerInfo
 
 MODEL = "outrider-family"

@@ -16,8 +16,9 @@ import pytest
 from test_thirdparty_plugin import _plugins_cmd
 from test_thirdparty_plugin import site as thirdparty_site  # noqa: F401 (requested by name)
 
-from outrider.daemon import cli, plugins_cmd
-from outrider.daemon.plugin_matrix import (
+from outrider.daemon.cli import main as cli
+from outrider.daemon.cli import plugins as plugins_cmd
+from outrider.daemon.cli.plugin_matrix import (
     BackendMatrix,
     Matrix,
     MatrixCell,

@@ -1,5 +1,6 @@
-"""Start-up checks that load nothing: daemon/preflight.py (model, draft and key files) and the
-serve flags of access control in daemon/config.py (--socket-mode, the CURVE pair)."""
+"""Start-up checks that load nothing: daemon/processes/preflight.py (model, draft and key
+files) and the serve flags of access control in daemon/config.py (--socket-mode, the CURVE
+pair)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import zmq.auth
 
 from outrider.daemon.config import ConfigError, ServeConfig, add_serve_arguments, resolve
-from outrider.daemon.preflight import model_problems, preflight
+from outrider.daemon.processes.preflight import model_problems, preflight
 
 
 def _resolve(*argv: str, environ: dict[str, str] | None = None) -> ServeConfig:

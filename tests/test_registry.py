@@ -14,10 +14,12 @@ from typing import Literal
 import pytest
 from frontdoor_harness import model_facts
 
-from outrider.daemon import cli, frontdoor_validation, plugins_cmd
+from outrider.daemon.cli import main as cli
+from outrider.daemon.cli import plugins as plugins_cmd
 from outrider.daemon.config import EXIT_CONFIG, ServeConfig
 from outrider.daemon.family import Family, embedded_family
-from outrider.daemon.frontdoor_validation import Rejected, Validator, speculative_request_check
+from outrider.daemon.frontdoor import validation as frontdoor_validation
+from outrider.daemon.frontdoor.validation import Rejected, Validator, speculative_request_check
 from outrider.plugins.api import (
     NO_DRAFT,
     PHASES,
@@ -546,9 +548,9 @@ def test_plugins_check_resolves_what_serve_runs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     pytest.importorskip("torch")
-    from outrider.daemon import server
     from outrider.daemon.models.config import ModelConfig
-    from outrider.daemon.preflight import resolve_plugins
+    from outrider.daemon.processes import server
+    from outrider.daemon.processes.preflight import resolve_plugins
 
     served: list[ServeConfig] = []
     monkeypatch.setattr(cli, "configure_logging", lambda level, fmt: None)

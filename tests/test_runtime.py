@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from outrider.daemon.runtime import (
+from outrider.daemon.processes.runtime import (
     EndpointError,
     RuntimeDir,
     check_can_listen,
@@ -77,7 +77,7 @@ def test_second_daemon_is_refused_with_the_holder_pid(tmp_path: Path) -> None:
             sys.executable,
             "-c",
             "import sys\n"
-            "from outrider.daemon.runtime import lock_client_endpoint\n"
+            "from outrider.daemon.processes.runtime import lock_client_endpoint\n"
             "lock = lock_client_endpoint(sys.argv[1])\n"
             "print('locked', flush=True)\n"
             "sys.stdin.read()\n",

@@ -14,7 +14,7 @@ import pytest
 from frontdoor_harness import model_facts
 
 from outrider.daemon.config import ConfigError, ServeConfig, add_serve_arguments, resolve
-from outrider.daemon.frontdoor_validation import Rejected, Validator
+from outrider.daemon.frontdoor.validation import Rejected, Validator
 from outrider.daemon.internal import SamplingSpec
 from outrider.daemon.sampling_defaults import (
     OUTRIDER_DEFAULTS,

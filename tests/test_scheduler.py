@@ -13,9 +13,10 @@ import pytest
 from outrider.daemon.engine.plan import SlotParams, StepOutput
 from outrider.daemon.internal import FinishInfo, RequestUpdate, SamplingSpec, TokenizedRequest
 from outrider.daemon.scheduler.finish import FinishChecker
+from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.planner import Planned
 from outrider.daemon.scheduler.radix import PrefixCache
-from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
+from outrider.daemon.scheduler.scheduler import Scheduler
 from outrider.plugins.api import NO_DRAFT, StepShape
 from outrider.protocol.messages import FinishReason, Usage
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from outrider.daemon.sdnotify import Notifier, strip_notify_env
+from outrider.daemon.processes.sdnotify import Notifier, strip_notify_env
 
 
 def _datagram_socket(address: str) -> socket.socket:
@@ -79,7 +79,7 @@ def test_send_failure_is_logged_once_and_never_raises(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     notifier = Notifier({"NOTIFY_SOCKET": str(tmp_path / "nobody-listens")})
-    with caplog.at_level(logging.WARNING, logger="outrider.daemon.sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="outrider.daemon.processes.sdnotify"):
         assert not notifier.ready()
         assert not notifier.watchdog()
     assert len(caplog.records) == 1

@@ -15,10 +15,10 @@ from model_fixtures import VOCAB, save_random_dflash, save_tiny_model
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
+from outrider.daemon.cli.plugins import run_serve_check
 from outrider.daemon.config import EXIT_CONFIG, ConfigError
 from outrider.daemon.engine.accept import accept_chain
 from outrider.daemon.engine.build import Engine
-from outrider.daemon.plugins_cmd import run_serve_check
 from outrider.plugins.speculative.dflash_impl import DFlashWorker
 
 NEW_TOKENS = 40

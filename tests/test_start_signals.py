@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from outrider.daemon.server import StartSignals, _StopWhileStarting
+from outrider.daemon.processes.server import StartSignals, _StopWhileStarting
 
 
 @pytest.fixture

@@ -132,7 +132,7 @@ def _rank_main(rank: int, port: int, root: Path) -> None:
         traces = {case: _run(root / case[0], case[1], tp) for case in CASES}
         seen = {"traces": traces, "ties": _argmax_ties(tp), "top": _top_logprobs(tp)}
         torch.save(seen, root / f"rank{rank}.pt")
-        # NOTE: leave as the daemon's ranks do (rank_processes.py), without the interpreter's
+        # NOTE: leave as the daemon's ranks do (processes/ranks.py), without the interpreter's
         # teardown: gloo's objects destroyed at exit aborted a rank that had saved its results
         # ("terminate called without an active exception", once in CI).
         os._exit(0)

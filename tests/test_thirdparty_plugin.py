@@ -39,7 +39,7 @@ def _plugins_cmd(site: Path, *args: str) -> str:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, "-m", "outrider.daemon.plugins_cmd", *args],
+        [sys.executable, "-m", "outrider.daemon.cli.plugins", *args],
         env=env,
         capture_output=True,
         text=True,

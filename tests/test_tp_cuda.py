@@ -1,5 +1,5 @@
 """Two GPUs: the daemon over two tensor-parallel ranks (NCCL, CUDA graphs, bf16) against the
-daemon over one, within the numeric rule of DESIGN.md 4.4 (numeric_rule.py): the ranks sum
+daemon over one, within the numeric rule of ARCHITECTURE.md 4.4 (numeric_rule.py): the ranks sum
 their partial products in another order than one GPU does.
 """
 

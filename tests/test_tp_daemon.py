@@ -22,9 +22,9 @@ import torch
 from daemon_harness import TEST_DEVICE, Daemon, build_model_dir, daemons, free_port
 from engine_harness import engine_for, request, run, tokens_of
 
-from outrider.daemon.cli import main
+from outrider.daemon.cli.main import main
 from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
-from outrider.daemon.rank_processes import placement
+from outrider.daemon.processes.ranks import placement
 from outrider.protocol import Client, RequestError
 
 PAGE_SIZE = 4  # the harness's --page-size

@@ -25,7 +25,8 @@ from daemon_harness import free_port
 from engine_harness import debug_checks_fixture, engine_for, request, run, tokens_of
 from model_fixtures import TINY, VOCAB, save_random_dflash, save_tiny_model
 
-from outrider.daemon.cli import main
+from outrider.daemon.bench.roofline import kv_bytes_per_token
+from outrider.daemon.cli.main import main
 from outrider.daemon.config import EXIT_CONFIG, ServeConfig
 from outrider.daemon.engine.build import build_engine, build_follower
 from outrider.daemon.engine.graphs import SAMPLING_BYTES_PER_LOGIT, graph_pool_bytes
@@ -36,8 +37,7 @@ from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.models.config import ModelConfig
 from outrider.daemon.models.layers import MLP, Attention
 from outrider.daemon.models.parallel import SINGLE, TPGroup, init_tensor_parallel
-from outrider.daemon.preflight import preflight
-from outrider.daemon.roofline import kv_bytes_per_token
+from outrider.daemon.processes.preflight import preflight
 from outrider.daemon.scheduler.loop import StepFailed
 from outrider.plugins.speculative.base import DecodeView, Drafts, SpeculativeWorker
 from outrider.plugins.speculative.dflash_impl import DFlashWorker
@@ -155,7 +155,7 @@ def _rank_main(rank: int, port: int, cells: dict[str, dict[str, Any]], out: Path
                     seen[name] = {"steps": follower.run(), "draft": shapes}
                 seen[name]["drafted"] = [d.tolist() for d in drafted]
         (out / f"rank{rank}.json").write_text(json.dumps(seen))
-        # NOTE: leave as the daemon's ranks do (rank_processes.py), without the interpreter's
+        # NOTE: leave as the daemon's ranks do (processes/ranks.py), without the interpreter's
         # teardown: gloo's objects destroyed at exit aborted a rank that had saved its results
         # ("terminate called without an active exception", once in CI).
         os._exit(0)

@@ -1,4 +1,4 @@
-"""The accept rule of a speculative decode batch (DESIGN.md 4.4).
+"""The accept rule of a speculative decode batch (ARCHITECTURE.md 4.4).
 
 At node ``j`` of a row (the root is node 0) the target's own choice ``y[j]`` is drawn with the
 randomness counter of output index ``out_len + j``: exactly the draw that decoding without

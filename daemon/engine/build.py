@@ -16,6 +16,7 @@ import torch
 from outrider.daemon.config import ConfigError, ServeConfig, debug_knob
 from outrider.daemon.engine.accept import step_reservation
 from outrider.daemon.engine.cycle_cost import measure_break_even
+from outrider.daemon.engine.follower import Follower
 from outrider.daemon.engine.graphs import (
     CAPTURE_WORKSPACE_BYTES,
     MIB,
@@ -25,7 +26,7 @@ from outrider.daemon.engine.graphs import (
     graph_pool_bytes,
     kv_buckets,
 )
-from outrider.daemon.engine.ranks import Follower, RankChannel
+from outrider.daemon.engine.ranks import RankChannel
 from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
 from outrider.daemon.engine.slots import SlotState
@@ -33,7 +34,7 @@ from outrider.daemon.internal import ModelFacts, SamplingSpec, own_request
 from outrider.daemon.models.config import ModelConfig, load_eos_ids, model_dir
 from outrider.daemon.models.loader import LoadProgress, load_model
 from outrider.daemon.models.parallel import SINGLE, TPGroup
-from outrider.daemon.preflight import resolve_plugins
+from outrider.daemon.processes.preflight import resolve_plugins
 from outrider.daemon.scheduler.drafting import (
     AdaptiveDrafting,
     AdaptiveSettings,
@@ -43,9 +44,10 @@ from outrider.daemon.scheduler.drafting import (
     FixedDrafting,
 )
 from outrider.daemon.scheduler.finish import FinishChecker, TextDecoder
+from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
-from outrider.daemon.scheduler.scheduler import Scheduler, SchedulerLimits
+from outrider.daemon.scheduler.scheduler import Scheduler
 from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
 from outrider.plugins.api import AttentionCapabilities, Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend

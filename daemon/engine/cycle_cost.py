@@ -3,55 +3,34 @@ at which drafting pays (``BreakEven``, scheduler/drafting.py), per batch size, f
 for sampled batches.
 
 At each size a batch of requests decodes through the loop, first drafting every step, then
-plain; the ratio of their turns' times is the break-even acceptance length. On the CPU device
-a turn is the fastest one's time in the loop thread's CPU time (other work on the host only
-ever slows a turn down, so the minimum is the steadiest estimate): when the host is
-oversubscribed, other processes stretch every turn's wall time, which no minimum removes (the
-family's EAGLE-3 measured 1.00 to 2.90 in wall time, 1.65 to 1.71 in CPU time, at a load of 5
-on 2 cores); the process's other threads (its sockets' I/O) do no part of a step. Torch's
-worker threads, where there are several, are not counted either: the loop thread runs its
-share of every parallel region, so the ratio holds while both kinds of step split alike. On a
-GPU a turn's host work and the device's step overlap, and one turn's wall time is only the
-host's part when the device is ahead: the turn is the mean wall time between the ends of
-consecutive turns, each of which waits for the step before it, so it costs the slower of the
-two (the fastest single turn gave the family 1.00-1.25 on an H100, where a cycle costs about
-1.7 plain steps).
+plain; the ratio of their turns' times is the break-even acceptance length.
 
-A cycle's cost does not depend on what its drafts are, so the requests' tokens do not matter,
-but it depends on whether the batch samples: a sampled batch sorts the vocabulary at every
-verified position where a plain step sorts it once, and draws its drafts from the draft's
-distribution. So every size is timed twice, with greedy rows and with sampled ones
-(temperature 1; the filters cost the same whatever their values). On the family (CPU, batch
-1) the greedy cycle costs 1.6-1.7 plain steps for EAGLE-3 (S = 3) and 2.0 for DFlash, the
-sampled one 1.9-2.0 and 2.7-3.0.
+- On the CPU a turn is the fastest one's time in the loop thread's CPU time: other work on the
+  host only ever slows a turn down, and an oversubscribed host stretches wall time in a way no
+  minimum removes. Torch's worker threads are not counted: the loop thread runs its share of
+  every parallel region, so the ratio holds while both kinds of step split alike.
+- On a GPU a turn's host work and the device's step overlap: the turn is the mean wall time
+  between the ends of consecutive turns, each of which waits for the step before it, so it
+  costs the slower of the two.
+- A cycle's cost does not depend on what its drafts are, but on whether the batch samples (a
+  sampled batch sorts the vocabulary at every verified position and draws its drafts from the
+  draft's distribution): every size is timed with greedy rows and with sampled ones
+  (temperature 1; the filters cost the same whatever their values).
+- Every row's prompt is ``PROMPT`` tokens, about a chat turn's context, so that the draft's
+  catch-up and the verify read a serving-sized context (shorter where the context length
+  leaves no room). The rows share one prompt through the prefix cache; sizes whose rows the
+  pool could not hold without retracting are skipped.
+- The resume: where plain steps defer the draft's catch-up (engine/deferred.py), a drafting
+  step right after plain ones runs the catch-up first. At the smallest size, greedy, drafting
+  resumes after two plain turns three times; what such a turn takes beyond a drafting turn,
+  over a plain turn, is ``BreakEven.resume``.
+- The unfed plain step: where the draft keeps state over the context, a last batch at the
+  smallest size runs plain turns, then its rows stop feeding the draft (``Request.fed``) and
+  plain turns are timed again: the first turn's time over the second's is
+  ``BreakEven.unfed``. It comes last, so that no other batch meets the pages its requests
+  publish as lacking the draft's state.
 
-Where the cycle is paid: every row's prompt is ``PROMPT`` tokens, about a chat turn's context
-when it decodes (the family's held-out prompts are 50-200 tokens through the template, its
-answers 64-256 tokens), so that the draft's catch-up and the verify's attention read a
-serving-sized context; shorter where the context length leaves no room for the timing's
-tokens. On the family (CPU) a plain step and a cycle each grow about 15 % from a 4-token to a
-350-token context and their ratio stays within the noise, so one length stands for all. The
-rows share one prompt through the prefix cache: it is computed once (the first size has one
-row), and the pool must hold it once plus each row's own pages; sizes whose rows the pool
-could not hold without retracting are skipped.
-
-The resume: where plain steps defer the draft's catch-up (engine/deferred.py), a drafting step
-right after plain ones runs the catch-up first, a batch whose cost hardly depends on the
-buffered count on a GPU (launches, or a graph's replay). At the smallest size, greedy,
-drafting resumes after two plain turns three times; what such a turn takes beyond a drafting
-turn, over a plain turn, is ``BreakEven.resume`` (scheduler/drafting.py says how the policy
-uses it).
-
-The unfed plain step: where the draft keeps state over the context, a last batch at the
-smallest size runs plain turns, then its rows stop feeding the draft (``Request.fed``) and
-plain turns are timed again: the first turn's time over the second's is ``BreakEven.unfed``
-(scheduler/drafting.py). It comes last, so that no other batch meets the pages its requests
-publish as lacking the draft's state.
-
-Cost at start: at each size, two kinds of batch x 2 modes x (1 + the timed turns) turns, plus
-the resumes' 9 turns, the unfed batch's plain turns and one prompt; the log line says how long
-it took (on the family, CPU: about 0.5 s at batch 1, 1.2-1.5 s at batch 1 and 4, against 0.6 s
-for the greedy 4-token timing before).
+The log line says how long the timing took. Measured costs: BENCHMARKS.md.
 """
 
 from __future__ import annotations

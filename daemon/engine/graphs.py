@@ -1,4 +1,4 @@
-"""CUDA graphs for decode batches (DESIGN.md 4.6): the whole decode step (plain decoding, or a
+"""CUDA graphs for decode batches (ARCHITECTURE.md 4.6): the whole decode step (plain decoding, or a
 speculative cycle: draft, verify, accept, catch-up, relay writes) replayed from one graph per
 key, with nothing but writes into fixed buffers in between.
 

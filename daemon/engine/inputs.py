@@ -1,5 +1,5 @@
 """Typed step inputs: one field list for the fixed device buffers, their pinned host staging
-and the host values a plan yields (DESIGN.md 4.3).
+and the host values a plan yields (ARCHITECTURE.md 4.3).
 
 Each field is a flat 1-D buffer sized by what it counts: query tokens, batch rows or
 request-table writes. A step's inputs are the leading views of the device buffers, so every

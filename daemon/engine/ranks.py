@@ -7,7 +7,7 @@ runner.launch(plan):  channel.send(plan) ────►  plan = channel.receive
                       run plan                  runner.launch(plan)   (the same collectives,
 runner.collect(step n - 1 or n)                 runner.collect(...)    in the same order)
 ...
-engine.stop_ranks():  channel.stop()     ────►  follow() returns
+engine.stop_ranks():  channel.stop()     ────►  follow() returns (follower.py)
 ```
 Every rank builds the same engine over its shard (build.py): the same KV pool (its page
 count agreed with ``agree_min``), the same graphs captured in the same order, the same
@@ -26,19 +26,13 @@ rank 0 never joins: under tensor parallelism a failed step ends the process (the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.models.parallel import TPGroup
-
-if TYPE_CHECKING:
-    from outrider.daemon.engine.results import Launched
-    from outrider.daemon.engine.runner import ModelRunner
 
 _LAUNCH, _STOP = 1, 2
 _SOURCE = 0
@@ -96,37 +90,3 @@ class RankChannel:
         assert self.leader, "only rank 0 sends"
         self._header[0], self._header[1] = op, length
         torch.distributed.broadcast(self._header, _SOURCE, group=self.group)
-
-
-def follow(runner: ModelRunner, channel: RankChannel, *, overlap: bool) -> int:
-    """A follower's loop: run rank 0's plans in its order until it stops, collecting each
-    step where rank 0's loop does (one step later with ``overlap``). Returns the steps run."""
-    assert not channel.leader, "rank 0 runs the scheduler's loop"
-    in_flight: Launched | None = None
-    steps = 0
-    while (plan := channel.receive()) is not None:
-        launched = runner.launch(plan)
-        steps += 1
-        if overlap:
-            previous, in_flight = in_flight, launched
-            if previous is not None:
-                runner.collect(previous)
-        else:
-            runner.collect(launched)
-    if in_flight is not None:
-        runner.collect(in_flight)
-    return steps
-
-
-@dataclass
-class Follower:
-    """Rank r > 0 of an engine's tensor-parallel ranks, built (build.py's ``build_follower``)
-    and ready to run rank 0's plans."""
-
-    runner: ModelRunner
-    channel: RankChannel
-    overlap: bool
-
-    def run(self) -> int:
-        """Run rank 0's plans until it stops the ranks; returns the steps run."""
-        return follow(self.runner, self.channel, overlap=self.overlap)

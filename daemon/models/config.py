@@ -1,4 +1,4 @@
-"""The model facts Outrider needs, parsed once from a HF config.json (DESIGN.md 4.5).
+"""The model facts Outrider needs, parsed once from a HF config.json (ARCHITECTURE.md 4.5).
 
 ``--model`` is a directory or a config.json path. transformers' ``AutoConfig`` reads it and
 normalises the v4 keys (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and the v5 ones

@@ -7,9 +7,8 @@ every device and dtype (the float32 CPU path, which tests compare token for toke
 kernels (one kernel per operation instead of five to ten, which is most of what a batch-1
 decode step launches besides its GEMMs), and while a CUDA graph is built our Triton GEMV for
 one-token projections, SiLU-and-multiply and Qwen3's q/k norm with the rotation
-(``triton_kernels.py``). They compute in float32
-and round once, so their results differ from the reference's by bf16 rounding only (DESIGN.md
-4.4).
+(``triton_kernels.py``). They compute in float32 and round once, so their results differ
+from the reference's by bf16 rounding only (ARCHITECTURE.md 4.4).
 
 Modules reach their kernels through ``UsesKernels.kernels``; ``use_kernels`` sets them on a
 whole model once it sits on its serving device.
@@ -19,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +26,16 @@ import torch.nn.functional as F
 from outrider.daemon.config import debug_knob
 from outrider.plugins.device import heads_contiguous, in_graph_build
 
-if TYPE_CHECKING:
-    from outrider.daemon.models.layers import RotaryEmbedding
-
 log = logging.getLogger(__name__)
+
+
+class RotaryTable(Protocol):
+    """What a rotation reads of the model's rotary tables (layers.RotaryEmbedding)."""
+
+    cos: torch.Tensor  # [max_positions, D/2], the model's dtype
+    sin: torch.Tensor
+
+    def cos_sin_float32(self) -> torch.Tensor: ...
 
 
 class Rotation:
@@ -104,8 +109,8 @@ class TorchKernels:
         """``linear(silu_and_mul(gate_up), weight, bias)``: the MLP's down projection."""
         return self.linear(self.silu_and_mul(gate_up), weight, bias)
 
-    def rotation(self, table: RotaryEmbedding, positions: torch.Tensor) -> Rotation:
-        """The rotation of ``positions: [T]`` (each < ``table.max_positions``)."""
+    def rotation(self, table: RotaryTable, positions: torch.Tensor) -> Rotation:
+        """The rotation of ``positions: [T]`` (each below the table's length)."""
         return TableRotation(table.cos[positions], table.sin[positions])
 
     def qk_norm_rotate(
@@ -191,7 +196,7 @@ class FusedKernels(TorchKernels):
             return self.triton.silu_mul_gemv(gate_up, weight, bias)
         return super().silu_mul_linear(gate_up, weight, bias)
 
-    def rotation(self, table: RotaryEmbedding, positions: torch.Tensor) -> Rotation:
+    def rotation(self, table: RotaryTable, positions: torch.Tensor) -> Rotation:
         return FusedRotation(self.flashinfer, positions, table.cos_sin_float32())
 
     def qk_norm_rotate(

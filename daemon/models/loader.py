@@ -1,4 +1,4 @@
-"""Build a model and fill it from HF safetensors, or with dummy weights (DESIGN.md 4.5).
+"""Build a model and fill it from HF safetensors, or with dummy weights (ARCHITECTURE.md 4.5).
 
 The model is built on the meta device and materialised once in the serving dtype on the
 serving device; shards are then read one at a time straight onto that device. Every

@@ -23,16 +23,13 @@ requests start where that kind's acceptance was measured, so a weak draft at T =
 after its first cycle whose commits fall short (and a later request of the kind starts
 plain), while a good draft at T = 0 drafts from the first step of every request.
 
-Resuming drafting after plain steps costs more than a cycle: the draft first catches up on
-the positions the plain steps buffered (engine/deferred.py), one batch whose cost hardly
-depends on its length (eager, 1-2 ms on an H100, 2-3 plain steps of the embedded family; a
-fraction of one replayed from a CUDA graph, on the family's CPU or beside an 8B model's step),
-measured at start as ``BreakEven.resume``. A batch whose
-acceptance hovers at the break-even would pay it every few steps (the family's EAGLE-3 at
-T = 0.7, on the CPU, switched 18 times in 447 steps, drafting 2.8 steps a time), so drafting
-resumes only where ``resume_horizon`` cycles at the batch's mean would gain the catch-up back:
-from ``break_even + resume / resume_horizon``. A run, once resumed, goes on at the break-even
-itself; a probe's result resumes one only past that threshold too.
+Resuming drafting after plain steps costs more than a cycle: the draft first catches up on the
+positions the plain steps buffered (engine/deferred.py), one batch whose cost hardly depends on
+its length, measured at start as ``BreakEven.resume``. A batch whose acceptance hovers at the
+break-even would pay it every few steps, so drafting resumes only where ``resume_horizon``
+cycles at the batch's mean would gain the catch-up back: from ``break_even + resume /
+resume_horizon``. A run, once resumed, goes on at the break-even itself; a probe's result
+resumes one only past that threshold too.
 
 A batch that stays plain learns nothing, so after ``probe_every`` plain steps in a row the
 batch drafts once (a probe); each probe that does not bring drafting back doubles the wait, up

@@ -1,4 +1,4 @@
-"""The single finish check of a committed run of tokens (DESIGN.md 4.4).
+"""The single finish check of a committed run of tokens (ARCHITECTURE.md 4.4).
 
 Tokens are scanned one by one; the first index at which any condition holds ends the request.
 At one index the precedence is: abort > invalid token > stop string > stop token / EOS >

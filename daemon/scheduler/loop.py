@@ -1,4 +1,4 @@
-"""The overlap loop and its serial twin (DESIGN.md 4.3).
+"""The overlap loop and its serial twin (ARCHITECTURE.md 4.3).
 
 ```
 overlap:  plan_n = schedule(); launch(plan_n); process(plan_{n-1})

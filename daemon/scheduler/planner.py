@@ -15,18 +15,15 @@ speculation) has width 1 and commits exactly one token a row: it adds 1 and page
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from outrider.daemon.engine.plan import SlotParams, StepPlan
 from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.drafting import DraftPolicy
+from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.pages import PageDelta, PageManager
 from outrider.daemon.scheduler.request import Request
 from outrider.daemon.scheduler.slots import SlotTable
 from outrider.plugins.api import StepShape
-
-if TYPE_CHECKING:
-    from outrider.daemon.scheduler.scheduler import SchedulerLimits
 
 
 @dataclass

@@ -4,7 +4,7 @@ Every page except the scratch page 0 is in exactly one state:
 
 | state             | where it is                | refcount                    |
 |-------------------|----------------------------|-----------------------------|
-| free              | ``PagePool.free``          | 0                           |
+| free              | ``PrefixCache.free``       | 0                           |
 | private           | one request's page list    | 1                           |
 | cached, in use    | a tree node                | number of requests using it |
 | cached, evictable | a tree node                | 0                           |

@@ -11,14 +11,14 @@ and apply their results. It composes small parts, one concern each:
 | ``OutputProcessor`` | outputs.py   | step results, streaming, finish (the lifetime rules)      |
 | ``SchedulerStats``  | counters.py  | finishes and speculative acceptance                       |
 
-A request's counters and the KV index ranges they delimit: request.py.
+A request's counters and the KV index ranges they delimit: request.py. The sizes the parts
+are built with: limits.py.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 from outrider.daemon.engine.plan import StepOutput
 from outrider.daemon.internal import Counters, RequestUpdate, TokenizedRequest
@@ -26,6 +26,7 @@ from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.counters import SchedulerStats
 from outrider.daemon.scheduler.drafting import DraftPolicy, FixedDrafting
 from outrider.daemon.scheduler.finish import Finish, FinishChecker
+from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.outputs import OutputProcessor
 from outrider.daemon.scheduler.pages import PageManager
 from outrider.daemon.scheduler.planner import Planned, Planner
@@ -35,19 +36,6 @@ from outrider.daemon.scheduler.slots import SlotTable
 from outrider.plugins.api import StepShape
 
 log = logging.getLogger("outrider.scheduler")
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_running: int
-    max_pages_per_request: int
-    chunked_prefill_tokens: int
-    context_length: int
-    retract_every: int = 0  # debug: retract the youngest running request every N plans
-    prefix_margin_pages: int = 0  # last pages of a prefix hit recomputed (speculative drafts)
-    # The draft keeps state over the context (its own KV): requests may not feed it
-    # (``Request.fed``, drafting.py).
-    draft_state: bool = False
 
 
 class Scheduler:

@@ -1,4 +1,4 @@
-"""The DFlash draft model and its loader (DESIGN.md 4.2 and 4.5). Imported inside the
+"""The DFlash draft model and its loader (ARCHITECTURE.md 4.2 and 4.5). Imported inside the
 daemon only.
 
 A stack of D Qwen3 decoder layers (per-head q/k RMSNorm, GQA, SwiGLU) that drafts a block of

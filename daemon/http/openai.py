@@ -1,0 +1,373 @@
+"""The OpenAI request and response shapes of the HTTP front (http/process.py), and their
+translation to and from the client library's ``generate`` arguments and results.
+
+Sampling fields a request leaves out stay None on the way to the daemon, so that the model's
+generation defaults apply there. ``top_k`` and ``ignore_eos`` are extensions (vLLM's names).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from outrider.daemon.http.errors import split_path
+from outrider.protocol import GenerateResult, TokenChunk
+from outrider.protocol.messages import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, TokenLogprob, Usage
+
+# Integers a request may give; wider ones would not fit in the daemon's frame (and the
+# daemon would refuse them anyway), so they are refused here, by their OpenAI names.
+Count = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
+
+# --- requests -----------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str = ""
+
+
+class ChatMessageIn(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class _Sampling(msgspec.Struct):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Count | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[Any] = ""
+    max_tokens: Count | None = 16  # the OpenAI default for completions
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessageIn] = []
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class InvalidRequest(ValueError):
+    """A request the front refuses itself (400, or ``status``); ``param`` names the field."""
+
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.code = code or "invalid_request"
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """The keyword arguments of ``AsyncClient.generate`` / ``stream`` for one request."""
+
+    prompt: str | None
+    input_ids: list[int] | None
+    messages: list[dict[str, str]] | None
+    max_new_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: list[str]
+    ignore_eos: bool
+    logprobs: int  # what the daemon is asked for: 0, or 1 + the alternatives wanted
+    top_logprobs: int  # alternatives shown per token (<= logprobs)
+
+    def client_kwargs(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "input_ids": self.input_ids,
+            "messages": self.messages,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs,
+        }
+
+
+T = TypeVar("T")
+
+
+def decode_request(body: bytes, kind: type[T], path_prefix: str = "") -> T:
+    """``body`` decoded as ``kind``; raises ``InvalidRequest`` (with the offending field as
+    ``param``, after ``path_prefix``) for anything else, whatever the bytes."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        message, param = split_path(str(exc), prefix=path_prefix)
+        raise InvalidRequest(message, param) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the body is not JSON: {exc}") from None
+    # NOTE: msgspec passes invalid UTF-8 on as CPython's UnicodeDecodeError, and nesting past
+    # the interpreter's recursion limit as RecursionError, even in a field it only skips.
+    except UnicodeDecodeError:
+        raise InvalidRequest("the body is not valid UTF-8") from None
+    except RecursionError:
+        raise InvalidRequest("the body is nested too deeply") from None
+
+
+# The daemon's field names in its validation errors, as an OpenAI request names them.
+DAEMON_FIELDS = {"max_new_tokens": "max_tokens", "input_ids": "prompt"}
+
+
+def _common_checks(req: _Sampling) -> None:
+    if req.n != 1:
+        raise InvalidRequest("only n = 1 is supported", "n")
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("stream_options needs stream: true", "stream_options")
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def completion_args(req: CompletionRequest) -> GenerateArgs:
+    _common_checks(req)
+    if req.echo:
+        raise InvalidRequest("echo is not supported", "echo")
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    raw: Any = req.prompt
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
+        raw = raw[0]  # a batch of one
+    if isinstance(raw, str):
+        prompt = raw
+    elif isinstance(raw, list) and all(type(x) is int for x in raw):
+        if not all(0 <= x <= MAX_TOKEN_ID for x in raw):
+            raise InvalidRequest(f"prompt: token ids must be in [0, {MAX_TOKEN_ID}]", "prompt")
+        input_ids = raw
+    else:
+        raise InvalidRequest(
+            "prompt: a string, a list of token ids, or a batch of one of those", "prompt"
+        )
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    wanted = -1 if req.logprobs is None else req.logprobs
+    return _args(req, prompt, input_ids, None, req.max_tokens, wanted)
+
+
+def chat_turns(messages_in: list[ChatMessageIn]) -> list[dict[str, str]]:
+    """The messages as the daemon's chat template takes them (text parts joined)."""
+    messages = []
+    for i, msg in enumerate(messages_in):
+        content = msg.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise InvalidRequest("only text content parts are supported", f"messages[{i}]")
+            content = "".join(part.text for part in content)
+        messages.append({"role": msg.role, "content": content or ""})
+    if not messages:
+        raise InvalidRequest("messages must not be empty", "messages")
+    return messages
+
+
+def chat_args(req: ChatRequest) -> GenerateArgs:
+    _common_checks(req)
+    messages = chat_turns(req.messages)
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    wanted = (req.top_logprobs or 0) if req.logprobs else -1
+    max_tokens = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = req.max_tokens
+    return _args(req, None, None, messages, max_tokens, wanted)
+
+
+def _args(
+    req: _Sampling,
+    prompt: str | None,
+    input_ids: list[int] | None,
+    messages: list[dict[str, str]] | None,
+    max_tokens: int | None,
+    top_wanted: int,  # -1: no logprobs
+) -> GenerateArgs:
+    return GenerateArgs(
+        prompt=prompt,
+        input_ids=input_ids,
+        messages=messages,
+        max_new_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop=_stop_list(req.stop),
+        ignore_eos=req.ignore_eos,
+        # The daemon's logprobs=N: the chosen token's logprob and N alternatives (0: none at
+        # all), so 0 alternatives shown still asks for 1.
+        logprobs=0 if top_wanted < 0 else max(top_wanted, 1),
+        top_logprobs=max(top_wanted, 0),
+    )
+
+
+# --- responses ----------------------------------------------------------------------------
+
+
+class TokenTexts:
+    """Token id -> its text, for logprobs. Without the model's ``tokenizer.json`` (tokenizers
+    only, no transformers) a token reads ``token_id:N``, as vLLM writes it."""
+
+    def __init__(self, model_dir: str | None) -> None:
+        self._backend: Any = None
+        path = Path(model_dir) / "tokenizer.json" if model_dir else None
+        if path is not None and path.is_file():
+            from tokenizers import Tokenizer
+
+            self._backend = Tokenizer.from_file(str(path))
+
+    def text(self, token_id: int) -> str:
+        if self._backend is None:
+            return f"token_id:{token_id}"
+        return str(self._backend.decode([token_id], skip_special_tokens=False))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+    if usage.spec_drafts:
+        body["spec_drafts"] = usage.spec_drafts
+        body["spec_accepted_tokens"] = usage.spec_accepted_tokens
+    return body
+
+
+def chat_logprobs(
+    logprobs: list[TokenLogprob] | None, top: int, texts: TokenTexts
+) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = texts.text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            entry(lp.token_id, lp.logprob)
+            | {"top_logprobs": [entry(t, v) for t, v in lp.top[:top]]}
+            for lp in logprobs
+        ]
+    }
+
+
+def completion_logprobs(
+    logprobs: list[TokenLogprob] | None, top: int, texts: TokenTexts, offset: int = 0
+) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    tokens = [texts.text(lp.token_id) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{texts.text(t): v for t, v in lp.top[:top]} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one response (or stream) of an endpoint is made of."""
+
+    chat: bool
+    request_id: str
+    model: str
+    created: int
+    top_logprobs: int
+    texts: TokenTexts
+
+    def _head(self, streamed: bool) -> dict[str, Any]:
+        if self.chat:
+            kind = "chat.completion.chunk" if streamed else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if self.chat:
+            return chat_logprobs(logprobs, self.top_logprobs, self.texts)
+        return completion_logprobs(logprobs, self.top_logprobs, self.texts)
+
+    def full(self, result: GenerateResult) -> dict[str, Any]:
+        """The non-streamed response."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text
+        choice["logprobs"] = self._logprobs(result.logprobs)
+        choice["finish_reason"] = result.finish_reason
+        return self._head(False) | {"choices": [choice], "usage": usage_body(result.usage)}
+
+    def chunk(
+        self,
+        text: str | None,
+        logprobs: list[TokenLogprob] | None = None,
+        finish_reason: str | None = None,
+        role: bool = False,
+    ) -> dict[str, Any]:
+        """One streamed chunk (``text`` None: an empty delta)."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        choice["logprobs"] = self._logprobs(logprobs)
+        choice["finish_reason"] = finish_reason
+        return self._head(True) | {"choices": [choice]}
+
+    def token_chunk(self, chunk: TokenChunk) -> dict[str, Any]:
+        return self.chunk(chunk.text, chunk.logprobs)
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return self._head(True) | {"choices": [], "usage": usage_body(usage)}

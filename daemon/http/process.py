@@ -1,0 +1,395 @@
+"""The HTTP front: an OpenAI-compatible server (Starlette on uvicorn) in its own process, one
+more client of the daemon's ZeroMQ protocol (``AsyncClient``).
+
+It is the daemon's third child (processes/children.py), under the same contract as the other two
+(processes/child_runtime.py): it binds its HTTP socket at start and reports ``serving`` (or
+``bind_failed``), heartbeats through its pipe, and once the daemon closes the pipe it stops
+accepting connections, lets the responses in flight end (the daemon has drained by then: each
+has had its final frame), and exits. While the daemon drains, new requests are answered 503
+(the front door's ``shutting_down``).
+
+Status codes from the daemon's error codes: ``invalid_request`` / ``unsupported`` 400,
+``prompt_too_long`` 413, ``overloaded`` 429, ``shutting_down`` / ``connection_lost`` /
+``timeout`` 503, anything else 500 (http/errors.py). A client that goes away aborts its
+request, streamed or not.
+
+Before a route runs, a request passes, outermost first: ``Guard`` (one 500 and one log line
+for anything unexpected), ``Access`` (the access rule: Host, Origin, the API key;
+http/access.py), ``BodyLimit`` (http/limits.py); the connection itself is held to
+``LimitedHttpProtocol``'s read, send and connection limits. Since every HTTP request shares
+one client connection, which the front door drops for a frame over ``--max-message-bytes``,
+the body limit keeps every accepted request's frame under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any, TypeVar
+
+import msgspec
+import uvicorn
+import zmq.asyncio
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route, Router
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from outrider.daemon.http.access import Access, AccessRule
+from outrider.daemon.http.config import HttpFrontConfig, bind_http
+from outrider.daemon.http.errors import (
+    STATUS_OF_CODE,
+    Guard,
+    error_body,
+    error_response,
+    public_message,
+    split_path,
+)
+from outrider.daemon.http.limits import BodyLimit, ConnectionLimits, limited_protocol
+from outrider.daemon.http.metrics import render_metrics
+from outrider.daemon.http.openai import (
+    DAEMON_FIELDS,
+    ChatRequest,
+    CompletionRequest,
+    GenerateArgs,
+    InvalidRequest,
+    Shape,
+    TokenTexts,
+    chat_args,
+    completion_args,
+    decode_request,
+    new_id,
+    now,
+)
+from outrider.daemon.http.tokenize import Tokenization
+from outrider.daemon.processes.child_runtime import ChildTasks, ParentPipe, child_setup, run_child
+from outrider.daemon.processes.runtime import is_loopback
+from outrider.protocol import AsyncClient, AsyncTokenStream, RequestError, TokenChunk
+
+log = logging.getLogger("outrider.http")
+
+T = TypeVar("T")
+R = TypeVar("R", CompletionRequest, ChatRequest)
+
+HEALTH_TIMEOUT_S = 2.0
+# How often a non-streamed request checks whether its client is still there.
+DISCONNECT_POLL_S = 0.25
+GRACEFUL_SHUTDOWN_S = 1  # within child_runtime.FLUSH_LIMIT_S
+# The status logged for a request whose client left before its answer (nginx's convention).
+CLIENT_GONE = 499
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def run_http_front(cfg: HttpFrontConfig, parent_conn: Connection) -> None:
+    """Entry point of the HTTP front process (``multiprocessing`` spawn target)."""
+    child_setup("http", cfg.log_level)
+    run_child(lambda ctx: _main(cfg, ParentPipe(parent_conn, "http"), ctx))
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # NOTE: children ignore SIGINT/SIGTERM (the daemon stops them by closing the pipe);
+        # uvicorn would otherwise install its own handlers and re-raise the signal at exit.
+        yield
+
+
+async def _main(cfg: HttpFrontConfig, parent: ParentPipe, _ctx: zmq.asyncio.Context) -> None:
+    try:
+        sock = bind_http(cfg.host, cfg.port)
+    except OSError as exc:
+        parent.report("bind_failed", error=exc.strerror or str(exc))
+        await ChildTasks(parent).run()
+        return
+    host, port = sock.getsockname()[:2]
+    # NOTE: every HTTP request shares this connection. Its ZeroMQ thread takes every reply in
+    # (reply_hwm=0) whatever this event loop does, so the front door never finds it behind
+    # and no request ends another; each HTTP response has its own send timeout instead.
+    client = AsyncClient(cfg.client_endpoint, max_message_bytes=cfg.max_message_bytes, reply_hwm=0)
+    front = HttpFront(cfg, client)
+    app = front.app()
+    limits = ConnectionLimits(cfg.read_timeout_s, cfg.send_timeout_s, cfg.max_connections)
+    server = _Server(
+        uvicorn.Config(
+            app,
+            loop="none",
+            http=limited_protocol(limits),
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    )
+    tasks = ChildTasks(parent)
+    stopping = False
+
+    async def serve() -> None:
+        await server.serve(sockets=[sock])
+        if not stopping:
+            raise RuntimeError("the HTTP server stopped on its own")
+
+    def parent_gone() -> None:
+        nonlocal stopping
+        stopping = True
+        server.should_exit = True
+
+    tasks.spawn(serve())
+    parent.report("serving", endpoint=f"http://{host}:{port}")
+    log.info("HTTP front on http://%s:%d (model %s)", host, port, cfg.served_model_name)
+    log.info("%s", front.access.describe())
+    try:
+        await tasks.run(parent_gone=parent_gone, flushed=lambda: not server.server_state.tasks)
+    finally:
+        front.close()
+        client.close()
+
+
+def invalid_response(exc: InvalidRequest) -> Response:
+    return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
+
+
+def request_error_response(exc: RequestError, rename: dict[str, str] = DAEMON_FIELDS) -> Response:
+    """The answer to a daemon's refusal; a field it names is named as the client sent it."""
+    message, param = split_path(public_message(exc), rename)
+    return error_response(STATUS_OF_CODE.get(exc.code, 500), message, param, exc.code)
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status, media_type="application/json")
+
+
+def sse(body: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that aborts its request when it ends unfinished, however it ends (a
+    client that went away makes the next send fail, or cancels the task)."""
+
+    def __init__(self, body: AsyncIterator[bytes], stream: AsyncTokenStream) -> None:
+        super().__init__(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
+
+
+class HttpFront:
+    """The routes; every request goes to the daemon through one shared ``AsyncClient``."""
+
+    def __init__(self, cfg: HttpFrontConfig, client: AsyncClient) -> None:
+        self._cfg = cfg
+        self._client = client
+        self._texts = TokenTexts(cfg.model_dir)
+        self._tokenization = Tokenization(cfg.model_dir, cfg.max_tokenize_tokens)
+        self.access = AccessRule(
+            loopback=is_loopback(cfg.host),
+            api_key=cfg.api_key,
+            allow_origins=frozenset(cfg.allow_origins),
+        )
+        self._max_model_len: int | None = None  # the daemon's context length, once asked
+        self._created = now()
+
+    def app(self) -> ASGIApp:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/health/ready", self.ready, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+        return Guard(Access(BodyLimit(Router(routes), self._cfg.max_body_bytes), self.access))
+
+    async def health(self, _request: Request) -> Response:
+        """200 when the daemon answers ``health`` at all (loading, serving or draining)."""
+        try:
+            health = await self._client.health(timeout=HEALTH_TIMEOUT_S)
+        except RequestError as exc:
+            message = f"the daemon does not answer: {public_message(exc)}"
+            return error_response(503, message, code=exc.code)
+        return json_response({"status": health.status})
+
+    async def ready(self, _request: Request) -> Response:
+        """200 only while the daemon serves (not loading, not draining)."""
+        try:
+            health = await self._client.health(timeout=HEALTH_TIMEOUT_S)
+        except RequestError as exc:
+            message = f"the daemon does not answer: {public_message(exc)}"
+            return error_response(503, message, code=exc.code)
+        status = 200 if health.status == "serving" else 503
+        return json_response({"status": health.status}, status)
+
+    def close(self) -> None:
+        self._tokenization.close()
+
+    async def metrics(self, _request: Request) -> Response:
+        """The daemon's counters (one ``server_info``) in the Prometheus text format."""
+        try:
+            info = await self._client.server_info(timeout=HEALTH_TIMEOUT_S)
+        except RequestError as exc:
+            message = f"the daemon does not answer: {public_message(exc)}"
+            return error_response(503, message, code=exc.code)
+        body = render_metrics(info, self._cfg.served_model_name)
+        return Response(body, media_type=PROMETHEUS_TEXT)
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            tokens = await self._tokenization.tokenize(await request.body(), self._check_model)
+            max_model_len = await self._context_length()
+        except InvalidRequest as exc:
+            return invalid_response(exc)
+        except RequestError as exc:
+            return request_error_response(exc)
+        return json_response(
+            {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            text = await self._tokenization.detokenize(await request.body(), self._check_model)
+        except InvalidRequest as exc:
+            return invalid_response(exc)
+        return json_response({"prompt": text})
+
+    async def _context_length(self) -> int:
+        if self._max_model_len is None:
+            info = await self._client.server_info(timeout=HEALTH_TIMEOUT_S)
+            self._max_model_len = int(info.configuration["context_length"])
+        return self._max_model_len
+
+    async def version(self, _request: Request) -> Response:
+        return json_response({"version": self._cfg.version})
+
+    async def models(self, _request: Request) -> Response:
+        card = {
+            "id": self._cfg.served_model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "outrider",
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            req = decode_request(await request.body(), CompletionRequest)
+            return await self._answer(request, req, completion_args, chat=False)
+        except InvalidRequest as exc:
+            return invalid_response(exc)
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            req = decode_request(await request.body(), ChatRequest)
+            return await self._answer(request, req, chat_args, chat=True)
+        except InvalidRequest as exc:
+            return invalid_response(exc)
+
+    async def _answer(
+        self, request: Request, req: R, to_args: Callable[[R], GenerateArgs], *, chat: bool
+    ) -> Response:
+        """``req`` checked and run; raises ``InvalidRequest`` before anything is sent."""
+        self._check_model(req.model)
+        args = to_args(req)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        rename = DAEMON_FIELDS
+        if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+            rename = DAEMON_FIELDS | {"max_new_tokens": "max_completion_tokens"}
+        return await self._run(request, args, chat, req.stream, include_usage, rename)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self._cfg.served_model_name:
+            raise InvalidRequest(
+                f"model {model!r} is not served here (this is {self._cfg.served_model_name!r})",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
+
+    async def _run(
+        self,
+        request: Request,
+        args: GenerateArgs,
+        chat: bool,
+        streamed: bool,
+        include_usage: bool,
+        rename: dict[str, str],
+    ) -> Response:
+        shape = Shape(
+            chat=chat,
+            request_id=new_id("chatcmpl" if chat else "cmpl"),
+            model=self._cfg.served_model_name,
+            created=now(),
+            top_logprobs=args.top_logprobs,
+            texts=self._texts,
+        )
+        if not streamed:
+            call = asyncio.ensure_future(self._client.generate(**args.client_kwargs()))
+            try:
+                result = await _unless_gone(request, call)
+            except RequestError as exc:
+                return request_error_response(exc, rename)
+            if result is None:  # nobody reads this answer: the request was aborted
+                return Response(status_code=CLIENT_GONE)
+            return json_response(shape.full(result))
+        stream = self._client.stream(**args.client_kwargs())
+        # The first chunk is awaited here, so that a refused request gets its status code.
+        try:
+            first: TokenChunk | None = await anext(stream)
+        except StopAsyncIteration:
+            first = None
+        except RequestError as exc:
+            return request_error_response(exc, rename)
+        return _Stream(_sse_events(shape, stream, first, include_usage), stream)
+
+
+async def _unless_gone(request: Request, call: asyncio.Future[T]) -> T | None:
+    """``call``'s result, or None once the client has gone away: ``call`` is then cancelled,
+    which aborts its request (``AsyncClient``)."""
+    while True:
+        done, _ = await asyncio.wait({call}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return call.result()
+        if await request.is_disconnected():
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RequestError):
+                await call
+            return None
+
+
+async def _sse_events(
+    shape: Shape, stream: AsyncTokenStream, first: TokenChunk | None, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The events of one streamed response: chunks, the finish, usage, ``[DONE]``."""
+    try:
+        if shape.chat:
+            yield sse(_with_usage(shape.chunk("", role=True), include_usage))
+        if first is not None:
+            yield sse(_with_usage(shape.token_chunk(first), include_usage))
+            async for chunk in stream:
+                yield sse(_with_usage(shape.token_chunk(chunk), include_usage))
+        result = stream.result
+        assert result is not None
+        finish = shape.chunk(None if shape.chat else "", finish_reason=result.finish_reason)
+        yield sse(_with_usage(finish, include_usage))
+        if include_usage:
+            yield sse(shape.usage_chunk(result.usage))
+    except RequestError as exc:
+        status = STATUS_OF_CODE.get(exc.code, 500)
+        yield b"data: " + error_body(status, public_message(exc), None, exc.code) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    # With include_usage, every chunk but the last carries "usage": null (OpenAI's shape).
+    return chunk | {"usage": None} if include_usage else chunk

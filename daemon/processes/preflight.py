@@ -1,0 +1,122 @@
+"""What a serving configuration needs, checked before anything is spawned or loaded: the
+model and draft directories and the CURVE key files (``preflight``), and the plugins it routes
+(``resolve_plugins``).
+
+Each problem is one line naming its flag (and path); every one is reported at once. Nothing
+here imports torch or transformers, so a light install can run it too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from outrider.daemon.config import ConfigError, ServeConfig
+from outrider.daemon.frontdoor.curve_auth import CurveKeyError, load_client_keys, load_server_keys
+from outrider.daemon.models.config import tensor_parallel_problems
+from outrider.plugins.checks import PluginProblems
+from outrider.plugins.registry import ResolvedPlugins, discover
+
+_INDEX = "model.safetensors.index.json"
+_GENERATION_CONFIG = "generation_config.json"
+CANNOT_RUN = "the configuration cannot run:"
+
+
+def preflight(config: ServeConfig) -> list[str]:
+    """Every problem of ``config``'s files; empty when serving may start."""
+    problems = model_problems("--model", config.model, config.load_format)
+    if not problems:
+        problems += sharding_problems(config)
+    if config.draft_model:
+        problems += model_problems("--draft-model", config.draft_model, config.load_format)
+    if config.curve_secret_key_file:
+        problems += _curve_problem(lambda: load_server_keys(config.curve_secret_key_file))
+    if config.curve_client_keys:
+        problems += _curve_problem(lambda: load_client_keys(config.curve_client_keys))
+    return problems
+
+
+def model_problems(flag: str, path: str, load_format: str) -> list[str]:
+    """``path`` is a model directory with a config.json, or a config.json file; a
+    generation_config.json beside it is a JSON object; with ``--load-format auto`` its
+    directory holds safetensors weights (what the loader reads)."""
+    where = f"{flag} {path}"
+    given = Path(path)
+    if given.is_dir():
+        directory, config_file = given, given / "config.json"
+        if not config_file.is_file():
+            return [f"{where}: no config.json in the directory"]
+    elif given.is_file():
+        directory, config_file = given.parent, given
+    elif given.exists():
+        return [f"{where}: neither a directory nor a config.json file"]
+    else:
+        return [f"{where}: no such file or directory"]
+    problem = _config_problem(config_file)
+    generation = directory / _GENERATION_CONFIG
+    if problem is None and generation.is_file():
+        # Read at load for its EOS ids, whatever --generation-config says.
+        problem = _config_problem(generation)
+    if problem is None and load_format == "auto":
+        problem = _weights_problem(directory)
+    return [] if problem is None else [f"{where}: {problem}"]
+
+
+def sharding_problems(config: ServeConfig) -> list[str]:
+    """``--tensor-parallel-size`` against the model's shape: what does not divide.
+    ``config.model`` must pass ``model_problems``."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return []
+    given = Path(config.model)
+    loaded = json.loads((given / "config.json" if given.is_dir() else given).read_text())
+    return tensor_parallel_problems(loaded, size)
+
+
+def _config_problem(config_file: Path) -> str | None:
+    try:
+        loaded = json.loads(config_file.read_text())
+    except OSError as exc:
+        return f"cannot read {config_file.name}: {exc.strerror}"
+    except ValueError:
+        return f"{config_file.name} is not JSON"
+    return None if isinstance(loaded, dict) else f"{config_file.name} is not a JSON object"
+
+
+def _weights_problem(directory: Path) -> str | None:
+    index = directory / _INDEX
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"{_INDEX} is unreadable or has no weight_map"
+        missing = sorted(name for name in shards if not (directory / name).is_file())
+        return f"{_INDEX} names missing shards: {', '.join(missing)}" if missing else None
+    if any(directory.glob("*.safetensors")):
+        return None
+    problem = "no *.safetensors weights (--load-format dummy runs without them)"
+    if any(directory.glob("*.bin")):
+        problem += "; *.bin checkpoints are not read: convert them to safetensors"
+    return problem
+
+
+def _curve_problem(load: Callable[[], object]) -> list[str]:
+    try:
+        load()
+    except CurveKeyError as exc:
+        return [str(exc)]
+    return []
+
+
+def resolve_plugins(
+    config: ServeConfig, dtype: str, cuda_capability: tuple[int, int] | None
+) -> ResolvedPlugins:
+    """The plugins ``config`` routes, run in ``dtype``, checked and resolved with one
+    discovery: what the daemon builds its engine from and ``outrider plugins --check``
+    reports. Raises ``ConfigError`` naming every problem, one per line."""
+    try:
+        return discover().resolve(config.check_context(dtype, cuda_capability))
+    except PluginProblems as exc:
+        problems = "\n  ".join(map(str, exc.problems))
+        raise ConfigError(f"{CANNOT_RUN}\n  {problems}") from None

@@ -1,0 +1,18 @@
+"""What the scheduler may hold: the sizes its parts are built with, fixed at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_running: int
+    max_pages_per_request: int
+    chunked_prefill_tokens: int
+    context_length: int
+    retract_every: int = 0  # debug: retract the youngest running request every N plans
+    prefix_margin_pages: int = 0  # last pages of a prefix hit recomputed (speculative drafts)
+    # The draft keeps state over the context (its own KV): requests may not feed it
+    # (``Request.fed``, drafting.py).
+    draft_state: bool = False
