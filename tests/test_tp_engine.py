@@ -28,7 +28,7 @@ from model_fixtures import TINY, VOCAB, save_random_dflash, save_tiny_model
 from outrider.daemon.cli import main
 from outrider.daemon.config import EXIT_CONFIG, ServeConfig
 from outrider.daemon.engine.build import build_engine, build_follower
-from outrider.daemon.engine.graphs import SAMPLING_BYTES_PER_LOGIT, graph_pool_bytes
+from outrider.daemon.engine.memory_plan import SAMPLING_BYTES_PER_LOGIT, graph_pool_bytes
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.ranks import RankChannel
 from outrider.daemon.engine.runner import ModelRunner
