@@ -192,8 +192,8 @@ def _build_runner(
     tp: TPGroup,
     channel: RankChannel | None,
 ) -> _Built:
-    """Plugins, the model's shard, the KV pool (fit-checked; its size agreed over the
-    ranks), backends, the speculative worker, the runner and its CUDA graphs."""
+    """Plugins, the model's shard, the memory plan (its sizes agreed over the ranks) and the
+    KV pool it sizes, backends, the speculative worker, the runner and its CUDA graphs."""
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
     if config.tensor_parallel_size != tp.size:
@@ -210,7 +210,6 @@ def _build_runner(
     context_length = config.context_length or model_config.max_position_embeddings
     speculative = _speculative_plugin(plugins)
     shape = plugins.shape
-    width = shape.width
     reservation = step_reservation(shape.kv_span, shape.max_commit, config.page_size)
     model, model_config = load_model(
         config.model,
@@ -234,7 +233,7 @@ def _build_runner(
         tensor_parallel_size=tp.size,
         context_length=context_length,
         reservation=reservation,
-        width=width,
+        width=shape.width,
         graphs=graph_settings,
         free_bytes=_free_bytes(config.device),
     )
