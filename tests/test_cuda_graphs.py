@@ -17,25 +17,19 @@ from model_fixtures import VOCAB
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine import graphs as graphs_module
-from outrider.daemon.engine.build import (
+from outrider.daemon.engine.build import Engine, _graph_settings, _speculative_plugin
+from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey, batch_buckets
+from outrider.daemon.engine.memory_plan import (
+    CAPTURE_WORKSPACE_BYTES,
+    DRAFT_BYTES_PER_LOGIT,
     GRAPH_MEMORY_SHARE,
-    Engine,
+    MIB,
+    SMALL_SEGMENTS_BYTES,
+    GraphSettings,
     _activation_bytes,
     _fit_check,
     _graph_kv_limit,
     _graph_pool_estimate,
-    _graph_settings,
-    _GraphSettings,
-    _speculative_plugin,
-)
-from outrider.daemon.engine.graphs import (
-    CAPTURE_WORKSPACE_BYTES,
-    DRAFT_BYTES_PER_LOGIT,
-    MIB,
-    SMALL_SEGMENTS_BYTES,
-    DecodeGraphs,
-    GraphKey,
-    batch_buckets,
     graph_pool_bytes,
     kv_buckets,
 )
@@ -273,10 +267,10 @@ def test_graph_pool_estimate_of_a_tiny_model() -> None:
     draft = 1 * 3 * 256 * DRAFT_BYTES_PER_LOGIT
     assert graph_pool_bytes(model, 2, 1, 4, None, draft_rows=3) == layer + logits + draft
     # The fit check budgets the largest step and the captures' workspace.
-    settings = _GraphSettings(max_bs=4, kv_bounded=True)
-    budgeted = _graph_pool_estimate(settings, model, "bfloat16", 1, 128, 1)
+    settings = GraphSettings(max_bs=4, kv_bounded=True)
+    budgeted = _graph_pool_estimate(settings, model, 2, 1, 128, 1)
     assert budgeted == layer + logits + attention + CAPTURE_WORKSPACE_BYTES + SMALL_SEGMENTS_BYTES
-    assert _graph_pool_estimate(None, model, "bfloat16", 1, 128, 1) == 0
+    assert _graph_pool_estimate(None, model, 2, 1, 128, 1) == 0
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -358,7 +352,7 @@ def test_graphs_growing_with_the_kv_bound_stop_where_their_pool_passes_its_share
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     model = ModelConfig.from_dict(TINY_SHAPE)
-    settings = _GraphSettings(max_bs=4, kv_bounded=True)
+    settings = GraphSettings(max_bs=4, kv_bounded=True)
 
     def pool(kv: int) -> int:
         return graph_pool_bytes(model, 2, bs=4, width=1, kv_bound=kv)

@@ -25,16 +25,15 @@ from daemon_harness import free_port
 from engine_harness import debug_checks_fixture, engine_for, request, run, tokens_of
 from model_fixtures import TINY, VOCAB, save_random_dflash, save_tiny_model
 
-from outrider.daemon.bench.roofline import kv_bytes_per_token
 from outrider.daemon.cli.main import main
 from outrider.daemon.config import EXIT_CONFIG, ServeConfig
 from outrider.daemon.engine.build import build_engine, build_follower
-from outrider.daemon.engine.graphs import SAMPLING_BYTES_PER_LOGIT, graph_pool_bytes
+from outrider.daemon.engine.memory_plan import SAMPLING_BYTES_PER_LOGIT, graph_pool_bytes
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.ranks import RankChannel
 from outrider.daemon.engine.runner import ModelRunner
 from outrider.daemon.internal import TokenizedRequest
-from outrider.daemon.models.config import ModelConfig
+from outrider.daemon.models.config import ModelConfig, kv_bytes_per_token
 from outrider.daemon.models.layers import MLP, Attention
 from outrider.daemon.models.parallel import SINGLE, TPGroup, init_tensor_parallel
 from outrider.daemon.processes.preflight import preflight

@@ -7,10 +7,8 @@ import time
 
 import torch
 
-from outrider.daemon.models.config import ModelConfig
+from outrider.daemon.models.config import DTYPE_BYTES, ModelConfig
 from outrider.daemon.models.loader import expected_checkpoint_shapes
-
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def read_bandwidth(device: str, gib: float = 4.0) -> float:
@@ -45,10 +43,4 @@ def weight_bytes(config: ModelConfig, dtype: str) -> int:
         for dim in shape:
             numel *= dim
         total += numel
-    return total * _DTYPE_BYTES[dtype]
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
-    """KV bytes one token takes on one rank (its share of the KV heads)."""
-    heads = config.num_kv_heads // tensor_parallel_size
-    return 2 * config.num_layers * heads * config.head_dim * _DTYPE_BYTES[dtype]
+    return total * DTYPE_BYTES[dtype]

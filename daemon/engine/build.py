@@ -1,6 +1,6 @@
-"""Builds the in-process engine from a ``ServeConfig``: plugin checks, model, KV pool (with
-the start-up fit check, which budgets the CUDA graphs' pool first), attention backends per
-phase, runner, scheduler, loop, graph captures, warm-up."""
+"""Builds the in-process engine from a ``ServeConfig``: plugin checks, model, the start-up
+memory plan (memory_plan.py) and the KV pool it sizes, attention backends per phase, runner,
+scheduler, loop, graph captures, warm-up."""
 
 from __future__ import annotations
 
@@ -17,21 +17,19 @@ from outrider.daemon.config import ConfigError, ServeConfig, debug_knob
 from outrider.daemon.engine.accept import step_reservation
 from outrider.daemon.engine.cycle_cost import measure_break_even
 from outrider.daemon.engine.follower import Follower
-from outrider.daemon.engine.graphs import (
-    CAPTURE_WORKSPACE_BYTES,
-    MIB,
-    SMALL_SEGMENTS_BYTES,
-    DecodeGraphs,
-    capture_progress,
-    graph_pool_bytes,
-    kv_buckets,
+from outrider.daemon.engine.graphs import DecodeGraphs, capture_progress
+from outrider.daemon.engine.memory_plan import (
+    GraphSettings,
+    MemoryPlan,
+    PlanInputs,
+    plan_memory,
 )
 from outrider.daemon.engine.ranks import RankChannel
 from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
 from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.internal import ModelFacts, SamplingSpec, own_request
-from outrider.daemon.models.config import ModelConfig, load_eos_ids, model_dir
+from outrider.daemon.models.config import ModelConfig, kv_bytes_per_token, load_eos_ids, model_dir
 from outrider.daemon.models.loader import LoadProgress, load_model
 from outrider.daemon.models.parallel import SINGLE, TPGroup
 from outrider.daemon.processes.preflight import resolve_plugins
@@ -59,12 +57,6 @@ from outrider.plugins.speculative.base import NoDraft, SpeculativeWorker, Worker
 log = logging.getLogger("outrider.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Host memory the CPU KV pool may take by default.
-_CPU_KV_FRACTION = 0.25
-# The share of the free device memory (after the weights) the CUDA graph pool may take when an
-# attention backend's graphs grow with the KV bound (the torch backend gathers each row's K/V
-# over it): 64 rows of Llama-3.1-8B at a bound of 8192 would take about 11 GB.
-GRAPH_MEMORY_SHARE = 0.125
 # The phases a speculative decode step (its graph) runs.
 CYCLE_PHASES: tuple[Phase, ...] = ("verify", "draft_decode", "draft_extend")
 
@@ -92,16 +84,13 @@ class Engine:
 
 @dataclass(frozen=True)
 class _Built:
-    """What every rank builds alike: the runner over its shard and the sizes it was built
-    with."""
+    """What every rank builds alike: the runner over its shard and the memory plan it was
+    built with."""
 
     runner: ModelRunner
     model_config: ModelConfig
     dtype_name: str
-    context_length: int
-    reservation: int
-    num_pages: int
-    max_pages: int
+    plan: MemoryPlan
     tokenizer: Tokenizer | None
     speculative: bool
 
@@ -118,8 +107,8 @@ def build_engine(
     runner, model_config, shape = built.runner, built.model_config, built.runner.shape
     if channel is not None:
         runner.lead(channel)
-    context_length, max_pages = built.context_length, built.max_pages
-    page_size, num_pages = config.page_size, built.num_pages
+    plan = built.plan
+    context_length, page_size = plan.context_length, plan.page_size
     tokenizer = built.tokenizer
     eos = load_eos_ids(config.model, model_config)
     decoder_factory: Callable[[], TextDecoder] | None = (
@@ -130,7 +119,7 @@ def build_engine(
         return Scheduler(
             SchedulerLimits(
                 max_running=config.max_running,
-                max_pages_per_request=max_pages,
+                max_pages_per_request=plan.max_pages,
                 chunked_prefill_tokens=config.chunked_prefill_tokens,
                 context_length=context_length,
                 retract_every=debug_knob("OUTRIDER_DEBUG_RETRACT_EVERY"),
@@ -138,7 +127,7 @@ def build_engine(
                 draft_state=shape.speculative and runner.worker.draft_state,
             ),
             shape,
-            PrefixCache(num_pages, page_size),
+            PrefixCache(plan.num_pages, page_size),
             FinishChecker(eos, context_length, decoder_factory),
             policy,
         )
@@ -153,7 +142,7 @@ def build_engine(
     if adaptive:  # plain steps too, before READY
         loop.scheduler.use_policy(AlternateDrafting())
     _warm_up(loop)
-    policy = _drafting_policy(config, shape, loop, (num_pages - 1) * page_size)
+    policy = _drafting_policy(config, shape, loop, plan.pool_tokens)
     _enable_debug_checks(runner)
     # Forget the warm-up's cache entries and counters.
     loop.scheduler = new_scheduler(policy)
@@ -162,7 +151,7 @@ def build_engine(
         model=config.model,
         vocab_size=model_config.vocab_size,
         context_length=context_length,
-        kv_total_tokens=(num_pages - 1) * page_size,
+        kv_total_tokens=plan.pool_tokens,
         eos_token_ids=sorted(eos),
         tokenizer_dir=str(model_dir(config.model)) if tokenizer is not None else None,
         max_new_tokens_default=None,
@@ -204,8 +193,8 @@ def _build_runner(
     tp: TPGroup,
     channel: RankChannel | None,
 ) -> _Built:
-    """Plugins, the model's shard, the KV pool (fit-checked; its size agreed over the
-    ranks), backends, the speculative worker, the runner and its CUDA graphs."""
+    """Plugins, the model's shard, the memory plan (its sizes agreed over the ranks) and the
+    KV pool it sizes, backends, the speculative worker, the runner and its CUDA graphs."""
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available")
     if config.tensor_parallel_size != tp.size:
@@ -222,7 +211,6 @@ def _build_runner(
     context_length = config.context_length or model_config.max_position_embeddings
     speculative = _speculative_plugin(plugins)
     shape = plugins.shape
-    width = shape.width
     reservation = step_reservation(shape.kv_span, shape.max_commit, config.page_size)
     model, model_config = load_model(
         config.model,
@@ -238,25 +226,20 @@ def _build_runner(
         return value if channel is None else channel.agree_min(value)
 
     graph_settings = _graph_settings(config, plugins, speculative)
-    graph_kv = context_length + reservation  # the largest KV bound a graph is built with
-    if graph_settings is not None and graph_settings.kv_bounded:
-        free, _total = torch.cuda.mem_get_info()
-        graph_kv = agreed(
-            _graph_kv_limit(
-                graph_settings, model_config, dtype.itemsize, width, graph_kv, free, tp.size
-            )
-        )
-    graph_estimate = _graph_pool_estimate(
-        graph_settings, model_config, dtype_name, width, graph_kv, tp.size
+    inputs = PlanInputs(
+        config=config,
+        model=model_config,
+        itemsize=dtype.itemsize,
+        kv_bytes_per_token=kv_bytes_per_token(model_config, dtype_name, tp.size),
+        tensor_parallel_size=tp.size,
+        context_length=context_length,
+        reservation=reservation,
+        width=shape.width,
+        graphs=graph_settings,
+        free_bytes=_free_bytes(config.device),
     )
-    pool_tokens = agreed(
-        _pool_tokens(
-            config, model_config, dtype_name, context_length + reservation, graph_estimate, tp.size
-        )
-    )
-    context_length = _fit_check(config, pool_tokens, context_length, reservation, graph_estimate)
-    page_size = config.page_size
-    num_pages = pool_tokens // page_size + 1  # + the scratch page
+    plan = plan_memory(inputs, agreed)
+    context_length, page_size, num_pages = plan.context_length, plan.page_size, plan.num_pages
     attention_shape = model.attention_shape  # the rank's heads
     kv = KVCache.allocate(
         model_config.num_layers, num_pages, page_size, attention_shape, dtype, device
@@ -265,14 +248,13 @@ def _build_runner(
     vocab_limit = model_config.vocab_size
     if tokenizer is not None:
         vocab_limit = min(vocab_limit, len(tokenizer))
-    max_pages = (context_length + reservation + page_size - 1) // page_size
     limits = RunnerLimits(
         max_slots=config.max_running,
-        max_pages=max_pages,
-        max_tokens=max(config.chunked_prefill_tokens, config.max_running * width),
+        max_pages=plan.max_pages,
+        max_tokens=plan.max_step_tokens,
         vocab_limit=vocab_limit,
     )
-    slots = SlotState(config.max_running, max_pages, device)
+    slots = SlotState(config.max_running, plan.max_pages, device)
     # NOTE: a draft model is sharded as the target is (its worker gets the rank's tp); it
     # shares the target's vocabulary-parallel embedding and head, whose collectives every
     # rank runs alike: greedy drafts from the head's local slice, sampled ones gathered.
@@ -288,7 +270,7 @@ def _build_runner(
         context_length=context_length,
         vocab_limit=vocab_limit,
         logits_width=model_config.vocab_size,
-        max_positions=context_length + reservation,
+        max_positions=plan.max_positions,
         target_layers=model_config.num_layers,
         embed=model.model.embed_tokens,
         lm_head=model.compute_logits,
@@ -310,7 +292,7 @@ def _build_runner(
     adaptive = shape.speculative and config.speculative_min_acceptance != 0
     graphs = _decode_graphs(
         graph_settings,
-        min(graph_kv, context_length + reservation),
+        plan,
         vocab_limit,
         config.max_running,
         (shape.width, 1) if adaptive else (shape.width,),
@@ -329,7 +311,7 @@ def _build_runner(
     if graphs is not None:
         graphs.capture_all(
             runner.capture_graph,
-            graph_estimate,
+            plan.graph_estimate,
             capture_progress(),
             runner.capture_catch_up if runner.deferred is not None else None,
         )
@@ -337,10 +319,7 @@ def _build_runner(
         runner=runner,
         model_config=model_config,
         dtype_name=dtype_name,
-        context_length=context_length,
-        reservation=reservation,
-        num_pages=num_pages,
-        max_pages=max_pages,
+        plan=plan,
         tokenizer=tokenizer,
         speculative=speculative is not None,
     )
@@ -384,16 +363,9 @@ def _speculative_plugin(plugins: ResolvedPlugins) -> _Speculative | None:
     return _Speculative(worker_class, plugins.speculative.options)
 
 
-@dataclass(frozen=True)
-class _GraphSettings:
-    max_bs: int  # the largest decode batch replayed from a graph
-    kv_bounded: bool  # some backend of a decode batch declares graph_kv_bound
-    draft_rows: int = 0  # vocabulary rows a drafting step scores per batch row
-
-
 def _graph_settings(
     config: ServeConfig, plugins: ResolvedPlugins, speculative: _Speculative | None
-) -> _GraphSettings | None:
+) -> GraphSettings | None:
     """Whether decode batches replay CUDA graphs (the device, the flags and every backend a
     decode batch runs allow them) and how they are keyed; None: they run eagerly.
     ``speculative``: the resolved plugin's loaded worker (``_speculative_plugin``)."""
@@ -413,81 +385,16 @@ def _graph_settings(
     if lacking:
         log.info("decode batches run eagerly: %s declares no CUDA graphs", ", ".join(lacking))
         return None
-    return _GraphSettings(
+    return GraphSettings(
         max_bs=min(config.cuda_graph_max_bs, config.max_running),
         kv_bounded=any(cap.graph_kv_bound for cap in caps),
         draft_rows=(speculative.worker_class.draft_logit_rows(plugins.shape) if speculative else 0),
     )
 
 
-def _graph_kv_limit(
-    settings: _GraphSettings,
-    model_config: ModelConfig,
-    itemsize: int,
-    width: int,
-    max_positions: int,
-    free: int,
-    tensor_parallel_size: int = 1,
-) -> int:
-    """The largest KV bound graphs of a backend whose work grows with it are captured for:
-    the largest bucket whose graph pool stays within ``GRAPH_MEMORY_SHARE`` of the ``free``
-    device memory (the smallest bucket at least). Batches past it run eagerly."""
-    budget = free * GRAPH_MEMORY_SHARE
-    buckets = kv_buckets(max_positions, bounded=True)
-    fitting = [
-        kv
-        for kv in buckets
-        if graph_pool_bytes(
-            model_config,
-            itemsize,
-            settings.max_bs,
-            width,
-            kv,
-            tensor_parallel_size,
-            settings.draft_rows,
-        )
-        <= budget
-    ]
-    limit = fitting[-1] if fitting else buckets[0]
-    if limit < max_positions:
-        log.info(
-            "decode graphs cover KV bounds up to %d of %d: the attention backend's graphs grow "
-            "with the bound, and %d rows at the next bound would take over %d%% of the free "
-            "memory; longer decode batches run eagerly",
-            limit, max_positions, settings.max_bs, round(100 * GRAPH_MEMORY_SHARE),
-        )  # fmt: skip
-    return limit
-
-
-def _graph_pool_estimate(
-    settings: _GraphSettings | None,
-    model_config: ModelConfig,
-    dtype_name: str,
-    width: int,
-    max_positions: int,
-    tensor_parallel_size: int,
-) -> int:
-    """The graph pool the fit check budgets: the largest captured step, the captures'
-    workspaces and the pool's small-block segments (0 without graphs)."""
-    if settings is None:
-        return 0
-    kv_bound = max_positions if settings.kv_bounded else None
-    itemsize = _DTYPES[dtype_name].itemsize
-    step = graph_pool_bytes(
-        model_config,
-        itemsize,
-        settings.max_bs,
-        width,
-        kv_bound,
-        tensor_parallel_size,
-        settings.draft_rows,
-    )
-    return step + CAPTURE_WORKSPACE_BYTES + SMALL_SEGMENTS_BYTES
-
-
 def _decode_graphs(
-    settings: _GraphSettings | None,
-    max_positions: int,
+    settings: GraphSettings | None,
+    plan: MemoryPlan,
     vocab_limit: int,
     max_running: int,
     widths: tuple[int, ...],
@@ -501,8 +408,8 @@ def _decode_graphs(
     if settings is None:
         return None
     return DecodeGraphs(
-        settings.max_bs,
-        max_positions,
+        plan.graph_max_bs,
+        plan.graph_max_kv,
         min(MAX_LOGPROBS, vocab_limit),
         max_running,
         kv_bounded=settings.kv_bounded,
@@ -546,86 +453,13 @@ def _backend(
     return backend
 
 
-def _pool_tokens(
-    config: ServeConfig,
-    model_config: ModelConfig,
-    dtype_name: str,
-    minimum: int,
-    graph_estimate: int,
-    tensor_parallel_size: int,
-) -> int:
-    """KV pool size in tokens (a token's KV on a rank: the rank's share of the KV heads).
-    ``minimum``: one request at the full context plus one step's reservation;
-    ``graph_estimate``: the CUDA graph pool (0: none). The pool never exceeds
-    ``max_running`` such requests: a small model on a large GPU would otherwise get tens of
-    millions of pages that no request can use and that every walk over the page table pays
-    for."""
-    if config.kv_cache_tokens:
-        return config.kv_cache_tokens // config.page_size * config.page_size
-    # NOTE: whole pages, or the cap below rounds under one request's need.
-    minimum = -(-minimum // config.page_size) * config.page_size
-    per_token = (
-        2
-        * model_config.num_layers
-        * (model_config.num_kv_heads // tensor_parallel_size)
-        * model_config.head_dim
-        * _DTYPES[dtype_name].itemsize
-    )
-    if config.device == "cuda":
+def _free_bytes(device: str) -> int:
+    """The memory the KV pool is sized from (``PlanInputs.free_bytes``): the device's free
+    bytes now, or the host's physical memory."""
+    if device == "cuda":
         free, _total = torch.cuda.mem_get_info()
-        budget = int(free * config.gpu_memory_fraction)
-        budget -= _activation_bytes(config, model_config, graph_estimate)
-    else:
-        budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * _CPU_KV_FRACTION)
-        # On CPU a pool of a few contexts is plenty.
-        budget = min(budget, 4 * minimum * per_token)
-    tokens = min(max(budget // per_token, 0), config.max_running * minimum)
-    return tokens // config.page_size * config.page_size
-
-
-def _activation_bytes(config: ServeConfig, model_config: ModelConfig, graph_estimate: int) -> int:
-    """Device memory kept out of the KV pool for the steps: the CUDA graph pool, plus the
-    working set of the eager steps, which cannot use it. Every graph's step first runs
-    eagerly before its capture, so the eager share is at least the largest graphed step;
-    otherwise a rough allowance (EXTEND chunks, decode batches past the graphs: logits and
-    sampling of every running row)."""
-    # NOTE: without the eager share, the warm-up run before the largest capture ran out of
-    # memory on an H100 (Llama-3.1-8B, torch attention, 64 rows, KV bound 8208).
-    eager = 512 * MIB + config.max_running * model_config.vocab_size * 4 * 4
-    return max(eager, graph_estimate) + graph_estimate
-
-
-def _fit_check(
-    config: ServeConfig,
-    pool_tokens: int,
-    context_length: int,
-    reservation: int,
-    graph_estimate: int,
-) -> int:
-    """The pool must hold one context-length request plus one step's reservation."""
-    if pool_tokens >= context_length + reservation:
-        return context_length
-    lowered = pool_tokens - reservation
-    if config.context_length or lowered < 2 * config.page_size:
-        graphs = ""
-        if graph_estimate:
-            graphs = (
-                f", or lower --cuda-graph-max-bs (the graph pool takes about "
-                f"{graph_estimate // MIB} MiB, and as much again while capturing) or pass "
-                "--disable-cuda-graph"
-            )
-        raise ConfigError(
-            f"the KV pool holds {pool_tokens} tokens, fewer than --context-length "
-            f"{context_length} plus {reservation}: raise --kv-cache-tokens or "
-            f"--gpu-memory-fraction, or lower --context-length{graphs}"
-        )
-    log.warning(
-        "KV pool of %d tokens: context length lowered from %d to %d",
-        pool_tokens,
-        context_length,
-        lowered,
-    )
-    return lowered
+        return free
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _warm_up(loop: EngineLoop) -> None:

@@ -16,21 +16,14 @@ without logprobs (``capture_all``), largest first so that the smaller captures r
 blocks; a logprob variant is captured the first time its key is needed. A capture runs from a
 batch of scratch rows only: its warm-up run and the capture touch no live state. Graphs share
 one memory pool; every replay waits (on the device) for the previous step's result copy, whose
-source the next replay overwrites. ``graph_pool_bytes`` estimates that pool for the start-up
-fit check, before any graph exists: the widest step's working set. The width-1 graphs of a
-speculative engine are captured after the wide graph of their batch and KV bucket and reuse its
-blocks; what each keeps for itself (its static results, under a kilobyte a row) is within the
-estimate's slack.
+source the next replay overwrites. The start-up memory plan (engine/memory_plan.py) sizes that
+pool before any graph exists, and the KV bound graphs are built with.
 
 A speculative engine that defers its draft's catch-up (engine/deferred.py) also replays small
 catch-up batches: up to ``CATCH_UP_ROWS[-1]`` rows, each padded to a bucket of lengths (from
 ``MIN_CATCH_UP_LEN``, doubling, up to the buffer's capacity), per KV bucket; larger ones, and
 rows too short to pad, run eagerly. They are captured before READY with the decode graphs, from
-scratch rows, and share their pool. The estimate leaves them out: a catch-up's rows are at most
-the decode graphs' largest batch (its attention gathers no more), and its tokens (8 rows of
-the buffer's capacity at most) pass through the draft alone, with no vocabulary rows, against
-the decode step's logits and sampling of every row; the start-up warning says if the pool
-outgrew the estimate anyway.
+scratch rows, and share their pool.
 """
 
 from __future__ import annotations
@@ -47,6 +40,7 @@ import msgspec
 import torch
 
 from outrider.daemon.engine.deferred import CatchUp
+from outrider.daemon.engine.memory_plan import MIB, kv_buckets
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
 from outrider.plugins.device import building_graph
@@ -54,21 +48,8 @@ from outrider.plugins.device import building_graph
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-    from outrider.daemon.models.config import ModelConfig
-
 log = logging.getLogger("outrider.graphs")
 
-MIN_KV_BUCKET = 64
-KV_BUCKET_GROWTH = 2  # each KV bucket is this many times the previous one
-# Sampling scratch per logit of a sampled row at its peak: the sorted values and their int64
-# ids, the softmax and its running mass, the race's int64 hash words and its float scores.
-SAMPLING_BYTES_PER_LOGIT = 40
-# A drafting step's share per logit of its rows (``draft_logit_rows``): measured with DFlash b16
-# on Qwen3-8B, 64 sampled rows, eager: 7,251 MiB at the draft's peak over 64 x 15 rows of
-# 151,936 logits. Within a capture the pool does not hand the draft's freed blocks to the
-# verify after it: the captured pool measured the draft's peak plus the verify's.
-DRAFT_BYTES_PER_LOGIT = 52
-MIB = 2**20
 # Row buckets of captured catch-up batches: a catch-up is mostly an ended request's, or the
 # rows of a small batch resuming drafting; larger batches spread an eager one over more rows.
 CATCH_UP_ROWS = (1, 2, 4, 8)
@@ -114,67 +95,6 @@ def catch_up_lengths(capacity: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return [*sizes, capacity] if capacity else []
-
-
-def kv_buckets(max_kv: int, bounded: bool) -> list[int]:
-    """KV bounds graphs are built with: growing from ``MIN_KV_BUCKET`` by ``KV_BUCKET_GROWTH``
-    up to ``max_kv`` when the backends' work grows with the bound (``bounded``), else
-    ``max_kv`` alone."""
-    sizes = []
-    size = MIN_KV_BUCKET
-    while bounded and size < max_kv:
-        sizes.append(size)
-        size *= KV_BUCKET_GROWTH
-    return [*sizes, max_kv]
-
-
-# cuBLAS's default workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8), which it keeps for good for
-# each stream it ran on: the captures' stream keeps one in the graph pool (the 32 MiB block of
-# every measured pool, BENCHMARKS.md "The CUDA graph pool"), the warm-ups' stream one beside it.
-CAPTURE_WORKSPACE_BYTES = 2 * 32 * 2**20
-# The pool's segments of small blocks (the caching allocator keeps every block under 1 MiB,
-# such as a graph's static results, in 2 MiB segments): 4 or 5 in every measured pool.
-SMALL_SEGMENTS_BYTES = 8 * 2 * 2**20
-
-
-def graph_pool_bytes(
-    model: ModelConfig,
-    itemsize: int,
-    bs: int,
-    width: int,
-    kv_bound: int | None,
-    tensor_parallel_size: int = 1,
-    draft_rows: int = 0,
-) -> int:
-    """Estimated peak working set of the largest captured step, which the shared graph pool
-    holds: ``bs`` rows of ``width`` tokens, all sampled, through the target model (one rank's
-    shard of it under tensor parallelism: its heads, MLP rows and vocabulary slice, plus the
-    gathered logits). ``kv_bound``: the largest KV bucket when a backend declares
-    ``graph_kv_bound`` (budgeted as gathering each row's K and V over the bound at query-head
-    width, with a boolean mask), None when the backends' work does not grow with it.
-    ``draft_rows``: vocabulary rows a drafting step scores per batch row
-    (``SpeculativeWorker.draft_logit_rows``), budgeted beside the target's at
-    ``DRAFT_BYTES_PER_LOGIT``; the draft's layers are small next to them."""
-    tokens, tp = bs * width, tensor_parallel_size
-    q_width = model.num_q_heads // tp * model.head_dim
-    kv_width = model.num_kv_heads // tp * model.head_dim
-    # One layer at a time: the residual stream, its norm (statistics in float32), the q/k/v
-    # projections and the attention output, the MLP's gate and up and their product.
-    layer = tokens * (
-        itemsize * (3 * model.hidden_size + 2 * q_width + 2 * kv_width)
-        + 4 * model.hidden_size
-        + itemsize * 3 * (model.intermediate_size // tp)
-    )
-    # The head's output (gathered: the rank's slice too, when sharded), its float32 copy, and
-    # the sampling scratch of every row.
-    head = itemsize * (1 if tp == 1 else 1 + 1 / tp)
-    logits = int(tokens * model.vocab_size * (head + 4 + SAMPLING_BYTES_PER_LOGIT))
-    attention = 0
-    if kv_bound is not None:
-        gathered = 2 * (kv_width + q_width) * itemsize  # K and V, as stored and per q head
-        attention = bs * kv_bound * (gathered + 8) + tokens * kv_bound  # + indices, mask
-    draft = bs * draft_rows * model.vocab_size * DRAFT_BYTES_PER_LOGIT
-    return layer + logits + attention + draft
 
 
 @dataclass(frozen=True)
@@ -287,7 +207,7 @@ class DecodeGraphs:
         """Capture every key of ``start_keys`` not captured yet with ``capture`` (the runner's
         ``capture_graph``), then every catch-up key with ``capture_catch_up``, log the set in
         one line, and warn when the graphs kept more memory than ``estimate``
-        (``graph_pool_bytes``, which the fit check budgeted)."""
+        (``MemoryPlan.graph_estimate``, which the KV pool was sized around)."""
         keys = [key for key in self.start_keys() if key not in self.graphs]
         runs = [partial(capture, key) for key in keys]
         catch_ups = 0

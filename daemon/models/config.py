@@ -249,3 +249,12 @@ def _tokenizer_eos_id(directory: Path) -> int | None:
     if token_id is None:
         raise ValueError(f"eos_token {eos!r} of {tokenizer_config} is not in {tokenizer_file}")
     return token_id
+
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """KV bytes one token takes on one rank (its share of the KV heads)."""
+    heads = config.num_kv_heads // tensor_parallel_size
+    return 2 * config.num_layers * heads * config.head_dim * DTYPE_BYTES[dtype]

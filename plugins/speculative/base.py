@@ -172,7 +172,7 @@ class SpeculativeWorker(ABC):
     def draft_logit_rows(cls, shape: StepShape) -> int:
         """Rows of vocabulary logits a drafting step scores per batch row: one per draft
         token of a chain or block, ``K`` children at each of a tree's ``S`` steps. The start-up
-        fit check budgets their sampling in the CUDA graph pool (graphs.py)."""
+        memory plan budgets their sampling in the CUDA graph pool (memory_plan.py)."""
         return shape.depth * shape.topk if shape.tree else shape.width - 1
 
     def allocate_kv(self, num_layers: int, shape: AttentionShape) -> KVCache:

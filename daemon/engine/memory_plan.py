@@ -1,0 +1,367 @@
+"""The start-up memory plan: from the memory the KV pool may come from (the device's free bytes
+once the weights are loaded, or the host's memory on CPU), every size the engine is built with:
+the KV pool, the context length it serves, the CUDA graph pool's estimate and its KV bound,
+the memory kept out of the pool for the steps. Plain numbers in, one frozen ``MemoryPlan`` out
+(or ``MemoryRefusal``); nothing here touches a device or allocates.
+
+Invariants of a plan:
+
+- ``pool_tokens`` is whole pages; ``num_pages`` adds the scratch page (page 0, where padding
+  rows read and write).
+- The pool holds one request at ``context_length`` plus one step's ``reservation``; where the
+  pool sized from memory cannot hold the model's context, the context is lowered to what it
+  holds (at least two pages), and an explicit ``--context-length`` is refused instead.
+- Sized from memory, the pool never exceeds ``max_running`` such requests, and on CUDA it
+  leaves ``activation_bytes`` (the graph pool and the eager steps' working set) out.
+- Under tensor parallelism each rank plans from its own free memory, and the sizes taken from
+  it (the graphs' KV bound, then the pool) are the smallest over the ranks (``agree``), called
+  in that order on every rank.
+
+The graph pool's estimate is the widest captured step's working set (``graph_pool_bytes``)
+plus the captures' workspaces and the pool's small-block segments. The width-1 graphs of a
+speculative engine are captured after the wide graph of their batch and KV bucket and reuse its
+blocks; what each keeps for itself (its static results, under a kilobyte a row) is within the
+estimate's slack. Catch-up graphs (engine/deferred.py) are left out: a catch-up's rows are at
+most the decode graphs' largest batch (its attention gathers no more), and its tokens (8 rows
+of the buffer's capacity at most) pass through the draft alone, with no vocabulary rows,
+against the decode step's logits and sampling of every row; ``DecodeGraphs.capture_all`` warns
+if the pool outgrew the estimate anyway.
+
+NOTE: a draft model's own KV pool has the target's pages (the same page ids, the draft's
+heads); neither it nor the draft's weights are budgeted here: both come out of the memory
+``--gpu-memory-fraction`` leaves. Only the drafting step's vocabulary rows are, in the graph
+pool (``graph_draft_bytes``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from outrider.daemon.config import ConfigError, ServeConfig
+from outrider.daemon.models.config import ModelConfig
+
+log = logging.getLogger("outrider.engine")
+
+MIB = 2**20
+# Host memory the CPU KV pool may take by default.
+CPU_KV_FRACTION = 0.25
+# The share of the free device memory (after the weights) the CUDA graph pool may take when an
+# attention backend's graphs grow with the KV bound (the torch backend gathers each row's K/V
+# over it): 64 rows of Llama-3.1-8B at a bound of 8192 would take about 11 GB.
+GRAPH_MEMORY_SHARE = 0.125
+MIN_KV_BUCKET = 64
+KV_BUCKET_GROWTH = 2  # each KV bucket is this many times the previous one
+# Sampling scratch per logit of a sampled row at its peak: the sorted values and their int64
+# ids, the softmax and its running mass, the race's int64 hash words and its float scores.
+SAMPLING_BYTES_PER_LOGIT = 40
+# A drafting step's share per logit of its rows (``draft_logit_rows``): measured with DFlash b16
+# on Qwen3-8B, 64 sampled rows, eager: 7,251 MiB at the draft's peak over 64 x 15 rows of
+# 151,936 logits. Within a capture the pool does not hand the draft's freed blocks to the
+# verify after it: the captured pool measured the draft's peak plus the verify's.
+DRAFT_BYTES_PER_LOGIT = 52
+# cuBLAS's default workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8), which it keeps for good for
+# each stream it ran on: the captures' stream keeps one in the graph pool (the 32 MiB block of
+# every measured pool, BENCHMARKS.md "The CUDA graph pool"), the warm-ups' stream one beside it.
+CAPTURE_WORKSPACE_BYTES = 2 * 32 * 2**20
+# The pool's segments of small blocks (the caching allocator keeps every block under 1 MiB,
+# such as a graph's static results, in 2 MiB segments): 4 or 5 in every measured pool.
+SMALL_SEGMENTS_BYTES = 8 * 2 * 2**20
+
+# The smallest of a value over the tensor-parallel ranks (a collective every rank calls alike).
+Agree = Callable[[int], int]
+
+
+class MemoryRefusal(ConfigError):
+    """The KV pool cannot hold one request at an explicit ``--context-length`` (or at two
+    pages); the message names the flags that would make it fit."""
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    max_bs: int  # the largest decode batch replayed from a graph
+    kv_bounded: bool  # some backend of a decode batch declares graph_kv_bound
+    draft_rows: int = 0  # vocabulary rows a drafting step scores per batch row
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the plan is computed from: the configuration, the model, the rank's facts."""
+
+    config: ServeConfig
+    model: ModelConfig
+    itemsize: int  # bytes of an activation and of a KV element (the serving dtype)
+    kv_bytes_per_token: int  # a token's KV on this rank (its share of the KV heads)
+    tensor_parallel_size: int
+    context_length: int  # asked for: --context-length, or the model's
+    reservation: int  # KV positions one step may write past a row's committed length
+    width: int  # tokens a row of a decode batch (the speculative width, or 1)
+    graphs: GraphSettings | None  # None: decode batches run eagerly
+    # The memory the pool may come from: the device's free bytes now that the weights are
+    # loaded (CUDA), the host's physical memory (CPU).
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every start-up size, derived once."""
+
+    page_size: int
+    pool_tokens: int  # the KV pool, whole pages, the scratch page excluded
+    num_pages: int  # the KV pool's pages, the scratch page included (a draft's pool alike)
+    requested_context_length: int  # --context-length, or the model's
+    context_length: int  # served: the requested one, or lowered to what the pool holds
+    reservation: int
+    max_pages: int  # pages of one request's table: the context plus the reservation
+    max_step_tokens: int  # tokens one step may carry: a prefill chunk or every decode row
+    graph_max_bs: int  # the largest decode batch replayed from a graph (0: no graphs)
+    graph_max_kv: int  # the largest KV bound graphs are built with (0: no graphs)
+    graph_estimate: int  # the graph pool budgeted (0: no graphs)
+    graph_draft_bytes: int  # the drafting step's vocabulary rows within the estimate
+    activation_bytes: int  # kept out of a pool sized from device memory (0: CPU)
+
+    @property
+    def context_lowered(self) -> bool:
+        return self.context_length < self.requested_context_length
+
+    @property
+    def max_positions(self) -> int:
+        """Positions a request may reach: the served context plus one step's reservation."""
+        return self.context_length + self.reservation
+
+
+def _alone(value: int) -> int:
+    return value
+
+
+def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
+    """The plan for ``inputs``; ``agree``: the smallest over the ranks (one rank: the value).
+    Raises ``MemoryRefusal`` where the pool cannot hold one request."""
+    config, model, graphs = inputs.config, inputs.model, inputs.graphs
+    itemsize, width, tp = inputs.itemsize, inputs.width, inputs.tensor_parallel_size
+    reservation = inputs.reservation
+    graph_kv = inputs.context_length + reservation  # the largest KV bound a graph is built with
+    if graphs is not None and graphs.kv_bounded:
+        graph_kv = agree(
+            _graph_kv_limit(graphs, model, itemsize, width, graph_kv, inputs.free_bytes, tp)
+        )
+    estimate = _graph_pool_estimate(graphs, model, itemsize, width, graph_kv, tp)
+    activation = _activation_bytes(config, model, estimate) if config.device == "cuda" else 0
+    pool_tokens = agree(
+        _pool_tokens(
+            config,
+            inputs.kv_bytes_per_token,
+            inputs.context_length + reservation,
+            inputs.free_bytes,
+            activation,
+        )
+    )
+    context_length = _fit_check(config, pool_tokens, inputs.context_length, reservation, estimate)
+    page_size = config.page_size
+    max_positions = context_length + reservation
+    return MemoryPlan(
+        page_size=page_size,
+        pool_tokens=pool_tokens,
+        num_pages=pool_tokens // page_size + 1,  # + the scratch page
+        requested_context_length=inputs.context_length,
+        context_length=context_length,
+        reservation=reservation,
+        max_pages=(max_positions + page_size - 1) // page_size,
+        max_step_tokens=max(config.chunked_prefill_tokens, config.max_running * width),
+        graph_max_bs=graphs.max_bs if graphs is not None else 0,
+        graph_max_kv=min(graph_kv, max_positions) if graphs is not None else 0,
+        graph_estimate=estimate,
+        graph_draft_bytes=(
+            _draft_bytes(model, graphs.max_bs, graphs.draft_rows) if graphs is not None else 0
+        ),
+        activation_bytes=activation,
+    )
+
+
+def kv_buckets(max_kv: int, bounded: bool) -> list[int]:
+    """KV bounds graphs are built with: growing from ``MIN_KV_BUCKET`` by ``KV_BUCKET_GROWTH``
+    up to ``max_kv`` when the backends' work grows with the bound (``bounded``), else
+    ``max_kv`` alone."""
+    sizes = []
+    size = MIN_KV_BUCKET
+    while bounded and size < max_kv:
+        sizes.append(size)
+        size *= KV_BUCKET_GROWTH
+    return [*sizes, max_kv]
+
+
+def graph_pool_bytes(
+    model: ModelConfig,
+    itemsize: int,
+    bs: int,
+    width: int,
+    kv_bound: int | None,
+    tensor_parallel_size: int = 1,
+    draft_rows: int = 0,
+) -> int:
+    """Estimated peak working set of the largest captured step, which the shared graph pool
+    holds: ``bs`` rows of ``width`` tokens, all sampled, through the target model (one rank's
+    shard of it under tensor parallelism: its heads, MLP rows and vocabulary slice, plus the
+    gathered logits). ``kv_bound``: the largest KV bucket when a backend declares
+    ``graph_kv_bound`` (budgeted as gathering each row's K and V over the bound at query-head
+    width, with a boolean mask), None when the backends' work does not grow with it.
+    ``draft_rows``: vocabulary rows a drafting step scores per batch row
+    (``SpeculativeWorker.draft_logit_rows``), budgeted beside the target's at
+    ``DRAFT_BYTES_PER_LOGIT``; the draft's layers are small next to them."""
+    tokens, tp = bs * width, tensor_parallel_size
+    q_width = model.num_q_heads // tp * model.head_dim
+    kv_width = model.num_kv_heads // tp * model.head_dim
+    # One layer at a time: the residual stream, its norm (statistics in float32), the q/k/v
+    # projections and the attention output, the MLP's gate and up and their product.
+    layer = tokens * (
+        itemsize * (3 * model.hidden_size + 2 * q_width + 2 * kv_width)
+        + 4 * model.hidden_size
+        + itemsize * 3 * (model.intermediate_size // tp)
+    )
+    # The head's output (gathered: the rank's slice too, when sharded), its float32 copy, and
+    # the sampling scratch of every row.
+    head = itemsize * (1 if tp == 1 else 1 + 1 / tp)
+    logits = int(tokens * model.vocab_size * (head + 4 + SAMPLING_BYTES_PER_LOGIT))
+    attention = 0
+    if kv_bound is not None:
+        gathered = 2 * (kv_width + q_width) * itemsize  # K and V, as stored and per q head
+        attention = bs * kv_bound * (gathered + 8) + tokens * kv_bound  # + indices, mask
+    return layer + logits + attention + _draft_bytes(model, bs, draft_rows)
+
+
+def _draft_bytes(model: ModelConfig, bs: int, draft_rows: int) -> int:
+    """A drafting step's vocabulary rows in the graph pool: ``draft_rows`` per batch row."""
+    return bs * draft_rows * model.vocab_size * DRAFT_BYTES_PER_LOGIT
+
+
+def _graph_kv_limit(
+    settings: GraphSettings,
+    model: ModelConfig,
+    itemsize: int,
+    width: int,
+    max_positions: int,
+    free: int,
+    tensor_parallel_size: int = 1,
+) -> int:
+    """The largest KV bound graphs of a backend whose work grows with it are captured for:
+    the largest bucket whose graph pool stays within ``GRAPH_MEMORY_SHARE`` of the ``free``
+    device memory (the smallest bucket at least). Batches past it run eagerly."""
+    budget = free * GRAPH_MEMORY_SHARE
+    buckets = kv_buckets(max_positions, bounded=True)
+    fitting = [
+        kv
+        for kv in buckets
+        if graph_pool_bytes(
+            model, itemsize, settings.max_bs, width, kv, tensor_parallel_size, settings.draft_rows
+        )
+        <= budget
+    ]
+    limit = fitting[-1] if fitting else buckets[0]
+    if limit < max_positions:
+        log.info(
+            "decode graphs cover KV bounds up to %d of %d: the attention backend's graphs grow "
+            "with the bound, and %d rows at the next bound would take over %d%% of the free "
+            "memory; longer decode batches run eagerly",
+            limit, max_positions, settings.max_bs, round(100 * GRAPH_MEMORY_SHARE),
+        )  # fmt: skip
+    return limit
+
+
+def _graph_pool_estimate(
+    settings: GraphSettings | None,
+    model: ModelConfig,
+    itemsize: int,
+    width: int,
+    max_positions: int,
+    tensor_parallel_size: int,
+) -> int:
+    """The graph pool the fit check budgets: the largest captured step, the captures'
+    workspaces and the pool's small-block segments (0 without graphs)."""
+    if settings is None:
+        return 0
+    kv_bound = max_positions if settings.kv_bounded else None
+    step = graph_pool_bytes(
+        model,
+        itemsize,
+        settings.max_bs,
+        width,
+        kv_bound,
+        tensor_parallel_size,
+        settings.draft_rows,
+    )
+    return step + CAPTURE_WORKSPACE_BYTES + SMALL_SEGMENTS_BYTES
+
+
+def _pool_tokens(
+    config: ServeConfig,
+    kv_bytes_per_token: int,
+    minimum: int,
+    free: int,
+    activation: int,
+) -> int:
+    """KV pool size in tokens. ``minimum``: one request at the full context plus one step's
+    reservation; ``free``: as ``PlanInputs.free_bytes``; ``activation``: device memory kept
+    out of the pool (``_activation_bytes``). The pool never exceeds ``max_running`` such
+    requests: a small model on a large GPU would otherwise get tens of millions of pages that
+    no request can use and that every walk over the page table pays for."""
+    if config.kv_cache_tokens:
+        return config.kv_cache_tokens // config.page_size * config.page_size
+    # NOTE: whole pages, or the cap below rounds under one request's need.
+    minimum = -(-minimum // config.page_size) * config.page_size
+    per_token = kv_bytes_per_token
+    if config.device == "cuda":
+        budget = int(free * config.gpu_memory_fraction)
+        budget -= activation
+    else:
+        budget = int(free * CPU_KV_FRACTION)
+        # On CPU a pool of a few contexts is plenty.
+        budget = min(budget, 4 * minimum * per_token)
+    tokens = min(max(budget // per_token, 0), config.max_running * minimum)
+    return tokens // config.page_size * config.page_size
+
+
+def _activation_bytes(config: ServeConfig, model: ModelConfig, graph_estimate: int) -> int:
+    """Device memory kept out of the KV pool for the steps: the CUDA graph pool, plus the
+    working set of the eager steps, which cannot use it. Every graph's step first runs
+    eagerly before its capture, so the eager share is at least the largest graphed step;
+    otherwise a rough allowance (EXTEND chunks, decode batches past the graphs: logits and
+    sampling of every running row)."""
+    # NOTE: without the eager share, the warm-up run before the largest capture ran out of
+    # memory on an H100 (Llama-3.1-8B, torch attention, 64 rows, KV bound 8208).
+    eager = 512 * MIB + config.max_running * model.vocab_size * 4 * 4
+    return max(eager, graph_estimate) + graph_estimate
+
+
+def _fit_check(
+    config: ServeConfig,
+    pool_tokens: int,
+    context_length: int,
+    reservation: int,
+    graph_estimate: int,
+) -> int:
+    """The context length served: the pool must hold one such request plus one step's
+    reservation."""
+    if pool_tokens >= context_length + reservation:
+        return context_length
+    lowered = pool_tokens - reservation
+    if config.context_length or lowered < 2 * config.page_size:
+        graphs = ""
+        if graph_estimate:
+            graphs = (
+                f", or lower --cuda-graph-max-bs (the graph pool takes about "
+                f"{graph_estimate // MIB} MiB, and as much again while capturing) or pass "
+                "--disable-cuda-graph"
+            )
+        raise MemoryRefusal(
+            f"the KV pool holds {pool_tokens} tokens, fewer than --context-length "
+            f"{context_length} plus {reservation}: raise --kv-cache-tokens or "
+            f"--gpu-memory-fraction, or lower --context-length{graphs}"
+        )
+    log.warning(
+        "KV pool of %d tokens: context length lowered from %d to %d",
+        pool_tokens,
+        context_length,
+        lowered,
+    )
+    return lowered
