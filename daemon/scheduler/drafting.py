@@ -5,7 +5,7 @@ A drafting step (a speculative cycle: draft, verify ``width`` tokens a row, catc
 acceptance length ``tau`` (1 + accepted drafts) where the plain step commits 1. So a batch
 drafts when its rows' mean estimated ``tau`` reaches ``break_even`` at the batch's size and
 kind (greedy, or sampled when any row samples: sampling costs a cycle more, cycle_cost.py):
-measured at start (build.py's ``measure_break_even``) or set with
+measured at start (cycle_cost.py's ``measure_break_even``) or set with
 ``--speculative-min-acceptance`` (0: always draft, the policy off).
 
 Estimates, all updated from the commit counts the host sees (outputs.py), per kind of request
