@@ -4,7 +4,7 @@
   answered 413 before any of the body is read; a chunked body is counted as it arrives and
   answered 413 once past it. Either way the connection closes, so that the rest of the body
   is never read. The default limit is derived from the daemon's frame limit
-  (``http_config.body_limit``), so that every accepted body fits in one client frame.
+  (``body_limit`` in http/config.py), so that every accepted body fits in one client frame.
 - Time (``LimitedHttpProtocol``): a request's headers and body must arrive within
   ``read_timeout_s`` of its first byte (of the connection, for the first request), else the
   connection closes, with a 408 when nothing was answered on it yet. A response write that
