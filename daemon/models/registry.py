@@ -1,0 +1,27 @@
+"""Model registry: ``architectures[0]`` of config.json -> model class (imported on lookup)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from outrider.daemon.models.layers import DecoderForCausalLM
+
+_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "outrider.daemon.models.llama",
+    "Qwen2ForCausalLM": "outrider.daemon.models.qwen2",
+    "Qwen3ForCausalLM": "outrider.daemon.models.qwen3",
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
+
+
+def model_class(architecture: str) -> type[DecoderForCausalLM]:
+    """The class serving ``architecture``; ValueError naming the supported ones otherwise."""
+    module = _ARCHITECTURES.get(architecture)
+    if module is None:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"architecture {architecture!r} is not supported (supported: {supported})")
+    cls: type[DecoderForCausalLM] = getattr(importlib.import_module(module), architecture)
+    return cls
