@@ -13,7 +13,6 @@ import torch
 from model_fixtures import VOCAB, PagedRows, llama3_rope, save_tiny_model, torch_backend
 from safetensors.torch import load_file, save_file
 
-from outrider.daemon.models.registry import model_class
 from outrider.daemon.models.config import ModelConfig, load_eos_ids
 from outrider.daemon.models.layers import DecoderForCausalLM
 from outrider.daemon.models.loader import (
@@ -21,6 +20,7 @@ from outrider.daemon.models.loader import (
     expected_checkpoint_shapes,
     load_model,
 )
+from outrider.daemon.models.registry import model_class
 from outrider.plugins.attention.torch_impl import TorchAttentionMetadata
 from outrider.plugins.device import AttentionShape, ForwardBatch
 
