@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from outrider.daemon.bench.roofline import read_bandwidth, weight_bytes
-from outrider.daemon.models.config import ModelConfig, kv_bytes_per_token
+from outrider.plugins.models.config import ModelConfig, kv_bytes_per_token
 from outrider.protocol import AsyncClient, Client, Timeout
 
 

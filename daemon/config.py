@@ -2,7 +2,7 @@
 
 Every ``outrider serve`` flag ``--foo-bar`` may also be set as ``OUTRIDER_FOO_BAR``; the
 command line wins. This module is the only place that reads ``OUTRIDER_*`` serve settings;
-debug knobs live in ``DEBUG_KNOBS``.
+debug knobs live in ``DEBUG_KNOBS`` (plugins/debug.py, where the layer kernels read them too).
 """
 
 from __future__ import annotations
@@ -631,27 +631,3 @@ class ConfigError(ValueError):
 
 # EX_CONFIG: the unit's RestartPreventExitStatus, so a bad setting does not restart-loop.
 EXIT_CONFIG = 78
-
-
-# Debug knobs: the only other OUTRIDER_* variables the daemon reads.
-DEBUG_KNOBS: dict[str, str] = {
-    "OUTRIDER_DEBUG_KV_CHECK": "run the KV integrity check after every step (tests)",
-    "OUTRIDER_DEBUG_RETRACT_EVERY": "retract the youngest running request every N steps",
-    "OUTRIDER_DEBUG_SYNC_CHECK": "raise on any host synchronisation inside a step (CUDA)",
-    "OUTRIDER_DEBUG_TORCH_KERNELS": (
-        "run norms, rotary and activations as plain torch ops where FlashInfer's fused "
-        "kernels would serve (to compare them)"
-    ),
-    "OUTRIDER_DEBUG_NO_PDL": (
-        "launch the Triton kernels without programmatic dependent launch (to compare)"
-    ),
-    "OUTRIDER_DEBUG_RELAY_CHECK": (
-        "poison released relay rows; assert decode batches read none (syncs)"
-    ),
-}
-
-
-def debug_knob(name: str, environ: Mapping[str, str] | None = None) -> int:
-    assert name in DEBUG_KNOBS, name
-    raw = (os.environ if environ is None else environ).get(name, "0")
-    return int(raw) if raw.strip() else 0

@@ -23,7 +23,7 @@ import msgspec
 from msgspec import Meta
 
 from outrider.daemon.config import ConfigError, ServeConfig
-from outrider.daemon.models.config import model_dir
+from outrider.plugins.models.config import model_dir
 from outrider.protocol.messages import MAX_TOKEN_ID
 
 GENERATION_CONFIG_FLAG = "--generation-config"

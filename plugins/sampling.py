@@ -39,14 +39,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
 from outrider.plugins.graph_build import in_graph_build
-
-if TYPE_CHECKING:
-    from outrider.daemon.internal import SamplingSpec
 
 _MASK32 = 0xFFFFFFFF
 # Multipliers of a low-bias 32-bit mixer (the hash-prospector family); both are below 2^31.
@@ -66,6 +63,21 @@ DRAW_DRAFT = 3
 DRAW_SIMULATE = 4  # debug: the simulated acceptance of a benchmark (verify.py)
 
 
+class RowSampling(Protocol):
+    """What a row's sampling parameters give a batch (the daemon's ``SamplingSpec``)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def logprobs(self) -> int: ...
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling parameters of one step, on the logits' device.
@@ -83,7 +95,7 @@ class SamplingBatch:
 
     @classmethod
     def from_specs(
-        cls, specs: Sequence[SamplingSpec], device: torch.device | str = "cpu"
+        cls, specs: Sequence[RowSampling], device: torch.device | str = "cpu"
     ) -> SamplingBatch:
         """Build a batch from the requests' specs (host side, when the step is planned)."""
         return cls(

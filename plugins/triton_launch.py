@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.daemon.config import debug_knob
+from outrider.plugins.debug import debug_knob
 
 # PDL needs compute capability 9.0 (Hopper) or later.
 _PDL_MIN_MAJOR = 9

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from outrider.daemon.models.config import ModelConfig
+from outrider.plugins.models.config import ModelConfig
 from outrider.plugins.speculative import dflash_model, eagle3_model
 from outrider.plugins.speculative.dflash_model import DFlashConfig, DFlashDraft, dflash_tensors
 from outrider.plugins.speculative.eagle3_model import Eagle3Config, Eagle3Draft, eagle3_tensors

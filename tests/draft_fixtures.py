@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from outrider.daemon.models.layers import FusedLinear
-from outrider.daemon.models.loader import Slot, checkpoint_name
+from outrider.plugins.models.layers import FusedLinear
+from outrider.plugins.models.loader import Slot, checkpoint_name
 from outrider.plugins.speculative.eagle3_model import Eagle3Config, Eagle3Draft, build_eagle3
 from recipe.export import save_eagle3
 

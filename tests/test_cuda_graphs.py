@@ -36,8 +36,8 @@ from outrider.daemon.engine.memory_plan import (
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import MAX_LOGPROBS, StepResults
 from outrider.daemon.internal import TokenizedRequest
-from outrider.daemon.models.config import ModelConfig
 from outrider.daemon.scheduler.request import Request
+from outrider.plugins.models.config import ModelConfig
 from outrider.plugins.registry import ResolvedPlugins, discover
 
 # The relay check poisons the scratch slot too; graphs are off under it (build.py).

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from model_fixtures import PagedRows, torch_backend
 
-import outrider.daemon.models
+import outrider.plugins.models
 from outrider.daemon.internal import SamplingSpec
-from outrider.daemon.models.config import ModelConfig
-from outrider.daemon.models.kernels import (
+from outrider.plugins.device import AttentionShape, KVCache, building_graph
+from outrider.plugins.models.config import ModelConfig
+from outrider.plugins.models.kernels import (
     TORCH_KERNELS,
     FusedKernels,
     TorchKernels,
@@ -24,10 +25,9 @@ from outrider.daemon.models.kernels import (
     select_kernels,
     use_kernels,
 )
-from outrider.daemon.models.layers import MLP, RMSNorm, RotaryEmbedding
-from outrider.daemon.models.loader import build_model, load_model
-from outrider.daemon.models.parallel import ColumnParallelLinear, RowParallelLinear
-from outrider.plugins.device import AttentionShape, KVCache, building_graph
+from outrider.plugins.models.layers import MLP, RMSNorm, RotaryEmbedding
+from outrider.plugins.models.loader import build_model, load_model
+from outrider.plugins.models.parallel import ColumnParallelLinear, RowParallelLinear
 
 FAMILY_TARGET = Path(__file__).parents[1] / "family" / "outrider_family" / "target"
 CUDA = torch.device("cuda")
@@ -88,8 +88,8 @@ def test_the_debug_knob_and_a_missing_flashinfer_choose_the_reference(
     monkeypatch.setitem(sys.modules, "flashinfer", type(sys)("flashinfer"))  # installed
     monkeypatch.setitem(sys.modules, "triton", None)  # not installed
     # triton_kernels.py imports afresh, whether another test imported it before or not.
-    monkeypatch.delitem(sys.modules, "outrider.daemon.models.triton_kernels", raising=False)
-    monkeypatch.delattr(outrider.daemon.models, "triton_kernels", raising=False)
+    monkeypatch.delitem(sys.modules, "outrider.plugins.models.triton_kernels", raising=False)
+    monkeypatch.delattr(outrider.plugins.models, "triton_kernels", raising=False)
     assert select_kernels(CUDA, torch.bfloat16, 128) is TORCH_KERNELS
     monkeypatch.setenv("OUTRIDER_DEBUG_TORCH_KERNELS", "1")
     monkeypatch.delitem(sys.modules, "flashinfer")
@@ -117,7 +117,7 @@ def test_use_kernels_reaches_every_module_that_runs_them() -> None:
 
 def _fused() -> FusedKernels:
     flashinfer = pytest.importorskip("flashinfer")
-    from outrider.daemon.models import triton_kernels
+    from outrider.plugins.models import triton_kernels
 
     return FusedKernels(flashinfer, triton_kernels)
 
@@ -164,7 +164,7 @@ def test_one_token_projections_take_the_gemv_while_a_graph_is_built(dtype: torch
     """One row, inside ``building_graph``: the Triton GEMV, which rounds the float32 product
     once; eagerly, or for two rows, ``F.linear`` itself."""
     fused = _fused()
-    from outrider.daemon.models import triton_kernels
+    from outrider.plugins.models import triton_kernels
 
     gen = torch.Generator(device=CUDA).manual_seed(3)
     # Rows past a program's 8, K short of one 1,024 step and past two.
@@ -202,7 +202,7 @@ def test_triton_silu_and_mul_computes_what_flashinfer_does() -> None:
 @pytest.mark.gpu
 def test_the_down_projection_of_one_token_fuses_silu_and_mul_while_a_graph_is_built() -> None:
     fused = _fused()
-    from outrider.daemon.models import triton_kernels
+    from outrider.plugins.models import triton_kernels
 
     gen = torch.Generator(device=CUDA).manual_seed(6)
     weight = (0.05 * torch.randn(1024, 3584, generator=gen, device=CUDA)).bfloat16()

@@ -20,7 +20,7 @@ from outrider.daemon.engine.memory_plan import (
     graph_pool_bytes,
     plan_memory,
 )
-from outrider.daemon.models.config import ModelConfig
+from outrider.plugins.models.config import ModelConfig
 
 GIB = 2**30
 

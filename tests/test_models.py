@@ -13,16 +13,16 @@ import torch
 from model_fixtures import VOCAB, PagedRows, llama3_rope, save_tiny_model, torch_backend
 from safetensors.torch import load_file, save_file
 
-from outrider.daemon.models.config import ModelConfig, load_eos_ids
-from outrider.daemon.models.layers import DecoderForCausalLM
-from outrider.daemon.models.loader import (
+from outrider.plugins.attention.torch_impl import TorchAttentionMetadata
+from outrider.plugins.device import AttentionShape, ForwardBatch
+from outrider.plugins.models.config import ModelConfig, load_eos_ids
+from outrider.plugins.models.layers import DecoderForCausalLM
+from outrider.plugins.models.loader import (
     check_checkpoint_layout,
     expected_checkpoint_shapes,
     load_model,
 )
-from outrider.daemon.models.registry import model_class
-from outrider.plugins.attention.torch_impl import TorchAttentionMetadata
-from outrider.plugins.device import AttentionShape, ForwardBatch
+from outrider.plugins.models.registry import model_class
 
 REFERENCE = Path(__file__).parent / "fixtures" / "configs"
 KINDS = ("llama", "qwen2", "qwen3")

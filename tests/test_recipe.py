@@ -23,8 +23,8 @@ if str(ROOT) not in sys.path:
 
 from model_fixtures import PagedRows, torch_backend  # noqa: E402
 
-from outrider.daemon.models.config import ModelConfig, load_eos_ids  # noqa: E402
-from outrider.daemon.models.loader import load_model  # noqa: E402
+from outrider.plugins.models.config import ModelConfig, load_eos_ids  # noqa: E402
+from outrider.plugins.models.loader import load_model  # noqa: E402
 from recipe import (  # noqa: E402
     chat,
     data,

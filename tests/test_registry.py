@@ -548,9 +548,9 @@ def test_plugins_check_resolves_what_serve_runs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     pytest.importorskip("torch")
-    from outrider.daemon.models.config import ModelConfig
     from outrider.daemon.processes import server
     from outrider.daemon.processes.preflight import resolve_plugins
+    from outrider.plugins.models.config import ModelConfig
 
     served: list[ServeConfig] = []
     monkeypatch.setattr(cli, "configure_logging", lambda level, fmt: None)

@@ -19,9 +19,9 @@ import torch.multiprocessing as mp
 from daemon_harness import free_port
 from model_fixtures import TINY, VOCAB, PagedRows, save_tiny_model, torch_backend
 
-from outrider.daemon.models.config import ModelConfig, tensor_parallel_problems
-from outrider.daemon.models.loader import build_model, check_checkpoint_layout, load_model
-from outrider.daemon.models.parallel import (
+from outrider.plugins.models.config import ModelConfig, tensor_parallel_problems
+from outrider.plugins.models.loader import build_model, check_checkpoint_layout, load_model
+from outrider.plugins.models.parallel import (
     SINGLE,
     TPGroup,
     gather_vocab,

@@ -33,11 +33,11 @@ from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.ranks import RankChannel
 from outrider.daemon.engine.runner import ModelRunner
 from outrider.daemon.internal import TokenizedRequest
-from outrider.daemon.models.config import ModelConfig, kv_bytes_per_token
-from outrider.daemon.models.layers import MLP, Attention
-from outrider.daemon.models.parallel import SINGLE, TPGroup, init_tensor_parallel
 from outrider.daemon.processes.preflight import preflight
 from outrider.daemon.scheduler.loop import StepFailed
+from outrider.plugins.models.config import ModelConfig, kv_bytes_per_token
+from outrider.plugins.models.layers import MLP, Attention
+from outrider.plugins.models.parallel import SINGLE, TPGroup, init_tensor_parallel
 from outrider.plugins.speculative.base import DecodeView, Drafts, SpeculativeWorker
 from outrider.plugins.speculative.dflash_impl import DFlashWorker
 from outrider.plugins.speculative.eagle3_impl import Eagle3Worker

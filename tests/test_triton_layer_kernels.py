@@ -1,4 +1,4 @@
-"""The Triton kernels that graphs being built run (``daemon/models/triton_kernels.py``,
+"""The Triton kernels that graphs being built run (``plugins/models/triton_kernels.py``,
 ``plugins/kv_store.py``, ``plugins/greedy_kernel.py``) against what they replace: the GEMV
 against ``F.linear``, SiLU-and-multiply and Qwen3's q/k norm with the rotation against the
 reference kernels, the down projection with SiLU-and-multiply fused against the two kernels,
@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from outrider.daemon.models.config import ModelConfig
-from outrider.daemon.models.kernels import TORCH_KERNELS
-from outrider.daemon.models.layers import RotaryEmbedding
 from outrider.plugins.device import AttentionShape, KVCache, heads_contiguous
+from outrider.plugins.models.config import ModelConfig
+from outrider.plugins.models.kernels import TORCH_KERNELS
+from outrider.plugins.models.layers import RotaryEmbedding
 
 CUDA = torch.cuda.is_available()  # without one, conftest.py runs Triton's interpreter
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -51,7 +51,7 @@ def _gen() -> torch.Generator:
 
 
 def test_the_gemv_is_f_linear_for_one_row() -> None:
-    from outrider.daemon.models import triton_kernels
+    from outrider.plugins.models import triton_kernels
 
     gen = _gen()
     # Rows past a program's 8 and short of it; K short of a step and past one.
@@ -72,7 +72,7 @@ def test_the_gemv_is_f_linear_for_one_row() -> None:
 
 
 def test_silu_and_mul_matches_the_reference() -> None:
-    from outrider.daemon.models import triton_kernels
+    from outrider.plugins.models import triton_kernels
 
     gen = _gen()
     for tokens, width in ((1, 600), (3, 40), (0, 16)):
@@ -83,7 +83,7 @@ def test_silu_and_mul_matches_the_reference() -> None:
 
 
 def test_the_fused_down_projection_is_silu_and_mul_then_the_gemv() -> None:
-    from outrider.daemon.models import triton_kernels
+    from outrider.plugins.models import triton_kernels
 
     gen = _gen()
     for n, k in ((13, 40), (5, 1100)):
@@ -100,7 +100,7 @@ def test_the_fused_down_projection_is_silu_and_mul_then_the_gemv() -> None:
 
 
 def test_q_k_norm_and_rotation_match_the_reference() -> None:
-    from outrider.daemon.models import triton_kernels
+    from outrider.plugins.models import triton_kernels
 
     gen = _gen()
     tokens, q_heads, kv_heads, dim = 3, 4, 2, 16

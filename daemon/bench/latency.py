@@ -19,8 +19,8 @@ from outrider.daemon.config import ServeConfig, torch_threads
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.timing import PhaseTimer, PhaseTimes
 from outrider.daemon.internal import TokenizedRequest, own_request
-from outrider.daemon.models.config import kv_bytes_per_token
 from outrider.daemon.processes.ranks import start_leader, stop_leader
+from outrider.plugins.models.config import kv_bytes_per_token
 
 
 def measure_latency(

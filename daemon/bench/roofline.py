@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from outrider.daemon.models.config import DTYPE_BYTES, ModelConfig
-from outrider.daemon.models.loader import expected_checkpoint_shapes
+from outrider.plugins.models.config import DTYPE_BYTES, ModelConfig
+from outrider.plugins.models.loader import expected_checkpoint_shapes
 
 
 def read_bandwidth(device: str, gib: float = 4.0) -> float:

@@ -25,7 +25,6 @@ from outrider.daemon.config import (
     torch_threads,
 )
 from outrider.daemon.family import embedded_family
-from outrider.daemon.models.config import model_dir
 from outrider.daemon.processes.preflight import preflight, resolve_plugins
 from outrider.daemon.processes.runtime import tcp_bind_problem
 from outrider.daemon.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
@@ -39,6 +38,7 @@ from outrider.plugins.api import (
     SpeculativeCapabilities,
 )
 from outrider.plugins.checks import ATTENTION_FLAG, SPECULATIVE_FLAG
+from outrider.plugins.models.config import model_dir
 from outrider.plugins.registry import (
     KIND_NAMES,
     Entry,
@@ -229,7 +229,7 @@ def _checkpoint_dtype(model: str) -> str | None:
     transformers (a light install) nothing is parsed here: None."""
     if importlib.util.find_spec("transformers") is None:
         return None
-    from outrider.daemon.models.config import ModelConfig
+    from outrider.plugins.models.config import ModelConfig
 
     try:
         return ModelConfig.from_pretrained(model).dtype

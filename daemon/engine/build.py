@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from outrider.daemon.config import ConfigError, ServeConfig, debug_knob
+from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine.accept import step_reservation
 from outrider.daemon.engine.cycle_cost import measure_break_even
 from outrider.daemon.engine.follower import Follower
@@ -29,9 +29,6 @@ from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
 from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.internal import ModelFacts, SamplingSpec, own_request
-from outrider.daemon.models.config import ModelConfig, kv_bytes_per_token, load_eos_ids, model_dir
-from outrider.daemon.models.loader import LoadProgress, load_model
-from outrider.daemon.models.parallel import SINGLE, TPGroup
 from outrider.daemon.processes.preflight import resolve_plugins
 from outrider.daemon.scheduler.drafting import (
     AdaptiveDrafting,
@@ -50,7 +47,11 @@ from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
 from outrider.plugins.api import AttentionCapabilities, Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.checks import SPECULATIVE_FLAG
+from outrider.plugins.debug import debug_knob
 from outrider.plugins.device import AttentionShape, KVCache
+from outrider.plugins.models.config import ModelConfig, kv_bytes_per_token, load_eos_ids, model_dir
+from outrider.plugins.models.loader import LoadProgress, load_model
+from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.registry import ResolvedPlugins
 from outrider.plugins.speculative.base import NoDraft, SpeculativeWorker, WorkerContext
 

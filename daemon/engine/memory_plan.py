@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from outrider.daemon.config import ConfigError, ServeConfig
-from outrider.daemon.models.config import ModelConfig
+from outrider.plugins.models.config import ModelConfig
 
 log = logging.getLogger("outrider.engine")
 

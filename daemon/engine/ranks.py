@@ -32,7 +32,7 @@ import msgspec
 import torch
 
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.models.parallel import TPGroup
+from outrider.plugins.models.parallel import TPGroup
 
 _LAUNCH, _STOP = 1, 2
 _SOURCE = 0

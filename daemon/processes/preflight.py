@@ -14,8 +14,8 @@ from pathlib import Path
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.frontdoor.curve_auth import CurveKeyError, load_client_keys, load_server_keys
-from outrider.daemon.models.config import tensor_parallel_problems
 from outrider.plugins.checks import PluginProblems
+from outrider.plugins.models.config import tensor_parallel_problems
 from outrider.plugins.registry import ResolvedPlugins, discover
 
 _INDEX = "model.safetensors.index.json"

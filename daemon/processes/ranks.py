@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 from outrider.daemon.config import ConfigError, ServeConfig, ranks_per_node, torch_threads
-from outrider.daemon.models.parallel import SINGLE, TPGroup, init_tensor_parallel
 from outrider.daemon.processes.children import ChildDied
 from outrider.daemon.processes.logs import configure_logging
+from outrider.plugins.models.parallel import SINGLE, TPGroup, init_tensor_parallel
 
 if TYPE_CHECKING:
     from outrider.daemon.engine.build import Engine

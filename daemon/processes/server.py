@@ -63,8 +63,6 @@ from outrider.daemon.internal import (
     outputs_codec,
     to_daemon_codec,
 )
-from outrider.daemon.models.config import model_dir
-from outrider.daemon.models.loader import LoadProgress, default_progress
 from outrider.daemon.processes.children import ChildDied, Children, ClientBindFailed
 from outrider.daemon.processes.preflight import preflight
 from outrider.daemon.processes.ranks import (
@@ -85,6 +83,8 @@ from outrider.daemon.sampling_defaults import SamplingDefaults, resolve_sampling
 from outrider.daemon.scheduler.loop import StepFailed
 from outrider.daemon.tokenizer import TOKENIZER_FILES
 from outrider.daemon.version import installed_version
+from outrider.plugins.models.config import model_dir
+from outrider.plugins.models.loader import LoadProgress, default_progress
 from outrider.protocol.endpoints import default_endpoint
 from outrider.protocol.frames import FrameError
 

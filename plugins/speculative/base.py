@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from outrider.daemon.models.parallel import SINGLE, TPGroup
 from outrider.plugins.api import NoOptions, Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.device import (
@@ -37,6 +36,7 @@ from outrider.plugins.device import (
     SamplingBatch,
     flat_kv_index,
 )
+from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.speculative.deferred import DeferredBuffer, DeferredRows
 
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from outrider.daemon.models.parallel import gather_vocab, vocab_argmax
 from outrider.plugins.device import ForwardBatch
+from outrider.plugins.models.parallel import gather_vocab, vocab_argmax
 from outrider.plugins.speculative.base import (
     Accepted,
     DecodeView,

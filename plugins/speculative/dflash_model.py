@@ -51,24 +51,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.daemon.models.config import ModelConfig, model_dir, tensor_parallel_problems
-from outrider.daemon.models.kernels import Rotation
-from outrider.daemon.models.layers import (
+from outrider.plugins.device import AttentionShape, BatchLayout, KVCache
+from outrider.plugins.models.config import ModelConfig, model_dir, tensor_parallel_problems
+from outrider.plugins.models.kernels import Rotation
+from outrider.plugins.models.layers import (
     Attention,
     DecoderLayer,
     RMSNorm,
     RotaryEmbedding,
     run_layers,
 )
-from outrider.daemon.models.loader import (
+from outrider.plugins.models.loader import (
     checkpoint_files,
     checkpoint_splits,
     checkpoint_tensors,
     init_dummy,
     materialize,
 )
-from outrider.daemon.models.parallel import SINGLE, TPGroup
-from outrider.plugins.device import AttentionShape, BatchLayout, KVCache
+from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
 
 if TYPE_CHECKING:

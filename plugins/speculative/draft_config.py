@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from outrider.daemon.models.config import TENSOR_PARALLEL_FLAG, tensor_parallel_problems
 from outrider.plugins.api import CheckContext, Problem
+from outrider.plugins.models.config import TENSOR_PARALLEL_FLAG, tensor_parallel_problems
 
 DRAFT_FLAG = "--draft-model"
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from outrider.daemon.models.parallel import Split
+    from outrider.plugins.models.parallel import Split
 
 log = logging.getLogger(__name__)
 

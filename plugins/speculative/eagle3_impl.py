@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import torch
 
-from outrider.daemon.models.parallel import gather_vocab, vocab_top_logprobs
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.device import BatchLayout, ForwardBatch
+from outrider.plugins.models.parallel import gather_vocab, vocab_top_logprobs
 from outrider.plugins.sampling import DRAW_DRAFT, SamplingBatch, processed_probs, sample_probs
 from outrider.plugins.speculative.base import (
     Accepted,

@@ -45,18 +45,18 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from outrider.daemon.models.config import ModelConfig, model_dir, tensor_parallel_problems
-from outrider.daemon.models.kernels import Rotation
-from outrider.daemon.models.layers import MLP, Attention, FusedLinear, RMSNorm, RotaryEmbedding
-from outrider.daemon.models.loader import (
+from outrider.plugins.device import AttentionShape
+from outrider.plugins.models.config import ModelConfig, model_dir, tensor_parallel_problems
+from outrider.plugins.models.kernels import Rotation
+from outrider.plugins.models.layers import MLP, Attention, FusedLinear, RMSNorm, RotaryEmbedding
+from outrider.plugins.models.loader import (
     checkpoint_files,
     checkpoint_splits,
     checkpoint_tensors,
     init_dummy,
     materialize,
 )
-from outrider.daemon.models.parallel import SINGLE, ColumnParallelLinear, TPGroup, gather_vocab
-from outrider.plugins.device import AttentionShape
+from outrider.plugins.models.parallel import SINGLE, ColumnParallelLinear, TPGroup, gather_vocab
 from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
 
 if TYPE_CHECKING:

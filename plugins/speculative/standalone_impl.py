@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from outrider.daemon.models.config import ModelConfig, tensor_parallel_problems
-from outrider.daemon.models.layers import DecoderForCausalLM
-from outrider.daemon.models.loader import load_model
-from outrider.daemon.models.parallel import vocab_argmax
 from outrider.plugins.device import DRAW_DRAFT, ForwardBatch, processed_probs, sample_probs
+from outrider.plugins.models.config import ModelConfig, tensor_parallel_problems
+from outrider.plugins.models.layers import DecoderForCausalLM
+from outrider.plugins.models.loader import load_model
+from outrider.plugins.models.parallel import vocab_argmax
 from outrider.plugins.speculative.base import (
     Accepted,
     DecodeView,

@@ -18,7 +18,7 @@ What rank ``r`` of ``N`` holds and what each layer communicates::
 A world of size 1 never touches ``torch.distributed`` and runs exactly the ops of a plain
 ``nn.Linear`` / ``nn.Embedding``: its numerics are those of the unsharded model, bit for bit.
 Sizes that do not divide are refused before anything is built
-(``outrider.daemon.models.config.tensor_parallel_problems``).
+(``outrider.plugins.models.config.tensor_parallel_problems``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.daemon.models.config import TENSOR_PARALLEL_FLAG
-from outrider.daemon.models.kernels import UsesKernels
+from outrider.plugins.models.config import TENSOR_PARALLEL_FLAG
+from outrider.plugins.models.kernels import UsesKernels
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

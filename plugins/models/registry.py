@@ -6,12 +6,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from outrider.daemon.models.layers import DecoderForCausalLM
+    from outrider.plugins.models.layers import DecoderForCausalLM
 
 _ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "outrider.daemon.models.llama",
-    "Qwen2ForCausalLM": "outrider.daemon.models.qwen2",
-    "Qwen3ForCausalLM": "outrider.daemon.models.qwen3",
+    "LlamaForCausalLM": "outrider.plugins.models.llama",
+    "Qwen2ForCausalLM": "outrider.plugins.models.qwen2",
+    "Qwen3ForCausalLM": "outrider.plugins.models.qwen3",
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)

@@ -22,11 +22,11 @@ from typing import Literal, Protocol, TypeVar
 
 import torch
 
-from outrider.daemon.models.config import ModelConfig, model_dir
-from outrider.daemon.models.kernels import TORCH_KERNELS, select_kernels, use_kernels
-from outrider.daemon.models.layers import DecoderForCausalLM, FusedLinear, RMSNorm, RotaryEmbedding
-from outrider.daemon.models.parallel import SINGLE, Sharded, Split, TensorSource, TPGroup
-from outrider.daemon.models.registry import model_class
+from outrider.plugins.models.config import ModelConfig, model_dir
+from outrider.plugins.models.kernels import TORCH_KERNELS, select_kernels, use_kernels
+from outrider.plugins.models.layers import DecoderForCausalLM, FusedLinear, RMSNorm, RotaryEmbedding
+from outrider.plugins.models.parallel import SINGLE, Sharded, Split, TensorSource, TPGroup
+from outrider.plugins.models.registry import model_class
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from outrider.daemon.config import debug_knob
+from outrider.plugins.debug import debug_knob
 from outrider.plugins.device import heads_contiguous, in_graph_build
 
 log = logging.getLogger(__name__)
@@ -249,7 +249,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> T
     try:
         import flashinfer
 
-        from outrider.daemon.models import triton_kernels
+        from outrider.plugins.models import triton_kernels
     except ImportError as exc:
         log.info("layer kernels: torch (%s is not installed)", exc.name)
         return TORCH_KERNELS

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from outrider.daemon.models.kernels import Rotation, UsesKernels
-from outrider.daemon.models.parallel import (
+from outrider.plugins.device import AttentionShape
+from outrider.plugins.models.kernels import Rotation, UsesKernels
+from outrider.plugins.models.parallel import (
     SINGLE,
     ColumnParallelLinear,
     RowParallelLinear,
@@ -26,11 +27,10 @@ from outrider.daemon.models.parallel import (
     gather_vocab,
     vocab_argmax,
 )
-from outrider.plugins.device import AttentionShape
 
 if TYPE_CHECKING:
-    from outrider.daemon.models.config import ModelConfig, RopeConfig
     from outrider.plugins.device import ForwardBatch
+    from outrider.plugins.models.config import ModelConfig, RopeConfig
 
 
 class RMSNorm(nn.Module, UsesKernels):

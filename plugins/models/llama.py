@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outrider.daemon.models.layers import DecoderForCausalLM
+from outrider.plugins.models.layers import DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
