@@ -214,21 +214,19 @@ class HttpFront:
 
     async def health(self, _request: Request) -> Response:
         """200 when the daemon answers ``health`` at all (loading, serving or draining)."""
-        try:
-            health = await self._client.health(timeout=HEALTH_TIMEOUT_S)
-        except RequestError as exc:
-            message = f"the daemon does not answer: {public_message(exc)}"
-            return error_response(503, message, code=exc.code)
-        return json_response({"status": health.status})
+        return await self._health_response(serving_only=False)
 
     async def ready(self, _request: Request) -> Response:
         """200 only while the daemon serves (not loading, not draining)."""
+        return await self._health_response(serving_only=True)
+
+    async def _health_response(self, *, serving_only: bool) -> Response:
         try:
             health = await self._client.health(timeout=HEALTH_TIMEOUT_S)
         except RequestError as exc:
             message = f"the daemon does not answer: {public_message(exc)}"
             return error_response(503, message, code=exc.code)
-        status = 200 if health.status == "serving" else 503
+        status = 503 if serving_only and health.status != "serving" else 200
         return json_response({"status": health.status}, status)
 
     def close(self) -> None:
