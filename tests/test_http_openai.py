@@ -18,6 +18,7 @@ from outrider.daemon.http.config import FRAME_HEADROOM, body_limit, parse_host_p
 from outrider.daemon.http.errors import split_path
 from outrider.daemon.http.openai import (
     DAEMON_FIELDS,
+    UNIMPLEMENTED,
     ChatRequest,
     CompletionRequest,
     InvalidRequest,
@@ -86,11 +87,65 @@ def test_prompt_forms_and_refusals() -> None:
         decode_request(b'{"prompt": 5}', CompletionRequest)
 
 
+# A value of each unimplemented field that asks for something, and one that asks for nothing.
+_ASKING = {
+    "presence_penalty": (2.0, 0),
+    "frequency_penalty": (-1.0, 0.0),
+    "repetition_penalty": (1.2, 1),
+    "logit_bias": ({"261": 100}, {}),
+    "min_p": (0.1, 0),
+    "min_tokens": (4, 0),
+    "best_of": (2, 1),
+    "suffix": ("x", ""),
+    "response_format": ({"type": "json_object"}, {"type": "text"}),
+    "tools": ([{"type": "function", "function": {"name": "f"}}], []),
+    "tool_choice": ("auto", "none"),
+    "parallel_tool_calls": ("yes", True),
+    "functions": ([{"name": "f"}], []),
+    "function_call": ("auto", "none"),
+    "guided_json": ({"type": "object"}, None),
+    "guided_regex": ("a+", None),
+    "guided_choice": (["a", "b"], None),
+    "guided_grammar": ("root ::= 'a'", None),
+    "structured_outputs": ({"json": {}}, None),
+}
+
+
+def _translate(body: dict[str, Any]) -> None:
+    """``body`` decoded and translated as the route of its shape does it."""
+    if "messages" in body:
+        chat_args(decode_request(msgspec.json.encode(body), ChatRequest))
+    else:
+        completion_args(decode_request(msgspec.json.encode(body), CompletionRequest))
+
+
+def test_every_unimplemented_field_is_refused_unless_it_asks_for_nothing() -> None:
+    assert set(_ASKING) == set(UNIMPLEMENTED)
+    for name, (asking, neutral) in _ASKING.items():
+        for base in ({"prompt": "a"}, _CHAT):
+            with pytest.raises(InvalidRequest, match=f"^{name} is not supported") as exc:
+                _translate(base | {name: asking})
+            assert (exc.value.status, exc.value.param) == (400, name)
+            if neutral is not None:
+                _translate(base | {name: neutral})
+
+
+def test_unknown_fields_are_refused_by_name() -> None:
+    for base in ({"prompt": "a"}, _CHAT):
+        with pytest.raises(InvalidRequest, match=r"^temprature is not a field") as exc:
+            _translate(base | {"temprature": 0.5})
+        assert (exc.value.status, exc.value.param) == (400, "temprature")
+        _translate(base | {"user": "someone"})
+
+
+_CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "a"}]}
+
+
 # Bodies that once raised past the routes (a 500 and a traceback each): each must be a 400.
 _HOSTILE_BODIES = {
     b'{"prompt": "\xff\xfe"}': None,
     b'{"model": "\xc3", "prompt": "a"}': None,
-    b'{"prompt": "a", "unknown": ' + b"[" * 1000 + b"]" * 1000 + b"}": None,
+    b'{"prompt": "a", "unknown": ' + b"[" * 1000 + b"]" * 1000 + b"}": "unknown",
     b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}": None,
     b'{"prompt": "a", "seed": 18446744073709551616}': "seed",
     b'{"prompt": "a", "max_tokens": 18446744073709551616}': "max_tokens",

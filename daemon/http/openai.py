@@ -3,12 +3,19 @@ translation to and from the client library's ``generate`` arguments and results.
 
 Sampling fields a request leaves out stay None on the way to the daemon, so that the model's
 generation defaults apply there. ``top_k`` and ``ignore_eos`` are extensions (vLLM's names).
+
+Nothing a request sends is dropped in silence: a field these shapes do not know is refused
+(400 naming it, as the OpenAI API itself answers), and a field of the API (or of vLLM's
+extensions) that this front does not implement is accepted only at its neutral value
+(``UNIMPLEMENTED``): ``presence_penalty: 0`` changes nothing, ``presence_penalty: 2`` is refused.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -42,7 +49,7 @@ class ChatMessageIn(msgspec.Struct):
     content: str | list[ContentPart] | None = None
 
 
-class _Sampling(msgspec.Struct):
+class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -53,6 +60,27 @@ class _Sampling(msgspec.Struct):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False
+    user: str | None = None  # the caller's end-user id: changes nothing here
+    # Fields of ``UNIMPLEMENTED``: None when left out, checked by ``refuse_unimplemented``.
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -117,6 +145,8 @@ class GenerateArgs:
 
 T = TypeVar("T")
 
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]+)`")
+
 
 def decode_request(body: bytes, kind: type[T], path_prefix: str = "") -> T:
     """``body`` decoded as ``kind``; raises ``InvalidRequest`` (with the offending field as
@@ -125,6 +155,11 @@ def decode_request(body: bytes, kind: type[T], path_prefix: str = "") -> T:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         message, param = split_path(str(exc), prefix=path_prefix)
+        unknown = _UNKNOWN_FIELD.match(message)
+        if unknown is not None:
+            name = unknown.group(1)
+            param = f"{param}.{name}" if param else name
+            message = f"{name} is not a field this server takes"
         raise InvalidRequest(message, param) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the body is not JSON: {exc}") from None
@@ -140,7 +175,42 @@ def decode_request(body: bytes, kind: type[T], path_prefix: str = "") -> T:
 DAEMON_FIELDS = {"max_new_tokens": "max_tokens", "input_ids": "prompt"}
 
 
+# The fields this front knows but does not implement, each with the values that ask for
+# nothing (a request may send those). Structured output and tools are still to come.
+UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1,
+    "logit_bias": lambda v: v == {},
+    "min_p": lambda v: v == 0,
+    "min_tokens": lambda v: v == 0,
+    "best_of": lambda v: v == 1,
+    "suffix": lambda v: v == "",
+    "response_format": lambda v: v == {"type": "text"},
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "structured_outputs": lambda v: False,
+}
+
+
+def refuse_unimplemented(req: _Sampling) -> None:
+    """Raises ``InvalidRequest`` naming the first field of ``UNIMPLEMENTED`` that asks for
+    something (the front would otherwise answer as if it had been honoured)."""
+    for name, neutral in UNIMPLEMENTED.items():
+        value = getattr(req, name)
+        if value is not None and not neutral(value):
+            raise InvalidRequest(f"{name} is not supported by this server", name)
+
+
 def _common_checks(req: _Sampling) -> None:
+    refuse_unimplemented(req)
     if req.n != 1:
         raise InvalidRequest("only n = 1 is supported", "n")
     if req.stream_options is not None and not req.stream:
