@@ -3,6 +3,8 @@
 Every ``outrider serve`` flag ``--foo-bar`` may also be set as ``OUTRIDER_FOO_BAR``; the
 command line wins. This module is the only place that reads ``OUTRIDER_*`` serve settings;
 debug knobs live in ``DEBUG_KNOBS`` (plugins/debug.py, where the layer kernels read them too).
+The table is one frozen ``ServeConfig``; the help and checks of a room's flags live in that room
+(http/flags.py, frontdoor/flags.py, processes/placement.py) and are gathered here.
 """
 
 from __future__ import annotations
@@ -11,12 +13,28 @@ import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Literal
 
 from outrider.daemon.family import family_defaults
-from outrider.daemon.http.config import FRAME_HEADROOM, body_limit, parse_host_port
-from outrider.daemon.processes.runtime import is_loopback
+from outrider.daemon.frontdoor.flags import (
+    FRONT_DOOR_HELP,
+    FRONT_DOOR_METAVARS,
+    FRONT_DOOR_SHOWN_DEFAULTS,
+    front_door_problems,
+    parse_socket_mode,
+)
+from outrider.daemon.http.config import body_limit
+from outrider.daemon.http.flags import (
+    HTTP_HELP,
+    HTTP_METAVARS,
+    HTTP_SHOWN_DEFAULTS,
+    http_problems,
+)
+from outrider.daemon.processes.placement import (
+    PLACEMENT_HELP,
+    PLACEMENT_SHOWN_DEFAULTS,
+    placement_problems,
+)
 from outrider.plugins.api import PHASES, CheckContext, Phase
 from outrider.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -35,7 +53,7 @@ class ServeConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str = ""  # HOST:PORT of rank 0's rendezvous; "": a loopback port
-    threads: int = 0  # 0: automatic, see torch_threads
+    threads: int = 0  # 0: automatic, see processes/placement.py torch_threads
     page_size: int = 16
     max_running: int = 64
     kv_cache_tokens: int = 0  # 0: size the pool from memory (GPU) or the context length (CPU)
@@ -154,25 +172,6 @@ _HELP: dict[str, str] = {
     "load_format": "auto: weights from the directory; dummy: random weights of the same shapes",
     "dtype": "auto: float32 on CPU, the checkpoint's dtype on CUDA",
     "device": "where the model runs",
-    "tensor_parallel_size": (
-        "ranks the model is sharded over (alias --tp); it must divide the attention and KV "
-        "heads, the MLP rows and the vocabulary; one process per rank, on CUDA one GPU each "
-        "(local rank r takes visible device r)"
-    ),
-    "nnodes": "hosts the ranks are spread over, --tensor-parallel-size / --nnodes on each",
-    "node_rank": (
-        "this host's place among --nnodes: 0 runs the scheduler and serves clients; the "
-        "others run only their ranks (start them with the same model flags)"
-    ),
-    "dist_init_addr": (
-        "HOST:PORT where rank 0 (on node 0) listens for the other ranks to join "
-        "(torch.distributed's TCP rendezvous); needed with --nnodes > 1"
-    ),
-    "threads": (
-        "torch CPU threads of the daemon (of each rank with --tensor-parallel-size); 0: the "
-        "CPUs it may use (affinity, cgroup quota) less one for the front door and "
-        "detokenizer, which run one thread each, shared by this host's ranks; at least 1"
-    ),
     "page_size": "KV page size in tokens (a power of two)",
     "max_running": "most requests decoding at once",
     "kv_cache_tokens": (
@@ -187,10 +186,6 @@ _HELP: dict[str, str] = {
         "what requests that leave temperature, top_p or top_k out get: auto, the model "
         "directory's generation_config.json values (do_sample false is greedy; a value it does "
         "not give, or no file, keeps Outrider's); none, Outrider's (1.0, 1.0, 0); logged at start"
-    ),
-    "listen": (
-        "client endpoint: ipc://PATH or tcp://HOST:PORT (TCP beyond loopback needs CURVE keys "
-        "or --insecure-tcp)"
     ),
     "attention_backend": "attention backend of every phase (see `outrider plugins`)",
     "prefill_attention_backend": "attention backend of prompt (EXTEND) batches",
@@ -225,49 +220,13 @@ _HELP: dict[str, str] = {
     "disable_cuda_graph": "run every decode batch eagerly (CUDA graphs are on by default)",
     "cuda_graph_max_bs": "the largest decode batch replayed from a CUDA graph (larger: eager)",
     "chunked_prefill_tokens": "most prompt tokens in one EXTEND batch",
-    "max_message_bytes": "largest client frame (ZMQ_MAXMSGSIZE); a larger one drops the client",
-    "max_inflight_per_client": (
-        "most requests one client connection may have in flight (more are refused: overloaded)"
-    ),
-    "max_inflight": "most requests in flight over all clients (more are refused: overloaded)",
     "drain_timeout": "seconds running requests may finish after SIGTERM or a first SIGINT",
     "step_timeout": "seconds a step may run before the systemd watchdog pings stop",
-    "insecure_tcp": "allow a tcp:// bind beyond loopback without CURVE keys",
-    "curve_secret_key_file": (
-        "the daemon's CURVE secret certificate (zmq.auth format), the service user's, mode 0600"
-    ),
-    "curve_client_keys": (
-        "directory of the client public certificates (NAME.key) CURVE lets in; required with "
-        "the secret key"
-    ),
-    "socket_mode": "file mode of an ipc:// client socket, octal: at most 0660 (owner and group)",
-    "http": "serve the OpenAI-compatible HTTP API there (loopback unless --http-allow-remote)",
-    "http_allow_remote": "let --http bind beyond loopback",
-    "api_key": (
-        "with --http: every path but /health and /health/ready requires 'Authorization: "
-        "Bearer KEY'; required with --http-allow-remote"
-    ),
-    "http_allow_origins": (
-        "browser origins (scheme://host[:port], comma-separated) the HTTP API serves and "
-        "answers CORS preflight for; a request from any other origin is refused"
-    ),
-    "http_max_body_bytes": (
-        "largest HTTP request body (larger: 413, connection closed); at most the default"
-    ),
-    "http_max_tokenize_tokens": (
-        "most token ids /tokenize answers with and /detokenize takes (more: 400)"
-    ),
-    "http_read_timeout": (
-        "seconds an HTTP request's headers and body may take to arrive (then 408, closed)"
-    ),
-    "http_send_timeout": (
-        "seconds an HTTP response may wait for its client to read (then the connection "
-        "closes and its request is aborted)"
-    ),
-    "http_max_connections": "most HTTP connections at once (more: 503, closed)",
-    "served_model_name": "the model name the HTTP API lists and requests may give",
     "log_level": "log level of the daemon and its children",
     "seed": "seed of --load-format dummy weights",
+    **PLACEMENT_HELP,
+    **FRONT_DOOR_HELP,
+    **HTTP_HELP,
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -280,7 +239,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 
 _METAVAR: dict[str, str] = {
     "model": "DIR",
-    "listen": "ENDPOINT",
     "draft_model": "DIR",
     "attention_backend": "NAME",
     "prefill_attention_backend": "NAME",
@@ -297,15 +255,8 @@ _METAVAR: dict[str, str] = {
     "gpu_memory_fraction": "F",
     "drain_timeout": "S",
     "step_timeout": "S",
-    "curve_secret_key_file": "FILE",
-    "curve_client_keys": "DIR",
-    "socket_mode": "MODE",
-    "http": "HOST:PORT",
-    "api_key": "KEY",
-    "served_model_name": "NAME",
-    "http_allow_origins": "ORIGINS",
-    "http_read_timeout": "S",
-    "http_send_timeout": "S",
+    **FRONT_DOOR_METAVARS,
+    **HTTP_METAVARS,
 }
 
 # Other spellings of a flag, given before it (``--help`` and the tests name the last one).
@@ -314,8 +265,6 @@ _ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}
 # Defaults whose plain value would mislead or say nothing ("", 0 with a meaning of its own).
 _SHOWN_DEFAULT: dict[str, str] = {
     "model": "the embedded family",
-    "threads": "automatic",
-    "listen": "the runtime socket",
     "prefill_attention_backend": "--attention-backend",
     "decode_attention_backend": "--attention-backend",
     "verify_attention_backend": "--attention-backend",
@@ -324,11 +273,9 @@ _SHOWN_DEFAULT: dict[str, str] = {
     "speculative_config": "the plugin's defaults",
     "draft_model": "the embedded family's, for dflash and eagle3",
     "speculative_min_acceptance": "measured at start",
-    "dist_init_addr": "a free loopback port (one host)",
-    "socket_mode": "0600",
-    "max_message_bytes": f"{DEFAULT_MAX_MESSAGE_BYTES} ({DEFAULT_MAX_MESSAGE_BYTES // 2**20} MiB)",
-    "http_max_body_bytes": f"--max-message-bytes less {FRAME_HEADROOM // 2**10} KiB",
-    "served_model_name": "the model directory's name (outrider-family for the embedded family)",
+    **PLACEMENT_SHOWN_DEFAULTS,
+    **FRONT_DOOR_SHOWN_DEFAULTS,
+    **HTTP_SHOWN_DEFAULTS,
 }
 
 
@@ -411,10 +358,7 @@ def _convert(name: str, type_name: str, raw: Any) -> Any:
             return False
         raise ValueError(f"{env_name(name)}: expected a boolean, got {raw!r}")
     if name == "socket_mode":
-        try:
-            return int(raw, 8)
-        except ValueError:
-            raise ValueError(f"expected an octal mode such as 0660, got {raw!r}") from None
+        return parse_socket_mode(raw)
     if type_name == "int":
         return int(raw)
     if type_name == "float":
@@ -460,25 +404,17 @@ def validate(config: ServeConfig) -> list[str]:
     problems = []
     if config.page_size < 1 or config.page_size & (config.page_size - 1):
         problems.append(f"--page-size must be a power of two, not {config.page_size}")
-    if config.threads < 0:
-        problems.append("--threads must be >= 0 (0: automatic)")
     if config.max_running < 1:
         problems.append("--max-running must be at least 1")
-    problems += _placement_problems(config)
+    problems += placement_problems(config)
     if config.cuda_graph_max_bs < 1:
         problems.append("--cuda-graph-max-bs must be at least 1")
     if config.chunked_prefill_tokens < config.page_size:
         problems.append("--chunked-prefill-tokens must be at least --page-size")
     if not 0.0 < config.gpu_memory_fraction <= 1.0:
         problems.append("--gpu-memory-fraction must be in (0, 1]")
-    if (
-        min(
-            config.speculative_num_draft_tokens,
-            config.speculative_num_steps,
-            config.speculative_topk,
-        )
-        < 0
-    ):
+    draft_counts = (config.speculative_num_draft_tokens, config.speculative_num_steps)
+    if min(*draft_counts, config.speculative_topk) < 0:
         problems.append("--speculative-num-draft-tokens, -num-steps and -topk must be >= 0")
     if config.speculative_simulate_acceptance and (
         config.speculative_simulate_acceptance < 1.0 or config.speculative_algorithm == "none"
@@ -495,134 +431,9 @@ def validate(config: ServeConfig) -> list[str]:
             problems.append(f"--attention-config {item!r}: expected NAME='{{json}}'")
     if config.device == "cpu" and config.dtype not in ("auto", "float32"):
         problems.append(f"--dtype {config.dtype} is not supported on CPU (use float32)")
-    if config.curve_secret_key_file and not config.curve_client_keys:
-        problems.append(
-            "--curve-secret-key-file needs --curve-client-keys DIR (the client public "
-            "certificates allowed in)"
-        )
-    if config.curve_client_keys and not config.curve_secret_key_file:
-        problems.append("--curve-client-keys needs --curve-secret-key-file (CURVE is off)")
-    problems += _http_problems(config)
-    if config.listen and not config.listen.startswith(("ipc://", "tcp://")):
-        problems.append(
-            f"--listen {config.listen}: expected ipc://PATH or tcp://HOST:PORT (lower case)"
-        )
-    if config.max_message_bytes < 1024:
-        problems.append("--max-message-bytes must be at least 1024")
-    if config.socket_mode & ~0o660:
-        problems.append(
-            f"--socket-mode {config.socket_mode:04o}: only owner and group read/write bits "
-            "(a subset of 0660) may be set"
-        )
+    problems += front_door_problems(config)
+    problems += http_problems(config)
     return problems
-
-
-_HTTP_FIELDS = ("api_key", "served_model_name", *(n for n in _FIELDS if n.startswith("http_")))
-
-
-def _http_problems(config: ServeConfig) -> list[str]:
-    if not config.http:
-        given = [flag_name(n) for n in _HTTP_FIELDS if getattr(config, n) != _FIELDS[n].default]
-        return [f"{', '.join(given)}: need --http"] if given else []
-    try:
-        host, _port = parse_host_port(config.http)
-    except ValueError as exc:
-        return [f"--http: {exc}"]
-    if not config.http_allow_remote and not is_loopback(host):
-        return [f"--http {config.http}: {host} is not a loopback address (--http-allow-remote)"]
-    if config.http_allow_remote and not config.api_key:
-        return [
-            "--http-allow-remote needs --api-key: beyond loopback, anyone who reaches the port "
-            "would drive the daemon"
-        ]
-    if config.curve_secret_key_file:
-        return ["--http with CURVE keys is not supported: the HTTP front would need a client key"]
-    return _http_limit_problems(config)
-
-
-def _http_limit_problems(config: ServeConfig) -> list[str]:
-    problems = []
-    largest = body_limit(config.max_message_bytes)
-    if largest < 1:
-        problems.append(f"--max-message-bytes must exceed {FRAME_HEADROOM} with --http")
-    elif not 0 <= config.http_max_body_bytes <= largest:
-        problems.append(
-            f"--http-max-body-bytes must be in [1, {largest}] (--max-message-bytes less "
-            f"{FRAME_HEADROOM}), or 0 for that"
-        )
-    if config.http_max_tokenize_tokens < 1 or config.http_max_connections < 1:
-        problems.append("--http-max-tokenize-tokens and --http-max-connections must be >= 1")
-    if config.http_read_timeout <= 0 or config.http_send_timeout <= 0:
-        problems.append("--http-read-timeout and --http-send-timeout must be > 0")
-    for origin in config.http_origins:
-        scheme, sep, rest = origin.partition("://")
-        if scheme not in ("http", "https") or not sep or not rest or "/" in rest or "*" in rest:
-            problems.append(
-                f"--http-allow-origins {origin!r}: expected scheme://host[:port] (no path, "
-                "no wildcard)"
-            )
-    return problems
-
-
-# The children (front door, detokenizer, HTTP front) run one thread each; under load they take
-# about one core between them, which the automatic --threads leaves to them.
-CHILDREN_CORES = 1
-
-
-def torch_threads(config: ServeConfig, cpus: int | None = None) -> int:
-    """The torch intra-op threads of the daemon and of each rank process: ``--threads``, or
-    for 0 the CPUs it may use (``cpus``, default ``available_cpus()``) less ``CHILDREN_CORES``,
-    shared by this host's ranks, at least 1. NOTE: torch's
-    own default takes every core; on a small host its threads then wait for one another at
-    every operation whenever anything else runs (on 2 cores under load: first tokens after
-    seconds instead of 0.1 s, a tenth of the tokens per second; README, ``--threads``)."""
-    if config.threads:
-        return config.threads
-    free = (available_cpus() if cpus is None else cpus) - CHILDREN_CORES
-    return max(1, free // ranks_per_node(config))
-
-
-def _placement_problems(config: ServeConfig) -> list[str]:
-    size, nodes = config.tensor_parallel_size, config.nnodes
-    if size < 1:
-        return ["--tensor-parallel-size must be at least 1"]
-    if nodes < 1 or size % nodes:
-        return [f"--nnodes {nodes} must divide --tensor-parallel-size {size}"]
-    if not 0 <= config.node_rank < nodes:
-        return [f"--node-rank must be in [0, {nodes}) (--nnodes {nodes}), not {config.node_rank}"]
-    if nodes > 1 and not config.dist_init_addr:
-        return ["--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)"]
-    if config.dist_init_addr and not _is_host_port(config.dist_init_addr):
-        return [f"--dist-init-addr must be HOST:PORT, not {config.dist_init_addr!r}"]
-    return []
-
-
-def _is_host_port(value: str) -> bool:
-    host, _, port = value.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
-
-
-def ranks_per_node(config: ServeConfig) -> int:
-    """The tensor-parallel ranks this host runs."""
-    return config.tensor_parallel_size // config.nnodes
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask, capped by its cgroup (v2) CPU
-    quota rounded down, at least 1."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-        group = next(line[3:] for line in lines if line.startswith("0::"))
-        quota, period = (Path("/sys/fs/cgroup") / group.lstrip("/") / "cpu.max").read_text().split()
-        if quota != "max":
-            cpus = min(cpus, int(quota) // int(period))
-    except (OSError, StopIteration, ValueError):
-        pass  # no cgroup v2 or no quota: the affinity mask alone
-    return max(1, cpus)
 
 
 class ConfigError(ValueError):

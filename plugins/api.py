@@ -4,6 +4,11 @@ An entry point in ``outrider.attention_backends`` or ``outrider.speculative`` na
 ``PluginSpec`` instance. A spec module imports nothing heavy (no torch): the tokenizer process
 and ``outrider plugins`` use specs only. ``PluginSpec.load()`` imports and returns the
 implementation class inside the daemon.
+
+``API_VERSION`` covers the modules of ``PUBLIC_MODULES``: the whole surface a plugin package
+may import. A change that breaks one of their public names bumps ``API_VERSION``; every other
+module of ``outrider.plugins`` (the built-in plugins, their helpers, the registry, the private
+kernels) and all of ``outrider.daemon`` may change at any time.
 """
 
 from __future__ import annotations
@@ -16,6 +21,32 @@ from typing import Any, Literal
 import msgspec
 
 API_VERSION = 1
+
+# The public surface for plugin packages, covered by API_VERSION (a test holds the example
+# third-party package to it).
+PUBLIC_MODULES: tuple[str, ...] = (
+    # Specs, capabilities, checks.
+    "outrider.plugins.api",
+    # The device surface: forward batches and their layouts, the paged KV cache, sampling.
+    "outrider.plugins.device",
+    "outrider.plugins.sampling",
+    # The typed table of debug knobs the building blocks read.
+    "outrider.plugins.debug",
+    # Attention backends: the base class, and the reference backend a backend may extend.
+    "outrider.plugins.attention.base",
+    "outrider.plugins.attention.torch_impl",
+    # Speculative workers: the base class and its deferred catch-up buffer.
+    "outrider.plugins.speculative.base",
+    "outrider.plugins.speculative.deferred",
+    # Model building blocks: config parsing, layers, the weight loader, tensor-parallel groups
+    # and linears, layer kernels, and the model families through their registry.
+    "outrider.plugins.models.config",
+    "outrider.plugins.models.layers",
+    "outrider.plugins.models.loader",
+    "outrider.plugins.models.parallel",
+    "outrider.plugins.models.kernels",
+    "outrider.plugins.models.registry",
+)
 
 PluginKind = Literal["attention", "speculative"]
 Phase = Literal["extend", "decode", "verify", "draft_decode", "draft_extend"]

@@ -17,12 +17,11 @@ from outrider.daemon.config import (
     ConfigError,
     ServeConfig,
     add_serve_arguments,
-    available_cpus,
     flag_name,
     flag_table,
     resolve,
-    torch_threads,
 )
+from outrider.daemon.processes.placement import available_cpus, torch_threads
 from outrider.protocol import Timeout
 from outrider.protocol.messages import PROTOCOL_VERSION
 

@@ -269,8 +269,13 @@ def test_an_installed_third_party_backend_appears(request: pytest.FixtureRequest
     assert sdpa[2:] == ["yes", "bfloat16, float16", "16", "no", "no", *["yes"] * len(PHASES)]
     dense = rows["`example-dense`", "yes"].strip("| ").split(" | ")
     assert dense[2:] == ["yes", "float32, bfloat16, float16", "any", "no", "no", *["yes"] * 5]
+    # The package's own speculative plugin gets its column, after the tree's.
+    drafting = next(line for line in lines if line.startswith("| backend | routed by |"))
+    assert drafting.split(" | ")[2:] == [
+        "none", "dflash", "eagle3 chain", "eagle3 tree", "example-draft", "ngram", "standalone |"
+    ]  # fmt: skip
     verify = rows["`example-sdpa`", "`--verify-attention-backend`"].strip("| ").split(" | ")
-    assert verify[2:5] + verify[6:] == ["—", "yes", "yes", "yes", "yes"]  # but the tree
+    assert verify[2:5] + verify[6:] == ["—", "yes", "yes", "yes", "yes", "yes"]  # but the tree
     number = verify[5].removeprefix("no (").removesuffix(")")
     assert (
         f"{number}. `--verify-attention-backend`: eagle3 with --speculative-topk 2 verifies a "

@@ -1,6 +1,6 @@
 """Start-up checks that load nothing: daemon/processes/preflight.py (model, draft and key
-files) and the serve flags of access control in daemon/config.py (--socket-mode, the CURVE
-pair)."""
+files) and the serve flags of access control in daemon/frontdoor/flags.py (--socket-mode, the
+CURVE pair)."""
 
 from __future__ import annotations
 

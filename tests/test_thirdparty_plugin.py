@@ -225,3 +225,57 @@ def test_a_backend_on_the_public_surface_serves_the_engine(
     assert dense.facts.plugins["attention.verify"] == "example-dense"
     assert tokens_of(run(dense, requests)) == tokens_of(run(builtin, requests))
     assert dense.scheduler.counters() == builtin.scheduler.counters()
+
+
+def test_a_speculative_plugin_on_the_public_surface_is_lossless(
+    site: Path, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """example-draft (a draft model from the public building blocks) serves the target-only
+    greedy tokens, in the overlap loop and the serial one; with the target as its own draft,
+    nearly every draft is accepted, so it really drafts."""
+    pytest.importorskip("torch")
+    import torch
+    from engine_harness import engine_for, requests_for, run, tokens_of
+    from model_fixtures import save_tiny_model
+
+    monkeypatch.syspath_prepend(str(site))
+    root = tmp_path_factory.mktemp("draft")
+    with torch.no_grad():
+        save_tiny_model("llama", root / "target")
+        save_tiny_model("qwen2", root / "small")
+    target = str(root / "target")
+    prompts = [[3 + (5 * i + 3 * j) % 200 for j in range(4 + 5 * i)] for i in range(5)]
+    prompts += [[7, 8, 9, 10] * 6]  # a repetitive prompt
+    requests = requests_for(prompts, max_new_tokens=16)
+    expected = tokens_of(run(engine_for(target), requests))
+
+    small = engine_for(
+        target, speculative_algorithm="example-draft", draft_model=str(root / "small")
+    )
+    assert small.facts.plugins["speculative"] == "example-draft"
+    assert small.loop.runner.shape.width == 4
+    assert tokens_of(run(small, requests)) == expected
+
+    itself = engine_for(
+        target,
+        speculative_algorithm="example-draft",
+        draft_model=target,
+        speculative_num_draft_tokens=5,
+        page_size=4,
+        no_overlap=True,
+    )
+    assert tokens_of(run(itself, requests)) == expected
+    counters = itself.scheduler.counters()
+    # 5 tokens per verify, but for float32 near-ties between the draft's path and the target's
+    assert 1 + counters.spec_accepted_tokens / counters.spec_drafts > 4.8
+
+
+def test_the_speculative_plugin_is_listed(site: Path) -> None:
+    report = json.loads(_plugins_cmd(site, "--json"))
+    draft = {p["name"]: p for p in report["speculative"]}["example-draft"]
+    assert (draft["distribution"], draft["version"]) == ("outrider-example-plugin", "0.1.0")
+    assert draft["summary"].startswith("A small causal LM with the target's token ids")
+    assert draft["error"] is None
+    assert draft["capabilities"]["needs_draft_model"] is True
+    assert draft["capabilities"]["exact_draft_lengths"] is True
+    assert "example-draft  [outrider-example-plugin 0.1.0]" in _plugins_cmd(site)

@@ -15,10 +15,11 @@ import torch
 
 from outrider.daemon.bench.latency_io import LatencyRow
 from outrider.daemon.bench.roofline import read_bandwidth, weight_bytes
-from outrider.daemon.config import ServeConfig, torch_threads
+from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.timing import PhaseTimer, PhaseTimes
 from outrider.daemon.internal import TokenizedRequest, own_request
+from outrider.daemon.processes.placement import torch_threads
 from outrider.daemon.processes.ranks import start_leader, stop_leader
 from outrider.plugins.models.config import kv_bytes_per_token
 

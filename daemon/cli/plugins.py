@@ -22,9 +22,9 @@ from outrider.daemon.config import (
     ServeConfig,
     add_serve_arguments,
     resolve,
-    torch_threads,
 )
 from outrider.daemon.family import embedded_family
+from outrider.daemon.processes.placement import torch_threads
 from outrider.daemon.processes.preflight import preflight, resolve_plugins
 from outrider.daemon.processes.runtime import tcp_bind_problem
 from outrider.daemon.sampling_defaults import SamplingDefaults, resolve_sampling_defaults

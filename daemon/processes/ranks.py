@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from outrider.daemon.config import ConfigError, ServeConfig, ranks_per_node, torch_threads
+from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.processes.children import ChildDied
 from outrider.daemon.processes.logs import configure_logging
+from outrider.daemon.processes.placement import ranks_per_node, torch_threads
 from outrider.plugins.models.parallel import SINGLE, TPGroup, init_tensor_parallel
 
 if TYPE_CHECKING:

@@ -27,15 +27,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from outrider.daemon.config import (
-    CHILDREN_CORES,
-    EXIT_CONFIG,
-    ConfigError,
-    ServeConfig,
-    available_cpus,
-    ranks_per_node,
-    torch_threads,
-)
+from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
 from outrider.daemon.detokenizer import DetokenizerConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.family import embedded_family
@@ -64,6 +56,12 @@ from outrider.daemon.internal import (
     to_daemon_codec,
 )
 from outrider.daemon.processes.children import ChildDied, Children, ClientBindFailed
+from outrider.daemon.processes.placement import (
+    CHILDREN_CORES,
+    available_cpus,
+    ranks_per_node,
+    torch_threads,
+)
 from outrider.daemon.processes.preflight import preflight
 from outrider.daemon.processes.ranks import (
     LocalRanks,
