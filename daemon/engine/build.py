@@ -34,6 +34,7 @@ from outrider.daemon.engine.verify import SimulatedAcceptance, Verifier
 from outrider.daemon.internal import ModelFacts, SamplingSpec, own_request
 from outrider.daemon.processes.preflight import resolve_plugins
 from outrider.daemon.scheduler.drafting import AlternateDrafting, DraftPolicy
+from outrider.daemon.scheduler.drill import retract_drill
 from outrider.daemon.scheduler.finish import FinishChecker, TextDecoder
 from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.loop import EngineLoop
@@ -116,7 +117,6 @@ def build_engine(
                 max_pages_per_request=plan.max_pages,
                 chunked_prefill_tokens=config.chunked_prefill_tokens,
                 context_length=context_length,
-                retract_every=debug_knob("OUTRIDER_DEBUG_RETRACT_EVERY"),
                 prefix_margin_pages=runner.worker.prefix_margin_pages,
                 draft_state=shape.speculative and runner.worker.draft_state,
             ),
@@ -124,6 +124,7 @@ def build_engine(
             PrefixCache(plan.num_pages, page_size),
             FinishChecker(eos, context_length, decoder_factory),
             policy,
+            retract_drill(),
         )
 
     loop = EngineLoop(
