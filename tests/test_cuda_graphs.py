@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
@@ -17,7 +18,9 @@ from model_fixtures import VOCAB
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine import graphs as graphs_module
-from outrider.daemon.engine.build import Engine, _graph_settings, _speculative_plugin
+from outrider.daemon.engine.build import Engine
+from outrider.daemon.engine.drafting_setup import speculative_plugin
+from outrider.daemon.engine.graph_settings import graph_settings
 from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey, batch_buckets
 from outrider.daemon.engine.memory_plan import (
     CAPTURE_WORKSPACE_BYTES,
@@ -170,15 +173,15 @@ def test_graph_settings_take_the_kv_bound_from_the_capabilities(llama_dir: str) 
     config = ServeConfig(model=llama_dir, device="cuda", max_running=48, cuda_graph_max_bs=32)
     context = config.check_context("bfloat16", (9, 0))
     plugins = discover().resolve(context)
-    torch_settings = _graph_settings(config, plugins, _speculative_plugin(plugins))
+    torch_settings = graph_settings(config, plugins, speculative_plugin(plugins))
     assert torch_settings is not None  # the torch backend declares graph_kv_bound
     assert (torch_settings.max_bs, torch_settings.kv_bounded) == (32, True)
-    lengths_on_device = _graph_settings(config, _with_kv_bound(plugins, False), None)
+    lengths_on_device = graph_settings(config, _with_kv_bound(plugins, False), None)
     assert lengths_on_device is not None and not lengths_on_device.kv_bounded
     no_graphs = dataclasses.replace(config, disable_cuda_graph=True)
     on_cpu = dataclasses.replace(config, device="cpu")
-    assert _graph_settings(no_graphs, plugins, None) is None
-    assert _graph_settings(on_cpu, plugins, None) is None
+    assert graph_settings(no_graphs, plugins, None) is None
+    assert graph_settings(on_cpu, plugins, None) is None
 
 
 @pytest.mark.parametrize(
@@ -196,8 +199,8 @@ def test_graph_settings_count_the_drafts_vocabulary_rows(
         settings["draft_model"] = speculative_dirs[name]
     config = ServeConfig(model=speculative_dirs["target"], device="cuda", **settings)  # type: ignore[arg-type]
     plugins = discover().resolve(config.check_context("bfloat16", (9, 0)))
-    graph_settings = _graph_settings(config, plugins, _speculative_plugin(plugins))
-    assert graph_settings is not None and graph_settings.draft_rows == draft_rows
+    settings = graph_settings(config, plugins, speculative_plugin(plugins))
+    assert settings is not None and settings.draft_rows == draft_rows
 
 
 def test_start_keys_are_every_bucket_largest_first() -> None:
@@ -403,7 +406,7 @@ def test_start_captures_cover_the_served_batches(
     widths = (runner.shape.width,)  # the engine drafts every decode batch (engine_for)
     graphs = EagerGraphs(MAX_RUNNING, 272, 20, runner.slots.scratch_slot, widths=widths)
     runner.graphs = graphs
-    graphs.capture_all(runner.capture_graph, estimate=0)
+    graphs.capture_all(partial(runner.graph_steps.capture, graphs=graphs), estimate=0)
     assert list(graphs.runs) == graphs.start_keys()
     assert len(graphs.runs) == 9 * 4 * 2  # buckets 1 .. 8, 12 x KV 64, 128, 256, 272 x 2
     serve_batches_of_3_and_5(graphed)

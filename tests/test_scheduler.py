@@ -12,6 +12,7 @@ import pytest
 
 from outrider.daemon.engine.plan import SlotParams, StepOutput
 from outrider.daemon.internal import FinishInfo, RequestUpdate, SamplingSpec, TokenizedRequest
+from outrider.daemon.scheduler.drill import RetractDrill
 from outrider.daemon.scheduler.finish import FinishChecker
 from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.planner import Planned
@@ -36,9 +37,10 @@ def make(
     retract_every: int = 0,
 ) -> Scheduler:
     """A scheduler over ``pages`` usable pages of ``PAGE`` tokens."""
-    limits = SchedulerLimits(running, MAX_PAGES, chunk, 32, retract_every, margin)
+    limits = SchedulerLimits(running, MAX_PAGES, chunk, 32, prefix_margin_pages=margin)
     finish = FinishChecker(frozenset({EOS}), 32, None)
-    return Scheduler(limits, shape, PrefixCache(pages + 1, PAGE), finish)
+    drill = RetractDrill(retract_every) if retract_every else None
+    return Scheduler(limits, shape, PrefixCache(pages + 1, PAGE), finish, drill=drill)
 
 
 def request(rid: int, prompt: list[int], max_new: int = 8) -> TokenizedRequest:

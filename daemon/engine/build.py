@@ -1,6 +1,8 @@
 """Builds the in-process engine from a ``ServeConfig``: plugin checks, model, the start-up
-memory plan (memory_plan.py) and the KV pool it sizes, attention backends per phase, runner,
-scheduler, loop, graph captures, warm-up."""
+memory plan and the KV pool it sizes, attention backends per phase, runner, scheduler, loop,
+graph captures, warm-up. It wires; what is decided from the flags and the plugins is decided
+beside it: the memory plan (memory_plan.py), whether and how decode batches replay graphs
+(graph_settings.py), how the engine drafts (drafting_setup.py)."""
 
 from __future__ import annotations
 
@@ -9,57 +11,49 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
-import msgspec
 import torch
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine.accept import step_reservation
-from outrider.daemon.engine.cycle_cost import measure_break_even
+from outrider.daemon.engine.drafting_setup import adapts, drafting_policy, speculative_plugin
 from outrider.daemon.engine.follower import Follower
-from outrider.daemon.engine.graphs import DecodeGraphs, capture_progress
-from outrider.daemon.engine.memory_plan import (
-    GraphSettings,
-    MemoryPlan,
-    PlanInputs,
-    plan_memory,
+from outrider.daemon.engine.graph_settings import (
+    CYCLE_PHASES,
+    attention_caps,
+    decode_graphs,
+    graph_settings,
 )
+from outrider.daemon.engine.graphs import capture_progress
+from outrider.daemon.engine.memory_plan import MemoryPlan, PlanInputs, plan_memory
 from outrider.daemon.engine.ranks import RankChannel
-from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
 from outrider.daemon.engine.slots import SlotState
+from outrider.daemon.engine.verify import SimulatedAcceptance, Verifier
 from outrider.daemon.internal import ModelFacts, SamplingSpec, own_request
 from outrider.daemon.processes.preflight import resolve_plugins
-from outrider.daemon.scheduler.drafting import (
-    AdaptiveDrafting,
-    AdaptiveSettings,
-    AlternateDrafting,
-    BreakEven,
-    DraftPolicy,
-    FixedDrafting,
-)
+from outrider.daemon.scheduler.drafting import AlternateDrafting, DraftPolicy
+from outrider.daemon.scheduler.drill import retract_drill
 from outrider.daemon.scheduler.finish import FinishChecker, TextDecoder
 from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler
 from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
-from outrider.plugins.api import AttentionCapabilities, Phase, StepShape
+from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend
-from outrider.plugins.checks import SPECULATIVE_FLAG
 from outrider.plugins.debug import debug_knob
 from outrider.plugins.device import AttentionShape, KVCache
 from outrider.plugins.models.config import ModelConfig, kv_bytes_per_token, load_eos_ids, model_dir
 from outrider.plugins.models.loader import LoadProgress, load_model
 from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.registry import ResolvedPlugins
-from outrider.plugins.speculative.base import NoDraft, SpeculativeWorker, WorkerContext
+from outrider.plugins.speculative.base import NoDraft, WorkerContext
 
 log = logging.getLogger("outrider.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The phases a speculative decode step (its graph) runs.
-CYCLE_PHASES: tuple[Phase, ...] = ("verify", "draft_decode", "draft_extend")
 
 
 @dataclass
@@ -123,7 +117,6 @@ def build_engine(
                 max_pages_per_request=plan.max_pages,
                 chunked_prefill_tokens=config.chunked_prefill_tokens,
                 context_length=context_length,
-                retract_every=debug_knob("OUTRIDER_DEBUG_RETRACT_EVERY"),
                 prefix_margin_pages=runner.worker.prefix_margin_pages,
                 draft_state=shape.speculative and runner.worker.draft_state,
             ),
@@ -131,6 +124,7 @@ def build_engine(
             PrefixCache(plan.num_pages, page_size),
             FinishChecker(eos, context_length, decoder_factory),
             policy,
+            retract_drill(),
         )
 
     loop = EngineLoop(
@@ -139,11 +133,10 @@ def build_engine(
         overlap=config.overlap,
         check_kv=bool(debug_knob("OUTRIDER_DEBUG_KV_CHECK")),
     )
-    adaptive = shape.speculative and config.speculative_min_acceptance != 0
-    if adaptive:  # plain steps too, before READY
+    if adapts(config, shape):  # plain steps too, before READY
         loop.scheduler.use_policy(AlternateDrafting())
     _warm_up(loop)
-    policy = _drafting_policy(config, shape, loop, plan.pool_tokens)
+    policy = drafting_policy(config, shape, loop, plan.pool_tokens)
     _enable_debug_checks(runner)
     # Forget the warm-up's cache entries and counters.
     loop.scheduler = new_scheduler(policy)
@@ -210,7 +203,7 @@ def _build_runner(
     plugins = resolve_plugins(config, dtype_name, capability)  # what plugins --check resolves
     device = torch.device(config.device)
     context_length = config.context_length or model_config.max_position_embeddings
-    speculative = _speculative_plugin(plugins)
+    speculative = speculative_plugin(plugins)
     shape = plugins.shape
     reservation = step_reservation(shape.kv_span, shape.max_commit, config.page_size)
     model, model_config = load_model(
@@ -226,7 +219,7 @@ def _build_runner(
     def agreed(value: int) -> int:  # sizes from each rank's free memory: the smallest
         return value if channel is None else channel.agree_min(value)
 
-    graph_settings = _graph_settings(config, plugins, speculative)
+    graphing = graph_settings(config, plugins, speculative)
     inputs = PlanInputs(
         config=config,
         model=model_config,
@@ -236,7 +229,7 @@ def _build_runner(
         context_length=context_length,
         reservation=reservation,
         width=shape.width,
-        graphs=graph_settings,
+        graphs=graphing,
         free_bytes=_free_bytes(config.device),
     )
     plan = plan_memory(inputs, agreed)
@@ -290,9 +283,9 @@ def _build_runner(
         else NoDraft(worker_context)
     )
     backends = _backends(plugins, attention_shape, device)
-    adaptive = shape.speculative and config.speculative_min_acceptance != 0
-    graphs = _decode_graphs(
-        graph_settings,
+    adaptive = adapts(config, shape)
+    graphs = decode_graphs(
+        graphing,
         plan,
         vocab_limit,
         config.max_running,
@@ -300,21 +293,24 @@ def _build_runner(
         worker.deferred_positions,
         unfed_plain=adaptive and worker.draft_state,
     )
+    mean = config.speculative_simulate_acceptance  # benchmarks: dummy weights
+    simulated = SimulatedAcceptance(mean, shape, device) if mean else None
+    verifier = Verifier(shape, kv, slots, vocab_limit, device, simulated)
     runner = ModelRunner(
-        model, kv, backends, slots, worker, shape, limits, device,
-        simulate_acceptance=config.speculative_simulate_acceptance, graphs=graphs,
-        exact_cycle_lengths=any(_attention_caps(plugins, p).host_plans for p in CYCLE_PHASES),
+        model, kv, backends, slots, worker, shape, limits, verifier, device, graphs=graphs,
+        exact_cycle_lengths=any(attention_caps(plugins, p).host_plans for p in CYCLE_PHASES),
         draft_backends=draft_backends,
     )  # fmt: skip
     # NOTE: captures and warm-up compile kernels (JIT backends, CUDA graphs), and compilers
     # synchronise: the sync check starts after them. Every rank captures the same keys in
     # the same order (their forwards' collectives pair up).
     if graphs is not None:
+        catch_ups = runner.catch_ups
         graphs.capture_all(
-            runner.capture_graph,
+            partial(runner.graph_steps.capture, graphs=graphs),
             plan.graph_estimate,
             capture_progress(),
-            runner.capture_catch_up if runner.deferred is not None else None,
+            partial(catch_ups.capture, graphs=graphs) if catch_ups is not None else None,
         )
     return _Built(
         runner=runner,
@@ -331,99 +327,6 @@ def _enable_debug_checks(runner: ModelRunner) -> None:
     runner.enable_sync_check(bool(debug_knob("OUTRIDER_DEBUG_SYNC_CHECK")))
     if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
         runner.slots.enable_relay_check()
-
-
-def _drafting_policy(
-    config: ServeConfig, shape: StepShape, loop: EngineLoop, pool_tokens: int
-) -> DraftPolicy:
-    """Whether decode batches draft (``--speculative-min-acceptance``; scheduler/drafting.py);
-    a negative value measures the break-even with ``loop`` (cycle_cost.py)."""
-    tau = config.speculative_min_acceptance
-    if not shape.speculative or tau == 0:
-        return FixedDrafting()
-    break_even = BreakEven.fixed(tau) if tau > 0 else measure_break_even(loop, shape, pool_tokens)
-    return AdaptiveDrafting(AdaptiveSettings(break_even))
-
-
-@dataclass(frozen=True)
-class _Speculative:
-    worker_class: type[SpeculativeWorker]
-    options: msgspec.Struct
-
-
-def _speculative_plugin(plugins: ResolvedPlugins) -> _Speculative | None:
-    """The resolved speculative plugin's worker class and options."""
-    if plugins.speculative is None:
-        return None
-    spec = plugins.speculative.spec
-    worker_class = spec.load()
-    if not (isinstance(worker_class, type) and issubclass(worker_class, SpeculativeWorker)):
-        raise ConfigError(
-            f"{SPECULATIVE_FLAG} {spec.name}: {spec.implementation} is not a SpeculativeWorker"
-        )
-    return _Speculative(worker_class, plugins.speculative.options)
-
-
-def _graph_settings(
-    config: ServeConfig, plugins: ResolvedPlugins, speculative: _Speculative | None
-) -> GraphSettings | None:
-    """Whether decode batches replay CUDA graphs (the device, the flags and every backend a
-    decode batch runs allow them) and how they are keyed; None: they run eagerly.
-    ``speculative``: the resolved plugin's loaded worker (``_speculative_plugin``)."""
-    if config.device != "cuda" or config.disable_cuda_graph:
-        return None
-    if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
-        return None  # the relay check syncs inside the step
-    phases: tuple[Phase, ...] = ("decode",)
-    if plugins.shape.speculative:
-        phases = CYCLE_PHASES
-    caps = [_attention_caps(plugins, phase) for phase in phases]
-    lacking = {
-        plugins.attention[phase].spec.name
-        for phase, cap in zip(phases, caps, strict=True)
-        if not cap.cuda_graphs
-    }
-    if lacking:
-        log.info("decode batches run eagerly: %s declares no CUDA graphs", ", ".join(lacking))
-        return None
-    return GraphSettings(
-        max_bs=min(config.cuda_graph_max_bs, config.max_running),
-        kv_bounded=any(cap.graph_kv_bound for cap in caps),
-        draft_rows=(speculative.worker_class.draft_logit_rows(plugins.shape) if speculative else 0),
-    )
-
-
-def _decode_graphs(
-    settings: GraphSettings | None,
-    plan: MemoryPlan,
-    vocab_limit: int,
-    max_running: int,
-    widths: tuple[int, ...],
-    catch_up_capacity: int,
-    *,
-    unfed_plain: bool,
-) -> DecodeGraphs | None:
-    """CUDA graphs for decode batches (``max_running`` is the scratch slot) of each row width
-    (and plain steps of unfed rows: ``unfed_plain``), and for catch-ups of
-    ``catch_up_capacity`` positions a slot (0: none); None: eager."""
-    if settings is None:
-        return None
-    return DecodeGraphs(
-        plan.graph_max_bs,
-        plan.graph_max_kv,
-        min(MAX_LOGPROBS, vocab_limit),
-        max_running,
-        kv_bounded=settings.kv_bounded,
-        widths=widths,
-        catch_up_capacity=catch_up_capacity,
-        unfed_plain=unfed_plain,
-    )
-
-
-def _attention_caps(plugins: ResolvedPlugins, phase: Phase) -> AttentionCapabilities:
-    caps = plugins.attention[phase].spec.attention
-    assert caps is not None, "the registry admits attention specs with capabilities"
-    return caps
 
 
 def _backends(

@@ -1,5 +1,6 @@
 """The host's side of deferred catch-up (plugins/speculative/deferred.py): how many positions
-each slot's plain steps have buffered, and which slots catch up before a plan runs.
+each slot's plain steps have buffered, which slots catch up before a plan runs, and the staging
+of a catch-up batch's index arrays. catch_up.py runs the batches.
 
 A slot catches up, in one batch queued before the plan's own work:
 - when the plan drafts for it (its draft must be current before drafting);
@@ -9,32 +10,22 @@ A slot catches up, in one batch queued before the plan's own work:
   and a later hit reads the draft's KV there. The slot's relay and request-table row still hold
   the ended request's: the catch-up runs before the plan writes anything.
 
-An EXTEND starts a slot afresh: positions it still holds are dropped, on the host and on the
-device (the runner clears the slot's buffer), not caught up. Only slots whose end no plan
-reported hold any: the warm-up's and the start-up timing's, whose scheduler (and prefix cache)
-the engine replaces before READY; their pages may belong to other requests by then. An EXTEND
-batch whose rows all end their prompts, each in at most ``capacity`` tokens (a prefix hit's
-remainder, a short prompt), buffers its positions too (``buffers``) instead of running the
-draft over them: the draft catches up on them with the plain steps after, in one batch.
-
-A slot whose request does not feed the draft (``StepPlan.unfed``) buffers nothing the host
-counts and never catches up: what it had buffered is dropped (the device's count and entries
-stay until the slot's next EXTEND clears them, and nothing reads them).
-
-Every count is exact on the host: a plain step buffers one position a row, an EXTEND starts a
-slot afresh (with its chunk's positions, or none), a catch-up empties it. A tensor-parallel
-rank makes the same decisions from the same plans.
-
-Under CUDA graphs a small batch replays a captured catch-up (graphs.py): its rows padded to a
-bucket of lengths and its row count to a bucket, which needs every row's committed length to
-be at least the row length (the padding sits before the buffered positions). The host keeps a
-floor under each slot's length for that: the end of its last prompt chunk plus a token for
-every decode step since. A row whose whole request is buffered (a short prompt and its plain
-steps) is about as long as its count and seldom reaches the length its count pads to; such a
-batch replays in two pieces (``split``): first each such row's oldest entries, exactly a
-length of the buckets, which end before the rest and so sit after at least that many
-positions; then every row's remaining entries. The draft's state after both is the one
-catch-up's: each piece runs causally after what came before it.
+Invariants:
+- Every count is exact on the host: a plain step buffers one position a row, an EXTEND starts a
+  slot afresh (with its chunk's positions, or none), a catch-up empties it. Tensor-parallel
+  ranks make the same decisions from the same plans.
+- An EXTEND drops what its slots still hold, on the host and on the device (the runner clears
+  the slot's buffer). Only slots whose end no plan reported hold any then: the warm-up's and the
+  start-up timing's, whose scheduler (and prefix cache) the engine replaces before READY. An
+  EXTEND batch whose rows all end their prompts within ``capacity`` tokens buffers its positions
+  instead of running the draft over them (``buffers``).
+- A slot whose request does not feed the draft (``StepPlan.unfed``) buffers nothing the host
+  counts and never catches up (the device's entries stay until its next EXTEND clears them,
+  unread).
+- A batch replayed from a captured catch-up graph has its rows padded to a length bucket, the
+  padding before the buffered positions, so every row's committed length must be at least the
+  padded length: the host keeps a floor under it (``kv_floor``). Rows too short for that
+  replay in two pieces (``split``), each causally after what came before it.
 """
 
 from __future__ import annotations

@@ -204,10 +204,11 @@ class DecodeGraphs:
         progress: CaptureProgress | None = None,
         capture_catch_up: Callable[[CatchUpKey], None] | None = None,
     ) -> CaptureSet:
-        """Capture every key of ``start_keys`` not captured yet with ``capture`` (the runner's
-        ``capture_graph``), then every catch-up key with ``capture_catch_up``, log the set in
-        one line, and warn when the graphs kept more memory than ``estimate``
-        (``MemoryPlan.graph_estimate``, which the KV pool was sized around)."""
+        """Capture every key of ``start_keys`` not captured yet with ``capture``
+        (``GraphSteps.capture``), then every catch-up key with ``capture_catch_up``
+        (``CatchUpRunner.capture``), log the set in one line, and warn when the graphs kept
+        more memory than ``estimate`` (``MemoryPlan.graph_estimate``, which the KV pool was
+        sized around)."""
         keys = [key for key in self.start_keys() if key not in self.graphs]
         runs = [partial(capture, key) for key in keys]
         catch_ups = 0

@@ -9,7 +9,8 @@ were waited for (the loop processes n before it plans n + 2).
 
 A decode batch's tokens, positions and KV lengths come from the relay on the device, not from
 the host: for it ``input_ids``, ``positions`` and ``seq_lens`` are filled in place by the runner
-and their host values are empty.
+and their host values are empty. A forward over a step's inputs reads them through a
+``BatchLayout`` (``batch_layout``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from outrider.daemon.engine.plan import StepPlan
+from outrider.plugins.device import BatchLayout, HostLengths, flat_kv_index
 
 T = TypeVar("T")
 Per = Literal["token", "row", "page"]
@@ -113,6 +115,41 @@ def host_values(plan: StepPlan, *, poison_released: bool) -> StepInputs[np.ndarr
         released_slots=np.asarray(plan.released_slots if poison_released else [], np.int64),
         page_writes=np.asarray(plan.page_writes, dtype=np.int64),
         page_values=np.asarray(plan.page_values, dtype=np.int32),
+    )
+
+
+def batch_layout(
+    plan: StepPlan,
+    inputs: StepInputs[torch.Tensor],
+    page_table: torch.Tensor,
+    page_size: int,
+    kv_positions: torch.Tensor,
+    max_kv: int,
+    starts: tuple[int, ...] | None,
+    tree_mask: torch.Tensor | None = None,
+) -> BatchLayout:
+    """The layout of a forward over ``inputs``: token ``i``'s K/V goes to its row's position
+    ``kv_positions[i]``; ``starts``: the rows' exact starts, where the host has them
+    (``KnownStarts``, slots.py)."""
+    host = None
+    if starts is not None:
+        ends = tuple(start + q for start, q in zip(starts, plan.q_lens, strict=True))
+        host = HostLengths(tuple(plan.q_lens), ends)
+    out_loc = flat_kv_index(page_table, inputs.token_slots, kv_positions.reshape(-1), page_size)
+    return BatchLayout(
+        page_table=page_table,
+        page_size=page_size,
+        slots=inputs.slots,
+        positions=inputs.positions,
+        out_loc=out_loc,
+        q_start=inputs.q_start,
+        seq_lens=inputs.seq_lens,
+        q_pad_index=inputs.q_pad_index,
+        bs=plan.bs,
+        max_q=max(plan.q_lens),
+        max_kv=max_kv,
+        tree_mask=tree_mask,
+        host=host,
     )
 
 

@@ -38,7 +38,8 @@ class StepPlan(Struct, array_like=True, frozen=True):
     slot_params: list[SlotParams]
     max_logprobs: int
     all_greedy: bool
-    # Slots released since the previous plan (debug: their relay rows are poisoned).
+    # Slots released since the previous plan: their deferred catch-ups run before this plan
+    # (engine/deferred.py); under the relay check (debug) their relay rows are poisoned.
     released_slots: list[int] = []
     # EXTEND: per row, the token after its chunk when the host knows it (0 where the chunk
     # ends the prompt: that token is sampled on the device).

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from outrider.daemon.engine.plan import StepOutput, StepPlan
+from outrider.plugins.sampling import SampleResult
 
 MAX_LOGPROBS = 20
 
@@ -26,6 +27,17 @@ class StepResults:
     logprob: torch.Tensor  # [n, m] float32
     top_ids: torch.Tensor  # [n, m, k] int64
     top_logprobs: torch.Tensor  # [n, m, k] float32
+
+    @classmethod
+    def one_a_row(cls, out: SampleResult, commit_lens: torch.Tensor | None) -> StepResults:
+        """``out``'s draws, one committed token a row (m = 1)."""
+        return cls(
+            tokens=out.tokens.unsqueeze(1),
+            commit_lens=commit_lens,
+            logprob=out.logprob.unsqueeze(1),
+            top_ids=out.top_ids.unsqueeze(1),
+            top_logprobs=out.top_logprobs.unsqueeze(1),
+        )
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,29 @@ class HostStarts:
             self.copied.synchronize()
         values: list[int] = self.host[slots].tolist()
         return values
+
+
+@dataclass(frozen=True)
+class KnownStarts:
+    """The rows' exact starts where the host knows them, for backends that plan on the host
+    (``HostLengths``): prompt chunks, and plain decode (whose ``starts`` are exact: every step
+    commits one token a row). A speculative cycle's starts (the accepted lengths) exist only on
+    the device: the host has them only by waiting for the previous cycle (``copies``)."""
+
+    speculative: bool
+    cuda: bool
+    copies: HostStarts | None  # exact cycle lengths: the relay's starts after each launch
+
+    def of_plan(self, plan: StepPlan) -> tuple[int, ...] | None:
+        """``plan``'s rows' starts, or None; None under a graph's capture, which must not wait
+        (its backends were planned beforehand)."""
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        if plan.kind == "decode" and self.speculative:
+            return None if self.copies is None else tuple(self.copies.read(plan.slots))
+        return tuple(plan.starts)
+
+    def of_slots(self, slots: list[int]) -> list[int] | None:
+        """The exact starts of ``slots`` where a backend plans on the host (the first read
+        waits for the previous step), else None."""
+        return None if self.copies is None else self.copies.read(slots)

@@ -11,6 +11,7 @@ import torch
 from outrider.daemon.engine.accept import accept_chain, accept_sampled, accept_tree
 from outrider.daemon.engine.inputs import StepInputs
 from outrider.daemon.engine.plan import StepPlan
+from outrider.daemon.engine.results import StepResults
 from outrider.daemon.engine.slots import RelayRows, SlotState
 from outrider.plugins.api import StepShape
 from outrider.plugins.device import KVCache, flat_kv_index
@@ -36,6 +37,20 @@ class Verified:
         """[bs, max_commit]: committed token ``j`` is the choice at node ``path[:, j]``."""
         return self.choices.gather(1, self.path)
 
+    def results(self, committed: torch.Tensor) -> StepResults:
+        """The step's results: ``committed`` (``committed()``) with the logprobs of the nodes
+        along the path."""
+        out, path = self.sampled, self.path
+        (bs, width), max_commit, k = self.choices.shape, path.shape[1], out.top_ids.shape[-1]
+        node = path.unsqueeze(2).expand(bs, max_commit, k)
+        return StepResults(
+            tokens=committed,
+            commit_lens=self.commit_lens,
+            logprob=out.logprob.view(bs, width).gather(1, path),
+            top_ids=out.top_ids.view(bs, width, k).gather(1, node),
+            top_logprobs=out.top_logprobs.view(bs, width, k).gather(1, node),
+        )
+
 
 class Verifier:
     def __init__(
@@ -45,17 +60,15 @@ class Verifier:
         slots: SlotState,
         vocab_limit: int,
         device: torch.device,
-        simulate_acceptance: float = 0.0,
+        simulated: SimulatedAcceptance | None = None,
     ) -> None:
-        """``simulate_acceptance`` (debug, > 0): see ``SimulatedAcceptance``."""
+        """``simulated`` (benchmarks): commit lengths drawn instead of accepted."""
         self.shape = shape
         self.kv = kv
         self.slots = slots
         self.vocab_limit = vocab_limit
         self.offsets = torch.arange(shape.width, device=device)  # [W]
-        self.simulated = (
-            SimulatedAcceptance(simulate_acceptance, shape, device) if simulate_acceptance else None
-        )
+        self.simulated = simulated
 
     def verify(
         self,

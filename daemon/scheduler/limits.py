@@ -11,7 +11,6 @@ class SchedulerLimits:
     max_pages_per_request: int
     chunked_prefill_tokens: int
     context_length: int
-    retract_every: int = 0  # debug: retract the youngest running request every N plans
     prefix_margin_pages: int = 0  # last pages of a prefix hit recomputed (speculative drafts)
     # The draft keeps state over the context (its own KV): requests may not feed it
     # (``Request.fed``, drafting.py).

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from outrider.daemon.engine.plan import SlotParams, StepPlan
 from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.drafting import DraftPolicy
+from outrider.daemon.scheduler.drill import RetractDrill
 from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.pages import PageDelta, PageManager
 from outrider.daemon.scheduler.request import Request
@@ -48,11 +49,14 @@ class Planner:
         pages: PageManager,
         slots: SlotTable,
         policy: DraftPolicy,
+        drill: RetractDrill | None = None,
     ) -> None:
-        """``policy``: whether a speculative engine's decode batch drafts."""
+        """``policy``: whether a speculative engine's decode batch drafts; ``drill`` (debug):
+        retractions on a schedule (drill.py)."""
         self.limits = limits
         self.shape = shape
         self.policy = policy
+        self.drill = drill
         self.admission = admission
         self.pages = pages
         self.slots = slots
@@ -61,8 +65,8 @@ class Planner:
     def next_plan(self) -> Planned | None:
         """The next batch: extend work first, else a decode batch; None when idle."""
         self._plans += 1
-        every, running = self.limits.retract_every, self.admission.running
-        if every and self._plans % every == 0 and len(running) > 1:
+        running = self.admission.running
+        if self.drill is not None and self.drill.due(self._plans) and len(running) > 1:
             self.admission.retract(running[-1])
         return self._extend() or self._decode()
 

@@ -12,7 +12,7 @@ and apply their results. It composes small parts, one concern each:
 | ``SchedulerStats``  | counters.py  | finishes and speculative acceptance                       |
 
 A request's counters and the KV index ranges they delimit: request.py. The sizes the parts
-are built with: limits.py.
+are built with: limits.py. Debug drills the planner runs on demand: drill.py.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from outrider.daemon.internal import Counters, RequestUpdate, TokenizedRequest
 from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.counters import SchedulerStats
 from outrider.daemon.scheduler.drafting import DraftPolicy, FixedDrafting
+from outrider.daemon.scheduler.drill import RetractDrill
 from outrider.daemon.scheduler.finish import Finish, FinishChecker
 from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.outputs import OutputProcessor
@@ -46,15 +47,19 @@ class Scheduler:
         cache: PrefixCache,
         finish: FinishChecker,
         policy: DraftPolicy | None = None,
+        drill: RetractDrill | None = None,
     ) -> None:
         """``shape``: the runner's step shape (``NO_DRAFT`` without speculation);
-        ``policy``: whether a decode batch drafts (default: always, when speculative)."""
+        ``policy``: whether a decode batch drafts (default: always, when speculative);
+        ``drill`` (debug): retractions on a schedule (drill.py)."""
         self.cache = cache
         self.policy = policy if policy is not None else FixedDrafting()
         self.slots = SlotTable(limits.max_running)
         self.pages = PageManager(cache, limits.max_pages_per_request, limits.prefix_margin_pages)
         self.admission = Admission(self.slots, self.pages, shape)
-        self.planner = Planner(limits, shape, self.admission, self.pages, self.slots, self.policy)
+        self.planner = Planner(
+            limits, shape, self.admission, self.pages, self.slots, self.policy, drill
+        )
         self.stats = SchedulerStats(shape)
         self.outputs = OutputProcessor(shape, finish, self.admission, self.stats, self.policy)
 

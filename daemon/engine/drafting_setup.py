@@ -1,0 +1,64 @@
+"""How an engine drafts, from the serve flags and the resolved speculative plugin: the worker
+class the plugin loads, whether the drafting policy chooses per batch (plain steps run too),
+and the policy the scheduler serves with (scheduler/drafting.py), whose break-even may be
+measured on the warmed-up loop (cycle_cost.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from outrider.daemon.config import ConfigError, ServeConfig
+from outrider.daemon.engine.cycle_cost import measure_break_even
+from outrider.daemon.scheduler.drafting import (
+    AdaptiveDrafting,
+    AdaptiveSettings,
+    BreakEven,
+    DraftPolicy,
+    FixedDrafting,
+)
+from outrider.daemon.scheduler.loop import EngineLoop
+from outrider.plugins.api import StepShape
+from outrider.plugins.checks import SPECULATIVE_FLAG
+from outrider.plugins.registry import ResolvedPlugins
+from outrider.plugins.speculative.base import SpeculativeWorker
+
+
+@dataclass(frozen=True)
+class SpeculativePlugin:
+    """The resolved speculative plugin, loaded: its worker class and options."""
+
+    worker_class: type[SpeculativeWorker]
+    options: msgspec.Struct
+
+
+def speculative_plugin(plugins: ResolvedPlugins) -> SpeculativePlugin | None:
+    """The resolved speculative plugin's worker class and options; None: no speculation."""
+    if plugins.speculative is None:
+        return None
+    spec = plugins.speculative.spec
+    worker_class = spec.load()
+    if not (isinstance(worker_class, type) and issubclass(worker_class, SpeculativeWorker)):
+        raise ConfigError(
+            f"{SPECULATIVE_FLAG} {spec.name}: {spec.implementation} is not a SpeculativeWorker"
+        )
+    return SpeculativePlugin(worker_class, plugins.speculative.options)
+
+
+def adapts(config: ServeConfig, shape: StepShape) -> bool:
+    """Whether the drafting policy chooses per batch (``--speculative-min-acceptance`` not 0
+    on a speculative engine): decode batches then run plain steps too."""
+    return shape.speculative and config.speculative_min_acceptance != 0
+
+
+def drafting_policy(
+    config: ServeConfig, shape: StepShape, loop: EngineLoop, pool_tokens: int
+) -> DraftPolicy:
+    """Whether decode batches draft (``--speculative-min-acceptance``; scheduler/drafting.py);
+    a negative value measures the break-even with ``loop`` (cycle_cost.py)."""
+    if not adapts(config, shape):
+        return FixedDrafting()
+    tau = config.speculative_min_acceptance
+    break_even = BreakEven.fixed(tau) if tau > 0 else measure_break_even(loop, shape, pool_tokens)
+    return AdaptiveDrafting(AdaptiveSettings(break_even))
