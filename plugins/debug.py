@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 DEBUG_KNOBS: dict[str, str] = {
     "OUTRIDER_DEBUG_KV_CHECK": "run the KV integrity check after every step (tests)",
-    "OUTRIDER_DEBUG_RETRACT_EVERY": "retract the youngest running request every N steps",
+    "OUTRIDER_DEBUG_RETRACT_EVERY": "retract the youngest running request every N scheduler plans",
     "OUTRIDER_DEBUG_SYNC_CHECK": "raise on any host synchronisation inside a step (CUDA)",
     "OUTRIDER_DEBUG_TORCH_KERNELS": (
         "run norms, rotary and activations as plain torch ops where FlashInfer's fused "
