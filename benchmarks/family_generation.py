@@ -52,7 +52,8 @@ import torch
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.family import Family, embedded_family
-from outrider.daemon.internal import SamplingSpec, TokenizedRequest
+from outrider.daemon.internal import TokenizedRequest
+from outrider.plugins.sampling_spec import SamplingSpec
 
 PROMPTS_FILE = "heldout_prompts.jsonl"
 LOOP_NGRAM = 4

@@ -27,7 +27,8 @@ from request_turns import held_out_prompts, label_turns
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
-from outrider.daemon.internal import SamplingSpec, own_request
+from outrider.daemon.internal import own_request
+from outrider.plugins.sampling_spec import SamplingSpec
 
 
 def build(device: str, engine: str) -> Engine:

@@ -23,7 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.family import embedded_family
-from outrider.daemon.internal import SamplingSpec, own_request
+from outrider.daemon.internal import own_request
+from outrider.plugins.sampling_spec import SamplingSpec
 
 PROMPT = [5, 6, 7, 8] * 8
 OUT_OF_REACH = 100.0  # an acceptance length no draft reaches

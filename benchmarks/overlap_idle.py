@@ -40,8 +40,9 @@ from torch.profiler import ProfilerActivity, profile
 from outrider.daemon.config import add_serve_arguments, resolve
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.family import embedded_family
-from outrider.daemon.internal import SamplingSpec, own_request
+from outrider.daemon.internal import own_request
 from outrider.daemon.tokenizer import load_tokenizer
+from outrider.plugins.sampling_spec import SamplingSpec
 
 PROMPTS_FILE = "heldout_prompts.jsonl"
 

@@ -28,7 +28,8 @@ from transformers import AutoTokenizer
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.internal import SamplingSpec, own_request
+from outrider.daemon.internal import own_request
+from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.plugins.speculative.deferred import DeferredRows
 
 PROMPTS_FILE = "heldout_prompts.jsonl"

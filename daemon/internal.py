@@ -15,20 +15,13 @@ from typing import Any, Literal
 
 from msgspec import Struct
 
+from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.protocol.frames import FrameCodec
 from outrider.protocol.messages import ErrorCode, FinishReason, TokenLogprob, Usage
 
 FAMILY_TO_DAEMON = 3
 FAMILY_OUTPUTS = 4
 FAMILY_CONTROL = 5
-
-
-class SamplingSpec(Struct, array_like=True, frozen=True, gc=False):
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k
-    seed: int = 0
-    logprobs: int = 0  # top-n alternatives; 0 = none
 
 
 class TokenizedRequest(Struct, array_like=True, tag=1, frozen=True):

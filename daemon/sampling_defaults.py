@@ -9,27 +9,26 @@ gets. The daemon resolves them once, before it spawns or loads anything, from
   ``max_new_tokens``, ``min_p``, ...) are ignored, and named in the log.
 - ``none``, or ``auto`` without the file: Outrider's own, temperature 1.0, top_p 1.0, top_k 0.
 
-A file that cannot be used (not JSON, a value of the wrong type or out of the bounds a request
-has) stops the start with a ``ConfigError`` naming ``--generation-config``.
+The file's values decode as a request's do (protocol/messages.py) and are resolved by the same
+``resolve_sampling`` (plugins/sampling_spec.py). A file that cannot be used (not JSON, a value
+of the wrong type or out of the bounds a request has) stops the start with a ``ConfigError``
+naming ``--generation-config``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
 import msgspec
-from msgspec import Meta
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.plugins.models.config import model_dir
-from outrider.protocol.messages import MAX_TOKEN_ID
+from outrider.plugins.sampling_spec import SamplingError, SamplingSpec, resolve_sampling
+from outrider.protocol.messages import Temperature, TopK, TopP
 
 GENERATION_CONFIG_FLAG = "--generation-config"
 GENERATION_CONFIG_FILE = "generation_config.json"
-MIN_TEMPERATURE = 1e-5
-MAX_TEMPERATURE = 100.0
 
 # generation_config.json keys that do not change what is sampled: token ids (the EOS set is
 # read by the model loader), output switches and bookkeeping. Any other key but the ones read
@@ -62,6 +61,11 @@ class SamplingDefaults:
     source: str = "Outrider's defaults"
     ignored: tuple[str, ...] = ()  # keys of the file that Outrider does not implement
 
+    @property
+    def sampling(self) -> SamplingSpec:
+        """The defaults as the values ``resolve_sampling`` fills in."""
+        return SamplingSpec(self.temperature, self.top_p, self.top_k)
+
     def describe(self) -> str:
         """One line for the start-up log: the values, their source, the keys ignored."""
         ignored = f"; ignored, not implemented: {', '.join(self.ignored)}" if self.ignored else ""
@@ -78,9 +82,9 @@ class _GenerationFile(msgspec.Struct):
     """The keys of generation_config.json read here; null is the same as absent."""
 
     do_sample: bool | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
 
 
 _KNOWN_KEYS = frozenset(_GenerationFile.__struct_fields__) | _NOT_SAMPLING
@@ -113,19 +117,18 @@ def read_generation_config(path: Path) -> SamplingDefaults:
         given = msgspec.convert(raw, _GenerationFile)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    outrider = OUTRIDER_DEFAULTS
-    temperature = outrider.temperature if given.temperature is None else given.temperature
-    if given.do_sample is False or temperature <= 0.0:  # -0.0 decodes too
-        temperature = 0.0
-    if 0.0 < temperature < MIN_TEMPERATURE:
-        raise ConfigError(
-            f"{where}: temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
-            f"{MAX_TEMPERATURE:g}], got {temperature!r}"
+    # As Hugging Face's generate: do_sample false is greedy, whatever the temperature.
+    temperature = 0.0 if given.do_sample is False else given.temperature
+    try:
+        sampling = resolve_sampling(
+            temperature, given.top_p, given.top_k, defaults=OUTRIDER_DEFAULTS.sampling, seed=0
         )
+    except SamplingError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     return SamplingDefaults(
-        temperature=temperature,
-        top_p=outrider.top_p if given.top_p is None else given.top_p,
-        top_k=outrider.top_k if given.top_k is None else given.top_k,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
         source=f"from {path}",
         ignored=tuple(sorted(k for k, v in raw.items() if v is not None and k not in _KNOWN_KEYS)),
     )

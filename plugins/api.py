@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from outrider.plugins.sampling_spec import SamplingSpec
+
 API_VERSION = 1
 
 # The public surface for plugin packages, covered by API_VERSION (a test holds the example
@@ -30,6 +32,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     # The device surface: forward batches and their layouts, the paged KV cache, sampling.
     "outrider.plugins.device",
     "outrider.plugins.sampling",
+    "outrider.plugins.sampling_spec",
     # The typed table of debug knobs the building blocks read.
     "outrider.plugins.debug",
     # Attention backends: the base class, and the reference backend a backend may extend.
@@ -149,7 +152,10 @@ NO_DRAFT = StepShape(width=1, depth=0, topk=1)
 
 @dataclass(frozen=True)
 class RequestFacts:
-    """What a plugin's ``check_request`` may look at: one validated request, no tokens."""
+    """What a plugin's ``check_request`` may look at: one validated request, no tokens.
+
+    Its fields are plugin API, read and built by plugins (and their tests); the front door
+    builds it with ``from_sampling``."""
 
     temperature: float
     top_p: float
@@ -157,6 +163,20 @@ class RequestFacts:
     logprobs: int
     has_stop_strings: bool
     prompt_tokens: int
+
+    @classmethod
+    def from_sampling(
+        cls, sampling: SamplingSpec, *, has_stop_strings: bool, prompt_tokens: int
+    ) -> RequestFacts:
+        """The facts of a request admitted with ``sampling`` (all but its seed)."""
+        return cls(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            logprobs=sampling.logprobs,
+            has_stop_strings=has_stop_strings,
+            prompt_tokens=prompt_tokens,
+        )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""On-device token sampling with counter-based randomness (ARCHITECTURE.md 4.4).
+"""On-device token sampling with counter-based randomness (ARCHITECTURE.md 4.4), from a
+``SamplingBatch``: the per-row device form of the rows' ``SamplingSpec`` (sampling_spec.py).
 
 Rule, per row: greedy rows (``temperature == 0``) take the argmax of the raw logits, ties to
 the lowest id. Sampled rows divide by the temperature, keep the ``top_k`` largest (0 = all),
@@ -13,37 +14,32 @@ so a request's draws do not depend on which rows share its batch, their order, o
 retraction, CUDA graphs or the device. ``draw`` separates independent uses at one position
 (speculative verification draws an acceptance uniform and a residual sample there).
 
-Hash construction (all on int64 tensors holding 32-bit words, no overflow anywhere):
+Invariants of the hash (statistical quality, not cryptography):
 
-- ``_mix32``: a 32-bit bijective mixer ``x ^= x >> 16; x *= C1; x ^= x >> 15; x *= C2;
-  x ^= x >> 15`` (mod 2^32). The multipliers are below 2^31, so ``x * C < 2^63`` fits a
-  signed int64 exactly and ``& 0xFFFFFFFF`` is the reduction mod 2^32; shifts act on
-  non-negative values only. Nothing relies on signed wrap-around.
-- Row key (once per row, on [n] tensors): two 32-bit lanes, each started from its own
-  constant mixed with ``draw`` on the host, then absorbing ``seed_lo, seed_hi,
-  position mod 2^32`` as ``k = mix(k ^ word)``. Two lanes make a 64-bit key, so distinct
-  (seed, position, draw) share a whole row of uniforms with probability about 2^-64 rather
-  than 2^-32 (which a long generation would otherwise hit).
-- Per element: ``h = mix(mix(token_id ^ key_a) ^ key_b)``, and
-  ``U = ((h >> 9) + 0.5) / 2^23``: odd multiples of 2^-24, exact in float32, strictly in
-  (0, 1) (the extremes are 2^-24 and 1 - 2^-24).
+- Every word is a 32-bit value held in an int64 tensor; products stay below 2^63 and are
+  reduced with ``& 0xFFFFFFFF``: nothing relies on signed wrap-around, so every device gives
+  the same bits.
+- A row's key is 64 bits (two 32-bit lanes absorbing draw, seed and position): two distinct
+  (seed, position, draw) share a row of uniforms with probability about 2^-64, not 2^-32.
+- ``U = ((h >> 9) + 0.5) / 2^23``: odd multiples of 2^-24, exact in float32, strictly inside
+  (0, 1).
 
-Everything runs eagerly: a compiled kernel would recompile for new shape families in the
-middle of serving (seconds of stall, and a host sync), and the sort over the vocabulary costs
-more than the hash anyway. CUDA graphs remove the launches. The hash is for statistical
-quality, not cryptography. Changing any constant here changes every seeded output: tests pin
-a few values.
+Everything runs eagerly: a compiled kernel would recompile for new shapes while serving; CUDA
+graphs remove the launches.
+
+NOTE: changing any constant here changes every seeded output; tests pin a few values.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 
 from outrider.plugins.graph_build import in_graph_build
+from outrider.plugins.sampling_spec import SamplingSpec
 
 _MASK32 = 0xFFFFFFFF
 # Multipliers of a low-bias 32-bit mixer (the hash-prospector family); both are below 2^31.
@@ -63,24 +59,10 @@ DRAW_DRAFT = 3
 DRAW_SIMULATE = 4  # debug: the simulated acceptance of a benchmark (verify.py)
 
 
-class RowSampling(Protocol):
-    """What a row's sampling parameters give a batch (the daemon's ``SamplingSpec``)."""
-
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def top_p(self) -> float: ...
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def logprobs(self) -> int: ...
-
-
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters of one step, on the logits' device.
+    """Per-row sampling parameters of one step, on the logits' device: the device form of
+    the rows' ``SamplingSpec``.
 
     ``all_greedy`` must be True only when every row has temperature 0 (it skips the random
     path); ``max_logprobs`` is the largest top-n any row asked for (0 = none).
@@ -95,9 +77,10 @@ class SamplingBatch:
 
     @classmethod
     def from_specs(
-        cls, specs: Sequence[RowSampling], device: torch.device | str = "cpu"
+        cls, specs: Sequence[SamplingSpec], device: torch.device | str = "cpu"
     ) -> SamplingBatch:
-        """Build a batch from the requests' specs (host side, when the step is planned)."""
+        """The batch of the rows' ``specs`` (the engine gathers its own batches from per-slot
+        device buffers instead: engine/slots.py)."""
         return cls(
             temperature=torch.tensor(
                 [s.temperature for s in specs], dtype=torch.float32, device=device

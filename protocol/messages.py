@@ -18,6 +18,10 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
+# A temperature is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]: decoding enforces the
+# closed range, and the daemon refuses the gap above 0 (invalid_request).
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
 # The largest client frame a daemon takes by default (``--max-message-bytes``): a larger one
 # ends the sender's connection, so the client library refuses to send one.
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 2**20
@@ -46,6 +50,11 @@ ERROR_CODES: frozenset[str] = frozenset(ErrorCode.__args__)  # type: ignore[attr
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+# The sampling values as they decode, from the wire or a model's generation_config.json.
+Temperature = Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)]  # 0: greedy
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]  # 0: no top-k
+Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
 
 
 # --- requests (client -> daemon) ---------------------------------------------------------
@@ -70,10 +79,10 @@ class Generate(Struct, tag="generate", frozen=True):
     input_ids: list[TokenId] | None = None
     messages: list[ChatMessage] | None = None
     max_new_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None  # 0: greedy
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] | None = None  # 0: no top-k
-    seed: Annotated[int, Meta(ge=0, le=MAX_SEED)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stop: Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] = []
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=1024)] = []
     ignore_eos: bool = False

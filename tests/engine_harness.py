@@ -10,13 +10,8 @@ import pytest
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
-from outrider.daemon.internal import (
-    Counters,
-    FinishInfo,
-    RequestUpdate,
-    SamplingSpec,
-    TokenizedRequest,
-)
+from outrider.daemon.internal import Counters, FinishInfo, RequestUpdate, TokenizedRequest
+from outrider.plugins.sampling_spec import SamplingSpec
 
 
 @dataclass

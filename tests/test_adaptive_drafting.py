@@ -19,7 +19,7 @@ from engine_harness import (
 from model_fixtures import VOCAB
 
 from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
-from outrider.daemon.internal import SamplingSpec, TokenizedRequest
+from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.scheduler.drafting import (
     AdaptiveDrafting,
     AdaptiveSettings,
@@ -30,6 +30,7 @@ from outrider.daemon.scheduler.drafting import (
     probe_cap,
 )
 from outrider.daemon.scheduler.request import Request
+from outrider.plugins.sampling_spec import SamplingSpec
 
 debug_checks = debug_checks_fixture()
 

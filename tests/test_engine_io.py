@@ -8,8 +8,10 @@ from outrider.daemon.engine.inputs import Capacity, InputBuffers, host_values
 from outrider.daemon.engine.plan import SlotParams, StepPlan
 from outrider.daemon.engine.results import ResultCopies, StepResults
 from outrider.daemon.engine.slots import SlotState
+from outrider.plugins.sampling_spec import SamplingSpec
 
 CPU = torch.device("cpu")
+ADMITTED = SlotParams(1, SamplingSpec(0.5, 0.9, 4, 11))
 
 
 def _plan(kind: str = "decode", **fields: object) -> StepPlan:
@@ -48,7 +50,7 @@ def test_stage_copies_the_plan_and_leaves_unused_inputs_empty() -> None:
     # The next step (the other staging set) sees its own values only.
     extend = _plan(
         "extend", slots=[1], starts=[0], q_lens=[3], input_ids=[4, 5, 6], sample_rows=[0],
-        sample_positions=[0], next_ids=[0], slot_params=[SlotParams(1, 0.5, 0.9, 4, 11)],
+        sample_positions=[0], next_ids=[0], slot_params=[ADMITTED],
     )  # fmt: skip
     staged = buffers.stage(extend, host_values(extend, poison_released=False))
     assert staged.input_ids.tolist() == [4, 5, 6]
@@ -61,9 +63,7 @@ def test_stage_copies_the_plan_and_leaves_unused_inputs_empty() -> None:
 def test_apply_writes_only_what_the_step_carries() -> None:
     slots = SlotState(max_slots=3, max_pages=2, device=CPU)
     buffers = InputBuffers(Capacity(tokens=16, rows=4, pages=8), CPU)
-    admit = _plan(
-        slot_params=[SlotParams(1, 0.5, 0.9, 4, 11)], page_writes=[2, 3], page_values=[6, 7]
-    )
+    admit = _plan(slot_params=[ADMITTED], page_writes=[2, 3], page_values=[6, 7])
     slots.apply(buffers.stage(admit, host_values(admit, poison_released=False)))
     assert slots.page_table.view(-1).tolist() == [0, 0, 6, 7, 0, 0, 0, 0]
     assert slots.temperature.tolist() == [0.0, 0.5, 0.0, 0.0]

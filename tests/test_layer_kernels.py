@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from model_fixtures import PagedRows, torch_backend
 
 import outrider.plugins.models
-from outrider.daemon.internal import SamplingSpec
 from outrider.plugins.device import AttentionShape, KVCache, building_graph
 from outrider.plugins.models.config import ModelConfig
 from outrider.plugins.models.kernels import (
@@ -28,6 +27,7 @@ from outrider.plugins.models.kernels import (
 from outrider.plugins.models.layers import MLP, RMSNorm, RotaryEmbedding
 from outrider.plugins.models.loader import build_model, load_model
 from outrider.plugins.models.parallel import ColumnParallelLinear, RowParallelLinear
+from outrider.plugins.sampling_spec import SamplingSpec
 
 FAMILY_TARGET = Path(__file__).parents[1] / "family" / "outrider_family" / "target"
 CUDA = torch.device("cuda")

@@ -8,13 +8,13 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from outrider.daemon.internal import SamplingSpec
 from outrider.plugins.sampling import (
     SamplingBatch,
     processed_probs,
     sample,
     uniform,
 )
+from outrider.plugins.sampling_spec import SamplingSpec
 
 # A fixed distribution over 8 ids, deliberately not in id order.
 LOGITS8 = [1.2, 2.0, -0.3, 0.9, 1.6, -1.0, 0.4, 0.1]

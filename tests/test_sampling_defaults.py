@@ -15,14 +15,14 @@ from frontdoor_harness import model_facts
 
 from outrider.daemon.config import ConfigError, ServeConfig, add_serve_arguments, resolve
 from outrider.daemon.frontdoor.validation import Rejected, Validator
-from outrider.daemon.internal import SamplingSpec
 from outrider.daemon.sampling_defaults import (
     OUTRIDER_DEFAULTS,
     SamplingDefaults,
     resolve_sampling_defaults,
 )
 from outrider.plugins.api import RequestFacts
-from outrider.protocol.messages import Generate
+from outrider.plugins.sampling_spec import SamplingError, SamplingSpec, resolve_sampling
+from outrider.protocol.messages import MAX_SEED, MIN_TEMPERATURE, Generate
 
 # What Qwen3 ships, plus keys Outrider does not implement and keys that are not sampling.
 QWEN3_LIKE = {
@@ -220,3 +220,18 @@ def test_the_speculative_check_sees_the_resolved_values() -> None:
     assert _admit(sampled, temperature=0.0).temperature == 0.0
     greedy = Validator(model_facts(None, VOCAB), None, greedy_only, SamplingDefaults(0.0))
     assert _admit(greedy).temperature == 0.0
+
+
+def test_resolve_sampling_is_the_one_check_of_request_and_file_values() -> None:
+    qwen3 = QWEN3.sampling
+    resolved = resolve_sampling(None, None, None, defaults=qwen3, seed=3, logprobs=2)
+    assert resolved == SamplingSpec(0.6, 0.95, 20, seed=3, logprobs=2)
+    assert resolve_sampling(-0.0, 0.5, 1, defaults=qwen3, seed=0) == SamplingSpec(0.0, 0.5, 1)
+    assert 0 <= resolve_sampling(None, None, None, defaults=qwen3).seed <= MAX_SEED
+    # Only a given top_k is held to the vocabulary; the defaults already fit the model.
+    assert resolve_sampling(None, None, None, defaults=qwen3, vocab_size=10).top_k == 20
+    with pytest.raises(SamplingError, match=r"^top_k must be 0 \(off\) or in \[1, 10\]"):
+        resolve_sampling(None, None, 11, defaults=qwen3, vocab_size=10)
+    with pytest.raises(SamplingError, match=r"^temperature must be 0 \(greedy\) or in \[1e-05"):
+        resolve_sampling(MIN_TEMPERATURE / 2, None, None, defaults=qwen3)
+    assert resolve_sampling(MIN_TEMPERATURE, None, None, defaults=qwen3).temperature > 0

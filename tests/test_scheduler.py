@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from outrider.daemon.engine.plan import SlotParams, StepOutput
-from outrider.daemon.internal import FinishInfo, RequestUpdate, SamplingSpec, TokenizedRequest
+from outrider.daemon.internal import FinishInfo, RequestUpdate, TokenizedRequest
 from outrider.daemon.scheduler.drill import RetractDrill
 from outrider.daemon.scheduler.finish import FinishChecker
 from outrider.daemon.scheduler.limits import SchedulerLimits
@@ -19,6 +19,7 @@ from outrider.daemon.scheduler.planner import Planned
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler
 from outrider.plugins.api import NO_DRAFT, StepShape
+from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.protocol.messages import FinishReason, Usage
 
 PAGE = 4
@@ -128,7 +129,7 @@ def test_a_prompt_runs_in_one_extend_then_decodes_and_grows_a_page() -> None:
     assert rows(p) == ("extend", [0], [0], [6]) and p.plan.input_ids == ids(10, 6)
     assert (p.plan.sample_rows, p.plan.sample_positions, p.plan.next_ids) == ([0], [0], [0])
     assert (p.plan.page_writes, p.plan.page_values) == ([0, 1], [1, 2])
-    assert p.plan.slot_params == [SlotParams(0, 0.0, 1.0, 0, 0)]
+    assert p.plan.slot_params == [SlotParams(0, SamplingSpec(0.0, 1.0, 0, 0))]
     assert [rows(step(s, [t])) for t in (21, 22)] == [
         ("decode", [0], [6], [1]),
         ("decode", [0], [7], [1]),

@@ -31,7 +31,7 @@ from outrider.daemon.engine.ranks import RankChannel
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
 from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.engine.verify import SimulatedAcceptance, Verifier
-from outrider.daemon.internal import ModelFacts, SamplingSpec, own_request
+from outrider.daemon.internal import ModelFacts, own_request
 from outrider.daemon.processes.preflight import resolve_plugins
 from outrider.daemon.scheduler.drafting import AlternateDrafting, DraftPolicy
 from outrider.daemon.scheduler.drill import retract_drill
@@ -49,6 +49,7 @@ from outrider.plugins.models.config import ModelConfig, kv_bytes_per_token, load
 from outrider.plugins.models.loader import LoadProgress, load_model
 from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.registry import ResolvedPlugins
+from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.plugins.speculative.base import NoDraft, WorkerContext
 
 log = logging.getLogger("outrider.engine")

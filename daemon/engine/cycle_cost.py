@@ -40,10 +40,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from outrider.daemon.internal import SamplingSpec, own_request
+from outrider.daemon.internal import own_request
 from outrider.daemon.scheduler.drafting import BreakEven, FixedDrafting
 from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.plugins.api import StepShape
+from outrider.plugins.sampling_spec import SamplingSpec
 
 log = logging.getLogger("outrider.engine")
 

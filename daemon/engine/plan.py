@@ -8,17 +8,17 @@ from typing import Literal
 
 from msgspec import Struct
 
+from outrider.plugins.sampling_spec import SamplingSpec
+
 StepKind = Literal["extend", "decode"]
 
 
 class SlotParams(Struct, array_like=True, frozen=True, gc=False):
-    """Sampling parameters written into a slot's device buffers when a request is admitted."""
+    """A request's sampling parameters, written into its slot's device buffers when it is
+    admitted."""
 
     slot: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
+    sampling: SamplingSpec
 
 
 class StepPlan(Struct, array_like=True, frozen=True):

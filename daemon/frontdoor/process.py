@@ -45,7 +45,7 @@ from outrider.daemon.frontdoor.info import server_info
 from outrider.daemon.frontdoor.metrics import FrontDoorMetrics
 from outrider.daemon.frontdoor.requests import LiveRequest, LiveRequests
 from outrider.daemon.frontdoor.validation import (
-    Prompt,
+    Checked,
     PromptTokenizer,
     Rejected,
     Validator,
@@ -248,8 +248,8 @@ class FrontDoor:
         assert self._validator is not None and self._prompts is not None
         try:
             self._check_room(identity, msg.request_id)
-            prompt = self._validator.check(msg)
-            self._prompts.check_room(prompt)
+            checked = self._validator.check(msg)
+            self._prompts.check_room(checked.prompt)
         except Rejected as exc:
             self._reply(identity, Error(msg.request_id, exc.code, exc.message))
             return
@@ -263,7 +263,7 @@ class FrontDoor:
             arrived_wall=time.time(),
         )
         self._live.add(req)  # from here its request_id is taken, also while it is tokenized
-        self._prompts.tokenize(msg, prompt, lambda ids: self._admit(req, msg, prompt, ids))
+        self._prompts.tokenize(msg, checked.prompt, lambda ids: self._admit(req, msg, checked, ids))
 
     def _watched(self) -> set[bytes]:
         """The clients with calls in flight: live requests or pending ``server_info``."""
@@ -288,7 +288,11 @@ class FrontDoor:
             raise Rejected("overloaded", message)
 
     def _admit(
-        self, req: LiveRequest, msg: Generate, prompt: Prompt, input_ids: asyncio.Future[list[int]]
+        self,
+        req: LiveRequest,
+        msg: Generate,
+        checked: Checked,
+        input_ids: asyncio.Future[list[int]],
     ) -> None:
         """Forward ``req`` once its prompt is tokenized, or end it here with its final frame."""
         assert self._validator is not None
@@ -296,7 +300,7 @@ class FrontDoor:
             self._end_here(req, Finished(req.request_id, [], "", "abort"))
             return
         try:
-            admitted = self._validator.admit(msg, prompt, input_ids.result())
+            admitted = self._validator.admit(msg, checked, input_ids.result())
         except Rejected as exc:
             self._end_here(req, Error(req.request_id, exc.code, exc.message))
             return

@@ -2,17 +2,18 @@
 
 ``Validator.admit`` turns a decoded request into the daemon's inputs or raises ``Rejected``
 with a wire error code and a message that names the field. What msgspec already enforces
-while decoding (the ``Meta`` bounds in protocol/messages.py) is not repeated here: both float
-fields carry lower and upper bounds, so NaN and +-inf never decode; seed < 2**63; logprobs
-<= 20; max_new_tokens >= 0; at most 16 stop strings; token ids in [0, 2**31).
+while decoding (the ``Meta`` bounds of ``Generate``, protocol/messages.py) is not repeated
+here; every float field has both bounds, so NaN and +-inf never decode.
 
-``temperature``, ``top_p`` and ``top_k`` a request leaves out (None) take the daemon's
-``SamplingDefaults`` (sampling_defaults.py) here, field by field, before anything sees them: the
-speculative plugin's ``check_request`` and the daemon get concrete values only.
+A request's sampling values are resolved and checked by ``resolve_sampling``
+(plugins/sampling_spec.py): those it leaves out (None) take the daemon's ``SamplingDefaults``
+(sampling_defaults.py), before anything sees them: the speculative plugin's ``check_request``
+and the daemon get one concrete ``SamplingSpec``.
 
 Admission has two halves around tokenization, which may run on another thread for a long
-prompt: ``check`` decides everything the text itself can (and refuses a prompt with more
-characters than the context can hold before any tokenizing), ``admit`` the rest.
+prompt: ``check`` decides everything the text itself can (the sampling included, and refuses a
+prompt with more characters than the context can hold before any tokenizing), ``admit`` the
+rest.
 """
 
 from __future__ import annotations
@@ -20,23 +21,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from outrider.daemon.internal import ModelFacts, SamplingSpec
-from outrider.daemon.sampling_defaults import (
-    MAX_TEMPERATURE,
-    MIN_TEMPERATURE,
-    OUTRIDER_DEFAULTS,
-    SamplingDefaults,
-)
+from outrider.daemon.internal import ModelFacts
+from outrider.daemon.sampling_defaults import OUTRIDER_DEFAULTS, SamplingDefaults
 from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer
 from outrider.plugins.api import RequestFacts
 from outrider.plugins.checks import request_refusal
 from outrider.plugins.registry import discover
+from outrider.plugins.sampling_spec import SamplingError, SamplingSpec, resolve_sampling
 from outrider.protocol.messages import MAX_STOP_STRING_CHARS, ErrorCode, Generate
 
 log = logging.getLogger("outrider.frontdoor")
@@ -76,6 +72,15 @@ class Prompt:
 
     source: PromptSource
     chars: int  # 0 for input_ids
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What ``Validator.check`` decided before tokenizing: the prompt to tokenize and the
+    request's sampling."""
+
+    prompt: Prompt
+    sampling: SamplingSpec
 
 
 def speculative_request_check(algorithm: str) -> RequestCheck | None:
@@ -181,15 +186,16 @@ class Validator:
         # A default top_k past the vocabulary keeps every token, as top_k 0 does.
         top_k = defaults.top_k if defaults.top_k <= facts.vocab_size else 0
         self.defaults = replace(defaults, top_k=top_k)
+        self._default_sampling = self.defaults.sampling
         self.has_tokenizer = tokenizer is not None
         self.request_check = request_check
         self.max_prompt_chars = (
             prompt_char_limit(tokenizer, facts.context_length) if tokenizer is not None else 0
         )
 
-    def check(self, msg: Generate) -> Prompt:
+    def check(self, msg: Generate) -> Checked:
         """What can be decided before tokenizing; raises ``Rejected``."""
-        self._check_sampling(msg)
+        sampling = self._sampling(msg)
         self._check_stops(msg)
         prompt = self._prompt(msg)
         if prompt.chars > self.max_prompt_chars:
@@ -199,11 +205,11 @@ class Validator:
                 f"{self.max_prompt_chars} can fit in the context length of "
                 f"{self.facts.context_length} tokens",
             )
-        return prompt
+        return Checked(prompt, sampling)
 
-    def admit(self, msg: Generate, prompt: Prompt, input_ids: list[int]) -> Admitted:
+    def admit(self, msg: Generate, checked: Checked, input_ids: list[int]) -> Admitted:
         """The daemon's inputs for ``msg``, checked and tokenized; raises ``Rejected``."""
-        source = prompt.source
+        source = checked.prompt.source
         if not input_ids:
             raise Rejected("invalid_request", f"{source} is empty: the prompt has no tokens")
         self._check_vocab(source, input_ids)
@@ -214,47 +220,35 @@ class Validator:
                 f"{self.facts.context_length}, so a prompt may have at most "
                 f"{self.facts.context_length - 1}",
             )
-        sampling = self._sampling(msg)
-        self._run_plugin_check(msg, sampling, len(input_ids))
+        self._run_plugin_check(msg, checked.sampling, len(input_ids))
         max_new = msg.max_new_tokens
         if max_new is None:
             max_new = self.facts.max_new_tokens_default
-        return Admitted(input_ids, sampling, max_new)
+        return Admitted(input_ids, checked.sampling, max_new)
 
     def _sampling(self, msg: Generate) -> SamplingSpec:
-        """``msg``'s sampling values, the defaults in place of those it leaves out."""
-        d = self.defaults
-        temperature = msg.temperature if msg.temperature is not None else d.temperature
-        return SamplingSpec(
-            # -0.0 decodes (it passes ge=0): greedy like 0.
-            temperature=temperature if temperature > 0 else 0.0,
-            top_p=msg.top_p if msg.top_p is not None else d.top_p,
-            top_k=msg.top_k if msg.top_k is not None else d.top_k,
-            seed=msg.seed if msg.seed is not None else secrets.randbits(63),
-            logprobs=msg.logprobs,
-        )
+        """``msg``'s sampling, the defaults in place of the values it leaves out."""
+        try:
+            return resolve_sampling(
+                msg.temperature,
+                msg.top_p,
+                msg.top_k,
+                defaults=self._default_sampling,
+                seed=msg.seed,
+                logprobs=msg.logprobs,
+                vocab_size=self.facts.vocab_size,
+            )
+        except SamplingError as exc:
+            raise Rejected("invalid_request", str(exc)) from None
 
-    def _check_sampling(self, msg: Generate) -> None:
-        if msg.temperature is not None and 0 < msg.temperature < MIN_TEMPERATURE:
-            raise Rejected(
-                "invalid_request",
-                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
-                f"{MAX_TEMPERATURE:g}], got {msg.temperature!r}",
-            )
+    def _check_stops(self, msg: Generate) -> None:
         vocab = self.facts.vocab_size
-        if msg.top_k is not None and msg.top_k > vocab:
-            raise Rejected(
-                "invalid_request",
-                f"top_k must be 0 (off) or in [1, {vocab}] (vocab_size), got {msg.top_k}",
-            )
         for i, token_id in enumerate(msg.stop_token_ids):
             if token_id >= vocab:
                 raise Rejected(
                     "invalid_request",
                     f"stop_token_ids[{i}] = {token_id} is out of range: vocab_size is {vocab}",
                 )
-
-    def _check_stops(self, msg: Generate) -> None:
         for i, stop in enumerate(msg.stop):
             if not stop:
                 raise Rejected("invalid_request", f"stop[{i}] is an empty string")
@@ -311,13 +305,8 @@ class Validator:
     def _run_plugin_check(self, msg: Generate, sampling: SamplingSpec, prompt_tokens: int) -> None:
         if self.request_check is None:
             return
-        facts = RequestFacts(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            logprobs=msg.logprobs,
-            has_stop_strings=bool(msg.stop),
-            prompt_tokens=prompt_tokens,
+        facts = RequestFacts.from_sampling(
+            sampling, has_stop_strings=bool(msg.stop), prompt_tokens=prompt_tokens
         )
         try:
             problem = self.request_check(facts)

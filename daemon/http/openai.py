@@ -25,12 +25,19 @@ from msgspec import Meta
 
 from outrider.daemon.http.errors import split_path
 from outrider.protocol import GenerateResult, TokenChunk
-from outrider.protocol.messages import MAX_LOGPROBS, MAX_SEED, MAX_TOKEN_ID, TokenLogprob, Usage
+from outrider.protocol.messages import (
+    MAX_LOGPROBS,
+    MAX_TOKEN_ID,
+    Seed,
+    TokenLogprob,
+    TopK,
+    Usage,
+)
 
-# Integers a request may give; wider ones would not fit in the daemon's frame (and the
-# daemon would refuse them anyway), so they are refused here, by their OpenAI names.
+# Integers a request may give (``Count``, and the daemon's ``TopK`` and ``Seed``); wider ones
+# would not fit in the daemon's frame (and the daemon would refuse them anyway), so they are
+# refused here, by their OpenAI names.
 Count = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
-Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
 
 # --- requests -----------------------------------------------------------------------------
 
@@ -53,7 +60,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: Count | None = None
+    top_k: TopK | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False

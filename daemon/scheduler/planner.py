@@ -85,8 +85,7 @@ class Planner:
         delta = PageDelta()
         admitted: list[SlotParams] = []
         while budget > 0 and (new := self.admission.admit_next(delta, self._feeds)) is not None:
-            s = new.sampling
-            admitted.append(SlotParams(new.slot, s.temperature, s.top_p, s.top_k, s.seed))
+            admitted.append(SlotParams(new.slot, new.sampling))
             rows.append(ExtendRow(new, min(budget, new.extend_end - new.scheduled_len)))
             budget -= rows[-1].chunk
         return self._extend_plan(rows, delta, admitted) if rows else None

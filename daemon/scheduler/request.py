@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from outrider.daemon.internal import SamplingSpec, TokenizedRequest
+from outrider.daemon.internal import TokenizedRequest
+from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.protocol.messages import TokenLogprob
 
 
