@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import save_file
 
 from outrider.plugins.models.config import ModelConfig
+from outrider.plugins.models.weights import checkpoint_tensors
 from outrider.plugins.speculative import dflash_model, eagle3_model
-from outrider.plugins.speculative.dflash_model import DFlashConfig, DFlashDraft, dflash_tensors
-from outrider.plugins.speculative.eagle3_model import Eagle3Config, Eagle3Draft, eagle3_tensors
+from outrider.plugins.speculative.dflash_model import DFlashConfig, DFlashDraft
+from outrider.plugins.speculative.eagle3_model import Eagle3Config, Eagle3Draft
 
 
 def save_eagle3(model: Eagle3Draft, directory: str | Path, config_json: dict[str, Any]) -> None:
@@ -26,7 +27,7 @@ def save_eagle3(model: Eagle3Draft, directory: str | Path, config_json: dict[str
     ``config_json`` that contradicts the model raises ValueError naming it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write(directory, _eagle3_config_json(model, config_json), eagle3_tensors(model))
+    _write(directory, _eagle3_config_json(model, config_json), checkpoint_tensors(model))
 
 
 def save_dflash(model: DFlashDraft, directory: str | Path, config_json: dict[str, Any]) -> None:
@@ -38,7 +39,7 @@ def save_dflash(model: DFlashDraft, directory: str | Path, config_json: dict[str
     naming it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write(directory, _dflash_config_json(model, config_json), dflash_tensors(model))
+    _write(directory, _dflash_config_json(model, config_json), checkpoint_tensors(model))
 
 
 def _eagle3_config_json(model: Eagle3Draft, config_json: dict[str, Any]) -> dict[str, Any]:

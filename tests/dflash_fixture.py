@@ -151,14 +151,15 @@ def dense_block_counts(
     past ``new_tokens``)."""
     import transformers
 
-    from outrider.plugins.speculative.dflash_model import dflash_tensors, load_dflash
+    from outrider.plugins.models.weights import checkpoint_tensors
+    from outrider.plugins.speculative.dflash_model import load_dflash
 
     target = transformers.AutoModelForCausalLM.from_pretrained(
         target_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     draft = load_dflash(draft_dir, dtype=torch.float32, device="cpu", max_positions=256)
     net = DFlashNet(_shape(target), 2, len(DFLASH_TAPS), target.config.hidden_size)
-    net.load_state_dict(dflash_tensors(draft))
+    net.load_state_dict(checkpoint_tensors(draft))
     embedding = target.get_input_embeddings().weight.detach()
     drafts, per_position = 0, [0] * (BLOCK - 1)
     with torch.no_grad():

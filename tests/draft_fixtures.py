@@ -26,8 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from outrider.plugins.models.layers import FusedLinear
-from outrider.plugins.models.loader import Slot, checkpoint_name
+from outrider.plugins.models.weights import checkpoint_table
 from outrider.plugins.speculative.eagle3_model import Eagle3Config, Eagle3Draft, build_eagle3
 from recipe.export import save_eagle3
 
@@ -134,18 +133,10 @@ def draft_logits(w: Mapping[str, torch.Tensor], y: torch.Tensor, shape: DenseSha
 
 
 def live_weights(model: Eagle3Draft) -> dict[str, torch.Tensor]:
-    """Public checkpoint name -> the model's parameter (or its fused rows), kept in the
-    autograd graph (``eagle3_tensors`` hands out detached ``.data``)."""
-    out: dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{name}"
-            if isinstance(module, FusedLinear):
-                for shard, rows in module.shards.items():
-                    out[checkpoint_name(Slot(full, shard))] = param[rows]
-            else:
-                out[full] = param
-    return out
+    """Public checkpoint name -> the model's parameter or buffer (or a fused parameter's rows),
+    kept in the autograd graph (``checkpoint_tensors`` hands out detached ``.data``)."""
+    table = checkpoint_table(model).items()
+    return {name: d.tensor if d.rows is None else d.tensor[d.rows] for name, d in table}
 
 
 def unrolled_logits(

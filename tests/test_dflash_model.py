@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from model_fixtures import PagedRows, torch_backend
 from safetensors.torch import load_file, save_file
 
+from outrider.plugins.models.weights import checkpoint_tensors
 from outrider.plugins.speculative.dflash_model import (
     DFlashConfig,
     DFlashDraft,
     build_dflash,
     default_target_layers,
-    dflash_tensors,
     load_dflash,
 )
 from recipe.export import save_dflash
@@ -81,7 +81,7 @@ def _random_draft(config: dict[str, Any] = TINY) -> DFlashDraft:
         DFlashConfig.from_dict(config), max_positions=64, dtype=torch.float32, device="cpu"
     )
     gen = torch.Generator().manual_seed(0)
-    for name, tensor in sorted(dflash_tensors(model).items()):
+    for name, tensor in sorted(checkpoint_tensors(model).items()):
         if name.endswith("norm.weight"):
             tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=gen))
         else:
@@ -170,7 +170,7 @@ def _draft_twice(model: DFlashDraft) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_block_matches_dense_reference() -> None:
     model = _random_draft()
-    w = dflash_tensors(model)
+    w = checkpoint_tensors(model)
     x = _inputs()
     first, second = _draft_twice(model)
     ctx1 = x["ctx1"].split(CONTEXT)
@@ -216,9 +216,9 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     assert (lc.target_layer_ids, lc.num_target_layers) == (TAPS, c.num_target_layers)
     assert lc.target_hidden_size == HT and lc.model.rope == c.model.rope
     assert loaded.attention_shape == model.attention_shape and loaded.num_layers == LAYERS
-    loaded_tensors = dflash_tensors(loaded)
+    loaded_tensors = checkpoint_tensors(loaded)
     assert set(loaded_tensors) == _public_keys(LAYERS)
-    for name, tensor in dflash_tensors(model).items():
+    for name, tensor in checkpoint_tensors(model).items():
         assert torch.equal(loaded_tensors[name], tensor), name
     for got, expected in zip(_draft_twice(loaded), _draft_twice(model), strict=True):
         assert torch.equal(got, expected)
@@ -240,7 +240,7 @@ def test_reference_config_builds_on_meta() -> None:
     assert config.target_hidden_size == 4096 and config.model.rope.theta == 1e6
     model = build_dflash(config, max_positions=4096, dtype=torch.bfloat16, device="meta")
     assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
-    tensors = dflash_tensors(model)
+    tensors = checkpoint_tensors(model)
     assert set(tensors) == _public_keys(5) and model.num_layers == 5
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     assert shapes["fc.weight"] == (4096, 5 * 4096)

@@ -16,12 +16,12 @@ from draft_fixtures import DenseShape, dense_eagle3, draft_logits
 from model_fixtures import PagedRows, torch_backend
 from safetensors.torch import load_file, save_file
 
+from outrider.plugins.models.weights import checkpoint_tensors
 from outrider.plugins.speculative.eagle3_model import (
     Eagle3Config,
     Eagle3Draft,
     build_eagle3,
     default_aux_layers,
-    eagle3_tensors,
     load_eagle3,
 )
 from recipe.export import save_eagle3
@@ -82,7 +82,7 @@ def _random_draft(config: dict[str, Any] = TINY) -> Eagle3Draft:
         Eagle3Config.from_dict(config), max_positions=64, dtype=torch.float32, device="cpu"
     )
     gen = torch.Generator().manual_seed(0)
-    for name, tensor in eagle3_tensors(model).items():
+    for name, tensor in checkpoint_tensors(model).items():
         if name.endswith("norm.weight"):
             tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=gen))
         elif tensor.is_floating_point():
@@ -121,7 +121,7 @@ def _prefill_then_step(model: Eagle3Draft) -> tuple[torch.Tensor, torch.Tensor, 
 
 def test_forward_matches_dense_reference() -> None:
     model = _random_draft()
-    w = eagle3_tensors(model)
+    w = checkpoint_tensors(model)
     embeds, features, step_embeds = _inputs()
     feat, y, y_step = _prefill_then_step(model)
     torch.testing.assert_close(feat, features @ w["fc.weight"].T, atol=ATOL, rtol=0)
@@ -159,8 +159,8 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     loaded = load_eagle3(tmp_path, dtype=torch.float32, device="cpu", max_positions=64)
     assert loaded.config.target_hidden_size == HT
     assert loaded.attention_shape == model.attention_shape
-    for name, tensor in eagle3_tensors(model).items():
-        assert torch.equal(eagle3_tensors(loaded)[name], tensor), name
+    for name, tensor in checkpoint_tensors(model).items():
+        assert torch.equal(checkpoint_tensors(loaded)[name], tensor), name
     for got, expected in zip(_prefill_then_step(loaded), _prefill_then_step(model), strict=True):
         assert torch.equal(got, expected)
 
@@ -170,7 +170,7 @@ def test_reference_config_builds_on_meta() -> None:
     assert (config.draft_vocab_size, config.target_hidden_size) == (32000, 4096)
     assert config.aux_layer_ids is None and config.model.vocab_size == 128256
     model = build_eagle3(config, max_positions=4096, dtype=torch.bfloat16, device="meta")
-    tensors = eagle3_tensors(model)
+    tensors = checkpoint_tensors(model)
     assert set(tensors) == PUBLIC_KEYS
     assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
@@ -253,7 +253,7 @@ def test_same_vocab_needs_no_map(tmp_path: Path) -> None:
     model = build_eagle3(
         Eagle3Config.from_dict(config), max_positions=64, dtype=torch.float32, device="cpu"
     )
-    for tensor in eagle3_tensors(model).values():
+    for tensor in checkpoint_tensors(model).values():
         tensor.fill_(1 if tensor.dtype == torch.bool else 0)
     save_eagle3(model, tmp_path, config)
     _edit_checkpoint(tmp_path, {"d2t": None, "t2d": None})

@@ -18,8 +18,9 @@ from model_fixtures import PagedRows, torch_backend
 from safetensors.torch import load_file
 from test_recipe import CPU, TARGET, VOCAB, run_data, slice_source
 
+from outrider.plugins.models.weights import checkpoint_tensors
 from outrider.plugins.speculative.dflash_model import load_dflash
-from outrider.plugins.speculative.eagle3_model import eagle3_tensors, load_eagle3
+from outrider.plugins.speculative.eagle3_model import load_eagle3
 from recipe import (
     dflash_train,
     draft_data,
@@ -136,7 +137,7 @@ def test_eagle3_export_layout(out: Path, eagle3: Manifest) -> None:
     assert tensors["lm_head.weight"].shape == (128, 64)
     assert "embed_tokens.weight" not in tensors
     draft = load_eagle3(directory, dtype=torch.float32, device="cpu", max_positions=256)
-    assert set(eagle3_tensors(draft)) == set(tensors)
+    assert set(checkpoint_tensors(draft)) == set(tensors)
     ids = draft.to_target_ids(torch.arange(128))
     assert ids.tolist() == sorted(ids.tolist()) and int(draft.t2d.sum()) == 128
     chains = eagle3.stats["heldout_acceptance"]
@@ -158,7 +159,9 @@ def test_eagle3_twin_matches_the_dense_reference(out: Path, eagle3: Manifest) ->
     taps = torch.randn(2, width, 3 * 64, generator=gen)
     embedding = torch.randn(VOCAB, 64, generator=gen)
     dense_shape = DenseShape.of(draft.config)
-    reference = unrolled_logits(eagle3_tensors(draft), embedding, tokens, taps, steps, dense_shape)
+    reference = unrolled_logits(
+        checkpoint_tensors(draft), embedding, tokens, taps, steps, dense_shape
+    )
     n = width - 1 - steps
     with torch.no_grad():
         outputs = twin.unroll(embedding[tokens[:, 1 : n + steps]], taps[:, :n], steps)

@@ -31,7 +31,8 @@ from model_fixtures import VOCAB, save_tiny_model
 
 from outrider.daemon.engine import verify
 from outrider.daemon.engine.build import Engine
-from outrider.plugins.speculative.eagle3_model import eagle3_tensors, load_eagle3
+from outrider.plugins.models.weights import checkpoint_tensors
+from outrider.plugins.speculative.eagle3_model import load_eagle3
 
 NEW_TOKENS = 48
 STEPS = 3
@@ -90,7 +91,7 @@ def _dense_chain_counts(
         # Tokens past new_tokens settle the last step's drafts.
         data = target_continuations(target, prompts, new_tokens + STEPS)
         logits = unrolled_logits(
-            eagle3_tensors(draft), embedding, data.tokens, data.taps, STEPS,
+            checkpoint_tensors(draft), embedding, data.tokens, data.taps, STEPS,
             DenseShape.of(draft.config),
         )  # fmt: skip
     guesses = torch.stack([step.argmax(-1) for step in logits], dim=-1)  # [B, n, STEPS]

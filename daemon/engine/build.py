@@ -46,8 +46,9 @@ from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.debug import debug_knob
 from outrider.plugins.device import AttentionShape, KVCache
 from outrider.plugins.models.config import ModelConfig, kv_bytes_per_token, load_eos_ids, model_dir
-from outrider.plugins.models.loader import LoadProgress, load_model
+from outrider.plugins.models.loader import load_model
 from outrider.plugins.models.parallel import SINGLE, TPGroup
+from outrider.plugins.models.weights import LoadProgress
 from outrider.plugins.registry import ResolvedPlugins
 from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.plugins.speculative.base import NoDraft, WorkerContext

@@ -82,7 +82,7 @@ from outrider.daemon.scheduler.loop import StepFailed
 from outrider.daemon.tokenizer import TOKENIZER_FILES
 from outrider.daemon.version import installed_version
 from outrider.plugins.models.config import model_dir
-from outrider.plugins.models.loader import LoadProgress, default_progress
+from outrider.plugins.models.weights import LoadProgress, default_progress
 from outrider.protocol.endpoints import default_endpoint
 from outrider.protocol.frames import FrameError
 

@@ -1,189 +1,35 @@
-"""Build a model and fill it from HF safetensors, or with dummy weights (ARCHITECTURE.md 4.5).
+"""Build a model (ARCHITECTURE.md 4.5): the target, a standalone draft, or any module built
+from the shared layers, and load a target-layout model with its weights.
 
-The model is built on the meta device and materialised once in the serving dtype on the
-serving device; shards are then read one at a time straight onto that device. Every
-checkpoint tensor must land in a parameter and every parameter must be filled.
-
-Under tensor parallelism each rank builds its shard of the model and reads only its cut of
-each sharded tensor (safetensors slices: ``parallel.Split``); dummy weights are the same cut
-of what a single rank would draw, so any world size runs the same model.
+A model is built on the meta device and materialised once in the serving dtype on the serving
+device; its weights are then filled in place (``weights.py``). Under tensor parallelism each
+rank builds its shard of the model.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 
-from outrider.plugins.models.config import ModelConfig, model_dir
+from outrider.plugins.models.config import ModelConfig
 from outrider.plugins.models.kernels import TORCH_KERNELS, select_kernels, use_kernels
-from outrider.plugins.models.layers import DecoderForCausalLM, FusedLinear, RMSNorm, RotaryEmbedding
-from outrider.plugins.models.parallel import SINGLE, Sharded, Split, TensorSource, TPGroup
+from outrider.plugins.models.layers import DecoderForCausalLM, RotaryEmbedding
+from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.models.registry import model_class
+from outrider.plugins.models.weights import (
+    CheckpointRules,
+    LoadFormat,
+    LoadProgress,
+    default_progress,
+    fill_checkpoint,
+    load_weights,
+)
 
 log = logging.getLogger(__name__)
-
-# (shard index from 1, shard count, file name), called after each shard is loaded.
-LoadProgress = Callable[[int, int, str], None]
-
-# Checkpoint projection -> (our fused module, its shard).
-_FUSED: dict[str, tuple[str, str]] = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
-_UNFUSED = {value: key for key, value in _FUSED.items()}
-# Buffers some older checkpoints saved next to the weights; we recompute them.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-_DUMMY_STD = 0.02
-
-
-class StoredTensors(Protocol):
-    """An open safetensors file (``safe_open``)."""
-
-    def get_tensor(self, name: str) -> torch.Tensor: ...
-
-    def get_slice(self, name: str) -> StoredSlice: ...
-
-
-class StoredSlice(TensorSource, Protocol):
-    """One tensor of a safetensors file, read only as far as it is indexed."""
-
-    def get_shape(self) -> list[int]: ...
-
-
-@dataclass(frozen=True)
-class Target:
-    """The parameter (or a fused parameter's rows) a checkpoint tensor fills, and the rank's
-    cut of that tensor (None: all of it)."""
-
-    param: torch.nn.Parameter
-    rows: slice | None
-    split: Split | None
-
-    @property
-    def dest(self) -> torch.Tensor:
-        return self.param.data if self.rows is None else self.param.data[self.rows]
-
-    def checkpoint_shape(self) -> tuple[int, ...]:
-        local = tuple(self.dest.shape)
-        return local if self.split is None else self.split.full_shape(local)
-
-
-def param_split(module: torch.nn.Module, name: str) -> Split | None:
-    """How ``module``'s parameter ``name`` is cut from its checkpoint tensor."""
-    return module.param_split(name) if isinstance(module, Sharded) else None
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where one checkpoint tensor goes: a parameter, or one shard's rows of a fused one."""
-
-    param: str
-    shard: str | None = None
-
-
-def slot_for(checkpoint_name: str) -> Slot:
-    module_path, _, kind = checkpoint_name.rpartition(".")
-    parent, _, leaf = module_path.rpartition(".")
-    if leaf in _FUSED:
-        fused, shard = _FUSED[leaf]
-        return Slot(f"{parent}.{fused}.{kind}", shard)
-    return Slot(checkpoint_name)
-
-
-def checkpoint_name(slot: Slot) -> str:
-    if slot.shard is None:
-        return slot.param
-    module_path, _, kind = slot.param.rpartition(".")
-    parent, _, fused = module_path.rpartition(".")
-    return f"{parent}.{_UNFUSED[(fused, slot.shard)]}.{kind}"
-
-
-class WeightFiller:
-    """Tracks which parameter rows a checkpoint has filled; ``finish`` raises listing what is
-    missing and what was unexpected."""
-
-    def __init__(self, model: DecoderForCausalLM) -> None:
-        self.tied = model.config.tie_word_embeddings
-        self.targets: dict[Slot, Target] = {}
-        for module_name, module in model.named_modules():
-            for name, param in module.named_parameters(recurse=False):
-                full = f"{module_name}.{name}"
-                split = param_split(module, name)
-                if isinstance(module, FusedLinear):
-                    for shard, rows in module.shards.items():
-                        self.targets[Slot(full, shard)] = Target(param, rows, split)
-                else:
-                    self.targets[Slot(full)] = Target(param, None, split)
-        self.pending = set(self.targets)
-        self.unexpected: list[str] = []
-
-    def fill(self, name: str, tensor: torch.Tensor) -> None:
-        """Fill from ``tensor``, the whole checkpoint tensor ``name``."""
-        target = self._claim(name, tuple(tensor.shape))
-        if target is not None:
-            split = target.split
-            target.dest.copy_(tensor if split is None else split.take(tensor, tensor.shape))
-
-    def fill_from(self, name: str, stored: StoredTensors) -> None:
-        """Fill from tensor ``name`` of an open safetensors file, reading only the rank's cut."""
-        if not self._wanted(name):
-            return
-        source = stored.get_slice(name)
-        shape = tuple(source.get_shape())
-        target = self._claim(name, shape)
-        if target is None:
-            return
-        if target.split is None:
-            target.dest.copy_(stored.get_tensor(name))
-        else:
-            target.dest.copy_(target.split.take(source, shape))
-
-    def _wanted(self, name: str) -> bool:
-        # A tied checkpoint that still ships lm_head.weight: HF ties it to the embedding too.
-        return not (name.endswith(_IGNORED_SUFFIXES) or (self.tied and name == "lm_head.weight"))
-
-    def _claim(self, name: str, shape: tuple[int, ...]) -> Target | None:
-        """The target of checkpoint tensor ``name`` of ``shape`` (marked filled); None for a
-        tensor to skip or an unexpected one (recorded)."""
-        if not self._wanted(name):
-            return None
-        slot = slot_for(name)
-        if slot not in self.pending:
-            self.unexpected.append(name if slot not in self.targets else f"{name} (twice)")
-            return None
-        target = self.targets[slot]
-        expected = target.checkpoint_shape()
-        if shape != expected:
-            raise ValueError(f"checkpoint tensor {name} has shape {shape}, expected {expected}")
-        self.pending.discard(slot)
-        return target
-
-    def finish(self) -> None:
-        problems = []
-        if self.unexpected:
-            problems.append(f"unexpected checkpoint tensors: {_listing(self.unexpected)}")
-        if self.pending:
-            missing = [checkpoint_name(slot) for slot in self.pending]
-            problems.append(f"missing checkpoint tensors: {_listing(missing)}")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-
-def _listing(names: list[str], limit: int = 20) -> str:
-    names = sorted(names)
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 def build_model(
@@ -225,147 +71,35 @@ def materialize(build: Callable[[], M], dtype: torch.dtype, device: torch.device
     return model
 
 
-def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Checkpoint name -> the parameter (or a fused parameter's rows, as a view) it loads
-    into, for a model named in the HF layout. Under tensor parallelism a sharded one holds
-    the rank's cut only (``checkpoint_splits``)."""
-    out: dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{name}"
-            if isinstance(module, FusedLinear):
-                for shard, rows in module.shards.items():
-                    out[checkpoint_name(Slot(full, shard))] = param.data[rows]
-            else:
-                out[full] = param.data
-    return out
-
-
-def checkpoint_splits(model: torch.nn.Module) -> dict[str, Split]:
-    """Checkpoint name -> the rank's cut of it, for the sharded tensors of
-    ``checkpoint_tensors`` (none in a world of one)."""
-    out: dict[str, Split] = {}
-    for module_name, module in model.named_modules():
-        for name, _param in module.named_parameters(recurse=False):
-            split = param_split(module, name)
-            if split is None:
-                continue
-            full = f"{module_name}.{name}"
-            if isinstance(module, FusedLinear):
-                for shard in module.shards:
-                    out[checkpoint_name(Slot(full, shard))] = split
-            else:
-                out[full] = split
-    return out
-
-
 def load_model(
     path: str | Path,
     *,
     dtype: torch.dtype,
     device: torch.device | str,
-    load_format: Literal["auto", "dummy"] = "auto",
+    load_format: LoadFormat = "auto",
     max_positions: int,
     progress: LoadProgress | None = None,
     tp: TPGroup = SINGLE,
+    label: str = "target",
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Load the model at ``path`` (a directory or a config.json path); under tensor
     parallelism (``tp``), this rank's shard of it. ``max_positions`` sizes the rotary tables:
     serving context length plus the largest reservation. ``progress`` defaults to
-    ``default_progress()``."""
+    ``default_progress()``; ``label`` names the model in errors."""
     config = ModelConfig.from_pretrained(path)
     model = build_model(config, max_positions=max_positions, dtype=dtype, device=device, tp=tp)
-    if load_format == "dummy":
-        init_dummy(model)
-    else:
-        files = checkpoint_files(model_dir(path))
-        load_weights(model, files, torch.device(device), progress or default_progress())
+    rules = _decoder_rules(config, label)
+    load_weights(
+        model, path, rules, load_format=load_format, progress=progress or default_progress()
+    )
     return model, config
 
 
-def checkpoint_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [directory / name for name in sorted(set(weight_map.values()))]
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors in {directory} (--load-format dummy runs without weights)"
-        )
-    return files
-
-
-def load_weights(
-    model: DecoderForCausalLM, files: list[Path], device: torch.device, progress: LoadProgress
-) -> None:
-    from safetensors import safe_open
-
-    start = time.monotonic()
-    filler = WeightFiller(model)
-    for index, file in enumerate(files, start=1):
-        with safe_open(str(file), framework="pt", device=str(device)) as shard:
-            for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                filler.fill_from(name, shard)
-        progress(index, len(files), file.name)
-    filler.finish()
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
-    log.info("loaded %.2f GB of weights in %.1f s", size / 1e9, time.monotonic() - start)
-
-
-def init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights, deterministic per device: norms 1, everything else N(0, 0.02). A
-    sharded parameter is the rank's cut of the whole one drawn in full (the same draws on
-    every rank), so the sharded model is the model of a single rank."""
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            split = param_split(module, name)
-            if isinstance(module, RMSNorm):
-                param.data.fill_(1.0)
-            elif split is None:
-                param.data.normal_(0.0, _DUMMY_STD, generator=generator)
-            else:
-                param.data.copy_(_dummy_cut(module, param, split, generator))
-
-
-def _dummy_cut(
-    module: torch.nn.Module, param: torch.Tensor, split: Split, generator: torch.Generator
-) -> torch.Tensor:
-    """The rank's cut of a whole parameter drawn as a single rank draws it (a fused one
-    drawn in one piece, then cut projection by projection)."""
-    if not isinstance(module, FusedLinear):
-        whole = param.new_empty(split.full_shape(tuple(param.shape)))
-        whole.normal_(0.0, _DUMMY_STD, generator=generator)
-        return split.take(whole, tuple(whole.shape))
-    rows = list(module.checkpoint_rows.values())
-    whole = param.new_empty((sum(rows), *param.shape[1:]))
-    whole.normal_(0.0, _DUMMY_STD, generator=generator)
-    parts = whole.split(rows)
-    return torch.cat([split.take(part, tuple(part.shape)) for part in parts])
-
-
-def default_progress() -> LoadProgress:
-    """A tqdm bar when stderr is a TTY, else one log line per shard."""
-    if not sys.stderr.isatty():
-
-        def log_shard(index: int, count: int, name: str) -> None:
-            log.info("loaded weight shard %d/%d: %s", index, count, name)
-
-        return log_shard
-    from tqdm import tqdm
-
-    bar = tqdm(desc="Loading weights", unit="shard", total=None)
-
-    def update_bar(index: int, count: int, name: str) -> None:
-        bar.total = count
-        bar.set_postfix_str(name, refresh=False)
-        bar.update(1)
-        if index == count:
-            bar.close()
-
-    return update_bar
+def _decoder_rules(config: ModelConfig, label: str) -> CheckpointRules:
+    """A decoder LM's checkpoint: a tied checkpoint may still ship ``lm_head.weight`` (HF ties
+    it to the embedding too)."""
+    tied = frozenset({"lm_head.weight"}) if config.tie_word_embeddings else frozenset()
+    return CheckpointRules(label, shared=tied)
 
 
 def expected_checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -406,7 +140,6 @@ def check_checkpoint_layout(config: ModelConfig, tensor_parallel_size: int = 1) 
     would, without allocating any weights."""
     tp = TPGroup(rank=tensor_parallel_size - 1, size=tensor_parallel_size)
     model = build_model(config, max_positions=1, dtype=torch.float32, device="meta", tp=tp)
-    filler = WeightFiller(model)
-    for name, shape in expected_checkpoint_shapes(config).items():
-        filler.fill(name, torch.empty(shape, device="meta"))
-    filler.finish()
+    tensors = expected_checkpoint_shapes(config).items()
+    meta = ((name, torch.empty(shape, device="meta")) for name, shape in tensors)
+    fill_checkpoint(model, meta, _decoder_rules(config, config.architecture))

@@ -34,25 +34,23 @@ without a prefix)::
     layers.{i}.mlp.down_proj.weight              [H, I]
     layers.{i}.{input,post_attention}_layernorm.weight   [H]
 
-plus ``.bias`` rows of q/k/v/o when ``attention_bias`` is set. An embedding or LM head in the
-checkpoint is skipped with a log line; any other unknown or missing tensor is an error naming
-it.
+plus ``.bias`` rows of q/k/v/o when ``attention_bias`` is set; an embedding or LM head in the
+checkpoint is the target's (skipped).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from outrider.plugins.device import AttentionShape, BatchLayout, KVCache
-from outrider.plugins.models.config import ModelConfig, model_dir, tensor_parallel_problems
+from outrider.plugins.models.config import ModelConfig, tensor_parallel_problems
 from outrider.plugins.models.kernels import Rotation
 from outrider.plugins.models.layers import (
     Attention,
@@ -61,24 +59,24 @@ from outrider.plugins.models.layers import (
     RotaryEmbedding,
     run_layers,
 )
-from outrider.plugins.models.loader import (
-    checkpoint_files,
-    checkpoint_splits,
-    checkpoint_tensors,
-    init_dummy,
-    materialize,
-)
+from outrider.plugins.models.loader import materialize
 from outrider.plugins.models.parallel import SINGLE, TPGroup
-from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
+from outrider.plugins.models.weights import (
+    CheckpointRules,
+    LoadFormat,
+    fill_checkpoint,
+    load_weights,
+)
 
 if TYPE_CHECKING:
     from outrider.plugins.device import ForwardBatch
 
-log = logging.getLogger(__name__)
-
 ARCHITECTURE = "DFlashDraftModel"
-# Public checkpoint tensors we skip: the target's embedding and LM head are shared.
-_SHARED = frozenset({"embed_tokens.weight", "model.embed_tokens.weight", "lm_head.weight"})
+# The target's embedding and LM head are shared: a checkpoint that carries them is skipped.
+_RULES = CheckpointRules(
+    "DFlash draft",
+    shared=frozenset({"embed_tokens.weight", "model.embed_tokens.weight", "lm_head.weight"}),
+)
 
 
 @dataclass(frozen=True)
@@ -184,9 +182,9 @@ def _check_taps(taps: tuple[int, ...], num_target_layers: int, what: str) -> Non
 
 class DFlashDraft(nn.Module):
     """The DFlash draft (the rank's shard under tensor parallelism: ``tp``). Parameter names
-    follow the public layout except for the fused ``qkv_proj`` and ``gate_up_proj`` (mapped
-    in ``dflash_tensors``). ValueError naming the flag for a group size that does not divide
-    its layers."""
+    follow the public layout except for the fused ``qkv_proj`` and ``gate_up_proj`` (the
+    loader maps the public names onto them). ValueError naming the flag for a group size
+    that does not divide its layers."""
 
     def __init__(self, config: DFlashConfig, max_positions: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -263,11 +261,6 @@ def _context_kv(
     return rotation.rotate_keys(k), v
 
 
-def dflash_tensors(model: DFlashDraft) -> dict[str, torch.Tensor]:
-    """Public checkpoint name -> the model tensor (or fused rows, as a view) it loads into."""
-    return checkpoint_tensors(model)
-
-
 def build_dflash(
     config: DFlashConfig,
     *,
@@ -287,7 +280,7 @@ def load_dflash(
     dtype: torch.dtype,
     device: torch.device | str,
     max_positions: int,
-    load_format: Literal["auto", "dummy"] = "auto",
+    load_format: LoadFormat = "auto",
     tp: TPGroup = SINGLE,
 ) -> DFlashDraft:
     """Load the draft at ``path`` (a directory or its config.json); under tensor parallelism
@@ -296,17 +289,11 @@ def load_dflash(
     rest N(0, 0.02); a shard is the cut of what one rank draws)."""
     config = DFlashConfig.from_pretrained(path)
     model = build_dflash(config, max_positions=max_positions, dtype=dtype, device=device, tp=tp)
-    if load_format == "dummy":
-        init_dummy(model)
-    else:
-        files = checkpoint_files(model_dir(path))
-        fill_dflash(model, read_safetensors(files, torch.device(device)))
-        log.info("loaded the DFlash draft from %s", ", ".join(str(f) for f in files))
+    load_weights(model, path, _RULES, load_format=load_format)
     return model
 
 
 def fill_dflash(model: DFlashDraft, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy public-layout ``(name, tensor)`` pairs into ``model``. Raises ValueError naming
     every unexpected, repeated or missing tensor, or the first one of a wrong shape."""
-    dests, splits = dflash_tensors(model), checkpoint_splits(model)
-    fill_public("DFlash", dests, tensors, shared=_SHARED, splits=splits)
+    fill_checkpoint(model, tensors, _RULES)

@@ -29,46 +29,41 @@ Public checkpoint layout::
     norm.weight [H], lm_head.weight [draft_vocab, H]
     d2t [draft_vocab] int64 (target_id - draft_id), t2d [vocab] bool (in the draft vocab)
 
-``d2t``/``t2d`` may be absent when ``draft_vocab_size == vocab_size`` (identity);
-``embed_tokens.weight`` is skipped (the target's is used). Any other unknown or missing
-tensor is an error naming it.
+``d2t``/``t2d`` may both be absent when ``draft_vocab_size == vocab_size`` (identity);
+``embed_tokens.weight`` is the target's (skipped).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from outrider.plugins.device import AttentionShape
-from outrider.plugins.models.config import ModelConfig, model_dir, tensor_parallel_problems
+from outrider.plugins.models.config import ModelConfig, tensor_parallel_problems
 from outrider.plugins.models.kernels import Rotation
 from outrider.plugins.models.layers import MLP, Attention, FusedLinear, RMSNorm, RotaryEmbedding
-from outrider.plugins.models.loader import (
-    checkpoint_files,
-    checkpoint_splits,
-    checkpoint_tensors,
-    init_dummy,
-    materialize,
-)
+from outrider.plugins.models.loader import materialize
 from outrider.plugins.models.parallel import SINGLE, ColumnParallelLinear, TPGroup, gather_vocab
-from outrider.plugins.speculative.draft_weights import fill_public, read_safetensors
+from outrider.plugins.models.weights import (
+    CheckpointRules,
+    LoadFormat,
+    fill_checkpoint,
+    load_weights,
+)
 
 if TYPE_CHECKING:
     from outrider.plugins.device import ForwardBatch
 
-log = logging.getLogger(__name__)
-
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 NUM_TAPS = 3  # fc reads three target layers
-# Public checkpoint tensors we skip: the target's embedding is shared.
-_IGNORED = frozenset({"embed_tokens.weight"})
-_VOCAB_MAP = ("d2t", "t2d")
+# The target's embedding is shared: a checkpoint that carries it is skipped.
+_SHARED = frozenset({"embed_tokens.weight"})
+_VOCAB_MAP = frozenset({"d2t", "t2d"})
 
 
 @dataclass(frozen=True)
@@ -179,9 +174,9 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Draft(nn.Module):
     """The EAGLE-3 draft (the rank's shard under tensor parallelism: ``tp``). Parameter names
-    follow the public layout except for the fused ``qkv_proj`` and ``gate_up_proj`` (mapped
-    in ``eagle3_tensors``). ValueError naming the flag for a group size that does not divide
-    its layer or its draft vocabulary."""
+    follow the public layout except for the fused ``qkv_proj`` and ``gate_up_proj`` (the
+    loader maps the public names onto them). ValueError naming the flag for a group size
+    that does not divide its layer or its draft vocabulary."""
 
     d2t: torch.Tensor  # [draft_vocab] int64: target_id - draft_id
     t2d: torch.Tensor  # [vocab] bool: target id is in the draft vocab
@@ -253,13 +248,6 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
 
-def eagle3_tensors(model: Eagle3Draft) -> dict[str, torch.Tensor]:
-    """Public checkpoint name -> the model tensor (or fused rows, as a view) it loads into."""
-    out = checkpoint_tensors(model)
-    out["d2t"], out["t2d"] = model.d2t, model.t2d
-    return out
-
-
 def build_eagle3(
     config: Eagle3Config,
     *,
@@ -279,7 +267,7 @@ def load_eagle3(
     dtype: torch.dtype,
     device: torch.device | str,
     max_positions: int,
-    load_format: Literal["auto", "dummy"] = "auto",
+    load_format: LoadFormat = "auto",
     tp: TPGroup = SINGLE,
 ) -> Eagle3Draft:
     """Load the draft at ``path`` (a directory or its config.json); under tensor parallelism
@@ -289,16 +277,7 @@ def load_eagle3(
     id i."""
     config = Eagle3Config.from_pretrained(path)
     model = build_eagle3(config, max_positions=max_positions, dtype=dtype, device=device, tp=tp)
-    if load_format == "dummy":
-        init_dummy(model)
-        model.d2t.zero_()
-        model.t2d.copy_(
-            torch.arange(model.t2d.shape[0], device=model.t2d.device) < config.draft_vocab_size
-        )
-    else:
-        files = checkpoint_files(model_dir(path))
-        fill_eagle3(model, read_safetensors(files, torch.device(device)))
-        log.info("loaded the EAGLE-3 draft from %s", ", ".join(str(f) for f in files))
+    _identity_vocab_map(model, load_weights(model, path, _rules(config), load_format=load_format))
     _check_vocab_map(model)
     return model
 
@@ -307,21 +286,26 @@ def fill_eagle3(model: Eagle3Draft, tensors: Iterable[tuple[str, torch.Tensor]])
     """Copy public-layout ``(name, tensor)`` pairs into ``model``. Raises ValueError naming
     every unexpected, repeated or missing tensor, or the first one of a wrong shape. With one
     vocabulary, ``d2t`` and ``t2d`` may both be absent (the identity)."""
-    vocab_map = frozenset(_VOCAB_MAP)
-    optional = vocab_map if model.config.identity_vocab else frozenset()
-    missing = fill_public(
-        "EAGLE-3",
-        eagle3_tensors(model),
-        tensors,
-        shared=_IGNORED,
-        optional=optional,
-        splits=checkpoint_splits(model),
-    )
-    if missing and missing != vocab_map:
-        raise ValueError(f"EAGLE-3 draft: missing checkpoint tensors: {', '.join(sorted(missing))}")
-    if missing:
-        model.d2t.zero_()
-        model.t2d.fill_(True)
+    _identity_vocab_map(model, fill_checkpoint(model, tensors, _rules(model.config)))
+
+
+def _rules(config: Eagle3Config) -> CheckpointRules:
+    optional = _VOCAB_MAP if config.identity_vocab else frozenset()
+    return CheckpointRules("EAGLE-3 draft", shared=_SHARED, optional=optional)
+
+
+def _identity_vocab_map(model: Eagle3Draft, unfilled: frozenset[str]) -> None:
+    """Map draft id i to target id i when neither ``d2t`` nor ``t2d`` was loaded (``unfilled``:
+    what the loader left); one without the other is missing."""
+    if not unfilled:
+        return
+    if unfilled != _VOCAB_MAP:
+        raise ValueError(
+            f"EAGLE-3 draft: missing checkpoint tensors: {', '.join(sorted(unfilled))}"
+        )
+    model.d2t.zero_()
+    ids = torch.arange(model.t2d.shape[0], device=model.t2d.device)
+    model.t2d.copy_(ids < model.config.draft_vocab_size)
 
 
 def _check_vocab_map(model: Eagle3Draft) -> None:

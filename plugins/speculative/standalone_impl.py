@@ -53,6 +53,7 @@ class StandaloneWorker(SpeculativeWorker):
             load_format="dummy" if ctx.load_format == "dummy" else "auto",
             max_positions=ctx.max_positions,
             tp=ctx.tp,
+            label="standalone draft",
         )
         shape = self.model.attention_shape
         self.kv = self.allocate_kv(config.num_layers, shape)
