@@ -46,6 +46,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "outrider.plugins.models.config",
     "outrider.plugins.models.layers",
     "outrider.plugins.models.loader",
+    "outrider.plugins.models.weights",
     "outrider.plugins.models.parallel",
     "outrider.plugins.models.kernels",
     "outrider.plugins.models.registry",
