@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from outrider.daemon.config import add_serve_arguments, resolve
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.family import embedded_family
+from outrider.daemon.flags import add_serve_arguments, resolve
 from outrider.daemon.internal import own_request
 from outrider.daemon.tokenizer import load_tokenizer
 from outrider.plugins.sampling_spec import SamplingSpec

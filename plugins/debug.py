@@ -1,5 +1,5 @@
 """Debug knobs: the only ``OUTRIDER_*`` variables read outside the serve flags (which
-daemon/config.py reads), in one typed table. Here, below the daemon, so that the public
+daemon/flags.py reads), in one typed table. Here, below the daemon, so that the public
 building blocks (the layer kernels, the Triton launches) read them without importing it."""
 
 from __future__ import annotations

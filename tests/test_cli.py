@@ -13,14 +13,8 @@ import pytest
 
 from outrider.daemon.cli import generate as generate_cmd
 from outrider.daemon.cli.main import build_parser, main
-from outrider.daemon.config import (
-    ConfigError,
-    ServeConfig,
-    add_serve_arguments,
-    flag_name,
-    flag_table,
-    resolve,
-)
+from outrider.daemon.config import ConfigError, ServeConfig
+from outrider.daemon.flags import add_serve_arguments, flag_name, flag_table, resolve
 from outrider.daemon.processes.placement import available_cpus, torch_threads
 from outrider.protocol import Timeout
 from outrider.protocol.messages import PROTOCOL_VERSION

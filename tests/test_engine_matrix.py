@@ -12,9 +12,10 @@ from conftest import CUDA
 from engine_harness import debug_checks_fixture, engine_for, request, requests_for, run
 from model_fixtures import VOCAB, save_tiny_model
 
-from outrider.daemon.config import ConfigError, resolve
+from outrider.daemon.config import ConfigError
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.runner import Launched
+from outrider.daemon.flags import resolve
 
 NEW_TOKENS = 10
 

@@ -15,7 +15,8 @@ import pytest
 from frontdoor_harness import model_facts
 
 from outrider.daemon import family
-from outrider.daemon.config import ConfigError, ServeConfig, add_serve_arguments, resolve
+from outrider.daemon.config import ConfigError, ServeConfig
+from outrider.daemon.flags import add_serve_arguments, resolve
 from outrider.daemon.frontdoor.validation import Validator
 from outrider.daemon.sampling_defaults import (
     SamplingDefaults,

@@ -12,8 +12,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from outrider.daemon.config import ConfigError, add_serve_arguments, resolve
+from outrider.daemon.config import ConfigError
 from outrider.daemon.family import embedded_family
+from outrider.daemon.flags import add_serve_arguments, resolve
 from outrider.daemon.http.config import FRAME_HEADROOM, body_limit, parse_host_port
 from outrider.daemon.http.errors import split_path
 from outrider.daemon.http.openai import (

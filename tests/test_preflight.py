@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from outrider.daemon.config import ConfigError, ServeConfig, add_serve_arguments, resolve
+from outrider.daemon.config import ConfigError, ServeConfig
+from outrider.daemon.flags import add_serve_arguments, resolve
 from outrider.daemon.processes.preflight import model_problems, preflight
 
 

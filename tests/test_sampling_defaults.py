@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from frontdoor_harness import model_facts
 
-from outrider.daemon.config import ConfigError, ServeConfig, add_serve_arguments, resolve
+from outrider.daemon.config import ConfigError, ServeConfig
+from outrider.daemon.flags import add_serve_arguments, resolve
 from outrider.daemon.frontdoor.validation import Rejected, Validator
 from outrider.daemon.sampling_defaults import (
     OUTRIDER_DEFAULTS,

@@ -22,12 +22,8 @@ from pathlib import Path
 
 from outrider.daemon.bench.latency_io import LatencyRow, add_latency_arguments
 from outrider.daemon.bench.serve import add_serve_bench_arguments, run_serve_bench
-from outrider.daemon.config import (
-    EXIT_CONFIG,
-    ConfigError,
-    ServeConfig,
-    resolve,
-)
+from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
+from outrider.daemon.flags import resolve
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

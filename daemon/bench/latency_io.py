@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from outrider.daemon.config import add_serve_arguments
+from outrider.daemon.flags import add_serve_arguments
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from typing import Literal
 import msgspec
 
 from outrider.daemon.bench.latency_io import LatencyRow, add_latency_arguments
-from outrider.daemon.config import ConfigError, resolve
+from outrider.daemon.config import ConfigError
+from outrider.daemon.flags import resolve
 from outrider.plugins.api import PluginKind, Problem
 from outrider.plugins.checks import ATTENTION_FLAG, SPECULATIVE_FLAG
 from outrider.plugins.registry import PluginError, Registry, discover

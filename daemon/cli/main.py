@@ -13,13 +13,8 @@ import sys
 from outrider.daemon.bench.command import add_bench_arguments, run_bench
 from outrider.daemon.cli.generate import add_generate_arguments, run_generate
 from outrider.daemon.cli.plugins import add_plugins_arguments, run_plugins
-from outrider.daemon.config import (
-    EXIT_CONFIG,
-    ConfigError,
-    add_serve_arguments,
-    flag_table,
-    resolve,
-)
+from outrider.daemon.config import EXIT_CONFIG, ConfigError
+from outrider.daemon.flags import add_serve_arguments, flag_table, resolve
 from outrider.daemon.processes.logs import configure_logging
 from outrider.daemon.version import installed_version
 from outrider.protocol.messages import PROTOCOL_VERSION

@@ -16,14 +16,9 @@ from typing import Any
 import msgspec
 
 from outrider.daemon.cli.plugin_matrix import build_matrix, format_matrix
-from outrider.daemon.config import (
-    EXIT_CONFIG,
-    ConfigError,
-    ServeConfig,
-    add_serve_arguments,
-    resolve,
-)
+from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
 from outrider.daemon.family import embedded_family
+from outrider.daemon.flags import add_serve_arguments, resolve
 from outrider.daemon.processes.placement import torch_threads
 from outrider.daemon.processes.preflight import preflight, resolve_plugins
 from outrider.daemon.processes.runtime import tcp_bind_problem

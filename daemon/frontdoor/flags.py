@@ -1,10 +1,7 @@
 """The front door's serve flags (the client endpoint, its access control, frame size and
 in-flight limits): their help and their checks. The fields stay in the one flag table
-(daemon/config.py's ``ServeConfig``), which gathers this help and runs these checks; the
-daemon hands the resolved values to the front door as ``FrontDoorConfig`` (config.py here).
-
-NOTE: apart from frontdoor/config.py, which imports the sampling defaults and through them the
-flag table: the flag table imports this module.
+(daemon/config.py's ``ServeConfig``); daemon/flags.py gathers this help and runs these checks.
+The daemon hands the resolved values to the front door as ``FrontDoorConfig`` (config.py here).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The HTTP front's serve flags (``--http``, ``--http-*``, ``--api-key``,
 ``--served-model-name``): their help and their checks. The fields stay in the one flag table
-(daemon/config.py's ``ServeConfig``), which gathers this help and runs these checks.
+(daemon/config.py's ``ServeConfig``); daemon/flags.py gathers this help and runs these checks.
 
 Light (no Starlette, no uvicorn), as http/config.py: resolving the flags imports it whether or
 not ``--http`` is given. Invariant: without ``--http`` every one of these flags keeps its

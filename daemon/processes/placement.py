@@ -1,8 +1,8 @@
 """Where the tensor-parallel ranks run and with how many torch threads: the placement serve
 flags (``--tensor-parallel-size``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``,
 ``--threads``), their help and their checks, and the values derived from them. The fields stay
-in the one flag table (daemon/config.py's ``ServeConfig``), which gathers this help and runs
-these checks.
+in the one flag table (daemon/config.py's ``ServeConfig``); daemon/flags.py gathers this help
+and runs these checks.
 
 Invariant (once checked): ``--nnodes`` divides ``--tensor-parallel-size``, every host runs
 ``ranks_per_node`` ranks, and more than one host needs a rendezvous address.

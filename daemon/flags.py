@@ -1,0 +1,312 @@
+"""The command line and environment of ``outrider serve``: a flag per ``ServeConfig`` field
+(config.py), its help, and ``resolve``, which builds the one ``ServeConfig`` and checks it.
+
+Every flag ``--foo-bar`` may also be set as ``OUTRIDER_FOO_BAR``; the command line wins. This
+module is the only place that reads ``OUTRIDER_*`` serve settings; debug knobs live in
+``DEBUG_KNOBS`` (plugins/debug.py, where the layer kernels read them too). The help and checks
+of a room's own flags live in that room (http/flags.py, frontdoor/flags.py,
+processes/placement.py) and are gathered here; the rest are checked in ``validate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+from outrider.daemon.config import ConfigError, ServeConfig
+from outrider.daemon.family import family_defaults
+from outrider.daemon.frontdoor.flags import (
+    FRONT_DOOR_HELP,
+    FRONT_DOOR_METAVARS,
+    FRONT_DOOR_SHOWN_DEFAULTS,
+    front_door_problems,
+    parse_socket_mode,
+)
+from outrider.daemon.http.flags import (
+    HTTP_HELP,
+    HTTP_METAVARS,
+    HTTP_SHOWN_DEFAULTS,
+    http_problems,
+)
+from outrider.daemon.processes.placement import (
+    PLACEMENT_HELP,
+    PLACEMENT_SHOWN_DEFAULTS,
+    placement_problems,
+)
+
+_FIELDS = {f.name: f for f in fields(ServeConfig)}
+
+# Help text of every flag; ``test_cli`` checks that each field has one.
+_HELP: dict[str, str] = {
+    "model": (
+        "model directory (Hugging Face layout, safetensors weights), or a config.json path "
+        "with --load-format dummy; without it, the embedded model family with DFlash"
+    ),
+    "load_format": "auto: weights from the directory; dummy: random weights of the same shapes",
+    "dtype": "auto: float32 on CPU, the checkpoint's dtype on CUDA",
+    "device": "where the model runs",
+    "page_size": "KV page size in tokens (a power of two)",
+    "max_running": "most requests decoding at once",
+    "kv_cache_tokens": (
+        "KV pool size in tokens; 0: from --gpu-memory-fraction on CUDA, a few contexts on CPU"
+    ),
+    "gpu_memory_fraction": "share of the free GPU memory the daemon may use after the weights",
+    "context_length": (
+        "longest prompt + output; 0: the model's maximum (lowered, and logged, when an "
+        "implicit pool is smaller)"
+    ),
+    "generation_config": (
+        "what requests that leave temperature, top_p or top_k out get: auto, the model "
+        "directory's generation_config.json values (do_sample false is greedy; a value it does "
+        "not give, or no file, keeps Outrider's); none, Outrider's (1.0, 1.0, 0); logged at start"
+    ),
+    "attention_backend": "attention backend of every phase (see `outrider plugins`)",
+    "prefill_attention_backend": "attention backend of prompt (EXTEND) batches",
+    "decode_attention_backend": "attention backend of decode batches",
+    "verify_attention_backend": "attention backend of speculative verify batches",
+    "draft_attention_backend": "attention backend of the draft model's batches",
+    "attention_config": (
+        "options of attention backend NAME, checked against its options struct (repeatable)"
+    ),
+    "speculative_algorithm": (
+        "speculative plugin (ngram, eagle3, dflash, standalone built in; see `outrider "
+        "plugins`), or none"
+    ),
+    "speculative_num_draft_tokens": "tokens verified per row, the root included; 0: the plugin's",
+    "speculative_num_steps": "draft steps S: a chain verifies S + 1 tokens; 0: from N",
+    "speculative_topk": (
+        "branching per draft step; 1 (or 0) drafts a chain, K > 1 a tree (needs S and N)"
+    ),
+    "speculative_config": "the speculative plugin's options as JSON, checked against its struct",
+    "draft_model": "draft model directory, for the plugins that need one",
+    "speculative_min_acceptance": (
+        "a decode batch drafts while its requests' measured acceptance length (1 + accepted "
+        "drafts per cycle) reaches A, else it runs plain steps (probing now and then), and "
+        "requests of a kind whose acceptance does not pay do not feed the draft; negative: the "
+        "cycle's cost in plain steps, measured at start; 0: always draft"
+    ),
+    "speculative_simulate_acceptance": (
+        "debug, for dummy weights: commit a mean of A tokens per verify (1 + accepted drafts) "
+        "whatever the drafts are; outputs are meaningless; 0: off"
+    ),
+    "no_overlap": "run the serial loop (the same tokens, no CPU/GPU overlap)",
+    "disable_cuda_graph": "run every decode batch eagerly (CUDA graphs are on by default)",
+    "cuda_graph_max_bs": "the largest decode batch replayed from a CUDA graph (larger: eager)",
+    "chunked_prefill_tokens": "most prompt tokens in one EXTEND batch",
+    "drain_timeout": "seconds running requests may finish after SIGTERM or a first SIGINT",
+    "step_timeout": "seconds a step may run before the systemd watchdog pings stop",
+    "log_level": "log level of the daemon and its children",
+    "seed": "seed of --load-format dummy weights",
+    **PLACEMENT_HELP,
+    **FRONT_DOOR_HELP,
+    **HTTP_HELP,
+}
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "load_format": ("auto", "dummy"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "device": ("cpu", "cuda"),
+    "generation_config": ("auto", "none"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+_METAVAR: dict[str, str] = {
+    "model": "DIR",
+    "draft_model": "DIR",
+    "attention_backend": "NAME",
+    "prefill_attention_backend": "NAME",
+    "decode_attention_backend": "NAME",
+    "verify_attention_backend": "NAME",
+    "draft_attention_backend": "NAME",
+    "attention_config": "NAME='{json}'",
+    "speculative_algorithm": "NAME",
+    "speculative_num_steps": "S",
+    "speculative_topk": "K",
+    "speculative_config": "'{json}'",
+    "speculative_simulate_acceptance": "A",
+    "speculative_min_acceptance": "A",
+    "gpu_memory_fraction": "F",
+    "drain_timeout": "S",
+    "step_timeout": "S",
+    **FRONT_DOOR_METAVARS,
+    **HTTP_METAVARS,
+}
+
+# Other spellings of a flag, given before it (``--help`` and the tests name the last one).
+_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}
+
+# Defaults whose plain value would mislead or say nothing ("", 0 with a meaning of its own).
+_SHOWN_DEFAULT: dict[str, str] = {
+    "model": "the embedded family",
+    "prefill_attention_backend": "--attention-backend",
+    "decode_attention_backend": "--attention-backend",
+    "verify_attention_backend": "--attention-backend",
+    "draft_attention_backend": "--attention-backend",
+    "speculative_algorithm": "none (dflash for the embedded family)",
+    "speculative_config": "the plugin's defaults",
+    "draft_model": "the embedded family's, for dflash and eagle3",
+    "speculative_min_acceptance": "measured at start",
+    **PLACEMENT_SHOWN_DEFAULTS,
+    **FRONT_DOOR_SHOWN_DEFAULTS,
+    **HTTP_SHOWN_DEFAULTS,
+}
+
+
+def env_name(field_name: str) -> str:
+    return "OUTRIDER_" + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def shown_default(field_name: str) -> str:
+    """The default of a serve flag as ``--help`` and the README show it."""
+    if field_name in _SHOWN_DEFAULT:
+        return _SHOWN_DEFAULT[field_name]
+    default = _FIELDS[field_name].default
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if default in ("", ()):
+        return "none"
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
+def metavar(field_name: str) -> str | None:
+    """What follows the flag in usage lines; None for a switch."""
+    f = _FIELDS[field_name]
+    if f.type == "bool":
+        return None
+    if field_name in _CHOICES:
+        return "|".join(_CHOICES[field_name])
+    return _METAVAR.get(field_name, "N" if f.type == "int" else "X" if f.type == "float" else "V")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``ServeConfig`` field; defaults are applied in ``resolve``."""
+    for f in fields(ServeConfig):
+        flag = flag_name(f.name)
+        names = (*_ALIASES.get(f.name, ()), flag)
+        help_text = (
+            f"{_HELP[f.name]} (default: {shown_default(f.name)}) [env {env_name(f.name)}]"
+        ).replace("%", "%%")
+        shown = metavar(f.name)
+        if f.type == "bool":
+            parser.add_argument(
+                *names, dest=f.name, action="store_true", default=None, help=help_text
+            )
+        elif f.name == "attention_config":
+            parser.add_argument(
+                *names, dest=f.name, action="append", default=None, metavar=shown, help=help_text
+            )
+        elif f.name in _CHOICES:
+            parser.add_argument(
+                *names, dest=f.name, default=None, choices=_CHOICES[f.name], help=help_text
+            )
+        else:
+            parser.add_argument(*names, dest=f.name, default=None, metavar=shown, help=help_text)
+
+
+def flag_table() -> str:
+    """The README's table of serve flags (Markdown), from the same table as ``--help``."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f in fields(ServeConfig):
+        shown = metavar(f.name)
+        flag = flag_name(f.name) + ("" if shown is None else f" {shown}")
+        cells = (f"`{flag}`", shown_default(f.name), _HELP[f.name])
+        escaped = (cell.replace("|", "\\|").replace("*", "\\*") for cell in cells)
+        rows.append("| " + " | ".join(escaped) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _convert(name: str, type_name: str, raw: Any) -> Any:
+    if raw is None:
+        return None
+    if type_name == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{env_name(name)}: expected a boolean, got {raw!r}")
+    if name == "socket_mode":
+        return parse_socket_mode(raw)
+    if type_name == "int":
+        return int(raw)
+    if type_name == "float":
+        return float(raw)
+    if name == "attention_config":
+        return tuple(raw) if isinstance(raw, list) else tuple(s for s in raw.split(";") if s)
+    return str(raw)
+
+
+def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """CLI value, else ``OUTRIDER_<FLAG>``, else the default; then validate once."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in fields(ServeConfig):
+        raw = getattr(args, f.name, None)
+        if raw is None:
+            raw = environ.get(env_name(f.name))
+        try:
+            value = _convert(f.name, str(f.type), raw)
+        except ValueError as exc:
+            raise ConfigError(f"{flag_name(f.name)}: {exc}") from None
+        if value is not None:
+            if f.name in _CHOICES and value not in _CHOICES[f.name]:
+                choices = ", ".join(_CHOICES[f.name])
+                raise ConfigError(f"{flag_name(f.name)}: {value!r} is not one of {choices}")
+            values[f.name] = value
+    if "model" not in values:
+        defaults = family_defaults(values)
+        if defaults is None:
+            raise ConfigError(
+                "--model is required (or OUTRIDER_MODEL): the embedded model family that "
+                "serves without it is not installed (pip install ./family)"
+            )
+        values |= defaults
+    config = ServeConfig(**values)
+    problems = validate(config)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return config
+
+
+def validate(config: ServeConfig) -> list[str]:
+    problems = []
+    if config.page_size < 1 or config.page_size & (config.page_size - 1):
+        problems.append(f"--page-size must be a power of two, not {config.page_size}")
+    if config.max_running < 1:
+        problems.append("--max-running must be at least 1")
+    problems += placement_problems(config)
+    if config.cuda_graph_max_bs < 1:
+        problems.append("--cuda-graph-max-bs must be at least 1")
+    if config.chunked_prefill_tokens < config.page_size:
+        problems.append("--chunked-prefill-tokens must be at least --page-size")
+    if not 0.0 < config.gpu_memory_fraction <= 1.0:
+        problems.append("--gpu-memory-fraction must be in (0, 1]")
+    draft_counts = (config.speculative_num_draft_tokens, config.speculative_num_steps)
+    if min(*draft_counts, config.speculative_topk) < 0:
+        problems.append("--speculative-num-draft-tokens, -num-steps and -topk must be >= 0")
+    if config.speculative_simulate_acceptance and (
+        config.speculative_simulate_acceptance < 1.0 or config.speculative_algorithm == "none"
+    ):
+        problems.append(
+            "--speculative-simulate-acceptance must be at least 1 (or 0: off) and needs a "
+            "speculative algorithm"
+        )
+    if config.kv_cache_tokens < 0 or config.context_length < 0:
+        problems.append("--kv-cache-tokens and --context-length must be >= 0")
+    for item in config.attention_config:
+        name, sep, _ = item.partition("=")
+        if not sep or not name:
+            problems.append(f"--attention-config {item!r}: expected NAME='{{json}}'")
+    if config.device == "cpu" and config.dtype not in ("auto", "float32"):
+        problems.append(f"--dtype {config.dtype} is not supported on CPU (use float32)")
+    problems += front_door_problems(config)
+    problems += http_problems(config)
+    return problems
