@@ -4,7 +4,7 @@ Depends on msgspec, pyzmq and the standard library only: a client never needs to
 """
 
 from outrider.protocol._client_common import GenerateResult, TokenChunk
-from outrider.protocol._connection import IDLE_TIMEOUT_S, REPLY_HWM
+from outrider.protocol._connection import CONNECT_TIMEOUT_S, IDLE_TIMEOUT_S, REPLY_HWM
 from outrider.protocol.async_client import AsyncClient, AsyncTokenStream
 from outrider.protocol.client import Client, TokenStream
 from outrider.protocol.endpoints import default_endpoint
@@ -19,6 +19,7 @@ from outrider.protocol.messages import (
 )
 
 __all__ = [
+    "CONNECT_TIMEOUT_S",
     "IDLE_TIMEOUT_S",
     "PROTOCOL_VERSION",
     "REPLY_HWM",

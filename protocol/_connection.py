@@ -12,14 +12,17 @@ register (id unique among live ids) -> send -> replies...  -> final reply: unreg
                                                 Error('connection_lost') delivered locally
                                              -> connected, but nothing at all heard for
                                                 idle_timeout: Timeout, unregistered (aborted)
+                                             -> never connected for connect_timeout:
+                                                NotListening, unregistered (aborted)
 ```
 Nothing is ever resubmitted. Every call has a deadline by default: the daemon sends a
 client with calls in flight some frame at least every ``PROBE_MAX_S`` (a reply, or a probe),
 so a connected client that hears nothing for ``idle_timeout`` (``IDLE_TIMEOUT_S`` unless
-given; None: never) has lost it. While no connection exists the wait is for a daemon to bind,
-bounded by the caller's ``timeout`` only. A request frame over ``max_message_bytes`` (the
-daemon's ``--max-message-bytes``) is refused before it is sent: the daemon would drop the
-whole connection for it.
+given; None: never) has lost it. While no connection exists a wait is for a daemon to bind, for
+``connect_timeout`` (``CONNECT_TIMEOUT_S`` unless given; None: as long as the caller's
+``timeout``): a daemon that does not exist is told from one that is slow, within seconds. A
+request frame over ``max_message_bytes`` (the daemon's ``--max-message-bytes``) is refused
+before it is sent: the daemon would drop the whole connection for it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import time
 import uuid
 from collections import deque
@@ -37,7 +39,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from outrider.protocol._client_common import CurveKey, abort_request
-from outrider.protocol.endpoints import default_endpoint, ipc_path
+from outrider.protocol.endpoints import default_endpoint, not_listening_reason
 from outrider.protocol.errors import NotListening, RequestError, Timeout
 from outrider.protocol.frames import FrameError, reply_codec, request_codec
 from outrider.protocol.messages import (
@@ -58,6 +60,9 @@ LINGER_MS: Final = 500
 HEARTBEAT_IVL_MS: Final = 2_000
 HEARTBEAT_TIMEOUT_MS: Final = 10_000
 IDLE_TIMEOUT_S: Final = 4 * PROBE_MAX_S
+# A local daemon connects within milliseconds once bound; this leaves room for a busy host and
+# a remote one, and for a daemon whose front door is still starting.
+CONNECT_TIMEOUT_S: Final = 10.0
 # Replies ZeroMQ's I/O thread takes in for a client that is not reading them (libzmq's
 # default); past it they wait in the daemon, which ends a client that stays behind
 # (slow_consumer). 0: no limit, for a server that reads promptly and bounds its own memory.
@@ -109,6 +114,7 @@ class Connection:
         *,
         timeout: float | None = None,
         idle_timeout: float | None = IDLE_TIMEOUT_S,
+        connect_timeout: float | None = CONNECT_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         reply_hwm: int = REPLY_HWM,
         curve_server_key: CurveKey | None = None,
@@ -117,6 +123,7 @@ class Connection:
         self.endpoint = endpoint if endpoint is not None else default_endpoint()
         self.timeout = timeout
         self.idle_timeout = idle_timeout
+        self.connect_timeout = connect_timeout
         self.max_message_bytes = max_message_bytes
         self._heard_at = -math.inf  # time.monotonic() of the last frame or connect event
         self.boot_id: str | None = None  # the last one seen in Health / ServerInfo
@@ -228,16 +235,25 @@ class Connection:
     def _timeout_error(self, request_id: str) -> Timeout:
         if self._connected:
             return Timeout(f"the daemon at {self.endpoint} did not answer in time", request_id)
-        return NotListening(_not_listening_message(self.endpoint), request_id)
+        return NotListening(not_listening_reason(self.endpoint), request_id)
 
     def _wait_limit(self, deadline: float | None, since: float, request_id: str) -> float | None:
         """When a wait that began at ``since`` (``time.monotonic()``) must look again, on
-        ``_now``'s clock (None: never): the caller's ``deadline`` or the idle limit, whichever
-        comes first. Raises ``Timeout`` once one of them has passed."""
+        ``_now``'s clock (None: never): the caller's ``deadline``, or the idle limit while
+        connected, or the connect limit while not, whichever comes first. Raises ``Timeout``
+        (``NotListening`` while not connected) once one of them has passed."""
         now = self._now()
         if deadline is not None and now >= deadline:
             raise self._timeout_error(request_id)
-        if self.idle_timeout is None or not self._connected:
+        if not self._connected:
+            if self.connect_timeout is None:
+                return deadline
+            connect_left = since + self.connect_timeout - time.monotonic()
+            if connect_left <= 0:
+                raise NotListening(not_listening_reason(self.endpoint), request_id)
+            connect_until = now + connect_left
+            return connect_until if deadline is None else min(deadline, connect_until)
+        if self.idle_timeout is None:
             return deadline
         idle_left = max(self._heard_at, since) + self.idle_timeout - time.monotonic()
         idle_until = now + idle_left
@@ -387,18 +403,6 @@ class Connection:
         for inbox in list(self._pending.values()):
             if inbox.request_id != keep:
                 inbox.put(Error(request_id=inbox.request_id, code=code, message=message))
-
-
-def _not_listening_message(endpoint: str) -> str:
-    """Why a client that never got a connection to ``endpoint`` had no answer."""
-    path = ipc_path(endpoint)
-    if path is None:
-        return f"no daemon is listening at {endpoint}"
-    if not os.path.exists(path):
-        return f"no daemon is listening at {endpoint} (no socket file)"
-    if not os.access(path, os.W_OK):
-        return f"cannot connect to {endpoint} (no write permission on the socket file)"
-    return f"no daemon is listening at {endpoint} (stale socket file: nothing accepts on it)"
 
 
 def _key_bytes(key: CurveKey) -> bytes:

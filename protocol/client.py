@@ -63,8 +63,9 @@ class Client(ClientCore):
 
     ``timeout`` (seconds) is the default for calls that take one; a call's own ``timeout``
     overrides it; None everywhere (or ``math.inf``) sets no overall limit. A request sent
-    before the daemon binds is queued by ZeroMQ and delivered once it does; a call that times
-    out meanwhile raises ``NotListening``, one that a connected daemon leaves unanswered a
+    before the daemon binds is queued by ZeroMQ and delivered once it does, if that happens
+    within ``connect_timeout`` seconds (None: within the call's ``timeout``); a call that gives
+    up meanwhile raises ``NotListening``, one that a connected daemon leaves unanswered a
     plain ``Timeout``. Whatever ``timeout`` says, a call raises ``Timeout`` once a connected
     daemon has sent nothing at all for ``idle_timeout`` seconds (it probes clients with calls
     in flight every few seconds; None: no such limit). A request frame over

@@ -38,3 +38,15 @@ def ipc_path(endpoint: str) -> str | None:
     if not path or path == "*" or path.startswith("@"):
         return None
     return path
+
+
+def not_listening_reason(endpoint: str) -> str:
+    """Why a client that has no connection to ``endpoint`` has no answer."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return f"no daemon is listening at {endpoint}"
+    if not os.path.exists(path):
+        return f"no daemon is listening at {endpoint} (no socket file)"
+    if not os.access(path, os.W_OK):
+        return f"cannot connect to {endpoint} (no write permission on the socket file)"
+    return f"no daemon is listening at {endpoint} (stale socket file: nothing accepts on it)"

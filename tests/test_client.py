@@ -27,6 +27,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from outrider.daemon.cli import generate as generate_cmd
 from outrider.daemon.cli.generate import add_generate_arguments, run_generate
 from outrider.protocol import (
+    CONNECT_TIMEOUT_S,
     AsyncClient,
     ChatMessage,
     Client,
@@ -606,6 +607,27 @@ async def test_async_client_survives_undecodable_replies(endpoint: str, peers: l
         assert (await client.health()).status == "serving"
 
 
+def test_without_a_daemon_a_call_without_deadline_ends_at_the_connect_timeout(
+    endpoint: str,
+) -> None:
+    with Client(endpoint) as client:
+        assert (client.timeout, client.connect_timeout) == (None, CONNECT_TIMEOUT_S)
+    with Client(endpoint, connect_timeout=0.5) as client:
+        started = time.monotonic()
+        with pytest.raises(NotListening, match=r"\(no socket file\)$"):
+            client.generate("x")
+        assert 0.5 <= time.monotonic() - started < 5.0
+
+
+async def test_async_without_a_daemon_a_call_ends_at_the_connect_timeout(endpoint: str) -> None:
+    async with AsyncClient(endpoint, connect_timeout=0.5) as client:
+        started = time.monotonic()
+        with pytest.raises(NotListening, match=r"\(no socket file\)$"):
+            async for _ in client.stream("x"):
+                pass
+        assert 0.5 <= time.monotonic() - started < 5.0
+
+
 async def test_async_timeout_tells_not_listening_from_slow(
     endpoint: str, peers: list[Peer]
 ) -> None:
@@ -700,12 +722,13 @@ def test_cli_says_why_nothing_answers(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(generate_cmd, "HEALTH_DEADLINE_S", 0.3)
     path = ipc_path(endpoint)
     assert path is not None
-    assert run_cli_within(5, "--connect", endpoint, "x") == 1
+    # No socket file: said at once, not after the health check's deadline.
+    assert run_cli_within(generate_cmd.HEALTH_DEADLINE_S / 2, "--connect", endpoint, "x") == 1
     err = capsys.readouterr().err
-    assert err == f"error: timeout: no daemon is listening at {endpoint} (no socket file)\n"
+    assert err == f"error: no daemon is listening at {endpoint} (no socket file)\n"
+    monkeypatch.setattr(generate_cmd, "HEALTH_DEADLINE_S", 0.3)
     leave_stale_socket_file(path)
     assert run_cli_within(5, "--connect", endpoint, "--stream", "x") == 1
     assert capsys.readouterr().err == (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Any, Final
 
@@ -21,6 +22,7 @@ from outrider.protocol import (
     TokenStream,
     default_endpoint,
 )
+from outrider.protocol.endpoints import ipc_path, not_listening_reason
 
 DEFAULT_TIMEOUT_S: Final = 300.0
 # NOTE: the daemon's front door answers health itself, never queued behind generation.
@@ -104,6 +106,10 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         request["prompt"] = prompt
     endpoint = args.connect if args.connect is not None else default_endpoint()
+    path = ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):  # no daemon: said at once
+        print(f"error: {not_listening_reason(endpoint)}", file=sys.stderr)
+        return 1
     timeout: float | None = args.timeout
     health_deadline = HEALTH_DEADLINE_S if timeout is None else min(HEALTH_DEADLINE_S, timeout)
     try:
