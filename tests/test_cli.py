@@ -133,8 +133,10 @@ def test_generate_chat_sends_one_user_message_and_the_timeout_says_what_to_do(
 ) -> None:
     monkeypatch.setattr(generate_cmd, "Client", _FakeClient)
     _FakeClient.calls.clear()
-    assert main(["generate", "--chat", "hello there"]) == 1
-    assert main(["generate", "--timeout", "2.5", "plain"]) == 1
+    # A tcp:// endpoint: generate checks an ipc:// one's socket file before any client exists.
+    fake = ["--connect", "tcp://127.0.0.1:9"]
+    assert main(["generate", *fake, "--chat", "hello there"]) == 1
+    assert main(["generate", *fake, "--timeout", "2.5", "plain"]) == 1
     chat, plain = _FakeClient.calls
     assert chat["prompt"] is None and chat["messages"] == [
         {"role": "user", "content": "hello there"}
