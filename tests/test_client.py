@@ -614,18 +614,20 @@ def test_without_a_daemon_a_call_without_deadline_ends_at_the_connect_timeout(
         assert (client.timeout, client.connect_timeout) == (None, CONNECT_TIMEOUT_S)
     with Client(endpoint, connect_timeout=0.5) as client:
         started = time.monotonic()
-        with pytest.raises(NotListening, match=r"\(no socket file\)$"):
+        with pytest.raises(NotListening) as err:
             client.generate("x")
         assert 0.5 <= time.monotonic() - started < 5.0
+    assert err.value.message == f"no daemon is listening at {endpoint} (no socket file)"
 
 
 async def test_async_without_a_daemon_a_call_ends_at_the_connect_timeout(endpoint: str) -> None:
     async with AsyncClient(endpoint, connect_timeout=0.5) as client:
         started = time.monotonic()
-        with pytest.raises(NotListening, match=r"\(no socket file\)$"):
+        with pytest.raises(NotListening) as err:
             async for _ in client.stream("x"):
                 pass
         assert 0.5 <= time.monotonic() - started < 5.0
+    assert err.value.message == f"no daemon is listening at {endpoint} (no socket file)"
 
 
 async def test_async_timeout_tells_not_listening_from_slow(
