@@ -1,11 +1,18 @@
 """The serving configuration: one frozen ``ServeConfig``, a field per ``outrider serve`` flag,
-and what is derived from it (the attention route per phase, the serving dtype, what plugins'
-checks see). Built only by ``flags.resolve``, which reads the command line and the
+and what is derived from it (the attention backend asked of each slot, the serving dtype, what
+plugins' checks see). Built only by ``flags.resolve``, which reads the command line and the
 environment and checks every value: code that holds a ``ServeConfig`` holds a valid one.
+
+Two flags default to ``auto``, resolved in two places: ``--device`` by ``flags.resolve``
+(hardware.py), so ``device`` is always ``cpu`` or ``cuda``; ``--attention-backend`` where
+the dtype and the GPU are known (attention_choice.py), so a slot left to it reads None in
+``requested_attention`` and only the chosen routes reach the checks. A table built directly
+(tests) keeps the reference defaults of these two fields, ``cpu`` and ``torch``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,7 +22,19 @@ from outrider.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 
 Device = Literal["cpu", "cuda"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_HALF_DTYPES = ("bfloat16", "float16")
+# --attention-backend auto: every slot without a flag of its own is chosen for the hardware.
+# A phase flag naming ``auto`` names the attention plugin of that name (the batch-size router).
+CHOSEN_BACKEND = "auto"
+
+# The attention flags' slots and the phases each routes.
+AttentionSlot = Literal["prefill", "decode", "verify", "draft"]
+SLOT_PHASES: dict[AttentionSlot, tuple[Phase, ...]] = {
+    "prefill": ("extend",),
+    "decode": ("decode",),
+    "verify": ("verify",),
+    "draft": ("draft_decode", "draft_extend"),
+}
 
 
 @dataclass(frozen=True)
@@ -23,7 +42,7 @@ class ServeConfig:
     model: str
     load_format: Literal["auto", "dummy"] = "auto"
     dtype: DTypeName = "auto"
-    device: Device = "cpu"
+    device: Device = "cpu"  # the flag's default is auto (module docstring)
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -36,7 +55,7 @@ class ServeConfig:
     context_length: int = 0  # 0: the model's max_position_embeddings
     generation_config: Literal["auto", "none"] = "auto"
     listen: str = ""  # "": the default ipc socket
-    attention_backend: str = "torch"
+    attention_backend: str = "torch"  # the flag's default is auto (module docstring)
     prefill_attention_backend: str = ""
     decode_attention_backend: str = ""
     verify_attention_backend: str = ""
@@ -94,23 +113,38 @@ class ServeConfig:
 
     def serving_dtype(self, checkpoint_dtype: str | None) -> str:
         """The dtype the model runs in: ``--dtype``; for auto, float32 on CPU and on CUDA the
-        checkpoint's (``checkpoint_dtype``), else bfloat16."""
+        checkpoint's half precision (``checkpoint_dtype``), else bfloat16."""
         if self.dtype != "auto":
             return self.dtype
         if self.device == "cpu":
             return "float32"
-        return checkpoint_dtype if checkpoint_dtype in _DTYPE_NAMES else "bfloat16"
+        return checkpoint_dtype if checkpoint_dtype in _HALF_DTYPES else "bfloat16"
+
+    def dtype_reason(self, checkpoint_dtype: str | None) -> str:
+        """Why ``serving_dtype`` gives what it gives, for the start log and ``plugins --check``."""
+        if self.dtype != "auto":
+            return "--dtype"
+        if self.device == "cpu":
+            return "auto: float32 on CPU"
+        if checkpoint_dtype in _HALF_DTYPES:
+            return "auto: the checkpoint's"
+        named = f"{checkpoint_dtype} in" if checkpoint_dtype else "no dtype in"
+        return f"auto: {named} the checkpoint, bfloat16 on CUDA"
 
     def check_context(
-        self, dtype: str, cuda_capability: tuple[int, int] | None = None
+        self,
+        dtype: str,
+        cuda_capability: tuple[int, int] | None = None,
+        routes: Mapping[Phase, str] | None = None,
     ) -> CheckContext:
-        """What plugins' ``check`` sees of this configuration, in the resolved ``dtype``."""
+        """What plugins' ``check`` sees of this configuration, in the resolved ``dtype``, with
+        ``routes`` (the chosen ones, attention_choice.py) or else ``attention_routes``."""
         return CheckContext(
             device=self.device,
             dtype=dtype,
             page_size=self.page_size,
             overlap=self.overlap,
-            attention_routes=self.attention_routes,
+            attention_routes=dict(self.attention_routes if routes is None else routes),
             speculative_algorithm=self.speculative_algorithm,
             cuda_capability=cuda_capability,
             model=self.model,
@@ -124,16 +158,27 @@ class ServeConfig:
         )
 
     @property
-    def attention_routes(self) -> dict[Phase, str]:
-        """Backend per phase: a phase flag wins over ``--attention-backend``."""
-        chosen: dict[Phase, str] = {
-            "extend": self.prefill_attention_backend,
+    def requested_attention(self) -> dict[AttentionSlot, str | None]:
+        """Backend per slot as the flags ask: a phase flag wins over ``--attention-backend``;
+        None: chosen for the hardware (``--attention-backend auto``)."""
+        given: dict[AttentionSlot, str] = {
+            "prefill": self.prefill_attention_backend,
             "decode": self.decode_attention_backend,
             "verify": self.verify_attention_backend,
-            "draft_decode": self.draft_attention_backend,
-            "draft_extend": self.draft_attention_backend,
+            "draft": self.draft_attention_backend,
         }
-        return {phase: chosen[phase] or self.attention_backend for phase in PHASES}
+        every = None if self.attention_backend == CHOSEN_BACKEND else self.attention_backend
+        return {slot: name or every for slot, name in given.items()}
+
+    @property
+    def attention_routes(self) -> dict[Phase, str]:
+        """Backend per phase, for a configuration that leaves no slot to the hardware choice
+        (otherwise the routes come from attention_choice.py)."""
+        routes: dict[Phase, str] = {}
+        for slot, name in self.requested_attention.items():
+            assert name is not None, f"the {slot} slot is chosen for the hardware"
+            routes |= dict.fromkeys(SLOT_PHASES[slot], name)
+        return {phase: routes[phase] for phase in PHASES}
 
 
 class ConfigError(ValueError):

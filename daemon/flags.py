@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from outrider.daemon.config import ConfigError, ServeConfig
+from outrider.daemon.config import CHOSEN_BACKEND, ConfigError, ServeConfig
 from outrider.daemon.family import family_defaults
 from outrider.daemon.frontdoor.flags import (
     FRONT_DOOR_HELP,
@@ -25,6 +25,7 @@ from outrider.daemon.frontdoor.flags import (
     front_door_problems,
     parse_socket_mode,
 )
+from outrider.daemon.hardware import AUTO_DEVICE, resolve_device
 from outrider.daemon.http.flags import (
     HTTP_HELP,
     HTTP_METAVARS,
@@ -46,8 +47,11 @@ _HELP: dict[str, str] = {
         "with --load-format dummy; without it, the embedded model family with DFlash"
     ),
     "load_format": "auto: weights from the directory; dummy: random weights of the same shapes",
-    "dtype": "auto: float32 on CPU, the checkpoint's dtype on CUDA",
-    "device": "where the model runs",
+    "dtype": (
+        "auto: float32 on CPU; on CUDA the checkpoint's half precision (bfloat16 for a float32 "
+        "checkpoint or one that names none)"
+    ),
+    "device": "where the model runs; auto: cuda when torch sees a CUDA device, else cpu",
     "page_size": "KV page size in tokens (a power of two)",
     "max_running": "most requests decoding at once",
     "kv_cache_tokens": (
@@ -63,9 +67,16 @@ _HELP: dict[str, str] = {
         "directory's generation_config.json values (do_sample false is greedy; a value it does "
         "not give, or no file, keeps Outrider's); none, Outrider's (1.0, 1.0, 0); logged at start"
     ),
-    "attention_backend": "attention backend of every phase (see `outrider plugins`)",
+    "attention_backend": (
+        "attention backend of every phase (see `outrider plugins`); auto: per phase the one "
+        "measured fastest on this GPU generation that can run the configuration (torch on CPU; "
+        "on Hopper fa4 for prompts, the auto plugin elsewhere), logged at start and shown by "
+        "`outrider plugins --check`"
+    ),
     "prefill_attention_backend": "attention backend of prompt (EXTEND) batches",
-    "decode_attention_backend": "attention backend of decode batches",
+    "decode_attention_backend": (
+        "attention backend of decode batches (auto here: the plugin that routes by batch size)"
+    ),
     "verify_attention_backend": "attention backend of speculative verify batches",
     "draft_attention_backend": "attention backend of the draft model's batches",
     "attention_config": (
@@ -108,7 +119,7 @@ _HELP: dict[str, str] = {
 _CHOICES: dict[str, tuple[str, ...]] = {
     "load_format": ("auto", "dummy"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "device": ("cpu", "cuda"),
+    "device": ("auto", "cpu", "cuda"),
     "generation_config": ("auto", "none"),
     "log_level": ("debug", "info", "warning", "error"),
 }
@@ -138,8 +149,13 @@ _METAVAR: dict[str, str] = {
 # Other spellings of a flag, given before it (``--help`` and the tests name the last one).
 _ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}
 
+# Flags whose default is not their field's (config.py's docstring says why); ``resolve``
+# applies them.
+_FLAG_DEFAULTS: dict[str, str] = {"device": AUTO_DEVICE, "attention_backend": CHOSEN_BACKEND}
+
 # Defaults whose plain value would mislead or say nothing ("", 0 with a meaning of its own).
 _SHOWN_DEFAULT: dict[str, str] = {
+    **_FLAG_DEFAULTS,
     "model": "the embedded family",
     "prefill_attention_backend": "--attention-backend",
     "decode_attention_backend": "--attention-backend",
@@ -245,13 +261,14 @@ def _convert(name: str, type_name: str, raw: Any) -> Any:
 
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
-    """CLI value, else ``OUTRIDER_<FLAG>``, else the default; then validate once."""
+    """CLI value, else ``OUTRIDER_<FLAG>``, else the default; ``--device auto`` becomes the
+    device it picks (hardware.py); then validate once."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for f in fields(ServeConfig):
         raw = getattr(args, f.name, None)
         if raw is None:
-            raw = environ.get(env_name(f.name))
+            raw = environ.get(env_name(f.name), _FLAG_DEFAULTS.get(f.name))
         try:
             value = _convert(f.name, str(f.type), raw)
         except ValueError as exc:
@@ -261,6 +278,7 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) 
                 choices = ", ".join(_CHOICES[f.name])
                 raise ConfigError(f"{flag_name(f.name)}: {value!r} is not one of {choices}")
             values[f.name] = value
+    values["device"] = resolve_device(values["device"])
     if "model" not in values:
         defaults = family_defaults(values)
         if defaults is None:

@@ -19,8 +19,9 @@ from outrider.daemon.cli.plugin_matrix import build_matrix, format_matrix
 from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
 from outrider.daemon.family import embedded_family
 from outrider.daemon.flags import add_serve_arguments, resolve
+from outrider.daemon.hardware import cuda_capability
 from outrider.daemon.processes.placement import torch_threads
-from outrider.daemon.processes.preflight import preflight, resolve_plugins
+from outrider.daemon.processes.preflight import ServedPlugins, preflight, resolve_plugins
 from outrider.daemon.processes.runtime import tcp_bind_problem
 from outrider.daemon.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from outrider.plugins.api import (
@@ -38,7 +39,6 @@ from outrider.plugins.registry import (
     KIND_NAMES,
     Entry,
     Registry,
-    ResolvedPlugins,
     discover,
 )
 from outrider.protocol.endpoints import default_endpoint
@@ -135,8 +135,10 @@ class ServeCheck:
 
     config: ServeConfig
     dtype: str
+    dtype_reason: str
+    cuda_capability: tuple[int, int] | None
     problems: list[str]  # the start-up refusals, each naming its flag
-    plugins: ResolvedPlugins | None  # None: a plugin problem (``plugin_problems`` says which)
+    plugins: ServedPlugins | None  # None: a plugin problem (``plugin_problems`` says which)
     plugin_problems: str
     sampling_defaults: SamplingDefaults | None
 
@@ -166,15 +168,18 @@ def serve_check(config: ServeConfig) -> ServeCheck:
     except ConfigError as exc:
         problems.append(str(exc))
     dtype = config.serving_dtype(checkpoint_dtype)
-    capability = _cuda_capability() if config.device == "cuda" else None
+    capability = cuda_capability() if config.device == "cuda" else None
     if capability is None and config.device == "cuda" and _torch_installed():
         problems.append("--device cuda: no CUDA device is available")
     try:
-        plugins: ResolvedPlugins | None = resolve_plugins(config, dtype, capability)
+        plugins: ServedPlugins | None = resolve_plugins(config, dtype, capability)
         plugin_problems = ""
     except ConfigError as exc:
         plugins, plugin_problems = None, str(exc)
-    return ServeCheck(config, dtype, problems, plugins, plugin_problems, defaults)
+    reason = config.dtype_reason(checkpoint_dtype)
+    return ServeCheck(
+        config, dtype, reason, capability, problems, plugins, plugin_problems, defaults
+    )
 
 
 def run_serve_check(argv: list[str], environ: Mapping[str, str] | None = None) -> int:
@@ -200,8 +205,8 @@ def run_serve_check(argv: list[str], environ: Mapping[str, str] | None = None) -
     return 0
 
 
-def _verdict(check: ServeCheck, plugins: ResolvedPlugins) -> str:
-    config = check.config
+def _verdict(check: ServeCheck, served: ServedPlugins) -> str:
+    config, plugins = check.config, served.plugins
     routes = ", ".join(f"{phase} {p.spec.name}" for phase, p in plugins.attention.items())
     verdict = f"the configuration can run: speculative {config.speculative_algorithm}; {routes}"
     if plugins.shape.speculative:
@@ -211,8 +216,14 @@ def _verdict(check: ServeCheck, plugins: ResolvedPlugins) -> str:
     lines = [verdict, f"  --model {config.model}" + (" (the embedded family)" if embedded else "")]
     if config.draft_model:
         lines.append(f"  --draft-model {config.draft_model}")
-    threads = f", torch threads {torch_threads(config)}" if config.device == "cpu" else ""
-    lines.append(f"  --device {config.device}, dtype {check.dtype}{threads}")
+    detail = f", torch threads {torch_threads(config)}" if config.device == "cpu" else ""
+    if check.cuda_capability is not None:
+        detail = ", compute capability {}.{}".format(*check.cuda_capability)
+    lines.append(f"  --device {config.device}{detail}, dtype {check.dtype} ({check.dtype_reason})")
+    lines.append(f"  attention: {served.attention.describe()}")
+    fallbacks = served.attention.fallbacks()
+    if fallbacks is not None:
+        lines.append(f"  {fallbacks}")
     if check.sampling_defaults is not None:
         lines.append(f"  sampling defaults: {check.sampling_defaults.describe()}")
     return "\n".join(lines)
@@ -234,7 +245,7 @@ def _checkpoint_dtype(model: str) -> str | None:
 
 def machine_context(page_size: int) -> CheckContext:
     """This machine as the daemon would see it: CUDA in bfloat16 if torch sees a GPU."""
-    capability = _cuda_capability()
+    capability = cuda_capability()
     return CheckContext(
         device="cpu" if capability is None else "cuda",
         dtype="float32" if capability is None else "bfloat16",
@@ -391,17 +402,6 @@ def _type_name(tp: Any) -> str:
 
 def _torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
-
-
-def _cuda_capability() -> tuple[int, int] | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return (major, minor)
 
 
 def main(argv: list[str] | None = None) -> int:

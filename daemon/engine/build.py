@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from outrider.daemon.attention_choice import AttentionChoice
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine.accept import step_reservation
 from outrider.daemon.engine.drafting_setup import adapts, drafting_policy, speculative_plugin
@@ -90,6 +91,7 @@ class _Built:
     plan: MemoryPlan
     tokenizer: Tokenizer | None
     speculative: bool
+    attention_routes: Mapping[Phase, str]  # as chosen (attention_choice.py)
 
 
 def build_engine(
@@ -163,7 +165,7 @@ def build_engine(
             "load_format": config.load_format,
             "speculative_num_draft_tokens": shape.width if built.speculative else 0,
         },
-        plugins={f"attention.{phase}": name for phase, name in config.attention_routes.items()}
+        plugins={f"attention.{phase}": name for phase, name in built.attention_routes.items()}
         | {"speculative": config.speculative_algorithm},
         speculative_algorithm=config.speculative_algorithm,
     )
@@ -202,7 +204,10 @@ def _build_runner(
     dtype_name = config.serving_dtype(model_config.dtype)
     dtype = _DTYPES[dtype_name]
     capability = torch.cuda.get_device_capability() if config.device == "cuda" else None
-    plugins = resolve_plugins(config, dtype_name, capability)  # what plugins --check resolves
+    served = resolve_plugins(config, dtype_name, capability)  # what plugins --check resolves
+    if tp.rank == 0:
+        _log_choices(config, model_config.dtype, dtype_name, capability, served.attention)
+    plugins = served.plugins
     device = torch.device(config.device)
     context_length = config.context_length or model_config.max_position_embeddings
     speculative = speculative_plugin(plugins)
@@ -321,7 +326,31 @@ def _build_runner(
         plan=plan,
         tokenizer=tokenizer,
         speculative=speculative is not None,
+        attention_routes=served.attention.phase_routes,
     )
+
+
+def _log_choices(
+    config: ServeConfig,
+    checkpoint_dtype: str | None,
+    dtype_name: str,
+    capability: tuple[int, int] | None,
+    attention: AttentionChoice,
+) -> None:
+    """What the device, dtype and attention routes are, and what decided each (one line; a
+    second one when a preferred attention backend could not run)."""
+    gpu = ""
+    if capability is not None:
+        major, minor = capability
+        gpu = f" ({torch.cuda.get_device_name()}, compute capability {major}.{minor})"
+    log.info(
+        "device %s%s, dtype %s (%s); attention: %s",
+        config.device, gpu, dtype_name, config.dtype_reason(checkpoint_dtype),
+        attention.describe(),
+    )  # fmt: skip
+    fallbacks = attention.fallbacks()
+    if fallbacks is not None:
+        log.warning("%s", fallbacks)
 
 
 def _enable_debug_checks(runner: ModelRunner) -> None:

@@ -1,6 +1,6 @@
 """What a serving configuration needs, checked before anything is spawned or loaded: the
-model and draft directories and the CURVE key files (``preflight``), and the plugins it routes
-(``resolve_plugins``).
+model and draft directories and the CURVE key files (``preflight``), and the plugins it routes,
+the attention slots left to ``auto`` chosen first (``resolve_plugins``).
 
 Each problem is one line naming its flag (and path); every one is reported at once. Nothing
 here imports torch or transformers, so a light install can run it too.
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from outrider.daemon.attention_choice import AttentionChoice, choose_for
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.frontdoor.curve_auth import CurveKeyError, load_client_keys, load_server_keys
 from outrider.plugins.checks import PluginProblems
@@ -109,14 +111,26 @@ def _curve_problem(load: Callable[[], object]) -> list[str]:
     return []
 
 
+@dataclass(frozen=True)
+class ServedPlugins:
+    """The resolved plugins and how their attention routes were chosen."""
+
+    plugins: ResolvedPlugins
+    attention: AttentionChoice
+
+
 def resolve_plugins(
     config: ServeConfig, dtype: str, cuda_capability: tuple[int, int] | None
-) -> ResolvedPlugins:
-    """The plugins ``config`` routes, run in ``dtype``, checked and resolved with one
-    discovery: what the daemon builds its engine from and ``outrider plugins --check``
-    reports. Raises ``ConfigError`` naming every problem, one per line."""
+) -> ServedPlugins:
+    """The plugins ``config`` routes, run in ``dtype``, its open attention slots chosen for
+    this device (attention_choice.py), checked and resolved with one discovery: what the
+    daemon builds its engine from and ``outrider plugins --check`` reports. Raises
+    ``ConfigError`` naming every problem, one per line."""
+    registry = discover()
+    choice = choose_for(config, dtype, cuda_capability, registry)
+    ctx = config.check_context(dtype, cuda_capability, choice.phase_routes)
     try:
-        return discover().resolve(config.check_context(dtype, cuda_capability))
+        return ServedPlugins(registry.resolve(ctx), choice)
     except PluginProblems as exc:
         problems = "\n  ".join(map(str, exc.problems))
         raise ConfigError(f"{CANNOT_RUN}\n  {problems}") from None

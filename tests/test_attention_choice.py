@@ -1,0 +1,167 @@
+"""``--device auto`` and ``--attention-backend auto``: the table's choice per slot, explicit
+flags winning, fallbacks when a preferred backend cannot run, and what the CLI reports."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+
+from outrider.daemon import hardware
+from outrider.daemon.attention_choice import (
+    CPU,
+    HOPPER,
+    OTHER_CUDA,
+    SLOTS,
+    Generation,
+    choose_attention,
+    choose_for,
+    generation,
+)
+from outrider.daemon.config import AttentionSlot, ServeConfig
+from outrider.daemon.flags import resolve
+from outrider.plugins.registry import discover
+
+OPEN: dict[AttentionSlot, str | None] = dict.fromkeys(SLOTS)
+EVERY_BACKEND = frozenset({"fa4", "auto", "flashinfer", "triton", "torch"})
+TREE = {"speculative_topk": 2, "speculative_num_steps": 3, "speculative_num_draft_tokens": 6}
+
+
+def _installed(
+    names: frozenset[str], no_tree_mask: frozenset[str] = frozenset()
+) -> Callable[[AttentionSlot, str], list[str]]:
+    """A stand-in for the checks: a backend not in ``names`` is not installed (``auto`` needs
+    fa4 and triton, as its children); one in ``no_tree_mask`` is refused the verify and draft
+    slots, as the checks refuse a backend without tree masks under a tree."""
+
+    def problems(slot: AttentionSlot, name: str) -> list[str]:
+        if name not in names or (name == "auto" and not {"fa4", "triton"} <= names):
+            return [f"{name} is not installed"]
+        if name in no_tree_mask and slot in ("verify", "draft"):
+            return [f"{name} cannot draw a tree mask"]
+        return []
+
+    return problems
+
+
+@pytest.mark.parametrize(
+    ("case", "row", "requested", "installed", "no_tree_mask", "routes", "skipped"),
+    [
+        ("cpu", CPU, OPEN, EVERY_BACKEND, frozenset(), ("torch",) * 4, ()),
+        ("hopper, everything", HOPPER, OPEN, EVERY_BACKEND, frozenset(),
+         ("fa4", "auto", "auto", "auto"), ()),
+        ("hopper without fa4", HOPPER, OPEN, EVERY_BACKEND - {"fa4"}, frozenset(),
+         ("flashinfer", "triton", "triton", "triton"), ("fa4", "auto")),
+        ("hopper, torch alone", HOPPER, OPEN, frozenset({"torch"}), frozenset(),
+         ("torch",) * 4, ("fa4", "flashinfer", "triton", "auto")),
+        ("ampere", OTHER_CUDA, OPEN, EVERY_BACKEND, frozenset(),
+         ("flashinfer", "triton", "triton", "triton"), ()),
+        ("explicit flags win", HOPPER, {**OPEN, "prefill": "torch", "decode": "fa4"},
+         frozenset({"torch"}), frozenset(), ("torch", "fa4", "torch", "torch"),
+         ("auto", "triton", "flashinfer")),
+        ("a tree, auto without tree masks", HOPPER, OPEN, EVERY_BACKEND,
+         frozenset({"auto", "triton"}), ("fa4", "auto", "flashinfer", "flashinfer"),
+         ("auto", "triton")),
+    ],
+)  # fmt: skip
+def test_each_open_slot_gets_the_first_backend_that_can_run(
+    case: str,
+    row: Generation,
+    requested: dict[AttentionSlot, str | None],
+    installed: frozenset[str],
+    no_tree_mask: frozenset[str],
+    routes: tuple[str, ...],
+    skipped: tuple[str, ...],
+) -> None:
+    choice = choose_attention(requested, row, _installed(installed, no_tree_mask))
+    assert tuple(choice.routes[slot] for slot in SLOTS) == routes, case
+    assert sorted(s.backend for s in choice.skipped) == sorted(skipped), case
+    assert choice.chosen == {slot for slot in SLOTS if requested[slot] is None}
+    assert (choice.fallbacks() is None) == (not skipped)
+
+
+def test_the_generation_comes_from_the_device_and_the_compute_capability() -> None:
+    assert generation("cpu", None) is CPU
+    assert generation("cuda", (9, 0)) is HOPPER
+    assert generation("cuda", (8, 6)) is OTHER_CUDA
+    assert generation("cuda", (10, 0)) is OTHER_CUDA
+    assert generation("cuda", None) is OTHER_CUDA
+    for row in (CPU, HOPPER, OTHER_CUDA):
+        assert all(row.preferences[slot][-1] == "torch" for slot in SLOTS), row.name
+
+
+def test_the_registry_judges_each_candidate_in_its_slot(family_config: ServeConfig) -> None:
+    """The built-in plugins as installed here: on CPU torch everywhere; on a simulated Hopper
+    the choice skips what is not installed and never takes a backend that cannot run."""
+    registry = discover()
+    on_cpu = choose_for(family_config, "float32", None, registry)
+    assert set(on_cpu.routes.values()) == {"torch"} and on_cpu.skipped == ()
+    assert on_cpu.describe() == (
+        "prefill torch, decode torch, verify torch, draft torch (auto for CPU)"
+    )
+    cuda = dataclasses.replace(family_config, device="cuda")
+    hopper = choose_for(cuda, "bfloat16", (9, 0), registry)
+    assert "auto for Hopper, SM 9.0" in hopper.describe()
+    ctx = cuda.check_context("bfloat16", (9, 0), hopper.phase_routes)
+    assert registry.check(ctx) == [] or set(hopper.routes.values()) == {"torch"}
+    for skip in hopper.skipped:
+        assert all(hopper.routes[slot] != skip.backend for slot in skip.slots)
+    given = dataclasses.replace(cuda, decode_attention_backend="torch")
+    assert choose_for(given, "bfloat16", (9, 0), registry).routes["decode"] == "torch"
+
+
+def test_an_explicit_backend_that_cannot_run_is_refused_not_replaced(
+    family_config: ServeConfig,
+) -> None:
+    registry = discover()
+    config = dataclasses.replace(family_config, prefill_attention_backend="auto")
+    choice = choose_for(config, "float32", None, registry)
+    assert choice.routes["prefill"] == "auto"
+    problems = registry.check(config.check_context("float32", None, choice.phase_routes))
+    assert any(p.option == "--prefill-attention-backend" for p in problems)
+
+
+def test_device_auto_is_cuda_only_where_torch_sees_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = argparse.Namespace(model=None)
+    monkeypatch.setattr(hardware, "cuda_available", lambda: False)
+    assert resolve(args, {"OUTRIDER_LOAD_FORMAT": "dummy"}).device == "cpu"
+    monkeypatch.setattr(hardware, "cuda_available", lambda: True)
+    config = resolve(args, {})
+    assert config.device == "cuda" and config.attention_backend == "auto"
+    assert config.requested_attention == OPEN
+    assert resolve(argparse.Namespace(device="cpu"), {}).device == "cpu"
+    assert resolve(argparse.Namespace(attention_backend="triton"), {}).requested_attention == (
+        dict.fromkeys(SLOTS, "triton")
+    )
+
+
+def test_dtype_auto_is_the_checkpoints_half_precision_on_cuda() -> None:
+    cpu, cuda = ServeConfig(model="m"), ServeConfig(model="m", device="cuda")
+    assert (cpu.serving_dtype("bfloat16"), cpu.dtype_reason("bfloat16")) == (
+        "float32",
+        "auto: float32 on CPU",
+    )
+    assert cuda.serving_dtype("float16") == "float16"
+    assert cuda.dtype_reason("float16") == "auto: the checkpoint's"
+    assert cuda.serving_dtype("float32") == "bfloat16"
+    assert cuda.serving_dtype(None) == "bfloat16"
+    assert ServeConfig(model="m", device="cuda", dtype="float32").dtype_reason("bf") == "--dtype"
+
+
+@pytest.fixture
+def family_config() -> ServeConfig:
+    """The embedded family with an EAGLE-3 tree, its slots left to ``auto``."""
+    from outrider.daemon.family import embedded_family
+
+    family = embedded_family()
+    if family is None:
+        pytest.skip("the embedded family is not installed")
+    return ServeConfig(
+        model=str(family.target),
+        attention_backend="auto",
+        speculative_algorithm="eagle3",
+        draft_model=str(family.drafts["eagle3"]),
+        **TREE,  # type: ignore[arg-type]
+    )
