@@ -32,7 +32,15 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from outrider.daemon.bench.serve_data import BenchRequest, random_requests, sharegpt_requests
+from outrider.daemon.bench.serve_data import (
+    DEFAULT_RANDOM_INPUT_LEN,
+    DEFAULT_RANDOM_OUTPUT_LEN,
+    BenchRequest,
+    LengthsDoNotFit,
+    fit_random_lengths,
+    random_requests,
+    sharegpt_requests,
+)
 from outrider.daemon.bench.serve_report import Outcome, print_report, summarize
 from outrider.daemon.version import installed_version
 from outrider.protocol import AsyncClient, RequestError, default_endpoint
@@ -79,8 +87,18 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="every ShareGPT request's output length (default: its reply's)",
     )
-    parser.add_argument("--random-input-len", type=int, default=1024, metavar="N")
-    parser.add_argument("--random-output-len", type=int, default=128, metavar="N")
+    parser.add_argument(
+        "--random-input-len",
+        type=int,
+        metavar="N",
+        help=f"default: {DEFAULT_RANDOM_INPUT_LEN}, or less to fit the served context",
+    )
+    parser.add_argument(
+        "--random-output-len",
+        type=int,
+        metavar="N",
+        help=f"default: {DEFAULT_RANDOM_OUTPUT_LEN}, or less to fit the served context",
+    )
     parser.add_argument(
         "--random-range-ratio",
         type=float,
@@ -186,14 +204,22 @@ class OpenAIBackend:
         self.temperature = temperature
 
     async def facts(self) -> dict[str, Any]:
-        if self.model is None:
-            try:
-                response = await self.http.get("/v1/models")
-                response.raise_for_status()
-            except self._transport_errors as exc:
+        """The model (``--model``, else the first card of ``/v1/models``) and its card's
+        ``max_model_len`` where the server reports one."""
+        try:
+            response = await self.http.get("/v1/models")
+            response.raise_for_status()
+            cards = response.json()["data"]
+        except self._transport_errors as exc:
+            if self.model is None:
                 raise RuntimeError(f"{self.http.base_url}/v1/models: {exc}") from None
-            self.model = str(response.json()["data"][0]["id"])
-        return {"model": self.model, "base_url": str(self.http.base_url)}
+            cards = []
+        self.model = self.model or str(cards[0]["id"])
+        facts: dict[str, Any] = {"model": self.model, "base_url": str(self.http.base_url)}
+        card: dict[str, Any] = next((c for c in cards if c.get("id") == self.model), {})
+        if "max_model_len" in card:
+            facts["max_model_len"] = card["max_model_len"]
+        return facts
 
     async def run(self, req: BenchRequest) -> Outcome:
         out = Outcome(req.prompt_len, req.output_len)
@@ -295,19 +321,29 @@ def _tokenizer(args: argparse.Namespace, server: dict[str, Any]) -> Tokenizer:
 def _requests(
     args: argparse.Namespace, tokenizer: Tokenizer, server: dict[str, Any]
 ) -> list[BenchRequest]:
+    context = _context_length(server)
     if args.dataset == "random":
+        lengths = fit_random_lengths(
+            context, args.random_input_len, args.random_output_len, args.random_range_ratio
+        )
         return random_requests(
             tokenizer,
             args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
+            lengths.input_len,
+            lengths.output_len,
             args.random_range_ratio,
             args.seed,
         )
-    context = server.get("configuration", {}).get("context_length")
     return sharegpt_requests(
         tokenizer, args.num_prompts, args.seed, args.dataset_path, args.sharegpt_output_len, context
     )
+
+
+def _context_length(server: dict[str, Any]) -> int | None:
+    """The served context length: the daemon's configuration, or an OpenAI server's model
+    card (``max_model_len``, where it reports one); None when unknown."""
+    context = server.get("configuration", {}).get("context_length", server.get("max_model_len"))
+    return int(context) if context is not None else None
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
@@ -352,8 +388,17 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    lengths = (args.random_input_len, args.random_output_len)
+    if any(n is not None and n < 1 for n in lengths):
+        print(
+            "outrider bench serve: --random-input-len and --random-output-len >= 1", file=sys.stderr
+        )
+        return 2
     try:
         result = asyncio.run(_main(args))
+    except LengthsDoNotFit as exc:
+        print(f"outrider bench serve: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError, RuntimeError, RequestError) as exc:
         print(f"outrider bench serve: {exc}", file=sys.stderr)
         return 1
