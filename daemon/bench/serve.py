@@ -10,6 +10,7 @@ so runs are comparable. Requests start at Poisson arrivals of ``--request-rate``
 once), at most ``--max-concurrency`` at a time. Per request: TTFT (start to the first output
 with tokens), ITL (between outputs with tokens), TPOT ((E2E - TTFT) / (output tokens - 1)),
 E2E; output tokens and speculative counts from the server's usage where it reports them.
+On a TTY, stderr counts the requests done (bench/progress.py).
 
 ``--backend zmq`` is the project's ``AsyncClient``; ``--backend openai`` streams
 ``/v1/completions`` through httpx and works against any OpenAI-compatible server that takes
@@ -32,6 +33,7 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from outrider.daemon.bench.progress import Progress
 from outrider.daemon.bench.serve_data import (
     DEFAULT_RANDOM_INPUT_LEN,
     DEFAULT_RANDOM_OUTPUT_LEN,
@@ -294,15 +296,22 @@ async def run_benchmark(
         asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else nullcontext()
     )
 
+    progress = Progress("requests", len(requests))
+
     async def limited(req: BenchRequest) -> Outcome:
         async with limit:
-            return await backend.run(req)
+            outcome = await backend.run(req)
+        progress.advance()
+        return outcome
 
     start = time.perf_counter()
     tasks = []
-    async for i in _arrivals(len(requests), args.request_rate, random.Random(args.seed)):
-        tasks.append(asyncio.create_task(limited(requests[i])))
-    outcomes = await asyncio.gather(*tasks)
+    try:
+        async for i in _arrivals(len(requests), args.request_rate, random.Random(args.seed)):
+            tasks.append(asyncio.create_task(limited(requests[i])))
+        outcomes = await asyncio.gather(*tasks)
+    finally:
+        progress.close()
     return list(outcomes), time.perf_counter() - start
 
 
