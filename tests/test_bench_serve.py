@@ -4,6 +4,7 @@ transports (ZeroMQ and OpenAI HTTP), and its ShareGPT reader on a cut-off file."
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,3 +131,14 @@ def test_sharegpt_reads_the_complete_records_of_a_cut_off_file(tmp_path: Path) -
     assert all(r.output_len == reply_len and r.prompt_ids is None for r in picked)
     with pytest.raises(ValueError, match="only 5 ShareGPT"):
         sharegpt_requests(tokenizer, 6, 0, path, 8, None)
+
+
+def test_backend_openai_without_httpx_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "httpx", None)  # import httpx raises ImportError
+    assert main(["bench", "serve", "--backend", "openai", "--tokenizer", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "outrider bench serve: --backend openai needs httpx: pip install 'outrider[bench]'\n"
+    )

@@ -13,14 +13,16 @@ E2E; output tokens and speculative counts from the server's usage where it repor
 On a TTY, stderr counts the requests done (bench/progress.py).
 
 ``--backend zmq`` is the project's ``AsyncClient``; ``--backend openai`` streams
-``/v1/completions`` through httpx and works against any OpenAI-compatible server that takes
-``ignore_eos`` (and token-id prompts for ``--dataset random``).
+``/v1/completions`` through httpx (the ``bench`` extra) and works against any
+OpenAI-compatible server that takes ``ignore_eos`` (and token-id prompts for ``--dataset
+random``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import math
 import platform
@@ -387,6 +389,15 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     } | result
 
 
+def _has_http_client() -> bool:
+    """Whether httpx, which ``--backend openai`` streams through (the ``bench`` extra), imports."""
+    try:
+        importlib.import_module("httpx")
+    except ImportError:
+        return False
+    return True
+
+
 def run_serve_bench(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         print("outrider bench serve: --num-prompts and --max-concurrency >= 1", file=sys.stderr)
@@ -394,6 +405,12 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     if not args.request_rate > 0 or not 0 <= args.random_range_ratio < 1:
         print(
             "outrider bench serve: --request-rate > 0, --random-range-ratio in [0, 1)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.backend == "openai" and not _has_http_client():
+        print(
+            "outrider bench serve: --backend openai needs httpx: pip install 'outrider[bench]'",
             file=sys.stderr,
         )
         return 2
