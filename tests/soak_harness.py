@@ -301,7 +301,7 @@ def determinism_problems(ledger: Ledger) -> list[str]:
 # --- the daemon's log and processes ---------------------------------------------------------
 
 _FINISHED = re.compile(
-    r"INFO outrider\.scheduler: finished id=(\S+) rid=(\d+) .* reason=(\w+)$", re.MULTILINE
+    r"DEBUG outrider\.scheduler: finished id=(\S+) rid=(\d+) .* reason=(\w+)$", re.MULTILINE
 )
 _RETRACTED = re.compile(r"INFO outrider\.scheduler: retract rid=(\d+) ")
 

@@ -4,13 +4,21 @@ transports (ZeroMQ and OpenAI HTTP), and its ShareGPT reader on a cut-off file."
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from http_harness import API_KEY, FAMILY, HttpDaemon
 
-from outrider.daemon.bench.serve_data import iter_complete_elements, sharegpt_requests
+from outrider.daemon.bench.serve_data import (
+    LengthsDoNotFit,
+    RandomLengths,
+    fit_random_lengths,
+    iter_complete_elements,
+    longest_draw,
+    sharegpt_requests,
+)
 from outrider.daemon.cli.main import main
 from outrider.daemon.tokenizer import load_tokenizer
 
@@ -63,6 +71,43 @@ def test_bench_serve_over_both_transports(
         assert 0 < result[f"median_{metric}_ms"] <= result[f"p99_{metric}_ms"]
 
 
+@pytest.mark.e2e
+@pytest.mark.skipif(FAMILY is None, reason="the embedded family is not installed")
+def test_bench_serve_defaults_fit_the_served_context(
+    server: HttpDaemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result_path = tmp_path / "result.json"
+    endpoint = ["--endpoint", server.daemon.endpoint]
+    argv = ["bench", "serve", *endpoint, "--num-prompts", "2", "--result-json", str(result_path)]
+    assert main(argv) == 0
+    result = json.loads(result_path.read_text())
+    context = result["server"]["configuration"]["context_length"]
+    assert result["failed"] == 0 and result["output_lens"] == result["expected_output_lens"]
+    assert max(result["input_lens"]) + max(result["output_lens"]) <= context
+    capsys.readouterr()
+    # Lengths given that cannot fit are refused before any request is sent.
+    assert main(["bench", "serve", *endpoint, "--random-input-len", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"do not fit the served context length of {context}" in err
+
+
+def test_random_lengths_left_out_are_sized_to_fit_the_context() -> None:
+    assert fit_random_lengths(None, None, None, 0.0) == RandomLengths(1024, 128)
+    assert fit_random_lengths(4096, None, None, 0.5) == RandomLengths(1024, 128)
+    assert fit_random_lengths(512, None, None, 0.0) == RandomLengths(384, 128)
+    assert fit_random_lengths(512, 300, None, 0.0) == RandomLengths(300, 128)
+    assert fit_random_lengths(512, None, 400, 0.0) == RandomLengths(112, 400)
+    for context, ratio in [(512, 0.5), (64, 0.0), (100, 0.9), (8, 0.3)]:
+        lengths = fit_random_lengths(context, None, None, ratio)
+        longest = longest_draw(lengths.input_len, ratio) + longest_draw(lengths.output_len, ratio)
+        assert longest <= context and lengths.input_len > lengths.output_len
+    with pytest.raises(LengthsDoNotFit, match="--random-input-len 1024 with"):
+        fit_random_lengths(512, 1024, None, 0.0)
+    with pytest.raises(LengthsDoNotFit, match=r"up to 600 tokens .* context length of 512"):
+        fit_random_lengths(512, 400, 200, 0.5)
+
+
 def test_sharegpt_reads_the_complete_records_of_a_cut_off_file(tmp_path: Path) -> None:
     assert FAMILY is not None
     records = [
@@ -86,3 +131,14 @@ def test_sharegpt_reads_the_complete_records_of_a_cut_off_file(tmp_path: Path) -
     assert all(r.output_len == reply_len and r.prompt_ids is None for r in picked)
     with pytest.raises(ValueError, match="only 5 ShareGPT"):
         sharegpt_requests(tokenizer, 6, 0, path, 8, None)
+
+
+def test_backend_openai_without_httpx_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "httpx", None)  # import httpx raises ImportError
+    assert main(["bench", "serve", "--backend", "openai", "--tokenizer", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "outrider bench serve: --backend openai needs httpx: pip install 'outrider[bench]'\n"
+    )

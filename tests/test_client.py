@@ -698,6 +698,36 @@ def test_cli_error(endpoint: str, peers: list[Peer], capsys: pytest.CaptureFixtu
     assert run_generate(cli("--connect", "nonsense", "x")) == 2
 
 
+def aborting(peer: Peer, identity: bytes, req: ClientRequest) -> None:
+    """``echo``, but a Generate streams its first two characters and ends ``abort`` (as in a
+    shutdown drain)."""
+    if not isinstance(req, Generate):
+        echo(peer, identity, req)
+        return
+    text = (req.prompt or "")[:2]
+    if req.stream:
+        for c in text:
+            peer.send(identity, Chunk(req.request_id, [ord(c)], c))
+    ids = [ord(c) for c in text]
+    peer.send(identity, Finished(req.request_id, ids, text, "abort", None, Usage(3, len(ids))))
+
+
+def test_cli_an_aborted_answer_is_said_and_fails(
+    endpoint: str, peers: list[Peer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_peer(peers, endpoint, aborting)
+    said = (
+        "error: aborted: the daemon ended the request after 2 tokens, before it was complete "
+        "(a shutdown drain, or an abort)\n"
+    )
+    for mode in ([], ["--stream"]):
+        assert run_generate(cli("--connect", endpoint, *mode, "abcdef")) == 1
+        assert capsys.readouterr() == ("ab\n", said)
+    assert run_generate(cli("--connect", endpoint, "--json", "abcdef")) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["finish_reason"] == "abort" and err == said
+
+
 def run_cli_within(seconds: float, *argv: str) -> int:
     """``run_generate`` on ``argv``; fails the test if it has not returned after ``seconds``."""
     status: list[int] = []

@@ -25,7 +25,10 @@ FORGED = "2026-01-01 00:00:00,000 INFO outrider.daemon: forged"
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     model = build_model_dir(tmp_path_factory.mktemp("model"))
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    started = Daemon(model, tmp_path_factory.mktemp("faults"), endpoint=endpoint)
+    # --log-level debug: a line per finished request, where client text must stay escaped.
+    started = Daemon(
+        model, tmp_path_factory.mktemp("faults"), "--log-level", "debug", endpoint=endpoint
+    )
     try:
         started.wait_serving()
         yield started

@@ -7,12 +7,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 import zmq.auth
+from safetensors.torch import save_file
 
-from outrider.daemon.config import ConfigError, ServeConfig
+from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
 from outrider.daemon.flags import add_serve_arguments, resolve
 from outrider.daemon.processes.preflight import model_problems, preflight
 
@@ -24,10 +28,15 @@ def _resolve(*argv: str, environ: dict[str, str] | None = None) -> ServeConfig:
 
 
 def _model(directory: Path, *weights: str) -> Path:
+    """A model directory; each ``*.safetensors`` of ``weights`` a whole file of one tensor,
+    anything else empty."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     for name in weights:
-        (directory / name).write_bytes(b"")
+        if name.endswith(".safetensors"):
+            save_file({"w": torch.zeros(4)}, str(directory / name))
+        else:
+            (directory / name).write_bytes(b"")
     return directory
 
 
@@ -69,6 +78,65 @@ def test_model_refusals_name_the_flag_and_the_path(tmp_path: Path) -> None:
         assert model_problems("--draft-model", str(path), "auto") == [
             f"--draft-model {path}: {reason}"
         ]
+
+
+def test_an_unsupported_target_names_what_is_supported(tmp_path: Path) -> None:
+    model = _model(tmp_path / "moe", "model.safetensors")
+    config = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    (model / "config.json").write_text(json.dumps(config))
+    assert preflight(ServeConfig(model=str(model))) == [
+        f"--model {model}: model_type 'qwen3_moe' is not supported (supported: llama, qwen2, qwen3)"
+    ]
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"]}
+    (model / "config.json").write_text(json.dumps(config))
+    assert preflight(ServeConfig(model=str(model))) == [
+        f"--model {model}: architecture 'Qwen3ForSequenceClassification' is not supported "
+        "(supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
+    ]
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path: Path) -> None:
+    whole = _model(tmp_path / "whole", "model.safetensors")
+    assert model_problems("--model", str(whole), "auto") == []
+    cut = _model(tmp_path / "cut", "model.safetensors")
+    weights = cut / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, size - 3)
+    assert model_problems("--model", str(cut), "auto") == [
+        f"--model {cut}: model.safetensors is truncated: {size - 3} bytes of the {size} its "
+        "header describes"
+    ]
+    os.truncate(weights, 5)
+    assert model_problems("--model", str(cut), "auto") == [
+        f"--model {cut}: model.safetensors is truncated or not safetensors (5 bytes)"
+    ]
+    sharded = _model(tmp_path / "sharded", "a.safetensors", "b.safetensors")
+    index = {"weight_map": {"x": "a.safetensors", "y": "b.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    (sharded / "b.safetensors").write_bytes(b"\x04" + b"\x00" * 7 + b"[1]x")
+    assert model_problems("--model", str(sharded), "auto") == [
+        f"--model {sharded}: b.safetensors has no readable safetensors header"
+    ]
+
+
+def test_outrider_serve_refuses_a_truncated_file_before_loading(tmp_path: Path) -> None:
+    model = _model(tmp_path / "m", "model.safetensors")
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
+    )
+    os.truncate(model / "model.safetensors", 20)
+    argv = ["serve", "--model", str(model), "--device", "cpu", "--speculative-algorithm", "none"]
+    done = subprocess.run(
+        [sys.executable, "-m", "outrider.daemon.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == EXIT_CONFIG
+    assert done.stderr.splitlines() == [
+        f"outrider serve: --model {model}: model.safetensors is truncated or not safetensors "
+        "(20 bytes)"
+    ]
 
 
 def test_preflight_reports_every_problem_at_once(tmp_path: Path) -> None:

@@ -59,6 +59,7 @@ SOAK_ARGS = (
     "--context-length", str(CONTEXT),
     "--kv-cache-tokens", "8192",  # eight contexts: short requests never queue behind long ones
     "--max-message-bytes", str(MAX_MESSAGE_BYTES),
+    "--log-level", "debug",  # a line per finished request, which the checks read
 )  # fmt: skip
 # Retract the youngest running request every 50 steps: retraction and re-admission meet the
 # aborts and disconnects (the pool itself never runs out).

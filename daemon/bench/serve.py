@@ -10,16 +10,19 @@ so runs are comparable. Requests start at Poisson arrivals of ``--request-rate``
 once), at most ``--max-concurrency`` at a time. Per request: TTFT (start to the first output
 with tokens), ITL (between outputs with tokens), TPOT ((E2E - TTFT) / (output tokens - 1)),
 E2E; output tokens and speculative counts from the server's usage where it reports them.
+On a TTY, stderr counts the requests done (bench/progress.py).
 
 ``--backend zmq`` is the project's ``AsyncClient``; ``--backend openai`` streams
-``/v1/completions`` through httpx and works against any OpenAI-compatible server that takes
-``ignore_eos`` (and token-id prompts for ``--dataset random``).
+``/v1/completions`` through httpx (the ``bench`` extra) and works against any
+OpenAI-compatible server that takes ``ignore_eos`` (and token-id prompts for ``--dataset
+random``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import math
 import platform
@@ -32,7 +35,16 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from outrider.daemon.bench.serve_data import BenchRequest, random_requests, sharegpt_requests
+from outrider.daemon.bench.progress import Progress
+from outrider.daemon.bench.serve_data import (
+    DEFAULT_RANDOM_INPUT_LEN,
+    DEFAULT_RANDOM_OUTPUT_LEN,
+    BenchRequest,
+    LengthsDoNotFit,
+    fit_random_lengths,
+    random_requests,
+    sharegpt_requests,
+)
 from outrider.daemon.bench.serve_report import Outcome, print_report, summarize
 from outrider.daemon.version import installed_version
 from outrider.protocol import AsyncClient, RequestError, default_endpoint
@@ -79,8 +91,18 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="every ShareGPT request's output length (default: its reply's)",
     )
-    parser.add_argument("--random-input-len", type=int, default=1024, metavar="N")
-    parser.add_argument("--random-output-len", type=int, default=128, metavar="N")
+    parser.add_argument(
+        "--random-input-len",
+        type=int,
+        metavar="N",
+        help=f"default: {DEFAULT_RANDOM_INPUT_LEN}, or less to fit the served context",
+    )
+    parser.add_argument(
+        "--random-output-len",
+        type=int,
+        metavar="N",
+        help=f"default: {DEFAULT_RANDOM_OUTPUT_LEN}, or less to fit the served context",
+    )
     parser.add_argument(
         "--random-range-ratio",
         type=float,
@@ -186,14 +208,22 @@ class OpenAIBackend:
         self.temperature = temperature
 
     async def facts(self) -> dict[str, Any]:
-        if self.model is None:
-            try:
-                response = await self.http.get("/v1/models")
-                response.raise_for_status()
-            except self._transport_errors as exc:
+        """The model (``--model``, else the first card of ``/v1/models``) and its card's
+        ``max_model_len`` where the server reports one."""
+        try:
+            response = await self.http.get("/v1/models")
+            response.raise_for_status()
+            cards = response.json()["data"]
+        except self._transport_errors as exc:
+            if self.model is None:
                 raise RuntimeError(f"{self.http.base_url}/v1/models: {exc}") from None
-            self.model = str(response.json()["data"][0]["id"])
-        return {"model": self.model, "base_url": str(self.http.base_url)}
+            cards = []
+        self.model = self.model or str(cards[0]["id"])
+        facts: dict[str, Any] = {"model": self.model, "base_url": str(self.http.base_url)}
+        card: dict[str, Any] = next((c for c in cards if c.get("id") == self.model), {})
+        if "max_model_len" in card:
+            facts["max_model_len"] = card["max_model_len"]
+        return facts
 
     async def run(self, req: BenchRequest) -> Outcome:
         out = Outcome(req.prompt_len, req.output_len)
@@ -268,15 +298,22 @@ async def run_benchmark(
         asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else nullcontext()
     )
 
+    progress = Progress("requests", len(requests))
+
     async def limited(req: BenchRequest) -> Outcome:
         async with limit:
-            return await backend.run(req)
+            outcome = await backend.run(req)
+        progress.advance()
+        return outcome
 
     start = time.perf_counter()
     tasks = []
-    async for i in _arrivals(len(requests), args.request_rate, random.Random(args.seed)):
-        tasks.append(asyncio.create_task(limited(requests[i])))
-    outcomes = await asyncio.gather(*tasks)
+    try:
+        async for i in _arrivals(len(requests), args.request_rate, random.Random(args.seed)):
+            tasks.append(asyncio.create_task(limited(requests[i])))
+        outcomes = await asyncio.gather(*tasks)
+    finally:
+        progress.close()
     return list(outcomes), time.perf_counter() - start
 
 
@@ -295,19 +332,29 @@ def _tokenizer(args: argparse.Namespace, server: dict[str, Any]) -> Tokenizer:
 def _requests(
     args: argparse.Namespace, tokenizer: Tokenizer, server: dict[str, Any]
 ) -> list[BenchRequest]:
+    context = _context_length(server)
     if args.dataset == "random":
+        lengths = fit_random_lengths(
+            context, args.random_input_len, args.random_output_len, args.random_range_ratio
+        )
         return random_requests(
             tokenizer,
             args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
+            lengths.input_len,
+            lengths.output_len,
             args.random_range_ratio,
             args.seed,
         )
-    context = server.get("configuration", {}).get("context_length")
     return sharegpt_requests(
         tokenizer, args.num_prompts, args.seed, args.dataset_path, args.sharegpt_output_len, context
     )
+
+
+def _context_length(server: dict[str, Any]) -> int | None:
+    """The served context length: the daemon's configuration, or an OpenAI server's model
+    card (``max_model_len``, where it reports one); None when unknown."""
+    context = server.get("configuration", {}).get("context_length", server.get("max_model_len"))
+    return int(context) if context is not None else None
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
@@ -342,6 +389,15 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     } | result
 
 
+def _has_http_client() -> bool:
+    """Whether httpx, which ``--backend openai`` streams through (the ``bench`` extra), imports."""
+    try:
+        importlib.import_module("httpx")
+    except ImportError:
+        return False
+    return True
+
+
 def run_serve_bench(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         print("outrider bench serve: --num-prompts and --max-concurrency >= 1", file=sys.stderr)
@@ -352,8 +408,23 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.backend == "openai" and not _has_http_client():
+        print(
+            "outrider bench serve: --backend openai needs httpx: pip install 'outrider[bench]'",
+            file=sys.stderr,
+        )
+        return 2
+    lengths = (args.random_input_len, args.random_output_len)
+    if any(n is not None and n < 1 for n in lengths):
+        print(
+            "outrider bench serve: --random-input-len and --random-output-len >= 1", file=sys.stderr
+        )
+        return 2
     try:
         result = asyncio.run(_main(args))
+    except LengthsDoNotFit as exc:
+        print(f"outrider bench serve: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError, RuntimeError, RequestError) as exc:
         print(f"outrider bench serve: {exc}", file=sys.stderr)
         return 1

@@ -6,12 +6,15 @@ token ids, each with a fixed output length (sent with ``ignore_eos``), drawn wit
   prompt over 1024 tokens or over 2048 in all, or that do not fit the context, are skipped.
 - random: ``--random-input-len`` / ``--random-output-len``, each drawn uniformly within
   ``--random-range-ratio`` of its value; the prompt is token ids (no special tokens), so its
-  length is exact on any server that takes token-id prompts.
+  length is exact on any server that takes token-id prompts. The longest prompt plus the
+  longest output always fits the served context (``fit_random_lengths``): a length left out
+  is sized to fit it, lengths given that cannot fit are refused before any request is sent.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +29,8 @@ SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 MIN_SHAREGPT_TOKENS = 4
 MAX_SHAREGPT_PROMPT = 1024
 MAX_SHAREGPT_TOTAL = 2048
+DEFAULT_RANDOM_INPUT_LEN = 1024
+DEFAULT_RANDOM_OUTPUT_LEN = 128
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,74 @@ class BenchRequest:
     prompt_ids: list[int] | None
     prompt_len: int  # tokens, by the benchmark's tokenizer
     output_len: int
+
+
+@dataclass(frozen=True)
+class RandomLengths:
+    """The central lengths random requests are drawn around."""
+
+    input_len: int
+    output_len: int
+
+
+class LengthsDoNotFit(ValueError):
+    """Random lengths whose longest draw cannot fit the served context."""
+
+
+def longest_draw(length: int, range_ratio: float) -> int:
+    """The longest length ``random_requests`` may draw around ``length``."""
+    low = max(1, round(length * (1 - range_ratio)))
+    return max(low, round(length * (1 + range_ratio)))
+
+
+def fit_random_lengths(
+    context_length: int | None,
+    input_len: int | None,
+    output_len: int | None,
+    range_ratio: float,
+) -> RandomLengths:
+    """The lengths to draw around: those given, and for one left out its default, lowered
+    until the longest prompt plus the longest output fits ``context_length`` (None: unknown,
+    the defaults as they are). Raises ``LengthsDoNotFit`` naming the context."""
+    if context_length is None:
+        return RandomLengths(
+            DEFAULT_RANDOM_INPUT_LEN if input_len is None else input_len,
+            DEFAULT_RANDOM_OUTPUT_LEN if output_len is None else output_len,
+        )
+    given = [
+        f"{flag} {n}"
+        for flag, n in (("--random-input-len", input_len), ("--random-output-len", output_len))
+        if n is not None
+    ] or ["the default lengths"]
+    if output_len is None:
+        # Without a prompt length, an output takes a quarter of the context at most.
+        room = (
+            context_length // 4
+            if input_len is None
+            else context_length - longest_draw(input_len, range_ratio)
+        )
+        output_len = _longest_fitting(DEFAULT_RANDOM_OUTPUT_LEN, room, range_ratio)
+    if input_len is None:
+        room = context_length - longest_draw(output_len, range_ratio)
+        input_len = _longest_fitting(DEFAULT_RANDOM_INPUT_LEN, room, range_ratio)
+    longest_in = longest_draw(input_len, range_ratio)
+    longest_out = longest_draw(output_len, range_ratio)
+    if longest_in + longest_out > context_length:
+        raise LengthsDoNotFit(
+            f"{' and '.join(given)} with --random-range-ratio {range_ratio:g}: prompts of up "
+            f"to {longest_in} tokens and outputs of up to {longest_out} do not fit the served "
+            f"context length of {context_length}"
+        )
+    return RandomLengths(input_len, output_len)
+
+
+def _longest_fitting(default: int, room: int, range_ratio: float) -> int:
+    """The largest length up to ``default`` whose longest draw is at most ``room``; 1 when
+    none is (the caller's fit check then refuses it)."""
+    length = min(default, math.floor(room / (1 + range_ratio)))
+    while length > 1 and longest_draw(length, range_ratio) > room:
+        length -= 1
+    return max(length, 1)
 
 
 def random_requests(
@@ -52,7 +125,7 @@ def random_requests(
 
     def draw(length: int) -> int:
         low = max(1, round(length * (1 - range_ratio)))
-        return rng.randint(low, max(low, round(length * (1 + range_ratio))))
+        return rng.randint(low, longest_draw(length, range_ratio))
 
     requests = []
     for _ in range(num):

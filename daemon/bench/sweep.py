@@ -12,7 +12,8 @@ capability checks before running (a backend set is never replaced by another), o
     outrider bench sweep --report sweep.jsonl
 
 Run from the repository root: the models are the public config.json files of
-``tests/fixtures/configs`` (``--configs``), with dummy weights.
+``tests/fixtures/configs`` (``--configs``), with dummy weights. On a TTY, stderr counts the
+cells done (bench/progress.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Literal
 import msgspec
 
 from outrider.daemon.bench.latency_io import LatencyRow, add_latency_arguments
+from outrider.daemon.bench.progress import Progress
 from outrider.daemon.config import ConfigError
 from outrider.daemon.flags import resolve
 from outrider.plugins.api import PluginKind, Problem
@@ -282,12 +284,17 @@ def run_sweep(
     versions = installed_versions()
     started = clock()
     outcome = SweepOutcome()
-    for config in matrix:
-        pending = [
+    pending_cells = {
+        config.name: [
             c
             for c in config.cells()
             if c not in done or (options.retry_failed and done[c].status == "failed")
         ]
+        for config in matrix
+    }
+    progress = Progress("bench sweep: cells", sum(map(len, pending_cells.values())))
+    for config in matrix:
+        pending = pending_cells[config.name]
         if not pending:
             continue
         batches = sorted({c.batch for c in pending})
@@ -299,23 +306,25 @@ def run_sweep(
             lines = [_result(c, "refused", command, versions, reason=problems) for c in pending]
             _append(results, lines)
             outcome.refused.append(config.name)
+            progress.advance(len(pending))
             continue
         if options.budget_s and clock() - started >= options.budget_s:
             outcome.left.append(config.name)
+            progress.advance(len(pending))
             continue
-        print(f"bench sweep: {config.name}: {command}", file=sys.stderr, flush=True)
+        progress.note(f"bench sweep: {config.name}: {command}")
         began = clock()
         lines = _measured(pending, command, versions, runner(flags, options.timeout_s))
         _append(results, lines)
         outcome.ran.append(config.name)
         failed = sum(line.status == "failed" for line in lines)
         outcome.failed_cells += failed
-        print(
+        progress.advance(len(pending))
+        progress.note(
             f"bench sweep: {config.name}: {len(lines) - failed} cells measured, {failed} failed "
-            f"in {clock() - began:.0f} s",
-            file=sys.stderr,
-            flush=True,
+            f"in {clock() - began:.0f} s"
         )
+    progress.close()
     return outcome
 
 

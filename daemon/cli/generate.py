@@ -1,4 +1,5 @@
-"""``outrider generate``: send one prompt to a running daemon and print the answer.
+"""``outrider generate``: send one prompt to a running daemon and print the answer; exit 0
+only for a complete answer (an aborted one is printed, then said on stderr, exit 1).
 
 A client command: it imports ``outrider.protocol`` and the standard library only, so it works
 in a light install (no torch).
@@ -16,6 +17,7 @@ import msgspec
 
 from outrider.protocol import (
     Client,
+    GenerateResult,
     NotListening,
     RequestError,
     Timeout,
@@ -119,7 +121,7 @@ def run_generate(args: argparse.Namespace) -> int:
             client.health(timeout=health_deadline)
             try:
                 if args.stream:
-                    _print_stream(client.stream(**request), as_json=args.json)
+                    result = _print_stream(client.stream(**request), as_json=args.json)
                 else:
                     result = client.generate(**request)
                     print(_json_line(result) if args.json else result.text)
@@ -143,6 +145,13 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    if result.finish_reason == "abort":
+        print(
+            f"error: aborted: the daemon ended the request after {result.usage.completion_tokens} "
+            "tokens, before it was complete (a shutdown drain, or an abort)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -157,13 +166,16 @@ def _timeout_seconds(text: str) -> float | None:
     return None if seconds == 0 or math.isinf(seconds) else seconds
 
 
-def _print_stream(stream: TokenStream, *, as_json: bool) -> None:
+def _print_stream(stream: TokenStream, *, as_json: bool) -> GenerateResult:
+    """Print ``stream`` as it arrives; its final frame."""
     out = sys.stdout
     for chunk in stream:
         out.write(_json_line(chunk) + "\n" if as_json else chunk.text)
         out.flush()
+    assert stream.result is not None, "a stream that ends without an error has its result"
     out.write(_json_line(stream.result) + "\n" if as_json else "\n")
     out.flush()
+    return stream.result
 
 
 def _json_line(value: msgspec.Struct | None) -> str:

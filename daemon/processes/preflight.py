@@ -1,6 +1,7 @@
 """What a serving configuration needs, checked before anything is spawned or loaded: the
-model and draft directories and the CURVE key files (``preflight``), and the plugins it routes,
-the attention slots left to ``auto`` chosen first (``resolve_plugins``).
+model and draft directories (their config.json, the target's architecture, whole safetensors
+files) and the CURVE key files (``preflight``), and the plugins it routes, the attention
+slots left to ``auto`` chosen first (``resolve_plugins``).
 
 Each problem is one line naming its flag (and path); every one is reported at once. Nothing
 here imports torch or transformers, so a light install can run it too.
@@ -9,18 +10,21 @@ here imports torch or transformers, so a light install can run it too.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from outrider.daemon.attention_choice import AttentionChoice, choose_for
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.frontdoor.curve_auth import CurveKeyError, load_client_keys, load_server_keys
 from outrider.plugins.checks import PluginProblems
-from outrider.plugins.models.config import tensor_parallel_problems
+from outrider.plugins.models.config import model_type_problem, tensor_parallel_problems
+from outrider.plugins.models.registry import architecture_problem
 from outrider.plugins.registry import ResolvedPlugins, discover
 
 _INDEX = "model.safetensors.index.json"
+_LENGTH_BYTES = 8  # a safetensors file opens with its header's length, u64 little-endian
 _GENERATION_CONFIG = "generation_config.json"
 CANNOT_RUN = "the configuration cannot run:"
 
@@ -29,7 +33,7 @@ def preflight(config: ServeConfig) -> list[str]:
     """Every problem of ``config``'s files; empty when serving may start."""
     problems = model_problems("--model", config.model, config.load_format)
     if not problems:
-        problems += sharding_problems(config)
+        problems += architecture_problems(config) or sharding_problems(config)
     if config.draft_model:
         problems += model_problems("--draft-model", config.draft_model, config.load_format)
     if config.curve_secret_key_file:
@@ -65,15 +69,32 @@ def model_problems(flag: str, path: str, load_format: str) -> list[str]:
     return [] if problem is None else [f"{where}: {problem}"]
 
 
+def architecture_problems(config: ServeConfig) -> list[str]:
+    """The target's ``model_type`` and ``architectures[0]`` against the models built here.
+    ``config.model`` must pass ``model_problems``."""
+    loaded = _target_config(config)
+    architectures = loaded.get("architectures") or [None]
+    problem = model_type_problem(loaded)
+    if problem is None and isinstance(architectures[0], str):
+        problem = architecture_problem(architectures[0])
+    return [] if problem is None else [f"--model {config.model}: {problem}"]
+
+
 def sharding_problems(config: ServeConfig) -> list[str]:
     """``--tensor-parallel-size`` against the model's shape: what does not divide.
     ``config.model`` must pass ``model_problems``."""
     size = config.tensor_parallel_size
     if size == 1:
         return []
+    return tensor_parallel_problems(_target_config(config), size)
+
+
+def _target_config(config: ServeConfig) -> dict[str, Any]:
     given = Path(config.model)
-    loaded = json.loads((given / "config.json" if given.is_dir() else given).read_text())
-    return tensor_parallel_problems(loaded, size)
+    loaded: dict[str, Any] = json.loads(
+        (given / "config.json" if given.is_dir() else given).read_text()
+    )
+    return loaded
 
 
 def _config_problem(config_file: Path) -> str | None:
@@ -94,13 +115,42 @@ def _weights_problem(directory: Path) -> str | None:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return f"{_INDEX} is unreadable or has no weight_map"
         missing = sorted(name for name in shards if not (directory / name).is_file())
-        return f"{_INDEX} names missing shards: {', '.join(missing)}" if missing else None
-    if any(directory.glob("*.safetensors")):
-        return None
+        if missing:
+            return f"{_INDEX} names missing shards: {', '.join(missing)}"
+        return _first(_safetensors_problem(directory / name) for name in sorted(shards))
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        return _first(_safetensors_problem(path) for path in files)
     problem = "no *.safetensors weights (--load-format dummy runs without them)"
     if any(directory.glob("*.bin")):
         problem += "; *.bin checkpoints are not read: convert them to safetensors"
     return problem
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """``path`` holds the whole of what its header describes: an 8-byte little-endian header
+    length, the JSON header, then every tensor's bytes up to the largest ``data_offsets``
+    end. Reads the header only."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            header_len = int.from_bytes(f.read(_LENGTH_BYTES), "little")
+            if _LENGTH_BYTES + header_len > size:
+                return f"{path.name} is truncated or not safetensors ({size} bytes)"
+            header = json.loads(f.read(header_len))
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    except OSError as exc:
+        return f"cannot read {path.name}: {exc.strerror}"
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return f"{path.name} has no readable safetensors header"
+    described = _LENGTH_BYTES + header_len + max(ends, default=0)
+    if described > size:
+        return f"{path.name} is truncated: {size} bytes of the {described} its header describes"
+    return None
+
+
+def _first(problems: Iterable[str | None]) -> str | None:
+    return next((p for p in problems if p is not None), None)
 
 
 def _curve_problem(load: Callable[[], object]) -> list[str]:

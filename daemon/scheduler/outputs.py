@@ -139,9 +139,10 @@ class OutputProcessor:
         self.admission.remove(req)
 
     def _log_finished(self, req: Request, finish: Finish) -> None:
+        # DEBUG: a line per request would fill a busy service's journal (--log-level debug).
         now = time.time()
         ttft = req.first_token_time - req.arrival if req.first_token_time else -1.0
-        log.info(
+        log.debug(
             "finished id=%s rid=%d prompt=%d output=%d cached=%d queue=%.4f ttft=%.4f "
             "e2e=%.4f reason=%s",
             req.request_id,

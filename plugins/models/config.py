@@ -96,11 +96,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Parse the ``to_dict()`` of a transformers config (v4 or v5 keys)."""
-        model_type = str(d.get("model_type"))
-        family = _FAMILIES.get(model_type)
-        if family is None:
-            supported = ", ".join(sorted(_FAMILIES))
-            raise ValueError(f"model_type {model_type!r} is not supported (supported: {supported})")
+        problem = model_type_problem(d)
+        if problem is not None:
+            raise ValueError(problem)
+        model_type = str(d["model_type"])
+        family = _FAMILIES[model_type]
         architectures = d.get("architectures") or []
         if not architectures:
             raise ValueError("config.json has no `architectures` entry")
@@ -128,6 +128,17 @@ class ModelConfig:
             dtype=_parse_dtype(d.get("dtype") or d.get("torch_dtype")),
             eos_token_ids=_as_ids(d.get("eos_token_id")),
         )
+
+
+def model_type_problem(d: dict[str, Any]) -> str | None:
+    """What keeps a model of config.json ``d`` (raw keys: no transformers needed) from being
+    parsed: a ``model_type`` without a family here; one line naming the supported ones, None
+    when it is known."""
+    model_type = d.get("model_type")
+    if isinstance(model_type, str) and model_type in _FAMILIES:
+        return None
+    supported = ", ".join(sorted(_FAMILIES))
+    return f"model_type {model_type!r} is not supported (supported: {supported})"
 
 
 def tensor_parallel_problems(

@@ -17,11 +17,20 @@ _ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 
 
+def architecture_problem(architecture: str) -> str | None:
+    """One line naming the supported architectures when ``architecture`` is not one; None
+    when it is (nothing is imported)."""
+    if architecture in _ARCHITECTURES:
+        return None
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    return f"architecture {architecture!r} is not supported (supported: {supported})"
+
+
 def model_class(architecture: str) -> type[DecoderForCausalLM]:
     """The class serving ``architecture``; ValueError naming the supported ones otherwise."""
-    module = _ARCHITECTURES.get(architecture)
-    if module is None:
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise ValueError(f"architecture {architecture!r} is not supported (supported: {supported})")
+    problem = architecture_problem(architecture)
+    if problem is not None:
+        raise ValueError(problem)
+    module = _ARCHITECTURES[architecture]
     cls: type[DecoderForCausalLM] = getattr(importlib.import_module(module), architecture)
     return cls
