@@ -38,6 +38,16 @@ PHASE_FLAGS: dict[Phase, str] = {
 }
 
 
+def attention_option(ctx: CheckContext, name: str) -> str:
+    """The flag that routes attention backend ``name`` in ``ctx``, for its problems to name:
+    ``--attention-backend`` when it serves every phase, else the flags of the phases it serves
+    (a phase flag overrides ``--attention-backend``, whichever of the two chose it)."""
+    phases = [phase for phase, routed in ctx.attention_routes.items() if routed == name]
+    if not phases or len(phases) == len(ctx.attention_routes):
+        return ATTENTION_FLAG
+    return " / ".join(dict.fromkeys(PHASE_FLAGS[phase] for phase in phases))
+
+
 class PluginProblems(Exception):
     """A configuration its plugins cannot run; ``problems`` names every reason."""
 

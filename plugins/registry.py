@@ -35,10 +35,9 @@ from outrider.plugins.api import (
     StepShape,
 )
 from outrider.plugins.checks import (
-    ATTENTION_FLAG,
-    PHASE_FLAGS,
     SPECULATIVE_FLAG,
     PluginProblems,
+    attention_option,
     attention_problems,
     draft_phases,
     speculative_problems,
@@ -113,18 +112,9 @@ class Registry:
 
     def check(self, ctx: CheckContext) -> list[Problem]:
         """Every problem of the routed attention backends and the speculative algorithm."""
-        phases_of: dict[str, list[Phase]] = {}
-        for phase, name in ctx.attention_routes.items():
-            phases_of.setdefault(name, []).append(phase)
         problems: list[Problem] = []
-        for name, phases in phases_of.items():
-            # One backend everywhere: --attention-backend; otherwise the phase flags, which
-            # override it whichever of the two chose this backend.
-            if len(phases_of) == 1:
-                option = ATTENTION_FLAG
-            else:
-                option = " / ".join(dict.fromkeys(PHASE_FLAGS[phase] for phase in phases))
-            problems += self._check_one("attention", name, option, ctx)
+        for name in dict.fromkeys(ctx.attention_routes.values()):
+            problems += self._check_one("attention", name, attention_option(ctx, name), ctx)
         if ctx.speculative_algorithm != "none":
             problems += self._check_one(
                 "speculative", ctx.speculative_algorithm, SPECULATIVE_FLAG, ctx

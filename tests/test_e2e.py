@@ -558,7 +558,7 @@ def test_notify_second_daemon_and_drain(spawn: Callable[..., Daemon], notify: No
         second = spawn("second", endpoint=daemon.endpoint)
         assert second.wait_exit(60) == EXIT_CONFIG
         assert (
-            f"outrider serve: another daemon (pid {daemon.pid}) serves {daemon.endpoint}"
+            f"outrider serve: --listen: another daemon (pid {daemon.pid}) serves {daemon.endpoint}"
             in second.log()
         )
         assert client.health().boot_id == health.boot_id
@@ -746,13 +746,13 @@ def test_start_up_refusals(spawn: Callable[..., Daemon], model_dir: Path, tmp_pa
         "taken-tcp": (
             [],
             {"endpoint": taken_tcp},
-            f"outrider serve: cannot listen on {taken_tcp}: {in_use}",
+            f"outrider serve: --listen: cannot listen on {taken_tcp}: {in_use}",
             True,
         ),
         "taken-abstract": (
             [],
             {"endpoint": f"ipc://@{taken_name}"},
-            f"outrider serve: cannot listen on ipc://@{taken_name}: {in_use}",
+            f"outrider serve: --listen: cannot listen on ipc://@{taken_name}: {in_use}",
             True,
         ),
         "no-client-keys": (

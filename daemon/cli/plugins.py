@@ -20,9 +20,9 @@ from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
 from outrider.daemon.family import embedded_family
 from outrider.daemon.flags import add_serve_arguments, resolve
 from outrider.daemon.hardware import cuda_capability
+from outrider.daemon.processes.endpoint_checks import endpoint_problems
 from outrider.daemon.processes.placement import torch_threads
 from outrider.daemon.processes.preflight import ServedPlugins, preflight, resolve_plugins
-from outrider.daemon.processes.runtime import tcp_bind_problem
 from outrider.daemon.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from outrider.plugins.api import (
     ENTRY_POINT_GROUPS,
@@ -41,7 +41,6 @@ from outrider.plugins.registry import (
     Registry,
     discover,
 )
-from outrider.protocol.endpoints import default_endpoint
 
 # The built-in backend that speculative plugins are checked against.
 DEFAULT_ATTENTION_BACKEND = "torch"
@@ -145,19 +144,14 @@ class ServeCheck:
 
 def serve_check(config: ServeConfig) -> ServeCheck:
     """Every check ``outrider serve`` makes of ``config`` before it loads weights, without
-    stopping at the first that fails: the endpoint, the files (``preflight``), the model's
-    config.json as the loader reads it, the sampling defaults and the plugins, in the dtype
-    the daemon would choose."""
-    problems = []
-    endpoint = config.listen or default_endpoint()
-    bind = tcp_bind_problem(
-        endpoint, curve_keys=bool(config.curve_secret_key_file), insecure_tcp=config.insecure_tcp
-    )
-    if bind is not None:
-        problems.append(bind)
-    problems += preflight(config)
+    stopping at the first that fails: the endpoints it binds (``endpoint_problems``), the
+    files (``preflight``), the model's config.json as the loader reads it, the sampling
+    defaults and the plugins, in the dtype the daemon would choose."""
+    problems = endpoint_problems(config)
+    file_problems = preflight(config)
+    problems += file_problems
     checkpoint_dtype = None
-    if not problems:
+    if not file_problems:
         try:
             checkpoint_dtype = _checkpoint_dtype(config.model)
         except ConfigError as exc:

@@ -11,6 +11,8 @@
 - ``tcp_bind_problem``: a TCP bind beyond loopback needs CURVE keys or ``--insecure-tcp``.
 - ``check_can_listen``: a ``tcp://`` or abstract ``ipc://@name`` endpoint that another process
   holds is refused before anything is loaded.
+- ``check_client_endpoint``: what the two above would refuse, found without taking the lock
+  or touching the socket file, so that a check may run beside a live daemon.
 """
 
 from __future__ import annotations
@@ -121,9 +123,9 @@ def lock_client_endpoint(endpoint: str) -> EndpointLock | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        refusal = _held_by_another(fd, endpoint)
         os.close(fd)
-        raise EndpointError(f"another daemon (pid {holder}) serves {endpoint}") from None
+        raise refusal from None
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -132,6 +134,46 @@ def lock_client_endpoint(endpoint: str) -> EndpointLock | None:
         os.close(fd)
         raise
     return EndpointLock(endpoint, socket_path, lock_path, fd)
+
+
+def check_client_endpoint(endpoint: str) -> None:
+    """Raise ``EndpointError`` when ``endpoint`` would be refused as the client endpoint: an
+    ``ipc://`` path whose lock another daemon holds, whose directory belongs to another user,
+    or that is not a socket (``lock_client_endpoint``); a ``tcp://`` or abstract endpoint that
+    another process holds (``check_can_listen``). Creates and removes nothing: a stale socket
+    file passes (the daemon removes it under the lock)."""
+    path = ipc_path(endpoint)
+    if path is None:
+        check_can_listen(endpoint)
+        return
+    socket_path = Path(path)
+    _check_unlocked(endpoint, socket_path.with_name(socket_path.name + ".lock"))
+    if socket_path.parent.is_dir():
+        _check_owner(socket_path.parent)
+    with contextlib.suppress(FileNotFoundError):
+        _check_is_socket(socket_path, socket_path.lstat())
+
+
+def _check_unlocked(endpoint: str, lock_path: Path) -> None:
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise EndpointError(f"cannot open {lock_path}: {exc.strerror}") from None
+    try:
+        # NOTE: a shared lock, held for an instant and never written: a daemon starting in
+        # that instant refuses as if another served, which a restart cures.
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _held_by_another(fd, endpoint) from None
+    finally:
+        os.close(fd)
+
+
+def _held_by_another(lock_fd: int, endpoint: str) -> EndpointError:
+    holder = os.pread(lock_fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    return EndpointError(f"another daemon (pid {holder}) serves {endpoint}")
 
 
 def tcp_bind_problem(endpoint: str, *, curve_keys: bool, insecure_tcp: bool) -> str | None:
@@ -172,6 +214,10 @@ def _first_path(value: str) -> str:
 
 def _ensure_private_parent(directory: Path) -> None:
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_owner(directory)
+
+
+def _check_owner(directory: Path) -> None:
     st = directory.stat()
     # NOTE: under a shared /tmp another user could create our directory first and later swap
     # the socket; refuse a parent that neither we nor root own.
@@ -184,9 +230,13 @@ def _remove_stale_socket(socket_path: Path) -> None:
         st = socket_path.lstat()
     except FileNotFoundError:
         return
+    _check_is_socket(socket_path, st)
+    socket_path.unlink(missing_ok=True)
+
+
+def _check_is_socket(socket_path: Path, st: os.stat_result) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise EndpointError(f"{socket_path} exists and is not a socket; not removing it")
-    socket_path.unlink(missing_ok=True)
 
 
 def _remove_socket_file(socket_path: Path) -> None:

@@ -1,14 +1,15 @@
 """The daemon process: owns the device, runs the engine loop, supervises the two children and
 is the only process that talks to systemd.
 
-Start-up order: check the files (model, draft, CURVE keys) and that the client endpoint is
-free, lock the client socket, make the runtime directory, spawn the front door and the
-detokenizer, load the model and warm up, send the model facts, say "ready" (the front
-door binds the client socket only then), READY=1. SIGTERM or a first SIGINT: STOPPING=1,
-"draining", let running requests finish until ``--drain-timeout``, abort the rest with a final
-frame, stop the children (detokenizer first, so every final frame reaches the front door),
-exit 0. A SIGINT during the drain (a second Ctrl-C) aborts every request at once instead, then
-stops the children the same way and exits ``EXIT_INTERRUPTED``.
+Start-up order: check that the client endpoint and the ``--http`` address are free
+(endpoint_checks.py) and the files (model, draft, CURVE keys), lock the client socket, make
+the runtime directory, spawn the front door and the detokenizer, load the model and warm up,
+send the model facts, say "ready" (the front door binds the client socket only then),
+READY=1. SIGTERM or a first SIGINT: STOPPING=1, "draining", let running requests finish until
+``--drain-timeout``, abort the rest with a final frame, stop the children (detokenizer first,
+so every final frame reaches the front door), exit 0. A SIGINT during the drain (a second
+Ctrl-C) aborts every request at once instead, then stops the children the same way and exits
+``EXIT_INTERRUPTED``.
 """
 
 from __future__ import annotations
@@ -33,12 +34,7 @@ from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.family import embedded_family
 from outrider.daemon.frontdoor.config import FrontDoorConfig
 from outrider.daemon.frontdoor.curve_auth import CurveKeyError, load_client_keys, load_server_keys
-from outrider.daemon.http.config import (
-    HttpFrontConfig,
-    bind_http,
-    missing_http_modules,
-    parse_host_port,
-)
+from outrider.daemon.http.config import HttpFrontConfig, parse_host_port
 from outrider.daemon.internal import (
     AbortRid,
     Control,
@@ -56,6 +52,7 @@ from outrider.daemon.internal import (
     to_daemon_codec,
 )
 from outrider.daemon.processes.children import ChildDied, Children, ClientBindFailed
+from outrider.daemon.processes.endpoint_checks import endpoint_problems
 from outrider.daemon.processes.placement import (
     CHILDREN_CORES,
     available_cpus,
@@ -72,9 +69,7 @@ from outrider.daemon.processes.ranks import (
 from outrider.daemon.processes.runtime import (
     EndpointError,
     RuntimeDir,
-    check_can_listen,
     lock_client_endpoint,
-    tcp_bind_problem,
 )
 from outrider.daemon.processes.sdnotify import Notifier, strip_notify_env
 from outrider.daemon.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
@@ -383,12 +378,7 @@ def serve(config: ServeConfig) -> int:
         _set_torch_threads(config)
         serve_follower_host(config)
     endpoint = config.listen or default_endpoint()
-    problem = tcp_bind_problem(
-        endpoint, curve_keys=bool(config.curve_secret_key_file), insecure_tcp=config.insecure_tcp
-    )
-    if problem is not None:
-        raise ConfigError(problem)
-    problems = preflight(config)
+    problems = endpoint_problems(config) + preflight(config)
     if problems:
         raise ConfigError("; ".join(problems))
     defaults = resolve_sampling_defaults(config)
@@ -404,8 +394,6 @@ def serve(config: ServeConfig) -> int:
         lock = lock_client_endpoint(endpoint)
         if lock is not None:
             cleanup.callback(lock.release)
-        check_can_listen(endpoint)
-        _check_http_free(config)
         runtime = RuntimeDir()
         cleanup.callback(runtime.cleanup)
         start_signals = StartSignals()
@@ -516,20 +504,6 @@ def _set_torch_threads(config: ServeConfig) -> None:
         if (local := ranks_per_node(config)) > 1:
             how += f", the rest shared by this host's {local} ranks"
     log.info("torch threads: %d (%s)", threads, how)
-
-
-def _check_http_free(config: ServeConfig) -> None:
-    """Refuse to start, before anything loads, when the ``--http`` address cannot be bound
-    (the HTTP front binds it again as it starts)."""
-    if not config.http:
-        return
-    missing = missing_http_modules()
-    if missing:
-        raise ConfigError(f"--http needs {', '.join(missing)}: pip install 'outrider[daemon]'")
-    try:
-        bind_http(*parse_host_port(config.http)).close()
-    except OSError as exc:
-        raise EndpointError(f"--http: cannot listen on {config.http}: {exc.strerror}") from None
 
 
 def served_model_name(config: ServeConfig) -> str:

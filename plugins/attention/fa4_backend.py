@@ -22,6 +22,7 @@ from outrider.plugins.api import (
     PluginSpec,
     Problem,
 )
+from outrider.plugins.checks import attention_option
 from outrider.plugins.speculative.draft_config import read_config
 
 # Hopper (9.x) and Blackwell data-centre parts (10.x, 11.x): FA4 has no paged KV before SM 9.0
@@ -71,7 +72,7 @@ def _model_head_dim(path: str) -> int | None:
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
-    option = f"--attention-backend {spec.name}"
+    option = f"{attention_option(ctx, spec.name)} {spec.name}"
     if not _installed():
         return [Problem(option, "FlashAttention-4 is not installed (pip install 'outrider[fa4]')")]
     capability = ctx.cuda_capability

@@ -17,13 +17,14 @@ from __future__ import annotations
 import importlib.util
 
 from outrider.plugins.api import AttentionCapabilities, CheckContext, PluginSpec, Problem
+from outrider.plugins.checks import attention_option
 
 # Ampere and newer: FlashInfer's prefill and decode kernels need SM 8.0.
 MIN_CAPABILITY = (8, 0)
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
-    option = f"--attention-backend {spec.name}"
+    option = f"{attention_option(ctx, spec.name)} {spec.name}"
     if importlib.util.find_spec("flashinfer") is None:
         return [Problem(option, "FlashInfer is not installed (pip install 'outrider[flashinfer]')")]
     capability = ctx.cuda_capability

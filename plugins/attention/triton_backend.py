@@ -16,6 +16,7 @@ from typing import Annotated
 import msgspec
 
 from outrider.plugins.api import AttentionCapabilities, CheckContext, PluginSpec, Problem
+from outrider.plugins.checks import attention_option
 
 
 class TritonOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -27,7 +28,7 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
     if importlib.util.find_spec("triton") is None:
         return [
             Problem(
-                f"--attention-backend {spec.name}",
+                f"{attention_option(ctx, spec.name)} {spec.name}",
                 "Triton is not installed (pip install 'outrider[triton]')",
             )
         ]
