@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -116,6 +116,13 @@ _HELP: dict[str, str] = {
     **HTTP_HELP,
 }
 
+# The flags only a serving daemon uses: its client socket and access control (the front door),
+# the HTTP front, the drain, the step watchdog and the sampling defaults of client requests.
+# ``bench latency`` runs the engine in process and takes every other flag.
+SERVING_ONLY: frozenset[str] = frozenset(
+    {*FRONT_DOOR_HELP, *HTTP_HELP, "drain_timeout", "step_timeout", "generation_config"}
+)
+
 _CHOICES: dict[str, tuple[str, ...]] = {
     "load_format": ("auto", "dummy"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -201,9 +208,14 @@ def metavar(field_name: str) -> str | None:
     return _METAVAR.get(field_name, "N" if f.type == "int" else "X" if f.type == "float" else "V")
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``ServeConfig`` field; defaults are applied in ``resolve``."""
+def add_serve_arguments(
+    parser: argparse.ArgumentParser, leave_out: Collection[str] = frozenset()
+) -> None:
+    """One flag per ``ServeConfig`` field but those named in ``leave_out`` (which keep their
+    defaults, or their ``OUTRIDER_*`` values); defaults are applied in ``resolve``."""
     for f in fields(ServeConfig):
+        if f.name in leave_out:
+            continue
         flag = flag_name(f.name)
         names = (*_ALIASES.get(f.name, ()), flag)
         help_text = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 
@@ -10,8 +11,10 @@ import torch
 from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tau_of
 from model_fixtures import VOCAB
 
+from outrider.daemon.bench.latency_io import add_latency_arguments
 from outrider.daemon.cli.main import main
 from outrider.daemon.config import EXIT_CONFIG
+from outrider.daemon.flags import SERVING_ONLY, add_serve_arguments, flag_name
 
 debug_checks = debug_checks_fixture()
 
@@ -142,3 +145,24 @@ def test_a_row_is_the_run_of_median_step_time() -> None:
     even = latency_row([*runs[:2], timed(100.0, 4, 4.0)], roofline, 2, 8, 5)  # 10, 25, 30
     assert latency_row([*runs, timed(100.0, 4, 4.0)], roofline, 2, 8, 5).step_ms == 11.0
     assert even.step_ms == 25.0
+
+
+def test_latency_takes_every_serve_flag_but_those_only_a_serving_daemon_uses(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    serve, latency = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_serve_arguments(serve)
+    add_latency_arguments(latency)
+    serving_only = {flag_name(name) for name in SERVING_ONLY}
+    assert {"--http", "--listen", "--api-key", "--drain-timeout"} <= serving_only
+    assert set(serve._option_string_actions) - serving_only <= set(latency._option_string_actions)
+    assert serving_only.isdisjoint(latency._option_string_actions)
+    with pytest.raises(SystemExit):
+        main(["bench", "latency", "--help"])
+    assert "--http" not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "latency", "--http", "127.0.0.1:8000"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "outrider bench latency: error: unrecognized arguments: --http 127.0.0.1:8000\n"
+    )

@@ -30,6 +30,47 @@ def test_version_names_the_installed_distribution_and_the_protocol(
     assert capsys.readouterr().out == f"outrider {installed} (client protocol {PROTOCOL_VERSION})\n"
 
 
+@pytest.mark.parametrize(
+    ("argv", "refused", "hint"),
+    [
+        (["serve", "--port", "8000"], "--port 8000", "--port: did you mean --http HOST:PORT?"),
+        (
+            ["serve", "--max-model-len=4096"],
+            "--max-model-len=4096",
+            "--max-model-len: did you mean --context-length N?",
+        ),
+        # 16 is taken for the PROMPT: argparse reads positionals between unknown flags.
+        (
+            ["generate", "--max-tokens", "16", "hi"],
+            "--max-tokens hi",
+            "--max-tokens: did you mean --max-new-tokens N?",
+        ),
+        (["generate", "--port", "8000"], "--port", "--port: did you mean --connect ENDPOINT?"),
+        (["bench", "latency", "-tp", "2"], "-tp 2", "-tp: did you mean --tp N?"),
+    ],
+)
+def test_foreign_flags_get_the_subcommand_usage_and_a_hint(
+    capsys: pytest.CaptureFixture[str], argv: list[str], refused: str, hint: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    prog = "outrider " + " ".join(argv[: 2 if argv[0] == "bench" else 1])
+    assert err.startswith(f"usage: {prog} ")
+    assert err.endswith(f"{prog}: error: unrecognized arguments: {refused}\n  {hint}\n")
+
+
+def test_an_unknown_flag_without_a_hint_is_refused_under_the_subcommand(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--bogus"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: outrider serve ")
+    assert err.endswith("outrider serve: error: unrecognized arguments: --bogus\n")
+
+
 # --- serve --help and the README's flag table ---------------------------------------------
 
 

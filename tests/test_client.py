@@ -14,6 +14,8 @@ import json
 import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +43,12 @@ from outrider.protocol import (
     Usage,
 )
 from outrider.protocol.client import LINGER_MS
-from outrider.protocol.endpoints import default_endpoint, ipc_path
+from outrider.protocol.endpoints import (
+    default_endpoint,
+    ipc_path,
+    lock_file_path,
+    not_listening_reason,
+)
 from outrider.protocol.frames import reply_codec, request_codec
 from outrider.protocol.messages import (
     Abort,
@@ -773,6 +780,38 @@ def test_cli_says_why_nothing_answers(
     assert capsys.readouterr().err == (
         f"error: timeout: the daemon at {endpoint} did not answer in time\n"
     )
+
+
+def test_a_loading_daemon_is_told_from_none(
+    endpoint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A daemon holds ``PATH.lock`` with its pid from before it loads the model, and binds
+    ``PATH`` only once loaded: a live pid there with no socket file is a daemon loading."""
+    path = ipc_path(endpoint)
+    assert path is not None
+    lock = lock_file_path(path)
+    loading = (
+        f"the daemon at {endpoint} (pid {os.getpid()}) is loading the model; it listens once "
+        "the model is loaded"
+    )
+    with open(lock, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    assert not_listening_reason(endpoint) == loading
+    with Client(endpoint, timeout=0.3) as client, pytest.raises(NotListening) as err:
+        client.health(timeout=0.3)
+    assert err.value.message == loading
+    assert run_cli_within(generate_cmd.HEALTH_DEADLINE_S / 2, "--connect", endpoint, "x") == 1
+    assert capsys.readouterr().err == f"error: {loading}\n"
+    # A daemon that exited emptied the file; one that was killed left a pid nothing runs as.
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    for left in ("", f"{gone.pid}\n"):
+        with open(lock, "w") as f:
+            f.write(left)
+        assert (
+            not_listening_reason(endpoint)
+            == f"no daemon is listening at {endpoint} (no socket file)"
+        )
 
 
 @pytest.mark.parametrize("failure", ["protocol", "authentication"])

@@ -29,6 +29,7 @@ from outrider.daemon.engine.memory_plan import (
     MIB,
     SMALL_SEGMENTS_BYTES,
     GraphSettings,
+    MemoryPlan,
     _activation_bytes,
     _fit_check,
     _graph_kv_limit,
@@ -214,9 +215,21 @@ def test_start_keys_are_every_bucket_largest_first() -> None:
     ]  # fmt: skip
 
 
-def test_capture_all_logs_one_line_per_set_and_warns_past_the_estimate(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def graph_plan(estimate: int, headroom: int = 0) -> MemoryPlan:
+    """A plan whose graph pool estimate and headroom are given; nothing else is read."""
+    return MemoryPlan(
+        page_size=16, pool_tokens=0, num_pages=1, requested_context_length=0, context_length=0,
+        reservation=0, max_pages=0, max_step_tokens=0, graph_max_bs=0, graph_max_kv=0,
+        graph_estimate=estimate, graph_draft_bytes=0, activation_bytes=0, headroom_bytes=headroom,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("headroom", "level"), [(0, logging.WARNING), (MIB, logging.DEBUG)])
+def test_capture_all_logs_one_line_per_set_and_warns_only_past_the_headroom(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, headroom: int, level: int
 ) -> None:
+    """A pool past the estimate is a warning only where the plan's headroom does not cover
+    the excess either; otherwise the estimate's error, at debug level."""
     graphs = DecodeGraphs(2, 100, 20, 2)
     graphs.graphs[GraphKey(1, 64, True, 0)] = (None, None)  # type: ignore[assignment]  # captured
     reserved = iter([10 * MIB, 13 * MIB])
@@ -225,18 +238,29 @@ def test_capture_all_logs_one_line_per_set_and_warns_past_the_estimate(
     progress: list[tuple[int, int]] = []
     caplog.set_level(logging.DEBUG, logger="outrider.graphs")
     result = graphs.capture_all(
-        captured.append, estimate=2 * MIB, progress=lambda d, t: progress.append((d, t))
+        captured.append, graph_plan(2 * MIB, headroom), lambda d, t: progress.append((d, t))
     )
     expected = [k for k in graphs.start_keys() if k != GraphKey(1, 64, True, 0)]
     assert captured == result.keys == expected and len(expected) == 7
     assert progress == [(i, 7) for i in range(1, 8)]
     assert result.pool_bytes == 3 * MIB and graphs.started
-    [info, warning] = caplog.records
+    [info, excess] = caplog.records
     assert info.getMessage().startswith(
         "captured 7 decode graphs (batch 1..2, width 1, KV bound 64..100, greedy + sampled) in "
     )
     assert "pool 3 MiB (estimate 2 MiB)" in info.getMessage()
-    assert warning.levelno == logging.WARNING and "--cuda-graph-max-bs" in warning.getMessage()
+    assert excess.levelno == level
+    if level == logging.WARNING:
+        assert excess.getMessage() == (
+            "the CUDA graph pool (3 MiB) passes its estimate (2 MiB) by 1 MiB more than the "
+            "device memory left beside the KV pool: lower --gpu-memory-fraction or "
+            "--cuda-graph-max-bs if serving runs out of device memory"
+        )
+    else:
+        assert excess.getMessage() == (
+            "graph pool estimate off by +50.0% (3 MiB captured, 2 MiB estimated), within the "
+            "1 MiB left beside the KV pool"
+        )
 
 
 TINY_SHAPE = {
@@ -406,7 +430,7 @@ def test_start_captures_cover_the_served_batches(
     widths = (runner.shape.width,)  # the engine drafts every decode batch (engine_for)
     graphs = EagerGraphs(MAX_RUNNING, 272, 20, runner.slots.scratch_slot, widths=widths)
     runner.graphs = graphs
-    graphs.capture_all(partial(runner.graph_steps.capture, graphs=graphs), estimate=0)
+    graphs.capture_all(partial(runner.graph_steps.capture, graphs=graphs), graph_plan(0))
     assert list(graphs.runs) == graphs.start_keys()
     assert len(graphs.runs) == 9 * 4 * 2  # buckets 1 .. 8, 12 x KV 64, 128, 256, 272 x 2
     serve_batches_of_3_and_5(graphed)

@@ -272,6 +272,14 @@ def _validation_cases(vocab: int) -> list[tuple[str, Any, str, str]]:
         ("seed 2**63", {**ok, "seed": 2**63}, "invalid_request", "seed"),
         ("negative seed", {**ok, "seed": -1}, "invalid_request", "seed"),
         ("negative max", {**ok, "max_new_tokens": -1}, "invalid_request", "max_new_tokens"),
+        (
+            "max past the context",
+            {**ok, "input_ids": [5] * 4, "max_new_tokens": CONTEXT_LENGTH - 3},
+            "invalid_request",
+            f"{CONTEXT_LENGTH - 3} new tokens after a prompt of 4 tokens pass the context length "
+            f"of {CONTEXT_LENGTH}: at most {CONTEXT_LENGTH - 4} new tokens fit "
+            "- at `$.max_new_tokens`",
+        ),
         ("17 stops", {**ok, "stop": ["x"] * 17}, "invalid_request", "stop"),
         ("empty stop", {**ok, "stop": ["a", ""]}, "invalid_request", "stop[1]"),
         ("long stop", {**ok, "stop": ["x" * 257]}, "invalid_request", "stop[0]"),
@@ -353,6 +361,18 @@ async def test_max_new_tokens_zero_is_answered_without_the_daemon(
     assert (result.finish_reason, result.output_ids, result.text) == ("length", [], "")
     assert result.usage.prompt_tokens == 3
     assert "zero" not in stack.daemon.requests
+
+
+async def test_max_new_tokens_up_to_the_context_is_forwarded(stack: Stack, client: Client) -> None:
+    exact = CONTEXT_LENGTH - 4
+    await call(client.generate, input_ids=[5] * 4, max_new_tokens=exact, request_id="exact")
+    assert (await stack.daemon.request("exact")).max_new_tokens == exact
+    raw = stack.raw()
+    try:
+        await raw.send(Generate("open", input_ids=[5] * 4))
+        assert (await stack.daemon.request("open")).max_new_tokens is None  # to the context
+    finally:
+        raw.close()
 
 
 async def test_stream_chunks_concatenate_to_the_final(

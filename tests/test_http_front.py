@@ -132,6 +132,21 @@ def test_errors_in_the_openai_shape(server: HttpDaemon) -> None:
             model="outrider-family", prompt=[5] * 600, max_tokens=1, stream=True
         )
     assert too_long_streamed.value.status_code == 413
+    # max_tokens past the context is refused (as vLLM does), named as the client sent it.
+    with pytest.raises(openai.BadRequestError) as past:
+        client.completions.create(model="outrider-family", prompt=[5] * 20, max_tokens=500)
+    assert past.value.param == "max_tokens"  # type: ignore[attr-defined]
+    assert past.value.body["message"] == (  # type: ignore[index]
+        "500 new tokens after a prompt of 20 tokens pass the context length of 512: at most "
+        "492 new tokens fit - at `$.max_tokens`"
+    )
+    with pytest.raises(openai.BadRequestError) as past_chat:
+        client.chat.completions.create(
+            model="outrider-family",
+            messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=512,
+        )
+    assert past_chat.value.param == "max_completion_tokens"  # type: ignore[attr-defined]
     with pytest.raises(openai.NotFoundError) as unknown_model:
         client.completions.create(model="gpt-4", prompt="x")
     assert unknown_model.value.code == "model_not_found"

@@ -7,15 +7,21 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
+from starlette.testclient import TestClient
 
 from outrider.daemon.config import ConfigError
 from outrider.daemon.family import embedded_family
 from outrider.daemon.flags import add_serve_arguments, resolve
-from outrider.daemon.http.config import FRAME_HEADROOM, body_limit, parse_host_port
+from outrider.daemon.http.config import (
+    FRAME_HEADROOM,
+    HttpFrontConfig,
+    body_limit,
+    parse_host_port,
+)
 from outrider.daemon.http.errors import split_path
 from outrider.daemon.http.openai import (
     DAEMON_FIELDS,
@@ -27,10 +33,12 @@ from outrider.daemon.http.openai import (
     completion_args,
     decode_request,
 )
+from outrider.daemon.http.process import HttpFront
 from outrider.daemon.http.tokenize import PIECE_CHARS, Tokenization
+from outrider.protocol import AsyncClient, NotListening, RequestError
 from outrider.protocol._client_common import GenerateCall
 from outrider.protocol.frames import request_codec
-from outrider.protocol.messages import MAX_TOKEN_ID
+from outrider.protocol.messages import MAX_TOKEN_ID, Health
 
 FAMILY = embedded_family()
 
@@ -274,3 +282,37 @@ def _prompt(text: str) -> bytes:
 
 def _any_model(_model: str | None) -> None:
     pass
+
+
+def test_health_says_loading_until_the_daemon_first_answers() -> None:
+    """The HTTP front serves while the daemon loads the model; the front door binds only then.
+    Nothing listening before the daemon's first answer is loading; after it, a lost daemon."""
+    answers: list[Health | RequestError] = [
+        NotListening("nothing listens yet"),
+        Health("h", "serving", "boot", "0.1.0", 1),
+        NotListening("nothing listens any more"),
+    ]
+
+    class Daemon:
+        async def health(self, timeout: float) -> Health:
+            answer = answers.pop(0)
+            if isinstance(answer, RequestError):
+                raise answer
+            return answer
+
+    cfg = HttpFrontConfig(
+        host="127.0.0.1", port=8000, client_endpoint="ipc:///nowhere", served_model_name="m",
+        version="0.1.0", model_dir=None, max_message_bytes=1 << 20, max_body_bytes=1 << 19,
+        max_tokenize_tokens=16, read_timeout_s=5.0, send_timeout_s=5.0, max_connections=4,
+    )  # fmt: skip
+    front = HttpFront(cfg, cast(AsyncClient, Daemon()))
+    with TestClient(front.app(), base_url="http://127.0.0.1:8000") as http:
+        loading = http.get("/health/ready")
+        assert (loading.status_code, loading.json()) == (503, {"status": "loading"})
+        serving = http.get("/health")
+        assert (serving.status_code, serving.json()) == (200, {"status": "serving"})
+        lost = http.get("/health")
+    assert lost.status_code == 503
+    assert lost.json()["error"]["message"] == (
+        "the daemon does not answer: the daemon did not answer in time"
+    )

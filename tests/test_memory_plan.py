@@ -18,6 +18,7 @@ from outrider.daemon.engine.memory_plan import (
     MemoryRefusal,
     PlanInputs,
     graph_pool_bytes,
+    graph_pool_shortfall,
     plan_memory,
 )
 from outrider.plugins.models.config import ModelConfig
@@ -176,6 +177,26 @@ def test_the_graph_pool_is_budgeted_before_the_kv_pool() -> None:
         assert plan.pool_tokens == budget // LLAMA_KV_BF16 // 16 * 16
         assert (plan.graph_max_bs, plan.graph_max_kv, plan.graph_draft_bytes) == (64, 8208, 0)
     assert CAPTURE_WORKSPACE_BYTES + SMALL_SEGMENTS_BYTES == 80 * MIB
+
+
+def test_a_graph_pool_past_its_estimate_falls_short_only_past_the_headroom() -> None:
+    """The headroom is the free memory neither the KV pool nor the activation share takes
+    (the 15% --gpu-memory-fraction leaves, here); a captured pool past the estimate is a
+    shortfall the user must act on only once it passes that too."""
+    config = ServeConfig(model="llama", device="cuda", context_length=8192)
+    graphs = GraphSettings(max_bs=64, kv_bounded=False)
+    plan = plan_memory(_inputs(config, free=60 * GIB, graphs=graphs))
+    pool_bytes = plan.pool_tokens * LLAMA_KV_BF16
+    assert plan.headroom_bytes == 60 * GIB - pool_bytes - plan.activation_bytes
+    assert int(60 * GIB * 0.15) <= plan.headroom_bytes < int(60 * GIB * 0.15) + 16 * LLAMA_KV_BF16
+    assert graph_pool_shortfall(plan, plan.graph_estimate) == 0
+    assert graph_pool_shortfall(plan, plan.graph_estimate + plan.headroom_bytes) == 0
+    assert graph_pool_shortfall(plan, plan.graph_estimate + plan.headroom_bytes + MIB) == MIB
+    # An explicit pool may leave nothing beside it; on CPU there is no device to fall short.
+    full = dataclasses.replace(config, kv_cache_tokens=10**6)
+    assert plan_memory(_inputs(full, free=60 * GIB, graphs=graphs)).headroom_bytes == 0
+    cpu = ServeConfig(model="tiny", device="cpu")
+    assert plan_memory(_inputs(cpu, TINY, free=64 * GIB)).headroom_bytes == 0
 
 
 def test_a_drafts_vocabulary_rows_take_their_share_of_the_graph_pool() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from outrider.daemon.flags import add_serve_arguments
+from outrider.daemon.flags import SERVING_ONLY, add_serve_arguments
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,8 @@ class LatencyRow:
 
 
 def add_latency_arguments(latency: argparse.ArgumentParser) -> None:
-    add_serve_arguments(latency)
+    """``serve``'s flags but those only a serving daemon uses, then the bench's own."""
+    add_serve_arguments(latency, leave_out=SERVING_ONLY)
     latency.add_argument("--batch-size", type=int, nargs="+", default=[1], metavar="B")
     latency.add_argument(
         "--input-len",

@@ -11,6 +11,7 @@ import importlib.util
 import sys
 
 from outrider.daemon.bench.command import add_bench_arguments, run_bench
+from outrider.daemon.cli.foreign_flags import CommandParser
 from outrider.daemon.cli.generate import add_generate_arguments, run_generate
 from outrider.daemon.cli.plugins import add_plugins_arguments, run_plugins
 from outrider.daemon.config import EXIT_CONFIG, ConfigError
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="version",
         version=f"outrider {installed_version()} (client protocol {PROTOCOL_VERSION})",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     serve = commands.add_parser("serve", help="run the daemon", description=SERVE_DESCRIPTION)
     add_serve_arguments(serve)
     serve.add_argument("--help-markdown", action=_PrintFlagTable)

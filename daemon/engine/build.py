@@ -315,7 +315,7 @@ def _build_runner(
         catch_ups = runner.catch_ups
         graphs.capture_all(
             partial(runner.graph_steps.capture, graphs=graphs),
-            plan.graph_estimate,
+            plan,
             capture_progress(),
             partial(catch_ups.capture, graphs=graphs) if catch_ups is not None else None,
         )

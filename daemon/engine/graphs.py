@@ -40,7 +40,7 @@ import msgspec
 import torch
 
 from outrider.daemon.engine.deferred import CatchUp
-from outrider.daemon.engine.memory_plan import MIB, kv_buckets
+from outrider.daemon.engine.memory_plan import MIB, MemoryPlan, graph_pool_shortfall, kv_buckets
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
 from outrider.plugins.device import building_graph
@@ -200,15 +200,14 @@ class DecodeGraphs:
     def capture_all(
         self,
         capture: Callable[[GraphKey], None],
-        estimate: int,
+        plan: MemoryPlan,
         progress: CaptureProgress | None = None,
         capture_catch_up: Callable[[CatchUpKey], None] | None = None,
     ) -> CaptureSet:
         """Capture every key of ``start_keys`` not captured yet with ``capture``
         (``GraphSteps.capture``), then every catch-up key with ``capture_catch_up``
         (``CatchUpRunner.capture``), log the set in one line, and warn when the graphs kept
-        more memory than ``estimate`` (``MemoryPlan.graph_estimate``, which the KV pool was
-        sized around)."""
+        more memory than ``plan`` left for them (``graph_pool_shortfall``)."""
         keys = [key for key in self.start_keys() if key not in self.graphs]
         runs = [partial(capture, key) for key in keys]
         catch_ups = 0
@@ -226,6 +225,7 @@ class DecodeGraphs:
             keys, time.monotonic() - started, _reserved_after_release() - reserved
         )
         self.started = True
+        estimate = plan.graph_estimate
         log.info(
             "captured %d decode graphs (batch %s, width %s, KV bound %s, greedy + sampled)%s in "
             "%.1f s, pool %d MiB (estimate %d MiB); logprob variants are captured on first use",
@@ -233,12 +233,20 @@ class DecodeGraphs:
             _span(self.kv_buckets), self._catch_up_span(catch_ups), captured.seconds,
             captured.pool_bytes // MIB, estimate // MIB,
         )  # fmt: skip
-        if captured.pool_bytes > estimate:
+        shortfall = graph_pool_shortfall(plan, captured.pool_bytes)
+        if shortfall:
             log.warning(
-                "the CUDA graph pool (%d MiB) exceeds its start-up estimate (%d MiB), which the "
-                "KV pool was sized around: lower --gpu-memory-fraction or --cuda-graph-max-bs "
-                "if serving runs out of device memory",
-                captured.pool_bytes // MIB, estimate // MIB,
+                "the CUDA graph pool (%d MiB) passes its estimate (%d MiB) by %d MiB more than "
+                "the device memory left beside the KV pool: lower --gpu-memory-fraction or "
+                "--cuda-graph-max-bs if serving runs out of device memory",
+                captured.pool_bytes // MIB, estimate // MIB, shortfall // MIB,
+            )  # fmt: skip
+        elif captured.pool_bytes > estimate:
+            log.debug(
+                "graph pool estimate off by %+.1f%% (%d MiB captured, %d MiB estimated), "
+                "within the %d MiB left beside the KV pool",
+                100 * (captured.pool_bytes / estimate - 1), captured.pool_bytes // MIB,
+                estimate // MIB, plan.headroom_bytes // MIB,
             )  # fmt: skip
         return captured
 

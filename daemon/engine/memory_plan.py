@@ -24,8 +24,10 @@ blocks; what each keeps for itself (its static results, under a kilobyte a row) 
 estimate's slack. Catch-up graphs (engine/deferred.py) are left out: a catch-up's rows are at
 most the decode graphs' largest batch (its attention gathers no more), and its tokens (8 rows
 of the buffer's capacity at most) pass through the draft alone, with no vocabulary rows,
-against the decode step's logits and sampling of every row; ``DecodeGraphs.capture_all`` warns
-if the pool outgrew the estimate anyway.
+against the decode step's logits and sampling of every row. A captured pool past the estimate
+is a warning only where the memory the plan left free beside the KV pool does not cover the
+excess either (``graph_pool_shortfall``); otherwise the estimate's error is logged at debug
+level (``DecodeGraphs.capture_all``).
 
 NOTE: a draft model's own KV pool has the target's pages (the same page ids, the draft's
 heads); neither it nor the draft's weights are budgeted here: both come out of the memory
@@ -120,6 +122,8 @@ class MemoryPlan:
     graph_estimate: int  # the graph pool budgeted (0: no graphs)
     graph_draft_bytes: int  # the drafting step's vocabulary rows within the estimate
     activation_bytes: int  # kept out of a pool sized from device memory (0: CPU)
+    # The free device memory neither the KV pool nor ``activation_bytes`` takes (0: CPU).
+    headroom_bytes: int
 
     @property
     def context_lowered(self) -> bool:
@@ -176,7 +180,23 @@ def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
             _draft_bytes(model, graphs.max_bs, graphs.draft_rows) if graphs is not None else 0
         ),
         activation_bytes=activation,
+        headroom_bytes=(
+            max(inputs.free_bytes - pool_tokens * inputs.kv_bytes_per_token - activation, 0)
+            if config.device == "cuda"
+            else 0
+        ),
     )
+
+
+def graph_pool_shortfall(plan: MemoryPlan, pool_bytes: int) -> int:
+    """How much of a captured graph pool of ``pool_bytes`` neither the plan's estimate nor its
+    headroom covers (0: none). Above 0 serving may run out of device memory: the user has to
+    give the graphs or the KV pool less. An excess within the headroom is the estimate's error
+    alone, nothing a user can act on.
+
+    NOTE: a draft model's KV pool also comes out of the headroom (module docstring), so a
+    speculative engine may run short before this says so."""
+    return max(pool_bytes - plan.graph_estimate - plan.headroom_bytes, 0)
 
 
 def kv_buckets(max_kv: int, bounded: bool) -> list[int]:

@@ -14,6 +14,9 @@ Admission has two halves around tokenization, which may run on another thread fo
 prompt: ``check`` decides everything the text itself can (the sampling included, and refuses a
 prompt with more characters than the context can hold before any tokenizing), ``admit`` the
 rest.
+
+A ``max_new_tokens`` the context cannot hold after the prompt is refused, never clamped; a
+request that leaves it out runs until a stop condition or the context limit.
 """
 
 from __future__ import annotations
@@ -224,7 +227,23 @@ class Validator:
         max_new = msg.max_new_tokens
         if max_new is None:
             max_new = self.facts.max_new_tokens_default
+        else:
+            self._check_room(len(input_ids), max_new)
         return Admitted(input_ids, checked.sampling, max_new)
+
+    def _check_room(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuses a ``max_new_tokens`` the context cannot hold after the prompt (as vLLM
+        does): a client that asks for more than fits is told, never cut short silently. The
+        message ends in the field's path, which the HTTP front renames to the client's."""
+        context = self.facts.context_length
+        if prompt_tokens + max_new_tokens <= context:
+            return
+        raise Rejected(
+            "invalid_request",
+            f"{max_new_tokens} new tokens after a prompt of {prompt_tokens} tokens pass the "
+            f"context length of {context}: at most {context - prompt_tokens} new tokens fit "
+            "- at `$.max_new_tokens`",
+        )
 
     def _sampling(self, msg: Generate) -> SamplingSpec:
         """``msg``'s sampling, the defaults in place of the values it leaves out."""

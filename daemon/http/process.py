@@ -5,8 +5,9 @@ It is the daemon's third child (processes/children.py), under the same contract 
 (processes/child_runtime.py): it binds its HTTP socket at start and reports ``serving`` (or
 ``bind_failed``), heartbeats through its pipe, and once the daemon closes the pipe it stops
 accepting connections, lets the responses in flight end (the daemon has drained by then: each
-has had its final frame), and exits. While the daemon drains, new requests are answered 503
-(the front door's ``shutting_down``).
+has had its final frame), and exits. While the daemon loads the model (its front door not bound
+yet), ``/health`` and ``/health/ready`` answer 503 ``{"status": "loading"}``; while it drains,
+new requests are answered 503 (the front door's ``shutting_down``).
 
 Status codes from the daemon's error codes: ``invalid_request`` / ``unsupported`` 400,
 ``prompt_too_long`` 413, ``overloaded`` 429, ``shutting_down`` / ``connection_lost`` /
@@ -67,7 +68,13 @@ from outrider.daemon.http.openai import (
 from outrider.daemon.http.tokenize import Tokenization
 from outrider.daemon.processes.child_runtime import ChildTasks, ParentPipe, child_setup, run_child
 from outrider.daemon.processes.runtime import is_loopback
-from outrider.protocol import AsyncClient, AsyncTokenStream, RequestError, TokenChunk
+from outrider.protocol import (
+    AsyncClient,
+    AsyncTokenStream,
+    NotListening,
+    RequestError,
+    TokenChunk,
+)
 
 log = logging.getLogger("outrider.http")
 
@@ -197,6 +204,10 @@ class HttpFront:
         )
         self._max_model_len: int | None = None  # the daemon's context length, once asked
         self._created = now()
+        # NOTE: this front serves from the start, while the daemon loads the model; the front
+        # door binds the client socket only once it is loaded. Until the daemon has answered
+        # once, finding nothing listening therefore means that it is loading.
+        self._daemon_answered = False
 
     def app(self) -> ASGIApp:
         routes = [
@@ -213,7 +224,8 @@ class HttpFront:
         return Guard(Access(BodyLimit(Router(routes), self._cfg.max_body_bytes), self.access))
 
     async def health(self, _request: Request) -> Response:
-        """200 when the daemon answers ``health`` at all (loading, serving or draining)."""
+        """200 when the daemon answers ``health`` at all (serving, not serving or draining);
+        503 ``{"status": "loading"}`` while it loads the model."""
         return await self._health_response(serving_only=False)
 
     async def ready(self, _request: Request) -> Response:
@@ -224,8 +236,11 @@ class HttpFront:
         try:
             health = await self._client.health(timeout=HEALTH_TIMEOUT_S)
         except RequestError as exc:
+            if isinstance(exc, NotListening) and not self._daemon_answered:
+                return json_response({"status": "loading"}, 503)
             message = f"the daemon does not answer: {public_message(exc)}"
             return error_response(503, message, code=exc.code)
+        self._daemon_answered = True
         status = 503 if serving_only and health.status != "serving" else 200
         return json_response({"status": health.status}, status)
 

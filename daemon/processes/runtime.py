@@ -7,7 +7,9 @@
   the internal pipes carry already-validated requests and must stay private to the daemon.
 - ``lock_client_endpoint``: an ``ipc://`` client socket is guarded by ``<socket>.lock`` so a
   second daemon refuses to start instead of silently stealing the socket; the socket file is
-  removed under that lock, at start (a stale one) and at exit.
+  removed under that lock, at start (a stale one) and at exit. The lock file holds the
+  daemon's pid while it is held: a client that finds it and no socket file says the daemon is
+  loading (protocol/endpoints.py).
 - ``tcp_bind_problem``: a TCP bind beyond loopback needs CURVE keys or ``--insecure-tcp``.
 - ``check_can_listen``: a ``tcp://`` or abstract ``ipc://@name`` endpoint that another process
   holds is refused before anything is loaded.
@@ -31,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from outrider.protocol.endpoints import ipc_path
+from outrider.protocol.endpoints import ipc_path, lock_file_path
 
 # sun_path is 108 bytes on Linux, NUL included; libzmq's error for a longer path is obscure.
 _MAX_SOCKET_PATH = 107
@@ -117,7 +119,7 @@ def lock_client_endpoint(endpoint: str) -> EndpointLock | None:
         return None
     socket_path = Path(path)
     _ensure_private_parent(socket_path.parent)
-    lock_path = socket_path.with_name(socket_path.name + ".lock")
+    lock_path = Path(lock_file_path(path))
     # O_CLOEXEC: a child that inherited the fd would keep the lock after the daemon died.
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
