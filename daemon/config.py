@@ -4,8 +4,8 @@ plugins' checks see). Built only by ``flags.resolve``, which reads the command l
 environment and checks every value: code that holds a ``ServeConfig`` holds a valid one.
 
 Two flags default to ``auto``, resolved in two places: ``--device`` by ``flags.resolve``
-(hardware.py), so ``device`` is always ``cpu`` or ``cuda``; ``--attention-backend`` where
-the dtype and the GPU are known (attention_choice.py), so a slot left to it reads None in
+(processes/hardware.py), so ``device`` is always ``cpu`` or ``cuda``; ``--attention-backend`` where
+the dtype and the GPU are known (processes/attention_choice.py), so a slot left to it reads None in
 ``requested_attention`` and only the chosen routes reach the checks. A table built directly
 (tests) keeps the reference defaults of these two fields, ``cpu`` and ``torch``.
 """
@@ -138,7 +138,7 @@ class ServeConfig:
         routes: Mapping[Phase, str] | None = None,
     ) -> CheckContext:
         """What plugins' ``check`` sees of this configuration, in the resolved ``dtype``, with
-        ``routes`` (the chosen ones, attention_choice.py) or else ``attention_routes``."""
+        ``routes`` (the chosen ones, processes/attention_choice.py) or else ``attention_routes``."""
         return CheckContext(
             device=self.device,
             dtype=dtype,
@@ -173,7 +173,7 @@ class ServeConfig:
     @property
     def attention_routes(self) -> dict[Phase, str]:
         """Backend per phase, for a configuration that leaves no slot to the hardware choice
-        (otherwise the routes come from attention_choice.py)."""
+        (otherwise the routes come from processes/attention_choice.py)."""
         routes: dict[Phase, str] = {}
         for slot, name in self.requested_attention.items():
             assert name is not None, f"the {slot} slot is chosen for the hardware"

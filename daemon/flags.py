@@ -25,13 +25,13 @@ from outrider.daemon.frontdoor.flags import (
     front_door_problems,
     parse_socket_mode,
 )
-from outrider.daemon.hardware import AUTO_DEVICE, resolve_device
 from outrider.daemon.http.flags import (
     HTTP_HELP,
     HTTP_METAVARS,
     HTTP_SHOWN_DEFAULTS,
     http_problems,
 )
+from outrider.daemon.processes.hardware import AUTO_DEVICE, resolve_device
 from outrider.daemon.processes.placement import (
     PLACEMENT_HELP,
     PLACEMENT_SHOWN_DEFAULTS,

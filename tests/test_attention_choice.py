@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
-from outrider.daemon import hardware
-from outrider.daemon.attention_choice import (
+from outrider.daemon.config import AttentionSlot, ServeConfig
+from outrider.daemon.flags import resolve
+from outrider.daemon.processes import hardware
+from outrider.daemon.processes.attention_choice import (
     CPU,
     HOPPER,
     OTHER_CUDA,
@@ -20,8 +22,6 @@ from outrider.daemon.attention_choice import (
     choose_for,
     generation,
 )
-from outrider.daemon.config import AttentionSlot, ServeConfig
-from outrider.daemon.flags import resolve
 from outrider.plugins.registry import discover
 
 OPEN: dict[AttentionSlot, str | None] = dict.fromkeys(SLOTS)

@@ -19,8 +19,8 @@ from outrider.daemon.cli.plugin_matrix import build_matrix, format_matrix
 from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
 from outrider.daemon.family import embedded_family
 from outrider.daemon.flags import add_serve_arguments, resolve
-from outrider.daemon.hardware import cuda_capability
 from outrider.daemon.processes.endpoint_checks import endpoint_problems
+from outrider.daemon.processes.hardware import cuda_capability
 from outrider.daemon.processes.placement import torch_threads
 from outrider.daemon.processes.preflight import ServedPlugins, preflight, resolve_plugins
 from outrider.daemon.sampling_defaults import SamplingDefaults, resolve_sampling_defaults

@@ -15,7 +15,6 @@ from functools import partial
 
 import torch
 
-from outrider.daemon.attention_choice import AttentionChoice
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine.accept import step_reservation
 from outrider.daemon.engine.drafting_setup import adapts, drafting_policy, speculative_plugin
@@ -33,6 +32,7 @@ from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
 from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.engine.verify import SimulatedAcceptance, Verifier
 from outrider.daemon.internal import ModelFacts, own_request
+from outrider.daemon.processes.attention_choice import AttentionChoice
 from outrider.daemon.processes.preflight import resolve_plugins
 from outrider.daemon.scheduler.drafting import AlternateDrafting, DraftPolicy
 from outrider.daemon.scheduler.drill import retract_drill

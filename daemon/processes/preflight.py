@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from outrider.daemon.attention_choice import AttentionChoice, choose_for
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.frontdoor.curve_auth import CurveKeyError, load_client_keys, load_server_keys
+from outrider.daemon.processes.attention_choice import AttentionChoice, choose_for
 from outrider.plugins.checks import PluginProblems
 from outrider.plugins.models.config import model_type_problem, tensor_parallel_problems
 from outrider.plugins.models.registry import architecture_problem
