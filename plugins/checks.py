@@ -48,6 +48,46 @@ def attention_option(ctx: CheckContext, name: str) -> str:
     return " / ".join(dict.fromkeys(PHASE_FLAGS[phase] for phase in phases))
 
 
+TARGET_PHASES: tuple[Phase, ...] = ("extend", "decode", "verify")
+
+
+def model_head_dim(path: str) -> int | None:
+    """The attention head dim in ``path``'s config.json (``head_dim``, else hidden size over
+    heads); None when there is none to read (the model loader reports that)."""
+    config = read_config(path) if path else None
+    if config is None:
+        return None
+    head_dim = config.get("head_dim")
+    if isinstance(head_dim, int):
+        return head_dim
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
+def head_dim_problems(
+    spec: PluginSpec, ctx: CheckContext, why_not: Callable[[int], str | None]
+) -> list[Problem]:
+    """A problem for each model whose attention ``ctx`` routes to backend ``spec`` (the target
+    for prompts, decode and verify; the draft for its steps) with a head dim ``why_not`` refuses
+    (it says why, or None)."""
+    option = f"{attention_option(ctx, spec.name)} {spec.name}"
+    models = (
+        ("--model", ctx.model, TARGET_PHASES),
+        ("--draft-model", ctx.draft_model, DRAFT_PHASES),
+    )
+    problems = []
+    for flag, path, phases in models:
+        if not any(ctx.attention_routes.get(phase) == spec.name for phase in phases):
+            continue
+        head_dim = model_head_dim(path)
+        why = why_not(head_dim) if head_dim is not None else None
+        if why is not None:
+            problems.append(Problem(option, f"{spec.name} {why} ({flag} {path})"))
+    return problems
+
+
 class PluginProblems(Exception):
     """A configuration its plugins cannot run; ``problems`` names every reason."""
 

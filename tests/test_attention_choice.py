@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +25,8 @@ from outrider.daemon.processes.attention_choice import (
     choose_for,
     generation,
 )
+from outrider.plugins.attention.flashinfer_backend import head_dim_problem as flashinfer_head_dim
+from outrider.plugins.attention.triton_backend import head_dim_problem as triton_head_dim
 from outrider.plugins.registry import discover
 
 OPEN: dict[AttentionSlot, str | None] = dict.fromkeys(SLOTS)
@@ -110,6 +115,34 @@ def test_the_registry_judges_each_candidate_in_its_slot(family_config: ServeConf
         assert all(hopper.routes[slot] != skip.backend for slot in skip.slots)
     given = dataclasses.replace(cuda, decode_attention_backend="torch")
     assert choose_for(given, "bfloat16", (9, 0), registry).routes["decode"] == "torch"
+
+
+@pytest.mark.parametrize(("head_dim", "decode"), [(24, "torch"), (64, "triton")])
+def test_a_head_dim_a_backend_cannot_attend_with_moves_its_slots_on(
+    tmp_path: Path, head_dim: int, decode: str
+) -> None:
+    """Hopper with triton installed and neither FA4 nor FlashInfer (as on this host): a
+    target whose head dim triton's kernels do not take gets torch, named with the reason."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    config = {"model_type": "llama", "hidden_size": 4 * head_dim, "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cuda = ServeConfig(model=str(tmp_path), device="cuda", attention_backend="auto")
+    choice = choose_for(cuda, "bfloat16", (9, 0), discover())
+    # No draft model: the draft slot serves nothing here, and no head dim is checked for it.
+    assert [choice.routes[slot] for slot in ("prefill", "decode", "verify")] == [decode] * 3
+    why = f"triton takes head dims 16, 32, ..., 256, not 24 (--model {tmp_path})"
+    assert any(skip.why == why for skip in choice.skipped) == (head_dim == 24)
+
+
+def test_head_dim_limits_of_the_cuda_backends() -> None:
+    assert [triton_head_dim(d) is None for d in (8, 16, 24, 96, 128, 256, 512)] == [
+        False, True, False, False, True, True, False,
+    ]  # fmt: skip
+    assert [flashinfer_head_dim(d) is None for d in (32, 64, 96, 128, 256)] == [
+        False, True, False, True, True,
+    ]  # fmt: skip
+    assert flashinfer_head_dim(96) == "takes head dims 64, 128, 256, not 96"
 
 
 def test_an_explicit_backend_that_cannot_run_is_refused_not_replaced(

@@ -177,7 +177,7 @@ def test_cuda_greedy_matches_transformers(
 ) -> None:
     """float32 on CUDA with overlap, any host sync inside a step raising."""
     monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
-    engine = engine_for(reference.directory, page_size=page_size, device="cuda")
+    engine = engine_for(reference.directory, page_size=page_size, device="cuda", dtype="float32")
     reqs = requests_for(reference.prompts, max_new_tokens=NEW_TOKENS)
     reqs += [
         request(100 + i, p, max_new_tokens=NEW_TOKENS, temperature=0.9, top_k=20, top_p=0.9)

@@ -28,10 +28,12 @@ scratch rows, and share their pool.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
@@ -323,23 +325,24 @@ class DecodeGraphs:
         sync_mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)
         try:
-            # NOTE: a capture stages one extra step, so the next staging reuses the host set of
-            # the step still in flight out of turn: let every copy in flight finish first.
-            torch.cuda.synchronize()
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            if self.warm_stream is None:
-                self.warm_stream = torch.cuda.Stream()
-            side = self.warm_stream
-            side.wait_stream(torch.cuda.current_stream())
-            with building_graph():
-                with torch.cuda.stream(side):
-                    run()  # warm-up: lazy initialisations happen outside the graph
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    outputs = run()
-            torch.cuda.synchronize()
+            with _collector_paused():
+                # NOTE: a capture stages one extra step, so the next staging reuses the host set of
+                # the step still in flight out of turn: let every copy in flight finish first.
+                torch.cuda.synchronize()
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                if self.warm_stream is None:
+                    self.warm_stream = torch.cuda.Stream()
+                side = self.warm_stream
+                side.wait_stream(torch.cuda.current_stream())
+                with building_graph():
+                    with torch.cuda.stream(side):
+                        run()  # warm-up: lazy initialisations happen outside the graph
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        outputs = run()
+                torch.cuda.synchronize()
         finally:
             torch.cuda.set_sync_debug_mode(sync_mode)
         return graph, outputs
@@ -351,6 +354,20 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_event(self.last_copy)
         graph.replay()
         return outputs
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off: a collection inside a capture may free an
+    older engine's graphs, and destroying a graph while a stream captures (in the default,
+    process-wide capture mode) invalidates that capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture_progress() -> CaptureProgress | None:

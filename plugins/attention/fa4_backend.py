@@ -15,15 +15,12 @@ from __future__ import annotations
 import importlib.util
 
 from outrider.plugins.api import (
-    DRAFT_PHASES,
     AttentionCapabilities,
     CheckContext,
-    Phase,
     PluginSpec,
     Problem,
 )
-from outrider.plugins.checks import attention_option
-from outrider.plugins.speculative.draft_config import read_config
+from outrider.plugins.checks import attention_option, head_dim_problems
 
 # Hopper (9.x) and Blackwell data-centre parts (10.x, 11.x): FA4 has no paged KV before SM 9.0
 # and none on SM 12.x.
@@ -34,7 +31,6 @@ MAX_MAJOR = 11
 PAGE_SIZES = frozenset({1, 2, 4, 8, 16, 32, 64, 128})
 # Head dims are multiples of 16 bytes: 8 elements in 16-bit types.
 HEAD_DIM_ALIGN = 8
-TARGET_PHASES: tuple[Phase, ...] = ("extend", "decode", "verify")
 
 
 def head_dim_problem(head_dim: int, capability: tuple[int, int] | None) -> str | None:
@@ -58,19 +54,6 @@ def _installed() -> bool:
         return False
 
 
-def _model_head_dim(path: str) -> int | None:
-    config = read_config(path) if path else None
-    if config is None:
-        return None
-    head_dim = config.get("head_dim")
-    if isinstance(head_dim, int):
-        return head_dim
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
-        return hidden // heads
-    return None
-
-
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
     option = f"{attention_option(ctx, spec.name)} {spec.name}"
     if not _installed():
@@ -84,19 +67,7 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
                 f"{spec.name} needs compute capability 9.0 to 11.x (paged KV), not {major}.{minor}",
             )
         ]
-    problems = []
-    models = (
-        ("--model", ctx.model, TARGET_PHASES),
-        ("--draft-model", ctx.draft_model, DRAFT_PHASES),
-    )
-    for flag, path, phases in models:
-        if not any(ctx.attention_routes.get(phase) == spec.name for phase in phases):
-            continue
-        head_dim = _model_head_dim(path)
-        why = head_dim_problem(head_dim, capability) if head_dim is not None else None
-        if why is not None:
-            problems.append(Problem(option, f"{spec.name} {why} ({flag} {path})"))
-    return problems
+    return head_dim_problems(spec, ctx, lambda dim: head_dim_problem(dim, capability))
 
 
 SPEC = PluginSpec(

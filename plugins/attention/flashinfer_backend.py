@@ -17,10 +17,18 @@ from __future__ import annotations
 import importlib.util
 
 from outrider.plugins.api import AttentionCapabilities, CheckContext, PluginSpec, Problem
-from outrider.plugins.checks import attention_option
+from outrider.plugins.checks import attention_option, head_dim_problems
 
 # Ampere and newer: FlashInfer's prefill and decode kernels need SM 8.0.
 MIN_CAPABILITY = (8, 0)
+# The head dims its paged prefill and decode kernels are built for (FlashInfer's dispatch).
+HEAD_DIMS = (64, 128, 256)
+
+
+def head_dim_problem(head_dim: int) -> str | None:
+    if head_dim in HEAD_DIMS:
+        return None
+    return f"takes head dims {', '.join(map(str, HEAD_DIMS))}, not {head_dim}"
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
@@ -35,7 +43,7 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
                 option, f"{spec.name} needs compute capability 8.0 or newer, not {major}.{minor}"
             )
         ]
-    return []
+    return head_dim_problems(spec, ctx, head_dim_problem)
 
 
 SPEC = PluginSpec(

@@ -16,12 +16,21 @@ from typing import Annotated
 import msgspec
 
 from outrider.plugins.api import AttentionCapabilities, CheckContext, PluginSpec, Problem
-from outrider.plugins.checks import attention_option
+from outrider.plugins.attention.triton_plan import MAX_HEAD_DIM, MIN_BLOCK
+from outrider.plugins.checks import attention_option, head_dim_problems
 
 
 class TritonOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # KV splits per (row, kv head, query tile); 0: enough to fill the GPU at the batch size.
     kv_splits: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+
+
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why the kernels cannot attend with ``head_dim`` (a power of two from one block of 16 to
+    256), or None."""
+    if MIN_BLOCK <= head_dim <= MAX_HEAD_DIM and not head_dim & (head_dim - 1):
+        return None
+    return f"takes head dims {MIN_BLOCK}, {2 * MIN_BLOCK}, ..., {MAX_HEAD_DIM}, not {head_dim}"
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
@@ -32,7 +41,7 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
                 "Triton is not installed (pip install 'outrider[triton]')",
             )
         ]
-    return []
+    return head_dim_problems(spec, ctx, head_dim_problem)
 
 
 SPEC = PluginSpec(

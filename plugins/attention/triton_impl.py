@@ -15,10 +15,8 @@ import torch
 
 from outrider.plugins.attention import triton_kernels as kernels
 from outrider.plugins.attention.base import AttentionBackend
-from outrider.plugins.attention.triton_backend import TritonOptions
+from outrider.plugins.attention.triton_backend import TritonOptions, head_dim_problem
 from outrider.plugins.attention.triton_plan import (
-    MAX_HEAD_DIM,
-    MIN_BLOCK,
     MODE_CAUSAL,
     MODE_NON_CAUSAL,
     MODE_TREE,
@@ -50,9 +48,9 @@ class TritonAttention(AttentionBackend):
     def __init__(self, shape: AttentionShape, options: Any, device: torch.device) -> None:
         super().__init__(shape, options, device)
         assert isinstance(options, TritonOptions)
-        dim = shape.head_dim
-        if not MIN_BLOCK <= dim <= MAX_HEAD_DIM or dim & (dim - 1):
-            raise ValueError(f"triton attention takes head dims 16, 32, ..., 256, not {dim}")
+        why = head_dim_problem(shape.head_dim)
+        if why is not None:
+            raise ValueError(f"triton attention {why}")
         if shape.num_q_heads % shape.num_kv_heads:
             raise ValueError("triton attention needs q heads a multiple of kv heads")
         sms = 1  # the CPU interpreter
