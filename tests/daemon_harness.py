@@ -78,9 +78,13 @@ def daemon_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     if TEST_DEVICE == "cuda":
         # The whole suite against CUDA daemons, any host sync inside a step raising. The pool
         # is kept at the CPU size: sized from free GPU memory it holds max_running contexts,
-        # and the per-step integrity check walks every page (about 0.1 s a step).
+        # and the per-step integrity check walks every page (about 0.1 s a step). float32, as
+        # the references the tests hold the tokens to (auto would serve bf16 on CUDA).
         env.update(
-            OUTRIDER_DEVICE="cuda", OUTRIDER_DEBUG_SYNC_CHECK="1", OUTRIDER_KV_CACHE_TOKENS="16384"
+            OUTRIDER_DEVICE="cuda",
+            OUTRIDER_DTYPE="float32",
+            OUTRIDER_DEBUG_SYNC_CHECK="1",
+            OUTRIDER_KV_CACHE_TOKENS="16384",
         )
     env.update(extra or {})
     return env
