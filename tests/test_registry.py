@@ -9,13 +9,15 @@ import textwrap
 import uuid
 from importlib.metadata import EntryPoint
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+import msgspec
 import pytest
 from frontdoor_harness import model_facts
 
 from outrider.daemon.cli import main as cli
 from outrider.daemon.cli import plugins as plugins_cmd
+from outrider.daemon.cli.option_types import option_type_text
 from outrider.daemon.config import EXIT_CONFIG, ServeConfig
 from outrider.daemon.family import Family, embedded_family
 from outrider.daemon.frontdoor import validation as frontdoor_validation
@@ -621,3 +623,64 @@ def test_the_listing_checks_drafting_plugins_with_the_drafts_serve_would_use(
     assert verdicts["ngram"] == (True, [])
     usable, problems = verdicts["standalone"]  # no embedded draft: it needs --draft-model
     assert not usable and "--draft-model" in json.dumps(problems)
+
+
+# --- the option types as the listing prints them ----------------------------------------
+
+DRAFT_OPTIONS = [
+    "sample: one of: argmax, coupled, rejection = 'coupled'",
+    "deferred_catch_up: int (0 to 1024) = 128",
+]
+
+
+def _listed_options(text: str) -> dict[str, list[str]]:
+    """Per plugin of the ``outrider plugins`` text, its option lines."""
+    listed: dict[str, list[str]] = {}
+    plugin, in_options = "", False
+    for line in text.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            plugin, in_options = line.split()[0], False
+        elif line.startswith("      options:"):
+            listed[plugin], in_options = [], True
+        elif in_options and line.startswith("        "):
+            listed[plugin].append(line.strip())
+        else:
+            in_options = False
+    return listed
+
+
+@pytest.mark.usefixtures("no_outrider_env")
+def test_the_listing_names_the_builtin_option_types_in_words(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert plugins_cmd.main([]) == 0
+    listed = _listed_options(capsys.readouterr().out)
+    assert listed == {
+        "auto": ["small: str = 'triton'", "large: str = 'fa4'", "large_from_batch: int >= 1 = 8"],
+        "fa4": [],
+        "flashinfer": [],
+        "torch": [],
+        "triton": ["kv_splits: int (0 to 64) = 0"],
+        "dflash": DRAFT_OPTIONS,
+        "eagle3": DRAFT_OPTIONS,
+        "ngram": ["max_match: int = 8", "min_match: int = 1", "window: int = 1024"],
+        "standalone": DRAFT_OPTIONS,
+    }
+
+
+@pytest.mark.parametrize(
+    ("annotation", "text"),
+    [
+        (bool, "bool"),
+        (str, "str"),
+        (Annotated[float, msgspec.Meta(ge=0)], "float >= 0"),
+        (Annotated[float, msgspec.Meta(gt=0, lt=1)], "float > 0 and < 1"),
+        (Annotated[int, msgspec.Meta(gt=0, multiple_of=8)], "int > 0, a multiple of 8"),
+        (Annotated[str, msgspec.Meta(min_length=1)], "str (length >= 1)"),
+        (Literal["b", "a"] | None, "one of: a, b or null"),
+        (Annotated[list[int], msgspec.Meta(max_length=4)], "list of int (length <= 4)"),
+        (dict[str, float], "object of str to float"),
+    ],
+)
+def test_option_types_read_as_their_json(annotation: object, text: str) -> None:
+    assert option_type_text(annotation) == text

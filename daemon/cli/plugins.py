@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from outrider.daemon.cli.option_types import option_type_text
 from outrider.daemon.cli.plugin_matrix import build_matrix, format_matrix
 from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
 from outrider.daemon.family import embedded_family
@@ -383,15 +384,13 @@ def _options(options: type[msgspec.Struct]) -> list[OptionField]:
     result = []
     for f in msgspec.structs.fields(options):
         if f.required:
-            result.append(OptionField(f.encode_name, _type_name(f.type), required=True))
+            result.append(OptionField(f.encode_name, option_type_text(f.type), required=True))
             continue
         default = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
-        result.append(OptionField(f.encode_name, _type_name(f.type), msgspec.to_builtins(default)))
+        result.append(
+            OptionField(f.encode_name, option_type_text(f.type), msgspec.to_builtins(default))
+        )
     return result
-
-
-def _type_name(tp: Any) -> str:
-    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
 
 
 def _torch_installed() -> bool:
