@@ -1,7 +1,8 @@
 """The command line and environment of ``outrider serve``: a flag per ``ServeConfig`` field
 (config.py), its help, and ``resolve``, which builds the one ``ServeConfig`` and checks it.
 
-Every flag ``--foo-bar`` may also be set as ``OUTRIDER_FOO_BAR``; the command line wins. This
+Every flag ``--foo-bar`` may also be set as ``OUTRIDER_FOO_BAR``; the command line wins. A
+command that leaves flags out (``bench latency``) reads no ``OUTRIDER_*`` value for them. This
 module is the only place that reads ``OUTRIDER_*`` serve settings; debug knobs live in
 ``DEBUG_KNOBS`` (plugins/debug.py, where the layer kernels read them too). The help and checks
 of a room's own flags live in that room (http/flags.py, frontdoor/flags.py,
@@ -212,7 +213,8 @@ def add_serve_arguments(
     parser: argparse.ArgumentParser, leave_out: Collection[str] = frozenset()
 ) -> None:
     """One flag per ``ServeConfig`` field but those named in ``leave_out`` (which keep their
-    defaults, or their ``OUTRIDER_*`` values); defaults are applied in ``resolve``."""
+    defaults when ``resolve`` is given the same ``leave_out``); defaults are applied in
+    ``resolve``."""
     for f in fields(ServeConfig):
         if f.name in leave_out:
             continue
@@ -272,15 +274,22 @@ def _convert(name: str, type_name: str, raw: Any) -> Any:
     return str(raw)
 
 
-def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
-    """CLI value, else ``OUTRIDER_<FLAG>``, else the default; ``--device auto`` becomes the
-    device it picks (hardware.py); then validate once."""
+def resolve(
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    leave_out: Collection[str] = frozenset(),
+) -> ServeConfig:
+    """CLI value, else ``OUTRIDER_<FLAG>``, else the default; a field in ``leave_out`` (a flag
+    the command does not offer) takes its default, whatever the environment says. ``--device
+    auto`` becomes the device it picks (hardware.py); then validate once."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for f in fields(ServeConfig):
-        raw = getattr(args, f.name, None)
+        raw = None if f.name in leave_out else getattr(args, f.name, None)
+        if raw is None and f.name not in leave_out:
+            raw = environ.get(env_name(f.name))
         if raw is None:
-            raw = environ.get(env_name(f.name), _FLAG_DEFAULTS.get(f.name))
+            raw = _FLAG_DEFAULTS.get(f.name)
         try:
             value = _convert(f.name, str(f.type), raw)
         except ValueError as exc:

@@ -11,10 +11,10 @@ import torch
 from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tau_of
 from model_fixtures import VOCAB
 
-from outrider.daemon.bench.latency_io import add_latency_arguments
+from outrider.daemon.bench.latency_io import add_latency_arguments, resolve_latency
 from outrider.daemon.cli.main import main
 from outrider.daemon.config import EXIT_CONFIG
-from outrider.daemon.flags import SERVING_ONLY, add_serve_arguments, flag_name
+from outrider.daemon.flags import SERVING_ONLY, add_serve_arguments, env_name, flag_name
 
 debug_checks = debug_checks_fixture()
 
@@ -166,3 +166,25 @@ def test_latency_takes_every_serve_flag_but_those_only_a_serving_daemon_uses(
     assert capsys.readouterr().err.endswith(
         "outrider bench latency: error: unrecognized arguments: --http 127.0.0.1:8000\n"
     )
+
+
+def test_latency_reads_no_variable_of_a_flag_it_leaves_out() -> None:
+    parser = argparse.ArgumentParser()
+    add_latency_arguments(parser)
+    args = parser.parse_args(["--model", "/m", "--load-format", "dummy"])
+    own = {"OUTRIDER_PAGE_SIZE": "32"}
+    # Serve would refuse "1" as an endpoint or socket mode, and serve without sampling defaults.
+    left_out = {env_name(name): "1" for name in SERVING_ONLY}
+    left_out["OUTRIDER_GENERATION_CONFIG"] = "none"
+    config = resolve_latency(args, own | left_out)
+    assert config == resolve_latency(args, own)
+    assert (config.page_size, config.generation_config, config.http) == (32, "auto", "")
+
+
+def test_a_run_takes_its_own_flags_variables_only(
+    llama_dir: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTRIDER_SPECULATIVE_ALGORITHM", "ngram")
+    monkeypatch.setenv("OUTRIDER_HTTP", "not an endpoint")
+    facts, row = bench(capsys, "--model", llama_dir, "--input-len", "8", "--output-len", "3")
+    assert (facts["speculative"], row["output_len"]) == ("ngram", 3)

@@ -21,10 +21,9 @@ import json
 import sys
 from pathlib import Path
 
-from outrider.daemon.bench.latency_io import LatencyRow, add_latency_arguments
+from outrider.daemon.bench.latency_io import LatencyRow, add_latency_arguments, resolve_latency
 from outrider.daemon.bench.serve import add_serve_bench_arguments, run_serve_bench
 from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
-from outrider.daemon.flags import resolve
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,7 +105,7 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        config = bench_config(resolve(args), args)
+        config = bench_config(resolve_latency(args), args)
     except ConfigError as exc:
         print(f"outrider bench latency: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -1,12 +1,14 @@
-"""What ``outrider bench latency`` takes and gives, with no heavy import: its flags and its
-row (``bench sweep`` reads both)."""
+"""What ``outrider bench latency`` takes and gives, with no heavy import: its flags, the
+configuration they resolve to, and its row (``bench sweep`` reads all three)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from outrider.daemon.flags import SERVING_ONLY, add_serve_arguments
+from outrider.daemon.config import ServeConfig
+from outrider.daemon.flags import SERVING_ONLY, add_serve_arguments, resolve
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,11 @@ def add_latency_arguments(latency: argparse.ArgumentParser) -> None:
         help="after each row's timed runs, profile one more and print its top operations "
         "by device time to stderr",
     )
+
+
+def resolve_latency(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> ServeConfig:
+    """The configuration of ``add_latency_arguments``' flags and their ``OUTRIDER_*`` values;
+    the serve flags it leaves out keep their defaults (their variables are not read)."""
+    return resolve(args, environ, leave_out=SERVING_ONLY)

@@ -34,10 +34,9 @@ from typing import Literal
 
 import msgspec
 
-from outrider.daemon.bench.latency_io import LatencyRow, add_latency_arguments
+from outrider.daemon.bench.latency_io import LatencyRow, add_latency_arguments, resolve_latency
 from outrider.daemon.bench.progress import Progress
 from outrider.daemon.config import ConfigError
-from outrider.daemon.flags import resolve
 from outrider.plugins.api import PluginKind, Problem
 from outrider.plugins.checks import ATTENTION_FLAG, SPECULATIVE_FLAG
 from outrider.plugins.registry import PluginError, Registry, discover
@@ -389,7 +388,7 @@ def refusal(latency_flags: list[str], registry: Registry) -> list[str]:
     parser = argparse.ArgumentParser(prog="outrider bench latency")
     add_latency_arguments(parser)
     try:
-        config = resolve(parser.parse_args(latency_flags))
+        config = resolve_latency(parser.parse_args(latency_flags))
     except ConfigError as exc:
         return [str(exc)]
     ctx = config.check_context(config.serving_dtype(None))
