@@ -5,8 +5,11 @@ body limit that keeps every request's frame under the daemon's."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import random
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import msgspec
@@ -33,7 +36,7 @@ from outrider.daemon.http.openai import (
     completion_args,
     decode_request,
 )
-from outrider.daemon.http.process import HttpFront
+from outrider.daemon.http.process import HEALTH_TIMEOUT_S, HttpFront
 from outrider.daemon.http.tokenize import PIECE_CHARS, Tokenization
 from outrider.protocol import AsyncClient, NotListening, RequestError
 from outrider.protocol._client_common import GenerateCall
@@ -284,35 +287,77 @@ def _any_model(_model: str | None) -> None:
     pass
 
 
-def test_health_says_loading_until_the_daemon_first_answers() -> None:
-    """The HTTP front serves while the daemon loads the model; the front door binds only then.
-    Nothing listening before the daemon's first answer is loading; after it, a lost daemon."""
-    answers: list[Health | RequestError] = [
-        NotListening("nothing listens yet"),
-        Health("h", "serving", "boot", "0.1.0", 1),
-        NotListening("nothing listens any more"),
-    ]
+class _Daemon:
+    """The daemon as the HTTP front's client sees it: ``answers`` in turn, each after
+    ``delay_s`` (a client whose endpoint nobody binds raises only once its timeout passes)."""
 
-    class Daemon:
-        async def health(self, timeout: float) -> Health:
-            answer = answers.pop(0)
-            if isinstance(answer, RequestError):
-                raise answer
-            return answer
+    def __init__(self, answers: list[Health | RequestError], delay_s: float = 0.0) -> None:
+        self.answers = answers
+        self.delay_s = delay_s
 
+    async def health(self, timeout: float) -> Health:
+        await asyncio.sleep(min(self.delay_s, timeout))
+        answer = self.answers.pop(0)
+        if isinstance(answer, RequestError):
+            raise answer
+        return answer
+
+
+SERVING = Health("h", "serving", "boot", "0.1.0", 1)
+DOES_NOT_ANSWER = "the daemon does not answer: the daemon did not answer in time"
+
+
+def _front(endpoint: str, daemon: _Daemon) -> TestClient:
     cfg = HttpFrontConfig(
-        host="127.0.0.1", port=8000, client_endpoint="ipc:///nowhere", served_model_name="m",
+        host="127.0.0.1", port=8000, client_endpoint=endpoint, served_model_name="m",
         version="0.1.0", model_dir=None, max_message_bytes=1 << 20, max_body_bytes=1 << 19,
         max_tokenize_tokens=16, read_timeout_s=5.0, send_timeout_s=5.0, max_connections=4,
     )  # fmt: skip
-    front = HttpFront(cfg, cast(AsyncClient, Daemon()))
-    with TestClient(front.app(), base_url="http://127.0.0.1:8000") as http:
+    front = HttpFront(cfg, cast(AsyncClient, daemon))
+    return TestClient(front.app(), base_url="http://127.0.0.1:8000")
+
+
+def test_health_says_loading_at_once_while_the_lock_holds_a_loading_daemon(
+    tmp_path: Path,
+) -> None:
+    """An ipc:// daemon holds ``PATH.lock`` with its pid while it loads and binds ``PATH``
+    only then: the front answers "loading" without waiting on the socket."""
+    socket = tmp_path / "outrider.sock"
+    (tmp_path / "outrider.sock.lock").write_text(f"{os.getpid()}\n")
+    daemon = _Daemon([SERVING], delay_s=HEALTH_TIMEOUT_S)
+    with _front(f"ipc://{socket}", daemon) as http:
+        for path in ("/health", "/health/ready"):
+            started = time.monotonic()
+            loading = http.get(path)
+            assert time.monotonic() - started < HEALTH_TIMEOUT_S / 4
+            assert (loading.status_code, loading.json()) == (503, {"status": "loading"})
+        assert daemon.answers == [SERVING]  # not asked
+        socket.touch()  # the front door has bound it
+        daemon.delay_s = 0.0
+        serving = http.get("/health/ready")
+    assert (serving.status_code, serving.json()) == (200, {"status": "serving"})
+
+
+def test_without_a_live_lock_nothing_listening_is_no_daemon(tmp_path: Path) -> None:
+    (tmp_path / "outrider.sock.lock").write_text("0\n")  # released by a daemon that exited
+    daemon = _Daemon([NotListening("no daemon is listening")])
+    with _front(f"ipc://{tmp_path / 'outrider.sock'}", daemon) as http:
+        none = http.get("/health")
+    assert none.status_code == 503
+    assert none.json()["error"]["message"] == DOES_NOT_ANSWER
+
+
+def test_health_says_loading_until_the_daemon_first_answers() -> None:
+    """Where no lock file tells (tcp://), nothing listening before the daemon's first answer
+    is loading; after it, a lost daemon."""
+    daemon = _Daemon(
+        [NotListening("nothing listens yet"), SERVING, NotListening("nothing listens any more")]
+    )
+    with _front("tcp://127.0.0.1:5555", daemon) as http:
         loading = http.get("/health/ready")
         assert (loading.status_code, loading.json()) == (503, {"status": "loading"})
         serving = http.get("/health")
         assert (serving.status_code, serving.json()) == (200, {"status": "serving"})
         lost = http.get("/health")
     assert lost.status_code == 503
-    assert lost.json()["error"]["message"] == (
-        "the daemon does not answer: the daemon did not answer in time"
-    )
+    assert lost.json()["error"]["message"] == DOES_NOT_ANSWER

@@ -6,8 +6,9 @@ It is the daemon's third child (processes/children.py), under the same contract 
 ``bind_failed``), heartbeats through its pipe, and once the daemon closes the pipe it stops
 accepting connections, lets the responses in flight end (the daemon has drained by then: each
 has had its final frame), and exits. While the daemon loads the model (its front door not bound
-yet), ``/health`` and ``/health/ready`` answer 503 ``{"status": "loading"}``; while it drains,
-new requests are answered 503 (the front door's ``shutting_down``).
+yet), ``/health`` and ``/health/ready`` answer 503 ``{"status": "loading"}``, at once where the
+daemon's lock file tells (http/loading.py); while it drains, new requests are answered 503 (the
+front door's ``shutting_down``).
 
 Status codes from the daemon's error codes: ``invalid_request`` / ``unsupported`` 400,
 ``prompt_too_long`` 413, ``overloaded`` 429, ``shutting_down`` / ``connection_lost`` /
@@ -50,6 +51,7 @@ from outrider.daemon.http.errors import (
     split_path,
 )
 from outrider.daemon.http.limits import BodyLimit, ConnectionLimits, limited_protocol
+from outrider.daemon.http.loading import LoadingWatch
 from outrider.daemon.http.metrics import render_metrics
 from outrider.daemon.http.openai import (
     DAEMON_FIELDS,
@@ -204,10 +206,7 @@ class HttpFront:
         )
         self._max_model_len: int | None = None  # the daemon's context length, once asked
         self._created = now()
-        # NOTE: this front serves from the start, while the daemon loads the model; the front
-        # door binds the client socket only once it is loaded. Until the daemon has answered
-        # once, finding nothing listening therefore means that it is loading.
-        self._daemon_answered = False
+        self._loading = LoadingWatch(cfg.client_endpoint)
 
     def app(self) -> ASGIApp:
         routes = [
@@ -233,14 +232,16 @@ class HttpFront:
         return await self._health_response(serving_only=True)
 
     async def _health_response(self, *, serving_only: bool) -> Response:
+        if self._loading.loading():
+            return json_response({"status": "loading"}, 503)
         try:
             health = await self._client.health(timeout=HEALTH_TIMEOUT_S)
         except RequestError as exc:
-            if isinstance(exc, NotListening) and not self._daemon_answered:
+            if isinstance(exc, NotListening) and self._loading.loading_if_not_listening():
                 return json_response({"status": "loading"}, 503)
             message = f"the daemon does not answer: {public_message(exc)}"
             return error_response(503, message, code=exc.code)
-        self._daemon_answered = True
+        self._loading.answered()
         status = 503 if serving_only and health.status != "serving" else 200
         return json_response({"status": health.status}, status)
 
