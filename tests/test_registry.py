@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import enum
 import importlib.util
 import json
 import os
@@ -9,7 +11,7 @@ import textwrap
 import uuid
 from importlib.metadata import EntryPoint
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import pytest
@@ -668,6 +670,11 @@ def test_the_listing_names_the_builtin_option_types_in_words(
     }
 
 
+class _Mode(enum.Enum):
+    FAST = "fast"
+    EXACT = "exact"
+
+
 @pytest.mark.parametrize(
     ("annotation", "text"),
     [
@@ -680,6 +687,10 @@ def test_the_listing_names_the_builtin_option_types_in_words(
         (Literal["b", "a"] | None, "one of: a, b or null"),
         (Annotated[list[int], msgspec.Meta(max_length=4)], "list of int (length <= 4)"),
         (dict[str, float], "object of str to float"),
+        (tuple[int, str], "[int, str]"),
+        (_Mode, "one of: fast, exact"),
+        (Any, "any"),
+        (datetime.date, "date"),
     ],
 )
 def test_option_types_read_as_their_json(annotation: object, text: str) -> None:
