@@ -285,7 +285,7 @@ def resolve(
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for f in fields(ServeConfig):
-        raw = None if f.name in leave_out else getattr(args, f.name, None)
+        raw = getattr(args, f.name, None)
         if raw is None and f.name not in leave_out:
             raw = environ.get(env_name(f.name))
         if raw is None:
