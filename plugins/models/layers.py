@@ -235,11 +235,7 @@ class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm: HF's ``model.`` prefix."""
 
     def __init__(
-        self,
-        config: ModelConfig,
-        max_positions: int,
-        tp: TPGroup = SINGLE,
-        feed_forward: FeedForward = dense_mlp,
+        self, config: ModelConfig, max_positions: int, tp: TPGroup, feed_forward: FeedForward
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
@@ -301,7 +297,7 @@ class DecoderForCausalLM(nn.Module, UsesKernels):
 
     def feed_forward(self, config: ModelConfig, layer_id: int, tp: TPGroup) -> nn.Module:
         """Layer ``layer_id``'s MLP block (a ``FeedForward``): the dense MLP here."""
-        return MLP(config, tp)
+        return dense_mlp(config, layer_id, tp)
 
     @property
     def num_layers(self) -> int:

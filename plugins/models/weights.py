@@ -109,9 +109,8 @@ def checkpoint_table(model: torch.nn.Module) -> dict[str, Destination]:
         parent, _, fused = module_path.rpartition(".")
         for part, rows in module.shards.items():
             part_name = f"{_PART_NAMES[fused][part]}.{leaf}"
-            table[f"{parent}.{part_name}" if parent else part_name] = Destination(
-                tensor, rows, split
-            )
+            full_name = f"{parent}.{part_name}" if parent else part_name
+            table[full_name] = Destination(tensor, rows, split)
     return table
 
 
