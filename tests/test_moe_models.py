@@ -21,6 +21,7 @@ from outrider.plugins.models.config import ModelConfig
 from outrider.plugins.models.kernels import TORCH_KERNELS
 from outrider.plugins.models.layers import MLP, DecoderForCausalLM
 from outrider.plugins.models.loader import (
+    build_model,
     check_checkpoint_layout,
     expected_checkpoint_shapes,
     load_model,
@@ -287,3 +288,25 @@ def test_config_refusals_and_shares() -> None:
     # The loader's meta-device check, as the last of two ranks would load.
     for raw in (_moe_dict("mixtral"), _moe_dict("qwen2_moe", mlp_only_layers=[1])):
         check_checkpoint_layout(ModelConfig.from_dict(raw), tensor_parallel_size=2)
+
+
+REFERENCE = Path(__file__).parent / "fixtures" / "configs"
+
+
+# name -> the largest tensor-parallel size it divides into (Qwen3-30B-A3B: 4 KV heads).
+REFERENCE_SIZES = {"Qwen3-30B-A3B": 4, "Mixtral-8x7B-Instruct-v0.1": 8}
+
+
+@pytest.mark.parametrize("name", REFERENCE_SIZES)
+def test_reference_configs_shard(name: str) -> None:
+    config = ModelConfig.from_pretrained(REFERENCE / f"{name}.config.json")
+    moe, size = config.moe, REFERENCE_SIZES[name]
+    assert moe is not None and moe.renormalize
+    assert moe.sparse_layers == set(range(config.num_layers))
+    check_checkpoint_layout(config, tensor_parallel_size=size)
+    last = TPGroup(size - 1, size)
+    model = build_model(config, max_positions=1, dtype=torch.bfloat16, device="meta", tp=last)
+    experts = model.model.layers[0].mlp.experts
+    rows = moe.intermediate_size // size
+    assert experts.w13.shape == (moe.num_experts, 2 * rows, config.hidden_size)
+    assert experts.w2.shape == (moe.num_experts, config.hidden_size, rows)
