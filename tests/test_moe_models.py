@@ -1,7 +1,7 @@
 """Mixture-of-experts targets (Qwen3-MoE, Mixtral, Qwen2-MoE), float32 on CPU: greedy outputs
 through the engine equal transformers' token for token; the per-expert checkpoint layout,
-its refusals and dummy weights; the routed-experts kernel contract; n-gram speculation on a
-MoE target."""
+its refusals, its tensor-parallel cut and dummy weights; the routed-experts kernel contract;
+n-gram speculation on a MoE target; real configs (Qwen3-30B-A3B, Mixtral-8x7B) sharded."""
 
 from __future__ import annotations
 
@@ -212,6 +212,10 @@ def test_dummy_weights_are_one_model_at_any_world_size(
     input_ids, fb = rows_kv.batch(torch_backend(shape), [(0, list(range(3, 11)))])
     with torch.no_grad():
         assert torch.isfinite(dummy.compute_logits(dummy(input_ids, fb))).all()
+    # The engine serves it (--load-format dummy).
+    engine = engine_for(str(tmp_path), load_format="dummy")
+    outcome = run(engine, requests_for(PROMPTS[:2], max_new_tokens=NEW_TOKENS))
+    assert [len(o.token_ids) for o in outcome.values()] == [NEW_TOKENS, NEW_TOKENS]
 
 
 def test_fused_moe_contract() -> None:
