@@ -284,6 +284,8 @@ def test_config_refusals_and_shares() -> None:
     ]  # fmt: skip
     # Mixtral's experts are its `intermediate_size`, and no layer is dense.
     mixtral = ModelConfig.from_dict(_moe_dict("mixtral"))
+    # The widest MLP block per token: layer 0's dense 96 rows; Mixtral's two experts of 96.
+    assert (config.mlp_rows_per_token, mixtral.mlp_rows_per_token) == (96, 192)
     assert mixtral.layer_shares == {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,

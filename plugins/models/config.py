@@ -102,6 +102,15 @@ class ModelConfig:
         return self.num_layers - (0 if self.moe is None else len(self.moe.sparse_layers))
 
     @property
+    def mlp_rows_per_token(self) -> int:
+        """Intermediate rows one token runs through in the widest MLP block: the dense
+        MLP's, or its experts' and the shared expert's."""
+        dense = self.intermediate_size if self.dense_layers else 0
+        if self.moe is None:
+            return dense
+        return max(dense, self.moe.top_k * self.moe.intermediate_size + self.moe.shared_expert_size)
+
+    @property
     def layer_shares(self) -> dict[str, int]:
         """The config keys (and values) that tensor parallelism divides among the ranks
         in every decoder layer: heads, KV heads, MLP rows (each expert's too)."""
