@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import CUDA
 from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tokens_of
 from model_fixtures import MOE_SHAPES, TINY, VOCAB, PagedRows, save_tiny_model, torch_backend
 from safetensors.torch import load_file, save_file
 
+from outrider.plugins.graph_build import building_graph
 from outrider.plugins.models.config import ModelConfig
 from outrider.plugins.models.kernels import TORCH_KERNELS
 from outrider.plugins.models.layers import MLP, DecoderForCausalLM
@@ -32,7 +34,8 @@ from outrider.plugins.models.weights import LoadFormat
 
 NEW_TOKENS = 8
 
-debug_checks = debug_checks_fixture()
+# The relay check syncs; it stays off where a GPU runs the CUDA graph test.
+debug_checks = debug_checks_fixture(relay_check=not CUDA)
 
 # name -> (kind, config overrides): Qwen3-MoE renormalised; Qwen3-MoE not renormalised with
 # layer 0 dense (mlp_only_layers); Mixtral; Qwen2-MoE with its shared expert.
@@ -123,6 +126,21 @@ def test_ngram_speculation_keeps_greedy(references: dict[str, Reference]) -> Non
     outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
     assert tokens_of(outcomes) == dict(enumerate(reference.expected))
     assert engine.scheduler.counters().spec_drafts > 0
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_serve_moe(references: dict[str, Reference]) -> None:
+    """float32 on CUDA: decode batches replayed from graphs (every expert on every token)
+    give transformers' tokens, as the eager steps (tokens grouped by expert) do."""
+    for name in ("qwen3_moe dense layer", "qwen2_moe"):
+        reference = references[name]
+        for graphs in (True, False):
+            engine = engine_for(
+                str(reference.directory), device="cuda", disable_cuda_graph=not graphs
+            )
+            assert (engine.loop.runner.graphs is not None) == graphs
+            outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
+            assert tokens_of(outcomes) == dict(enumerate(reference.expected)), (name, graphs)
 
 
 def test_sparse_and_dense_layers_as_configured(references: dict[str, Reference]) -> None:
@@ -236,6 +254,11 @@ def test_fused_moe_contract() -> None:
             gate, up = w13[e, :inter] @ x[t], w13[e, inter:] @ x[t]
             expected += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
         torch.testing.assert_close(out[t], expected, atol=1e-4, rtol=1e-5)
+    # The graph-safe path (every expert on every token) adds the same products in the same
+    # order: only the projections of more rows at once may round differently.
+    with building_graph():
+        graphed = TORCH_KERNELS.fused_moe(x, w13, w2, weights, ids.to(torch.int32))
+    torch.testing.assert_close(graphed, out, atol=1e-6, rtol=1e-6)
 
 
 def _moe_dict(model_type: str, **changes: object) -> dict[str, object]:

@@ -141,8 +141,11 @@ class TorchKernels:
         rows, ``w2: [E, H, I]`` its down projection; ``topk_weights: [T, k]`` float32,
         ``topk_ids: [T, k]`` int32 (distinct experts per row). Each product is taken in float32
         and rounded to ``x``'s dtype once; the sum over a token's experts runs in ascending
-        expert order, from zero (as the HF reference adds them)."""
-        # NOTE: the experts hit are read on the host (a sync): no CUDA graph captures this path.
+        expert order, from zero (as the HF reference adds them). Tokens are grouped by expert;
+        while a CUDA graph is built, every expert runs on every token instead."""
+        if in_graph_build():
+            return _every_expert(x, w13, w2, topk_weights, topk_ids)
+        # NOTE: the experts hit are read on the host (a sync), which no CUDA graph may hold.
         out = torch.zeros_like(x)
         hit = torch.bincount(topk_ids.flatten(), minlength=w13.shape[0]).nonzero()
         for expert in hit.flatten().tolist():
@@ -152,6 +155,25 @@ class TorchKernels:
             weighted = y.float() * topk_weights[token, slot].unsqueeze(-1)
             out.index_add_(0, token, weighted.to(x.dtype))
         return out
+
+
+def _every_expert(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``TorchKernels.fused_moe`` without a host sync, for CUDA graphs: every expert runs on
+    every token (``E / k`` times the work) and adds its product times the token's weight for
+    it, zero where not routed (adding zero is exact: the same sums)."""
+    out = torch.zeros_like(x)
+    for expert in range(w13.shape[0]):
+        weight = (topk_weights * (topk_ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]
+        gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])  # [T, H]
+        out += (y.float() * weight).to(x.dtype)
+    return out
 
 
 @dataclass(frozen=True)
