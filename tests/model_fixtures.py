@@ -50,8 +50,9 @@ def save_tiny_model(
     seed: int = 0,
     config_overrides: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
-    """Build a random float32 HF model of ``kind`` (llama / qwen2 / qwen3), save it to
-    ``directory`` and return it (eval mode, eager attention: the reference).
+    """Build a random float32 HF model of ``kind`` (llama / qwen2 / qwen3, or with experts:
+    qwen3_moe / mixtral / qwen2_moe), save it to ``directory`` and return it (eval mode, eager
+    attention and experts: the reference).
     ``config_overrides`` are extra config keys (``attention_bias``, ...)."""
     import transformers
 
@@ -66,9 +67,12 @@ def save_tiny_model(
         config = transformers.Qwen3Config(
             **shape, head_dim=24, tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}
         )
+    elif kind in MOE_SHAPES:
+        config = _moe_config(kind, shape | MOE_SHAPES[kind] | (config_overrides or {}))
     else:
         raise ValueError(kind)
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     # HF initialises biases to 0 and norms to 1; randomise everything so each is exercised.
@@ -80,6 +84,28 @@ def save_tiny_model(
                 param.normal_(0.0, 0.1)
     model.save_pretrained(directory, max_shard_size=max_shard_size)
     return model
+
+
+# Experts of the tiny mixture-of-experts models (on top of TINY, two layers).
+MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True, "head_dim": 24},
+    "mixtral": {"num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "intermediate_size": 48},
+    "qwen2_moe": {"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+}  # fmt: skip
+
+
+def _moe_config(kind: str, shape: dict[str, Any]) -> Any:
+    import transformers
+
+    classes = {
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+    }
+    return classes[kind](**shape, rope_parameters={"rope_theta": 1e6})
 
 
 def torch_backend(shape: AttentionShape, device: torch.device | str = "cpu") -> TorchAttention:

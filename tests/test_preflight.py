@@ -82,16 +82,18 @@ def test_model_refusals_name_the_flag_and_the_path(tmp_path: Path) -> None:
 
 def test_an_unsupported_target_names_what_is_supported(tmp_path: Path) -> None:
     model = _model(tmp_path / "moe", "model.safetensors")
-    config = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}
     (model / "config.json").write_text(json.dumps(config))
     assert preflight(ServeConfig(model=str(model))) == [
-        f"--model {model}: model_type 'qwen3_moe' is not supported (supported: llama, qwen2, qwen3)"
+        f"--model {model}: model_type 'deepseek_v3' is not supported "
+        "(supported: llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)"
     ]
     config = {"model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"]}
     (model / "config.json").write_text(json.dumps(config))
     assert preflight(ServeConfig(model=str(model))) == [
         f"--model {model}: architecture 'Qwen3ForSequenceClassification' is not supported "
-        "(supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
+        "(supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+        "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM)"
     ]
 
 

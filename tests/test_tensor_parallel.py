@@ -39,12 +39,13 @@ DECODE_STEPS = 3
 REFERENCE = Path(__file__).parent / "fixtures" / "configs"
 # (checkpoint, load format): llama with biases on q/k/v and o_proj (the row-parallel bias),
 # qwen2 (q/k/v bias only), qwen3 (q/k norm, head_dim 24, tied embeddings), and qwen3's
-# dummy weights.
+# dummy weights; qwen2_moe, its experts and shared expert cut per rank.
 CASES: tuple[tuple[str, Literal["auto", "dummy"]], ...] = (
     ("llama", "auto"),
     ("qwen2", "auto"),
     ("qwen3", "auto"),
     ("qwen3", "dummy"),
+    ("qwen2_moe", "auto"),
 )
 
 
@@ -64,6 +65,7 @@ def _save_checkpoints(root: Path) -> None:
     )
     save_tiny_model("qwen2", root / "qwen2")
     save_tiny_model("qwen3", root / "qwen3")
+    save_tiny_model("qwen2_moe", root / "qwen2_moe")
 
 
 def _quiet(index: int, count: int, name: str) -> None:

@@ -233,11 +233,12 @@ def graph_pool_bytes(
     q_width = model.num_q_heads // tp * model.head_dim
     kv_width = model.num_kv_heads // tp * model.head_dim
     # One layer at a time: the residual stream, its norm (statistics in float32), the q/k/v
-    # projections and the attention output, the MLP's gate and up and their product.
+    # projections and the attention output, the MLP's (or the routed experts') gate and up and
+    # their product.
     layer = tokens * (
         itemsize * (3 * model.hidden_size + 2 * q_width + 2 * kv_width)
         + 4 * model.hidden_size
-        + itemsize * 3 * (model.intermediate_size // tp)
+        + itemsize * 3 * (model.mlp_rows_per_token // tp)
     )
     # The head's output (gathered: the rank's slice too, when sharded), its float32 copy, and
     # the sampling scratch of every row.

@@ -33,6 +33,9 @@ _FAMILIES: dict[str, _Family] = {
     "llama": _Family(qkv_bias=None, o_proj_bias=None, qk_norm=False),
     "qwen2": _Family(qkv_bias=True, o_proj_bias=False, qk_norm=False),
     "qwen3": _Family(qkv_bias=None, o_proj_bias=None, qk_norm=True),
+    "qwen2_moe": _Family(qkv_bias=True, o_proj_bias=False, qk_norm=False),
+    "qwen3_moe": _Family(qkv_bias=None, o_proj_bias=None, qk_norm=True),
+    "mixtral": _Family(qkv_bias=False, o_proj_bias=False, qk_norm=False),
 }
 
 
@@ -48,6 +51,27 @@ class Llama3Scaling:
 class RopeConfig:
     theta: float
     llama3: Llama3Scaling | None = None  # None: plain RoPE
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts facts of a model (``moe.py``)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # of one expert
+    intermediate_key: str  # the config.json key holding it, for messages
+    renormalize: bool  # the top-k routing weights divided by their sum
+    sparse_layers: frozenset[int]  # layers with experts; the others run the dense MLP
+    shared_expert_size: int  # Qwen2-MoE's always-on expert; 0: none
+
+    @property
+    def shares(self) -> dict[str, int]:
+        """The expert sizes tensor parallelism divides (as ``ModelConfig.layer_shares``)."""
+        shares = {self.intermediate_key: self.intermediate_size}
+        if self.shared_expert_size:
+            shares["shared_expert_intermediate_size"] = self.shared_expert_size
+        return shares
 
 
 @dataclass(frozen=True)
@@ -70,16 +94,33 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     dtype: str | None  # checkpoint dtype ("bfloat16", ...); None when the config is silent
     eos_token_ids: tuple[int, ...]  # config.json's only; see load_eos_ids for the union
+    moe: MoeConfig | None = None  # None: a dense model
+
+    @property
+    def dense_layers(self) -> int:
+        """How many layers run the dense MLP (of ``intermediate_size`` rows)."""
+        return self.num_layers - (0 if self.moe is None else len(self.moe.sparse_layers))
+
+    @property
+    def mlp_rows_per_token(self) -> int:
+        """Intermediate rows one token runs through in the widest MLP block: the dense
+        MLP's, or its experts' and the shared expert's."""
+        dense = self.intermediate_size if self.dense_layers else 0
+        if self.moe is None:
+            return dense
+        return max(dense, self.moe.top_k * self.moe.intermediate_size + self.moe.shared_expert_size)
 
     @property
     def layer_shares(self) -> dict[str, int]:
         """The config keys (and values) that tensor parallelism divides among the ranks
-        in every decoder layer: heads, KV heads, MLP rows."""
-        return {
+        in every decoder layer: heads, KV heads, MLP rows (each expert's too)."""
+        shares = {
             "num_attention_heads": self.num_q_heads,
             "num_key_value_heads": self.num_kv_heads,
-            "intermediate_size": self.intermediate_size,
         }
+        if self.dense_layers:
+            shares["intermediate_size"] = self.intermediate_size
+        return shares if self.moe is None else shares | self.moe.shares
 
     def tensor_parallel_problems(self, size: int) -> list[str]:
         """``tensor_parallel_problems`` of this model's shape."""
@@ -108,11 +149,12 @@ class ModelConfig:
         attention_bias = bool(d.get("attention_bias", False))
         num_q_heads = int(d["num_attention_heads"])
         hidden_size = int(d["hidden_size"])
+        num_layers = int(d["num_hidden_layers"])
         return cls(
             architecture=architectures[0],
             model_type=model_type,
             hidden_size=hidden_size,
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=num_layers,
             num_q_heads=num_q_heads,
             num_kv_heads=int(d.get("num_key_value_heads") or num_q_heads),
             head_dim=int(d.get("head_dim") or hidden_size // num_q_heads),
@@ -127,6 +169,7 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             dtype=_parse_dtype(d.get("dtype") or d.get("torch_dtype")),
             eos_token_ids=_as_ids(d.get("eos_token_id")),
+            moe=_parse_moe(d, model_type, num_layers),
         )
 
 
@@ -146,9 +189,9 @@ def tensor_parallel_problems(
 ) -> list[str]:
     """What keeps a model of config.json ``d`` (raw keys: no transformers needed) from being
     sharded over ``size`` ranks: each rank takes an equal share of the attention heads, the KV
-    heads, the MLP's intermediate rows and the vocabulary of its head (``vocab_key``; keys
-    absent from ``d`` are not checked). One line per problem, naming the flag and ``whose``
-    shape it is; empty when it divides (always for ``size`` 1)."""
+    heads, the MLP's (and each expert's) intermediate rows and the vocabulary of its head
+    (``vocab_key``; keys absent from ``d`` are not checked). One line per problem, naming the
+    flag and ``whose`` shape it is; empty when it divides (always for ``size`` 1)."""
     if size < 1:
         return [f"{TENSOR_PARALLEL_FLAG} {size}: must be at least 1"]
     heads = d.get("num_attention_heads")
@@ -156,6 +199,8 @@ def tensor_parallel_problems(
         "num_attention_heads": heads,
         "num_key_value_heads": d.get("num_key_value_heads") or heads,
         "intermediate_size": d.get("intermediate_size"),
+        "moe_intermediate_size": d.get("moe_intermediate_size"),
+        "shared_expert_intermediate_size": d.get("shared_expert_intermediate_size"),
         vocab_key: d.get(vocab_key),
     }
     return [
@@ -176,6 +221,45 @@ def _check_supported(d: dict[str, Any]) -> None:
     layer_types = set(d.get("layer_types") or ["full_attention"])
     if layer_types != {"full_attention"}:
         raise ValueError(f"layer_types {sorted(layer_types)} are not supported (full_attention)")
+
+
+def _parse_moe(d: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
+    """The experts of a Qwen2-MoE, Qwen3-MoE or Mixtral config; None for a dense model type."""
+    dense_only: set[int] = set()
+    if model_type == "mixtral":
+        # Mixtral applies `sliding_window` whenever it is set (no use_sliding_window switch).
+        if d.get("sliding_window") is not None:
+            raise ValueError("sliding-window attention (sliding_window set) is not supported")
+        num_experts = int(d["num_local_experts"])
+        key, step, renormalize = "intermediate_size", 1, True
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        # transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`.
+        num_experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+        key, step = "moe_intermediate_size", int(d.get("decoder_sparse_step", 1))
+        dense_only = {int(i) for i in d.get("mlp_only_layers") or ()}
+        renormalize = bool(d.get("norm_topk_prob", False))
+        if step < 1:
+            raise ValueError(f"decoder_sparse_step {step} is not supported (at least 1)")
+    else:
+        return None
+    shared = int(d.get("shared_expert_intermediate_size") or 0)
+    if model_type == "qwen2_moe" and (shared < 1 or d.get("qkv_bias") is False):
+        raise ValueError("qwen2_moe without a shared expert or without qkv_bias is not supported")
+    sparse = frozenset(
+        i for i in range(num_layers) if num_experts and i not in dense_only and (i + 1) % step == 0
+    )
+    top_k = int(d["num_experts_per_tok"])
+    if sparse and not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} is not between 1 and {num_experts}")
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=int(d[key]),
+        intermediate_key=key,
+        renormalize=renormalize,
+        sparse_layers=sparse,
+        shared_expert_size=shared if model_type == "qwen2_moe" else 0,
+    )
 
 
 def _parse_rope(d: dict[str, Any]) -> RopeConfig:

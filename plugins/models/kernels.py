@@ -8,7 +8,8 @@ kernels (one kernel per operation instead of five to ten, which is most of what 
 decode step launches besides its GEMMs), and while a CUDA graph is built our Triton GEMV for
 one-token projections, SiLU-and-multiply and Qwen3's q/k norm with the rotation
 (``triton_kernels.py``). They compute in float32 and round once, so their results differ
-from the reference's by bf16 rounding only (ARCHITECTURE.md 4.4).
+from the reference's by bf16 rounding only (ARCHITECTURE.md 4.4). The routed experts of a
+mixture-of-experts layer (``fused_moe``) run the reference's torch path in both for now.
 
 Modules reach their kernels through ``UsesKernels.kernels``; ``use_kernels`` sets them on a
 whole model once it sits on its serving device.
@@ -125,6 +126,54 @@ class TorchKernels:
         """Qwen3's per-head RMSNorm of ``q: [T, Hq, D]`` and ``k: [T, Hkv, D]``, then
         ``rotation``."""
         return rotation.rotate(self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps))
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The routed experts of ``x: [T, H]``: ``[T, H]`` in ``x``'s dtype, where
+        ``out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t)`` over
+        ``e = topk_ids[t, j]``. ``w13: [E, 2I, H]`` holds each expert's gate rows then its up
+        rows, ``w2: [E, H, I]`` its down projection; ``topk_weights: [T, k]`` float32,
+        ``topk_ids: [T, k]`` int32 (distinct experts per row). Each product is taken in float32
+        and rounded to ``x``'s dtype once; the sum over a token's experts runs in ascending
+        expert order, from zero (as the HF reference adds them). Tokens are grouped by expert;
+        while a CUDA graph is built, every expert runs on every token instead."""
+        if in_graph_build():
+            return _every_expert(x, w13, w2, topk_weights, topk_ids)
+        # NOTE: the experts hit are read on the host (a sync), which no CUDA graph may hold.
+        out = torch.zeros_like(x)
+        hit = torch.bincount(topk_ids.flatten(), minlength=w13.shape[0]).nonzero()
+        for expert in hit.flatten().tolist():
+            token, slot = torch.where(topk_ids == expert)  # [n] each, token order
+            gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+            weighted = y.float() * topk_weights[token, slot].unsqueeze(-1)
+            out.index_add_(0, token, weighted.to(x.dtype))
+        return out
+
+
+def _every_expert(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``TorchKernels.fused_moe`` without a host sync, for CUDA graphs: every expert runs on
+    every token (``E / k`` times the work) and adds its product times the token's weight for
+    it, zero where not routed (adding zero is exact: the same sums)."""
+    out = torch.zeros_like(x)
+    for expert in range(w13.shape[0]):
+        weight = (topk_weights * (topk_ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]
+        gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])  # [T, H]
+        out += (y.float() * weight).to(x.dtype)
+    return out
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,9 @@ Parameter names follow the HF layout (``model.layers.{i}.self_attn...``) except 
 fused projections, ``qkv_proj`` and ``gate_up_proj``; the loader maps HF names onto them
 through ``FusedLinear.shards``.
 
+A decoder layer's MLP block (``mlp.``) is the model's choice (``DecoderForCausalLM.feed_forward``):
+the dense ``MLP`` here, or a mixture of experts (``moe.py``) in the layers its config names.
+
 Every layer takes the rank's ``TPGroup`` (``parallel.py``): under tensor parallelism a rank
 runs its share of the heads and of the MLP's rows, and its modules' sizes are the rank's.
 """
@@ -11,6 +14,7 @@ runs its share of the heads and of the MLP's rows, and its modules' sizes are th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -177,9 +181,11 @@ class Attention(nn.Module, UsesKernels):
 
 
 class MLP(nn.Module, UsesKernels):
-    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
+    """SwiGLU of ``rows`` intermediate rows (None: the config's ``intermediate_size``)."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE, rows: int | None = None) -> None:
         super().__init__()
-        rows = config.intermediate_size
+        rows = config.intermediate_size if rows is None else rows
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": rows, "up": rows}, False, tp)
         self.down_proj = RowParallelLinear(rows, config.hidden_size, False, tp)
 
@@ -187,13 +193,27 @@ class MLP(nn.Module, UsesKernels):
         return self.down_proj.silu_mul_forward(self.gate_up_proj(x))
 
 
+# Builds layer ``layer_id``'s MLP block: ``[T, hidden] -> [T, hidden]``, summed over the ranks.
+FeedForward = Callable[["ModelConfig", int, TPGroup], nn.Module]
+
+
+def dense_mlp(config: ModelConfig, layer_id: int, tp: TPGroup) -> nn.Module:
+    return MLP(config, tp)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        tp: TPGroup = SINGLE,
+        feed_forward: FeedForward = dense_mlp,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = feed_forward(config, layer_id, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation, fb: ForwardBatch
@@ -214,10 +234,14 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm: HF's ``model.`` prefix."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, tp: TPGroup, feed_forward: FeedForward
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, tp, feed_forward) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope, max_positions)
 
@@ -266,10 +290,14 @@ class DecoderForCausalLM(nn.Module, UsesKernels):
             raise ValueError("; ".join(problems))
         self.config = config
         self.tp = tp
-        self.model = DecoderModel(config, max_positions, tp)
+        self.model = DecoderModel(config, max_positions, tp, self.feed_forward)
         self.lm_head: ColumnParallelLinear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, False, tp)
+
+    def feed_forward(self, config: ModelConfig, layer_id: int, tp: TPGroup) -> nn.Module:
+        """Layer ``layer_id``'s MLP block (a ``FeedForward``): the dense MLP here."""
+        return dense_mlp(config, layer_id, tp)
 
     @property
     def num_layers(self) -> int:

@@ -18,6 +18,7 @@ import torch
 from outrider.plugins.models.config import ModelConfig
 from outrider.plugins.models.kernels import TORCH_KERNELS, select_kernels, use_kernels
 from outrider.plugins.models.layers import DecoderForCausalLM, RotaryEmbedding
+from outrider.plugins.models.moe import moe_checkpoint_shapes
 from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.models.registry import model_class
 from outrider.plugins.models.weights import (
@@ -104,7 +105,7 @@ def _decoder_rules(config: ModelConfig, label: str) -> CheckpointRules:
 
 def expected_checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name (and shape) a HF checkpoint of ``config`` holds, derived from the
-    config alone."""
+    config alone (a mixture of experts: one tensor per expert and projection)."""
     hidden, head_dim = config.hidden_size, config.head_dim
     q_rows, kv_rows = config.num_q_heads * head_dim, config.num_kv_heads * head_dim
     inter = config.intermediate_size
@@ -126,9 +127,12 @@ def expected_checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]
         if config.qk_norm:
             shapes[f"{attn}.q_norm.weight"] = (head_dim,)
             shapes[f"{attn}.k_norm.weight"] = (head_dim,)
-        shapes[f"{mlp}.gate_proj.weight"] = (inter, hidden)
-        shapes[f"{mlp}.up_proj.weight"] = (inter, hidden)
-        shapes[f"{mlp}.down_proj.weight"] = (hidden, inter)
+        if config.moe is not None and i in config.moe.sparse_layers:
+            shapes.update(moe_checkpoint_shapes(config, i))
+        else:
+            shapes[f"{mlp}.gate_proj.weight"] = (inter, hidden)
+            shapes[f"{mlp}.up_proj.weight"] = (inter, hidden)
+            shapes[f"{mlp}.down_proj.weight"] = (hidden, inter)
         shapes[f"model.layers.{i}.input_layernorm.weight"] = (hidden,)
         shapes[f"model.layers.{i}.post_attention_layernorm.weight"] = (hidden,)
     return shapes

@@ -12,6 +12,9 @@ _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "outrider.plugins.models.llama",
     "Qwen2ForCausalLM": "outrider.plugins.models.qwen2",
     "Qwen3ForCausalLM": "outrider.plugins.models.qwen3",
+    "Qwen2MoeForCausalLM": "outrider.plugins.models.qwen2_moe",
+    "Qwen3MoeForCausalLM": "outrider.plugins.models.qwen3_moe",
+    "MixtralForCausalLM": "outrider.plugins.models.mixtral",
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)

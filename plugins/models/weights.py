@@ -4,9 +4,11 @@
 A model's checkpoint table (``checkpoint_table``) maps each checkpoint name onto its
 destination: a parameter or persistent buffer, named by its module path, or one part's rows
 of a fused parameter (``FusedLinear``: q/k/v, gate/up), holding the rank's cut under tensor
-parallelism (``parallel.Split``). ``CheckpointRules`` say what the table cannot: the model's
-label in errors, the tensors its checkpoint may carry that it takes from elsewhere (skipped),
-and those the checkpoint may lack.
+parallelism (``parallel.Split``). A module that names its tensors its own way
+(``NamesCheckpoint``: a mixture of experts, one checkpoint tensor per expert and projection
+into stacked parameters) gives the entries of its whole subtree. ``CheckpointRules`` say what
+the table cannot: the model's label in errors, the tensors its checkpoint may carry that it
+takes from elsewhere (skipped), and those the checkpoint may lack.
 
 Invariants:
 - every checkpoint tensor lands in exactly one destination, or is skipped by a rule;
@@ -56,10 +58,11 @@ _DUMMY_STD = 0.02
 @dataclass(frozen=True)
 class Destination:
     """Where one checkpoint tensor lands: ``tensor`` (a parameter or persistent buffer), or
-    its ``rows`` of a fused parameter, holding the rank's cut (``split``; None: all of it)."""
+    its ``rows`` (of a fused parameter: a slice; of stacked experts: ``expert`` or
+    ``(expert, slice)``), holding the rank's cut (``split``; None: all of it)."""
 
     tensor: torch.Tensor
-    rows: slice | None
+    rows: slice | int | tuple[int, slice] | None
     split: Split | None
 
     @property
@@ -77,11 +80,26 @@ def param_split(module: torch.nn.Module, name: str) -> Split | None:
     return module.param_split(name) if isinstance(module, Sharded) else None
 
 
+class NamesCheckpoint:
+    """A module that maps its own subtree onto checkpoint names."""
+
+    def checkpoint_destinations(self, path: str) -> dict[str, Destination]:
+        """Checkpoint name -> destination for every parameter of this module and its
+        children; ``path``: the module's path in the model."""
+        raise NotImplementedError
+
+
 def checkpoint_table(model: torch.nn.Module) -> dict[str, Destination]:
     """Checkpoint name -> destination, for every parameter and persistent buffer of ``model``
     (named in the HF layout, the fused projections split into their parts)."""
     table: dict[str, Destination] = {}
+    owners = [(path, m) for path, m in model.named_modules() if isinstance(m, NamesCheckpoint)]
+    for path, owner in owners:
+        table.update(owner.checkpoint_destinations(path))
+    owned = tuple(f"{path}." for path, _ in owners)
     for name, tensor in model.state_dict(keep_vars=True).items():
+        if owned and name.startswith(owned):
+            continue
         module_path, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_path)
         split = param_split(module, leaf)
@@ -90,7 +108,9 @@ def checkpoint_table(model: torch.nn.Module) -> dict[str, Destination]:
             continue
         parent, _, fused = module_path.rpartition(".")
         for part, rows in module.shards.items():
-            table[f"{parent}.{_PART_NAMES[fused][part]}.{leaf}"] = Destination(tensor, rows, split)
+            part_name = f"{_PART_NAMES[fused][part]}.{leaf}"
+            full_name = f"{parent}.{part_name}" if parent else part_name
+            table[full_name] = Destination(tensor, rows, split)
     return table
 
 
@@ -281,7 +301,13 @@ def init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
     every rank), so the sharded model is the model of a single rank."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
+    owners = [m for m in model.modules() if isinstance(m, NamesCheckpoint)]
+    owned = {id(child) for owner in owners for child in owner.modules()}
     for module in model.modules():
+        if isinstance(module, NamesCheckpoint):
+            _dummy_destinations(module, generator)
+        if id(module) in owned:
+            continue
         for name, param in module.named_parameters(recurse=False):
             split = param_split(module, name)
             if isinstance(module, RMSNorm):
@@ -290,6 +316,14 @@ def init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
                 param.data.normal_(0.0, _DUMMY_STD, generator=generator)
             else:
                 param.data.copy_(_dummy_cut(module, param, split, generator))
+
+
+def _dummy_destinations(owner: NamesCheckpoint, generator: torch.Generator) -> None:
+    """Each checkpoint tensor of ``owner`` drawn whole, then the rank's cut taken."""
+    for dest in owner.checkpoint_destinations("").values():
+        whole = dest.data.new_empty(dest.checkpoint_shape())
+        whole.normal_(0.0, _DUMMY_STD, generator=generator)
+        dest.data.copy_(whole if dest.split is None else dest.split.take(whole, whole.shape))
 
 
 def _dummy_cut(
