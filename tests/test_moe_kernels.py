@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from outrider.plugins.models.moe_config import (
     CONFIG_DIR,
     GemmTiles,
+    GemvTiles,
     MoeKernelConfig,
     MoeShape,
     config_from_table,
@@ -40,6 +41,8 @@ SMALL_CONFIG = MoeKernelConfig(
     GemmTiles(block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2),
     GemmTiles(block_n=32, block_k=16, group_m=1, num_warps=4, num_stages=2),
 )
+# Rows past a program's 16, two reduction steps with a partial second one.
+SMALL_DECODE = GemvTiles(block_n=16, block_k=32, num_warps=4, num_stages=2)
 # bfloat16: torch's bfloat16 rtol (about two units in the last place) on outputs of order 1;
 # the paths round the intermediate and the output once each, as the reference does, so they
 # differ from it only where float32 sums in another order round to another bfloat16.
@@ -50,7 +53,8 @@ Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
 
 def routed_batch(shape: MoeShape, tokens: int, dtype: torch.dtype, seed: int = 0) -> Routed:
-    """Random ``(x, w13, w2, topk_weights, topk_ids)`` routed as a softmax top-k router does."""
+    """Random ``(x, w13, w2, topk_weights, topk_ids)`` routed as Qwen3's and Mixtral's routers
+    do: softmax, top k, weights renormalised to sum to 1 (outputs of order 1)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     e, h, i = shape.experts, shape.hidden, shape.intermediate
 
@@ -58,6 +62,7 @@ def routed_batch(shape: MoeShape, tokens: int, dtype: torch.dtype, seed: int = 0
         return torch.randn(*size, generator=gen, device=DEVICE)
 
     weights, ids = torch.topk(randn(tokens, e).softmax(-1), shape.topk)
+    weights /= weights.sum(dim=-1, keepdim=True)
     return (
         randn(tokens, h).to(dtype),
         (randn(e, 2 * i, h) / h**0.5).to(dtype),
@@ -87,12 +92,12 @@ def reference_moe(
 
 
 def check_alignment(topk_ids: torch.Tensor, experts: int, block_m: int) -> None:
-    from outrider.plugins.models import moe_kernels as mk
+    from outrider.plugins.models import moe_align
 
-    aligned = mk.align_pairs(topk_ids, experts, block_m)
+    aligned = moe_align.align_pairs(topk_ids, experts, block_m)
     ids = topk_ids.flatten().tolist()
     num_pairs = len(ids)
-    blocks = mk.max_blocks(num_pairs, experts, block_m)
+    blocks = moe_align.max_blocks(num_pairs, experts, block_m)
     sorted_pairs = aligned.sorted_pairs.tolist()
     block_experts = aligned.block_experts.tolist()
     assert len(sorted_pairs) == blocks * block_m and len(block_experts) == blocks
@@ -141,10 +146,12 @@ def test_both_paths_are_the_reference_in_float32(
     batch = float32_batches[tokens]
     x = batch[0]
     ref = reference_moe(*batch)
-    decoded = mk.decode_moe(*batch, torch.empty_like(x))
+    decoded = mk.decode_moe(*batch, torch.empty_like(x), SMALL_DECODE)
     grouped = mk.grouped_moe(*batch, SMALL_CONFIG, torch.empty_like(x))
     torch.testing.assert_close(decoded, ref, **F32_TOL)
     torch.testing.assert_close(grouped, ref, **F32_TOL)
+    if tokens == 1:  # the GEMVs at their GPU tiles
+        torch.testing.assert_close(mk.fused_moe(*batch), ref, **F32_TOL)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 17])
@@ -154,7 +161,7 @@ def test_both_paths_match_the_reference_in_bfloat16(tokens: int) -> None:
     batch = routed_batch(SMALL, tokens, torch.bfloat16, seed=1)
     x = batch[0]
     ref = reference_moe(*batch)
-    decoded = mk.decode_moe(*batch, torch.empty_like(x))
+    decoded = mk.decode_moe(*batch, torch.empty_like(x), SMALL_DECODE)
     grouped = mk.grouped_moe(*batch, SMALL_CONFIG, torch.empty_like(x))
     assert decoded.dtype == grouped.dtype == torch.bfloat16
     torch.testing.assert_close(decoded, ref, **BF16_TOL)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
 
 CONFIG_DIR = Path(__file__).parent / "moe_configs"
 DEFAULT_SHAPE = "default"
@@ -56,6 +57,20 @@ class GemmTiles:
     group_m: int
     num_warps: int
     num_stages: int
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """The decode path's GEMVs: output rows a program, reduction step (at most the reduced
+    length's power of two), warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def step(self, k: int) -> int:
+        return min(self.block_k, triton.next_power_of_2(k))
 
 
 @dataclass(frozen=True)

@@ -7,26 +7,20 @@ Two paths, chosen by the number of pairs ``T * k`` (``DECODE_MAX_PAIRS``):
   does for dense projections. ``_gate_up_gemv_kernel``: a program per (pair, block of
   intermediate rows), gate and up then SiLU-and-multiply; ``_down_gemv_kernel``: a program per
   (token, block of hidden rows) over the token's k slots, each weighted, summed in order.
-- grouped (more pairs): the pairs sorted by expert (``align_pairs``), padded per expert to the
-  row block ``block_m``, so that each program of the two grouped GEMMs reads one expert's
-  weights for a block of rows: gate/up with SiLU-and-multiply in the epilogue (``[T*k, I]``),
-  down with the routing weight in the epilogue (float32 ``[T*k, H]``), then ``_sum_slots_kernel``
-  adds each token's k rows in slot order (no atomics: deterministic).
+- grouped (more pairs): the pairs grouped by expert on the device (``moe_align.py``), padded
+  per expert to the row block ``block_m``, so that each program of the two grouped GEMMs
+  reads one expert's weights for a block of rows: gate/up with SiLU-and-multiply in the
+  epilogue (``[T*k, I]``), down with the routing weight in the epilogue (float32
+  ``[T*k, H]``), then ``_sum_slots_kernel`` adds each token's k rows in slot order (no
+  atomics: deterministic).
 
 Numerics (both paths, every dtype): products accumulate in float32; the SiLU-and-multiply
 intermediate is rounded to x's dtype once, as the dense MLP rounds it; the weighted sum over
 slots is float32 and the output is rounded once.
 
-The alignment (three kernels and a fill, on the device, no host synchronisation: every size
-comes from T, k, E and ``block_m``, so it can be captured in a CUDA graph):
-
-    sorted_pairs  [max_blocks * block_m] int32  pair t*k+j, grouped by expert in pair order,
-                                                each expert's rows padded to a multiple of
-                                                block_m with the sentinel T*k
-    block_experts [max_blocks] int32            the expert of each row block; -1 past the
-                                                used blocks (their programs exit at once)
-
-    max_blocks = cdiv(T*k, block_m) + min(E, T*k)   (each used expert adds < 1 block of padding)
+Neither path synchronises with the host; every size comes from T, k, E and the config, so a
+CUDA graph can capture them. A call launches 2 kernels (decode) or 7 (grouped, in chunks of
+``MAX_CHUNK_PAIRS``), each about 20 µs of host time from Python: graph replays pay none.
 
 NOTE: the interpreter multiplies bfloat16 operands of ``tl.dot`` as their int16 bit patterns
 (numpy has no bfloat16): on CPU tensors the operands go to the dot as float32, whose products
@@ -35,13 +29,12 @@ of bfloat16 values are exact, as on tensor cores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from outrider.plugins.models.moe_config import MoeKernelConfig, MoeShape, config_for
+from outrider.plugins.models.moe_align import AlignedPairs, align_pairs
+from outrider.plugins.models.moe_config import GemvTiles, MoeKernelConfig, MoeShape, config_for
 from outrider.plugins.models.triton_kernels import _silu_mul
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 
@@ -53,116 +46,8 @@ DECODE_MAX_PAIRS = 64
 MAX_CHUNK_PAIRS = 16384
 
 # The dense GEMV's measured best (triton_kernels.py), untuned for experts.
-_GEMV_BLOCK_N = 8
-_GEMV_BLOCK_K = 1024
-_ALIGN_CHUNK = 64  # pairs a counting / placing program
-_ALIGN_TILE = 16  # chunks or row blocks the offsets program takes at a time
+DECODE_TILES = GemvTiles(block_n=8, block_k=1024, num_warps=8, num_stages=3)
 _SUM_BLOCK = 1024
-
-
-@dataclass(frozen=True)
-class AlignedPairs:
-    """The pairs of one batch grouped by expert (the module docstring's table)."""
-
-    sorted_pairs: torch.Tensor  # [max_blocks * block_m] int32
-    block_experts: torch.Tensor  # [max_blocks] int32
-    block_m: int
-    num_pairs: int
-
-    @property
-    def max_blocks(self) -> int:
-        return self.block_experts.shape[0]
-
-
-def max_blocks(num_pairs: int, experts: int, block_m: int) -> int:
-    """The row blocks the alignment may use: a bound known on the host."""
-    return triton.cdiv(num_pairs, block_m) + min(experts, num_pairs)
-
-
-@triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, CHUNK: tl.constexpr, E_P2: tl.constexpr,
-                  PDL: tl.constexpr):  # fmt: skip
-    wait_for_previous(PDL)
-    chunk = tl.program_id(0)
-    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-    experts = tl.arange(0, E_P2)
-    hits = (ids[:, None] == experts[None, :]).to(tl.int32)
-    tl.store(counts_ptr + chunk * E_P2 + experts, tl.sum(hits, axis=0))
-
-
-@triton.jit
-def _offsets_kernel(
-    counts_ptr, offsets_ptr, block_experts_ptr, num_chunks, num_blocks,
-    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    wait_for_previous(PDL)
-    # counts, offsets: [num_chunks, E_P2]; offsets[c, e] is where chunk c's first pair of
-    # expert e goes.
-    experts = tl.arange(0, E_P2)
-    step = tl.arange(0, TILE)
-    totals = tl.zeros([E_P2], dtype=tl.int32)
-    for c0 in range(0, num_chunks, TILE):
-        at = (c0 + step)[:, None] * E_P2 + experts[None, :]
-        totals += tl.sum(tl.load(counts_ptr + at, mask=at < num_chunks * E_P2, other=0), axis=0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    running = ends - padded
-    for c0 in range(0, num_chunks, TILE):
-        at = (c0 + step)[:, None] * E_P2 + experts[None, :]
-        ok = at < num_chunks * E_P2
-        tile = tl.load(counts_ptr + at, mask=ok, other=0)
-        tl.store(offsets_ptr + at, running[None, :] + tl.cumsum(tile, axis=0) - tile, mask=ok)
-        running += tl.sum(tile, axis=0)
-    used_rows = tl.sum(padded, axis=0)
-    for b0 in range(0, num_blocks, TILE):
-        blocks = b0 + step
-        first_row = blocks * BLOCK_M
-        # The regions lie in expert order: a row's expert is the number of regions ending
-        # at or before it (empty regions included).
-        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        expert = tl.where(first_row < used_rows, expert, -1)
-        tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
-
-
-@triton.jit
-def _place_kernel(ids_ptr, offsets_ptr, sorted_ptr, num_pairs, CHUNK: tl.constexpr,
-                  E_P2: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    wait_for_previous(PDL)
-    chunk = tl.program_id(0)
-    slot = tl.arange(0, CHUNK)
-    pairs = chunk * CHUNK + slot
-    ok = pairs < num_pairs
-    ids = tl.load(ids_ptr + pairs, mask=ok, other=-1)
-    same_before = (ids[None, :] == ids[:, None]) & (slot[None, :] < slot[:, None])
-    at = tl.load(offsets_ptr + chunk * E_P2 + ids, mask=ok, other=0)
-    at += tl.sum(same_before.to(tl.int32), axis=1)
-    tl.store(sorted_ptr + at, pairs, mask=ok)
-
-
-def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int) -> AlignedPairs:
-    """``topk_ids: [T, k]`` int32 -> its pairs grouped by expert, padded to ``block_m``."""
-    ids = topk_ids.contiguous()
-    num_pairs = ids.numel()
-    device = ids.device
-    blocks = max_blocks(num_pairs, experts, block_m)
-    chunks = triton.cdiv(num_pairs, _ALIGN_CHUNK)
-    e_p2 = triton.next_power_of_2(experts)
-    counts = torch.empty((2, chunks, e_p2), dtype=torch.int32, device=device)  # counts, offsets
-    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
-    block_experts = torch.empty(blocks, dtype=torch.int32, device=device)
-    pdl = pdl_options(device)
-    _count_kernel[(chunks,)](
-        ids, counts[0], num_pairs, CHUNK=_ALIGN_CHUNK, E_P2=e_p2, num_warps=4, **pdl
-    )
-    _offsets_kernel[(1,)](
-        counts[0], counts[1], block_experts, chunks, blocks,
-        BLOCK_M=block_m, E_P2=e_p2, TILE=_ALIGN_TILE, num_warps=8, **pdl,
-    )  # fmt: skip
-    _place_kernel[(chunks,)](
-        ids, counts[1], sorted_pairs, num_pairs, CHUNK=_ALIGN_CHUNK, E_P2=e_p2, num_warps=4, **pdl
-    )
-    return AlignedPairs(sorted_pairs, block_experts, block_m, num_pairs)
 
 
 @triton.jit
@@ -380,31 +265,26 @@ def decode_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     out: torch.Tensor,
+    tiles: GemvTiles = DECODE_TILES,
 ) -> torch.Tensor:
-    """``fused_moe`` by the GEMV path, into ``out: [T, H]``."""
+    """``fused_moe`` by the GEMV path with ``tiles``, into ``out: [T, H]``."""
     tokens, hidden = x.shape
     width, topk = w13.shape[1] // 2, topk_ids.shape[1]
     if tokens == 0:
         return out
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     h = torch.empty((tokens * topk, width), dtype=x.dtype, device=x.device)
-    pdl = pdl_options(x.device)
-    _gate_up_gemv_kernel[(tokens * topk, triton.cdiv(width, _GEMV_BLOCK_N))](
+    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages, **pdl_options(x.device)}
+    _gate_up_gemv_kernel[(tokens * topk, triton.cdiv(width, tiles.block_n))](
         x, w13, ids, h, width, hidden, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOPK=topk, BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=_gemv_block_k(hidden),
-        num_warps=8, num_stages=3, **pdl,
+        TOPK=topk, BLOCK_N=tiles.block_n, BLOCK_K=tiles.step(hidden), **launch,
     )  # fmt: skip
-    _down_gemv_kernel[(tokens, triton.cdiv(hidden, _GEMV_BLOCK_N))](
+    _down_gemv_kernel[(tokens, triton.cdiv(hidden, tiles.block_n))](
         h, w2, ids, weights, out, hidden, width,
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOPK=topk, BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=_gemv_block_k(width), num_warps=8, num_stages=3,
-        **pdl,
+        TOPK=topk, BLOCK_N=tiles.block_n, BLOCK_K=tiles.step(width), **launch,
     )  # fmt: skip
     return out
-
-
-def _gemv_block_k(k: int) -> int:
-    return min(_GEMV_BLOCK_K, triton.next_power_of_2(k))
 
 
 def grouped_moe(

@@ -5,9 +5,11 @@ a table file (``moe_config.py``), by default ``moe_configs/<device name>.json`` 
 For each batch size and each row block ``block_m`` the two GEMMs are timed apart over one
 random routing (their tiles are independent once the rows are aligned): a config is the
 ``block_m`` whose alignment plus best gate/up plus best down is the least, with those tiles.
-Each candidate compiles once (the grid is the only thing a batch size changes). The decode
-path's time is printed beside the grouped path's up to ``4 * DECODE_MAX_PAIRS`` pairs, to
-place that crossover.
+A candidate's compiled kernel serves every batch size (up to Triton's specialisation of
+integer arguments divisible by 16): the grid is what a batch size changes. The decode
+path's time (at ``DECODE_TILES`` and at its fastest tiles) is printed beside the grouped
+path's up to ``4 * DECODE_MAX_PAIRS`` pairs, to place that crossover and tune those tiles
+(constants in ``moe_kernels.py``: the table holds the GEMMs' configs only).
 
     python -m outrider.plugins.models.moe_tune --experts 128 --hidden 2048 \\
         --intermediate 768 --topk 8
@@ -23,15 +25,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import triton
 
+from outrider.plugins.models import moe_align
 from outrider.plugins.models import moe_kernels as mk
 from outrider.plugins.models.moe_config import (
     CONFIG_DIR,
     GemmTiles,
+    GemvTiles,
     MoeKernelConfig,
     MoeShape,
     device_file_stem,
@@ -43,7 +47,11 @@ BLOCK_KS = (64, 128, 256)
 GROUP_MS = (1, 16)
 WARPS = (4, 8)
 STAGES = (3, 4, 5)
+GEMV_BLOCK_NS = (4, 8, 16, 32)
+GEMV_BLOCK_KS = (256, 512, 1024)
+GEMV_STAGES = (2, 3, 4)
 DEFAULT_TOKENS = (16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+Tiles = TypeVar("Tiles", GemmTiles, GemvTiles)
 # Hopper's shared memory a program may use (227 KiB), which the pipeline stages fill.
 SHARED_MEMORY_BYTES = 227 * 1024
 
@@ -75,6 +83,12 @@ def tile_candidates(block_m: int, n: int, k: int, weight_tiles: int, elem: int) 
         if shared_memory_bytes(block_m, tiles, weight_tiles, elem) <= SHARED_MEMORY_BYTES:
             found.append(tiles)
     return found
+
+
+def gemv_candidates() -> list[GemvTiles]:
+    """The decode path's tiles worth timing."""
+    product = itertools.product(GEMV_BLOCK_NS, GEMV_BLOCK_KS, WARPS, GEMV_STAGES)
+    return [GemvTiles(*tiles) for tiles in product]
 
 
 def table_document(
@@ -150,9 +164,7 @@ class TuneInputs:
         )
 
 
-def fastest_tiles(
-    candidates: list[GemmTiles], run: Callable[[GemmTiles], object]
-) -> tuple[float, GemmTiles]:
+def fastest_tiles(candidates: list[Tiles], run: Callable[[Tiles], object]) -> tuple[float, Tiles]:
     """The least time of ``run`` over ``candidates``, and its tiles."""
     timed = [(_time_ms(partial(run, tiles)), tiles) for tiles in candidates]
     return min(timed, key=lambda pair: pair[0])
@@ -162,8 +174,8 @@ def tune_block_m(
     shape: MoeShape, inputs: TuneInputs, block_m: int
 ) -> tuple[float, MoeKernelConfig]:
     """The least time of the grouped path with rows aligned to ``block_m``, and its config."""
-    aligned = mk.align_pairs(inputs.topk_ids, shape.experts, block_m)
-    align_ms = _time_ms(partial(mk.align_pairs, inputs.topk_ids, shape.experts, block_m))
+    aligned = moe_align.align_pairs(inputs.topk_ids, shape.experts, block_m)
+    align_ms = _time_ms(partial(moe_align.align_pairs, inputs.topk_ids, shape.experts, block_m))
     elem = inputs.x.element_size()
 
     def run_gate_up(tiles: GemmTiles) -> torch.Tensor:
@@ -194,12 +206,18 @@ def tune_tokens(
     line = f"tokens {tokens}: grouped {ms * 1e3:.1f} us {config}"
     if tokens * shape.topk <= 4 * mk.DECODE_MAX_PAIRS:
         out = torch.empty_like(inputs.x)
-        decode_ms = _time_ms(
-            lambda: mk.decode_moe(
-                inputs.x, inputs.w13, inputs.w2, inputs.topk_weights, inputs.topk_ids, out
+
+        def run_decode(tiles: GemvTiles) -> torch.Tensor:
+            return mk.decode_moe(
+                inputs.x, inputs.w13, inputs.w2, inputs.topk_weights, inputs.topk_ids, out, tiles
             )
+
+        default_ms = _time_ms(partial(run_decode, mk.DECODE_TILES))
+        decode_ms, decode_tiles = fastest_tiles(gemv_candidates(), run_decode)
+        line += (
+            f"; decode {default_ms * 1e3:.1f} us at DECODE_TILES, "
+            f"{decode_ms * 1e3:.1f} us at {decode_tiles}"
         )
-        line += f"; decode {decode_ms * 1e3:.1f} us"
     print(line, flush=True)
     return config
 
