@@ -247,17 +247,23 @@ def test_configs_come_from_the_device_file_then_the_generation_then_the_heuristi
     assert config_from_table({"default": {1: large}}, other, 5000) == large
 
 
-def test_the_shipped_hopper_table_is_marked_untuned_and_loads() -> None:
+def test_the_shipped_table_and_the_heuristic_give_configs_that_compile_on_hopper() -> None:
+    from outrider.plugins.models.moe_tune import SHARED_MEMORY_BYTES, shared_memory_bytes
+
     path = CONFIG_DIR / "sm90.json"
     assert json.loads(path.read_text())["tuned"] is False
     table = load_table(path)
     assert "experts=128,hidden=2048,intermediate=768,topk=8" in table
-    for buckets in table.values():
-        for config in buckets.values():
-            assert config.block_m >= 16  # the smallest tl.dot
-            for tiles in (config.gate_up, config.down):
-                for size in (config.block_m, tiles.block_n, tiles.block_k, tiles.num_warps):
-                    assert size & (size - 1) == 0
+    configs = [c for buckets in table.values() for c in buckets.values()]
+    configs += [heuristic_config(SMALL, tokens) for tokens in (1, 100, 400, 10_000)]
+    assert len(set(configs)) >= 6
+    for config in configs:
+        assert config.block_m >= 16  # the smallest tl.dot
+        for tiles, weight_tiles in ((config.gate_up, 2), (config.down, 1)):
+            for size in (config.block_m, tiles.block_n, tiles.block_k, tiles.num_warps):
+                assert size & (size - 1) == 0
+            bf16_bytes = shared_memory_bytes(config.block_m, tiles, weight_tiles, 2)
+            assert bf16_bytes <= SHARED_MEMORY_BYTES
 
 
 def test_the_tuner_enumerates_distinct_tiles_that_fit_shared_memory() -> None:

@@ -37,7 +37,8 @@ class AlignedPairs:
     sorted_pairs: torch.Tensor  # [max_blocks * block_m] int32
     block_experts: torch.Tensor  # [max_blocks] int32
     block_m: int
-    num_pairs: int
+    num_pairs: int  # T * k
+    topk: int
 
     @property
     def max_blocks(self) -> int:
@@ -132,4 +133,4 @@ def align_pairs(topk_ids: torch.Tensor, experts: int, block_m: int) -> AlignedPa
     _place_kernel[(chunks,)](
         ids, counts[1], sorted_pairs, num_pairs, CHUNK=_ALIGN_CHUNK, E_P2=e_p2, num_warps=4, **pdl
     )
-    return AlignedPairs(sorted_pairs, block_experts, block_m, num_pairs)
+    return AlignedPairs(sorted_pairs, block_experts, block_m, num_pairs, ids.shape[1])

@@ -303,9 +303,8 @@ def grouped_moe(
     aligned = align_pairs(topk_ids, w13.shape[0], config.block_m)
     h = gate_up(x, w13, aligned, config)
     parts = down(h, w2, topk_weights, aligned, config)
-    topk = topk_ids.shape[1]
     _sum_slots_kernel[(tokens, triton.cdiv(hidden, _SUM_BLOCK))](
-        parts, out, hidden, parts.stride(0), out.stride(0), TOPK=topk, BLOCK=_SUM_BLOCK,
+        parts, out, hidden, parts.stride(0), out.stride(0), TOPK=aligned.topk, BLOCK=_SUM_BLOCK,
         num_warps=4, **pdl_options(x.device),
     )  # fmt: skip
     return out
@@ -321,14 +320,13 @@ def gate_up(
     """The grouped gate/up GEMM with SiLU-and-multiply: ``[T*k, I]`` in x's dtype, row
     ``t*k + j`` for pair (t, j)."""
     width, hidden = w13.shape[1] // 2, w13.shape[2]
-    topk = aligned.num_pairs // x.shape[0]
     h = torch.empty((aligned.num_pairs, width), dtype=x.dtype, device=x.device)
     tiles = config.gate_up
     grid = (aligned.max_blocks * triton.cdiv(width, tiles.block_n),)
     _gate_up_kernel[grid](
         x, w13, h, aligned.sorted_pairs, aligned.block_experts, aligned.num_pairs,
         aligned.max_blocks, width, hidden, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOPK=topk, BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        TOPK=aligned.topk, BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, DOT_F32=_dot_in_float32(x), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **pdl_options(x.device),
     )  # fmt: skip
