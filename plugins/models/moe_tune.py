@@ -1,0 +1,263 @@
+"""``python -m outrider.plugins.models.moe_tune``: time the fused MoE GEMMs' candidate tiles on
+this GPU for one MoE shape and a list of batch sizes, and write the fastest per batch size into
+a table file (``moe_config.py``), by default ``moe_configs/<device name>.json`` in the package.
+
+For each batch size and each row block ``block_m`` the two GEMMs are timed apart over one
+random routing (their tiles are independent once the rows are aligned): a config is the
+``block_m`` whose alignment plus best gate/up plus best down is the least, with those tiles.
+A candidate's compiled kernel serves every batch size (up to Triton's specialisation of
+integer arguments divisible by 16): the grid is what a batch size changes. The decode
+path's time (at ``DECODE_TILES`` and at its fastest tiles) is printed beside the grouped
+path's up to ``4 * DECODE_MAX_PAIRS`` pairs, to place that crossover and tune those tiles
+(constants in ``moe_kernels.py``: the table holds the GEMMs' configs only).
+
+    python -m outrider.plugins.models.moe_tune --experts 128 --hidden 2048 \\
+        --intermediate 768 --topk 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import triton
+
+from outrider.plugins.models import moe_align
+from outrider.plugins.models import moe_kernels as mk
+from outrider.plugins.models.moe_config import (
+    CONFIG_DIR,
+    GemmTiles,
+    GemvTiles,
+    MoeKernelConfig,
+    MoeShape,
+    device_file_stem,
+)
+
+BLOCK_MS = (16, 32, 64, 128)
+BLOCK_NS = (32, 64, 128, 256)
+BLOCK_KS = (64, 128, 256)
+GROUP_MS = (1, 16)
+WARPS = (4, 8)
+STAGES = (3, 4, 5)
+GEMV_BLOCK_NS = (4, 8, 16, 32)
+GEMV_BLOCK_KS = (256, 512, 1024)
+GEMV_STAGES = (2, 3, 4)
+DEFAULT_TOKENS = (16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+Tiles = TypeVar("Tiles", GemmTiles, GemvTiles)
+# Hopper's shared memory a program may use (227 KiB), which the pipeline stages fill.
+SHARED_MEMORY_BYTES = 227 * 1024
+
+
+def block_m_candidates(shape: MoeShape, tokens: int) -> list[int]:
+    """Row blocks up to twice the average rows an expert receives (rounded up to a power of
+    two; at least 16, the smallest ``tl.dot``)."""
+    rows = triton.cdiv(tokens * shape.topk, shape.experts)
+    limit = max(16, 2 * triton.next_power_of_2(rows))
+    return [m for m in BLOCK_MS if m <= limit]
+
+
+def shared_memory_bytes(block_m: int, tiles: GemmTiles, weight_tiles: int, elem: int) -> int:
+    """The pipeline's buffers: ``num_stages`` copies of the row tile and the weight tiles."""
+    step = block_m * tiles.block_k + weight_tiles * tiles.block_k * tiles.block_n
+    return tiles.num_stages * step * elem
+
+
+def tile_candidates(block_m: int, n: int, k: int, weight_tiles: int, elem: int) -> list[GemmTiles]:
+    """The tiles worth timing for a GEMM of ``n`` output columns reducing over ``k``, whose
+    programs load ``weight_tiles`` weight tiles a step (gate/up: 2)."""
+    found = []
+    for bn, bk, group, warps, stages in itertools.product(
+        BLOCK_NS, BLOCK_KS, GROUP_MS, WARPS, STAGES
+    ):
+        tiles = GemmTiles(bn, bk, group, warps, stages)
+        if bn > max(32, triton.next_power_of_2(n)) or bk > max(64, triton.next_power_of_2(k)):
+            continue
+        if shared_memory_bytes(block_m, tiles, weight_tiles, elem) <= SHARED_MEMORY_BYTES:
+            found.append(tiles)
+    return found
+
+
+def gemv_candidates() -> list[GemvTiles]:
+    """The decode path's tiles worth timing."""
+    product = itertools.product(GEMV_BLOCK_NS, GEMV_BLOCK_KS, WARPS, GEMV_STAGES)
+    return [GemvTiles(*tiles) for tiles in product]
+
+
+def table_document(
+    existing: dict[str, Any] | None,
+    shape: MoeShape,
+    configs: dict[int, MoeKernelConfig],
+    source: str,
+) -> dict[str, Any]:
+    """``existing`` (a table file's JSON, or None) with ``shape``'s buckets replaced by
+    ``configs``; other shapes kept. A file stays untuned if it was."""
+    doc = existing or {"tuned": True, "note": "timed by moe_tune", "shapes": {}, "sources": {}}
+    doc.setdefault("sources", {})[shape.key] = source
+    doc["shapes"][shape.key] = {str(t): configs[t].to_json() for t in sorted(configs)}
+    return doc
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """JSON with one line a config."""
+    lines = ["{"]
+    for key, value in doc.items():
+        if key != "shapes":
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)},")
+    lines.append('  "shapes": {')
+    shapes = list(doc["shapes"].items())
+    for i, (shape, buckets) in enumerate(shapes):
+        lines.append(f"    {json.dumps(shape)}: {{")
+        rows = [f"      {json.dumps(b)}: {json.dumps(cfg)}" for b, cfg in buckets.items()]
+        lines.append(",\n".join(rows))
+        lines.append("    }" + ("," if i + 1 < len(shapes) else ""))
+    lines.extend(["  }", "}"])
+    return "\n".join(lines) + "\n"
+
+
+def write_table(
+    path: Path, shape: MoeShape, configs: dict[int, MoeKernelConfig], source: str
+) -> None:
+    """Write ``configs`` for ``shape`` into the table file at ``path`` (merged)."""
+    existing = json.loads(path.read_text()) if path.exists() else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(format_table(table_document(existing, shape, configs, source)))
+
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40))
+
+
+@dataclass(frozen=True)
+class TuneInputs:
+    """One random batch and layer of ``shape``, on the current GPU."""
+
+    x: torch.Tensor  # [T, H]
+    w13: torch.Tensor  # [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+    topk_weights: torch.Tensor  # [T, k] float32
+    topk_ids: torch.Tensor  # [T, k] int32
+
+    @classmethod
+    def random(
+        cls, shape: MoeShape, tokens: int, dtype: torch.dtype, gen: torch.Generator
+    ) -> TuneInputs:
+        e, h, i = shape.experts, shape.hidden, shape.intermediate
+
+        def randn(*size: int) -> torch.Tensor:
+            return torch.randn(*size, generator=gen, device="cuda")
+
+        weights, ids = torch.topk(randn(tokens, e).softmax(-1), shape.topk)
+        return cls(
+            randn(tokens, h).to(dtype),
+            (randn(e, 2 * i, h) / h**0.5).to(dtype),
+            (randn(e, h, i) / i**0.5).to(dtype),
+            weights,
+            ids.to(torch.int32),
+        )
+
+
+def fastest_tiles(candidates: list[Tiles], run: Callable[[Tiles], object]) -> tuple[float, Tiles]:
+    """The least time of ``run`` over ``candidates``, and its tiles."""
+    timed = [(_time_ms(partial(run, tiles)), tiles) for tiles in candidates]
+    return min(timed, key=lambda pair: pair[0])
+
+
+def tune_block_m(
+    shape: MoeShape, inputs: TuneInputs, block_m: int
+) -> tuple[float, MoeKernelConfig]:
+    """The least time of the grouped path with rows aligned to ``block_m``, and its config."""
+    aligned = moe_align.align_pairs(inputs.topk_ids, shape.experts, block_m)
+    align_ms = _time_ms(partial(moe_align.align_pairs, inputs.topk_ids, shape.experts, block_m))
+    elem = inputs.x.element_size()
+
+    def run_gate_up(tiles: GemmTiles) -> torch.Tensor:
+        return mk.gate_up(inputs.x, inputs.w13, aligned, MoeKernelConfig(block_m, tiles, tiles))
+
+    gate_up_candidates = tile_candidates(block_m, shape.intermediate, shape.hidden, 2, elem)
+    gate_up_ms, gate_up_tiles = fastest_tiles(gate_up_candidates, run_gate_up)
+    h = run_gate_up(gate_up_tiles)
+
+    def run_down(tiles: GemmTiles) -> torch.Tensor:
+        config = MoeKernelConfig(block_m, tiles, tiles)
+        return mk.down(h, inputs.w2, inputs.topk_weights, aligned, config)
+
+    down_candidates = tile_candidates(block_m, shape.hidden, shape.intermediate, 1, elem)
+    down_ms, down_tiles = fastest_tiles(down_candidates, run_down)
+    return align_ms + gate_up_ms + down_ms, MoeKernelConfig(block_m, gate_up_tiles, down_tiles)
+
+
+def tune_tokens(
+    shape: MoeShape, tokens: int, dtype: torch.dtype, gen: torch.Generator
+) -> MoeKernelConfig:
+    """The fastest config at ``tokens`` (random inputs and routing, on the current GPU)."""
+    inputs = TuneInputs.random(shape, tokens, dtype, gen)
+    ms, config = min(
+        (tune_block_m(shape, inputs, block_m) for block_m in block_m_candidates(shape, tokens)),
+        key=lambda pair: pair[0],
+    )
+    line = f"tokens {tokens}: grouped {ms * 1e3:.1f} us {config}"
+    if tokens * shape.topk <= 4 * mk.DECODE_MAX_PAIRS:
+        out = torch.empty_like(inputs.x)
+
+        def run_decode(tiles: GemvTiles) -> torch.Tensor:
+            return mk.decode_moe(
+                inputs.x, inputs.w13, inputs.w2, inputs.topk_weights, inputs.topk_ids, out, tiles
+            )
+
+        default_ms = _time_ms(partial(run_decode, mk.DECODE_TILES))
+        decode_ms, decode_tiles = fastest_tiles(gemv_candidates(), run_decode)
+        line += (
+            f"; decode {default_ms * 1e3:.1f} us at DECODE_TILES, "
+            f"{decode_ms * 1e3:.1f} us at {decode_tiles}"
+        )
+    print(line, flush=True)
+    return config
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m outrider.plugins.models.moe_tune")
+    parser.add_argument("--experts", type=int, required=True)
+    parser.add_argument("--hidden", type=int, required=True)
+    parser.add_argument("--intermediate", type=int, required=True, help="per rank under TP")
+    parser.add_argument("--topk", type=int, required=True)
+    parser.add_argument(
+        "--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated batch sizes"
+    )
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="default: moe_configs/<device name>.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("moe_tune times kernels on a CUDA device: none is available")
+    shape = MoeShape(args.experts, args.hidden, args.intermediate, args.topk)
+    device_name = torch.cuda.get_device_name()
+    out = args.out or CONFIG_DIR / f"{device_file_stem(device_name)}.json"
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    # fused_moe runs larger batches in chunks of this many tokens: larger sizes never occur.
+    largest = mk.MAX_CHUNK_PAIRS // shape.topk
+    tokens = sorted({min(int(t), largest) for t in args.tokens.split(",")})
+    print(f"moe_tune {shape.key} {args.dtype} on {device_name}: {' '.join(sys.argv)}")
+    configs = {t: tune_tokens(shape, t, dtype, gen) for t in tokens}
+    source = (
+        f"moe_tune on {device_name}, {args.dtype}, seed {args.seed}, "
+        f"torch {torch.__version__}, triton {triton.__version__}"
+    )
+    write_table(out, shape, configs, source)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
