@@ -9,7 +9,8 @@ decode step launches besides its GEMMs), and while a CUDA graph is built our Tri
 one-token projections, SiLU-and-multiply and Qwen3's q/k norm with the rotation
 (``triton_kernels.py``). They compute in float32 and round once, so their results differ
 from the reference's by bf16 rounding only (ARCHITECTURE.md 4.4). The routed experts of a
-mixture-of-experts layer (``fused_moe``) run the reference's torch path in both for now.
+mixture-of-experts layer (``fused_moe``) run our Triton kernels (``moe_kernels.py``), eagerly
+too: they need no host sync, where the reference reads on the host which experts were hit.
 
 Modules reach their kernels through ``UsesKernels.kernels``; ``use_kernels`` sets them on a
 whole model once it sits on its serving device.
@@ -211,9 +212,22 @@ class FusedKernels(TorchKernels):
 
     name = "fused"
 
-    def __init__(self, flashinfer: Any, triton_kernels: Any) -> None:
+    def __init__(self, flashinfer: Any, triton_kernels: Any, moe_kernels: Any) -> None:
         self.flashinfer = flashinfer
         self.triton = triton_kernels  # the module triton_kernels.py
+        self.moe = moe_kernels  # the module moe_kernels.py
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        # Eager too: the reference's grouping reads the experts hit on the host.
+        out: torch.Tensor = self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return out
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -298,11 +312,11 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> T
     try:
         import flashinfer
 
-        from outrider.plugins.models import triton_kernels
+        from outrider.plugins.models import moe_kernels, triton_kernels
     except ImportError as exc:
         log.info("layer kernels: torch (%s is not installed)", exc.name)
         return TORCH_KERNELS
-    return FusedKernels(flashinfer, triton_kernels)
+    return FusedKernels(flashinfer, triton_kernels, moe_kernels)
 
 
 def use_kernels(model: torch.nn.Module, kernels: TorchKernels) -> None:
