@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from outrider.plugins.models.fp8_config import Fp8Config, parse_quantization
+
 log = logging.getLogger(__name__)
 
 _DEFAULT_ROPE_THETA = 10000.0  # HF's default when a config names none
@@ -70,6 +72,7 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     dtype: str | None  # checkpoint dtype ("bfloat16", ...); None when the config is silent
     eos_token_ids: tuple[int, ...]  # config.json's only; see load_eos_ids for the union
+    fp8: Fp8Config | None = None  # the checkpoint's FP8 format (fp8_config.py); None: 16-bit
 
     @property
     def layer_shares(self) -> dict[str, int]:
@@ -127,6 +130,7 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             dtype=_parse_dtype(d.get("dtype") or d.get("torch_dtype")),
             eos_token_ids=_as_ids(d.get("eos_token_id")),
+            fp8=parse_quantization(d.get("quantization_config")),
         )
 
 

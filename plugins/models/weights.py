@@ -34,6 +34,7 @@ import torch
 from torch.nn import Parameter
 
 from outrider.plugins.models.config import model_dir
+from outrider.plugins.models.fp8 import FP8
 from outrider.plugins.models.layers import FusedLinear, RMSNorm
 from outrider.plugins.models.parallel import Sharded, Split, TensorSource
 
@@ -51,6 +52,7 @@ _PART_NAMES: dict[str, dict[str, str]] = {
 # Buffers some older checkpoints saved next to the weights; we recompute them.
 _RECOMPUTED_SUFFIXES = (".rotary_emb.inv_freq",)
 _DUMMY_STD = 0.02
+_STORED_FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ def checkpoint_table(model: torch.nn.Module) -> dict[str, Destination]:
             table[name] = Destination(tensor, None, split)
             continue
         parent, _, fused = module_path.rpartition(".")
-        for part, rows in module.shards.items():
+        for part, rows in module.part_rows(leaf).items():
             table[f"{parent}.{_PART_NAMES[fused][part]}.{leaf}"] = Destination(tensor, rows, split)
     return table
 
@@ -98,6 +100,14 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Checkpoint name -> the storage it loads into (a fused parameter's rows as a view);
     under tensor parallelism a sharded one holds the rank's cut only."""
     return {name: dest.data for name, dest in checkpoint_table(model).items()}
+
+
+class SelfDrawn:
+    """A module that draws its own dummy parameters (FP8 linears: quantized draws)."""
+
+    def init_dummy(self, generator: torch.Generator, std: float) -> None:
+        """Fill every parameter, the rank's cut of what a single rank draws."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,8 @@ class StoredSlice(TensorSource, Protocol):
 
     def get_shape(self) -> list[int]: ...
 
+    def get_dtype(self) -> str: ...
+
 
 class CheckpointFiller:
     """Fills ``model`` tensor by tensor from its checkpoint, as its ``rules`` say; ``finish``
@@ -143,7 +155,7 @@ class CheckpointFiller:
 
     def fill(self, name: str, tensor: torch.Tensor) -> None:
         """Fill from ``tensor``, the whole checkpoint tensor ``name``."""
-        dest = self._claim(name, tuple(tensor.shape))
+        dest = self._claim(name, tuple(tensor.shape), tensor.dtype == FP8)
         if dest is not None:
             split = dest.split
             dest.data.copy_(tensor if split is None else split.take(tensor, tensor.shape))
@@ -152,7 +164,7 @@ class CheckpointFiller:
         """Fill from tensor ``name`` of an open safetensors file, reading only the rank's cut."""
         source = stored.get_slice(name)
         shape = tuple(source.get_shape())
-        dest = self._claim(name, shape)
+        dest = self._claim(name, shape, source.get_dtype() == _STORED_FP8)
         if dest is None:
             return
         if dest.split is None:
@@ -160,9 +172,10 @@ class CheckpointFiller:
         else:
             dest.data.copy_(dest.split.take(source, shape))
 
-    def _claim(self, name: str, shape: tuple[int, ...]) -> Destination | None:
-        """The destination of checkpoint tensor ``name`` of ``shape`` (marked filled); None
-        for a tensor to skip or an unexpected one (recorded)."""
+    def _claim(self, name: str, shape: tuple[int, ...], fp8: bool) -> Destination | None:
+        """The destination of checkpoint tensor ``name`` of ``shape`` (``fp8``: stored as
+        float8_e4m3fn; marked filled); None for a tensor to skip or an unexpected one
+        (recorded)."""
         if name.endswith(_RECOMPUTED_SUFFIXES):
             return None
         if name in self.rules.shared:
@@ -177,6 +190,13 @@ class CheckpointFiller:
             raise ValueError(
                 f"{self.rules.label}: checkpoint tensor {name} has shape {shape}, "
                 f"expected {expected}"
+            )
+        # NOTE: a copy would cast FP8 values to and from 16 bits silently, without their scales.
+        if fp8 != (dest.data.dtype == FP8):
+            stored = "FP8" if fp8 else "not FP8"
+            raise ValueError(
+                f"{self.rules.label}: checkpoint tensor {name} is {stored}, expected "
+                f"{dest.data.dtype} (is its quantization_config that of the checkpoint?)"
             )
         self.pending.discard(name)
         return dest
@@ -282,6 +302,9 @@ def init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
+        if isinstance(module, SelfDrawn):
+            module.init_dummy(generator, _DUMMY_STD)
+            continue
         for name, param in module.named_parameters(recurse=False):
             split = param_split(module, name)
             if isinstance(module, RMSNorm):

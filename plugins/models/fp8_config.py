@@ -1,0 +1,125 @@
+"""The FP8 checkpoint formats Outrider serves, read from config.json's ``quantization_config``
+once (no torch: the start checks read it too).
+
+Two formats, both weight-and-activation FP8 (e4m3) with activations quantized as they come::
+
+    format     config.json                                  weight scales (float32)
+    ---------  -------------------------------------------  ----------------------------------
+    "block"    quant_method "fp8", fmt "e4m3",              weight_scale_inv [ceil(N/bn),
+               activation_scheme "dynamic",                 ceil(K/bk)]: one per block of
+               weight_block_size [bn, bk]                   the weight; activations per
+                                                            token and group of bk along K
+    "channel"  quant_method "compressed-tensors", one       weight_scale [N, 1]: one per
+               config group on Linear: weights float 8-bit  output row; activations per token
+               strategy channel, input_activations float
+               8-bit dynamic strategy token
+
+Every other ``quantization_config`` is refused with one line naming these two. Modules the
+config leaves out (``modules_to_not_convert`` / ``ignored_layers``, ``ignore``) stay in the
+model dtype; the LM head, embeddings and norms are never quantized.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+SUPPORTED = (
+    "supported FP8 checkpoints: quant_method 'fp8' (fmt e4m3, dynamic activations, "
+    "weight_block_size [n, k]) or 'compressed-tensors' (float 8-bit weights per channel, "
+    "dynamic float 8-bit activations per token)"
+)
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """One checkpoint's FP8 format. ``block`` is ``(rows, columns)`` of a weight scale's
+    block for the block format, None per channel; ``skipped`` names the modules left in the
+    model dtype (checkpoint names, dotted prefixes or suffixes, or ``re:`` patterns)."""
+
+    format: Literal["block", "channel"]
+    block: tuple[int, int] | None
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def scale_name(self) -> str:
+        """The checkpoint name of a quantized weight's scale (beside ``weight``)."""
+        return "weight_scale_inv" if self.format == "block" else "weight_scale"
+
+    def quantizes(self, module: str) -> bool:
+        """Whether checkpoint module ``module`` (``model.layers.0.mlp.down_proj``) is FP8."""
+        return not any(_matches(module, entry) for entry in self.skipped)
+
+
+def _matches(module: str, entry: str) -> bool:
+    if entry.startswith("re:"):
+        return re.match(entry[3:], module) is not None
+    prefix = entry.rstrip(".") + "."
+    return module == entry or module.endswith("." + entry) or module.startswith(prefix)
+
+
+def parse_quantization(quantization: dict[str, Any] | None) -> Fp8Config | None:
+    """The FP8 format of config.json's ``quantization_config`` (None: not quantized).
+    ValueError in one line naming what is supported for anything else."""
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method")
+    if method == "fp8":
+        return _parse_block(quantization)
+    if method == "compressed-tensors":
+        return _parse_channel(quantization)
+    raise ValueError(f"quantization_config quant_method {method!r} is not supported ({SUPPORTED})")
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(f"quantization_config: {what} is not supported ({SUPPORTED})")
+
+
+def _parse_block(q: dict[str, Any]) -> Fp8Config:
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise _refuse(f"fmt {q['fmt']!r}")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise _refuse(f"activation_scheme {q['activation_scheme']!r}")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(n, int) for n in block)):
+        raise _refuse(f"quant_method 'fp8' with weight_block_size {block!r} (per tensor)")
+    if min(block) < 1:
+        raise _refuse(f"weight_block_size {block!r}")
+    skipped = [*(q.get("modules_to_not_convert") or ()), *(q.get("ignored_layers") or ())]
+    return Fp8Config("block", (block[0], block[1]), tuple(skipped))
+
+
+def _parse_channel(q: dict[str, Any]) -> Fp8Config:
+    groups = q.get("config_groups") or {}
+    if len(groups) != 1:
+        raise _refuse(f"compressed-tensors with {len(groups)} config groups (one)")
+    (group,) = groups.values()
+    targets = group.get("targets") or []
+    if targets != ["Linear"]:
+        raise _refuse(f"config group targets {targets!r} (['Linear'])")
+    weights = group.get("weights") or {}
+    _check_args("weights", weights, strategy="channel", dynamic=False)
+    activations = group.get("input_activations")
+    if activations is None:
+        raise _refuse("compressed-tensors without input_activations (weight-only)")
+    _check_args("input_activations", activations, strategy="token", dynamic=True)
+    if group.get("output_activations") is not None:
+        raise _refuse("output_activations")
+    return Fp8Config("channel", None, tuple(q.get("ignore") or ()))
+
+
+def _check_args(role: str, args: dict[str, Any], *, strategy: str, dynamic: bool) -> None:
+    """``args`` must be float 8-bit, symmetric, of ``strategy`` and ``dynamic``."""
+    seen = {
+        "type": args.get("type"),
+        "num_bits": args.get("num_bits"),
+        "strategy": args.get("strategy"),
+        "dynamic": bool(args.get("dynamic", False)),
+        "symmetric": args.get("symmetric", True),
+    }
+    wanted = {"type": "float", "num_bits": 8, "strategy": strategy, "dynamic": dynamic}
+    wanted["symmetric"] = True
+    for key, value in wanted.items():
+        if seen[key] != value:
+            raise _refuse(f"{role} {key} {seen[key]!r}")
