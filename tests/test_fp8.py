@@ -399,3 +399,30 @@ def test_fp8_weight_record_shapes() -> None:
     data = torch.zeros(4, 48, dtype=FP8)
     assert Fp8Weight(data, torch.ones(4, 1), None).group == 48
     assert Fp8Weight(data, torch.ones(1, 2), (16, 32)).group == 32
+
+
+def test_roofline_counts_fp8_bytes() -> None:
+    """``bench latency``'s roofline reads each FP8 weight as one byte plus its float32
+    scales; the rest (norms, LM head) in the model dtype."""
+    from outrider.daemon.bench.roofline import weight_bytes
+
+    plain = ModelConfig.from_dict(
+        TINY | {"architectures": ["LlamaForCausalLM"]} | {"model_type": "llama"}
+    )
+    block = _fp8_config("llama", block_config((32, 32)))
+    channel = _fp8_config("llama", channel_config())
+    hidden, inter, layers = (
+        TINY["hidden_size"],
+        TINY["intermediate_size"],
+        TINY["num_hidden_layers"],
+    )
+    kv_rows = TINY["num_key_value_heads"] * hidden // TINY["num_attention_heads"]
+    # Per layer: q, o (64 x 64); k, v (32 x 64); gate, up (96 x 64); down (64 x 96).
+    projections = layers * (2 * hidden * hidden + 2 * kv_rows * hidden + 3 * inter * hidden)
+    # 32 x 32 blocks: q 2 x 2, k 1 x 2, v 1 x 2, o 2 x 2, gate 3 x 2, up 3 x 2, down 2 x 3.
+    block_scales = layers * (4 + 2 + 2 + 4 + 6 + 6 + 6)
+    # One per output row: q 64, k 32, v 32, o 64, gate 96, up 96, down 64.
+    channel_scales = layers * (64 + 32 + 32 + 64 + 96 + 96 + 64)
+    rest = weight_bytes(plain, "bfloat16") - 2 * projections
+    assert weight_bytes(block, "bfloat16") == rest + projections + 4 * block_scales
+    assert weight_bytes(channel, "bfloat16") == rest + projections + 4 * channel_scales

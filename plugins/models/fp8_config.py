@@ -119,7 +119,7 @@ def _check_args(role: str, args: dict[str, Any], *, strategy: str, dynamic: bool
         "symmetric": args.get("symmetric", True),
     }
     wanted = {"type": "float", "num_bits": 8, "strategy": strategy, "dynamic": dynamic}
-    wanted["symmetric"] = True
+    wanted |= {"symmetric": True}
     for key, value in wanted.items():
         if seen[key] != value:
             raise _refuse(f"{role} {key} {seen[key]!r}")

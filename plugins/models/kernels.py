@@ -176,10 +176,10 @@ class FusedKernels(TorchKernels):
 
     name = "fused"
 
-    def __init__(self, flashinfer: Any, triton_kernels: Any, fp8_kernels: Any) -> None:
+    def __init__(self, flashinfer: Any, triton_kernels: Any, fp8_kernels: Any = None) -> None:
         self.flashinfer = flashinfer
         self.triton = triton_kernels  # the module triton_kernels.py
-        self.fp8 = fp8_kernels  # the module fp8_kernels.py
+        self.fp8 = fp8_kernels  # the module fp8_kernels.py; None: the reference
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -214,6 +214,8 @@ class FusedKernels(TorchKernels):
     def fp8_linear(
         self, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        if self.fp8 is None:
+            return super().fp8_linear(x, weight, bias)
         return self.fp8.fp8_linear(x, weight, bias)
 
     def rotation(self, table: RotaryTable, positions: torch.Tensor) -> Rotation:
