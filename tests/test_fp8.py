@@ -6,6 +6,7 @@ scales; dummy FP8 weights."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -426,3 +427,28 @@ def test_roofline_counts_fp8_bytes() -> None:
     rest = weight_bytes(plain, "bfloat16") - 2 * projections
     assert weight_bytes(block, "bfloat16") == rest + projections + 4 * block_scales
     assert weight_bytes(channel, "bfloat16") == rest + projections + 4 * channel_scales
+
+
+REFERENCE = Path(__file__).parent / "fixtures" / "configs"
+
+
+@pytest.mark.parametrize(
+    ("name", "quantization"),
+    [("Qwen3-8B", block_config((128, 128))), ("Llama-3.1-8B-Instruct", channel_config())],
+)
+def test_reference_fp8_configs_shard_over_eight(name: str, quantization: dict[str, Any]) -> None:
+    """The published FP8 layouts of these models (Qwen3-8B-FP8: 128 x 128 blocks; the
+    per-channel Llama-3.1-8B-Instruct-FP8) load at every rank's cut of eight: the fill path
+    on the meta device. Qwen3-4B's MLP (9,728 rows: 76 blocks) splits a block over eight."""
+    d = json.loads((REFERENCE / f"{name}.config.json").read_text())
+    config = ModelConfig.from_dict(d | {"quantization_config": quantization})
+    check_checkpoint_layout(config, tensor_parallel_size=8)
+    four_b = ModelConfig.from_dict(
+        d | {"quantization_config": quantization} | {"intermediate_size": 9728}
+    )
+    if quantization["quant_method"] == "fp8":
+        with pytest.raises(ValueError, match="the gate rows of 1216 a rank holds under"):
+            check_checkpoint_layout(four_b, tensor_parallel_size=8)
+        check_checkpoint_layout(four_b, tensor_parallel_size=4)
+    else:
+        check_checkpoint_layout(four_b, tensor_parallel_size=8)

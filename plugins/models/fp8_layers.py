@@ -15,7 +15,7 @@ What a rank holds, beside its FP8 weight (the cut of ``parallel.py``)::
 
 Invariants:
 - a rank's rows of a column-parallel weight (each part of a fused one) and its columns of a
-  row-parallel one are whole blocks (``Fp8Shape.check``, refused at build); so the scale
+  row-parallel one are whole blocks (``_check_whole_blocks``, refused at build); so the scale
   block of output row ``n`` is ``n // bn`` on every rank, fused or not, and the activation
   groups of a rank's columns are the model's;
 - the bias stays in the model dtype; the LM head, embeddings and norms are never FP8;
@@ -104,22 +104,14 @@ def _blocks(n: int, size: int) -> int:
     return math.ceil(n / size)
 
 
-@dataclass(frozen=True)
-class Fp8Shape:
-    """The checks of one FP8 projection's cut: ``name`` in errors."""
-
-    fp8: Fp8Config
-    tp: TPGroup
-    name: str
-
-    def check(self, what: str, local: int, size: int) -> None:
-        """``local`` (a rank's rows or columns) must be whole blocks of ``size``."""
-        if local % size:
-            raise ValueError(
-                f"{self.name}: FP8 blocks of {size} do not tile {what} of {local} a rank holds "
-                f"under {TENSOR_PARALLEL_FLAG} {self.tp.size}; the checkpoint's weight_block_size "
-                "needs each rank's share to be whole blocks"
-            )
+def _check_whole_blocks(name: str, what: str, local: int, size: int, tp: TPGroup) -> None:
+    """``local`` (a rank's rows or columns of projection ``name``) must be whole blocks."""
+    if local % size:
+        raise ValueError(
+            f"{name}: FP8 blocks of {size} do not tile {what} of {local} a rank holds "
+            f"under {TENSOR_PARALLEL_FLAG} {tp.size}; the checkpoint's weight_block_size "
+            "needs each rank's share to be whole blocks"
+        )
 
 
 class Fp8ColumnParallelLinear(Fp8Linear, ColumnParallelLinear):
@@ -135,7 +127,7 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnParallelLinear):
         super().__init__(in_features, out_features, bias, tp)
         rows = self.out_features
         if fp8.block is not None and tp.size > 1:
-            Fp8Shape(fp8, tp, name).check("the rows", rows, fp8.block[0])
+            _check_whole_blocks(name, "the rows", rows, fp8.block[0], tp)
         self._hold_fp8(fp8, _scale_shape(fp8, rows, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,10 +153,9 @@ class Fp8FusedLinear(Fp8Linear, FusedLinear):
         super().__init__(in_features, shard_rows, bias, tp)
         self._scale_shards = dict(self.shards)
         if fp8.block is not None:
-            shape = Fp8Shape(fp8, tp, name)
             start = 0
             for part, rows in zip(self.shards, self.sizes, strict=True):
-                shape.check(f"the {part} rows", rows, fp8.block[0])
+                _check_whole_blocks(name, f"the {part} rows", rows, fp8.block[0], tp)
                 self._scale_shards[part] = slice(start, start + rows // fp8.block[0])
                 start += rows // fp8.block[0]
         self._hold_fp8(fp8, _scale_shape(fp8, self.out_features, in_features))
@@ -195,7 +186,7 @@ class Fp8RowParallelLinear(Fp8Linear, RowParallelLinear):
         super().__init__(in_features, out_features, bias, tp)
         columns = self.in_features
         if fp8.block is not None and tp.size > 1:
-            Fp8Shape(fp8, tp, name).check("the columns", columns, fp8.block[1])
+            _check_whole_blocks(name, "the columns", columns, fp8.block[1], tp)
         self._hold_fp8(fp8, _scale_shape(fp8, out_features, columns))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
