@@ -452,3 +452,38 @@ def test_reference_fp8_configs_shard_over_eight(name: str, quantization: dict[st
         check_checkpoint_layout(four_b, tensor_parallel_size=4)
     else:
         check_checkpoint_layout(four_b, tensor_parallel_size=8)
+
+
+def test_preflight_refuses_before_anything_is_spawned(tmp_path: Path) -> None:
+    """The start checks (no torch) name an unsupported quantization_config, and each
+    block-quantized projection whose share a rank would hold is not whole blocks."""
+    from outrider.daemon.config import ServeConfig
+    from outrider.daemon.processes.preflight import preflight
+
+    config = TINY | {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    (tmp_path / "config.json").write_text(
+        json.dumps(config | {"quantization_config": block_config((32, 32))})
+    )
+    serve = ServeConfig(model=str(tmp_path), load_format="dummy")
+    assert preflight(serve) == []
+    tail = "a rank holds under --tensor-parallel-size 2; the checkpoint's weight_block_size "
+    tail += "needs each rank's share to be whole blocks"
+    blocks = [
+        ("self_attn.k_proj rows of 16", 32),
+        ("self_attn.v_proj rows of 16", 32),
+        ("mlp.gate_proj rows of 48", 32),
+        ("mlp.up_proj rows of 48", 32),
+        ("mlp.down_proj columns of 48", 32),
+    ]
+    assert preflight(
+        ServeConfig(model=str(tmp_path), load_format="dummy", tensor_parallel_size=2)
+    ) == [
+        f"--model {tmp_path}: FP8 blocks of {size} do not tile the {what} {tail}"
+        for what, size in blocks
+    ]
+    (tmp_path / "config.json").write_text(
+        json.dumps(config | {"quantization_config": {"quant_method": "awq", "bits": 4}})
+    )
+    assert preflight(serve) == [
+        f"--model {tmp_path}: quantization_config quant_method 'awq' is not supported ({SUPPORTED})"
+    ]

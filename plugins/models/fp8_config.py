@@ -52,6 +52,70 @@ class Fp8Config:
         return not any(_matches(module, entry) for entry in self.skipped)
 
 
+def block_problem(what: str, local: int, size: int, ranks: int, flag: str) -> str | None:
+    """The problem of a rank holding ``local`` rows or columns (``what``) of a projection
+    whose FP8 blocks are ``size`` long that way under ``flag`` ``ranks``; None when whole."""
+    if local % size == 0:
+        return None
+    return (
+        f"FP8 blocks of {size} do not tile {what} of {local} a rank holds under {flag} "
+        f"{ranks}; the checkpoint's weight_block_size needs each rank's share to be whole blocks"
+    )
+
+
+# Dense decoder projections -> (the config key of their rows, of their columns), the key
+# "q" / "kv" standing for heads times head_dim.
+_PROJECTIONS = {
+    "self_attn.q_proj": ("q", "hidden_size"),
+    "self_attn.k_proj": ("kv", "hidden_size"),
+    "self_attn.v_proj": ("kv", "hidden_size"),
+    "self_attn.o_proj": ("hidden_size", "q"),
+    "mlp.gate_proj": ("intermediate_size", "hidden_size"),
+    "mlp.up_proj": ("intermediate_size", "hidden_size"),
+    "mlp.down_proj": ("hidden_size", "intermediate_size"),
+}
+_ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def quantization_problems(d: dict[str, Any], ranks: int, flag: str) -> list[str]:
+    """What keeps the checkpoint of config.json ``d`` (raw keys) from being served over
+    ``ranks`` (``flag``): an unsupported ``quantization_config`` (one line), or a projection it
+    quantizes in blocks of which a rank's share is not whole blocks (the q/k/v and gate/up
+    parts by rows, fused or not; o and down by columns when cut). Empty for a 16-bit one and
+    for shapes that do not divide (``config.tensor_parallel_problems`` names those)."""
+    try:
+        fp8 = parse_quantization(d.get("quantization_config"))
+    except ValueError as exc:
+        return [str(exc)]
+    if fp8 is None or fp8.block is None:
+        return []
+    heads, hidden = d.get("num_attention_heads"), d.get("hidden_size")
+    if not (isinstance(heads, int) and isinstance(hidden, int)):
+        return []
+    head_dim = d.get("head_dim") or hidden // heads
+    sizes = {
+        "q": heads * head_dim,
+        "kv": (d.get("num_key_value_heads") or heads) * head_dim,
+        "hidden_size": hidden,
+        "intermediate_size": d.get("intermediate_size") or 0,
+    }
+    problems: list[str] = []
+    layers = range(int(d.get("num_hidden_layers") or 0))
+    for projection, (rows, columns) in _PROJECTIONS.items():
+        if not any(fp8.quantizes(f"model.layers.{i}.{projection}") for i in layers):
+            continue
+        row_parallel = projection in _ROW_PARALLEL
+        total = sizes[columns] if row_parallel else sizes[rows]
+        if total % ranks or (row_parallel and ranks == 1):
+            continue
+        size = fp8.block[1] if row_parallel else fp8.block[0]
+        what = f"the {projection} {'columns' if row_parallel else 'rows'}"
+        problem = block_problem(what, total // ranks, size, ranks, flag)
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
 def _matches(module: str, entry: str) -> bool:
     if entry.startswith("re:"):
         return re.match(entry[3:], module) is not None

@@ -33,7 +33,7 @@ from torch.nn import Parameter
 
 from outrider.plugins.models.config import TENSOR_PARALLEL_FLAG
 from outrider.plugins.models.fp8 import FP8, Fp8Weight, quantize_weight
-from outrider.plugins.models.fp8_config import Fp8Config
+from outrider.plugins.models.fp8_config import Fp8Config, block_problem
 from outrider.plugins.models.layers import FusedLinear
 from outrider.plugins.models.parallel import (
     ColumnParallelLinear,
@@ -106,12 +106,9 @@ def _blocks(n: int, size: int) -> int:
 
 def _check_whole_blocks(name: str, what: str, local: int, size: int, tp: TPGroup) -> None:
     """``local`` (a rank's rows or columns of projection ``name``) must be whole blocks."""
-    if local % size:
-        raise ValueError(
-            f"{name}: FP8 blocks of {size} do not tile {what} of {local} a rank holds "
-            f"under {TENSOR_PARALLEL_FLAG} {tp.size}; the checkpoint's weight_block_size "
-            "needs each rank's share to be whole blocks"
-        )
+    problem = block_problem(what, local, size, tp.size, TENSOR_PARALLEL_FLAG)
+    if problem is not None:
+        raise ValueError(f"{name}: {problem}")
 
 
 class Fp8ColumnParallelLinear(Fp8Linear, ColumnParallelLinear):
