@@ -234,6 +234,22 @@ def test_greedy_tokens_are_the_w8a8_references(
     assert (logits - plain_logits).pow(2).mean().sqrt() <= LOGIT_TOLERANCE * spread
 
 
+@pytest.mark.parametrize(("kind", "fmt", "block"), [CASES[0], CASES[3]])
+def test_the_engine_serves_the_w8a8_references_tokens(
+    checkpoints: Path, kind: str, fmt: str, block: tuple[int, int] | None
+) -> None:
+    """The in-process engine (scheduler, runner, paged KV) on the FP8 checkpoint: the
+    greedy tokens of HF's w8a8 reference."""
+    from engine_harness import engine_for, requests_for, run, tokens_of
+
+    engine = engine_for(str(checkpoints / f"{kind}-{fmt}"), speculative_algorithm="none")
+    prompts = [_prompt(n) for _, n in PROMPTS]
+    got = tokens_of(run(engine, requests_for(prompts, max_new_tokens=DECODE_STEPS)))
+    group = 0 if block is None else block[1]
+    expected, _ = _hf_greedy(hf_reference(checkpoints / f"{kind}-{fmt}-dequantized", group))
+    assert [got[rid] for rid in range(len(prompts))] == expected
+
+
 def test_fp8_storage_and_skipped_modules(checkpoints: Path, tmp_path: Path) -> None:
     """Quantized projections hold FP8 and float32 scales; a module the config leaves out
     (here every down_proj) loads its 16-bit checkpoint tensor as it stands."""
