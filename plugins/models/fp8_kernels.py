@@ -22,6 +22,8 @@ first guesses, to be measured on an H100.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +38,8 @@ from outrider.plugins.models.fp8 import (
 )
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 
+# NOTE: divisions are div_rn (IEEE, as torch divides): Triton's `/` on float32 is approximate,
+# and one ulp moves a value across an e4m3 rounding boundary now and then.
 # Triton reads module globals in kernels only as constexprs: fp8.py's constants, as such.
 _E4M3_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -65,12 +69,12 @@ def _quantize_kernel(
         ok = (c + step < GROUP) & (cols < K)
         x = tl.load(x_ptr + token * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), _AMAX_FLOOR) / _E4M3_MAX
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _AMAX_FLOOR), _E4M3_MAX)
     for c in range(0, GROUP, BLOCK):
         cols = start + c + step
         ok = (c + step < GROUP) & (cols < K)
         x = tl.load(x_ptr + token * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -_E4M3_MAX, _E4M3_MAX)
+        q = tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX)
         tl.store(q_ptr + token * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + token * groups + group, scale)
 
@@ -109,8 +113,12 @@ def _block_gemv_kernel(
         # The token's group quantized as quantize_activations does (each program redoes it:
         # GROUP values against BLOCK_N * GROUP weight bytes).
         x = tl.load(x_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
-        x_scale = tl.maximum(tl.max(tl.abs(x), axis=0), _AMAX_FLOOR) / _E4M3_MAX
-        xq = tl.clamp(x / x_scale, -_E4M3_MAX, _E4M3_MAX).to(w_ptr.dtype.element_ty).to(tl.float32)
+        x_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), _AMAX_FLOOR), _E4M3_MAX)
+        xq = (
+            tl.clamp(tl.math.div_rn(x, x_scale), -_E4M3_MAX, _E4M3_MAX)
+            .to(w_ptr.dtype.element_ty)
+            .to(tl.float32)
+        )
         w = tl.load(
             w_ptr + row_at + cols[None, :], mask=rows_ok[:, None] & cols_ok[None, :], other=0.0
         )
@@ -210,13 +218,18 @@ def channel_scaled_mm(
     )
 
 
+@cache
+def _has_scaled_mm(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= _SCALED_MM_MIN_CAPABILITY
+
+
 def _scaled_mm_serves(x: torch.Tensor, weight: Fp8Weight) -> bool:
     n, k = weight.data.shape
     return (
         x.dtype == torch.bfloat16
         and n % _SCALED_MM_ALIGN == 0
         and k % _SCALED_MM_ALIGN == 0
-        and torch.cuda.get_device_capability(x.device) >= _SCALED_MM_MIN_CAPABILITY
+        and _has_scaled_mm(x.device)
     )
 
 
@@ -228,7 +241,7 @@ def _blocks_serve(x: torch.Tensor, weight: Fp8Weight) -> bool:
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``TorchKernels.fp8_linear`` on a GPU: the kernel of ``weight``'s format and ``x``'s
     token count, or the reference where none serves."""
-    if x.dim() != 2 or x.stride(1) != 1 or weight.data.stride(1) != 1:
+    if x.dim() != 2 or x.shape[0] == 0 or x.stride(1) != 1 or weight.data.stride(1) != 1:
         return w8a8_linear(x, weight, bias)
     if weight.block is None:
         if _scaled_mm_serves(x, weight):
