@@ -168,6 +168,10 @@ def _channel_with(role: str, **changes: Any) -> dict[str, Any]:
         (_channel_with("input_activations", dynamic=False), "input_activations dynamic False"),
         (_channel_with("input_activations", strategy="tensor"), "input_activations strategy"),
         (channel_config() | {"config_groups": {}}, "compressed-tensors with 0 config groups"),
+        (
+            channel_config() | {"kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+            "compressed-tensors with a kv_cache_scheme",
+        ),
     ],
 )
 def test_other_quantizations_are_refused_in_one_line(

@@ -155,6 +155,9 @@ def _parse_block(q: dict[str, Any]) -> Fp8Config:
 
 
 def _parse_channel(q: dict[str, Any]) -> Fp8Config:
+    for key in ("kv_cache_scheme", "sparsity_config"):
+        if q.get(key):
+            raise _refuse(f"compressed-tensors with a {key}")
     groups = q.get("config_groups") or {}
     if len(groups) != 1:
         raise _refuse(f"compressed-tensors with {len(groups)} config groups (one)")
