@@ -507,3 +507,52 @@ def test_preflight_refuses_before_anything_is_spawned(tmp_path: Path) -> None:
     assert preflight(serve) == [
         f"--model {tmp_path}: quantization_config quant_method 'awq' is not supported ({SUPPORTED})"
     ]
+
+
+def _rank_logits(rank: int, port: int, directory: Path) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from outrider.plugins.models.parallel import init_tensor_parallel
+
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", "gloo")
+    try:
+        model, _ = load_model(
+            directory, dtype=torch.float32, device="cpu", max_positions=32, progress=_quiet, tp=tp
+        )
+        shape = model.attention_shape
+        rows = PagedRows(num_layers=model.num_layers, shape=shape, page_size=4, max_len=16)
+        input_ids, fb = rows.batch(torch_backend(shape), [(0, _prompt(9))])
+        with torch.no_grad():
+            torch.save(model.compute_logits(model(input_ids, fb)), directory / f"rank{rank}.pt")
+        os._exit(0)  # as test_tensor_parallel.py's ranks leave (gloo's teardown)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_run_the_block_checkpoint(checkpoints: Path, tmp_path: Path) -> None:
+    """Two gloo ranks on a block-scaled checkpoint whose every cut is whole blocks: each
+    rank's activation groups are the model's, so only float32 sums run in another order
+    (the row-parallel all-reduce). A sum that lands across an e4m3 rounding boundary moves
+    one activation by up to 1/16 of itself, hence a tolerance above float32 rounding."""
+    import torch.multiprocessing as mp
+    from daemon_harness import free_port
+
+    directory = tmp_path / "fp8"
+    write_fp8_checkpoint(checkpoints / "llama", directory, block_config((16, 16)))
+    mp.spawn(_rank_logits, args=(free_port(), directory), nprocs=2, join=True)
+    torch.set_num_threads(1)
+    model, _ = load_model(
+        directory, dtype=torch.float32, device="cpu", max_positions=32, progress=_quiet
+    )
+    shape = model.attention_shape
+    rows = PagedRows(num_layers=model.num_layers, shape=shape, page_size=4, max_len=16)
+    input_ids, fb = rows.batch(torch_backend(shape), [(0, _prompt(9))])
+    with torch.no_grad():
+        ref = model.compute_logits(model(input_ids, fb))
+    for rank in range(2):
+        got = torch.load(directory / f"rank{rank}.pt")
+        torch.testing.assert_close(got, ref, atol=1e-2, rtol=0)
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))

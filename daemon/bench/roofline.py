@@ -43,17 +43,17 @@ def weight_bytes(config: ModelConfig, dtype: str) -> int:
     one byte each plus their float32 scales, everything else in ``dtype``."""
     shapes = expected_checkpoint_shapes(config)
     fp8_weights: frozenset[str] = frozenset()
+    scales: dict[str, tuple[int, ...]] = {}
     if config.fp8 is not None:
         layout = fp8_layout(shapes, config.fp8)
-        shapes |= layout.scales
-        fp8_weights = layout.fp8_weights
+        fp8_weights, scales = layout.fp8_weights, layout.scales
     total = 0
-    for name, shape in shapes.items():
+    for name, shape in (shapes | scales).items():
         if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
             continue
         if name in fp8_weights:
             size = FP8_BYTES
-        elif config.fp8 is not None and name.endswith(config.fp8.scale_name):
+        elif name in scales:
             size = SCALE_BYTES
         else:
             size = DTYPE_BYTES[dtype]
