@@ -12,11 +12,12 @@ Invariants:
 - every checkpoint tensor lands in exactly one destination, or is skipped by a rule;
 - every destination is filled exactly once, unless a rule lets it be missing;
 - a sharded destination reads only the rank's cut of a file (safetensors slices);
-- every unexpected, repeated or missing tensor is named in one ValueError; a wrong shape
-  raises at once, naming the tensor.
+- every unexpected, repeated or missing tensor is named in one ValueError; a wrong shape,
+  or an FP8 tensor for 16-bit storage or the reverse (a copy would cast it without its
+  scales), raises at once, naming the tensor.
 
 Dummy weights (``init_dummy``) are the same cut of what a single rank draws, so any world
-size runs the same model.
+size runs the same model; a ``SelfDrawn`` module (an FP8 linear) draws its own that way.
 """
 
 from __future__ import annotations
