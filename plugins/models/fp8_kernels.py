@@ -12,8 +12,9 @@ arithmetic of ``fp8.py`` (activation quantization bit for bit, sums in other ord
   weight byte is read once (the decode step's case, bandwidth-bound).
 
 NOTE: Triton's interpreter (3.x) rounds a float32 that rounds up into the next binade to the
-wrong e4m3 value (126.8 to 64, not 128), so the kernels that quantize are checked on a GPU
-only; the GEMM is checked in the interpreter from the reference's quantized activations.
+wrong e4m3 value (126.8 to 64, not 128): on CPU the kernels that quantize are checked on
+activations that need no rounding, the GEMM also from the reference's quantized activations;
+their rounding is checked on a GPU.
 
 What these kernels cannot serve (fp16 with per-channel weights, a group that is not a power
 of two of at least 16, non-contiguous rows) runs the reference on the GPU. Tile sizes are
