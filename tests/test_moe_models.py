@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from outrider.plugins.graph_build import building_graph
 from outrider.plugins.models.config import ModelConfig
+from outrider.plugins.models.fp8_config import FP8_EXPERTS_REFUSAL, quantization_problems
 from outrider.plugins.models.kernels import TORCH_KERNELS
 from outrider.plugins.models.layers import MLP, DecoderForCausalLM
 from outrider.plugins.models.loader import (
@@ -261,6 +262,14 @@ def test_fused_moe_contract() -> None:
     torch.testing.assert_close(graphed, out, atol=1e-6, rtol=1e-6)
 
 
+BLOCK_FP8 = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+
+
 def _moe_dict(model_type: str, **changes: object) -> dict[str, object]:
     architecture = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
     base: dict[str, object] = TINY | {"model_type": model_type, "num_experts_per_tok": 2}
@@ -284,11 +293,15 @@ def test_config_refusals_and_shares() -> None:
         "decoder_sparse_step 0 is not supported (at least 1)": _moe_dict(
             "qwen3_moe", decoder_sparse_step=0
         ),
+        FP8_EXPERTS_REFUSAL: _moe_dict("qwen3_moe", quantization_config=BLOCK_FP8),
     }
     for message, raw in refusals.items():
         with pytest.raises(ValueError) as refused:
             ModelConfig.from_dict(raw)
         assert str(refused.value) == message
+    # The start checks refuse FP8 experts before anything loads.
+    fp8_moe = _moe_dict("mixtral", quantization_config=BLOCK_FP8)
+    assert quantization_problems(fp8_moe, 1, "--tensor-parallel-size") == [FP8_EXPERTS_REFUSAL]
     # Every other layer sparse; both sizes divided under tensor parallelism.
     config = ModelConfig.from_dict(_moe_dict("qwen3_moe", decoder_sparse_step=2))
     assert config.moe is not None and config.moe.sparse_layers == {1}

@@ -3,12 +3,17 @@ measured on the spot."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from outrider.plugins.models.config import DTYPE_BYTES, ModelConfig
+from outrider.plugins.models.fp8_layers import fp8_layout
 from outrider.plugins.models.loader import expected_checkpoint_shapes
+
+FP8_BYTES = 1
+SCALE_BYTES = 4  # FP8 scales are held in float32 (fp8_layers.py)
 
 
 def read_bandwidth(device: str, gib: float = 4.0) -> float:
@@ -34,13 +39,23 @@ def read_bandwidth(device: str, gib: float = 4.0) -> float:
 
 def weight_bytes(config: ModelConfig, dtype: str) -> int:
     """Bytes of every weight read per step (the input-embedding table excluded unless tied,
-    in which case it is read as the output head)."""
+    in which case it is read as the output head): an FP8 checkpoint's quantized weights at
+    one byte each plus their float32 scales, everything else in ``dtype``."""
+    shapes = expected_checkpoint_shapes(config)
+    fp8_weights: frozenset[str] = frozenset()
+    scales: dict[str, tuple[int, ...]] = {}
+    if config.fp8 is not None:
+        layout = fp8_layout(shapes, config.fp8)
+        fp8_weights, scales = layout.fp8_weights, layout.scales
     total = 0
-    for name, shape in expected_checkpoint_shapes(config).items():
+    for name, shape in (shapes | scales).items():
         if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
             continue
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        total += numel
-    return total * DTYPE_BYTES[dtype]
+        if name in fp8_weights:
+            size = FP8_BYTES
+        elif name in scales:
+            size = SCALE_BYTES
+        else:
+            size = DTYPE_BYTES[dtype]
+        total += math.prod(shape) * size
+    return total

@@ -19,7 +19,12 @@ from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.frontdoor.curve_auth import CurveKeyError, load_client_keys, load_server_keys
 from outrider.daemon.processes.attention_choice import AttentionChoice, choose_for
 from outrider.plugins.checks import PluginProblems
-from outrider.plugins.models.config import model_type_problem, tensor_parallel_problems
+from outrider.plugins.models.config import (
+    TENSOR_PARALLEL_FLAG,
+    model_type_problem,
+    tensor_parallel_problems,
+)
+from outrider.plugins.models.fp8_config import quantization_problems as fp8_problems
 from outrider.plugins.models.registry import architecture_problem
 from outrider.plugins.registry import ResolvedPlugins, discover
 
@@ -33,7 +38,9 @@ def preflight(config: ServeConfig) -> list[str]:
     """Every problem of ``config``'s files; empty when serving may start."""
     problems = model_problems("--model", config.model, config.load_format)
     if not problems:
-        problems += architecture_problems(config) or sharding_problems(config)
+        problems += architecture_problems(config) or (
+            sharding_problems(config) + quantization_problems(config)
+        )
     if config.draft_model:
         problems += model_problems("--draft-model", config.draft_model, config.load_format)
     if config.curve_secret_key_file:
@@ -87,6 +94,15 @@ def sharding_problems(config: ServeConfig) -> list[str]:
     if size == 1:
         return []
     return tensor_parallel_problems(_target_config(config), size)
+
+
+def quantization_problems(config: ServeConfig) -> list[str]:
+    """The target's ``quantization_config``: a format served here (FP8), and one whose
+    blocks each rank's share of the projections holds whole. ``config.model`` must pass
+    ``model_problems``."""
+    size = config.tensor_parallel_size
+    problems = fp8_problems(_target_config(config), size, TENSOR_PARALLEL_FLAG)
+    return [f"--model {config.model}: {problem}" for problem in problems]
 
 
 def _target_config(config: ServeConfig) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from outrider.plugins.models.fp8_config import FP8_EXPERTS_REFUSAL, Fp8Config, parse_quantization
+
 log = logging.getLogger(__name__)
 
 _DEFAULT_ROPE_THETA = 10000.0  # HF's default when a config names none
@@ -95,6 +97,7 @@ class ModelConfig:
     dtype: str | None  # checkpoint dtype ("bfloat16", ...); None when the config is silent
     eos_token_ids: tuple[int, ...]  # config.json's only; see load_eos_ids for the union
     moe: MoeConfig | None = None  # None: a dense model
+    fp8: Fp8Config | None = None  # the checkpoint's FP8 format (fp8_config.py); None: 16-bit
 
     @property
     def dense_layers(self) -> int:
@@ -150,6 +153,10 @@ class ModelConfig:
         num_q_heads = int(d["num_attention_heads"])
         hidden_size = int(d["hidden_size"])
         num_layers = int(d["num_hidden_layers"])
+        moe = _parse_moe(d, model_type, num_layers)
+        fp8 = parse_quantization(d.get("quantization_config"))
+        if moe is not None and fp8 is not None:
+            raise ValueError(FP8_EXPERTS_REFUSAL)
         return cls(
             architecture=architectures[0],
             model_type=model_type,
@@ -169,7 +176,8 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             dtype=_parse_dtype(d.get("dtype") or d.get("torch_dtype")),
             eos_token_ids=_as_ids(d.get("eos_token_id")),
-            moe=_parse_moe(d, model_type, num_layers),
+            moe=moe,
+            fp8=fp8,
         )
 
 

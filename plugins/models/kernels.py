@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from outrider.plugins.debug import debug_knob
 from outrider.plugins.device import heads_contiguous, in_graph_build
+from outrider.plugins.models.fp8 import Fp8Weight, w8a8_linear
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,19 @@ class TorchKernels:
     ) -> torch.Tensor:
         """``linear(silu_and_mul(gate_up), weight, bias)``: the MLP's down projection."""
         return self.linear(self.silu_and_mul(gate_up), weight, bias)
+
+    def fp8_linear(
+        self, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x W^T + b`` for ``x: [T, K]`` and an FP8 weight, activations quantized on the
+        fly (the reference arithmetic of ``fp8.py``)."""
+        return w8a8_linear(x, weight, bias)
+
+    def silu_mul_fp8_linear(
+        self, gate_up: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``fp8_linear(silu_and_mul(gate_up), weight, bias)``."""
+        return self.fp8_linear(self.silu_and_mul(gate_up), weight, bias)
 
     def rotation(self, table: RotaryTable, positions: torch.Tensor) -> Rotation:
         """The rotation of ``positions: [T]`` (each below the table's length)."""
@@ -212,10 +226,13 @@ class FusedKernels(TorchKernels):
 
     name = "fused"
 
-    def __init__(self, flashinfer: Any, triton_kernels: Any, moe_kernels: Any) -> None:
+    def __init__(
+        self, flashinfer: Any, triton_kernels: Any, moe_kernels: Any, fp8_kernels: Any
+    ) -> None:
         self.flashinfer = flashinfer
         self.triton = triton_kernels  # the module triton_kernels.py
         self.moe = moe_kernels  # the module moe_kernels.py
+        self.fp8 = fp8_kernels  # the module fp8_kernels.py
 
     def fused_moe(
         self,
@@ -258,6 +275,12 @@ class FusedKernels(TorchKernels):
         if in_graph_build() and self.triton.gemv_fits(gate_up, weight):
             return self.triton.silu_mul_gemv(gate_up, weight, bias)
         return super().silu_mul_linear(gate_up, weight, bias)
+
+    def fp8_linear(
+        self, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        out: torch.Tensor = self.fp8.fp8_linear(x, weight, bias)
+        return out
 
     def rotation(self, table: RotaryTable, positions: torch.Tensor) -> Rotation:
         return FusedRotation(self.flashinfer, positions, table.cos_sin_float32())
@@ -312,11 +335,11 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> T
     try:
         import flashinfer
 
-        from outrider.plugins.models import moe_kernels, triton_kernels
+        from outrider.plugins.models import fp8_kernels, moe_kernels, triton_kernels
     except ImportError as exc:
         log.info("layer kernels: torch (%s is not installed)", exc.name)
         return TORCH_KERNELS
-    return FusedKernels(flashinfer, triton_kernels, moe_kernels)
+    return FusedKernels(flashinfer, triton_kernels, moe_kernels, fp8_kernels)
 
 
 def use_kernels(model: torch.nn.Module, kernels: TorchKernels) -> None:

@@ -137,6 +137,10 @@ class FusedLinear(ColumnParallelLinear):
             self.shards[name] = slice(start, start + rows)
             start += rows
 
+    def part_rows(self, leaf: str) -> dict[str, slice]:
+        """Each checkpoint projection's rows of parameter ``leaf`` (``weight``, ``bias``)."""
+        return self.shards
+
 
 class Attention(nn.Module, UsesKernels):
     """Self-attention over the rank's ``num_q_heads`` and ``num_kv_heads`` (the model's

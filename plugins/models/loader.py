@@ -16,6 +16,9 @@ from typing import TypeVar
 import torch
 
 from outrider.plugins.models.config import ModelConfig
+from outrider.plugins.models.fp8 import FP8
+from outrider.plugins.models.fp8_config import Fp8Config
+from outrider.plugins.models.fp8_layers import fp8_layout, use_fp8
 from outrider.plugins.models.kernels import TORCH_KERNELS, select_kernels, use_kernels
 from outrider.plugins.models.layers import DecoderForCausalLM, RotaryEmbedding
 from outrider.plugins.models.moe import moe_checkpoint_shapes
@@ -45,20 +48,32 @@ def build_model(
     ``dtype`` on ``device`` (meta: no memory). ValueError naming the flag for a group size
     that does not divide the model."""
     return materialize(
-        lambda: model_class(config.architecture)(config, max_positions, tp), dtype, device
+        lambda: model_class(config.architecture)(config, max_positions, tp),
+        dtype,
+        device,
+        fp8=config.fp8,
     )
 
 
 M = TypeVar("M", bound=torch.nn.Module)
 
 
-def materialize(build: Callable[[], M], dtype: torch.dtype, device: torch.device | str) -> M:
+def materialize(
+    build: Callable[[], M],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    fp8: Fp8Config | None = None,
+) -> M:
     """``build()`` on the meta device, then given uninitialised storage in ``dtype`` (floating
-    tensors only) on ``device``, rotary tables computed, gradients off, and the layer kernels
-    of that device and dtype chosen."""
+    tensors only; with ``fp8``, the FP8 linears keep their FP8 weights and float32 scales) on
+    ``device``, rotary tables computed, gradients off, and the layer kernels of that device
+    and dtype chosen."""
     with torch.device("meta"):
         model = build()
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if fp8 is not None:
+        use_fp8(model, fp8)
+    model = model.to_empty(device=device)
     head_dim = 0
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -144,6 +159,14 @@ def check_checkpoint_layout(config: ModelConfig, tensor_parallel_size: int = 1) 
     would, without allocating any weights."""
     tp = TPGroup(rank=tensor_parallel_size - 1, size=tensor_parallel_size)
     model = build_model(config, max_positions=1, dtype=torch.float32, device="meta", tp=tp)
-    tensors = expected_checkpoint_shapes(config).items()
-    meta = ((name, torch.empty(shape, device="meta")) for name, shape in tensors)
+    shapes = expected_checkpoint_shapes(config)
+    fp8_weights: frozenset[str] = frozenset()
+    if config.fp8 is not None:
+        layout = fp8_layout(shapes, config.fp8)
+        shapes |= layout.scales
+        fp8_weights = layout.fp8_weights
+    meta = (
+        (name, torch.empty(shape, device="meta", dtype=FP8 if name in fp8_weights else None))
+        for name, shape in shapes.items()
+    )
     fill_checkpoint(model, meta, _decoder_rules(config, config.architecture))

@@ -14,11 +14,12 @@ Invariants:
 - every checkpoint tensor lands in exactly one destination, or is skipped by a rule;
 - every destination is filled exactly once, unless a rule lets it be missing;
 - a sharded destination reads only the rank's cut of a file (safetensors slices);
-- every unexpected, repeated or missing tensor is named in one ValueError; a wrong shape
-  raises at once, naming the tensor.
+- every unexpected, repeated or missing tensor is named in one ValueError; a wrong shape,
+  or an FP8 tensor for 16-bit storage or the reverse (a copy would cast it without its
+  scales), raises at once, naming the tensor.
 
 Dummy weights (``init_dummy``) are the same cut of what a single rank draws, so any world
-size runs the same model.
+size runs the same model; a ``SelfDrawn`` module (an FP8 linear) draws its own that way.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from torch.nn import Parameter
 
 from outrider.plugins.models.config import model_dir
+from outrider.plugins.models.fp8 import FP8
 from outrider.plugins.models.layers import FusedLinear, RMSNorm
 from outrider.plugins.models.parallel import Sharded, Split, TensorSource
 
@@ -53,6 +55,7 @@ _PART_NAMES: dict[str, dict[str, str]] = {
 # Buffers some older checkpoints saved next to the weights; we recompute them.
 _RECOMPUTED_SUFFIXES = (".rotary_emb.inv_freq",)
 _DUMMY_STD = 0.02
+_STORED_FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ def checkpoint_table(model: torch.nn.Module) -> dict[str, Destination]:
             table[name] = Destination(tensor, None, split)
             continue
         parent, _, fused = module_path.rpartition(".")
-        for part, rows in module.shards.items():
+        for part, rows in module.part_rows(leaf).items():
             part_name = f"{_PART_NAMES[fused][part]}.{leaf}"
             full_name = f"{parent}.{part_name}" if parent else part_name
             table[full_name] = Destination(tensor, rows, split)
@@ -118,6 +121,14 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Checkpoint name -> the storage it loads into (a fused parameter's rows as a view);
     under tensor parallelism a sharded one holds the rank's cut only."""
     return {name: dest.data for name, dest in checkpoint_table(model).items()}
+
+
+class SelfDrawn:
+    """A module that draws its own dummy parameters (FP8 linears: quantized draws)."""
+
+    def init_dummy(self, generator: torch.Generator, std: float) -> None:
+        """Fill every parameter, the rank's cut of what a single rank draws."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,8 @@ class StoredSlice(TensorSource, Protocol):
 
     def get_shape(self) -> list[int]: ...
 
+    def get_dtype(self) -> str: ...
+
 
 class CheckpointFiller:
     """Fills ``model`` tensor by tensor from its checkpoint, as its ``rules`` say; ``finish``
@@ -163,7 +176,7 @@ class CheckpointFiller:
 
     def fill(self, name: str, tensor: torch.Tensor) -> None:
         """Fill from ``tensor``, the whole checkpoint tensor ``name``."""
-        dest = self._claim(name, tuple(tensor.shape))
+        dest = self._claim(name, tuple(tensor.shape), tensor.dtype == FP8)
         if dest is not None:
             split = dest.split
             dest.data.copy_(tensor if split is None else split.take(tensor, tensor.shape))
@@ -172,7 +185,7 @@ class CheckpointFiller:
         """Fill from tensor ``name`` of an open safetensors file, reading only the rank's cut."""
         source = stored.get_slice(name)
         shape = tuple(source.get_shape())
-        dest = self._claim(name, shape)
+        dest = self._claim(name, shape, source.get_dtype() == _STORED_FP8)
         if dest is None:
             return
         if dest.split is None:
@@ -180,9 +193,10 @@ class CheckpointFiller:
         else:
             dest.data.copy_(dest.split.take(source, shape))
 
-    def _claim(self, name: str, shape: tuple[int, ...]) -> Destination | None:
-        """The destination of checkpoint tensor ``name`` of ``shape`` (marked filled); None
-        for a tensor to skip or an unexpected one (recorded)."""
+    def _claim(self, name: str, shape: tuple[int, ...], fp8: bool) -> Destination | None:
+        """The destination of checkpoint tensor ``name`` of ``shape`` (``fp8``: stored as
+        float8_e4m3fn; marked filled); None for a tensor to skip or an unexpected one
+        (recorded)."""
         if name.endswith(_RECOMPUTED_SUFFIXES):
             return None
         if name in self.rules.shared:
@@ -197,6 +211,13 @@ class CheckpointFiller:
             raise ValueError(
                 f"{self.rules.label}: checkpoint tensor {name} has shape {shape}, "
                 f"expected {expected}"
+            )
+        # NOTE: a copy would cast FP8 values to and from 16 bits silently, without their scales.
+        if fp8 != (dest.data.dtype == FP8):
+            stored = "FP8" if fp8 else "not FP8"
+            raise ValueError(
+                f"{self.rules.label}: checkpoint tensor {name} is {stored}, expected "
+                f"{dest.data.dtype} (is its quantization_config that of the checkpoint?)"
             )
         self.pending.discard(name)
         return dest
@@ -306,7 +327,9 @@ def init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
     for module in model.modules():
         if isinstance(module, NamesCheckpoint):
             _dummy_destinations(module, generator)
-        if id(module) in owned:
+        if isinstance(module, SelfDrawn):
+            module.init_dummy(generator, _DUMMY_STD)
+        if id(module) in owned or isinstance(module, SelfDrawn):
             continue
         for name, param in module.named_parameters(recurse=False):
             split = param_split(module, name)
