@@ -114,19 +114,39 @@ def fake_w8a8(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def hf_reference(directory: Path, group: int | None) -> torch.nn.Module:
     """The HF model of ``directory`` (float32, eager); with ``group`` (the activation group,
-    the row width per channel, 0 for the whole row) its decoder projections quantize their
-    input as the w8a8 arithmetic does and multiply in float64."""
+    the row width per channel, 0 for the whole row) its decoder projections, and each routed
+    expert's, quantize their input as the w8a8 arithmetic does and multiply in float64."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, attn_implementation="eager"
+        directory, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
     ).eval()
     if group is None:
         return model
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTIONS:
             module.forward = _w8a8_forward(module, group)  # type: ignore[method-assign]
+        elif name.endswith("mlp.experts"):
+            module.forward = _w8a8_experts_forward(module, group)  # type: ignore[method-assign]
     return model
+
+
+def _w8a8_experts_forward(experts: torch.nn.Module, group: int) -> Any:
+    """HF's stacked experts (``gate_up_proj: [E, 2I, H]``, ``down_proj: [E, H, I]``), each
+    product of w8a8 inputs in float64, summed over a token's experts in expert order."""
+
+    def forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in ids.unique().tolist():
+            token, slot = torch.where(ids == expert)
+            gate_up = fake_w8a8(x[token], group) @ experts.gate_up_proj[expert].double().T
+            gate, up = gate_up.float().chunk(2, dim=-1)
+            h = torch.nn.functional.silu(gate) * up
+            y = (fake_w8a8(h, group) @ experts.down_proj[expert].double().T).float()
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out
+
+    return forward
 
 
 def _w8a8_forward(linear: torch.nn.Linear, group: int) -> Any:

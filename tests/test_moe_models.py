@@ -262,12 +262,20 @@ def test_fused_moe_contract() -> None:
     torch.testing.assert_close(graphed, out, atol=1e-6, rtol=1e-6)
 
 
-BLOCK_FP8 = {
-    "quant_method": "fp8",
-    "fmt": "e4m3",
-    "activation_scheme": "dynamic",
-    "weight_block_size": [128, 128],
-}
+# Per-channel FP8 experts (compressed-tensors) are refused; block-scaled ones are served
+# (test_fp8_moe.py).
+CHANNEL_FP8 = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+            "input_activations": {
+                "type": "float", "num_bits": 8, "strategy": "token", "dynamic": True
+            },
+        }
+    },
+}  # fmt: skip
 
 
 def _moe_dict(model_type: str, **changes: object) -> dict[str, object]:
@@ -293,14 +301,14 @@ def test_config_refusals_and_shares() -> None:
         "decoder_sparse_step 0 is not supported (at least 1)": _moe_dict(
             "qwen3_moe", decoder_sparse_step=0
         ),
-        FP8_EXPERTS_REFUSAL: _moe_dict("qwen3_moe", quantization_config=BLOCK_FP8),
+        FP8_EXPERTS_REFUSAL: _moe_dict("qwen3_moe", quantization_config=CHANNEL_FP8),
     }
     for message, raw in refusals.items():
         with pytest.raises(ValueError) as refused:
             ModelConfig.from_dict(raw)
         assert str(refused.value) == message
-    # The start checks refuse FP8 experts before anything loads.
-    fp8_moe = _moe_dict("mixtral", quantization_config=BLOCK_FP8)
+    # The start checks refuse per-channel FP8 experts before anything loads.
+    fp8_moe = _moe_dict("mixtral", quantization_config=CHANNEL_FP8)
     assert quantization_problems(fp8_moe, 1, "--tensor-parallel-size") == [FP8_EXPERTS_REFUSAL]
     # Every other layer sparse; both sizes divided under tensor parallelism.
     config = ModelConfig.from_dict(_moe_dict("qwen3_moe", decoder_sparse_step=2))

@@ -155,7 +155,7 @@ class ModelConfig:
         num_layers = int(d["num_hidden_layers"])
         moe = _parse_moe(d, model_type, num_layers)
         fp8 = parse_quantization(d.get("quantization_config"))
-        if moe is not None and fp8 is not None:
+        if moe is not None and moe.sparse_layers and fp8 is not None and fp8.block is None:
             raise ValueError(FP8_EXPERTS_REFUSAL)
         return cls(
             architecture=architectures[0],

@@ -12,8 +12,14 @@ The reference (``w8a8_linear``), which ``TorchKernels.fp8_linear`` runs on any d
    in order;
 3. the bias added in float32, the result rounded once to ``x``'s dtype.
 
-The GPU paths (``fp8_kernels.py``) quantize activations the same way; their sums run in
-other orders, so they match the reference to float32 accumulation, not bit for bit.
+Routed experts (``w8a8_moe``, which ``TorchKernels.fused_moe_fp8`` runs) follow the same
+rules per expert: the gate/up product of a token's activations quantized per group, rounded
+to ``x``'s dtype, SiLU-and-multiply, the result quantized per group again for the down
+product, rounded; then weighted and summed over the token's experts as ``fused_moe`` sums.
+
+The GPU paths (``fp8_kernels.py``, ``moe_kernels.py``) quantize activations the same way;
+their sums run in other orders, so they match the reference to float32 accumulation, not
+bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -124,3 +131,61 @@ def w8a8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Fp8ExpertWeights:
+    """A layer's routed experts in FP8 with block scales (``block`` ``(bn, bk)``), stacked as
+    ``moe.Experts`` stacks them: ``w13: [E, 2I, H]`` (gate rows, then up rows) with
+    ``w13_scale: [E, 2I / bn, ceil(H / bk)]``, ``w2: [E, H, I]`` with
+    ``w2_scale: [E, ceil(H / bn), ceil(I / bk)]``, float32. ``I`` is whole blocks of ``bn``
+    rows (gate and up scales stack as their rows do)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def gate_up(self, expert: int) -> Fp8Weight:
+        return Fp8Weight(self.w13[expert], self.w13_scale[expert], self.block)
+
+    def down(self, expert: int) -> Fp8Weight:
+        return Fp8Weight(self.w2[expert], self.w2_scale[expert], self.block)
+
+
+def w8a8_expert(x: torch.Tensor, experts: Fp8ExpertWeights, expert: int) -> torch.Tensor:
+    """One expert's SwiGLU MLP of ``x: [n, H]`` by the reference arithmetic -> ``[n, H]``."""
+    gate, up = w8a8_linear(x, experts.gate_up(expert), None).chunk(2, dim=-1)
+    return w8a8_linear(F.silu(gate) * up, experts.down(expert), None)
+
+
+def w8a8_moe(
+    x: torch.Tensor,
+    experts: Fp8ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    every_expert: bool,
+) -> torch.Tensor:
+    """The routed experts of ``x: [T, H]`` (``fused_moe``'s contract) by the reference
+    arithmetic. The tokens are grouped by the experts hit, read on the host; with
+    ``every_expert`` (no host sync, for CUDA graphs) every expert runs on every token, zero
+    weight where not routed. Either way each token's products are added in ascending expert
+    order, from zero, each rounded to ``x``'s dtype."""
+    out = torch.zeros_like(x)
+    if every_expert:
+        for expert in range(experts.num_experts):
+            weight = (topk_weights * (topk_ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]
+            out += (w8a8_expert(x, experts, expert).float() * weight).to(x.dtype)
+        return out
+    hit = torch.bincount(topk_ids.flatten(), minlength=experts.num_experts).nonzero()
+    for expert in hit.flatten().tolist():
+        token, slot = torch.where(topk_ids == expert)  # [n] each, token order
+        y = w8a8_expert(x[token], experts, expert)
+        weighted = y.float() * topk_weights[token, slot].unsqueeze(-1)
+        out.index_add_(0, token, weighted.to(x.dtype))
+    return out

@@ -77,9 +77,23 @@ _PROJECTIONS = {
 _ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
 
-# FP8 experts need their own kernels and loader rules: refused until they exist.
+def expert_block_problems(
+    intermediate: int, block: tuple[int, int], ranks: int, flag: str
+) -> list[str]:
+    """The problems of FP8 experts of ``intermediate`` rows in ``block``s over ``ranks``
+    (``flag``): a rank's gate/up rows must be whole blocks (they stack, and so do their
+    scales), and when cut its down columns too (its activation groups are the model's)."""
+    local = intermediate // ranks
+    problems = [block_problem("the experts' gate/up rows", local, block[0], ranks, flag)]
+    if ranks > 1:
+        problems.append(block_problem("the experts' down columns", local, block[1], ranks, flag))
+    return [problem for problem in problems if problem is not None]
+
+
+# Per-channel experts would need their own kernels: refused until they exist.
 FP8_EXPERTS_REFUSAL = (
-    "FP8 checkpoints of mixtures of experts are not served yet (their 16-bit checkpoints are)"
+    "FP8 experts are served from block-scaled checkpoints (quant_method 'fp8') only, not "
+    "per-channel (compressed-tensors) ones"
 )
 
 
@@ -87,19 +101,25 @@ def quantization_problems(d: dict[str, Any], ranks: int, flag: str) -> list[str]
     """What keeps the checkpoint of config.json ``d`` (raw keys) from being served over
     ``ranks`` (``flag``): an unsupported ``quantization_config`` (one line), or a projection it
     quantizes in blocks of which a rank's share is not whole blocks (the q/k/v and gate/up
-    parts by rows, fused or not; o and down by columns when cut). Empty for a 16-bit one and
+    parts by rows, fused or not; o and down by columns when cut; the experts'
+    ``expert_block_problems``), or FP8 experts per channel. Empty for a 16-bit one and
     for shapes that do not divide (``config.tensor_parallel_problems`` names those)."""
     try:
         fp8 = parse_quantization(d.get("quantization_config"))
     except ValueError as exc:
         return [str(exc)]
-    if fp8 is not None and (d.get("num_experts") or d.get("num_local_experts")):
+    experts = d.get("num_experts") or d.get("num_local_experts")
+    if fp8 is not None and experts and fp8.block is None:
         return [FP8_EXPERTS_REFUSAL]
     if fp8 is None or fp8.block is None:
         return []
+    problems: list[str] = []
     heads, hidden = d.get("num_attention_heads"), d.get("hidden_size")
     if not (isinstance(heads, int) and isinstance(hidden, int)):
         return []
+    # A mixture of experts runs the dense MLP only in the layers its config leaves dense.
+    sparse_step = d.get("decoder_sparse_step", 1)
+    dense_mlp = not experts or bool(d.get("mlp_only_layers")) or sparse_step != 1
     head_dim = d.get("head_dim") or hidden // heads
     sizes = {
         "q": heads * head_dim,
@@ -107,10 +127,11 @@ def quantization_problems(d: dict[str, Any], ranks: int, flag: str) -> list[str]
         "hidden_size": hidden,
         "intermediate_size": d.get("intermediate_size") or 0,
     }
-    problems: list[str] = []
     layers = range(int(d.get("num_hidden_layers") or 0))
     for projection, (rows, columns) in _PROJECTIONS.items():
         if not any(fp8.quantizes(f"model.layers.{i}.{projection}") for i in layers):
+            continue
+        if projection.startswith("mlp.") and not dense_mlp:
             continue
         row_parallel = projection in _ROW_PARALLEL
         total = sizes[columns] if row_parallel else sizes[rows]
@@ -121,6 +142,10 @@ def quantization_problems(d: dict[str, Any], ranks: int, flag: str) -> list[str]
         problem = block_problem(what, total // ranks, size, ranks, flag)
         if problem is not None:
             problems.append(problem)
+    # Mixtral's experts are its `intermediate_size`; Qwen's, `moe_intermediate_size`.
+    expert_rows = d.get("moe_intermediate_size") or d.get("intermediate_size")
+    if experts and isinstance(expert_rows, int) and expert_rows % ranks == 0:
+        problems += expert_block_problems(expert_rows, fp8.block, ranks, flag)
     return problems
 
 

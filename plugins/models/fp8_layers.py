@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,10 @@ from torch.nn import Parameter
 
 from outrider.plugins.models.config import TENSOR_PARALLEL_FLAG
 from outrider.plugins.models.fp8 import FP8, Fp8Weight, quantize_weight
-from outrider.plugins.models.fp8_config import Fp8Config, block_problem
+from outrider.plugins.models.fp8_config import FP8_EXPERTS_REFUSAL, Fp8Config, block_problem
+from outrider.plugins.models.fp8_experts import Fp8Experts
 from outrider.plugins.models.layers import FusedLinear
+from outrider.plugins.models.moe import Experts
 from outrider.plugins.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -45,6 +48,9 @@ from outrider.plugins.models.parallel import (
 from outrider.plugins.models.weights import SelfDrawn, checkpoint_table
 
 _DECODER_LAYERS = "model.layers."
+# The checkpoint names of linear weights in a decoder layer: every `*_proj`, and each
+# expert's projections (Mixtral's w1 / w2 / w3); not the router nor the shared expert's gate.
+_PROJECTION = re.compile(r"(_proj|\.experts\.\d+\.\w+)\.weight$")
 
 
 class Fp8Linear(nn.Linear, Sharded, SelfDrawn):
@@ -238,10 +244,11 @@ def _fp8_twin(module: nn.Linear, fp8: Fp8Config, name: str) -> Fp8Linear:
 
 
 def use_fp8(model: nn.Module, fp8: Fp8Config) -> None:
-    """Put FP8 linears in place of the decoder layers' projections the checkpoint quantizes
-    (on the meta device, after the model took its dtype: the FP8 weights and float32 scales
-    keep theirs). ValueError naming the projection where a rank's cut splits a block, or where
-    the checkpoint quantizes some parts of a fused projection only."""
+    """Put FP8 linears in place of the decoder layers' projections the checkpoint quantizes,
+    and FP8 experts in place of the routed experts (on the meta device, after the model took
+    its dtype: the FP8 weights and float32 scales keep theirs). ValueError naming the
+    projection or experts where a rank's cut splits a block, or where the checkpoint quantizes
+    some parts of a fused projection (or some experts' projections) only."""
     names: dict[int, list[str]] = {}
     for name, dest in checkpoint_table(model).items():
         if name.endswith(".weight"):
@@ -249,21 +256,42 @@ def use_fp8(model: nn.Module, fp8: Fp8Config) -> None:
     for path, module in list(model.named_modules()):
         if not path.startswith(_DECODER_LAYERS):
             continue
-        if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        twin: nn.Module
+        if isinstance(module, Experts):
+            projections = names[id(module.w13)] + names[id(module.w2)]
+            what = f"its {len(projections)} expert projections only (they run stacked)"
+            if not _all_or_none(fp8, path, projections, what):
+                continue
+            with torch.device(module.w13.device):
+                twin = _fp8_experts_twin(module, fp8, path)
+        elif isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            projections = names[id(module.weight)]
+            what = f"{', '.join(projections)} only (they run as one fused projection)"
+            if not _all_or_none(fp8, path, projections, what):
+                continue
+            with torch.device(module.weight.device):
+                twin = _fp8_twin(module, fp8, path)
+        else:
             continue
-        projections = names[id(module.weight)]
-        quantized = [fp8.quantizes(projection) for projection in projections]
-        if not any(quantized):
-            continue
-        if not all(quantized):
-            raise ValueError(
-                f"{path}: the checkpoint quantizes some of {', '.join(projections)} only "
-                "(they run as one fused projection)"
-            )
         parent, _, attribute = path.rpartition(".")
-        with torch.device(module.weight.device):
-            twin = _fp8_twin(module, fp8, path)
         setattr(model.get_submodule(parent), attribute, twin)
+
+
+def _all_or_none(fp8: Fp8Config, path: str, projections: list[str], what: str) -> bool:
+    """Whether the checkpoint quantizes ``projections`` (all run as module ``path``);
+    ValueError "quantizes some of ``what``" where it quantizes some only."""
+    quantized = [fp8.quantizes(projection) for projection in projections]
+    if any(quantized) and not all(quantized):
+        raise ValueError(f"{path}: the checkpoint quantizes some of {what}")
+    return all(quantized)
+
+
+def _fp8_experts_twin(module: Experts, fp8: Fp8Config, name: str) -> Fp8Experts:
+    """The FP8 experts of ``module``'s shape and cut (block-scaled checkpoints only)."""
+    if fp8.block is None:
+        raise ValueError(f"{name}: {FP8_EXPERTS_REFUSAL}")
+    hidden = module.w13.shape[2]
+    return Fp8Experts(hidden, module.moe, fp8, name, module.tp)
 
 
 @dataclass(frozen=True)
@@ -282,7 +310,7 @@ def fp8_layout(shapes: dict[str, tuple[int, ...]], fp8: Fp8Config) -> Fp8Layout:
     scales: dict[str, tuple[int, ...]] = {}
     for name, shape in shapes.items():
         module = name.removesuffix(".weight")
-        if not (name.startswith(_DECODER_LAYERS) and name.endswith("_proj.weight")):
+        if not (name.startswith(_DECODER_LAYERS) and _PROJECTION.search(name)):
             continue
         if not fp8.quantizes(module):
             continue

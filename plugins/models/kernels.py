@@ -9,8 +9,9 @@ decode step launches besides its GEMMs), and while a CUDA graph is built our Tri
 one-token projections, SiLU-and-multiply and Qwen3's q/k norm with the rotation
 (``triton_kernels.py``). They compute in float32 and round once, so their results differ
 from the reference's by bf16 rounding only (ARCHITECTURE.md 4.4). The routed experts of a
-mixture-of-experts layer (``fused_moe``) run our Triton kernels (``moe_kernels.py``), eagerly
-too: they need no host sync, where the reference reads on the host which experts were hit.
+mixture-of-experts layer (``fused_moe``, ``fused_moe_fp8`` for FP8 experts) run our Triton
+kernels (``moe_kernels.py``), eagerly too: they need no host sync, where the reference reads
+on the host which experts were hit.
 
 Modules reach their kernels through ``UsesKernels.kernels``; ``use_kernels`` sets them on a
 whole model once it sits on its serving device.
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from outrider.plugins.debug import debug_knob
 from outrider.plugins.device import heads_contiguous, in_graph_build
-from outrider.plugins.models.fp8 import Fp8Weight, w8a8_linear
+from outrider.plugins.models.fp8 import Fp8ExpertWeights, Fp8Weight, w8a8_linear, w8a8_moe
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,19 @@ class TorchKernels:
             out.index_add_(0, token, weighted.to(x.dtype))
         return out
 
+    def fused_moe_fp8(
+        self,
+        x: torch.Tensor,
+        experts: Fp8ExpertWeights,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """``fused_moe`` of FP8 experts with block scales: each product by the w8a8 reference
+        arithmetic of ``fp8.py`` (activations quantized per token and group before the gate/up
+        product and again before the down product). Grouped by expert, or every expert on
+        every token while a CUDA graph is built, as ``fused_moe``."""
+        return w8a8_moe(x, experts, topk_weights, topk_ids, every_expert=in_graph_build())
+
 
 def _every_expert(
     x: torch.Tensor,
@@ -244,6 +258,16 @@ class FusedKernels(TorchKernels):
     ) -> torch.Tensor:
         # Eager too: the reference's grouping reads the experts hit on the host.
         out: torch.Tensor = self.moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return out
+
+    def fused_moe_fp8(
+        self,
+        x: torch.Tensor,
+        experts: Fp8ExpertWeights,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        out: torch.Tensor = self.moe.fused_moe_fp8(x, experts, topk_weights, topk_ids)
         return out
 
     def linear(

@@ -20,7 +20,8 @@ projection, each loaded into its slice (``NamesCheckpoint``). What rank ``r`` of
 
 The router runs whole on every rank (its input is the same everywhere); each rank's experts
 give a partial sum over its intermediate rows, summed over the ranks as a row-parallel
-layer's output is.
+layer's output is. FP8 checkpoints' experts are ``fp8_experts.Fp8Experts``, put in place of
+``Experts`` by ``fp8_layers.use_fp8``.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class Experts(nn.Module, UsesKernels):
     def __init__(self, hidden_size: int, moe: MoeConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         rows = tp.part(moe.intermediate_size, moe.intermediate_key)
+        self.moe = moe
         self.rows = rows
         self.tp = tp
         self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * rows, hidden_size))

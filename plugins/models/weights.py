@@ -342,8 +342,13 @@ def init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def _dummy_destinations(owner: NamesCheckpoint, generator: torch.Generator) -> None:
-    """Each checkpoint tensor of ``owner`` drawn whole, then the rank's cut taken."""
+    """Each checkpoint tensor of ``owner`` drawn whole, then the rank's cut taken (but those
+    of the ``SelfDrawn`` modules in its subtree, which draw their own)."""
+    assert isinstance(owner, torch.nn.Module)
+    drawn = {id(p) for m in owner.modules() if isinstance(m, SelfDrawn) for p in m.parameters()}
     for dest in owner.checkpoint_destinations("").values():
+        if id(dest.tensor) in drawn:
+            continue
         whole = dest.data.new_empty(dest.checkpoint_shape())
         whole.normal_(0.0, _DUMMY_STD, generator=generator)
         dest.data.copy_(whole if dest.split is None else dest.split.take(whole, whole.shape))
