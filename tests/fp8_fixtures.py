@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from outrider.plugins.models.fp8 import dequantize, quantize_weight
+from outrider.plugins.models.fp8 import Fp8ExpertWeights, dequantize, quantize_weight
 
 E4M3_MAX = 448.0
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -158,3 +158,30 @@ def _w8a8_forward(linear: torch.nn.Linear, group: int) -> Any:
         return y.float()
 
     return forward
+
+
+def random_fp8_experts(
+    experts: int,
+    hidden: int,
+    inter: int,
+    block: tuple[int, int],
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> Fp8ExpertWeights:
+    """Random experts (N(0, 1 / K) weights, outputs of order one) quantized in ``block``s,
+    each gate/up as one ``[2I, H]`` weight."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(rows: int, columns: int) -> Any:
+        weight = torch.randn(rows, columns, generator=gen, device=device) / columns**0.5
+        return quantize_weight(weight, block)
+
+    w13 = [draw(2 * inter, hidden) for _ in range(experts)]
+    w2 = [draw(hidden, inter) for _ in range(experts)]
+    return Fp8ExpertWeights(
+        torch.stack([w.data for w in w13]),
+        torch.stack([w.scale for w in w13]),
+        torch.stack([w.data for w in w2]),
+        torch.stack([w.scale for w in w2]),
+        block,
+    )

@@ -15,13 +15,20 @@ from typing import Any
 import pytest
 import torch
 from engine_harness import engine_for, requests_for, run, tokens_of
-from fp8_fixtures import block_config, channel_config, fake_w8a8, hf_reference, write_fp8_checkpoint
+from fp8_fixtures import (
+    block_config,
+    channel_config,
+    fake_w8a8,
+    hf_reference,
+    random_fp8_experts,
+    write_fp8_checkpoint,
+)
 from model_fixtures import MOE_SHAPES, TINY, VOCAB, PagedRows, save_tiny_model, torch_backend
 from safetensors.torch import load_file
 
 from outrider.plugins.graph_build import building_graph
 from outrider.plugins.models.config import ModelConfig
-from outrider.plugins.models.fp8 import FP8, Fp8ExpertWeights, quantize_weight
+from outrider.plugins.models.fp8 import FP8
 from outrider.plugins.models.fp8_config import FP8_EXPERTS_REFUSAL, quantization_problems
 from outrider.plugins.models.fp8_experts import Fp8Experts
 from outrider.plugins.models.fp8_layers import Fp8Linear
@@ -92,21 +99,6 @@ def _hf_greedy(model: torch.nn.Module) -> list[list[int]]:
 # --- the reference arithmetic ------------------------------------------------------------
 
 
-def _experts(seed: int, experts: int, hidden: int, inter: int) -> Fp8ExpertWeights:
-    """Random FP8 experts in ``BLOCK``s, each gate/up quantized as one [2I, H] weight."""
-    gen = torch.Generator().manual_seed(seed)
-    w13 = [quantize_weight(torch.randn(2 * inter, hidden, generator=gen), BLOCK)
-           for _ in range(experts)]  # fmt: skip
-    w2 = [quantize_weight(torch.randn(hidden, inter, generator=gen), BLOCK) for _ in range(experts)]
-    return Fp8ExpertWeights(
-        torch.stack([w.data for w in w13]),
-        torch.stack([w.scale for w in w13]),
-        torch.stack([w.data for w in w2]),
-        torch.stack([w.scale for w in w2]),
-        BLOCK,
-    )
-
-
 def test_fused_moe_fp8_is_the_w8a8_arithmetic() -> None:
     """``kernels.fused_moe_fp8`` against the sum written out token by token in float64 from
     the dequantized experts and the inputs quantized per token and group of 32 (twice: x,
@@ -114,7 +106,7 @@ def test_fused_moe_fp8_is_the_w8a8_arithmetic() -> None:
     from outrider.plugins.models.fp8 import dequantize
 
     tokens, hidden, inter, count, k = 6, 64, 32, 5, 2
-    experts = _experts(3, count, hidden, inter)
+    experts = random_fp8_experts(count, hidden, inter, BLOCK, seed=3)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(tokens, hidden, generator=gen) * 2
     x[1, :32] = 0.0  # a group of zeros keeps a finite scale

@@ -117,9 +117,9 @@ def test_use_kernels_reaches_every_module_that_runs_them() -> None:
 
 def _fused() -> FusedKernels:
     flashinfer = pytest.importorskip("flashinfer")
-    from outrider.plugins.models import fp8_kernels, moe_kernels, triton_kernels
+    from outrider.plugins.models import fp8_kernels, moe_fp8_kernels, moe_kernels, triton_kernels
 
-    return FusedKernels(flashinfer, triton_kernels, moe_kernels, fp8_kernels)
+    return FusedKernels(flashinfer, triton_kernels, moe_kernels, fp8_kernels, moe_fp8_kernels)
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:

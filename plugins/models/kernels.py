@@ -241,12 +241,18 @@ class FusedKernels(TorchKernels):
     name = "fused"
 
     def __init__(
-        self, flashinfer: Any, triton_kernels: Any, moe_kernels: Any, fp8_kernels: Any
+        self,
+        flashinfer: Any,
+        triton_kernels: Any,
+        moe_kernels: Any,
+        fp8_kernels: Any,
+        moe_fp8_kernels: Any,
     ) -> None:
         self.flashinfer = flashinfer
         self.triton = triton_kernels  # the module triton_kernels.py
         self.moe = moe_kernels  # the module moe_kernels.py
         self.fp8 = fp8_kernels  # the module fp8_kernels.py
+        self.moe_fp8 = moe_fp8_kernels  # the module moe_fp8_kernels.py
 
     def fused_moe(
         self,
@@ -267,7 +273,7 @@ class FusedKernels(TorchKernels):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        out: torch.Tensor = self.moe.fused_moe_fp8(x, experts, topk_weights, topk_ids)
+        out: torch.Tensor = self.moe_fp8.fused_moe_fp8(x, experts, topk_weights, topk_ids)
         return out
 
     def linear(
@@ -359,11 +365,16 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> T
     try:
         import flashinfer
 
-        from outrider.plugins.models import fp8_kernels, moe_kernels, triton_kernels
+        from outrider.plugins.models import (
+            fp8_kernels,
+            moe_fp8_kernels,
+            moe_kernels,
+            triton_kernels,
+        )
     except ImportError as exc:
         log.info("layer kernels: torch (%s is not installed)", exc.name)
         return TORCH_KERNELS
-    return FusedKernels(flashinfer, triton_kernels, moe_kernels, fp8_kernels)
+    return FusedKernels(flashinfer, triton_kernels, moe_kernels, fp8_kernels, moe_fp8_kernels)
 
 
 def use_kernels(model: torch.nn.Module, kernels: TorchKernels) -> None:
