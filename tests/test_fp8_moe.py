@@ -44,6 +44,12 @@ PROMPTS = [[5, 17, 42, 9, 77, 3, 120, 64, 8], [250, 31, 31, 12, 99]]
 NEW_TOKENS = 4
 EXPERTS = "model.layers.1.mlp.experts"
 REFERENCE = Path(__file__).parent / "fixtures" / "configs"
+LAYERS = 2  # of the reference configs' 48, all alike: the checks' cost is per layer
+
+
+def _reference(name: str) -> dict[str, Any]:
+    raw: dict[str, Any] = json.loads((REFERENCE / f"{name}.config.json").read_text())
+    return raw | {"num_hidden_layers": LAYERS}
 
 
 @pytest.fixture(scope="module")
@@ -233,9 +239,10 @@ def test_a_cut_that_splits_an_expert_block_is_refused(checkpoints: Path) -> None
 
 def test_qwen3_30b_a3b_fp8_shards_over_two_not_four() -> None:
     """The published layout (768 expert rows: 6 blocks of 128) at every rank's cut of two,
-    the fill path on the meta device; over four a rank's 192 rows are 1.5 blocks: refused
-    by the start checks and at build, naming both cuts."""
-    raw = json.loads((REFERENCE / "Qwen3-30B-A3B-FP8.config.json").read_text())
+    the fill path on the meta device (two of its 48 layers: they are alike); over four a
+    rank's 192 rows are 1.5 blocks: refused by the start checks and at build, naming both
+    cuts."""
+    raw = _reference("Qwen3-30B-A3B-FP8")
     config = ModelConfig.from_dict(raw)
     assert config.fp8 is not None and config.fp8.block == (128, 128)
     assert not config.fp8.quantizes("model.layers.47.mlp.gate")
@@ -290,12 +297,13 @@ def test_dummy_fp8_experts_are_one_model_at_any_world_size(
 
 def test_roofline_counts_fp8_expert_bytes() -> None:
     """Qwen3-30B-A3B-FP8's experts and attention at one byte per weight plus float32 scales
-    (128 x 128 blocks); router, norms, embeddings and head as in the 16-bit model."""
+    (128 x 128 blocks); router, norms, embeddings and head as in the 16-bit model (two of
+    its layers)."""
     from outrider.daemon.bench.roofline import weight_bytes
 
-    plain = ModelConfig.from_pretrained(REFERENCE / "Qwen3-30B-A3B.config.json")
-    fp8 = ModelConfig.from_pretrained(REFERENCE / "Qwen3-30B-A3B-FP8.config.json")
-    layers, experts, hidden, inter = 48, 128, 2048, 768
+    plain = ModelConfig.from_dict(_reference("Qwen3-30B-A3B"))
+    fp8 = ModelConfig.from_dict(_reference("Qwen3-30B-A3B-FP8"))
+    layers, experts, hidden, inter = LAYERS, 128, 2048, 768
     q, kv = 32 * 128, 4 * 128
     # Per layer: each expert's gate, up (768 x 2048) and down (2048 x 768); q, o (4096 x
     # 2048); k, v (512 x 2048).
