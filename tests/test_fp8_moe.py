@@ -216,6 +216,24 @@ def test_rank_holds_its_cut_of_expert_weights_and_scales(checkpoints: Path, tmp_
     check_checkpoint_layout(ModelConfig.from_pretrained(target), tensor_parallel_size=2)
 
 
+def test_ranks_partial_sums_are_the_experts_output(checkpoints: Path, tmp_path: Path) -> None:
+    """Both ranks' FP8 experts of the 8 x 16 checkpoint on the same tokens and routing: their
+    partial sums (what the all-reduce adds) are the whole experts' output. Each rank's down
+    columns are whole activation groups, so every product is the model's; only the weighting
+    of two partial sums instead of one rounds apart."""
+    directory = tmp_path / "fp8"
+    write_fp8_checkpoint(checkpoints / "moe", directory, block_config(CUT_BLOCK))
+    whole = _load(directory).model.layers[1].mlp
+    x = torch.randn(7, TINY["hidden_size"], generator=torch.Generator().manual_seed(8))
+    routing = whole.gate(x)
+    with torch.no_grad():
+        expected = whole.experts(x, routing)
+        parts = [_load(directory, tp=TPGroup(rank, 2)).model.layers[1].mlp.experts(x, routing)
+                 for rank in range(2)]  # fmt: skip
+    torch.testing.assert_close(parts[0] + parts[1], expected, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(parts[0], expected, atol=1e-3)
+
+
 # --- refusals ----------------------------------------------------------------------------
 
 TAIL = "the checkpoint's weight_block_size needs each rank's share to be whole blocks"
@@ -258,6 +276,18 @@ def test_qwen3_30b_a3b_fp8_shards_over_two_not_four() -> None:
     message = f"model.layers.0.mlp.experts: {'; '.join(problems)}"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         build_model(config, max_positions=1, dtype=torch.bfloat16, device="meta", tp=TPGroup(3, 4))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_other_families_fp8_layouts_load(kind: str) -> None:
+    """Mixtral's experts (w1 / w3 / w2, each with its weight_scale_inv) and Qwen2-MoE's
+    (its shared expert a fused FP8 MLP, its gate 16-bit): the fill path on the meta device,
+    whole and at rank 2 of 2, in 8 x 8 blocks (24 expert rows a rank)."""
+    overrides = MOE_SHAPES[kind] | {"model_type": kind, "quantization_config": block_config((8, 8))}
+    architecture = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[kind]
+    config = ModelConfig.from_dict(TINY | overrides | {"architectures": [architecture]})
+    for size in (1, 2):
+        check_checkpoint_layout(config, tensor_parallel_size=size)
 
 
 def test_per_channel_experts_are_refused(checkpoints: Path) -> None:

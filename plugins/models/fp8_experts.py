@@ -56,6 +56,7 @@ class Fp8Experts(Experts, SelfDrawn):
         if problems:
             raise ValueError(f"{name}: " + "; ".join(problems))
         self.block = fp8.block
+        self.scale_name = fp8.scale_name
         bn, bk = fp8.block
         experts, rows = moe.num_experts, self.rows
         self.w13 = Parameter(torch.empty(self.w13.shape, dtype=FP8), requires_grad=False)
@@ -77,10 +78,10 @@ class Fp8Experts(Experts, SelfDrawn):
         for e in range(self.w13.shape[0]):
             gate = Destination(self.w13_scale, (e, slice(0, blocks)), by_rows)
             up = Destination(self.w13_scale, (e, slice(blocks, 2 * blocks)), by_rows)
-            table[f"{prefix}.{e}.{names.gate}.weight_scale_inv"] = gate
-            table[f"{prefix}.{e}.{names.up}.weight_scale_inv"] = up
             down = Destination(self.w2_scale, e, by_columns)
-            table[f"{prefix}.{e}.{names.down}.weight_scale_inv"] = down
+            table[f"{prefix}.{e}.{names.gate}.{self.scale_name}"] = gate
+            table[f"{prefix}.{e}.{names.up}.{self.scale_name}"] = up
+            table[f"{prefix}.{e}.{names.down}.{self.scale_name}"] = down
         return table
 
     def init_dummy(self, generator: torch.Generator, std: float) -> None:
