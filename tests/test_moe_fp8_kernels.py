@@ -7,6 +7,8 @@ realistic shape need a GPU."""
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +160,47 @@ def test_fused_moe_fp8_is_the_reference_on_a_gpu(tokens: int, dtype: torch.dtype
             captured = mk.fused_moe_fp8(x, experts, weights, ids)
         graph.replay()
         _within(captured, ref)
+
+
+@pytest.mark.gpu
+def test_fp8_moe_model_on_the_gpu_kernels(tmp_path: Path) -> None:
+    """A dummy FP8 Qwen3-MoE in bf16 on the GPU (128 x 128 blocks, 256 expert rows): a
+    sparse layer's block on nine tokens (grouped path) and on one (decode path) through these
+    kernels against the reference kernels', within ``_within``'s bound."""
+    from fp8_fixtures import block_config
+    from model_fixtures import TINY
+
+    from outrider.plugins.models.kernels import TORCH_KERNELS, TorchKernels, use_kernels
+    from outrider.plugins.models.loader import load_model
+
+    class MoeFp8OnGpu(TorchKernels):
+        def fused_moe_fp8(
+            self,
+            x: torch.Tensor,
+            experts: Fp8ExpertWeights,
+            topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor,
+        ) -> torch.Tensor:
+            from outrider.plugins.models import moe_fp8_kernels
+
+            return moe_fp8_kernels.fused_moe_fp8(x, experts, topk_weights, topk_ids)
+
+    shape = TINY | {"hidden_size": 512, "head_dim": 128, "num_hidden_layers": 2}
+    shape |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256}
+    config = shape | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
+    (tmp_path / "config.json").write_text(
+        json.dumps(config | {"quantization_config": block_config((128, 128))})
+    )
+    model, _ = load_model(
+        tmp_path, dtype=torch.bfloat16, device="cuda", load_format="dummy", max_positions=64
+    )
+    block = model.model.layers[1].mlp
+    hidden = torch.randn(9, 512, generator=torch.Generator(device="cuda").manual_seed(0),
+                         device="cuda").bfloat16()  # fmt: skip
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for name, kernels in (("gpu", MoeFp8OnGpu()), ("reference", TORCH_KERNELS)):
+        use_kernels(model, kernels)
+        with torch.no_grad():
+            outputs[name] = [block(hidden), block(hidden[:1])]
+    for got, ref in zip(outputs["gpu"], outputs["reference"], strict=True):
+        _within(got, ref)

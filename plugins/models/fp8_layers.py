@@ -1,6 +1,7 @@
 """FP8 linears: the decoder's projections holding an FP8 checkpoint's weights and scales
 (``fp8_config.py`` names the formats, ``fp8.py`` the arithmetic), and ``use_fp8``, which puts
-them in place of the 16-bit ones in a model built on the meta device.
+them (and ``fp8_experts.Fp8Experts`` for the routed experts) in place of the 16-bit ones in a
+model built on the meta device.
 
 What a rank holds, beside its FP8 weight (the cut of ``parallel.py``)::
 
