@@ -1,0 +1,140 @@
+"""Speculative decoding on the mixture-of-experts and FP8 targets, float32 on CPU: with every
+draft algorithm (DRAFT_ALGORITHMS) a batch of greedy requests gets the target-only tokens,
+through the overlap loop and the serial one; the target as its own standalone draft (an MoE or
+FP8 draft) has every draft accepted; sampled EAGLE-3 trees on an MoE target commit tokens
+distributed as the target's (spec_stats.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import spec_stats
+import torch
+from engine_harness import (
+    DRAFT_ALGORITHMS,
+    debug_checks_fixture,
+    engine_for,
+    requests_for,
+    run,
+    tokens_of,
+)
+from fp8_fixtures import block_config, write_fp8_checkpoint
+from model_fixtures import VOCAB, save_drafts, save_random_eagle3, save_tiny_model
+from spec_stats import (
+    BIG_BATCHES,
+    SIGNIFICANCE,
+    chi_square_p_value,
+    joint_distribution,
+    sampled_joint_counts,
+)
+
+debug_checks = debug_checks_fixture()
+
+NEW_TOKENS = 10
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    """Half random, half a short random phrase repeated (n-gram drafts get accepted there)."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        if i % 2:
+            phrase = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 5))]
+            prompts.append(phrase * rng.randint(3, 5))
+        else:
+            prompts.append([rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 30))])
+    return prompts
+
+
+PROMPTS = _prompts(2, 4)
+
+
+# Three layers: DFlash's taps stay off the last layer.
+MOE_LAYERS = {"num_hidden_layers": 3}
+
+
+def _save_moe(directory: Path) -> None:
+    save_tiny_model("qwen3_moe", directory, config_overrides=MOE_LAYERS)
+
+
+def _save_fp8(directory: Path) -> None:
+    save_tiny_model("qwen3", directory / "source")
+    write_fp8_checkpoint(directory / "source", directory / "fp8", block_config((16, 32)))
+
+
+TARGETS = {"qwen3_moe": (_save_moe, ""), "fp8 block": (_save_fp8, "fp8")}
+
+
+class Target:
+    """A target checkpoint, a random draft for it per algorithm, its target-only tokens."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        save, sub = TARGETS[name]
+        with torch.no_grad():
+            save(root / "target")
+        self.directory = str(root / "target" / sub)
+        self.drafts = save_drafts(root / "drafts", Path(self.directory))
+        plain = engine_for(self.directory)
+        self.expected = tokens_of(run(plain, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS)))
+
+    def settings(self, algorithm: str) -> dict[str, object]:
+        settings = dict(DRAFT_ALGORITHMS[algorithm])
+        name = str(settings["speculative_algorithm"])
+        if name in self.drafts:
+            settings["draft_model"] = self.drafts[name]
+        return settings
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Target]:
+    return {name: Target(tmp_path_factory.mktemp(name), name) for name in TARGETS}
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize("algorithm", DRAFT_ALGORITHMS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_drafts_keep_the_targets_greedy_tokens(
+    targets: dict[str, Target], target: str, algorithm: str, overlap: bool
+) -> None:
+    t = targets[target]
+    engine = engine_for(t.directory, no_overlap=not overlap, **t.settings(algorithm))
+    outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
+    assert tokens_of(outcomes) == t.expected
+    assert engine.scheduler.counters().spec_drafts > 0
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_target_drafting_for_itself_is_always_accepted(
+    targets: dict[str, Target], target: str
+) -> None:
+    """A standalone draft of the target's own checkpoint: each step commits its 3 drafts and
+    the target's next token, through the MoE or FP8 model on both sides."""
+    t = targets[target]
+    engine = engine_for(t.directory, speculative_algorithm="standalone", draft_model=t.directory)
+    outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
+    assert tokens_of(outcomes) == t.expected
+    counters = engine.scheduler.counters()
+    assert counters.spec_accepted_tokens == 3 * counters.spec_drafts > 0
+
+
+def test_sampled_tree_drafts_on_an_moe_target_are_distributed_as_the_target(
+    tmp_path: Path,
+) -> None:
+    """Every row of 20,000 seeded requests verifies a tree of 6 through the experts."""
+    with torch.no_grad():
+        model = save_tiny_model(
+            "qwen3_moe", tmp_path / "target", vocab_size=spec_stats.VOCAB, seed=1,
+            config_overrides=MOE_LAYERS,
+        )  # fmt: skip
+        joint = joint_distribution(model)
+    draft = save_random_eagle3(tmp_path / "eagle3", tmp_path / "target")
+    engine = engine_for(
+        str(tmp_path / "target"), draft_model=str(draft), **DRAFT_ALGORITHMS["eagle3 tree"],
+        speculative_config=json.dumps({"sample": "coupled"}), **BIG_BATCHES,
+    )  # fmt: skip
+    counts, tau = sampled_joint_counts(engine)
+    assert tau > 1.1  # drafts are kept often enough for the rule to matter
+    assert chi_square_p_value(counts, joint) > SIGNIFICANCE
