@@ -2,7 +2,8 @@
 draft algorithm (DRAFT_ALGORITHMS) a batch of greedy requests gets the target-only tokens,
 through the overlap loop and the serial one; the target as its own standalone draft (an MoE or
 FP8 draft) has every draft accepted; sampled EAGLE-3 trees on an MoE target commit tokens
-distributed as the target's (spec_stats.py)."""
+distributed as the target's (spec_stats.py); the drafting policy's start-up timing routes the
+tokens it verifies to experts as text is routed."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ from spec_stats import (
     joint_distribution,
     sampled_joint_counts,
 )
+
+from outrider.daemon.engine import drafting_setup
+from outrider.daemon.engine.cycle_cost import timing_prompts
+from outrider.plugins.models.moe import Router, Routing
 
 debug_checks = debug_checks_fixture()
 
@@ -138,3 +143,47 @@ def test_sampled_tree_drafts_on_an_moe_target_are_distributed_as_the_target(
     counts, tau = sampled_joint_counts(engine)
     assert tau > 1.1  # drafts are kept often enough for the rule to matter
     assert chi_square_p_value(counts, joint) > SIGNIFICANCE
+
+
+def test_timing_prompts_share_all_but_their_last_token() -> None:
+    prompts = timing_prompts(4, 9, 50)
+    assert [len(p) for p in prompts] == [9] * 4
+    assert all(p[:-1] == prompts[0][:-1] for p in prompts)
+    assert len({p[-1] for p in prompts}) == 4 and len(set(prompts[0])) > 4
+    assert all(0 <= t < 50 for p in prompts for t in p)
+    assert timing_prompts(2, 9, 50) == prompts[:2]
+
+
+def test_the_break_even_timing_routes_a_verify_to_many_experts(
+    targets: dict[str, Target], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At batch 1 the verified tokens of a drafting step (root and drafts) reach 3.6 distinct
+    experts on average, not the top 2 of a single token: a timing whose rows and tokens are
+    alike (as a prompt of one repeated id makes them) routes every token of a step to the same
+    experts and times a verify as cheap as a plain step."""
+    timing = False
+    experts_hit: dict[int, list[int]] = {}  # tokens in the forward -> distinct experts
+    route = Router.forward
+
+    def spy(self: Router, x: torch.Tensor) -> Routing:
+        routing = route(self, x)
+        if timing:
+            experts_hit.setdefault(x.shape[0], []).append(routing.ids.unique().numel())
+        return routing
+
+    def measured(*args: object) -> object:
+        nonlocal timing
+        timing = True
+        try:
+            return measure(*args)
+        finally:
+            timing = False
+
+    measure = drafting_setup.measure_break_even
+    monkeypatch.setattr(Router, "forward", spy)
+    monkeypatch.setattr(drafting_setup, "measure_break_even", measured)
+    engine = engine_for(
+        targets["qwen3_moe"].directory, speculative_min_acceptance=-1.0, **DRAFT_ALGORITHMS["ngram"]
+    )
+    verifies = experts_hit[engine.loop.runner.shape.width]
+    assert sum(verifies) / len(verifies) > 3.0
