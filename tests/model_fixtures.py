@@ -249,6 +249,55 @@ def save_random_eagle3(directory: Path, target: Path | None = None) -> Path:
     return directory
 
 
+def save_repeating_eagle3(directory: Path, target: Path) -> Path:
+    """An EAGLE-3 draft for the checkpoint at ``target`` that drafts the token it is given
+    again: the target's greedy text falls into runs of one token, where these drafts are
+    accepted. Its features are zero (``fc``); each row attends to the rows of its own token
+    (q and k read the normed embedding, scaled), whose values carry that embedding through the
+    identity ``o_proj``; the MLP adds nothing; ``lm_head`` is the target's embedding. Its
+    vocabulary is the target's."""
+    from safetensors.torch import load_file
+
+    from outrider.plugins.speculative.eagle3_model import load_eagle3
+    from recipe.export import save_eagle3
+
+    shape = target_shape(target)
+    hidden, vocab, layers = shape["hidden_size"], shape["vocab_size"], shape["num_hidden_layers"]
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,  # values as wide as the embedding
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "rope_theta": 1e6,
+        "max_position_embeddings": shape["max_position_embeddings"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers - 1]},
+    }
+    source = directory / "source"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text(json.dumps(config))
+    draft = load_eagle3(
+        source, dtype=torch.float32, device="cpu", max_positions=256, load_format="dummy"
+    )
+    embedding = load_file(target / "model.safetensors")["model.embed_tokens.weight"].float()
+    eye = torch.eye(hidden)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        qkv = draft.midlayer.self_attn.qkv_proj
+        qkv.weight[qkv.shards["q"], :hidden] = 4 * eye
+        qkv.weight[qkv.shards["k"], :hidden] = eye
+        qkv.weight[qkv.shards["v"], :hidden] = eye
+        draft.midlayer.self_attn.o_proj.weight.copy_(eye)
+        draft.lm_head.weight.copy_(embedding)
+    save_eagle3(draft, directory, config)
+    return directory
+
+
 def save_random_dflash(directory: Path, block_size: int = 4, target: Path | None = None) -> Path:
     """A random DFlash draft (two Qwen3 layers) for the checkpoint at ``target`` (default: the
     tiny targets), tapping its first two layers (it needs three or more), with the last id as

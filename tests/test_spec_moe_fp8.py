@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from engine_harness import (
     tokens_of,
 )
 from fp8_fixtures import block_config, write_fp8_checkpoint
-from model_fixtures import VOCAB, save_drafts, save_random_eagle3, save_tiny_model
+from model_fixtures import VOCAB, save_drafts, save_repeating_eagle3, save_tiny_model
 from spec_stats import (
     BIG_BATCHES,
     SIGNIFICANCE,
@@ -74,7 +75,8 @@ TARGETS = {"qwen3_moe": (_save_moe, ""), "fp8 block": (_save_fp8, "fp8")}
 
 
 class Target:
-    """A target checkpoint, a random draft for it per algorithm, its target-only tokens."""
+    """A target checkpoint, a random draft for it per algorithm and a repeating EAGLE-3 one,
+    its target-only tokens."""
 
     def __init__(self, root: Path, name: str) -> None:
         save, sub = TARGETS[name]
@@ -82,6 +84,7 @@ class Target:
             save(root / "target")
         self.directory = str(root / "target" / sub)
         self.drafts = save_drafts(root / "drafts", Path(self.directory))
+        self.repeating = str(save_repeating_eagle3(root / "repeating", Path(self.directory)))
         plain = engine_for(self.directory)
         self.expected = tokens_of(run(plain, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS)))
 
@@ -125,24 +128,55 @@ def test_the_target_drafting_for_itself_is_always_accepted(
     assert counters.spec_accepted_tokens == 3 * counters.spec_drafts > 0
 
 
-def test_sampled_tree_drafts_on_an_moe_target_are_distributed_as_the_target(
-    tmp_path: Path,
-) -> None:
-    """Every row of 20,000 seeded requests verifies a tree of 6 through the experts."""
+@dataclass(frozen=True)
+class SmallVocab:
+    """A Qwen3-MoE target of vocabulary ``spec_stats.VOCAB``, where sampled random drafts are
+    often accepted: its directory, its random drafts, the joint distribution of its next 3
+    tokens."""
+
+    directory: str
+    drafts: dict[str, str]
+    joint: torch.Tensor
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> SmallVocab:
+    root = tmp_path_factory.mktemp("moe16")
     with torch.no_grad():
         model = save_tiny_model(
-            "qwen3_moe", tmp_path / "target", vocab_size=spec_stats.VOCAB, seed=1,
+            "qwen3_moe", root / "target", vocab_size=spec_stats.VOCAB, seed=1,
             config_overrides=MOE_LAYERS,
         )  # fmt: skip
         joint = joint_distribution(model)
-    draft = save_random_eagle3(tmp_path / "eagle3", tmp_path / "target")
+    return SmallVocab(str(root / "target"), save_drafts(root / "drafts", root / "target"), joint)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3 chain", "eagle3 tree"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_accepted_drafts_keep_the_greedy_tokens(
+    targets: dict[str, Target], target: str, algorithm: str
+) -> None:
+    """A draft that repeats the last token, accepted in the target's runs: the accepted
+    tokens' K/V and features come from the verify's batch through the experts or FP8
+    projections."""
+    t = targets[target]
+    engine = engine_for(t.directory, **(t.settings(algorithm) | {"draft_model": t.repeating}))
+    assert tokens_of(run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))) == t.expected
+    assert engine.scheduler.counters().spec_accepted_per_position[-1] > 0  # whole chains too
+
+
+def test_sampled_tree_drafts_on_an_moe_target_are_distributed_as_the_target(
+    small_vocab: SmallVocab,
+) -> None:
+    """Every row of 20,000 seeded requests verifies a tree of 6 through the experts."""
     engine = engine_for(
-        str(tmp_path / "target"), draft_model=str(draft), **DRAFT_ALGORITHMS["eagle3 tree"],
-        speculative_config=json.dumps({"sample": "coupled"}), **BIG_BATCHES,
+        small_vocab.directory, draft_model=small_vocab.drafts["eagle3"],
+        **DRAFT_ALGORITHMS["eagle3 tree"], speculative_config=json.dumps({"sample": "coupled"}),
+        **BIG_BATCHES,
     )  # fmt: skip
     counts, tau = sampled_joint_counts(engine)
     assert tau > 1.1  # drafts are kept often enough for the rule to matter
-    assert chi_square_p_value(counts, joint) > SIGNIFICANCE
+    assert chi_square_p_value(counts, small_vocab.joint) > SIGNIFICANCE
 
 
 def test_timing_prompts_share_all_but_their_last_token() -> None:
