@@ -33,9 +33,11 @@ from spec_stats import (
     sampled_joint_counts,
 )
 
+from outrider.daemon.config import ConfigError
 from outrider.daemon.engine import drafting_setup
 from outrider.daemon.engine.cycle_cost import timing_prompts
 from outrider.plugins.models.moe import Router, Routing
+from outrider.plugins.models.registry import SUPPORTED_ARCHITECTURES
 
 debug_checks = debug_checks_fixture()
 
@@ -221,3 +223,20 @@ def test_the_break_even_timing_routes_a_verify_to_many_experts(
     )
     verifies = experts_hit[engine.loop.runner.shape.width]
     assert sum(verifies) / len(verifies) > 3.0
+
+
+def test_standalone_drafts_are_any_served_architecture(
+    targets: dict[str, Target], tmp_path: Path
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError) as refused:
+        engine_for(
+            targets["qwen3_moe"].directory,
+            speculative_algorithm="standalone",
+            draft_model=str(tmp_path),
+        )
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    assert f"--draft-model: standalone drafts with {supported}, not ['GPT2LMHeadModel']" in str(
+        refused.value
+    )
+    assert "Qwen3MoeForCausalLM" in supported
