@@ -1,6 +1,7 @@
 """Speculative decoding on the mixture-of-experts and FP8 targets, float32 on CPU: with every
 draft algorithm (DRAFT_ALGORITHMS) a batch of greedy requests gets the target-only tokens,
-through the overlap loop and the serial one; the target as its own standalone draft (an MoE or
+through the overlap loop and the serial one; so do EAGLE-3 chains and trees that repeat the
+last token, accepted in the targets' runs; the target as its own standalone draft (an MoE or
 FP8 draft) has every draft accepted; sampled EAGLE-3 trees on an MoE target commit tokens
 distributed as the target's (spec_stats.py); the drafting policy's start-up timing routes the
 tokens it verifies to experts as text is routed."""
@@ -36,7 +37,8 @@ from spec_stats import (
 from outrider.daemon.config import ConfigError
 from outrider.daemon.engine import drafting_setup
 from outrider.daemon.engine.cycle_cost import timing_prompts
-from outrider.plugins.models.moe import Router, Routing
+from outrider.plugins.models.fp8_layers import Fp8Linear
+from outrider.plugins.models.moe import Router, Routing, SparseMoeBlock
 from outrider.plugins.models.registry import SUPPORTED_ARCHITECTURES
 
 debug_checks = debug_checks_fixture()
@@ -101,6 +103,14 @@ class Target:
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Target]:
     return {name: Target(tmp_path_factory.mktemp(name), name) for name in TARGETS}
+
+
+def test_the_targets_run_experts_and_fp8_projections(targets: dict[str, Target]) -> None:
+    moe = engine_for(targets["qwen3_moe"].directory).loop.runner.model
+    sparse = sum(isinstance(m, SparseMoeBlock) for m in moe.modules())
+    assert sparse == MOE_LAYERS["num_hidden_layers"]
+    fp8 = engine_for(targets["fp8 block"].directory).loop.runner.model
+    assert any(isinstance(m, Fp8Linear) for m in fp8.modules())
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
