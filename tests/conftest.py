@@ -73,23 +73,12 @@ def eagle3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def speculative_dirs(
-    tmp_path_factory: pytest.TempPathFactory, llama_dir: str, eagle3_dir: str
-) -> dict[str, str]:
+def speculative_dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: str) -> dict[str, str]:
     """``llama_dir`` as "target" and a random draft for it under each draft algorithm's name
-    (the standalone draft: a tiny qwen2 of the same vocabulary)."""
-    import torch
-    from model_fixtures import save_random_dflash, save_tiny_model
+    (model_fixtures.save_drafts)."""
+    from model_fixtures import save_drafts
 
-    root = tmp_path_factory.mktemp("drafts")
-    with torch.no_grad():
-        save_tiny_model("qwen2", root / "small")
-    return {
-        "target": llama_dir,
-        "eagle3": eagle3_dir,
-        "dflash": str(save_random_dflash(root / "dflash")),
-        "standalone": str(root / "small"),
-    }
+    return {"target": llama_dir} | save_drafts(tmp_path_factory.mktemp("drafts"), Path(llama_dir))
 
 
 @pytest.fixture(scope="session")

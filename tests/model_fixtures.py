@@ -202,26 +202,38 @@ class PagedRows:
         return tensor(ids), ForwardBatch.bind(layout, backend, self.kv, capture_layers)
 
 
-def save_random_eagle3(directory: Path) -> Path:
-    """A random EAGLE-3 draft for the tiny targets (hidden 64, 3 layers), in the public
-    layout, with a draft vocabulary half the target's: draft id i stands for target id 2i."""
+def target_shape(target: Path | None = None) -> dict[str, Any]:
+    """What a random draft reads of its target: ``target``'s config.json, or (None) the tiny
+    targets' shape with the current ``VOCAB``."""
+    if target is not None:
+        config: dict[str, Any] = json.loads((target / "config.json").read_text())
+        return config
+    return TINY | {"vocab_size": VOCAB}
+
+
+def save_random_eagle3(directory: Path, target: Path | None = None) -> Path:
+    """A random EAGLE-3 draft for the checkpoint at ``target`` (default: the tiny targets),
+    in the public layout: the target's width and vocabulary, its first, middle and last layers
+    tapped, and a draft vocabulary half the target's: draft id i stands for target id 2i."""
     from outrider.plugins.speculative.eagle3_model import load_eagle3
     from recipe.export import save_eagle3
 
+    shape = target_shape(target)
+    vocab, layers = shape["vocab_size"], shape["num_hidden_layers"]
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
-        "hidden_size": TINY["hidden_size"],
+        "hidden_size": shape["hidden_size"],
         "intermediate_size": 96,
         "num_hidden_layers": 1,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB,
-        "draft_vocab_size": VOCAB // 2,
+        "vocab_size": vocab,
+        "draft_vocab_size": vocab // 2,
         "rope_theta": 5000.0,
-        "max_position_embeddings": 256,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
+        "max_position_embeddings": shape["max_position_embeddings"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers - 1]},
     }
     source = directory / "source"
     source.mkdir(parents=True)
@@ -230,35 +242,87 @@ def save_random_eagle3(directory: Path) -> Path:
     draft = load_eagle3(
         source, dtype=torch.float32, device="cpu", max_positions=256, load_format="dummy"
     )
-    draft.d2t.copy_(torch.arange(VOCAB // 2))
+    draft.d2t.copy_(torch.arange(vocab // 2))
     draft.t2d.zero_()
     draft.t2d[::2] = True
     save_eagle3(draft, directory, config)
     return directory
 
 
-def save_random_dflash(directory: Path, block_size: int = 4) -> Path:
-    """A random DFlash draft (two Qwen3 layers) for the tiny targets, tapping layers 0 and 1,
-    with the last id as its mask token."""
+def save_repeating_eagle3(directory: Path, target: Path) -> Path:
+    """An EAGLE-3 draft for the checkpoint at ``target`` that drafts the token it is given
+    again: the target's greedy text falls into runs of one token, where these drafts are
+    accepted. Its features are zero (``fc``); each row attends to the rows of its own token
+    (q and k read the normed embedding, scaled), whose values carry that embedding through the
+    identity ``o_proj``; the MLP adds nothing; ``lm_head`` is the target's embedding. Its
+    vocabulary is the target's."""
+    from safetensors.torch import load_file
+
+    from outrider.plugins.speculative.eagle3_model import load_eagle3
+    from recipe.export import save_eagle3
+
+    shape = target_shape(target)
+    hidden, vocab, layers = shape["hidden_size"], shape["vocab_size"], shape["num_hidden_layers"]
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,  # values as wide as the embedding
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "rope_theta": 1e6,
+        "max_position_embeddings": shape["max_position_embeddings"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers - 1]},
+    }
+    source = directory / "source"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text(json.dumps(config))
+    draft = load_eagle3(
+        source, dtype=torch.float32, device="cpu", max_positions=256, load_format="dummy"
+    )
+    embedding = load_file(target / "model.safetensors")["model.embed_tokens.weight"].float()
+    eye = torch.eye(hidden)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        qkv = draft.midlayer.self_attn.qkv_proj
+        qkv.weight[qkv.shards["q"], :hidden] = 4 * eye
+        qkv.weight[qkv.shards["k"], :hidden] = eye
+        qkv.weight[qkv.shards["v"], :hidden] = eye
+        draft.midlayer.self_attn.o_proj.weight.copy_(eye)
+        draft.lm_head.weight.copy_(embedding)
+    save_eagle3(draft, directory, config)
+    return directory
+
+
+def save_random_dflash(directory: Path, block_size: int = 4, target: Path | None = None) -> Path:
+    """A random DFlash draft (two Qwen3 layers) for the checkpoint at ``target`` (default: the
+    tiny targets), tapping its first two layers (it needs three or more), with the last id as
+    its mask token."""
     from outrider.plugins.speculative.dflash_model import load_dflash
     from recipe.export import save_dflash
 
+    shape = target_shape(target)
+    vocab = shape["vocab_size"]
     config = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "hidden_size": TINY["hidden_size"],
+        "hidden_size": shape["hidden_size"],
         "intermediate_size": 96,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
         "rms_norm_eps": 1e-6,
-        "vocab_size": VOCAB,
+        "vocab_size": vocab,
         "rope_theta": 10000.0,
-        "max_position_embeddings": 256,
+        "max_position_embeddings": shape["max_position_embeddings"],
         "block_size": block_size,
-        "num_target_layers": TINY["num_hidden_layers"],
-        "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 1]},
+        "num_target_layers": shape["num_hidden_layers"],
+        "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": [0, 1]},
     }
     source = directory / "source"
     source.mkdir(parents=True)
@@ -269,3 +333,16 @@ def save_random_dflash(directory: Path, block_size: int = 4) -> Path:
     )
     save_dflash(draft, directory, config)
     return directory
+
+
+def save_drafts(root: Path, target: Path) -> dict[str, str]:
+    """A random draft for the checkpoint at ``target`` under each draft algorithm's name, in
+    folders under ``root`` (the standalone draft: a tiny qwen2 of the same vocabulary)."""
+    vocab = target_shape(target)["vocab_size"]
+    with torch.no_grad():
+        save_tiny_model("qwen2", root / "standalone", vocab_size=vocab)
+    return {
+        "eagle3": str(save_random_eagle3(root / "eagle3", target)),
+        "dflash": str(save_random_dflash(root / "dflash", target=target)),
+        "standalone": str(root / "standalone"),
+    }

@@ -10,23 +10,25 @@ outputs token for token."""
 from __future__ import annotations
 
 import json
-from unittest import mock
 
-import model_fixtures
 import pytest
 import torch
-from engine_harness import engine_for, request, run, tau_of, tokens_of
+from engine_harness import engine_for, request, run, tokens_of
 from model_fixtures import save_random_dflash, save_random_eagle3, save_tiny_model
+from spec_stats import (
+    BIG_BATCHES,
+    SIGNIFICANCE,
+    VOCAB,
+    chi_square_p_value,
+    joint_distribution,
+    sampled_joint_counts,
+)
 
 from outrider.daemon.config import ConfigError
 from outrider.daemon.engine.build import Engine
 from outrider.plugins.speculative import standalone_impl
 from outrider.plugins.speculative.dflash import SPEC as DFLASH
 
-VOCAB = 16
-PROMPT = [3, 7, 5, 9]
-SAMPLES = 20_000
-SIGNIFICANCE = 1e-3
 TREE = {"speculative_num_steps": 3, "speculative_topk": 2, "speculative_num_draft_tokens": 6}
 # name -> (algorithm, mode, extra flags, floor on the acceptance length at temperature 1)
 PATHS: dict[str, tuple[str, str, dict[str, object], float]] = {
@@ -44,25 +46,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str
     [16, 16, 16])."""
     target_dir = tmp_path_factory.mktemp("target16")
     drafts = {name: tmp_path_factory.mktemp(name) for name in ("standalone", "dflash", "eagle3")}
-    with torch.no_grad(), mock.patch.object(model_fixtures, "VOCAB", VOCAB):
+    with torch.no_grad():
         target = save_tiny_model("llama", target_dir, vocab_size=VOCAB, seed=1)
         save_tiny_model("qwen2", drafts["standalone"], vocab_size=VOCAB, seed=2)
-        save_random_dflash(drafts["dflash"], block_size=4)
-        save_random_eagle3(drafts["eagle3"])
-        return str(target_dir), {k: str(v) for k, v in drafts.items()}, _joint(target)
-
-
-def _next_probs(model: torch.nn.Module, prefixes: list[list[int]]) -> torch.Tensor:
-    logits = model(torch.tensor(prefixes)).logits[:, -1].double()
-    return torch.softmax(logits, dim=-1)  # [n, V]
-
-
-def _joint(model: torch.nn.Module) -> torch.Tensor:
-    first = _next_probs(model, [PROMPT])[0]  # [V]
-    second = _next_probs(model, [[*PROMPT, a] for a in range(VOCAB)])  # [V, V]
-    pairs = [[*PROMPT, a, b] for a in range(VOCAB) for b in range(VOCAB)]
-    third = _next_probs(model, pairs).view(VOCAB, VOCAB, VOCAB)
-    return first[:, None, None] * second[:, :, None] * third
+        save_random_dflash(drafts["dflash"], block_size=4, target=target_dir)
+        save_random_eagle3(drafts["eagle3"], target_dir)
+        return str(target_dir), {k: str(v) for k, v in drafts.items()}, joint_distribution(target)
 
 
 def _engine(target_dir: str, drafts: dict[str, str], path: str, **overrides: object) -> Engine:
@@ -76,41 +65,15 @@ def _engine(target_dir: str, drafts: dict[str, str], path: str, **overrides: obj
     return engine_for(target_dir, **(settings | overrides))
 
 
-def _sampled_joint_counts(engine: Engine) -> tuple[torch.Tensor, float]:
-    """Counts of the 3 generated tokens over SAMPLES seeded requests, and the engine's mean
-    acceptance length."""
-    reqs = [request(i, PROMPT, max_new_tokens=3, temperature=1.0, seed=i) for i in range(SAMPLES)]
-    counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
-    for outcome in run(engine, reqs).values():
-        a, b, c = outcome.token_ids
-        counts[a, b, c] += 1
-    return counts, tau_of(engine.scheduler.counters())
-
-
-def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test; cells expecting fewer than 5 are pooled into one."""
-    expected = probs.flatten() * counts.sum()
-    observed = counts.flatten()
-    big = expected >= 5
-    pooled_e = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
-    pooled_o = torch.cat([observed[big], observed[~big].sum().unsqueeze(0)])
-    statistic = ((pooled_o - pooled_e) ** 2 / pooled_e).sum()
-    dof = torch.tensor(pooled_e.numel() - 1, dtype=torch.float64)
-    return float(torch.special.gammaincc(dof / 2, statistic / 2))
-
-
-BIG_BATCHES = {"max_running": 512, "kv_cache_tokens": 65536, "chunked_prefill_tokens": 4096}
-
-
 # dflash coupled: its outputs equal the target alone's (test_mixed_batches_keep_greedy_rows_exact).
 @pytest.mark.parametrize("path", [p for p in PATHS if p != "dflash coupled"])
 def test_sampled_drafts_are_distributed_as_the_target(
     models: tuple[str, dict[str, str], torch.Tensor], path: str
 ) -> None:
     target_dir, drafts, joint = models
-    counts, tau = _sampled_joint_counts(_engine(target_dir, drafts, path, **BIG_BATCHES))
+    counts, tau = sampled_joint_counts(_engine(target_dir, drafts, path, **BIG_BATCHES))
     assert tau > PATHS[path][3]  # drafts are kept often enough for the rule to matter
-    assert _chi_square_p_value(counts, joint) > SIGNIFICANCE
+    assert chi_square_p_value(counts, joint) > SIGNIFICANCE
 
 
 def test_an_argmax_draft_verified_with_its_softmax_is_rejected(
@@ -124,8 +87,8 @@ def test_an_argmax_draft_verified_with_its_softmax_is_rejected(
 
     monkeypatch.setattr(standalone_impl, "sample_probs", argmax)
     engine = _engine(target_dir, drafts, "standalone rejection", **BIG_BATCHES)
-    counts, _tau = _sampled_joint_counts(engine)
-    assert _chi_square_p_value(counts, joint) < SIGNIFICANCE
+    counts, _tau = sampled_joint_counts(engine)
+    assert chi_square_p_value(counts, joint) < SIGNIFICANCE
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -18,8 +18,14 @@ plain; the ratio of their turns' times is the break-even acceptance length.
   (temperature 1; the filters cost the same whatever their values).
 - Every row's prompt is ``PROMPT`` tokens, about a chat turn's context, so that the draft's
   catch-up and the verify read a serving-sized context (shorter where the context length
-  leaves no room). The rows share one prompt through the prefix cache; sizes whose rows the
-  pool could not hold without retracting are skipped.
+  leaves no room). The rows share all but their last token through the prefix cache; sizes
+  whose rows the pool could not hold without retracting are skipped.
+- The prompts are random tokens (``timing_prompts``), each row's last one its own, so that
+  greedy rows generate different tokens and a mixture of experts routes the timed steps'
+  tokens as it routes text: a verify of ``N`` tokens a row reaches up to ``N * top_k`` experts
+  where a plain step reaches ``top_k``, the cost that makes drafting dearer on such a target at
+  small batches. Identical prompts (or one token repeated) would route every token of a step
+  to the same experts and understate it.
 - The resume: where plain steps defer the draft's catch-up (engine/deferred.py), a drafting
   step right after plain ones runs the catch-up first. At the smallest size, greedy, drafting
   resumes after two plain turns three times; what such a turn takes beyond a drafting turn,
@@ -36,6 +42,7 @@ The log line says how long the timing took. Measured costs: BENCHMARKS.md.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,6 +59,7 @@ SIZES = (1, 4, 16, 64)  # batch sizes measured, up to the most running requests
 CPU_TURNS = 4  # the CPU device: loop turns timed per mode, the fastest taken
 GPU_TURNS = 8  # a GPU: intervals between turn ends averaged per mode
 PROMPT = 256  # tokens of each request's prompt, where the context allows
+PROMPT_SEED = 0  # timing_prompts draws the same prompts at every start
 RESUMES = 3  # resumes timed at the smallest size (greedy)
 PLAIN_BEFORE_RESUME = 2  # plain turns before each: a plain step in flight, positions buffered
 SAMPLED_TEMPERATURE = 1.0
@@ -67,19 +75,20 @@ def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> 
     turns = 2 * (_timed_turns(loop) + 2) + RESUMES * (PLAIN_BEFORE_RESUME + 1)
     new_tokens = turns * shape.max_commit
     step_room = 2 * shape.kv_span
-    prompt = [0] * max(min(PROMPT, limits.context_length - new_tokens - step_room), 1)
+    length = max(min(PROMPT, limits.context_length - new_tokens - step_room), 1)
     # A row's own pages: the generated tokens, the step's span, the prefix hit's margin pages
-    # (recomputed) and the prompt's partial page.
+    # (recomputed) and the prompt's partial page, which holds its own last token.
     row = new_tokens + step_room + (loop.scheduler.pages.prefix_margin_pages + 1) * page_size
     sizes = [
-        bs for bs in SIZES if bs <= limits.max_running and len(prompt) + 2 * bs * row <= pool_tokens
+        bs for bs in SIZES if bs <= limits.max_running and length + 2 * bs * row <= pool_tokens
     ] or [1]
+    prompts = timing_prompts(max(sizes), length, loop.runner.limits.vocab_limit)
     # The resume's cost, once: at the smallest size, greedy, where the runner defers catch-ups.
     resume_at = sizes[0] if loop.runner.deferred is not None else 0
-    timed = [_cycle_cost(loop, bs, prompt, new_tokens, 0.0, bs == resume_at) for bs in sizes]
+    timed = [_cycle_cost(loop, prompts[:bs], new_tokens, 0.0, bs == resume_at) for bs in sizes]
     greedy = tuple(ratio for ratio, _ in timed)
     sampled = tuple(
-        _cycle_cost(loop, bs, prompt, new_tokens, SAMPLED_TEMPERATURE, False)[0] for bs in sizes
+        _cycle_cost(loop, prompts[:bs], new_tokens, SAMPLED_TEMPERATURE, False)[0] for bs in sizes
     )
     resume = timed[0][1]
     extras = ""
@@ -90,12 +99,12 @@ def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> 
         )
     unfed = 1.0
     if limits.draft_state:  # last: its requests publish pages as lacking the draft's state
-        unfed = _unfed_cost(loop, sizes[0], prompt, new_tokens)
+        unfed = _unfed_cost(loop, prompts[: sizes[0]], new_tokens)
         extras += f"; a plain step costs {unfed:.2f} of the target's own"
     log.info(
         "drafting pays from an acceptance length of %s greedy, %s sampled (batch %s, "
         "%d-token prompts; the cycle's time over a plain step's)%s; timed in %.1f s",
-        _listed(greedy), _listed(sampled), ", ".join(map(str, sizes)), len(prompt), extras,
+        _listed(greedy), _listed(sampled), ", ".join(map(str, sizes)), length, extras,
         time.perf_counter() - started,
     )  # fmt: skip
     return BreakEven(tuple(sizes), greedy, sampled, resume, unfed)
@@ -105,18 +114,27 @@ def _listed(taus: tuple[float, ...]) -> str:
     return ", ".join(f"{tau:.2f}" for tau in taus)
 
 
+def timing_prompts(rows: int, length: int, vocab: int) -> list[list[int]]:
+    """``rows`` prompts of ``length`` random ids below ``vocab`` (seeded): one text, but for
+    each row's own last token."""
+    rng = random.Random(PROMPT_SEED)
+    shared = [rng.randrange(vocab) for _ in range(length - 1)]
+    return [[*shared, rng.randrange(vocab)] for _ in range(rows)]
+
+
 @contextmanager
 def _timing_batch(
-    loop: EngineLoop, bs: int, prompt: list[int], new_tokens: int, temperature: float
+    loop: EngineLoop, prompts: list[list[int]], new_tokens: int, temperature: float
 ) -> Iterator[FixedDrafting]:
-    """``bs`` rows at ``temperature`` (row ``i`` seeded ``i``) decoding under the yielded
+    """A row per prompt at ``temperature`` (row ``i`` seeded ``i``) decoding under the yielded
     policy (drafting); aborted and drained afterwards, the loop's policy restored."""
     scheduler = loop.scheduler
     policy = FixedDrafting(on=True)
     previous = scheduler.policy
     scheduler.use_policy(policy)
+    bs = len(prompts)
     rids = [-100 - i for i in range(bs)]
-    for i, rid in enumerate(rids):
+    for i, (rid, prompt) in enumerate(zip(rids, prompts, strict=True)):
         sampling = SamplingSpec(temperature, seed=i)
         scheduler.add(own_request(rid, "cycle-cost", prompt, new_tokens, sampling))
     while not all(req.decoding for req in scheduler.running) or len(scheduler.running) < bs:
@@ -134,16 +152,15 @@ def _timing_batch(
 
 def _cycle_cost(
     loop: EngineLoop,
-    bs: int,
-    prompt: list[int],
+    prompts: list[list[int]],
     new_tokens: int,
     temperature: float,
     resume: bool,
 ) -> tuple[float, float]:
-    """A drafting turn's time over a plain turn's (``_turn_time``), for ``bs`` rows at
+    """A drafting turn's time over a plain turn's (``_turn_time``), for a row per prompt at
     ``temperature``; and with ``resume``, what a drafting turn right after plain ones costs
     beyond a drafting turn, in plain turns (``_resume_time``), else 0."""
-    with _timing_batch(loop, bs, prompt, new_tokens, temperature) as policy:
+    with _timing_batch(loop, prompts, new_tokens, temperature) as policy:
         turn = {}
         for drafting in (True, False):
             policy.on = drafting
@@ -155,10 +172,10 @@ def _cycle_cost(
     return max(turn[True] / turn[False], 1.0), extra
 
 
-def _unfed_cost(loop: EngineLoop, bs: int, prompt: list[int], new_tokens: int) -> float:
-    """A plain turn's time over that of the same ``bs`` greedy rows once they stop feeding the
-    draft (``Request.fed``; their buffered positions are dropped)."""
-    with _timing_batch(loop, bs, prompt, new_tokens, 0.0) as policy:
+def _unfed_cost(loop: EngineLoop, prompts: list[list[int]], new_tokens: int) -> float:
+    """A plain turn's time over that of the same greedy rows (a row per prompt) once they stop
+    feeding the draft (``Request.fed``; their buffered positions are dropped)."""
+    with _timing_batch(loop, prompts, new_tokens, 0.0) as policy:
         policy.on = False
         loop.iterate()
         plain = _turn_time(loop)

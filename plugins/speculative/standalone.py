@@ -1,6 +1,7 @@
-"""The built-in ``standalone`` speculative plugin's spec: any small causal LM whose tokenizer
-gives every token the target's id drafts a chain (argmax for greedy requests; sampled
-requests: ``DraftOptions.sample``)."""
+"""The built-in ``standalone`` speculative plugin's spec: any small causal LM the engine serves
+(a mixture of experts and an FP8 checkpoint included) whose tokenizer gives every token the
+target's id drafts a chain (argmax for greedy requests; sampled requests:
+``DraftOptions.sample``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from outrider.plugins.api import (
     Problem,
     SpeculativeCapabilities,
 )
+from outrider.plugins.models.registry import SUPPORTED_ARCHITECTURES
 from outrider.plugins.speculative.draft_config import (
     DRAFT_FLAG,
     read_config,
@@ -17,8 +19,6 @@ from outrider.plugins.speculative.draft_config import (
     tokenizer_vocab,
 )
 from outrider.plugins.speculative.draft_options import DraftOptions
-
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
@@ -29,11 +29,10 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
         return [Problem(DRAFT_FLAG, f"no readable config.json at {ctx.draft_model}")]
     problems = sharding_problems(draft, ctx, "the draft model's", "vocab_size")
     architectures = draft.get("architectures") or []
-    if not set(architectures) & set(SUPPORTED):
+    if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
         problems.append(
-            Problem(
-                DRAFT_FLAG, f"standalone drafts with {', '.join(SUPPORTED)}, not {architectures}"
-            )
+            Problem(DRAFT_FLAG, f"standalone drafts with {supported}, not {architectures}")
         )
     target_vocab, draft_vocab = tokenizer_vocab(ctx.model), tokenizer_vocab(ctx.draft_model)
     if (target_vocab is None) != (draft_vocab is None):
