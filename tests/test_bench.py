@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,12 +131,13 @@ def test_a_row_is_the_run_of_median_step_time() -> None:
     """Every figure of a row comes from one run (the lower middle of an even count), the
     spread from all of them."""
     from outrider.daemon.bench.latency import Roofline, TimedRun, latency_row
+    from outrider.daemon.bench.roofline import WeightBytes
     from outrider.daemon.engine.timing import PhaseTimes
 
     def timed(decode_ms: float, steps: int, prefill_ms: float) -> TimedRun:
         return TimedRun(prefill_ms, decode_ms, PhaseTimes(steps, 0.0, decode_ms, 0.0, 0.0))
 
-    roofline = Roofline(bandwidth=1e9, weight_bytes=10**6, kv_bytes_per_token=10**3)
+    roofline = Roofline(bandwidth=1e9, weights=WeightBytes(10**6), kv_bytes_per_token=10**3)
     runs = [timed(40.0, 4, 1.0), timed(90.0, 3, 2.0), timed(44.0, 4, 3.0)]  # 10, 30, 11 ms
     row = latency_row(runs, roofline, batch=2, input_len=8, output_len=5)
     assert (row.runs, row.step_ms_min, row.step_ms, row.step_ms_max) == (3, 10.0, 11.0, 30.0)
@@ -188,3 +190,25 @@ def test_a_run_takes_its_own_flags_variables_only(
     monkeypatch.setenv("OUTRIDER_HTTP", "not an endpoint")
     facts, row = bench(capsys, "--model", llama_dir, "--input-len", "8", "--output-len", "3")
     assert (facts["speculative"], row["output_len"]) == ("ngram", 3)
+
+
+def test_a_moe_step_reads_the_experts_its_tokens_reach() -> None:
+    """Qwen3-30B-A3B: 48 sparse layers of 128 experts (gate, up, down of 2,048 x 768), 8 a
+    token; one token reads 8 experts a layer, a large batch nearly all of them."""
+    from outrider.daemon.bench.roofline import experts_reached, step_weight_bytes, weight_bytes
+    from outrider.plugins.models.config import ModelConfig
+
+    path = Path(__file__).parent / "fixtures" / "configs" / "Qwen3-30B-A3B.config.json"
+    config = ModelConfig.from_dict(json.loads(path.read_text()))
+    weights = step_weight_bytes(config, "bfloat16")
+    assert weights.experts == 48 * 128 * 3 * 2048 * 768 * 2
+    assert weights.total == weight_bytes(config, "bfloat16")
+    assert (weights.num_experts, weights.top_k) == (128, 8)
+    assert weights.per_step(1) == pytest.approx(weights.always + weights.experts * 8 / 128)
+    assert experts_reached(2, 128, 8) == pytest.approx(128 * (1 - (120 / 128) ** 2))
+    steps = [weights.per_step(tokens) for tokens in (1, 4, 32, 256, 4096)]
+    assert steps == sorted(steps) and steps[-1] == pytest.approx(weights.total)
+    dense = ModelConfig.from_dict(
+        json.loads((path.parent / "Llama-3.1-8B-Instruct.config.json").read_text())
+    )
+    assert step_weight_bytes(dense, "bfloat16").per_step(64) == weight_bytes(dense, "bfloat16")

@@ -2,9 +2,10 @@
 (scheduler, runner, overlap loop; no sockets), built from ``outrider serve``'s flags but those
 only a serving daemon uses (flags.py ``SERVING_ONLY``). Per row: prefill time, decode step
 time and tok/s next to the memory-bandwidth roofline (every weight except the input
-embeddings, plus the batch's KV at its mean context, over the read bandwidth measured on the
-spot), and for speculative decoding the tokens each row commits per step and the device time
-of a cycle's draft, verify and catch-up. A row per batch size and prompt length; with
+embeddings, of a mixture of experts only the experts the batch reaches (roofline.py), plus the
+batch's KV at its mean context, over the read bandwidth measured on the spot), and for
+speculative decoding the tokens each row commits per step and the device time of a cycle's
+draft, verify and catch-up. A row per batch size and prompt length; with
 ``--runs R`` each row is the run of median step time.
 
     outrider bench latency --model Llama-3.1-8B.config.json --load-format dummy \\

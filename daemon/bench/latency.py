@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from outrider.daemon.bench.latency_io import LatencyRow
-from outrider.daemon.bench.roofline import read_bandwidth, weight_bytes
+from outrider.daemon.bench.roofline import WeightBytes, read_bandwidth, step_weight_bytes
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.timing import PhaseTimer, PhaseTimes
@@ -74,7 +74,7 @@ def _measure(
     # Under tensor parallelism every rank reads its share at the same time.
     roofline = Roofline(
         bandwidth * config.tensor_parallel_size,
-        weight_bytes(engine.model_config, dtype),
+        step_weight_bytes(engine.model_config, dtype),
         kv_bytes_per_token(engine.model_config, dtype),
     )
     rows = []
@@ -99,21 +99,22 @@ def _measure(
         "torch_threads": torch.get_num_threads(),
         "width": engine.loop.runner.shape.width,
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-        "weight_gb": round(roofline.weight_bytes / 1e9, 3),
+        "weight_gb": round(roofline.weights.total / 1e9, 3),
     }
     return rows, facts
 
 
 class Roofline(NamedTuple):
-    """What one decode step must read: every weight once, and each row's KV."""
+    """What one decode step must read: every weight once (of a mixture of experts, the experts
+    the batch's tokens reach), and each row's KV."""
 
     bandwidth: float  # bytes/s, over every rank
-    weight_bytes: int
+    weights: WeightBytes
     kv_bytes_per_token: int
 
     def tok_s(self, batch: int, mean_context: float) -> float:
         """One token per row per step at ``bandwidth``."""
-        step_bytes = self.weight_bytes + batch * mean_context * self.kv_bytes_per_token
+        step_bytes = self.weights.per_step(batch) + batch * mean_context * self.kv_bytes_per_token
         return batch * self.bandwidth / step_bytes
 
 
