@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,33 @@ TINY: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
     "eos_token_id": [1, 2],
 }
+
+
+def mixed_prompts(seed: int, count: int) -> list[list[int]]:
+    """Half random, half a short random phrase repeated (n-gram drafts get accepted there)."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        if i % 2:
+            phrase = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 5))]
+            prompts.append(phrase * rng.randint(3, 5))
+        else:
+            prompts.append([rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 30))])
+    return prompts
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt alone, ``new_tokens`` long (no eos)."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
 
 
 def llama3_rope(theta: float = 10000.0) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import CUDA
 from engine_harness import debug_checks_fixture, engine_for, request, requests_for, run
-from model_fixtures import VOCAB, save_tiny_model
+from model_fixtures import VOCAB, hf_greedy, save_tiny_model
 
 from outrider.daemon.config import ConfigError
 from outrider.daemon.engine.plan import StepPlan
@@ -29,19 +29,6 @@ def _prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
-def _hf_greedy(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
 class Reference:
     def __init__(self, directory: Path, model: torch.nn.Module) -> None:
         self.directory = str(directory)
@@ -49,8 +36,8 @@ class Reference:
         # Shared 40-token prefix for prefix-cache hits.
         shared = _prompts(2, 1, 40, 40)[0]
         self.prefixed = [shared + tail for tail in _prompts(3, 4, 3, 9)]
-        self.expected = _hf_greedy(model, self.prompts)
-        self.expected_prefixed = _hf_greedy(model, self.prefixed)
+        self.expected = hf_greedy(model, self.prompts, NEW_TOKENS)
+        self.expected_prefixed = hf_greedy(model, self.prefixed, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

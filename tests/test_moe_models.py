@@ -5,7 +5,6 @@ n-gram speculation on a MoE target; real configs (Qwen3-30B-A3B, Mixtral-8x7B) s
 
 from __future__ import annotations
 
-import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,16 @@ import pytest
 import torch
 from conftest import CUDA
 from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tokens_of
-from model_fixtures import MOE_SHAPES, TINY, VOCAB, PagedRows, save_tiny_model, torch_backend
+from model_fixtures import (
+    MOE_SHAPES,
+    TINY,
+    VOCAB,
+    PagedRows,
+    hf_greedy,
+    mixed_prompts,
+    save_tiny_model,
+    torch_backend,
+)
 from safetensors.torch import load_file, save_file
 
 from outrider.plugins.graph_build import building_graph
@@ -48,33 +56,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _prompts(seed: int, count: int) -> list[list[int]]:
-    """Half random, half a short random phrase repeated (n-gram drafting can follow those)."""
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(count):
-        if i % 2:
-            phrase = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 5))]
-            prompts.append(phrase * rng.randint(3, 5))
-        else:
-            prompts.append([rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 30))])
-    return prompts
-
-
-PROMPTS = _prompts(1, 4)
-
-
-def _hf_greedy(model: Any, prompts: list[list[int]]) -> list[list[int]]:
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+PROMPTS = mixed_prompts(1, 4)
 
 
 @dataclass
@@ -90,7 +72,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Reference]
         directory = tmp_path_factory.mktemp(kind)
         with torch.no_grad():
             model = save_tiny_model(kind, directory, config_overrides=overrides)
-            out[name] = Reference(directory, _hf_greedy(model, PROMPTS))
+            out[name] = Reference(directory, hf_greedy(model, PROMPTS, NEW_TOKENS))
     return out
 
 

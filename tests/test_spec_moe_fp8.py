@@ -9,7 +9,6 @@ tokens it verifies to experts as text is routed."""
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from engine_harness import (
     tokens_of,
 )
 from fp8_fixtures import block_config, write_fp8_checkpoint
-from model_fixtures import VOCAB, save_drafts, save_repeating_eagle3, save_tiny_model
+from model_fixtures import mixed_prompts, save_drafts, save_repeating_eagle3, save_tiny_model
 from spec_stats import (
     BIG_BATCHES,
     SIGNIFICANCE,
@@ -46,20 +45,7 @@ debug_checks = debug_checks_fixture()
 NEW_TOKENS = 10
 
 
-def _prompts(seed: int, count: int) -> list[list[int]]:
-    """Half random, half a short random phrase repeated (n-gram drafts get accepted there)."""
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(count):
-        if i % 2:
-            phrase = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 5))]
-            prompts.append(phrase * rng.randint(3, 5))
-        else:
-            prompts.append([rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 30))])
-    return prompts
-
-
-PROMPTS = _prompts(2, 4)
+PROMPTS = mixed_prompts(2, 4)
 
 
 # Three layers: DFlash's taps stay off the last layer.

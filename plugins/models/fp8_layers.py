@@ -140,9 +140,6 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnParallelLinear):
     def checkpoint_parts(self) -> list[int]:
         return [self.out_features * self.tp.size]
 
-    def param_split(self, name: str) -> Split | None:
-        return self.tp.split(0)
-
 
 class Fp8FusedLinear(Fp8Linear, FusedLinear):
     def __init__(
@@ -172,9 +169,6 @@ class Fp8FusedLinear(Fp8Linear, FusedLinear):
 
     def checkpoint_parts(self) -> list[int]:
         return list(self.checkpoint_rows.values())
-
-    def param_split(self, name: str) -> Split | None:
-        return self.tp.split(0)
 
 
 class Fp8RowParallelLinear(Fp8Linear, RowParallelLinear):

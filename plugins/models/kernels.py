@@ -166,8 +166,7 @@ class TorchKernels:
         hit = torch.bincount(topk_ids.flatten(), minlength=w13.shape[0]).nonzero()
         for expert in hit.flatten().tolist():
             token, slot = torch.where(topk_ids == expert)  # [n] each, token order
-            gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+            y = _expert(x[token], w13[expert], w2[expert])  # [n, H]
             weighted = y.float() * topk_weights[token, slot].unsqueeze(-1)
             out.index_add_(0, token, weighted.to(x.dtype))
         return out
@@ -186,6 +185,12 @@ class TorchKernels:
         return w8a8_moe(x, experts, topk_weights, topk_ids, every_expert=in_graph_build())
 
 
+def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's MLP of ``x: [n, H]`` in ``x``'s dtype (``w13``: its gate rows, then up)."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
 def _every_expert(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -199,8 +204,7 @@ def _every_expert(
     out = torch.zeros_like(x)
     for expert in range(w13.shape[0]):
         weight = (topk_weights * (topk_ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]
-        gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])  # [T, H]
+        y = _expert(x, w13[expert], w2[expert])  # [T, H]
         out += (y.float() * weight).to(x.dtype)
     return out
 
