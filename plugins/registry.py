@@ -42,6 +42,7 @@ from outrider.plugins.checks import (
     draft_phases,
     speculative_problems,
     step_shape,
+    used_phases,
 )
 
 SUPPORTED_API_VERSIONS = frozenset({API_VERSION})
@@ -175,6 +176,10 @@ class Registry:
         if spec.speculative is None:
             return [Problem(SPECULATIVE_FLAG, f"{spec.name} declares no SpeculativeCapabilities")]
         return speculative_problems(spec, spec.speculative, ctx, self._attention_capabilities)
+
+    def used_phases(self, ctx: CheckContext) -> tuple[Phase, ...]:
+        """The attention phases ``ctx``'s configuration runs (``checks.used_phases``)."""
+        return used_phases(ctx, self._draft_phases(ctx))
 
     def _draft_phases(self, ctx: CheckContext) -> frozenset[Phase]:
         """The phases the draft of ``ctx``'s speculative algorithm runs (an unknown or broken

@@ -103,9 +103,12 @@ def test_the_registry_judges_each_candidate_in_its_slot(family_config: ServeConf
     registry = discover()
     on_cpu = choose_for(family_config, "float32", None, registry)
     assert set(on_cpu.routes.values()) == {"torch"} and on_cpu.skipped == ()
-    assert on_cpu.describe() == (
-        "prefill torch, decode torch, verify torch, draft torch (auto for CPU)"
-    )
+    assert on_cpu.describe() == "prefill torch, verify torch, draft torch (auto for CPU)"
+    assert on_cpu.idle == {"decode"}  # the speculative cycle decodes in the verify phase
+    plain = dataclasses.replace(family_config, speculative_algorithm="none", draft_model="")
+    plain_choice = choose_for(plain, "float32", None, registry)
+    assert plain_choice.idle == {"verify", "draft"}
+    assert plain_choice.describe() == "prefill torch, decode torch (auto for CPU)"
     cuda = dataclasses.replace(family_config, device="cuda")
     hopper = choose_for(cuda, "bfloat16", (9, 0), registry)
     assert "auto for Hopper, SM 9.0" in hopper.describe()

@@ -9,8 +9,9 @@ for /tokenize and /detokenize, a foreign Host or Origin. Inputs are drawn from `
 
 Checked: every good request got exactly one complete answer (a stream ends with a
 finish_reason and ``data: [DONE]``; a 200 body is a whole completion); every hostile one got
-its 4xx or 408 or lost its connection, in bounded time; the stalled streams were aborted; the
-HTTP process's fds come back and its RSS stays bounded; the log has no traceback.
+its 4xx or 408 or lost its connection, in bounded time; the stalled streams lost their
+connections and no request was left in the daemon; the HTTP process's fds come back and its
+RSS stays bounded; the log has no traceback.
 """
 
 from __future__ import annotations
@@ -407,15 +408,16 @@ def _proc_status(pid: int) -> tuple[int, int]:
     return rss, len(list(Path(f"/proc/{pid}/fd").iterdir()))
 
 
-def _aborted(endpoint: str) -> int:
+def _idle(endpoint: str) -> bool:
+    """Whether the daemon holds no request (none running, none waiting)."""
     with Client(endpoint) as client:
-        return client.server_info().requests_finished.get("abort", 0)
+        info = client.server_info()
+    return info.running == 0 and info.waiting == 0
 
 
 def test_http_fault_soak(server: HttpDaemon) -> None:
     pid = server.daemon.child_pid("http")
     rss_before, fds_before = _proc_status(pid)
-    aborted_before = _aborted(server.daemon.endpoint)
     soak = Soak(server)
     workers: list[tuple[str, Callable[[Soak, random.Random], None]]] = [
             ("good_stream", good_stream), ("good_stream", good_stream),
@@ -428,13 +430,10 @@ def test_http_fault_soak(server: HttpDaemon) -> None:
     soak.run(workers)
     assert not soak.failures, "\n".join(soak.failures[:20]) + f"\ncounts: {soak.counts}"
     assert set(soak.counts) == {kind for kind, _ in workers}, soak.counts
-    stalled = soak.counts["stalled_reader"]
-    poll_until(
-        lambda: _aborted(server.daemon.endpoint) >= aborted_before + stalled,
-        10.0,
-        "the stalled readers' requests aborted",
-        interval=0.2,
-    )
+    # Every request ended: a stalled reader's is aborted once the front sees the stall, or has
+    # finished before it where the model outruns the buffers (a GPU serves its 400 tokens long
+    # before the stall bound); none is left holding a slot.
+    poll_until(lambda: _idle(server.daemon.endpoint), 10.0, "every request ended", interval=0.2)
     # Every connection is closed once the clients are gone; memory stayed bounded.
     poll_until(lambda: _proc_status(pid)[1] <= fds_before + FD_SLACK, 10.0, "the HTTP fds closing")
     rss_after, _ = _proc_status(pid)

@@ -28,7 +28,7 @@ from outrider.daemon.engine.graph_settings import (
 from outrider.daemon.engine.graphs import capture_progress
 from outrider.daemon.engine.memory_plan import MemoryPlan, PlanInputs, plan_memory
 from outrider.daemon.engine.ranks import RankChannel
-from outrider.daemon.engine.runner import ModelRunner, RunnerLimits
+from outrider.daemon.engine.runner import ModelRunner, RunnerLimits, target_phases
 from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.engine.verify import SimulatedAcceptance, Verifier
 from outrider.daemon.internal import ModelFacts, own_request
@@ -289,7 +289,7 @@ def _build_runner(
         if speculative is not None
         else NoDraft(worker_context)
     )
-    backends = _backends(plugins, attention_shape, device)
+    backends = _backends(plugins, target_phases(shape), attention_shape, device)
     adaptive = adapts(config, shape)
     graphs = decode_graphs(
         graphing,
@@ -361,12 +361,18 @@ def _enable_debug_checks(runner: ModelRunner) -> None:
 
 
 def _backends(
-    plugins: ResolvedPlugins, shape: AttentionShape, device: torch.device
+    plugins: ResolvedPlugins,
+    phases: tuple[Phase, ...],
+    shape: AttentionShape,
+    device: torch.device,
 ) -> dict[Phase, AttentionBackend]:
-    """One backend instance per distinct name, shared by the phases routed to it."""
+    """The target's backends for ``phases``: one instance per distinct name, shared by the
+    phases routed to it (a slot no model runs builds nothing: its route was never checked
+    against a model's head dim)."""
     instances: dict[str, AttentionBackend] = {}
     routes: dict[Phase, AttentionBackend] = {}
-    for phase, resolved in plugins.attention.items():
+    for phase in phases:
+        resolved = plugins.attention[phase]
         name = resolved.spec.name
         if name not in instances:
             instances[name] = _backend(plugins, phase, shape, device)

@@ -322,8 +322,10 @@ class DecodeGraphs:
         """``run``'s graph in the shared pool, after a warm-up run on the warm-up stream, and
         what the captured run returned (its static outputs)."""
         # NOTE: capture synchronises; a launch under the sync check must not raise for it.
+        # Only a set check is lifted: setting the mode at all warns that it is a prototype.
         sync_mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
+        if sync_mode:
+            torch.cuda.set_sync_debug_mode(0)
         try:
             with _collector_paused():
                 # NOTE: a capture stages one extra step, so the next staging reuses the host set of
@@ -344,7 +346,8 @@ class DecodeGraphs:
                         outputs = run()
                 torch.cuda.synchronize()
         finally:
-            torch.cuda.set_sync_debug_mode(sync_mode)
+            if sync_mode:
+                torch.cuda.set_sync_debug_mode(sync_mode)
         return graph, outputs
 
     def replay(self, key: GraphKey) -> StepResults:

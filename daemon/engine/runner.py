@@ -72,6 +72,12 @@ if TYPE_CHECKING:
     from outrider.daemon.engine.ranks import RankChannel
 
 
+def target_phases(shape: StepShape) -> tuple[Phase, Phase]:
+    """The attention phases the target runs: prompts, and decode steps (the verify phase under
+    speculation, width-1 steps of adaptive drafting included). Draft phases are the draft's."""
+    return ("extend", "verify" if shape.speculative else "decode")
+
+
 class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor: ...
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
@@ -115,7 +121,7 @@ class ModelRunner:
         self.shape = shape
         self.limits = limits
         self.device = device
-        self.decode_phase: Phase = "verify" if shape.speculative else "decode"
+        self.decode_phase = target_phases(shape)[1]
         self.sync_check = False
         self.timer = PhaseTimer(device)  # benchmarks: device time per decode phase
         rows = limits.max_slots + 1

@@ -92,6 +92,9 @@ class AttentionChoice:
     chosen: frozenset[AttentionSlot]  # the slots left to ``auto``; the others were given
     generation: str
     skipped: tuple[Skipped, ...]
+    # Slots whose phases no model runs (verify without speculation, decode with it, draft
+    # without a draft model): routed and checked like the others, named nowhere.
+    idle: frozenset[AttentionSlot] = frozenset()
 
     @property
     def phase_routes(self) -> dict[Phase, str]:
@@ -100,23 +103,25 @@ class AttentionChoice:
 
     def describe(self) -> str:
         """One line: each slot's backend, and what decided it."""
-        slots = ", ".join(f"{slot} {self.routes[slot]}" for slot in SLOTS)
-        if not self.chosen:
+        named = [slot for slot in SLOTS if slot not in self.idle]
+        slots = ", ".join(f"{slot} {self.routes[slot]}" for slot in named)
+        if not self.chosen - self.idle:
             return f"{slots} (as given)"
-        given = [slot for slot in SLOTS if slot not in self.chosen]
+        given = [slot for slot in named if slot not in self.chosen]
         reason = f"auto for {self.generation}" + (f"; {', '.join(given)} given" if given else "")
         return f"{slots} ({reason})"
 
     def fallbacks(self) -> str | None:
         """One line naming each preferred backend that could not run and where its slots went;
         None when every chosen slot got its first preference."""
-        if not self.skipped:
-            return None
         parts = []
         for skip in self.skipped:
-            went = ", ".join(f"{slot} on {self.routes[slot]}" for slot in skip.slots)
-            parts.append(f"{skip.backend} cannot run here ({skip.why}): {went}")
-        return "attention auto: " + "; ".join(parts)
+            went = ", ".join(
+                f"{slot} on {self.routes[slot]}" for slot in skip.slots if slot not in self.idle
+            )
+            if went:
+                parts.append(f"{skip.backend} cannot run here ({skip.why}): {went}")
+        return "attention auto: " + "; ".join(parts) if parts else None
 
 
 def choose_attention(
@@ -182,4 +187,7 @@ def choose_for(
     row = generation(config.device, capability)
     if capability is not None:
         row = dataclasses.replace(row, name=f"{row.name}, SM {capability[0]}.{capability[1]}")
-    return choose_attention(config.requested_attention, row, candidate_problems(registry, ctx))
+    choice = choose_attention(config.requested_attention, row, candidate_problems(registry, ctx))
+    used = set(registry.used_phases(config.check_context(dtype, capability, choice.phase_routes)))
+    idle = frozenset(slot for slot in SLOTS if not used & set(SLOT_PHASES[slot]))
+    return dataclasses.replace(choice, idle=idle)
