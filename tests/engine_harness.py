@@ -104,10 +104,17 @@ def request(
 
 
 def requests_for(
-    prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None, first_rid: int = 0
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int | None,
+    first_rid: int = 0,
+    logprobs: int = 0,
 ) -> list[TokenizedRequest]:
     """One greedy ``request`` per prompt (eos ignored), rids counting up from ``first_rid``."""
-    return [request(first_rid + i, p, max_new_tokens=max_new_tokens) for i, p in enumerate(prompts)]
+    return [
+        request(first_rid + i, p, max_new_tokens=max_new_tokens, logprobs=logprobs)
+        for i, p in enumerate(prompts)
+    ]
 
 
 def tokens_of(outcomes: Mapping[int, Outcome]) -> dict[int, list[int]]:

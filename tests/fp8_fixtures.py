@@ -13,7 +13,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from outrider.plugins.models.fp8 import Fp8ExpertWeights, dequantize, quantize_weight
+from outrider.plugins.models.fp8 import (
+    FP8,
+    Fp8ExpertWeights,
+    Fp8Weight,
+    dequantize,
+    quantize_weight,
+    w8a8_linear,
+)
 
 E4M3_MAX = 448.0
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -185,3 +192,28 @@ def random_fp8_experts(
         torch.stack([w.scale for w in w2]),
         block,
     )
+
+
+def exact_operand(
+    rows: int, columns: int, block: tuple[int, int], gen: torch.Generator
+) -> torch.Tensor:
+    """``[rows, columns]`` float32 whose w8a8 products are exact in any order and precision:
+    -1, 0 or 1, a 7 at each group's first column, each ``block`` (rows, columns) times its own
+    power of two from 2^-3 to 2^3. Quantized per block (activations: ``(1, group)``), every
+    scale is that power times 2^-6 and every value 0, +-64 or 448, so each group's sum is a
+    small integer times a power of two: no float32 or tensor-core accumulation rounds it,
+    and a wrong scale or block shows as an inequality."""
+    device = gen.device
+    values = torch.randint(-1, 2, (rows, columns), generator=gen, device=device).float()
+    bn, bk = block
+    values[:, ::bk] = 7.0
+    blocks = (-(-rows // bn), -(-columns // bk))
+    powers = 2.0 ** torch.randint(-3, 4, blocks, generator=gen, device=device).float()
+    return values * powers.repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :columns]
+
+
+def product_magnitudes(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """The w8a8 reference of ``|x|`` and ``|W|`` (the same scales): each output's sum of its
+    products' magnitudes, what an accumulation error is measured against."""
+    magnitudes = Fp8Weight(weight.data.float().abs().to(FP8), weight.scale, weight.block)
+    return w8a8_linear(x.float().abs(), magnitudes, None)

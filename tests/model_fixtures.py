@@ -16,6 +16,7 @@ from outrider.plugins.api import NoOptions
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.attention.torch_impl import TorchAttention
 from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, KVCache
+from outrider.protocol.messages import TokenLogprob
 
 VOCAB = 300
 TINY: dict[str, Any] = {
@@ -55,6 +56,27 @@ def hf_greedy(model: Any, prompts: list[list[int]], new_tokens: int) -> list[lis
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
         )
         outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def hf_logprobs(
+    model: Any, prompts: list[list[int]], continuations: list[list[int]]
+) -> list[list[TokenLogprob]]:
+    """transformers' log-probabilities along each continuation, teacher-forced: each token's,
+    with its position's two best (the reference of the numeric rule, ``numeric_rule.py``)."""
+    outputs = []
+    for prompt, tokens in zip(prompts, continuations, strict=True):
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top = logprobs.topk(2, dim=-1)
+        outputs.append(
+            [
+                TokenLogprob(token, float(logprobs[i, token]), list(zip(ids, values, strict=True)))
+                for i, (token, ids, values) in enumerate(
+                    zip(tokens, top.indices.tolist(), top.values.tolist(), strict=True)
+                )
+            ]
+        )
     return outputs
 
 

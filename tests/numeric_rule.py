@@ -1,5 +1,5 @@
-"""ARCHITECTURE.md 4.4's numeric rule for GPU outputs in bf16/fp16, over greedy outputs that carry
-their top-2 log-probabilities (``logprobs=2``).
+"""ARCHITECTURE.md 4.4's numeric rule for GPU outputs, over greedy outputs that carry their
+top-2 log-probabilities (``logprobs=2``).
 
 Two paths over the same requests may round differently, so greedy tokens may part where the
 reference's two best candidates nearly tie. Up to the first divergence both saw the same
@@ -16,7 +16,9 @@ from collections.abc import Sequence
 
 from outrider.protocol.messages import TokenLogprob
 
-MAX_DIFF = {"bfloat16": 0.25, "float16": 0.05}
+# float32 on a GPU: kernels sum in other orders than the CPU, and a mixture of experts routes
+# by a top-k that such a difference can tip where two experts nearly tie.
+MAX_DIFF = {"bfloat16": 0.25, "float16": 0.05, "float32": 1e-3}
 
 
 def assert_within_rule(

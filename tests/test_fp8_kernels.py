@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8_fixtures import exact_operand, product_magnitudes
 
 from outrider.plugins.models.fp8 import (
     FP8,
@@ -52,35 +53,33 @@ def test_activation_quantization_is_the_references(group: int) -> None:
     assert torch.equal(got.scale, ref.scale)
 
 
-# (rows, columns, block): rows past a GEMM tile and a partial last row block (40 rows in
-# blocks of 32); a partial last K group (80 columns in groups of 32) and whole ones.
-SHAPES = [(48, 64, (16, 32)), (40, 80, (32, 32)), (136, 64, (32, 16))]
+# (rows, columns, block): rows past a GEMM tile (136 past 128) and partial last row blocks
+# (40 rows in blocks of 32, 136 in blocks of 64); a partial last K group (80 columns in groups
+# of 32) and whole ones.
+SHAPES = [(48, 64, (16, 32)), (40, 80, (32, 32)), (136, 64, (64, 32))]
+# A GEMM's FP8 tensor-core sums keep fewer bits than float32 within a group (Hopper: about
+# 14): bounded by this share of the output's sum of product magnitudes.
+ACCUMULATION = 2**-9
 
 
 @pytest.mark.parametrize(("n", "k", "block"), SHAPES)
 def test_block_gemm_is_the_reference_product(n: int, k: int, block: tuple[int, int]) -> None:
-    """The GEMM from the reference's quantized activations, with and without a bias."""
+    """The GEMM from the reference's quantized activations, with and without a bias: equal
+    to the bit on exact operands (``exact_operand``)."""
     from outrider.plugins.models import fp8_kernels
 
     gen = _gen()
-    weight = quantize_weight(torch.randn(n, k, generator=gen, device=DEVICE), block)
-    x = torch.randn(70, k, generator=gen, device=DEVICE)
-    bias = torch.randn(n, generator=gen, device=DEVICE)
+    weight = quantize_weight(exact_operand(n, k, block, gen), block)
+    x = exact_operand(70, k, (1, block[1]), gen)
     acts = quantize_activations(x, block[1])
-    for b in (bias, None):
+    for b in (_exact_bias(n, gen), None):
         got = fp8_kernels.scaled_block_gemm(acts, weight, b, x.dtype)
-        torch.testing.assert_close(got, w8a8_linear(x, weight, b), atol=1e-4, rtol=1e-5)
+        assert torch.equal(got, w8a8_linear(x, weight, b))
 
 
-def _representable(tokens: int, k: int, group: int) -> torch.Tensor:
-    """``[tokens, k]`` activations that quantize without rounding: e4m3 values times a power
-    of two per group, each group's largest 448 of them (its scale that power of two)."""
-    gen = _gen()
-    values = torch.randn(tokens, k, generator=gen, device=DEVICE).clamp(-400, 400)
-    values = (values * 64).to(FP8).float()
-    values[:, ::group] = 448.0
-    powers = 2.0 ** torch.randint(-3, 4, (tokens, -(-k // group)), generator=gen, device=DEVICE)
-    return values * powers.repeat_interleave(group, dim=1)[:, :k]
+def _exact_bias(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Halves from -4 to 4: added to an exact sum without rounding."""
+    return torch.randint(-8, 9, (n,), generator=gen, device=DEVICE) / 2
 
 
 @pytest.mark.parametrize(("n", "k", "block"), SHAPES)
@@ -88,19 +87,19 @@ def _representable(tokens: int, k: int, group: int) -> torch.Tensor:
 def test_quantizing_kernels_on_representable_activations(
     n: int, k: int, block: tuple[int, int], tokens: int
 ) -> None:
-    """Where no value rounds (so the interpreter's casts are exact too): the quantization
-    kernel's values and scales, the GEMV (one token) and quantization with the GEMM (five)
-    against the reference."""
+    """Exact operands, where no value rounds (so the interpreter's casts are exact too): the
+    quantization kernel's values and scales, the GEMV (one token) and quantization with the
+    GEMM (five), all equal to the reference's to the bit."""
     from outrider.plugins.models import fp8_kernels
 
-    x = _representable(tokens, k, block[1])
+    gen = _gen()
+    x = exact_operand(tokens, k, (1, block[1]), gen)
     acts, ref = fp8_kernels.quantize_activations(x, block[1]), quantize_activations(x, block[1])
     assert torch.equal(acts.data.float(), ref.data.float())
     assert torch.equal(acts.scale, ref.scale)
-    weight = quantize_weight(torch.randn(n, k, generator=_gen(), device=DEVICE), block)
-    bias = torch.randn(n, generator=_gen(), device=DEVICE)
-    got = fp8_kernels.fp8_linear(x, weight, bias)
-    torch.testing.assert_close(got, w8a8_linear(x, weight, bias), atol=1e-3, rtol=1e-5)
+    weight = quantize_weight(exact_operand(n, k, block, gen), block)
+    bias = _exact_bias(n, gen)
+    assert torch.equal(fp8_kernels.fp8_linear(x, weight, bias), w8a8_linear(x, weight, bias))
 
 
 @pytest.mark.gpu  # they quantize: see above
@@ -109,36 +108,37 @@ def test_quantizing_kernels_on_representable_activations(
 def test_block_kernels_are_the_reference_product(
     n: int, k: int, block: tuple[int, int], tokens: int
 ) -> None:
-    """One token through the GEMV, five through quantization and the GEMM, float32 and
-    bfloat16 (a bf16 step apart at most: both round once from float32)."""
+    """Random operands, which round: one token through the GEMV, five through quantization
+    and the GEMM, float32 and bfloat16 (both round once from float32: a bf16 step apart at
+    most, beyond the accumulation's share)."""
     from outrider.plugins.models import fp8_kernels
 
     gen = _gen()
     weight = quantize_weight(torch.randn(n, k, generator=gen, device=DEVICE), block)
     x = torch.randn(tokens, k, generator=gen, device=DEVICE)
     bias = torch.randn(n, generator=gen, device=DEVICE)
+    bound = ACCUMULATION * product_magnitudes(x, weight)
     got = fp8_kernels.fp8_linear(x, weight, bias)
-    torch.testing.assert_close(got, w8a8_linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    assert ((got - w8a8_linear(x, weight, bias)).abs() <= bound).all()
     got = fp8_kernels.fp8_linear(x.bfloat16(), weight, bias.bfloat16())
-    ref = w8a8_linear(x.bfloat16(), weight, bias.bfloat16())
-    torch.testing.assert_close(got.float(), ref.float(), atol=1e-2, rtol=2**-7)
+    ref = w8a8_linear(x.bfloat16(), weight, bias.bfloat16()).float()
+    assert ((got.float() - ref).abs() <= bound + 2**-8 * ref.abs()).all()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 64])
 def test_scaled_mm_is_the_reference_product(tokens: int) -> None:
-    """Per-channel weights through ``torch._scaled_mm`` (bf16 out) against the reference."""
+    """Per-channel weights through ``torch._scaled_mm`` (bf16 out) on exact operands: the
+    reference's result to the bit (the same exact sum plus bias, rounded once to bf16)."""
     from outrider.plugins.models import fp8_kernels
 
     gen = _gen()
-    weight = quantize_weight(torch.randn(256, 512, generator=gen, device=DEVICE), None)
-    x = torch.randn(tokens, 512, generator=gen, device=DEVICE).bfloat16()
-    bias = torch.randn(256, generator=gen, device=DEVICE).bfloat16()
+    weight = quantize_weight(exact_operand(256, 512, (1, 512), gen), None)
+    x = exact_operand(tokens, 512, (1, 512), gen).bfloat16()
+    bias = _exact_bias(256, gen).bfloat16()
     got = fp8_kernels.fp8_linear(x, weight, bias)
-    ref = w8a8_linear(x, weight, bias)
     assert got.dtype == torch.bfloat16
-    # Both round once to bf16 from float32 sums in different orders: a bf16 step at most.
-    torch.testing.assert_close(got.float(), ref.float(), atol=0.0, rtol=2**-7)
+    assert torch.equal(got, w8a8_linear(x, weight, bias))
 
 
 class _Fp8OnGpu(TorchKernels):
@@ -158,8 +158,9 @@ def test_fp8_model_on_the_gpu_kernels(tmp_path: Path, block: tuple[int, int] | N
     """A dummy FP8 model in bf16 on the GPU (128-row heads and blocks): its fused q/k/v, o
     and MLP projections of nine tokens and of one on the GPU kernels against the reference
     kernels'. Each rounds to bf16 where the other does, but a bf16 step in the MLP's middle
-    can move one of down_proj's e4m3 inputs by a step (1/16 of itself): 2 % of the output's
-    largest value bounds a few of those, while a wrong scale or block is off by far more."""
+    can move one of down_proj's e4m3 inputs by a step (1/16 of itself), and the tensor cores'
+    shorter sums (``ACCUMULATION``) move more of them: 4 % of the output's largest value
+    bounds those (2.1 % seen on an H200), while a wrong scale or block is off by far more."""
     from fp8_fixtures import block_config, channel_config
     from model_fixtures import TINY
 
@@ -188,4 +189,4 @@ def test_fp8_model_on_the_gpu_kernels(tmp_path: Path, block: tuple[int, int] | N
             ]
     for got, ref in zip(outputs["gpu"], outputs["reference"], strict=True):
         assert got.dtype == torch.bfloat16 and got.shape == ref.shape
-        assert (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+        assert (got.float() - ref.float()).abs().max() <= 0.04 * ref.float().abs().max()

@@ -132,10 +132,11 @@ def test_blocks_the_kernels_cannot_take_run_the_reference() -> None:
 
 def _within(got: torch.Tensor, ref: torch.Tensor) -> None:
     """A float32 sum in another order can land one e4m3 input of the down product on the
-    other side of a rounding boundary (1/16 of itself): 2 % of the output's largest value
-    bounds a few of those; a wrong scale or block is off by far more."""
+    other side of a rounding boundary (1/16 of itself), and the FP8 tensor cores' shorter
+    sums move more of them: 4 % of the output's largest value bounds those (2.6 % seen on an
+    H200); a wrong scale or block is off by far more."""
     assert got.dtype == ref.dtype and got.shape == ref.shape
-    assert (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+    assert (got.float() - ref.float()).abs().max() <= 0.04 * ref.float().abs().max()
 
 
 @pytest.mark.gpu  # the layer quantizes: see the module docstring

@@ -59,6 +59,13 @@ class Fp8Activations:
     scale: torch.Tensor
 
 
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax, floor) / 448``, correctly rounded on every device. NOTE: CUDA divides by a
+    Python number as a product with its rounded reciprocal, an ulp off now and then; a
+    divisor on the device divides exactly, as the Triton kernels do (``div_rn``)."""
+    return amax.clamp(min=AMAX_FLOOR) / amax.new_full((), FP8_MAX)
+
+
 def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
     """``x: [R, K]`` float32 -> ``[R, ceil(K / group), group]``, zero-padded along K."""
     rows, k = x.shape
@@ -73,7 +80,7 @@ def _quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
     one per row and group of ``group`` columns."""
     k = x.shape[1]
     groups = _grouped(x.float(), group)
-    scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
+    scale = _scale_of(groups.abs().amax(dim=-1, keepdim=True))
     values = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values.flatten(1)[:, :k], scale.squeeze(-1)
 
@@ -98,7 +105,7 @@ def quantize_weight(weight: torch.Tensor, block: tuple[int, int] | None) -> Fp8W
     if pad:
         blocks = torch.nn.functional.pad(blocks, (0, 0, 0, 0, 0, pad))
     by_block = blocks.view(-1, bn, blocks.shape[1], bk)  # [Nb, bn, Kb, bk]
-    scale = by_block.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR) / FP8_MAX  # [Nb, Kb]
+    scale = _scale_of(by_block.abs().amax(dim=(1, 3)))  # [Nb, Kb]
     values = (by_block / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8Weight(values.view(-1, blocks.shape[1] * bk)[:n, :k], scale, block)
 

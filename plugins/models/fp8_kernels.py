@@ -17,7 +17,7 @@ activations that need no rounding, the GEMM also from the reference's quantized 
 their rounding is checked on a GPU.
 
 What these kernels cannot serve (fp16 with per-channel weights, a group that is not a power
-of two of at least 16, non-contiguous rows) runs the reference on the GPU. Tile sizes are
+of two of at least 32, non-contiguous rows) runs the reference on the GPU. Tile sizes are
 first guesses, to be measured on an H100.
 """
 
@@ -48,7 +48,8 @@ _QUANT_CHUNK = 1024
 _GEMV_BLOCK_N = 8
 _GEMM_BLOCK_M = 64
 _GEMM_BLOCK_N = 128
-_MIN_DOT_K = 16
+# tl.dot of 8-bit tiles reduces at least 32 columns (Triton's smallest dot of e4m3 operands).
+_MIN_DOT_K = 32
 # torch._scaled_mm wants K and N multiples of 16.
 _SCALED_MM_ALIGN = 16
 _SCALED_MM_MIN_CAPABILITY = (8, 9)
@@ -234,8 +235,8 @@ def _scaled_mm_serves(x: torch.Tensor, weight: Fp8Weight) -> bool:
     )
 
 
-def _blocks_serve(x: torch.Tensor, weight: Fp8Weight) -> bool:
-    group = weight.group
+def dot_takes_group(group: int) -> bool:
+    """Whether a GEMM's ``tl.dot`` can reduce one activation group of ``group`` columns."""
     return group >= _MIN_DOT_K and group == triton.next_power_of_2(group)
 
 
@@ -248,7 +249,7 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) ->
         if _scaled_mm_serves(x, weight):
             return channel_scaled_mm(x.contiguous(), weight, bias)
         return w8a8_linear(x, weight, bias)
-    if not _blocks_serve(x, weight):
+    if not dot_takes_group(weight.group):
         return w8a8_linear(x, weight, bias)
     if x.shape[0] == 1:
         return block_gemv(x, weight, bias)

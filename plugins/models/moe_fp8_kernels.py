@@ -20,7 +20,7 @@ output is rounded once. No host synchronisation (CUDA-graph safe).
 
 NOTE: Triton's interpreter rounds some float32 -> e4m3 casts wrong (``fp8_kernels.py``): on
 CPU the GEMMs and GEMVs are checked from the reference's quantized activations; the whole
-layer needs a GPU. A group that ``tl.dot`` cannot take (not a power of two of at least 16)
+layer needs a GPU. A group that ``tl.dot`` cannot take (not a power of two of at least 32)
 runs the reference.
 """
 
@@ -45,8 +45,6 @@ from outrider.plugins.models.moe_kernels import (
 )
 from outrider.plugins.models.triton_kernels import _silu_mul
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
-
-_MIN_DOT_K = 16
 
 
 @triton.jit
@@ -197,8 +195,7 @@ def _down_gemv_kernel(
 
 def kernels_serve(experts: Fp8ExpertWeights) -> bool:
     """Whether these kernels take ``experts``' blocks: a group ``tl.dot`` can reduce."""
-    group = experts.block[1]
-    return group >= _MIN_DOT_K and group == triton.next_power_of_2(group)
+    return fp8_kernels.dot_takes_group(experts.block[1])
 
 
 def fused_moe_fp8(
