@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from outrider.plugins.models.fp8 import (
+from outrider.plugins.models.fp8.reference import (
     FP8,
     Fp8ExpertWeights,
     Fp8Weight,

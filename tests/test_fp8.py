@@ -24,9 +24,9 @@ from model_fixtures import TINY, VOCAB, PagedRows, save_tiny_model, torch_backen
 from safetensors.torch import load_file
 
 from outrider.plugins.models.config import ModelConfig
-from outrider.plugins.models.fp8 import FP8, Fp8Weight, dequantize, w8a8_linear
-from outrider.plugins.models.fp8_config import SUPPORTED, Fp8Config, parse_quantization
-from outrider.plugins.models.fp8_layers import Fp8Linear
+from outrider.plugins.models.fp8.config import SUPPORTED, Fp8Config, parse_quantization
+from outrider.plugins.models.fp8.layers import Fp8Linear
+from outrider.plugins.models.fp8.reference import FP8, Fp8Weight, dequantize, w8a8_linear
 from outrider.plugins.models.loader import build_model, check_checkpoint_layout, load_model
 from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.models.weights import checkpoint_tensors
@@ -199,7 +199,7 @@ def test_reference_product_is_the_w8a8_arithmetic(block: tuple[int, int] | None)
     x = torch.randn(5, 96, generator=gen) * 3
     x[1, :32] = 0.0
     bias = torch.randn(40, generator=gen)
-    from outrider.plugins.models.fp8 import quantize_weight
+    from outrider.plugins.models.fp8.reference import quantize_weight
 
     fp8 = quantize_weight(weight, block)
     assert fp8.data.dtype == FP8 and fp8.scale.dtype == torch.float32

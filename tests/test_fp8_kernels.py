@@ -1,8 +1,8 @@
-"""The GPU paths of FP8 projections (``plugins/models/fp8_kernels.py``) against the reference
-arithmetic (``fp8.py``): activation quantization bit for bit, the block-scaled GEMV and GEMM
-to float32 accumulation order. Without a GPU the Triton kernels run in Triton's interpreter
-on CPU tensors, which rounds some float32 -> e4m3 casts wrong: there the kernels that quantize
-see activations that need no rounding, the GEMM the reference's quantized ones; rounding,
+"""The GPU paths of FP8 projections (``plugins/models/fp8/kernels.py``) against the reference
+arithmetic (``fp8/reference.py``): activation quantization bit for bit, the block-scaled GEMV and
+GEMM to float32 accumulation order. Without a GPU the Triton kernels run in Triton's interpreter on
+CPU tensors, which rounds some float32 -> e4m3 casts wrong: there the kernels that quantize see
+activations that need no rounding, the GEMM the reference's quantized ones; rounding,
 ``torch._scaled_mm`` and an FP8 model's projections on these kernels need a GPU."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from fp8_fixtures import exact_operand, product_magnitudes
 
-from outrider.plugins.models.fp8 import (
+from outrider.plugins.models.fp8.reference import (
     FP8,
     Fp8Weight,
     quantize_activations,
@@ -36,12 +36,12 @@ def _gen() -> torch.Generator:
     return torch.Generator(device=DEVICE).manual_seed(0)
 
 
-@pytest.mark.gpu  # the interpreter rounds some e4m3 casts wrong (fp8_kernels.py)
+@pytest.mark.gpu  # the interpreter rounds some e4m3 casts wrong (fp8/kernels.py)
 @pytest.mark.parametrize("group", [32, 96])
 def test_activation_quantization_is_the_references(group: int) -> None:
     """Values and scales equal to the bit: groups past the row's end, a row of zeros, a
     group (96, per channel) that is no power of two, values past e4m3's range."""
-    from outrider.plugins.models import fp8_kernels
+    from outrider.plugins.models.fp8 import kernels as fp8_kernels
 
     x = torch.randn(4, 96, generator=_gen(), device=DEVICE) * 5
     x[2] = 0.0
@@ -66,7 +66,7 @@ ACCUMULATION = 2**-9
 def test_block_gemm_is_the_reference_product(n: int, k: int, block: tuple[int, int]) -> None:
     """The GEMM from the reference's quantized activations, with and without a bias: equal
     to the bit on exact operands (``exact_operand``)."""
-    from outrider.plugins.models import fp8_kernels
+    from outrider.plugins.models.fp8 import kernels as fp8_kernels
 
     gen = _gen()
     weight = quantize_weight(exact_operand(n, k, block, gen), block)
@@ -90,7 +90,7 @@ def test_quantizing_kernels_on_representable_activations(
     """Exact operands, where no value rounds (so the interpreter's casts are exact too): the
     quantization kernel's values and scales, the GEMV (one token) and quantization with the
     GEMM (five), all equal to the reference's to the bit."""
-    from outrider.plugins.models import fp8_kernels
+    from outrider.plugins.models.fp8 import kernels as fp8_kernels
 
     gen = _gen()
     x = exact_operand(tokens, k, (1, block[1]), gen)
@@ -111,7 +111,7 @@ def test_block_kernels_are_the_reference_product(
     """Random operands, which round: one token through the GEMV, five through quantization
     and the GEMM, float32 and bfloat16 (both round once from float32: a bf16 step apart at
     most, beyond the accumulation's share)."""
-    from outrider.plugins.models import fp8_kernels
+    from outrider.plugins.models.fp8 import kernels as fp8_kernels
 
     gen = _gen()
     weight = quantize_weight(torch.randn(n, k, generator=gen, device=DEVICE), block)
@@ -130,7 +130,7 @@ def test_block_kernels_are_the_reference_product(
 def test_scaled_mm_is_the_reference_product(tokens: int) -> None:
     """Per-channel weights through ``torch._scaled_mm`` (bf16 out) on exact operands: the
     reference's result to the bit (the same exact sum plus bias, rounded once to bf16)."""
-    from outrider.plugins.models import fp8_kernels
+    from outrider.plugins.models.fp8 import kernels as fp8_kernels
 
     gen = _gen()
     weight = quantize_weight(exact_operand(256, 512, (1, 512), gen), None)
@@ -142,12 +142,12 @@ def test_scaled_mm_is_the_reference_product(tokens: int) -> None:
 
 
 class _Fp8OnGpu(TorchKernels):
-    """The reference kernels but for the FP8 projections, which run ``fp8_kernels``'."""
+    """The reference kernels but for the FP8 projections, which run ``fp8/kernels.py``'s."""
 
     def fp8_linear(
         self, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        from outrider.plugins.models import fp8_kernels
+        from outrider.plugins.models.fp8 import kernels as fp8_kernels
 
         return fp8_kernels.fp8_linear(x, weight, bias)
 

@@ -1,4 +1,4 @@
-"""FP8 mixtures of experts (plugins/models/fp8_experts.py, ``fused_moe_fp8``) on CPU: a tiny
+"""FP8 mixtures of experts (plugins/models/fp8/experts.py, ``fused_moe_fp8``) on CPU: a tiny
 random Qwen3-MoE quantized here in the block format (16 x 32 blocks) runs the greedy tokens of
 HF's with the same dequantized weights and the same w8a8 arithmetic, its logits near the
 unquantized model's; the router stays 16-bit; the rank's cut of expert weights and scales; the
@@ -28,10 +28,10 @@ from safetensors.torch import load_file
 
 from outrider.plugins.graph_build import building_graph
 from outrider.plugins.models.config import ModelConfig
-from outrider.plugins.models.fp8 import FP8
-from outrider.plugins.models.fp8_config import FP8_EXPERTS_REFUSAL, quantization_problems
-from outrider.plugins.models.fp8_experts import Fp8Experts
-from outrider.plugins.models.fp8_layers import Fp8Linear
+from outrider.plugins.models.fp8.config import FP8_EXPERTS_REFUSAL, quantization_problems
+from outrider.plugins.models.fp8.experts import Fp8Experts
+from outrider.plugins.models.fp8.layers import Fp8Linear
+from outrider.plugins.models.fp8.reference import FP8
 from outrider.plugins.models.kernels import TORCH_KERNELS
 from outrider.plugins.models.loader import build_model, check_checkpoint_layout, load_model
 from outrider.plugins.models.parallel import TPGroup
@@ -109,7 +109,7 @@ def test_fused_moe_fp8_is_the_w8a8_arithmetic() -> None:
     """``kernels.fused_moe_fp8`` against the sum written out token by token in float64 from
     the dequantized experts and the inputs quantized per token and group of 32 (twice: x,
     then the SiLU-and-multiply); the graph-safe path (every expert on every token) equal."""
-    from outrider.plugins.models.fp8 import dequantize
+    from outrider.plugins.models.fp8.reference import dequantize
 
     tokens, hidden, inter, count, k = 6, 64, 32, 5, 2
     experts = random_fp8_experts(count, hidden, inter, BLOCK, seed=3)

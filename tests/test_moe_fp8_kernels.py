@@ -1,8 +1,8 @@
-"""The FP8 fused MoE kernels (``plugins/models/moe_fp8_kernels.py``) against the reference
-arithmetic (``fp8.w8a8_moe``). Without a GPU the kernels run in Triton's interpreter, which
-rounds some float32 -> e4m3 casts wrong: there the GEMMs and GEMVs take the reference's
-quantized activations (x, then the intermediate); the whole layer, which quantizes, and a
-realistic shape need a GPU."""
+"""The FP8 fused MoE kernels (``plugins/models/fp8/moe_kernels.py``) against the reference
+arithmetic (``fp8.reference.w8a8_moe``). Without a GPU the kernels run in Triton's interpreter,
+which rounds some float32 -> e4m3 casts wrong: there the GEMMs and GEMVs take the reference's
+quantized activations (x, then the intermediate); the whole layer, which quantizes, and a realistic
+shape need a GPU."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from fp8_fixtures import random_fp8_experts
 
-from outrider.plugins.models.fp8 import (
+from outrider.plugins.models.fp8.reference import (
     Fp8Activations,
     Fp8ExpertWeights,
     dequantize,
     quantize_activations,
     w8a8_moe,
 )
-from outrider.plugins.models.moe_config import GemmTiles, GemvTiles, MoeKernelConfig
+from outrider.plugins.models.moe.tiles import GemmTiles, GemvTiles, MoeKernelConfig
 
 CUDA = torch.cuda.is_available()  # without one, conftest.py runs Triton's interpreter
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -90,9 +90,9 @@ def _float32_close(got: torch.Tensor, ref: torch.Tensor) -> None:
 def test_gemms_and_gemvs_from_the_references_activations(tokens: int) -> None:
     """Both paths' gate/up (with SiLU-and-multiply) from the reference's quantized x, and
     their down (weighted, summed per token) from the reference's quantized intermediate."""
-    from outrider.plugins.models import moe_fp8_kernels as mk
-    from outrider.plugins.models.moe_align import align_pairs
-    from outrider.plugins.models.moe_kernels import _SUM_BLOCK, _sum_slots_kernel
+    from outrider.plugins.models.fp8 import moe_kernels as mk
+    from outrider.plugins.models.moe.align import align_pairs
+    from outrider.plugins.models.moe.kernels import _SUM_BLOCK, _sum_slots_kernel
 
     experts = random_fp8_experts(EXPERTS, HIDDEN, INTER, BLOCK, DEVICE)
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator(device=DEVICE).manual_seed(1),
@@ -120,7 +120,7 @@ def test_gemms_and_gemvs_from_the_references_activations(tokens: int) -> None:
 
 def test_blocks_the_kernels_cannot_take_run_the_reference() -> None:
     """Groups of 24 (no power of two): the reference arithmetic, exactly."""
-    from outrider.plugins.models import moe_fp8_kernels as mk
+    from outrider.plugins.models.fp8 import moe_kernels as mk
 
     experts = random_fp8_experts(4, 48, 48, (24, 24), DEVICE)
     assert not mk.kernels_serve(experts)
@@ -146,7 +146,7 @@ def test_fused_moe_fp8_is_the_reference_on_a_gpu(tokens: int, dtype: torch.dtype
     """Qwen3-30B-A3B's expert shape at one rank of two (384 rows: three blocks of 128):
     the decode path (1, 4 tokens at k = 8) and the grouped one (64, 300) against
     ``w8a8_moe``, in float32 and bfloat16; a CUDA graph replays the decode path."""
-    from outrider.plugins.models import moe_fp8_kernels as mk
+    from outrider.plugins.models.fp8 import moe_kernels as mk
 
     experts = random_fp8_experts(128, 2048, 384, (128, 128), DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
@@ -182,7 +182,7 @@ def test_fp8_moe_model_on_the_gpu_kernels(tmp_path: Path) -> None:
             topk_weights: torch.Tensor,
             topk_ids: torch.Tensor,
         ) -> torch.Tensor:
-            from outrider.plugins.models import moe_fp8_kernels
+            from outrider.plugins.models.fp8 import moe_kernels as moe_fp8_kernels
 
             return moe_fp8_kernels.fused_moe_fp8(x, experts, topk_weights, topk_ids)
 

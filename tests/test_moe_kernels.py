@@ -1,4 +1,4 @@
-"""The fused MoE kernels (``plugins/models/moe_kernels.py``) against a plain torch reference,
+"""The fused MoE kernels (``plugins/models/moe/kernels.py``) against a plain torch reference,
 the expert alignment's invariants, the config tables and the tuning command's enumeration and
 file writing. Without a GPU the kernels run in Triton's interpreter on CPU tensors (tiny
 shapes, float32 and bfloat16); the GPU tests take a realistic shape and a CUDA graph."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from outrider.plugins.models.moe_config import (
+from outrider.plugins.models.moe.tiles import (
     CONFIG_DIR,
     GemmTiles,
     GemvTiles,
@@ -92,12 +92,12 @@ def reference_moe(
 
 
 def check_alignment(topk_ids: torch.Tensor, experts: int, block_m: int) -> None:
-    from outrider.plugins.models import moe_align
+    from outrider.plugins.models.moe import align
 
-    aligned = moe_align.align_pairs(topk_ids, experts, block_m)
+    aligned = align.align_pairs(topk_ids, experts, block_m)
     ids = topk_ids.flatten().tolist()
     num_pairs = len(ids)
-    blocks = moe_align.max_blocks(num_pairs, experts, block_m)
+    blocks = align.max_blocks(num_pairs, experts, block_m)
     sorted_pairs = aligned.sorted_pairs.tolist()
     block_experts = aligned.block_experts.tolist()
     assert len(sorted_pairs) == blocks * block_m and len(block_experts) == blocks
@@ -144,7 +144,7 @@ def float32_batches() -> dict[int, Routed]:
 def test_both_paths_are_the_reference_in_float32(
     tokens: int, float32_batches: dict[int, Routed]
 ) -> None:
-    from outrider.plugins.models import moe_kernels as mk
+    from outrider.plugins.models.moe import kernels as mk
 
     batch = float32_batches[tokens]
     x = batch[0]
@@ -159,7 +159,7 @@ def test_both_paths_are_the_reference_in_float32(
 
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 def test_both_paths_match_the_reference_in_bfloat16(tokens: int) -> None:
-    from outrider.plugins.models import moe_kernels as mk
+    from outrider.plugins.models.moe import kernels as mk
 
     batch = routed_batch(SMALL, tokens, torch.bfloat16, seed=1)
     x = batch[0]
@@ -174,7 +174,7 @@ def test_both_paths_match_the_reference_in_bfloat16(tokens: int) -> None:
 def test_fused_moe_takes_the_gemvs_up_to_the_pair_limit_then_chunks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from outrider.plugins.models import moe_kernels as mk
+    from outrider.plugins.models.moe import kernels as mk
 
     calls: list[tuple[str, int]] = []
 
@@ -202,7 +202,7 @@ def test_fused_moe_takes_the_gemvs_up_to_the_pair_limit_then_chunks(
 
 
 def test_fused_moe_chunks_add_up_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    from outrider.plugins.models import moe_kernels as mk
+    from outrider.plugins.models.moe import kernels as mk
 
     # Two chunks of the grouped path at the heuristic's config (the CPU's).
     monkeypatch.setattr(mk, "DECODE_MAX_PAIRS", 8)
@@ -212,7 +212,7 @@ def test_fused_moe_chunks_add_up_to_the_reference(monkeypatch: pytest.MonkeyPatc
 
 
 def test_fused_moe_names_each_breach_of_its_contract() -> None:
-    from outrider.plugins.models import moe_kernels as mk
+    from outrider.plugins.models.moe import kernels as mk
 
     x, w13, w2, weights, ids = routed_batch(SMALL, 2, torch.float32)
     with pytest.raises(ValueError, match=r"topk_ids \(2, 2\) torch.int64 is not int32"):
@@ -251,7 +251,7 @@ def test_configs_come_from_the_device_file_then_the_generation_then_the_heuristi
 
 
 def test_the_shipped_table_and_the_heuristic_give_configs_that_compile_on_hopper() -> None:
-    from outrider.plugins.models.moe_tune import SHARED_MEMORY_BYTES, shared_memory_bytes
+    from outrider.plugins.models.moe.tune import SHARED_MEMORY_BYTES, shared_memory_bytes
 
     path = CONFIG_DIR / "sm90.json"
     assert json.loads(path.read_text())["tuned"] is False
@@ -270,56 +270,56 @@ def test_the_shipped_table_and_the_heuristic_give_configs_that_compile_on_hopper
 
 
 def test_the_tuner_enumerates_distinct_tiles_that_fit_shared_memory() -> None:
-    from outrider.plugins.models import moe_tune
+    from outrider.plugins.models.moe import tune
 
     qwen = MoeShape(experts=128, hidden=2048, intermediate=768, topk=8)
-    assert moe_tune.block_m_candidates(qwen, 16) == [16]  # one row an expert
-    assert moe_tune.block_m_candidates(qwen, 256) == [16, 32]  # 16 rows an expert
-    assert moe_tune.block_m_candidates(qwen, 4096) == [16, 32, 64, 128]
-    down = moe_tune.tile_candidates(128, qwen.hidden, qwen.intermediate, 1, 2)
-    gate_up = moe_tune.tile_candidates(128, qwen.intermediate, qwen.hidden, 2, 2)
+    assert tune.block_m_candidates(qwen, 16) == [16]  # one row an expert
+    assert tune.block_m_candidates(qwen, 256) == [16, 32]  # 16 rows an expert
+    assert tune.block_m_candidates(qwen, 4096) == [16, 32, 64, 128]
+    down = tune.tile_candidates(128, qwen.hidden, qwen.intermediate, 1, 2)
+    gate_up = tune.tile_candidates(128, qwen.intermediate, qwen.hidden, 2, 2)
     assert len(set(down)) == len(down) and set(gate_up) < set(down)
     big = GemmTiles(block_n=256, block_k=256, group_m=1, num_warps=8, num_stages=3)
     assert big not in down  # 3 * (128 * 256 + 256 * 256) * 2 bytes: 576 KiB
     for tiles in gate_up:
-        assert moe_tune.shared_memory_bytes(128, tiles, 2, 2) <= moe_tune.SHARED_MEMORY_BYTES
+        assert tune.shared_memory_bytes(128, tiles, 2, 2) <= tune.SHARED_MEMORY_BYTES
     # A narrow GEMM takes no tiles wider than its power of two.
-    narrow = moe_tune.tile_candidates(16, 40, 36, 1, 2)
+    narrow = tune.tile_candidates(16, 40, 36, 1, 2)
     assert {t.block_n for t in narrow} == {32, 64} and {t.block_k for t in narrow} == {64}
 
 
 def test_the_tuner_merges_its_configs_into_the_table_file(tmp_path: Path) -> None:
-    from outrider.plugins.models import moe_tune
+    from outrider.plugins.models.moe import tune
 
     other = MoeShape(experts=8, hidden=64, intermediate=32, topk=2)
     path = tmp_path / "configs" / "NVIDIA_H100_80GB_HBM3.json"
     configs = {256: heuristic_config(SMALL, 256), 16: heuristic_config(SMALL, 16)}
-    moe_tune.write_table(path, SMALL, configs, source="run one")
-    moe_tune.write_table(path, other, {8: SMALL_CONFIG}, source="run two")
-    moe_tune.write_table(path, SMALL, {32: SMALL_CONFIG}, source="run three")
+    tune.write_table(path, SMALL, configs, source="run one")
+    tune.write_table(path, other, {8: SMALL_CONFIG}, source="run two")
+    tune.write_table(path, SMALL, {32: SMALL_CONFIG}, source="run three")
     doc = json.loads(path.read_text())
     assert doc["tuned"] is True
     assert doc["sources"] == {SMALL.key: "run three", other.key: "run two"}
     assert load_table(path) == {SMALL.key: {32: SMALL_CONFIG}, other.key: {8: SMALL_CONFIG}}
     # Buckets in order, one line each.
-    moe_tune.write_table(path, SMALL, configs, source="run four")
+    tune.write_table(path, SMALL, configs, source="run four")
     lines = [line for line in path.read_text().splitlines() if '"block_m"' in line]
     assert [line.split(":")[0].strip() for line in lines] == ['"16"', '"256"', '"8"']
     # Tuning into the shipped, untuned generation file keeps it marked untuned.
     untuned = tmp_path / "sm90.json"
     untuned.write_text((CONFIG_DIR / "sm90.json").read_text())
-    moe_tune.write_table(untuned, SMALL, configs, source="run five")
+    tune.write_table(untuned, SMALL, configs, source="run five")
     assert json.loads(untuned.read_text())["tuned"] is False
 
 
 @pytest.mark.skipif(CUDA, reason="the tuner's refusal without a GPU")
 def test_the_tuner_refuses_to_run_without_a_gpu() -> None:
-    from outrider.plugins.models import moe_tune
+    from outrider.plugins.models.moe import tune
 
     argv = ["--experts", "8", "--hidden", "64", "--intermediate", "32", "--topk", "2"]
-    assert moe_tune.parse_args([*argv, "--tokens", "1,8"]).tokens == "1,8"
+    assert tune.parse_args([*argv, "--tokens", "1,8"]).tokens == "1,8"
     with pytest.raises(SystemExit, match="on a CUDA device"):
-        moe_tune.main(argv)
+        tune.main(argv)
 
 
 QWEN3_30B = MoeShape(experts=128, hidden=2048, intermediate=768, topk=8)
@@ -328,7 +328,7 @@ QWEN3_30B = MoeShape(experts=128, hidden=2048, intermediate=768, topk=8)
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 9, 64, 300, 2500])
 def test_fused_moe_matches_the_reference_at_a_real_shape(tokens: int) -> None:
-    from outrider.plugins.models import moe_kernels as mk
+    from outrider.plugins.models.moe import kernels as mk
 
     # Qwen3-30B-A3B's layer: the GEMVs up to 8 tokens, one grouped chunk, two chunks.
     batch = routed_batch(QWEN3_30B, tokens, torch.bfloat16)
@@ -338,7 +338,7 @@ def test_fused_moe_matches_the_reference_at_a_real_shape(tokens: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [4, 64])
 def test_fused_moe_replays_in_a_cuda_graph(tokens: int) -> None:
-    from outrider.plugins.models import moe_kernels as mk
+    from outrider.plugins.models.moe import kernels as mk
 
     x, w13, w2, weights, ids = routed_batch(QWEN3_30B, tokens, torch.bfloat16)
     mk.fused_moe(x, w13, w2, weights, ids)  # compile outside the capture

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from outrider.plugins.graph_build import building_graph
 from outrider.plugins.models.config import ModelConfig
-from outrider.plugins.models.fp8_config import FP8_EXPERTS_REFUSAL, quantization_problems
+from outrider.plugins.models.fp8.config import FP8_EXPERTS_REFUSAL, quantization_problems
 from outrider.plugins.models.kernels import TORCH_KERNELS
 from outrider.plugins.models.layers import MLP, DecoderForCausalLM
 from outrider.plugins.models.loader import (
@@ -39,7 +39,7 @@ from outrider.plugins.models.loader import (
     expected_checkpoint_shapes,
     load_model,
 )
-from outrider.plugins.models.moe import SparseMoeBlock
+from outrider.plugins.models.moe.block import SparseMoeBlock
 from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.models.weights import LoadFormat
 from outrider.protocol.messages import TokenLogprob

@@ -36,8 +36,8 @@ from spec_stats import (
 from outrider.daemon.config import ConfigError
 from outrider.daemon.engine import drafting_setup
 from outrider.daemon.engine.cycle_cost import timing_prompts
-from outrider.plugins.models.fp8_layers import Fp8Linear
-from outrider.plugins.models.moe import Router, Routing, SparseMoeBlock
+from outrider.plugins.models.fp8.layers import Fp8Linear
+from outrider.plugins.models.moe.block import Router, Routing, SparseMoeBlock
 from outrider.plugins.models.registry import SUPPORTED_ARCHITECTURES
 
 debug_checks = debug_checks_fixture()

@@ -17,11 +17,11 @@ from typing import NamedTuple
 import torch
 
 from outrider.plugins.models.config import DTYPE_BYTES, ModelConfig
-from outrider.plugins.models.fp8_layers import fp8_layout
+from outrider.plugins.models.fp8.layers import fp8_layout
 from outrider.plugins.models.loader import expected_checkpoint_shapes
 
 FP8_BYTES = 1
-SCALE_BYTES = 4  # FP8 scales are held in float32 (fp8_layers.py)
+SCALE_BYTES = 4  # FP8 scales are held in float32 (fp8/layers.py)
 # In the name of every routed expert's checkpoint tensor (and in no shared expert's).
 _EXPERTS = ".experts."
 

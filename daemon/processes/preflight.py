@@ -24,7 +24,7 @@ from outrider.plugins.models.config import (
     model_type_problem,
     tensor_parallel_problems,
 )
-from outrider.plugins.models.fp8_config import quantization_problems as fp8_problems
+from outrider.plugins.models.fp8.config import quantization_problems as fp8_problems
 from outrider.plugins.models.registry import architecture_problem
 from outrider.plugins.registry import ResolvedPlugins, discover
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from outrider.plugins.models.fp8_config import FP8_EXPERTS_REFUSAL, Fp8Config, parse_quantization
+from outrider.plugins.models.fp8.config import FP8_EXPERTS_REFUSAL, Fp8Config, parse_quantization
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """The mixture-of-experts facts of a model (``moe.py``)."""
+    """The mixture-of-experts facts of a model (``moe/block.py``)."""
 
     num_experts: int
     top_k: int  # experts per token
@@ -97,7 +97,7 @@ class ModelConfig:
     dtype: str | None  # checkpoint dtype ("bfloat16", ...); None when the config is silent
     eos_token_ids: tuple[int, ...]  # config.json's only; see load_eos_ids for the union
     moe: MoeConfig | None = None  # None: a dense model
-    fp8: Fp8Config | None = None  # the checkpoint's FP8 format (fp8_config.py); None: 16-bit
+    fp8: Fp8Config | None = None  # the checkpoint's FP8 format (fp8/config.py); None: 16-bit
 
     @property
     def dense_layers(self) -> int:

@@ -10,7 +10,7 @@ one-token projections, SiLU-and-multiply and Qwen3's q/k norm with the rotation
 (``triton_kernels.py``). They compute in float32 and round once, so their results differ
 from the reference's by bf16 rounding only (ARCHITECTURE.md 4.4). The routed experts of a
 mixture-of-experts layer (``fused_moe``, ``fused_moe_fp8`` for FP8 experts) run our Triton
-kernels (``moe_kernels.py``), eagerly too: they need no host sync, where the reference reads
+kernels (``moe/kernels.py``), eagerly too: they need no host sync, where the reference reads
 on the host which experts were hit.
 
 Modules reach their kernels through ``UsesKernels.kernels``; ``use_kernels`` sets them on a
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from outrider.plugins.debug import debug_knob
 from outrider.plugins.device import heads_contiguous, in_graph_build
-from outrider.plugins.models.fp8 import Fp8ExpertWeights, Fp8Weight, w8a8_linear, w8a8_moe
+from outrider.plugins.models.fp8.reference import Fp8ExpertWeights, Fp8Weight, w8a8_linear, w8a8_moe
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class TorchKernels:
         self, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``x W^T + b`` for ``x: [T, K]`` and an FP8 weight, activations quantized on the
-        fly (the reference arithmetic of ``fp8.py``)."""
+        fly (the reference arithmetic of ``fp8/reference.py``)."""
         return w8a8_linear(x, weight, bias)
 
     def silu_mul_fp8_linear(
@@ -179,8 +179,8 @@ class TorchKernels:
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         """``fused_moe`` of FP8 experts with block scales: each product by the w8a8 reference
-        arithmetic of ``fp8.py`` (activations quantized per token and group before the gate/up
-        product and again before the down product). Grouped by expert, or every expert on
+        arithmetic of ``fp8/reference.py`` (activations quantized per token and group before the
+        gate/up product and again before the down product). Grouped by expert, or every expert on
         every token while a CUDA graph is built, as ``fused_moe``."""
         return w8a8_moe(x, experts, topk_weights, topk_ids, every_expert=in_graph_build())
 
@@ -254,9 +254,9 @@ class FusedKernels(TorchKernels):
     ) -> None:
         self.flashinfer = flashinfer
         self.triton = triton_kernels  # the module triton_kernels.py
-        self.moe = moe_kernels  # the module moe_kernels.py
-        self.fp8 = fp8_kernels  # the module fp8_kernels.py
-        self.moe_fp8 = moe_fp8_kernels  # the module moe_fp8_kernels.py
+        self.moe = moe_kernels  # the module moe/kernels.py
+        self.fp8 = fp8_kernels  # the module fp8/kernels.py
+        self.moe_fp8 = moe_fp8_kernels  # the module fp8/moe_kernels.py
 
     def fused_moe(
         self,
@@ -369,12 +369,10 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> T
     try:
         import flashinfer
 
-        from outrider.plugins.models import (
-            fp8_kernels,
-            moe_fp8_kernels,
-            moe_kernels,
-            triton_kernels,
-        )
+        from outrider.plugins.models import triton_kernels
+        from outrider.plugins.models.fp8 import kernels as fp8_kernels
+        from outrider.plugins.models.fp8 import moe_kernels as moe_fp8_kernels
+        from outrider.plugins.models.moe import kernels as moe_kernels
     except ImportError as exc:
         log.info("layer kernels: torch (%s is not installed)", exc.name)
         return TORCH_KERNELS

@@ -5,7 +5,7 @@ fused projections, ``qkv_proj`` and ``gate_up_proj``; the loader maps HF names o
 through ``FusedLinear.shards``.
 
 A decoder layer's MLP block (``mlp.``) is the model's choice (``DecoderForCausalLM.feed_forward``):
-the dense ``MLP`` here, or a mixture of experts (``moe.py``) in the layers its config names.
+the dense ``MLP`` here, or a mixture of experts (``moe/block.py``) in the layers its config names.
 
 Every layer takes the rank's ``TPGroup`` (``parallel.py``): under tensor parallelism a rank
 runs its share of the heads and of the MLP's rows, and its modules' sizes are the rank's.

@@ -16,12 +16,12 @@ from typing import TypeVar
 import torch
 
 from outrider.plugins.models.config import ModelConfig
-from outrider.plugins.models.fp8 import FP8
-from outrider.plugins.models.fp8_config import Fp8Config
-from outrider.plugins.models.fp8_layers import fp8_layout, use_fp8
+from outrider.plugins.models.fp8.config import Fp8Config
+from outrider.plugins.models.fp8.layers import fp8_layout, use_fp8
+from outrider.plugins.models.fp8.reference import FP8
 from outrider.plugins.models.kernels import TORCH_KERNELS, select_kernels, use_kernels
 from outrider.plugins.models.layers import DecoderForCausalLM, RotaryEmbedding
-from outrider.plugins.models.moe import moe_checkpoint_shapes
+from outrider.plugins.models.moe.block import moe_checkpoint_shapes
 from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.models.registry import model_class
 from outrider.plugins.models.weights import (

@@ -3,7 +3,7 @@ layer (``block_sparse_moe``), top-k weights always renormalised."""
 
 from __future__ import annotations
 
-from outrider.plugins.models.moe import MoeForCausalLM
+from outrider.plugins.models.moe.block import MoeForCausalLM
 
 
 class MixtralForCausalLM(MoeForCausalLM):

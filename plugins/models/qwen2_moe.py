@@ -3,7 +3,7 @@ a shared expert scaled by its sigmoid gate, in the layers the config leaves spar
 
 from __future__ import annotations
 
-from outrider.plugins.models.moe import MoeForCausalLM
+from outrider.plugins.models.moe.block import MoeForCausalLM
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from outrider.plugins.models.moe import MoeForCausalLM
+from outrider.plugins.models.moe.block import MoeForCausalLM
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):

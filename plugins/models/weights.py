@@ -37,7 +37,7 @@ import torch
 from torch.nn import Parameter
 
 from outrider.plugins.models.config import model_dir
-from outrider.plugins.models.fp8 import FP8
+from outrider.plugins.models.fp8.reference import FP8
 from outrider.plugins.models.layers import FusedLinear, RMSNorm
 from outrider.plugins.models.parallel import Sharded, Split, TensorSource
 

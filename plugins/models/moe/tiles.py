@@ -1,8 +1,8 @@
-"""Tile configurations of the fused MoE GEMMs (``moe_kernels.py``): the record, the JSON tables
-shipped in ``moe_configs/`` and the lookup.
+"""Tile configurations of the fused MoE GEMMs (``moe/kernels.py``): the record, the JSON tables
+shipped in ``moe/configs/`` and the lookup.
 
 A table file serves one GPU: ``<device name>.json`` (the name as torch reports it, spaces as
-underscores, written by ``moe_tune``), else ``sm<major><minor>.json`` for its generation. It
+underscores, written by ``moe/tune.py``), else ``sm<major><minor>.json`` for its generation. It
 maps an MoE shape (``MoeShape.key``) or ``"default"`` to token buckets, each to a config:
 
     {"tuned": false, "note": "...",
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import triton
 
-CONFIG_DIR = Path(__file__).parent / "moe_configs"
+CONFIG_DIR = Path(__file__).parent / "configs"
 DEFAULT_SHAPE = "default"
 
 

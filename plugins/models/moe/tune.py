@@ -1,6 +1,6 @@
-"""``python -m outrider.plugins.models.moe_tune``: time the fused MoE GEMMs' candidate tiles on
+"""``python -m outrider.plugins.models.moe.tune``: time the fused MoE GEMMs' candidate tiles on
 this GPU for one MoE shape and a list of batch sizes, and write the fastest per batch size into
-a table file (``moe_config.py``), by default ``moe_configs/<device name>.json`` in the package.
+a table file (``moe/tiles.py``), by default ``moe/configs/<device name>.json`` in the package.
 
 For each batch size and each row block ``block_m`` the two GEMMs are timed apart over one
 random routing (their tiles are independent once the rows are aligned): a config is the
@@ -9,9 +9,9 @@ A candidate's compiled kernel serves every batch size (up to Triton's specialisa
 integer arguments divisible by 16): the grid is what a batch size changes. The decode
 path's time (at ``DECODE_TILES`` and at its fastest tiles) is printed beside the grouped
 path's up to ``4 * DECODE_MAX_PAIRS`` pairs, to place that crossover and tune those tiles
-(constants in ``moe_kernels.py``: the table holds the GEMMs' configs only).
+(constants in ``moe/kernels.py``: the table holds the GEMMs' configs only).
 
-    python -m outrider.plugins.models.moe_tune --experts 128 --hidden 2048 \\
+    python -m outrider.plugins.models.moe.tune --experts 128 --hidden 2048 \\
         --intermediate 768 --topk 8
 """
 
@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 import torch
 import triton
 
-from outrider.plugins.models import moe_align
-from outrider.plugins.models import moe_kernels as mk
-from outrider.plugins.models.moe_config import (
+from outrider.plugins.models.moe import align
+from outrider.plugins.models.moe import kernels as mk
+from outrider.plugins.models.moe.tiles import (
     CONFIG_DIR,
     GemmTiles,
     GemvTiles,
@@ -99,7 +99,7 @@ def table_document(
 ) -> dict[str, Any]:
     """``existing`` (a table file's JSON, or None) with ``shape``'s buckets replaced by
     ``configs``; other shapes kept. A file stays untuned if it was."""
-    doc = existing or {"tuned": True, "note": "timed by moe_tune", "shapes": {}, "sources": {}}
+    doc = existing or {"tuned": True, "note": "timed by moe.tune", "shapes": {}, "sources": {}}
     doc.setdefault("sources", {})[shape.key] = source
     doc["shapes"][shape.key] = {str(t): configs[t].to_json() for t in sorted(configs)}
     return doc
@@ -174,8 +174,8 @@ def tune_block_m(
     shape: MoeShape, inputs: TuneInputs, block_m: int
 ) -> tuple[float, MoeKernelConfig]:
     """The least time of the grouped path with rows aligned to ``block_m``, and its config."""
-    aligned = moe_align.align_pairs(inputs.topk_ids, shape.experts, block_m)
-    align_ms = _time_ms(partial(moe_align.align_pairs, inputs.topk_ids, shape.experts, block_m))
+    aligned = align.align_pairs(inputs.topk_ids, shape.experts, block_m)
+    align_ms = _time_ms(partial(align.align_pairs, inputs.topk_ids, shape.experts, block_m))
     elem = inputs.x.element_size()
 
     def run_gate_up(tiles: GemmTiles) -> torch.Tensor:
@@ -223,7 +223,7 @@ def tune_tokens(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m outrider.plugins.models.moe_tune")
+    parser = argparse.ArgumentParser(prog="python -m outrider.plugins.models.moe.tune")
     parser.add_argument("--experts", type=int, required=True)
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--intermediate", type=int, required=True, help="per rank under TP")
@@ -233,14 +233,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="default: moe_configs/<device name>.json")
+    parser.add_argument("--out", type=Path, help="default: moe/configs/<device name>.json")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("moe_tune times kernels on a CUDA device: none is available")
+        sys.exit("moe.tune times kernels on a CUDA device: none is available")
     shape = MoeShape(args.experts, args.hidden, args.intermediate, args.topk)
     device_name = torch.cuda.get_device_name()
     out = args.out or CONFIG_DIR / f"{device_file_stem(device_name)}.json"
@@ -249,10 +249,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     # fused_moe runs larger batches in chunks of this many tokens: larger sizes never occur.
     largest = mk.MAX_CHUNK_PAIRS // shape.topk
     tokens = sorted({min(int(t), largest) for t in args.tokens.split(",")})
-    print(f"moe_tune {shape.key} {args.dtype} on {device_name}: {' '.join(sys.argv)}")
+    print(f"moe.tune {shape.key} {args.dtype} on {device_name}: {' '.join(sys.argv)}")
     configs = {t: tune_tokens(shape, t, dtype, gen) for t in tokens}
     source = (
-        f"moe_tune on {device_name}, {args.dtype}, seed {args.seed}, "
+        f"moe.tune on {device_name}, {args.dtype}, seed {args.seed}, "
         f"torch {torch.__version__}, triton {triton.__version__}"
     )
     write_table(out, shape, configs, source)

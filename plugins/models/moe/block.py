@@ -20,8 +20,8 @@ projection, each loaded into its slice (``NamesCheckpoint``). What rank ``r`` of
 
 The router runs whole on every rank (its input is the same everywhere); each rank's experts
 give a partial sum over its intermediate rows, summed over the ranks as a row-parallel
-layer's output is. FP8 checkpoints' experts are ``fp8_experts.Fp8Experts``, put in place of
-``Experts`` by ``fp8_layers.use_fp8``.
+layer's output is. FP8 checkpoints' experts are ``fp8.experts.Fp8Experts``, put in place of
+``Experts`` by ``fp8.layers.use_fp8``.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ Two formats, both weight-and-activation FP8 (e4m3) with activations quantized as
                8-bit dynamic strategy token
 
 Every other ``quantization_config`` is refused with one line naming these two. A mixture of
-experts' routed experts are served FP8 in the block format only (``fp8_experts.py``). Modules the
-config leaves out (``modules_to_not_convert`` / ``ignored_layers``, ``ignore``) stay in the
+experts' routed experts are served FP8 in the block format only (``fp8/experts.py``). Modules
+the config leaves out (``modules_to_not_convert`` / ``ignored_layers``, ``ignore``) stay in the
 model dtype; the LM head, embeddings and norms are never quantized.
 """
 

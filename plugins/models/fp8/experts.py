@@ -1,6 +1,6 @@
-"""FP8 routed experts: ``moe.Experts`` holding a block-scaled FP8 checkpoint's expert weights
-(``fp8.Fp8ExpertWeights``), loaded from one FP8 tensor and one scale tensor per expert and
-projection, and run through ``kernels.fused_moe_fp8``. ``use_fp8`` (``fp8_layers.py``) puts
+"""FP8 routed experts: ``moe.block.Experts`` holding a block-scaled FP8 checkpoint's expert weights
+(``fp8.reference.Fp8ExpertWeights``), loaded from one FP8 tensor and one scale tensor per expert and
+projection, and run through ``kernels.fused_moe_fp8``. ``use_fp8`` (``fp8/layers.py``) puts
 them in place of the 16-bit experts.
 
 What rank ``r`` of ``N`` holds (``I`` an expert's intermediate size, blocks ``(bn, bk)``)::
@@ -32,9 +32,9 @@ import torch
 from torch.nn import Parameter
 
 from outrider.plugins.models.config import TENSOR_PARALLEL_FLAG
-from outrider.plugins.models.fp8 import FP8, Fp8ExpertWeights, Fp8Weight, quantize_weight
-from outrider.plugins.models.fp8_config import Fp8Config, expert_block_problems
-from outrider.plugins.models.moe import ExpertNames, Experts, Routing
+from outrider.plugins.models.fp8.config import Fp8Config, expert_block_problems
+from outrider.plugins.models.fp8.reference import FP8, Fp8ExpertWeights, Fp8Weight, quantize_weight
+from outrider.plugins.models.moe.block import ExpertNames, Experts, Routing
 from outrider.plugins.models.parallel import SINGLE, Split, TPGroup
 from outrider.plugins.models.weights import Destination, SelfDrawn
 

@@ -1,6 +1,6 @@
 """FP8 (e4m3) weight-and-activation arithmetic: the records a quantized linear hands its
 kernels, quantizing weights and activations, and the reference product every other path is
-held to (``fp8_config.py`` names the checkpoint formats).
+held to (``fp8/config.py`` names the checkpoint formats).
 
 The reference (``w8a8_linear``), which ``TorchKernels.fp8_linear`` runs on any device:
 
@@ -17,7 +17,7 @@ rules per expert: the gate/up product of a token's activations quantized per gro
 to ``x``'s dtype, SiLU-and-multiply, the result quantized per group again for the down
 product, rounded; then weighted and summed over the token's experts as ``fused_moe`` sums.
 
-The GPU paths (``fp8_kernels.py``, ``moe_kernels.py``) quantize activations the same way;
+The GPU paths (``fp8/kernels.py``, ``fp8/moe_kernels.py``) quantize activations the same way;
 their sums run in other orders, so they match the reference to float32 accumulation, not
 bit for bit.
 """
@@ -143,7 +143,7 @@ def w8a8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -
 @dataclass(frozen=True)
 class Fp8ExpertWeights:
     """A layer's routed experts in FP8 with block scales (``block`` ``(bn, bk)``), stacked as
-    ``moe.Experts`` stacks them: ``w13: [E, 2I, H]`` (gate rows, then up rows) with
+    ``moe.block.Experts`` stacks them: ``w13: [E, 2I, H]`` (gate rows, then up rows) with
     ``w13_scale: [E, 2I / bn, ceil(H / bk)]``, ``w2: [E, H, I]`` with
     ``w2_scale: [E, ceil(H / bn), ceil(I / bk)]``, float32. ``I`` is whole blocks of ``bn``
     rows (gate and up scales stack as their rows do)."""

@@ -1,5 +1,5 @@
 """The FP8 projections on a GPU (``FusedKernels.fp8_linear``), held to the reference
-arithmetic of ``fp8.py`` (activation quantization bit for bit, sums in other orders):
+arithmetic of ``fp8/reference.py`` (activation quantization bit for bit, sums in other orders):
 
 - ``quantize_activations``: each token's groups of columns to e4m3 with their float32 scales
   (grid: tokens x groups; a group as wide as the row, per channel, is read twice in chunks);
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.plugins.models.fp8 import (
+from outrider.plugins.models.fp8.reference import (
     AMAX_FLOOR,
     FP8,
     FP8_MAX,
@@ -41,7 +41,7 @@ from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 
 # NOTE: divisions are div_rn (IEEE, as torch divides): Triton's `/` on float32 is approximate,
 # and one ulp moves a value across an e4m3 rounding boundary now and then.
-# Triton reads module globals in kernels only as constexprs: fp8.py's constants, as such.
+# Triton reads module globals in kernels only as constexprs: reference.py's constants, as such.
 _E4M3_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _QUANT_CHUNK = 1024
@@ -83,7 +83,7 @@ def _quantize_kernel(
 
 def quantize_activations(x: torch.Tensor, group: int) -> Fp8Activations:
     """``x: [T, K]`` (contiguous along K) -> e4m3 values and float32 scales per token and
-    group of ``group`` columns: ``fp8.quantize_activations``, in one launch."""
+    group of ``group`` columns: ``fp8.reference.quantize_activations``, in one launch."""
     tokens, k = x.shape
     groups = triton.cdiv(k, group)
     q = torch.empty((tokens, k), dtype=FP8, device=x.device)

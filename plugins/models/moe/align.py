@@ -1,5 +1,5 @@
 """The pairs of a batch grouped by expert on the device, for the fused MoE's grouped GEMMs
-(``moe_kernels.py``): three kernels and a fill, no host synchronisation, every size from T, k,
+(``moe/kernels.py``): three kernels and a fill, no host synchronisation, every size from T, k,
 E and the row block ``block_m`` (so they can be captured in a CUDA graph).
 
     sorted_pairs  [max_blocks * block_m] int32  pair t*k+j, grouped by expert in pair order,

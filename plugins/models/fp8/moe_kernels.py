@@ -1,24 +1,24 @@
 """The fused mixture-of-experts layer of FP8 experts with block scales in Triton:
-``fused_moe_fp8``, ``moe_kernels.fused_moe`` with ``fp8.Fp8ExpertWeights`` and the w8a8
-arithmetic of ``fp8.py``.
+``fused_moe_fp8``, ``moe.kernels.fused_moe`` with ``fp8.reference.Fp8ExpertWeights`` and the
+w8a8 arithmetic of ``fp8/reference.py``.
 
-The same two paths as ``moe_kernels.py``, chosen by the same pair count, each GEMM's
+The same two paths as ``moe/kernels.py``, chosen by the same pair count, each GEMM's
 reduction stepping one activation group (``bk`` columns, the block's width) at a time:
 
-- decode: ``fp8_kernels.quantize_activations`` of x (per token and group), the gate/up GEMV
+- decode: ``fp8.kernels.quantize_activations`` of x (per token and group), the gate/up GEMV
   (a program per pair and block of intermediate rows, SiLU-and-multiply), the intermediate
   quantized per pair and group, the down GEMV over each token's k slots, weighted, summed in
   order;
-- grouped: the pairs aligned by expert (``moe_align.py``), x quantized, the grouped gate/up
+- grouped: the pairs aligned by expert (``moe/align.py``), x quantized, the grouped gate/up
   GEMM (``tl.dot`` of e4m3 tiles, each group's product times its token's and its block's
   scale), the intermediate quantized, the grouped down GEMM times the routing weight (float32
-  per pair), ``moe_kernels``' slot sum.
+  per pair), ``moe/kernels.py``'s slot sum.
 
 Numerics: every group's product accumulates in float32 times both scales; the intermediate
 is rounded to x's dtype once, then quantized as the reference quantizes its down input; the
 output is rounded once. No host synchronisation (CUDA-graph safe).
 
-NOTE: Triton's interpreter rounds some float32 -> e4m3 casts wrong (``fp8_kernels.py``): on
+NOTE: Triton's interpreter rounds some float32 -> e4m3 casts wrong (``fp8/kernels.py``): on
 CPU the GEMMs and GEMVs are checked from the reference's quantized activations; the whole
 layer needs a GPU. A group that ``tl.dot`` cannot take (not a power of two of at least 32)
 runs the reference.
@@ -31,11 +31,10 @@ import triton
 import triton.language as tl
 
 from outrider.plugins.device import in_graph_build
-from outrider.plugins.models import fp8_kernels
-from outrider.plugins.models.fp8 import Fp8Activations, Fp8ExpertWeights, w8a8_moe
-from outrider.plugins.models.moe_align import AlignedPairs, align_pairs
-from outrider.plugins.models.moe_config import GemvTiles, MoeKernelConfig, MoeShape, config_for
-from outrider.plugins.models.moe_kernels import (
+from outrider.plugins.models.fp8 import kernels as fp8_kernels
+from outrider.plugins.models.fp8.reference import Fp8Activations, Fp8ExpertWeights, w8a8_moe
+from outrider.plugins.models.moe.align import AlignedPairs, align_pairs
+from outrider.plugins.models.moe.kernels import (
     _SUM_BLOCK,
     DECODE_MAX_PAIRS,
     DECODE_TILES,
@@ -43,6 +42,7 @@ from outrider.plugins.models.moe_kernels import (
     _sum_slots_kernel,
     _tile,
 )
+from outrider.plugins.models.moe.tiles import GemvTiles, MoeKernelConfig, MoeShape, config_for
 from outrider.plugins.models.triton_kernels import _silu_mul
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 

@@ -1,7 +1,7 @@
 """FP8 linears: the decoder's projections holding an FP8 checkpoint's weights and scales
-(``fp8_config.py`` names the formats, ``fp8.py`` the arithmetic), and ``use_fp8``, which puts
-them (and ``fp8_experts.Fp8Experts`` for the routed experts) in place of the 16-bit ones in a
-model built on the meta device.
+(``fp8/config.py`` names the formats, ``fp8/reference.py`` the arithmetic), and ``use_fp8``,
+which puts them (and ``fp8.experts.Fp8Experts`` for the routed experts) in place of the 16-bit
+ones in a model built on the meta device.
 
 What a rank holds, beside its FP8 weight (the cut of ``parallel.py``)::
 
@@ -34,11 +34,11 @@ from torch import nn
 from torch.nn import Parameter
 
 from outrider.plugins.models.config import TENSOR_PARALLEL_FLAG
-from outrider.plugins.models.fp8 import FP8, Fp8Weight, quantize_weight
-from outrider.plugins.models.fp8_config import FP8_EXPERTS_REFUSAL, Fp8Config, block_problem
-from outrider.plugins.models.fp8_experts import Fp8Experts
+from outrider.plugins.models.fp8.config import FP8_EXPERTS_REFUSAL, Fp8Config, block_problem
+from outrider.plugins.models.fp8.experts import Fp8Experts
+from outrider.plugins.models.fp8.reference import FP8, Fp8Weight, quantize_weight
 from outrider.plugins.models.layers import FusedLinear
-from outrider.plugins.models.moe import Experts
+from outrider.plugins.models.moe.block import Experts
 from outrider.plugins.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

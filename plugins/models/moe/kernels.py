@@ -7,7 +7,7 @@ Two paths, chosen by the number of pairs ``T * k`` (``DECODE_MAX_PAIRS``):
   does for dense projections. ``_gate_up_gemv_kernel``: a program per (pair, block of
   intermediate rows), gate and up then SiLU-and-multiply; ``_down_gemv_kernel``: a program per
   (token, block of hidden rows) over the token's k slots, each weighted, summed in order.
-- grouped (more pairs): the pairs grouped by expert on the device (``moe_align.py``), padded
+- grouped (more pairs): the pairs grouped by expert on the device (``moe/align.py``), padded
   per expert to the row block ``block_m``, so that each program of the two grouped GEMMs
   reads one expert's weights for a block of rows: gate/up with SiLU-and-multiply in the
   epilogue (``[T*k, I]``), down with the routing weight in the epilogue (float32
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.plugins.models.moe_align import AlignedPairs, align_pairs
-from outrider.plugins.models.moe_config import GemvTiles, MoeKernelConfig, MoeShape, config_for
+from outrider.plugins.models.moe.align import AlignedPairs, align_pairs
+from outrider.plugins.models.moe.tiles import GemvTiles, MoeKernelConfig, MoeShape, config_for
 from outrider.plugins.models.triton_kernels import _silu_mul
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 
