@@ -1,9 +1,11 @@
-"""The embedded model family (``pip install ./family``) in process, float32 on CPU: on its 100
-held-out prompts, 128 new tokens each, sent through the chat template as ``messages=`` does,
-every draft's greedy output equals the target alone token for token, and the mean acceptance
-length stays above floors a little under the measured figures (MODEL_CARD.md: 2.827, 2.451
-and 3.316). Raw ``prompt=`` text is measured by ``benchmarks/family_acceptance.py``; it is
-left out here to keep the suite short (both forms take about 3.5 min on 2 cores)."""
+"""The embedded model family (``pip install ./family``) in process, float32 on CPU: on the first
+32 of its 100 held-out prompts, 128 new tokens each, sent through the chat template as
+``messages=`` does, every draft's greedy output equals the target alone token for token, and
+the mean acceptance length stays above floors a little under the figures measured on them
+(2.688, 2.343 and 3.053; greedy on CPU, so the same every run). The whole 100 (MODEL_CARD.md:
+2.827, 2.451 and 3.316) and raw ``prompt=`` text are measured by
+``benchmarks/family_acceptance.py``; they are left out here to keep the suite short (the whole
+100 in both forms take about 3.5 min on 2 cores, these 32 about 1.3 min)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ from outrider.daemon.family import Family, embedded_family
 from outrider.daemon.internal import TokenizedRequest
 
 NEW_TOKENS = 128
+PROMPTS = 32  # the first of the held-out prompts
 # (flags, floor on 1 + accepted / drafts)
 CONFIGS: dict[str, tuple[dict[str, object], float]] = {
-    "dflash": ({"speculative_algorithm": "dflash"}, 2.80),
-    "eagle3-chain": ({"speculative_algorithm": "eagle3", "speculative_num_steps": 3}, 2.42),
+    "dflash": ({"speculative_algorithm": "dflash"}, 2.66),
+    "eagle3-chain": ({"speculative_algorithm": "eagle3", "speculative_num_steps": 3}, 2.32),
     "eagle3-tree": (
         {
             "speculative_algorithm": "eagle3",
@@ -28,7 +31,7 @@ CONFIGS: dict[str, tuple[dict[str, object], float]] = {
             "speculative_topk": 4,
             "speculative_num_draft_tokens": 16,
         },
-        3.28,
+        3.02,
     ),
 }
 
@@ -43,8 +46,8 @@ def family() -> Family:
 
 @pytest.fixture(scope="module")
 def requests(family: Family) -> list[TokenizedRequest]:
-    """The held-out prompts as the front door encodes ``messages=`` (the chat template with
-    the generation prompt)."""
+    """The first ``PROMPTS`` held-out prompts as the front door encodes ``messages=`` (the chat
+    template with the generation prompt)."""
     tokenizer = AutoTokenizer.from_pretrained(family.target)
     lines = (family.target.parent / "heldout_prompts.jsonl").read_text().splitlines()
     conversations = [json.loads(line)["messages"] for line in lines]
@@ -52,7 +55,7 @@ def requests(family: Family) -> list[TokenizedRequest]:
     template = tokenizer.apply_chat_template
     ids = [
         list(template(m, add_generation_prompt=True, tokenize=True)["input_ids"])
-        for m in conversations
+        for m in conversations[:PROMPTS]
     ]
     return requests_for(ids, max_new_tokens=NEW_TOKENS)
 

@@ -4,7 +4,9 @@ are worked out here from the flags and the model's shape, not read back from the
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,7 @@ from outrider.daemon.engine.memory_plan import (
 from outrider.plugins.models.config import ModelConfig
 
 GIB = 2**30
+CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 
 
 def _model(**shape: int) -> ModelConfig:
@@ -105,6 +108,21 @@ def test_a_gpu_pool_takes_its_fraction_of_the_free_memory() -> None:
     assert plan.pool_tokens == (5 * GIB - eager) // LLAMA_KV_BF16 // 16 * 16 == 35856
     assert (plan.num_pages, plan.context_length, plan.context_lowered) == (2242, 8192, False)
     assert (plan.max_pages, plan.max_step_tokens) == (8208 // 16, config.chunked_prefill_tokens)
+
+
+def test_a_mixture_of_experts_keeps_its_grouped_path_out_of_the_pool() -> None:
+    """Qwen3-30B-A3B (H 2048, 8 of 128 experts of 768 rows): an EXTEND chunk of 2,048 tokens
+    routes 16,384 pairs, the grouped path's whole chunk; each holds its down product in
+    float32, its intermediate row in bf16 and in e4m3, and 16 bytes of bookkeeping. Two
+    ranks halve the rows."""
+    moe = ModelConfig.from_dict(json.loads((CONFIGS / "Qwen3-30B-A3B.config.json").read_text()))
+    config = ServeConfig(model="qwen3-moe", device="cuda", context_length=4096)
+    assert config.chunked_prefill_tokens == 2048 and config.max_running == 64
+    eager = 512 * MIB + 64 * 151936 * 16
+    plan = plan_memory(_inputs(config, moe, free=40 * GIB))
+    assert plan.activation_bytes == eager + 16384 * (4 * 2048 + 3 * 768 + 16)
+    two_ranks = dataclasses.replace(_inputs(config, moe, free=40 * GIB), tensor_parallel_size=2)
+    assert plan_memory(two_ranks).activation_bytes == eager + 16384 * (4 * 2048 + 3 * 384 + 16)
 
 
 def test_the_gpu_pool_stops_at_max_running_full_contexts() -> None:

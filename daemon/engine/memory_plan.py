@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.plugins.models.config import ModelConfig
+from outrider.plugins.models.moe.memory import grouped_bytes
 
 log = logging.getLogger("outrider.engine")
 
@@ -151,7 +152,10 @@ def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
             _graph_kv_limit(graphs, model, itemsize, width, graph_kv, inputs.free_bytes, tp)
         )
     estimate = _graph_pool_estimate(graphs, model, itemsize, width, graph_kv, tp)
-    activation = _activation_bytes(config, model, estimate) if config.device == "cuda" else 0
+    experts = _experts_bytes(config, model, itemsize, width, tp)
+    activation = (
+        _activation_bytes(config, model, estimate, experts) if config.device == "cuda" else 0
+    )
     pool_tokens = agree(
         _pool_tokens(
             config,
@@ -342,15 +346,29 @@ def _pool_tokens(
     return tokens // config.page_size * config.page_size
 
 
-def _activation_bytes(config: ServeConfig, model: ModelConfig, graph_estimate: int) -> int:
+def _experts_bytes(
+    config: ServeConfig, model: ModelConfig, itemsize: int, width: int, tp: int
+) -> int:
+    """A mixture of experts' grouped path (``moe/memory.py``) at the larger eager step: an
+    EXTEND chunk, or every running row's verified tokens; 0 for a dense model."""
+    if model.moe is None:
+        return 0
+    tokens = max(config.chunked_prefill_tokens, config.max_running * width)
+    inter = model.moe.intermediate_size // tp
+    return grouped_bytes(tokens, model.moe.top_k, model.hidden_size, inter, itemsize)
+
+
+def _activation_bytes(
+    config: ServeConfig, model: ModelConfig, graph_estimate: int, experts: int
+) -> int:
     """Device memory kept out of the KV pool for the steps: the CUDA graph pool, plus the
     working set of the eager steps, which cannot use it. Every graph's step first runs
     eagerly before its capture, so the eager share is at least the largest graphed step;
     otherwise a rough allowance (EXTEND chunks, decode batches past the graphs: logits and
-    sampling of every running row)."""
+    sampling of every running row) and the ``experts``' grouped path."""
     # NOTE: without the eager share, the warm-up run before the largest capture ran out of
     # memory on an H100 (Llama-3.1-8B, torch attention, 64 rows, KV bound 8208).
-    eager = 512 * MIB + config.max_running * model.vocab_size * 4 * 4
+    eager = 512 * MIB + config.max_running * model.vocab_size * 4 * 4 + experts
     return max(eager, graph_estimate) + graph_estimate
 
 

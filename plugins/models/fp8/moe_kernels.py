@@ -38,10 +38,10 @@ from outrider.plugins.models.moe.kernels import (
     _SUM_BLOCK,
     DECODE_MAX_PAIRS,
     DECODE_TILES,
-    MAX_CHUNK_PAIRS,
     _sum_slots_kernel,
     _tile,
 )
+from outrider.plugins.models.moe.memory import MAX_CHUNK_PAIRS
 from outrider.plugins.models.moe.tiles import GemvTiles, MoeKernelConfig, MoeShape, config_for
 from outrider.plugins.models.triton_kernels import _silu_mul
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous

@@ -1,8 +1,9 @@
 """Mixture of experts: the sparse MLP block, its experts and router, and the decoder that puts
 the block in the layers its config names (``block.py``); the fused Triton kernels
 (``kernels.py``), the device-side grouping of routed pairs by expert (``align.py``), the
-kernels' tile configs per shape with their JSON tables in ``configs/`` (``tiles.py``), and the
-tuner that writes those tables (``python -m outrider.plugins.models.moe.tune``). The
+kernels' tile configs per shape with their JSON tables in ``configs/`` (``tiles.py``), the
+tuner that writes those tables (``python -m outrider.plugins.models.moe.tune``), and what the
+kernels hold at their peak, for the memory plan (``memory.py``, which imports no torch). The
 architecture files (``qwen3_moe.py``, ``mixtral.py``, ``qwen2_moe.py``) stay one level up,
 beside the dense ones.
 

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from outrider.plugins.models.moe.align import AlignedPairs, align_pairs
+from outrider.plugins.models.moe.memory import MAX_CHUNK_PAIRS
 from outrider.plugins.models.moe.tiles import GemvTiles, MoeKernelConfig, MoeShape, config_for
 from outrider.plugins.models.triton_kernels import _silu_mul
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
@@ -41,9 +42,6 @@ from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 # Up to this many (token, slot) pairs the GEMVs serve (decode batches: 8 tokens at k = 8);
 # above, the grouped GEMMs. Untuned: the GPU session measures the crossover.
 DECODE_MAX_PAIRS = 64
-# The grouped path runs at most this many pairs at a time, which bounds its float32
-# per-pair buffer (MAX_CHUNK_PAIRS * H * 4 bytes: 128 MiB at H = 2048).
-MAX_CHUNK_PAIRS = 16384
 
 # The dense GEMV's measured best (triton_kernels.py), untuned for experts.
 DECODE_TILES = GemvTiles(block_n=8, block_k=1024, num_warps=8, num_stages=3)

@@ -32,6 +32,7 @@ import triton
 
 from outrider.plugins.models.moe import align
 from outrider.plugins.models.moe import kernels as mk
+from outrider.plugins.models.moe.memory import MAX_CHUNK_PAIRS
 from outrider.plugins.models.moe.tiles import (
     CONFIG_DIR,
     GemmTiles,
@@ -247,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     # fused_moe runs larger batches in chunks of this many tokens: larger sizes never occur.
-    largest = mk.MAX_CHUNK_PAIRS // shape.topk
+    largest = MAX_CHUNK_PAIRS // shape.topk
     tokens = sorted({min(int(t), largest) for t in args.tokens.split(",")})
     print(f"moe.tune {shape.key} {args.dtype} on {device_name}: {' '.join(sys.argv)}")
     configs = {t: tune_tokens(shape, t, dtype, gen) for t in tokens}
