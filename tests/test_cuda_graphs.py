@@ -397,10 +397,12 @@ def test_the_fit_check_budgets_the_graph_pool_and_names_its_flags() -> None:
     model = ModelConfig.from_dict(TINY_SHAPE)
     config = ServeConfig(model="tiny", device="cuda", max_running=2, page_size=16)
     eager = 512 * MIB + 2 * 256 * 16  # the rough allowance: logits and sampling per row
-    assert _activation_bytes(config, model, 0) == eager
+    assert _activation_bytes(config, model, 0, 0) == eager
     # The eager share covers the run before each capture: at least the largest graphed step.
-    assert _activation_bytes(config, model, MIB) == eager + MIB
-    assert _activation_bytes(config, model, 1024 * MIB) == 2 * 1024 * MIB
+    assert _activation_bytes(config, model, MIB, 0) == eager + MIB
+    assert _activation_bytes(config, model, 1024 * MIB, 0) == 2 * 1024 * MIB
+    # A mixture of experts' grouped path adds to the eager share.
+    assert _activation_bytes(config, model, 0, 3 * MIB) == eager + 3 * MIB
     with pytest.raises(ConfigError, match=r"--cuda-graph-max-bs .*--disable-cuda-graph"):
         _fit_check(config, 16, 128, 16, graph_estimate=700 * MIB)
     with pytest.raises(ConfigError) as eager_only:
