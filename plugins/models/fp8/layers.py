@@ -37,6 +37,7 @@ from outrider.plugins.models.config import TENSOR_PARALLEL_FLAG
 from outrider.plugins.models.fp8.config import FP8_EXPERTS_REFUSAL, Fp8Config, block_problem
 from outrider.plugins.models.fp8.experts import Fp8Experts
 from outrider.plugins.models.fp8.reference import FP8, Fp8Weight, quantize_weight
+from outrider.plugins.models.kernels import UsesKernels
 from outrider.plugins.models.layers import FusedLinear
 from outrider.plugins.models.moe.block import Experts
 from outrider.plugins.models.parallel import (
@@ -54,7 +55,7 @@ _DECODER_LAYERS = "model.layers."
 _PROJECTION = re.compile(r"(_proj|\.experts\.\d+\.\w+)\.weight$")
 
 
-class Fp8Linear(nn.Linear, Sharded, SelfDrawn):
+class Fp8Linear(nn.Linear, Sharded, SelfDrawn, UsesKernels):
     """What the three FP8 linears share: the FP8 ``weight`` (in place of nn.Linear's), its
     scale parameter (named as the checkpoint names it) and dummy draws."""
 
@@ -71,6 +72,11 @@ class Fp8Linear(nn.Linear, Sharded, SelfDrawn):
     @property
     def fp8_weight(self) -> Fp8Weight:
         return Fp8Weight(self.weight, self.get_parameter(self.fp8.scale_name), self.fp8.block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's output rows (the column and fused linears; the row-parallel one sums
+        its partial product over the ranks instead)."""
+        return self.kernels.fp8_linear(x, self.fp8_weight, self.bias)
 
     def checkpoint_parts(self) -> list[int]:
         """Rows of each checkpoint projection this module holds a cut of, in order."""
@@ -134,9 +140,6 @@ class Fp8ColumnParallelLinear(Fp8Linear, ColumnParallelLinear):
             _check_whole_blocks(name, "the rows", rows, fp8.block[0], tp)
         self._hold_fp8(fp8, _scale_shape(fp8, rows, in_features))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.fp8_linear(x, self.fp8_weight, self.bias)
-
     def checkpoint_parts(self) -> list[int]:
         return [self.out_features * self.tp.size]
 
@@ -160,9 +163,6 @@ class Fp8FusedLinear(Fp8Linear, FusedLinear):
                 self._scale_shards[part] = slice(start, start + rows // fp8.block[0])
                 start += rows // fp8.block[0]
         self._hold_fp8(fp8, _scale_shape(fp8, self.out_features, in_features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.fp8_linear(x, self.fp8_weight, self.bias)
 
     def part_rows(self, leaf: str) -> dict[str, slice]:
         return self._scale_shards if leaf == self.fp8.scale_name else self.shards
