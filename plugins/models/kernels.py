@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from outrider.plugins.debug import debug_knob
 from outrider.plugins.device import heads_contiguous, in_graph_build
 from outrider.plugins.models.fp8.reference import Fp8ExpertWeights, Fp8Weight, w8a8_linear, w8a8_moe
+from outrider.plugins.models.moe.reference import sum_over_experts
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +160,14 @@ class TorchKernels:
         and rounded to ``x``'s dtype once; the sum over a token's experts runs in ascending
         expert order, from zero (as the HF reference adds them). Tokens are grouped by expert;
         while a CUDA graph is built, every expert runs on every token instead."""
-        if in_graph_build():
-            return _every_expert(x, w13, w2, topk_weights, topk_ids)
-        # NOTE: the experts hit are read on the host (a sync), which no CUDA graph may hold.
-        out = torch.zeros_like(x)
-        hit = torch.bincount(topk_ids.flatten(), minlength=w13.shape[0]).nonzero()
-        for expert in hit.flatten().tolist():
-            token, slot = torch.where(topk_ids == expert)  # [n] each, token order
-            y = _expert(x[token], w13[expert], w2[expert])  # [n, H]
-            weighted = y.float() * topk_weights[token, slot].unsqueeze(-1)
-            out.index_add_(0, token, weighted.to(x.dtype))
-        return out
+        return sum_over_experts(
+            x,
+            topk_weights,
+            topk_ids,
+            w13.shape[0],
+            lambda rows, e: _expert(rows, w13[e], w2[e]),
+            every_expert=in_graph_build(),
+        )
 
     def fused_moe_fp8(
         self,
@@ -189,24 +187,6 @@ def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
     """One expert's MLP of ``x: [n, H]`` in ``x``'s dtype (``w13``: its gate rows, then up)."""
     gate, up = F.linear(x, w13).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w2)
-
-
-def _every_expert(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """``TorchKernels.fused_moe`` without a host sync, for CUDA graphs: every expert runs on
-    every token (``E / k`` times the work) and adds its product times the token's weight for
-    it, zero where not routed (adding zero is exact: the same sums)."""
-    out = torch.zeros_like(x)
-    for expert in range(w13.shape[0]):
-        weight = (topk_weights * (topk_ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]
-        y = _expert(x, w13[expert], w2[expert])  # [T, H]
-        out += (y.float() * weight).to(x.dtype)
-    return out
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,12 @@ Invariants:
 
 - This room may import ``moe/``: ``experts.py`` and ``layers.py`` its ``block.Experts``,
   ``moe_kernels.py`` its alignment, tile configs and kernels (private names included: the
-  slot sum is shared). ``moe/`` never imports this room.
+  slot sum is shared), ``reference.py`` its sum over experts. ``moe/`` never imports this
+  room.
 - ``config.py`` imports nothing but the standard library (the start checks read it without
-  torch) and ``reference.py`` nothing of Outrider: ``models/config.py``,
-  ``models/kernels.py`` and ``models/weights.py`` import them, so they stay leaves.
+  torch) and ``reference.py`` nothing of Outrider but ``moe/reference.py`` (torch alone):
+  ``models/config.py``, ``models/kernels.py`` and ``models/weights.py`` import them, so they
+  stay leaves.
 - The GPU kernels are reached only through ``models/kernels.py``'s seam
   (``fp8_linear``, ``fused_moe_fp8``), loaded by ``select_kernels`` into ``FusedKernels``.
 

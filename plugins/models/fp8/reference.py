@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from outrider.plugins.models.moe.reference import sum_over_experts
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 # A group of zeros quantizes with this amax instead of dividing by zero.
@@ -182,17 +184,12 @@ def w8a8_moe(
     arithmetic. The tokens are grouped by the experts hit, read on the host; with
     ``every_expert`` (no host sync, for CUDA graphs) every expert runs on every token, zero
     weight where not routed. Either way each token's products are added in ascending expert
-    order, from zero, each rounded to ``x``'s dtype."""
-    out = torch.zeros_like(x)
-    if every_expert:
-        for expert in range(experts.num_experts):
-            weight = (topk_weights * (topk_ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]
-            out += (w8a8_expert(x, experts, expert).float() * weight).to(x.dtype)
-        return out
-    hit = torch.bincount(topk_ids.flatten(), minlength=experts.num_experts).nonzero()
-    for expert in hit.flatten().tolist():
-        token, slot = torch.where(topk_ids == expert)  # [n] each, token order
-        y = w8a8_expert(x[token], experts, expert)
-        weighted = y.float() * topk_weights[token, slot].unsqueeze(-1)
-        out.index_add_(0, token, weighted.to(x.dtype))
-    return out
+    order, from zero, each rounded to ``x``'s dtype (``moe/reference.py``)."""
+    return sum_over_experts(
+        x,
+        topk_weights,
+        topk_ids,
+        experts.num_experts,
+        lambda rows, e: w8a8_expert(rows, experts, e),
+        every_expert,
+    )

@@ -3,7 +3,9 @@ the block in the layers its config names (``block.py``); the fused Triton kernel
 (``kernels.py``), the device-side grouping of routed pairs by expert (``align.py``), the
 kernels' tile configs per shape with their JSON tables in ``configs/`` (``tiles.py``), the
 tuner that writes those tables (``python -m outrider.plugins.models.moe.tune``), and what the
-kernels hold at their peak, for the memory plan (``memory.py``, which imports no torch). The
+kernels hold at their peak, for the memory plan (``memory.py``, which imports no torch);
+the reference sum over a token's experts that the 16-bit and FP8 references share
+(``reference.py``, torch alone). The
 architecture files (``qwen3_moe.py``, ``mixtral.py``, ``qwen2_moe.py``) stay one level up,
 beside the dense ones.
 
