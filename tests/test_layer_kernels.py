@@ -116,13 +116,7 @@ def test_use_kernels_reaches_every_module_that_runs_them() -> None:
 
 
 def _fused() -> FusedKernels:
-    flashinfer = pytest.importorskip("flashinfer")
-    from outrider.plugins.models import triton_kernels
-    from outrider.plugins.models.fp8 import kernels as fp8_kernels
-    from outrider.plugins.models.fp8 import moe_kernels as moe_fp8_kernels
-    from outrider.plugins.models.moe import kernels as moe_kernels
-
-    return FusedKernels(flashinfer, triton_kernels, moe_kernels, fp8_kernels, moe_fp8_kernels)
+    return FusedKernels(pytest.importorskip("flashinfer"))
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:

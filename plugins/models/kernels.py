@@ -224,19 +224,19 @@ class FusedKernels(TorchKernels):
 
     name = "fused"
 
-    def __init__(
-        self,
-        flashinfer: Any,
-        triton_kernels: Any,
-        moe_kernels: Any,
-        fp8_kernels: Any,
-        moe_fp8_kernels: Any,
-    ) -> None:
+    def __init__(self, flashinfer: Any) -> None:
+        """With the ``flashinfer`` package; the Triton kernel modules are imported here, so
+        an ImportError says Triton is missing (``select_kernels``)."""
+        from outrider.plugins.models import triton_kernels
+        from outrider.plugins.models.fp8 import kernels as fp8_kernels
+        from outrider.plugins.models.fp8 import moe_kernels as moe_fp8_kernels
+        from outrider.plugins.models.moe import kernels as moe_kernels
+
         self.flashinfer = flashinfer
-        self.triton = triton_kernels  # the module triton_kernels.py
-        self.moe = moe_kernels  # the module moe/kernels.py
-        self.fp8 = fp8_kernels  # the module fp8/kernels.py
-        self.moe_fp8 = moe_fp8_kernels  # the module fp8/moe_kernels.py
+        self.triton = triton_kernels
+        self.moe = moe_kernels
+        self.fp8 = fp8_kernels
+        self.moe_fp8 = moe_fp8_kernels
 
     def fused_moe(
         self,
@@ -349,14 +349,10 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> T
     try:
         import flashinfer
 
-        from outrider.plugins.models import triton_kernels
-        from outrider.plugins.models.fp8 import kernels as fp8_kernels
-        from outrider.plugins.models.fp8 import moe_kernels as moe_fp8_kernels
-        from outrider.plugins.models.moe import kernels as moe_kernels
+        return FusedKernels(flashinfer)
     except ImportError as exc:
         log.info("layer kernels: torch (%s is not installed)", exc.name)
         return TORCH_KERNELS
-    return FusedKernels(flashinfer, triton_kernels, moe_kernels, fp8_kernels, moe_fp8_kernels)
 
 
 def use_kernels(model: torch.nn.Module, kernels: TorchKernels) -> None:
