@@ -552,13 +552,13 @@ def test_plugins_check_resolves_what_serve_runs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     pytest.importorskip("torch")
-    from outrider.daemon.processes import server
+    from outrider.daemon.processes import start
     from outrider.daemon.processes.preflight import resolve_plugins
     from outrider.plugins.models.config import ModelConfig
 
     served: list[ServeConfig] = []
     monkeypatch.setattr(cli, "configure_logging", lambda level, fmt: None)
-    monkeypatch.setattr(server, "main", lambda config: served.append(config) or 0)
+    monkeypatch.setattr(start, "main", lambda config: served.append(config) or 0)
     assert cli.main(["serve", *flags]) == 0
     checked: list[plugins_cmd.ServeCheck] = []
     check = plugins_cmd.serve_check

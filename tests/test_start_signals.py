@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from outrider.daemon.processes.server import StartSignals, _StopWhileStarting
+from outrider.daemon.processes.start_signals import StartSignals, StopWhileStarting
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def start_signals(reported: list[type[BaseException]]) -> Iterator[StartSignals]
 
 
 def test_a_signal_while_starting_raises_where_it_lands(start_signals: StartSignals) -> None:
-    with pytest.raises(_StopWhileStarting, match="SIGTERM"):
+    with pytest.raises(StopWhileStarting, match="SIGTERM"):
         signal.raise_signal(signal.SIGTERM)
     assert start_signals.received == "SIGTERM"
 

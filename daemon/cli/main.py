@@ -85,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"outrider serve: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(config.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from outrider.daemon.processes.server import main
+    from outrider.daemon.processes.start import main
 
     return main(config)
 

@@ -4,8 +4,8 @@
 ``node_rank * N / M + local``. The process ``outrider serve`` starts is its host's local rank
 0; the others are spawned here, one process each (on CUDA local rank ``l`` takes visible
 device ``l``). On node 0 local rank 0 is rank 0: it owns the scheduler, the sockets and
-systemd notification (processes/server.py). Every other rank builds a follower and runs rank
-0's plans (engine/ranks.py) until rank 0 stops them::
+systemd notification (processes/start.py, server.py). Every other rank builds a follower and
+runs rank 0's plans (engine/ranks.py) until rank 0 stops them::
 
     node 0: outrider serve (rank 0: daemon)      node k: outrider serve --node-rank k
               ├── rank 1 (follower)                        (rank k*L: follower)
