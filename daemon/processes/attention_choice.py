@@ -188,6 +188,6 @@ def choose_for(
     if capability is not None:
         row = dataclasses.replace(row, name=f"{row.name}, SM {capability[0]}.{capability[1]}")
     choice = choose_attention(config.requested_attention, row, candidate_problems(registry, ctx))
-    used = set(registry.used_phases(config.check_context(dtype, capability, choice.phase_routes)))
+    used = set(registry.used_phases(ctx))  # the algorithm's alone, whatever the routes
     idle = frozenset(slot for slot in SLOTS if not used & set(SLOT_PHASES[slot]))
     return dataclasses.replace(choice, idle=idle)
