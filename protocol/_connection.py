@@ -8,8 +8,10 @@ Lifetime of a live request on a client:
 register (id unique among live ids) -> send -> replies...  -> final reply: unregistered
                                              -> timeout / cancel / stream dropped: unregistered,
                                                 and a Generate still running is aborted
-                                             -> link lost / daemon restarted: final
-                                                Error('connection_lost') delivered locally
+                                             -> link lost / daemon restarted / handshake
+                                                failed (or dropped SILENT_DROPS_LIMIT times
+                                                in a row): final Error('connection_lost')
+                                                delivered locally
                                              -> connected, but nothing at all heard for
                                                 idle_timeout: Timeout, unregistered (aborted)
                                              -> never connected for connect_timeout:
@@ -67,9 +69,13 @@ CONNECT_TIMEOUT_S: Final = 10.0
 # default); past it they wait in the daemon, which ends a client that stays behind
 # (slow_consumer). 0: no limit, for a server that reads promptly and bounds its own memory.
 REPLY_HWM: Final = 1000
+# Handshakes dropped without a reason, in a row, before the calls in flight fail: a wrong
+# curve_server_key, or a peer that is no daemon; libzmq retries every 100 ms meanwhile.
+SILENT_DROPS_LIMIT: Final = 3
 
 _MONITOR_EVENTS: Final = (
     zmq.EVENT_CONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -136,6 +142,8 @@ class Connection:
         self._handshake_failure = ""
         self._link_dead = ""  # why the socket will never connect again
         self._connected = False  # the DEALER holds a connection to the endpoint now
+        self._linked = False  # ... and that connection finished its handshake
+        self._silent_drops = 0  # handshakes in a row dropped without a reason
         self._closed = False
         # NOTE: only the owners may close the sockets. A socket closed through another
         # object is closed again by its owner when collected, by then perhaps a new socket
@@ -370,24 +378,44 @@ class Connection:
                 # The idle limit starts now: waiters computed their wake-up without it.
                 for inbox in self._pending.values():
                     inbox.wake()
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._linked = True
+                self._silent_drops = 0
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._handshake_failure = " (handshake failed: authentication)"
             elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 self._handshake_failure = " (handshake failed: protocol)"
             else:
-                self._connected = False
-                # NOTE: replies that arrived before the link dropped are queued ahead of
-                # this event; deliver them first so that only unanswered calls fail.
-                self._drain()
-                reason, self._handshake_failure = self._handshake_failure, ""
-                message = f"connection to {self.endpoint} lost{reason}"
-                self._fail_all("connection_lost", message)
-                self._lost_since_boot = True
-                if reason:
-                    # NOTE: libzmq never reconnects after a failed handshake (a plain client
-                    # at a CURVE server, a key the server refuses): every later call would
-                    # wait for nothing. The events often arrive before the first call.
-                    self._link_dead = message
+                self._lose_link()
+
+    def _lose_link(self) -> None:
+        """The connection dropped: the calls it may have carried fail, and a failed handshake
+        marks the link dead for good."""
+        linked, self._connected, self._linked = self._linked, False, False
+        reason, self._handshake_failure = self._handshake_failure, ""
+        if not linked and not reason:
+            # NOTE: a connection dropped mid-handshake without a stated reason carried nothing:
+            # ZeroMQ keeps the requests queued and retries. Once can be a race (the peer closed
+            # before the client read why); again and again, the peer will never accept us.
+            self._silent_drops += 1
+            if self._silent_drops < SILENT_DROPS_LIMIT:
+                return
+            reason = (
+                f" ({self._silent_drops} handshakes in a row failed without a reason:"
+                " no daemon, or one with another CURVE setting)"
+            )
+        self._silent_drops = 0
+        # NOTE: replies that arrived before the link dropped are queued ahead of this event;
+        # deliver them first so that only unanswered calls fail.
+        self._drain()
+        message = f"connection to {self.endpoint} lost{reason}"
+        self._fail_all("connection_lost", message)
+        self._lost_since_boot = True
+        if reason.startswith(" (handshake failed"):
+            # NOTE: libzmq never reconnects after a failed handshake (a plain client at a
+            # CURVE server, a key the server refuses): every later call would wait for
+            # nothing. The events often arrive before the first call.
+            self._link_dead = message
 
     def _note_boot(self, boot_id: str, request_id: str) -> None:
         # NOTE: a restart always drops the link, which fails the calls in flight; a new boot

@@ -36,6 +36,7 @@ from outrider.protocol._connection import (
     HEARTBEAT_TIMEOUT_MS,
     IDLE_TIMEOUT_S,
     LINGER_MS,
+    SILENT_DROPS_LIMIT,
     Inbox,
 )
 from outrider.protocol.async_client import AsyncClient, AsyncTokenStream
@@ -48,6 +49,7 @@ __all__ = [
     "HEARTBEAT_TIMEOUT_MS",
     "IDLE_TIMEOUT_S",
     "LINGER_MS",
+    "SILENT_DROPS_LIMIT",
     "AsyncClient",
     "AsyncTokenStream",
     "Client",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import io
 import json
@@ -42,7 +43,7 @@ from outrider.protocol import (
     TokenChunk,
     Usage,
 )
-from outrider.protocol.client import LINGER_MS
+from outrider.protocol.client import LINGER_MS, SILENT_DROPS_LIMIT
 from outrider.protocol.endpoints import (
     default_endpoint,
     ipc_path,
@@ -75,6 +76,7 @@ class Peer:
         self.handler = handler
         self.curve_secret = curve_secret
         self.requests: list[ClientRequest] = []
+        self.port = 0  # the TCP port bound, once started (0 for other transports)
         self._replies = reply_codec()
         self._stop = threading.Event()
         self._bound = threading.Event()
@@ -110,6 +112,8 @@ class Peer:
             self._sock.setsockopt(zmq.CURVE_SERVER, 1)
             self._sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve_secret)
         self._sock.bind(self.endpoint)
+        if self.endpoint.startswith("tcp://"):
+            self.port = int(self._sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self._bound.set()
         try:
             while not self._stop.is_set():
@@ -818,7 +822,8 @@ def test_a_loading_daemon_is_told_from_none(
 def test_a_failed_handshake_fails_later_calls_at_once(failure: str) -> None:
     """libzmq never reconnects after a failed handshake (a plain client at a CURVE server, a
     client key the server refuses): a call made after it fails with ``connection_lost``
-    instead of waiting for nothing."""
+    instead of waiting for nothing. A plain client often sees the CURVE server close before it
+    reads why (on a busy host, every time): it fails after ``SILENT_DROPS_LIMIT`` such drops."""
     ctx = zmq.Context()
     auth = ThreadAuthenticator(ctx)
     auth.start()
@@ -838,12 +843,98 @@ def test_a_failed_handshake_fails_later_calls_at_once(failure: str) -> None:
                 with pytest.raises(RequestError) as err:
                     client.health(timeout=5.0)
                 assert err.value.code == "connection_lost"
-                assert err.value.message.endswith(f"lost (handshake failed: {failure})")
-                assert time.monotonic() - started < 1.0
+                told = err.value.message.removeprefix(f"connection to tcp://127.0.0.1:{port} lost")
+                if failure == "authentication":
+                    assert told == " (handshake failed: authentication)"
+                else:
+                    assert told in (" (handshake failed: protocol)", silent_drops_reason())
+                assert time.monotonic() - started < 2.0
     finally:
         server.close(0)
         auth.stop()
         ctx.term()
+
+
+class _Dropper:
+    """A TCP listener that closes its first ``drops`` connections at once (mid-handshake, as a
+    peer that is no daemon would) and forwards later ones to ``target`` (host, port)."""
+
+    def __init__(self, drops: int, target: tuple[str, int] | None = None) -> None:
+        self.drops = drops
+        self.target = target
+        self.accepted = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        with self.listener:
+            while True:
+                try:
+                    conn, _ = self.listener.accept()
+                except OSError:
+                    return
+                self.accepted += 1
+                if self.accepted <= self.drops or self.target is None:
+                    conn.close()
+                    continue
+                upstream = socket.create_connection(self.target)
+                for src, dst in ((conn, upstream), (upstream, conn)):
+                    threading.Thread(target=_pipe, args=(src, dst), daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)
+        self._thread.join(5.0)
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
+
+
+def test_one_connection_dropped_mid_handshake_does_not_fail_the_call(
+    peers: list[Peer],
+) -> None:
+    """A connection dropped before its handshake ended carried no request: ZeroMQ keeps it
+    queued and retries, and the call is answered over the next connection."""
+    peer = run_peer(peers, "tcp://127.0.0.1:*", echo)
+    dropper = _Dropper(drops=1, target=("127.0.0.1", peer.port))
+    try:
+        with Client(f"tcp://127.0.0.1:{dropper.port}", timeout=5.0) as client:
+            assert client.generate("through").text == "through"
+    finally:
+        dropper.close()
+    assert dropper.accepted == 2
+
+
+def test_handshakes_dropped_again_and_again_fail_the_call() -> None:
+    """A peer that drops every handshake without a reason (no daemon, or one with another CURVE
+    key) fails the call after ``SILENT_DROPS_LIMIT`` drops, not at its timeout."""
+    dropper = _Dropper(drops=1_000)
+    try:
+        with Client(f"tcp://127.0.0.1:{dropper.port}") as client:
+            started = time.monotonic()
+            with pytest.raises(RequestError) as err:
+                client.health(timeout=10.0)
+            assert time.monotonic() - started < 5.0
+    finally:
+        dropper.close()
+    assert err.value.code == "connection_lost"
+    assert err.value.message == f"connection to tcp://127.0.0.1:{dropper.port} lost" + (
+        silent_drops_reason()
+    )
+    assert dropper.accepted >= SILENT_DROPS_LIMIT
+
+
+def silent_drops_reason() -> str:
+    return (
+        f" ({SILENT_DROPS_LIMIT} handshakes in a row failed without a reason:"
+        " no daemon, or one with another CURVE setting)"
+    )
 
 
 class _RefuseAll:
