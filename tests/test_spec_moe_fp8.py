@@ -1,10 +1,11 @@
-"""Speculative decoding on the mixture-of-experts and FP8 targets, float32 on CPU: with every
-draft algorithm (DRAFT_ALGORITHMS) a batch of greedy requests gets the target-only tokens,
-through the overlap loop and the serial one; so do EAGLE-3 chains and trees that repeat the
-last token, accepted in the targets' runs; the target as its own standalone draft (an MoE or
-FP8 draft) has every draft accepted; sampled EAGLE-3 trees on an MoE target commit tokens
-distributed as the target's (spec_stats.py); the drafting policy's start-up timing routes the
-tokens it verifies to experts as text is routed."""
+"""Speculative decoding on a mixture-of-experts target and on its FP8 checkpoint (block-scaled
+attention projections and experts), float32 on CPU: with every draft algorithm
+(DRAFT_ALGORITHMS) a batch of greedy requests gets the target-only tokens, through the overlap
+loop and the serial one; so do EAGLE-3 chains and trees that repeat the last token, accepted in
+the targets' runs; the target as its own standalone draft (an MoE or FP8 MoE draft) has every
+draft accepted; sampled EAGLE-3 trees on an MoE target commit tokens distributed as the
+target's (spec_stats.py); the drafting policy's start-up timing routes the tokens it verifies
+to experts as text is routed."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ from spec_stats import (
 from outrider.daemon.config import ConfigError
 from outrider.daemon.engine import drafting_setup
 from outrider.daemon.engine.cycle_cost import timing_prompts
+from outrider.plugins.models.fp8.experts import Fp8Experts
 from outrider.plugins.models.fp8.layers import Fp8Linear
-from outrider.plugins.models.moe.block import Router, Routing, SparseMoeBlock
+from outrider.plugins.models.moe.block import Experts, Router, Routing, SparseMoeBlock
 from outrider.plugins.models.registry import SUPPORTED_ARCHITECTURES
 
 debug_checks = debug_checks_fixture()
@@ -56,12 +58,13 @@ def _save_moe(directory: Path) -> None:
     save_tiny_model("qwen3_moe", directory, config_overrides=MOE_LAYERS)
 
 
-def _save_fp8(directory: Path) -> None:
-    save_tiny_model("qwen3", directory / "source")
+def _save_fp8_moe(directory: Path) -> None:
+    """The MoE target in the block format: FP8 attention projections and FP8 experts."""
+    save_tiny_model("qwen3_moe", directory / "source", config_overrides=MOE_LAYERS)
     write_fp8_checkpoint(directory / "source", directory / "fp8", block_config((16, 32)))
 
 
-TARGETS = {"qwen3_moe": (_save_moe, ""), "fp8 block": (_save_fp8, "fp8")}
+TARGETS = {"qwen3_moe": (_save_moe, ""), "fp8 moe block": (_save_fp8_moe, "fp8")}
 
 
 class Target:
@@ -95,8 +98,11 @@ def test_the_targets_run_experts_and_fp8_projections(targets: dict[str, Target])
     moe = engine_for(targets["qwen3_moe"].directory).loop.runner.model
     sparse = sum(isinstance(m, SparseMoeBlock) for m in moe.modules())
     assert sparse == MOE_LAYERS["num_hidden_layers"]
-    fp8 = engine_for(targets["fp8 block"].directory).loop.runner.model
+    fp8 = engine_for(targets["fp8 moe block"].directory).loop.runner.model
     assert any(isinstance(m, Fp8Linear) for m in fp8.modules())
+    experts = [m for m in fp8.modules() if isinstance(m, Experts)]
+    assert len(experts) == MOE_LAYERS["num_hidden_layers"]
+    assert all(isinstance(m, Fp8Experts) for m in experts)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
