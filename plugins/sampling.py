@@ -1,10 +1,12 @@
 """On-device token sampling with counter-based randomness (ARCHITECTURE.md 4.4), from a
 ``SamplingBatch``: the per-row device form of the rows' ``SamplingSpec`` (sampling_spec.py).
 
-Rule, per row: greedy rows (``temperature == 0``) take the argmax of the raw logits, ties to
-the lowest id. Sampled rows divide by the temperature, keep the ``top_k`` largest (0 = all),
-then the smallest set of most likely tokens whose mass reaches ``top_p`` (mass measured after
-the top-k cut and renormalisation; the most likely token is always kept), renormalise, and draw
+Rule, per row, over the logits a request's adjustments left (logit bias and penalties:
+daemon/engine/penalties.py; the raw logits where it has none): greedy rows (``temperature ==
+0``) take the argmax, ties to the lowest id. Sampled rows divide by the temperature, drop the
+tokens less likely than ``min_p`` times the most likely one, keep the ``top_k`` largest (0 =
+all), then the smallest set of most likely tokens whose mass reaches ``top_p`` (mass measured
+after those cuts and renormalisation; the most likely token is always kept), renormalise, and draw
 with an exponential race: ``argmax_i p_i / E_i`` with ``E_i = -log(U_i)`` i.i.d. Exp(1). The
 race winner is distributed exactly as ``p``; it is computed as ``log p_i - log E_i``, and the
 normalisation constant is dropped because it shifts every score of a row alike.
@@ -65,7 +67,8 @@ class SamplingBatch:
     the rows' ``SamplingSpec``.
 
     ``all_greedy`` must be True only when every row has temperature 0 (it skips the random
-    path); ``max_logprobs`` is the largest top-n any row asked for (0 = none).
+    path); ``max_logprobs`` is the largest top-n any row asked for (0 = none); ``min_p`` None
+    when no row asks for one (the cut is skipped).
     """
 
     temperature: torch.Tensor  # [n] float32; 0 = greedy
@@ -74,6 +77,7 @@ class SamplingBatch:
     seed: torch.Tensor  # [n] int64 in [0, 2^63)
     all_greedy: bool
     max_logprobs: int
+    min_p: torch.Tensor | None = None  # [n] float32 in [0, 1]; 0 = no cut
 
     @classmethod
     def from_specs(
@@ -90,6 +94,9 @@ class SamplingBatch:
             seed=torch.tensor([s.seed for s in specs], dtype=torch.int64, device=device),
             all_greedy=all(s.temperature == 0 for s in specs),
             max_logprobs=max((s.logprobs for s in specs), default=0),
+            min_p=torch.tensor([s.min_p for s in specs], dtype=torch.float32, device=device)
+            if any(s.min_p > 0 for s in specs)
+            else None,
         )
 
 
@@ -180,6 +187,10 @@ def _filtered_sorted(
     values, ids = torch.sort(
         logits / temperature.unsqueeze(-1), dim=-1, descending=True, stable=True
     )
+    if batch.min_p is not None:
+        # p_i < min_p * p_max, in log space; log(0) = -inf cuts nothing.
+        floor = values[:, :1] + torch.log(batch.min_p).unsqueeze(-1)  # [n, 1]
+        values = values.masked_fill(values < floor, float("-inf"))
     top_k = torch.where(batch.top_k > 0, batch.top_k, vocab).unsqueeze(-1)  # [n, 1]
     rank = torch.arange(vocab, device=logits.device)
     values = values.masked_fill(rank >= top_k, float("-inf"))
@@ -209,10 +220,13 @@ def sample(
     *,
     vocab_limit: int,
     draw: int = 0,
+    choose_from: torch.Tensor | None = None,
 ) -> SampleResult:
     """Choose one token per row, with no host synchronisation.
 
     logits: [n, V] float32; ids >= ``vocab_limit`` are never chosen nor reported.
+    choose_from: [n, V], the logits the rule chooses from when a request adjusted them
+    (``logits``, the raw ones, give the logprobs); None: ``logits``.
     position: [n] int64, the output position of the token being drawn (a randomness counter).
     draw: separates independent draws at the same (seed, position).
     Logprobs are the raw log-softmax over the first ``vocab_limit`` ids (no temperature or
@@ -223,15 +237,16 @@ def sample(
     logits = logits[:, :vocab_limit].float()  # [n, Vl]
     # A graph being built reads the vocabulary once for the greedy token and its logprob
     # (greedy_kernel.py); eagerly, two Triton launches cost more host time than they save.
-    if batch.all_greedy and not batch.max_logprobs and in_graph_build():
+    if batch.all_greedy and not batch.max_logprobs and choose_from is None and in_graph_build():
         from outrider.plugins.greedy_kernel import greedy_fits, greedy_logprob
 
         if greedy_fits(logits):
             tokens, logprob = greedy_logprob(logits)
             return SampleResult(tokens, logprob, *_no_top(logits))
-    tokens = _greedy(logits)
+    chosen = logits if choose_from is None else choose_from[:, :vocab_limit].float()
+    tokens = _greedy(chosen)
     if not batch.all_greedy:
-        values, ids = _filtered_sorted(logits, batch)
+        values, ids = _filtered_sorted(chosen, batch)
         keys = _row_keys(batch.seed, position, draw)
         winner = _race(values, ids, keys)
         sampled = ids.gather(-1, winner).squeeze(-1)

@@ -95,6 +95,11 @@ class GenerateCall:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
     request_id: str | None = None
     timeout: float | None = None
 
@@ -130,6 +135,11 @@ class GenerateCall:
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
             stream=stream,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=dict(self.logit_bias or {}),
         )
 
 

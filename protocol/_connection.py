@@ -55,6 +55,7 @@ from outrider.protocol.messages import (
     Health,
     ServerInfo,
     is_final,
+    request_revision,
 )
 
 # Unsent frames (a best-effort abort at close) get this long; close() itself never blocks.
@@ -276,7 +277,7 @@ class Connection:
     def _encode(self, msg: ClientRequest) -> bytes:
         """``msg`` as a frame; ``RequestError('invalid_request')`` when it is over
         ``max_message_bytes``."""
-        frame = self._requests.encode(msg)
+        frame = self._requests.encode(msg, request_revision(msg))
         if len(frame) > self.max_message_bytes:
             raise RequestError(
                 "invalid_request",
@@ -318,7 +319,8 @@ class Connection:
             return
         del self._pending[inbox.request_id]
         if abort and inbox.running and not inbox.final and not self._closed:
-            frame = self._requests.encode(abort_request(inbox.request_id))
+            abort_frame = abort_request(inbox.request_id)
+            frame = self._requests.encode(abort_frame, request_revision(abort_frame))
             # NOTE: with the send queue full the abort is skipped: the daemon finishes the
             # request and its replies are dropped.
             with contextlib.suppress(zmq.Again):

@@ -3,6 +3,9 @@
 The first byte is ``family << 4 | version``: the family picks the decoder (client requests,
 client replies, internal pipes), the version lets any peer be answered
 ``unsupported_version`` before its body is read. One codec per socket, reused.
+
+A codec decodes the versions ``oldest .. version`` (each a superset of the one before) and
+encodes ``version`` unless told another: client requests have two (``REQUEST_REVISIONS``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,12 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from outrider.protocol.messages import PROTOCOL_VERSION, ClientReply, ClientRequest
+from outrider.protocol.messages import (
+    PROTOCOL_VERSION,
+    REQUEST_REVISIONS,
+    ClientReply,
+    ClientRequest,
+)
 
 T = TypeVar("T")
 
@@ -46,8 +54,11 @@ _UNDECODABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 class FrameCodec(Generic[T]):
     """Encodes and decodes one message type (usually a tagged union) of one family."""
 
-    def __init__(self, family: int, type_: Any, version: int = PROTOCOL_VERSION) -> None:
-        assert 0 < family < 16 and 0 < version < 16
+    def __init__(
+        self, family: int, type_: Any, version: int = PROTOCOL_VERSION, oldest: int | None = None
+    ) -> None:
+        self.oldest = version if oldest is None else oldest
+        assert 0 < family < 16 and 0 < self.oldest <= version < 16
         self.header = bytes([family << 4 | version])
         self.family = family
         self.version = version
@@ -56,8 +67,12 @@ class FrameCodec(Generic[T]):
         self._id_decoder = msgspec.msgpack.Decoder(_IdOnly | list[msgspec.Raw])
         self._str_decoder = msgspec.msgpack.Decoder(str)
 
-    def encode(self, msg: T) -> bytes:
-        return self.header + self._encoder.encode(msg)
+    def encode(self, msg: T, version: int | None = None) -> bytes:
+        """``msg``'s frame, in ``version`` (None: the newest this codec speaks)."""
+        if version is None:
+            return self.header + self._encoder.encode(msg)
+        assert self.oldest <= version <= self.version
+        return bytes([self.family << 4 | version]) + self._encoder.encode(msg)
 
     def decode(self, frame: bytes | memoryview) -> T:
         """Decode one frame. Raises nothing but ``FrameError`` (``malformed``,
@@ -70,10 +85,15 @@ class FrameCodec(Generic[T]):
         if family != self.family:
             raise FrameError("malformed", f"unknown frame kind {data[0]:#04x}")
         body = data[1:]
-        if version != self.version:
+        if not self.oldest <= version <= self.version:
+            spoken = (
+                f"{self.version}"
+                if self.oldest == self.version
+                else f"{self.oldest} to {self.version}"
+            )
             raise FrameError(
                 "unsupported_version",
-                f"protocol version {version} is not supported (this peer speaks {self.version})",
+                f"protocol version {version} is not supported (this peer speaks {spoken})",
                 self._request_id(body),
             )
         try:
@@ -98,7 +118,8 @@ class FrameCodec(Generic[T]):
 
 
 def request_codec() -> FrameCodec[ClientRequest]:
-    return FrameCodec(FAMILY_CLIENT_REQUEST, ClientRequest)
+    oldest, newest = REQUEST_REVISIONS[0], REQUEST_REVISIONS[-1]
+    return FrameCodec(FAMILY_CLIENT_REQUEST, ClientRequest, newest, oldest)
 
 
 def reply_codec() -> FrameCodec[ClientReply]:

@@ -12,6 +12,13 @@ from typing import Annotated, Any, Literal
 from msgspec import Meta, Struct
 
 PROTOCOL_VERSION = 1
+# The version nibbles of request frames: 1 is protocol 1.0; 2 is protocol 1.1, which adds
+# Generate's min_p, penalties and logit_bias. A client sends the oldest revision that carries
+# its request (``request_revision``): a daemon of 1.0 serves every request it can honour and
+# refuses the rest (unsupported_version) instead of ignoring fields it does not know. Replies
+# are unchanged (revision 1).
+REQUEST_REVISIONS = (1, 2)
+PROTOCOL_MINOR = len(REQUEST_REVISIONS) - 1
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -22,6 +29,11 @@ MAX_TOKEN_ID = 2**31 - 1
 # closed range, and the daemon refuses the gap above 0 (invalid_request).
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
+# Logit adjustments (OpenAI's ranges; repetition as Hugging Face's, 1 = off).
+MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_ABS_PENALTY = 2.0  # presence and frequency
+MAX_REPETITION_PENALTY = 10.0
 # The largest client frame a daemon takes by default (``--max-message-bytes``): a larger one
 # ends the sender's connection, so the client library refuses to send one.
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 2**20
@@ -55,6 +67,13 @@ Temperature = Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)]  # 0: greedy
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]  # 0: no top-k
 Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]  # 0: no cut
+Penalty = Annotated[float, Meta(ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)]  # 0: off
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)]  # 1: off
+LogitBias = Annotated[
+    dict[TokenId, Annotated[float, Meta(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]],
+    Meta(max_length=MAX_LOGIT_BIAS),
+]
 
 
 # --- requests (client -> daemon) ---------------------------------------------------------
@@ -72,6 +91,13 @@ class Generate(Struct, tag="generate", frozen=True):
     daemon's sampling defaults: the model's generation_config.json values, or 1.0, 1.0 and 0
     (``outrider serve --generation-config``). Their defaults were those three values before
     None was allowed: a request that sends values decodes as it always did.
+
+    ``min_p``, the penalties and ``logit_bias`` (protocol 1.1; their defaults change nothing)
+    adjust the target's logits before the sampling rule: ``logit_bias`` adds to a token's
+    logit, ``repetition_penalty`` divides a positive logit (multiplies a negative one) of a
+    token of the prompt or the output, ``frequency_penalty`` and ``presence_penalty`` subtract
+    from a token of the output its count and its presence; ``min_p`` drops tokens less likely
+    than ``min_p`` times the most likely one.
     """
 
     request_id: RequestId
@@ -88,6 +114,11 @@ class Generate(Struct, tag="generate", frozen=True):
     ignore_eos: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] = 0
     stream: bool = False
+    min_p: MinP = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    logit_bias: LogitBias = {}
 
 
 class Abort(Struct, tag="abort", frozen=True):
@@ -217,6 +248,19 @@ class ServerInfo(Struct, array_like=True, tag=6, frozen=True):
 
 
 ClientReply = Chunk | Finished | Error | Ack | Health | ServerInfo
+
+
+def request_revision(msg: ClientRequest) -> int:
+    """The oldest request revision (``REQUEST_REVISIONS``) whose fields carry ``msg``."""
+    if isinstance(msg, Generate) and (
+        msg.min_p
+        or msg.presence_penalty
+        or msg.frequency_penalty
+        or msg.repetition_penalty != 1.0
+        or msg.logit_bias
+    ):
+        return 2
+    return 1
 
 
 def is_final(reply: ClientReply) -> bool:

@@ -27,7 +27,9 @@ def test_version_names_the_installed_distribution_and_the_protocol(
         main(["--version"])
     assert exited.value.code == 0
     installed = importlib.metadata.version("outrider")
-    assert capsys.readouterr().out == f"outrider {installed} (client protocol {PROTOCOL_VERSION})\n"
+    assert (
+        capsys.readouterr().out == f"outrider {installed} (client protocol {PROTOCOL_VERSION}.1)\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -190,3 +192,23 @@ def test_generate_chat_sends_one_user_message_and_the_timeout_says_what_to_do(
         "error: timeout: no complete answer within 2.5 s; the request was aborted "
         "(--timeout S waits longer, 0 waits forever)",
     ]
+
+
+def test_generate_passes_the_logit_adjustments(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(generate_cmd, "Client", _FakeClient)
+    _FakeClient.calls.clear()
+    fake = ["--connect", "tcp://127.0.0.1:9"]
+    adjusted = ["--min-p", "0.05", "--presence-penalty", "1.5", "--frequency-penalty", "-0.5"]
+    adjusted += ["--repetition-penalty", "1.2", "--logit-bias", "7=100", "--logit-bias", "9=-2.5"]
+    assert main(["generate", *fake, *adjusted, "x"]) == 1
+    assert main(["generate", *fake, "y"]) == 1
+    given, plain = _FakeClient.calls
+    names = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    assert [given[n] for n in names] == [0.05, 1.5, -0.5, 1.2, {7: 100.0, 9: -2.5}]
+    assert [plain[n] for n in names] == [0.0, 0.0, 0.0, 1.0, {}]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["generate", *fake, "--logit-bias", "7", "x"])
+    assert "expected ID=BIAS, got '7'" in capsys.readouterr().err

@@ -19,7 +19,13 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from outrider.protocol import Client
-from outrider.protocol.frames import FrameCodec, FrameError, reply_codec, request_codec
+from outrider.protocol.frames import (
+    FAMILY_CLIENT_REQUEST,
+    FrameCodec,
+    FrameError,
+    reply_codec,
+    request_codec,
+)
 from outrider.protocol.messages import (
     ERROR_CODES,
     MAX_LOGPROBS,
@@ -41,6 +47,7 @@ from outrider.protocol.messages import (
     ServerInfoQuery,
     TokenLogprob,
     Usage,
+    request_revision,
 )
 
 T = TypeVar("T")
@@ -129,6 +136,11 @@ generates = st.builds(
     ignore_eos=st.booleans(),
     logprobs=st.integers(0, MAX_LOGPROBS),
     stream=st.booleans(),
+    min_p=st.floats(0.0, 1.0),
+    presence_penalty=st.floats(-2.0, 2.0),
+    frequency_penalty=st.floats(-2.0, 2.0),
+    repetition_penalty=st.floats(0.0, 10.0, exclude_min=True),
+    logit_bias=st.dictionaries(token_ids, st.floats(-100.0, 100.0), max_size=4),
 )
 requests: st.SearchStrategy[ClientRequest] = st.one_of(
     generates,
@@ -271,8 +283,23 @@ class GenerateBeforeNone(msgspec.Struct, tag="generate", frozen=True):
     stream: bool = False
 
 
+def _protocol_1_0(msg: Generate, t: float, p: float, k: int) -> Generate:
+    """``msg`` with the given sampling values, the fields of protocol 1.1 at their defaults."""
+    return msgspec.structs.replace(
+        msg,
+        temperature=t,
+        top_p=p,
+        top_k=k,
+        min_p=0.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        logit_bias={},
+    )
+
+
 with_sampling_values = st.builds(
-    lambda msg, t, p, k: msgspec.structs.replace(msg, temperature=t, top_p=p, top_k=k),
+    _protocol_1_0,
     generates,
     st.floats(0.0, 100.0),
     st.floats(0.0, 1.0, exclude_min=True),
@@ -283,10 +310,15 @@ with_sampling_values = st.builds(
 @FUZZ
 @given(with_sampling_values)
 def test_requests_with_sampling_values_keep_their_bytes(msg: Generate) -> None:
-    before = GenerateBeforeNone(**msgspec.structs.asdict(msg))
-    frame = REQUESTS.header + msgspec.msgpack.encode(before)
-    assert REQUESTS.encode(msg) == frame
+    """A request of protocol 1.0 as old clients encode it is served as it always was; a new
+    client sends it as revision 1, which a daemon of 1.0 takes."""
+    old_fields = GenerateBeforeNone.__struct_fields__
+    before = GenerateBeforeNone(**{name: getattr(msg, name) for name in old_fields})
+    frame = bytes([FAMILY_CLIENT_REQUEST << 4 | 1]) + msgspec.msgpack.encode(before)
     assert REQUESTS.decode(frame) == msg
+    assert request_revision(msg) == 1
+    assert REQUESTS.encode(msg, 1)[0] == frame[0]
+    assert REQUESTS.decode(REQUESTS.encode(msg, 1)) == msg
 
 
 def test_an_old_clients_default_values_still_arrive() -> None:

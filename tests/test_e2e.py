@@ -347,7 +347,7 @@ async def _raw_frames(endpoint: str) -> None:
                     "raw-1",
                     "unsupported_version",
                     f"protocol version {version + 1} is not supported (this peer speaks "
-                    f"{version})",
+                    f"1 to {version})",
                 ),
             ),
             (

@@ -232,7 +232,7 @@ def _validation_cases(vocab: int) -> list[tuple[str, Any, str, str]]:
     cases: list[tuple[str, Any, str, str]] = [
         ("garbage body", b"\x11\xc1", "malformed", "undecodable"),
         ("unknown frame kind", b"\x71\x80", "malformed", "frame kind"),
-        ("other version", b"\x12" + b"\x81\xaarequest_id\xa1v", "unsupported_version", "version"),
+        ("other version", b"\x13" + b"\x81\xaarequest_id\xa1v", "unsupported_version", "version"),
         ("unknown type", {**ok, "type": "bogus"}, "invalid_request", "type"),
         ("empty request_id", {**ok, "request_id": ""}, "invalid_request", "request_id"),
         ("no prompt", {"type": "generate", "request_id": "v"}, "invalid_request", "exactly one"),
@@ -240,6 +240,11 @@ def _validation_cases(vocab: int) -> list[tuple[str, Any, str, str]]:
         ("empty input_ids", {**ok, "input_ids": []}, "invalid_request", "input_ids is empty"),
         ("id >= vocab", {**ok, "input_ids": [5, vocab]}, "invalid_request", "input_ids[1]"),
         ("negative id", {**ok, "input_ids": [-1]}, "invalid_request", "input_ids"),
+        ("bias id >= vocab", {**ok, "logit_bias": {vocab: 1.0}}, "invalid_request", "logit_bias"),
+        ("bias past 100", {**ok, "logit_bias": {5: 101.0}}, "invalid_request", "logit_bias"),
+        ("presence past 2", {**ok, "presence_penalty": 2.5}, "invalid_request", "presence"),
+        ("repetition 0", {**ok, "repetition_penalty": 0.0}, "invalid_request", "repetition"),
+        ("min_p past 1", {**ok, "min_p": 1.5}, "invalid_request", "min_p"),
         ("too long", {**ok, "input_ids": [5] * CONTEXT_LENGTH}, "prompt_too_long", "input_ids"),
         (
             "long prompt",

@@ -239,6 +239,25 @@ def test_sigterm_drains_running_streams_and_refuses_new_ones(tmp_path: Path) -> 
         http.daemon.kill_all()
 
 
+def test_logit_bias_and_penalties_change_greedy_outputs(server: HttpDaemon) -> None:
+    """Greedy with a bias of 100 on one token: that token every time; with a repetition
+    penalty: another continuation of a prompt that plain greedy repeats."""
+    client = server.openai()
+    params = dict(model="outrider-family", prompt="Once upon a time", max_tokens=12, temperature=0)
+    token = httpx.post(server.base + "/tokenize", json={"prompt": " sea"}, headers=AUTH).json()
+    favoured = token["tokens"][-1]
+    biased = client.completions.create(**params, logit_bias={str(favoured): 100})  # type: ignore[call-overload]
+    repeated = httpx.post(
+        server.base + "/detokenize", json={"tokens": [favoured] * 12}, headers=AUTH
+    ).json()["prompt"]
+    assert biased.choices[0].text == repeated
+    params["prompt"] = "sea sea sea sea sea sea"
+    plain = client.completions.create(**params).choices[0].text  # type: ignore[call-overload]
+    assert plain.startswith(" sea sea")
+    penalized = client.completions.create(**params, extra_body={"repetition_penalty": 2.0})  # type: ignore[call-overload]
+    assert "sea" not in penalized.choices[0].text
+
+
 def test_tokenize_round_trips_through_detokenize(server: HttpDaemon) -> None:
     prompt = "Once upon a time, the sea."
     tokenized = httpx.post(server.base + "/tokenize", json={"prompt": prompt}, headers=AUTH).json()

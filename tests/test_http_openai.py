@@ -101,11 +101,6 @@ def test_prompt_forms_and_refusals() -> None:
 
 # A value of each unimplemented field that asks for something, and one that asks for nothing.
 _ASKING = {
-    "presence_penalty": (2.0, 0),
-    "frequency_penalty": (-1.0, 0.0),
-    "repetition_penalty": (1.2, 1),
-    "logit_bias": ({"261": 100}, {}),
-    "min_p": (0.1, 0),
     "min_tokens": (4, 0),
     "best_of": (2, 1),
     "suffix": ("x", ""),
@@ -140,6 +135,28 @@ def test_every_unimplemented_field_is_refused_unless_it_asks_for_nothing() -> No
             assert (exc.value.status, exc.value.param) == (400, name)
             if neutral is not None:
                 _translate(base | {name: neutral})
+
+
+def test_logit_adjustments_go_to_the_daemon_as_given() -> None:
+    given = {
+        "presence_penalty": 2.0,
+        "frequency_penalty": -1.0,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"261": 100, "7": -5.5},
+        "min_p": 0.1,
+    }
+    for base in ({"prompt": "a"}, _CHAT):
+        body = msgspec.json.encode(base | given)
+        if "messages" in base:
+            kwargs = chat_args(decode_request(body, ChatRequest)).client_kwargs()
+        else:
+            kwargs = completion_args(decode_request(body, CompletionRequest)).client_kwargs()
+        assert {name: kwargs[name] for name in given} == given | {"logit_bias": {261: 100, 7: -5.5}}
+        left_out = completion_args(decode_request(b'{"prompt": "a"}', CompletionRequest))
+        assert not set(given) & set(left_out.client_kwargs())
+    with pytest.raises(InvalidRequest) as exc:
+        decode_request(b'{"prompt": "a", "logit_bias": {"x": 1}}', CompletionRequest)
+    assert exc.value.param == "logit_bias"
 
 
 def test_unknown_fields_are_refused_by_name() -> None:

@@ -60,6 +60,30 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, metavar="S", help="sampling seed (default: one the daemon picks)"
     )
     parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="drop tokens less likely than P times the most likely one (default: 0, none)",
+    )
+    for name, neutral, what in (
+        ("presence", 0.0, "subtracted from the logit of each token the output holds"),
+        ("frequency", 0.0, "times its count, subtracted from each output token's logit"),
+        ("repetition", 1.0, "divides a positive logit of a prompt or output token"),
+    ):
+        parser.add_argument(
+            f"--{name}-penalty", type=float, default=neutral, metavar="X",
+            help=f"{what} (default: {neutral:g}, off)",
+        )  # fmt: skip
+    parser.add_argument(
+        "--logit-bias",
+        type=_logit_bias,
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100 to 100) to token ID's logit (repeatable; default: none)",
+    )
+    parser.add_argument(
         "--stop",
         action="append",
         default=[],
@@ -85,6 +109,17 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _logit_bias(text: str) -> tuple[int, float]:
+    """``ID=BIAS`` as ``(ID, BIAS)``; the daemon checks both ranges."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {text!r}") from None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``outrider generate``; returns the exit status (1: the request failed)."""
     if args.prompt in (None, "-"):
@@ -102,6 +137,11 @@ def run_generate(args: argparse.Namespace) -> int:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": args.stop,
+        "min_p": args.min_p,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "repetition_penalty": args.repetition_penalty,
+        "logit_bias": dict(args.logit_bias),
     }
     if args.chat:
         request["messages"] = [{"role": "user", "content": prompt}]

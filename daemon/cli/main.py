@@ -18,7 +18,7 @@ from outrider.daemon.config import EXIT_CONFIG, ConfigError
 from outrider.daemon.flags import add_serve_arguments, flag_table, resolve
 from outrider.daemon.processes.logs import configure_logging
 from outrider.daemon.version import installed_version
-from outrider.protocol.messages import PROTOCOL_VERSION
+from outrider.protocol.messages import PROTOCOL_MINOR, PROTOCOL_VERSION
 
 _DAEMON_EXTRA = ("torch", "transformers", "safetensors", "uvloop")
 
@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version",
         action="version",
-        version=f"outrider {installed_version()} (client protocol {PROTOCOL_VERSION})",
+        version=(
+            f"outrider {installed_version()} (client protocol {PROTOCOL_VERSION}.{PROTOCOL_MINOR})"
+        ),
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     serve = commands.add_parser("serve", help="run the daemon", description=SERVE_DESCRIPTION)

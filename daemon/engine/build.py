@@ -27,6 +27,7 @@ from outrider.daemon.engine.graph_settings import (
 )
 from outrider.daemon.engine.graphs import capture_progress
 from outrider.daemon.engine.memory_plan import MemoryPlan, PlanInputs, plan_memory
+from outrider.daemon.engine.penalties import TokenHistory
 from outrider.daemon.engine.ranks import RankChannel
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits, target_phases
 from outrider.daemon.engine.slots import SlotState
@@ -231,7 +232,8 @@ def _build_runner(
         config=config,
         model=model_config,
         itemsize=dtype.itemsize,
-        kv_bytes_per_token=kv_bytes_per_token(model_config, dtype_name, tp.size),
+        kv_bytes_per_token=kv_bytes_per_token(model_config, dtype_name, tp.size)
+        + TokenHistory.BYTES_PER_TOKEN,
         tensor_parallel_size=tp.size,
         context_length=context_length,
         reservation=reservation,

@@ -149,10 +149,10 @@ class DecodeGraphs:
 
     def key(self, plan: StepPlan, kv_bound: int) -> GraphKey | None:
         """The graph for ``plan`` (a decode batch whose host KV bound is ``kv_bound``), None
-        when it runs eagerly (larger than the largest bucket)."""
+        when it runs eagerly (larger than the largest bucket, or adjusting logits)."""
         bs = next((b for b in self.buckets if b >= plan.bs), 0)
         kv = next((b for b in self.kv_buckets if b >= kv_bound), 0)
-        if not bs or not kv:
+        if not bs or not kv or plan.adjusts:
             return None
         return GraphKey(
             bs=bs,

@@ -23,9 +23,10 @@ import torch
 
 from outrider.daemon.engine.plan import StepPlan
 from outrider.plugins.device import BatchLayout, HostLengths, flat_kv_index
+from outrider.protocol.messages import MAX_LOGIT_BIAS
 
 T = TypeVar("T")
-Per = Literal["token", "row", "page"]
+Per = Literal["token", "row", "page", "bias"]
 
 
 # Each field's dtype and what its capacity counts.
@@ -34,6 +35,8 @@ _ROW: Final = {"dtype": torch.int64, "per": "row"}
 _ROW_F32: Final = {"dtype": torch.float32, "per": "row"}
 _PAGE: Final = {"dtype": torch.int64, "per": "page"}
 _PAGE_I32: Final = {"dtype": torch.int32, "per": "page"}
+_BIAS: Final = {"dtype": torch.int64, "per": "bias"}
+_BIAS_F32: Final = {"dtype": torch.float32, "per": "bias"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,13 @@ class StepInputs(Generic[T]):
     admit_top_p: T = field(metadata=_ROW_F32)
     admit_top_k: T = field(metadata=_ROW)
     admit_seed: T = field(metadata=_ROW)
+    admit_min_p: T = field(metadata=_ROW_F32)
+    admit_presence: T = field(metadata=_ROW_F32)
+    admit_frequency: T = field(metadata=_ROW_F32)
+    admit_repetition: T = field(metadata=_ROW_F32)
+    # [admitted * MAX_LOGIT_BIAS] each admitted slot's logit bias, padded with (0, 0.0)
+    admit_bias_ids: T = field(metadata=_BIAS)
+    admit_bias_values: T = field(metadata=_BIAS_F32)
     released_slots: T = field(metadata=_ROW)  # debug: relay rows to poison
     page_writes: T = field(metadata=_PAGE)  # flat request-table indices
     page_values: T = field(metadata=_PAGE_I32)
@@ -77,7 +87,8 @@ class Capacity:
     pages: int  # request-table writes per step
 
     def of(self, per: Per) -> int:
-        return {"token": self.tokens, "row": self.rows, "page": self.pages}[per]
+        bias = self.rows * MAX_LOGIT_BIAS
+        return {"token": self.tokens, "row": self.rows, "page": self.pages, "bias": bias}[per]
 
 
 def host_values(plan: StepPlan, *, poison_released: bool) -> StepInputs[np.ndarray]:
@@ -92,6 +103,11 @@ def host_values(plan: StepPlan, *, poison_released: bool) -> StepInputs[np.ndarr
     slots = np.asarray(plan.slots, dtype=np.int64)
     sample_rows = np.asarray(plan.sample_rows, dtype=np.int64)
     admitted = plan.slot_params
+    bias_ids = np.zeros((len(admitted), MAX_LOGIT_BIAS), dtype=np.int64)
+    bias_values = np.zeros((len(admitted), MAX_LOGIT_BIAS), dtype=np.float32)
+    for i, p in enumerate(admitted):
+        for j, (token_id, bias) in enumerate(p.sampling.logit_bias):
+            bias_ids[i, j], bias_values[i, j] = token_id, bias
     extend = plan.kind == "extend"
     empty = np.zeros(0, dtype=np.int64)
     return StepInputs(
@@ -112,6 +128,12 @@ def host_values(plan: StepPlan, *, poison_released: bool) -> StepInputs[np.ndarr
         admit_top_p=np.asarray([p.sampling.top_p for p in admitted], dtype=np.float32),
         admit_top_k=np.asarray([p.sampling.top_k for p in admitted], dtype=np.int64),
         admit_seed=np.asarray([p.sampling.seed for p in admitted], dtype=np.int64),
+        admit_min_p=np.asarray([p.sampling.min_p for p in admitted], np.float32),
+        admit_presence=np.asarray([p.sampling.presence_penalty for p in admitted], np.float32),
+        admit_frequency=np.asarray([p.sampling.frequency_penalty for p in admitted], np.float32),
+        admit_repetition=np.asarray([p.sampling.repetition_penalty for p in admitted], np.float32),
+        admit_bias_ids=bias_ids.reshape(-1),
+        admit_bias_values=bias_values.reshape(-1),
         released_slots=np.asarray(plan.released_slots if poison_released else [], np.int64),
         page_writes=np.asarray(plan.page_writes, dtype=np.int64),
         page_values=np.asarray(plan.page_values, dtype=np.int32),

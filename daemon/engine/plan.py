@@ -47,6 +47,8 @@ class StepPlan(Struct, array_like=True, frozen=True):
     # Slots of rows whose requests do not feed the draft (scheduler/drafting.py): their
     # draft's state is never caught up.
     unfed: list[int] = []
+    # A sampled row adjusts its logits or cuts by min_p (penalties.py): the step runs eagerly.
+    adjusts: bool = False
 
     @property
     def bs(self) -> int:

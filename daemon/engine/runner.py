@@ -7,6 +7,8 @@ EXTEND:        forward -> sample the rows that end their prompt -> seed their re
 decode:        relay -> draft -> forward over (root, drafts) -> verify -> advance the relay
                -> the worker's catch-up
 plain decode:  relay -> forward over the root -> sample -> advance the relay -> catch-up
+every step writes its tokens into the token history; a plan that ``adjusts`` samples from
+adjusted logits (penalties.py), eagerly
                (or its inputs buffered, for one batch later: engine/deferred.py)
 collect:       wait for the copy -> StepOutput
 ```
@@ -52,6 +54,7 @@ from outrider.daemon.engine.inputs import (
     batch_layout,
     host_values,
 )
+from outrider.daemon.engine.penalties import Adjuster
 from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
 from outrider.daemon.engine.slots import HostStarts, KnownStarts, SlotState
@@ -130,7 +133,12 @@ class ModelRunner:
         self.inputs = InputBuffers(Capacity(limits.max_tokens, rows, pages), device)
         self.results = ResultCopies(rows, shape.max_commit, device)
         self.verifier = verifier
+        self.adjuster = Adjuster(kv, slots, device)
         self.offsets = torch.arange(shape.width, device=device)  # [W]
+        # A chain's node j sees the nodes 0 .. j (the tree's ``visible``).
+        self.chain_visible = torch.ones(
+            shape.width, shape.width, dtype=torch.bool, device=device
+        ).tril()
         self.ones = torch.ones(rows, 1, dtype=torch.int64, device=device)  # plain commits
         self.zeros = torch.zeros(rows, 1, dtype=torch.int64, device=device)  # plain paths
         self.graphs = graphs
@@ -230,6 +238,7 @@ class ModelRunner:
         if self.worker.deferred is not None:  # each row's slot starts afresh (deferred.py)
             self.worker.deferred.clear(inputs.slots)
         hidden = self.model.forward(inputs.input_ids, fb)  # [T, H]
+        self.adjuster.wrote_extend(fb.layout.out_loc, inputs.input_ids)
         view = ExtendView(
             fb, inputs.input_ids, inputs.next_tokens, inputs.sample_rows, inputs.sample_slots
         )
@@ -239,8 +248,16 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[inputs.sample_index])  # [n, V]
         batch = self.slots.sampling(inputs.sample_slots, plan)
-        out = sample(logits, batch, inputs.sample_positions, vocab_limit=self.limits.vocab_limit)
         last_positions = inputs.positions[inputs.sample_index]
+        choose = None
+        if plan.adjusts:
+            choose = self.adjuster.extend_logits(
+                logits, inputs.sample_slots, last_positions + 1, max_kv
+            )
+        out = sample(
+            logits, batch, inputs.sample_positions, vocab_limit=self.limits.vocab_limit,
+            choose_from=choose,
+        )  # fmt: skip
         self.slots.write(
             inputs.sample_slots, out.tokens, last_positions + 1, inputs.sample_positions + 1
         )
@@ -287,9 +304,16 @@ class ModelRunner:
         )
         hidden = self.model.forward(inputs.input_ids, fb)  # [bs * W, H]
         logits = self.model.compute_logits(hidden)  # [bs * W, V]
-        verified = self.verifier.verify(plan, inputs, relay, drafts, depth, logits)
+        choose = None
+        if plan.adjusts:
+            nodes = visible if visible is not None else self.chain_visible.expand(bs, -1, -1)
+            choose = self.adjuster.decode_logits(
+                logits, inputs.slots, relay, max_kv, (tokens, nodes)
+            )
+        verified = self.verifier.verify(plan, inputs, relay, drafts, depth, logits, choose)
         committed, lens, path = verified.committed(), verified.commit_lens, verified.path
         bonus = committed.gather(1, (lens - 1).unsqueeze(1)).squeeze(1)
+        self.adjuster.committed(inputs.slots, relay.starts, relay.roots, committed)
         self.slots.write(inputs.slots, bonus, relay.starts + lens, relay.out_lens + lens)
         self.timer.mark("catch_up")
         self.worker.after_accept(view, fb, Accepted(committed, lens, path))
@@ -316,7 +340,14 @@ class ModelRunner:
         )
         hidden = self.model.forward(inputs.input_ids, fb)  # [bs, H]
         logits = self.model.compute_logits(hidden)  # [bs, V]
-        out = sample(logits, sampling, relay.out_lens, vocab_limit=self.limits.vocab_limit)
+        choose = None
+        if plan.adjusts:
+            choose = self.adjuster.decode_logits(logits, inputs.slots, relay, max_kv)
+        out = sample(
+            logits, sampling, relay.out_lens, vocab_limit=self.limits.vocab_limit,
+            choose_from=choose,
+        )  # fmt: skip
+        self.adjuster.committed(inputs.slots, relay.starts, relay.roots, out.tokens.unsqueeze(1))
         self.slots.write(inputs.slots, out.tokens, relay.starts + 1, relay.out_lens + 1)
         tokens, lens, path = out.tokens.unsqueeze(1), self.ones[:bs], self.zeros[:bs]  # [bs, 1]
         self.timer.mark("catch_up")

@@ -5,7 +5,7 @@ committed one, whose KV is not written yet), the committed KV length (that token
 the row's next start) and the output tokens committed (the randomness counter). A decode
 batch reads all three, so its positions and draws never come from the host, which plans a
 step before it knows how many tokens the previous one committed (speculative decoding).
-Sampling parameters are written when a request is admitted.
+Sampling parameters and logit adjustments are written when a request is admitted.
 
 Slot ``max_slots`` is the scratch slot: the padding rows of a captured decode batch run there.
 Its request-table row stays on the scratch page, and its relay is reset after every padded
@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from outrider.daemon.engine.inputs import StepInputs
+from outrider.daemon.engine.penalties import LogitAdjust
 from outrider.daemon.engine.plan import StepPlan
 from outrider.plugins.device import SamplingBatch
+from outrider.protocol.messages import MAX_LOGIT_BIAS
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,12 @@ class SlotState:
         self.top_p = zeros(torch.float32)
         self.top_k = zeros()
         self.seed = zeros()
+        self.min_p = zeros(torch.float32)
+        self.presence = zeros(torch.float32)
+        self.frequency = zeros(torch.float32)
+        self.repetition = zeros(torch.float32)
+        self.bias_ids = torch.zeros((rows, MAX_LOGIT_BIAS), dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros((rows, MAX_LOGIT_BIAS), dtype=torch.float32, device=device)
         # Debug: released slots' relay rows are poisoned (-1) and every decode batch asserts
         # (with a host sync) that it reads only rows rewritten since.
         self.relay_check = False
@@ -75,6 +83,12 @@ class SlotState:
         self.top_p.index_copy_(0, slots, inputs.admit_top_p)
         self.top_k.index_copy_(0, slots, inputs.admit_top_k)
         self.seed.index_copy_(0, slots, inputs.admit_seed)
+        self.min_p.index_copy_(0, slots, inputs.admit_min_p)
+        self.presence.index_copy_(0, slots, inputs.admit_presence)
+        self.frequency.index_copy_(0, slots, inputs.admit_frequency)
+        self.repetition.index_copy_(0, slots, inputs.admit_repetition)
+        self.bias_ids.index_copy_(0, slots, inputs.admit_bias_ids.view(-1, MAX_LOGIT_BIAS))
+        self.bias_values.index_copy_(0, slots, inputs.admit_bias_values.view(-1, MAX_LOGIT_BIAS))
 
     def read(self, slots: torch.Tensor) -> RelayRows:
         rows = RelayRows(
@@ -110,6 +124,17 @@ class SlotState:
             seed=self.seed[row_slots],
             all_greedy=plan.all_greedy,
             max_logprobs=plan.max_logprobs,
+            min_p=self.min_p[row_slots] if plan.adjusts else None,
+        )
+
+    def adjust(self, row_slots: torch.Tensor) -> LogitAdjust:
+        """The logit adjustments of slot ``row_slots[r]`` for each row."""
+        return LogitAdjust(
+            presence=self.presence[row_slots],
+            frequency=self.frequency[row_slots],
+            repetition=self.repetition[row_slots],
+            bias_ids=self.bias_ids[row_slots],
+            bias_values=self.bias_values[row_slots],
         )
 
 

@@ -78,15 +78,18 @@ class Verifier:
         drafts: Drafts,
         depth: torch.Tensor,
         logits: torch.Tensor,
+        choose_from: torch.Tensor | None = None,
     ) -> Verified:
         """``inputs.input_ids`` holds each row's verified tokens (root, drafts), ``depth:
-        [bs, W]`` each node's depth and ``logits: [bs * W, V]`` the target's at every node. A
+        [bs, W]`` each node's depth and ``logits: [bs * W, V]`` the target's at every node
+        (``choose_from``: as the requests adjusted them, penalties.py; None: unadjusted). A
         tree's accepted KV is moved to the front here."""
         bs, width, limit = plan.bs, self.shape.width, self.vocab_limit
         batch = self.slots.sampling(inputs.token_slots, plan)  # per token
         path = self.offsets[: self.shape.max_commit].expand(bs, -1)  # a chain: 0, 1, ..
         if drafts.probs is not None:
-            target = processed_probs(logits, batch, vocab_limit=limit).view(bs, width, -1)
+            chosen = logits if choose_from is None else choose_from
+            target = processed_probs(chosen, batch, vocab_limit=limit).view(bs, width, -1)
             seed = self.slots.seed[inputs.slots]
             commit_lens, choices = accept_sampled(
                 drafts.tokens, drafts.probs, target, seed, relay.out_lens
@@ -95,7 +98,7 @@ class Verifier:
             return Verified(out, choices, commit_lens, path)
         # The target's own draw at each node: output index out_len + depth.
         draws = (relay.out_lens.unsqueeze(1) + depth).view(-1)  # [bs * W]
-        out = sample(logits, batch, draws, vocab_limit=limit)
+        out = sample(logits, batch, draws, vocab_limit=limit, choose_from=choose_from)
         choices = out.tokens.view(bs, width)  # [bs, W]
         if self.simulated is not None:
             seed = self.slots.seed[inputs.slots]

@@ -35,7 +35,12 @@ from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer
 from outrider.plugins.api import RequestFacts
 from outrider.plugins.checks import request_refusal
 from outrider.plugins.registry import discover
-from outrider.plugins.sampling_spec import SamplingError, SamplingSpec, resolve_sampling
+from outrider.plugins.sampling_spec import (
+    Adjustments,
+    SamplingError,
+    SamplingSpec,
+    resolve_sampling,
+)
 from outrider.protocol.messages import MAX_STOP_STRING_CHARS, ErrorCode, Generate
 
 log = logging.getLogger("outrider.frontdoor")
@@ -256,6 +261,13 @@ class Validator:
                 seed=msg.seed,
                 logprobs=msg.logprobs,
                 vocab_size=self.facts.vocab_size,
+                adjustments=Adjustments(
+                    msg.min_p,
+                    msg.presence_penalty,
+                    msg.frequency_penalty,
+                    msg.repetition_penalty,
+                    msg.logit_bias,
+                ),
             )
         except SamplingError as exc:
             raise Rejected("invalid_request", str(exc)) from None

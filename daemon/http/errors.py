@@ -51,7 +51,8 @@ _PUBLIC_MESSAGE = {
 }
 _DETAIL_CHARS = 200  # of an unexpected exception's repr, in its one log line
 # A msgspec validation path (``... - at `$.messages[0].content```).
-_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+# msgspec's "... - at `$.a.b`", or "... - at `key` in `$.a`" for a key of a map.
+_PATH = re.compile(r" - at (`key` in )?`\$\.?([^`]*)`$")
 
 
 def error_body(status: int, message: str, param: str | None, code: str | None) -> bytes:
@@ -91,10 +92,10 @@ def split_path(
     found = _PATH.search(message)
     if found is None:
         return message, prefix or None
-    path = found.group(1)  # "max_tokens", "messages[0].content", "[4]"
+    key, path = found.group(1) or "", found.group(2)  # "max_tokens", "messages[0].content"
     name = re.split(r"[.\[]", path, maxsplit=1)[0]
     param = prefix + (rename or {}).get(name, name) + path[len(name) :]
-    return f"{message[: found.start()]} - at `$.{param}`", param or None
+    return f"{message[: found.start()]} - at {key}`$.{param}`", param or None
 
 
 class Guard:

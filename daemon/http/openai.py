@@ -2,12 +2,13 @@
 translation to and from the client library's ``generate`` arguments and results.
 
 Sampling fields a request leaves out stay None on the way to the daemon, so that the model's
-generation defaults apply there. ``top_k`` and ``ignore_eos`` are extensions (vLLM's names).
+generation defaults apply there. ``top_k``, ``min_p``, ``repetition_penalty`` and
+``ignore_eos`` are extensions (vLLM's names); the daemon checks every value's range.
 
 Nothing a request sends is dropped in silence: a field these shapes do not know is refused
 (400 naming it, as the OpenAI API itself answers), and a field of the API (or of vLLM's
 extensions) that this front does not implement is accepted only at its neutral value
-(``UNIMPLEMENTED``): ``presence_penalty: 0`` changes nothing, ``presence_penalty: 2`` is refused.
+(``UNIMPLEMENTED``): ``best_of: 1`` changes nothing, ``best_of: 2`` is refused.
 """
 
 from __future__ import annotations
@@ -68,12 +69,13 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
     n: int = 1
     ignore_eos: bool = False
     user: str | None = None  # the caller's end-user id: changes nothing here
+    # Checked by the daemon (protocol 1.1); None: the neutral value.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    min_p: float | None = None
     # Fields of ``UNIMPLEMENTED``: None when left out, checked by ``refuse_unimplemented``.
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    min_p: Any = None
     min_tokens: Any = None
     best_of: Any = None
     suffix: Any = None
@@ -133,9 +135,10 @@ class GenerateArgs:
     ignore_eos: bool
     logprobs: int  # what the daemon is asked for: 0, or 1 + the alternatives wanted
     top_logprobs: int  # alternatives shown per token (<= logprobs)
+    adjustments: dict[str, Any]  # min_p, the penalties and logit_bias a request gave
 
     def client_kwargs(self) -> dict[str, Any]:
-        return {
+        return self.adjustments | {
             "prompt": self.prompt,
             "input_ids": self.input_ids,
             "messages": self.messages,
@@ -182,14 +185,19 @@ def decode_request(body: bytes, kind: type[T], path_prefix: str = "") -> T:
 DAEMON_FIELDS = {"max_new_tokens": "max_tokens", "input_ids": "prompt"}
 
 
+# The logit adjustments of protocol 1.1, passed on by name when a request gives them.
+ADJUSTMENT_FIELDS = (
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+)
+
+
 # The fields this front knows but does not implement, each with the values that ask for
 # nothing (a request may send those). Structured output and tools are still to come.
 UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: v == {},
-    "min_p": lambda v: v == 0,
     "min_tokens": lambda v: v == 0,
     "best_of": lambda v: v == 1,
     "suffix": lambda v: v == "",
@@ -307,6 +315,9 @@ def _args(
         # all), so 0 alternatives shown still asks for 1.
         logprobs=0 if top_wanted < 0 else max(top_wanted, 1),
         top_logprobs=max(top_wanted, 0),
+        adjustments={
+            name: value for name in ADJUSTMENT_FIELDS if (value := getattr(req, name)) is not None
+        },
     )
 
 

@@ -129,6 +129,7 @@ class Planner:
             released_slots=self.slots.take_released(),
             next_ids=next_ids,
             unfed=_unfed(requests),
+            adjusts=_adjusts(sampled),
         )
         return Planned(plan, requests)
 
@@ -179,6 +180,7 @@ class Planner:
             all_greedy=_all_greedy(rows),
             released_slots=self.slots.take_released(),
             unfed=_unfed(rows),
+            adjusts=_adjusts(rows),
         )
         return Planned(plan, rows, max_commit)
 
@@ -213,3 +215,8 @@ def _unfed(requests: list[Request]) -> list[int]:
 
 def _all_greedy(requests: list[Request]) -> bool:
     return all(r.sampling.temperature == 0.0 for r in requests)
+
+
+def _adjusts(requests: list[Request]) -> bool:
+    """Whether a sampled row changes its logits: a bias, a penalty, or a min_p cut."""
+    return any(r.sampling.adjusts or r.sampling.min_p > 0 for r in requests)

@@ -42,6 +42,7 @@ def repeat_rows(batch: SamplingBatch, times: int) -> SamplingBatch:
         seed=batch.seed.repeat_interleave(times),
         all_greedy=batch.all_greedy,
         max_logprobs=0,
+        min_p=None if batch.min_p is None else batch.min_p.repeat_interleave(times),
     )
 
 
