@@ -48,12 +48,14 @@ def make_batch(
 
 
 def reference_probs(
-    logits: Sequence[float], temperature: float, top_k: int, top_p: float
+    logits: Sequence[float], temperature: float, top_k: int, top_p: float, min_p: float = 0.0
 ) -> list[float]:
     """The sampling rule enumerated in float64, written independently of the sampler."""
     order = sorted(range(len(logits)), key=lambda i: (-logits[i], i))
     if temperature == 0.0:
         return [float(i == order[0]) for i in range(len(logits))]
+    best = math.exp(logits[order[0]] / temperature)
+    order = [i for i in order if math.exp(logits[i] / temperature) >= min_p * best]
     if top_k > 0:
         order = order[:top_k]
     top = max(logits[i] for i in order) / temperature
@@ -287,6 +289,22 @@ def test_processed_probs_match_the_reference() -> None:
     logits = torch.tensor([*LOGITS8, 50.0]).expand(len(configs), 9)  # id 8 is padding
     probs = processed_probs(logits, batch, vocab_limit=8)
     expected = [[*reference_probs(LOGITS8, *c), 0.0] for c in configs]
+    torch.testing.assert_close(probs, torch.tensor(expected, dtype=torch.float32))
+
+
+def test_min_p_cuts_before_top_k_and_top_p() -> None:
+    """``min_p`` drops what is less likely than its share of the most likely token (at the
+    row's temperature), then top-k and top-p cut what is left."""
+    configs = [(1.0, 0, 1.0, 0.3), (0.5, 0, 1.0, 0.3), (1.0, 2, 1.0, 0.5), (1.0, 0, 0.6, 0.2)]
+    batch = make_batch(
+        [c[0] for c in configs], top_k=[c[1] for c in configs], top_p=[c[2] for c in configs]
+    )
+    batch.min_p = torch.tensor([c[3] for c in configs])
+    logits = torch.tensor(LOGITS8).expand(len(configs), 8)
+    expected = [reference_probs(LOGITS8, *c) for c in configs]
+    kept = [sum(p > 0 for p in row) for row in expected]
+    assert kept == [4, 2, 2, 2]  # each cut bites
+    probs = processed_probs(logits, batch, vocab_limit=8)
     torch.testing.assert_close(probs, torch.tensor(expected, dtype=torch.float32))
 
 
