@@ -8,6 +8,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -118,7 +119,7 @@ def test_raw_sse_usage_chunk_and_done(server: HttpDaemon) -> None:
 def test_errors_in_the_openai_shape(server: HttpDaemon) -> None:
     client = server.openai()
     with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model="outrider-family", prompt="x", n=2)
+        client.completions.create(model="outrider-family", prompt="x", n=17)
     assert bad.value.status_code == 400 and bad.value.param == "n"  # type: ignore[attr-defined]
     with pytest.raises(openai.AuthenticationError) as unauthorized:
         server.openai("wrong-key").models.list()
@@ -256,6 +257,51 @@ def test_logit_bias_and_penalties_change_greedy_outputs(server: HttpDaemon) -> N
     assert plain.startswith(" sea sea")
     penalized = client.completions.create(**params, extra_body={"repetition_penalty": 2.0})  # type: ignore[call-overload]
     assert "sea" not in penalized.choices[0].text
+
+
+def test_n_choices_are_the_requests_of_seed_plus_i(server: HttpDaemon) -> None:
+    """``n`` choices: choice ``i`` is the single request seeded ``seed + i``, streamed or not,
+    the later ones reading the first's prompt from the prefix cache; usage counts the prompt
+    once and every choice's tokens."""
+    client = server.openai()
+    params: dict[str, Any] = dict(
+        model="outrider-family", prompt="Once upon a time", max_tokens=10, temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    alone = [client.completions.create(**params, seed=40 + i) for i in range(3)]
+    # A prompt no request sent before: the later choices find the first's in the cache.
+    with Client(server.daemon.endpoint) as zmq_client:
+        before = zmq_client.server_info().prefix_cache_hits
+        fresh = params | {"prompt": "Far over the misty mountains cold, to dungeons deep " * 8}
+        client.completions.create(**fresh, seed=1, n=3)
+        assert zmq_client.server_info().prefix_cache_hits == before + 2
+    together = client.completions.create(**params, seed=40, n=3)
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.text for c in together.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in together.choices}) > 1
+    assert together.usage is not None and alone[0].usage is not None
+    assert together.usage.completion_tokens == 30
+    assert together.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    texts = ["", "", ""]
+    finishes = [None, None, None]
+    usage = None
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    chat = dict(model="outrider-family", messages=messages, max_tokens=8, temperature=1.0, seed=3)
+    for chunk in client.chat.completions.create(
+        **chat,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},  # type: ignore[arg-type]
+    ):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    full = client.chat.completions.create(**chat, n=3)  # type: ignore[arg-type]
+    assert texts == [c.message.content for c in full.choices]
+    assert finishes == [c.finish_reason for c in full.choices]
+    assert usage is not None and full.usage is not None
+    assert usage.completion_tokens == full.usage.completion_tokens
 
 
 def test_tokenize_round_trips_through_detokenize(server: HttpDaemon) -> None:

@@ -89,7 +89,8 @@ def test_prompt_forms_and_refusals() -> None:
     assert ids.input_ids == [1, 2, 3] and ids.prompt is None
     for body, param in (
         (b'{"prompt": ["a", "b"]}', "prompt"),
-        (b'{"prompt": "a", "n": 2}', "n"),
+        (b'{"prompt": "a", "n": 17}', "n"),
+        (b'{"prompt": "a", "n": 0}', "n"),
         (b'{"prompt": "a", "logprobs": 21}', "logprobs"),
     ):
         with pytest.raises(InvalidRequest) as exc:
@@ -157,6 +158,16 @@ def test_logit_adjustments_go_to_the_daemon_as_given() -> None:
     with pytest.raises(InvalidRequest) as exc:
         decode_request(b'{"prompt": "a", "logit_bias": {"x": 1}}', CompletionRequest)
     assert exc.value.param == "logit_bias"
+
+
+def test_choice_i_draws_with_seed_plus_i() -> None:
+    seeded = completion_args(
+        decode_request(b'{"prompt": "a", "n": 3, "seed": 7}', CompletionRequest)
+    )
+    assert [kwargs["seed"] for kwargs in seeded.choice_kwargs()] == [7, 8, 9]
+    assert seeded.choice_kwargs()[1] == seeded.client_kwargs() | {"seed": 8}
+    unseeded = chat_args(decode_request(msgspec.json.encode(_CHAT | {"n": 2}), ChatRequest))
+    assert [kwargs["seed"] for kwargs in unseeded.choice_kwargs()] == [None, None]
 
 
 def test_unknown_fields_are_refused_by_name() -> None:

@@ -108,3 +108,27 @@ def test_requests_feeding_the_draft_match_only_pages_holding_its_kv() -> None:
     assert hit == [again[0], fed[1]] and unfed[0] in cache.free
     assert cache.match([1, 2, 3, 4, 5]) == hit  # any request may use drafted pages
     _check(cache, {}, {again[0]: 2, fed[1]: 2})
+
+
+def test_shared_pages_stay_their_holders_and_take_the_drafts_kv_when_it_ends() -> None:
+    """``share`` publishes a running request's whole pages without dropping its references:
+    others match them at once; a chunk cached under another page ends the sharing; the
+    holder's final ``insert`` marks its pages as holding the draft's KV."""
+    cache = PrefixCache(num_pages=9, page_size=2)
+    holder = cache.allocate(3)
+    assert cache.share([10, 11, 12, 13, 14], holder, drafted=False) == 2
+    _check(cache, {holder[2]: 1}, {holder[0]: 1, holder[1]: 1})
+    assert cache.match([10, 11, 12, 13, 99], drafted=True) == []  # not holding the draft's KV
+    other = cache.match([10, 11, 12, 13, 99])
+    assert other == holder[:2]
+    _check(cache, {holder[2]: 1}, {holder[0]: 2, holder[1]: 2})
+    copy = cache.allocate(2)
+    assert cache.share([10, 11, 50, 51], copy, drafted=True) == 0  # chunk [10, 11] is cached
+    cache.release(copy)
+    rest = cache.insert([10, 11, 12, 13, 14], holder, drafted=True)
+    assert rest == holder[2:]
+    cache.release(rest)
+    assert cache.match([10, 11, 12, 13, 99], drafted=True) == holder[:2]
+    cache.release(holder[:2])
+    cache.release(other)
+    _check(cache, {}, {})

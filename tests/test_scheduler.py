@@ -196,6 +196,26 @@ def test_a_prefix_hit_reuses_the_cached_pages() -> None:
     assert (s.counters().prefix_cache_queries, s.counters().prefix_cache_hits) == (2, 1)
 
 
+def test_a_running_requests_prompt_is_shared_with_later_admissions() -> None:
+    """A prompt's whole pages are published once the chunk that ends it is planned: a request
+    admitted after reads them while the first still decodes; one admitted in the same plan
+    does not (they are written by that plan)."""
+    s = make()
+    s.add(request(1, ids(10, 9), max_new=4))
+    s.add(request(3, ids(10, 9), max_new=4))
+    p = step(s, [20], [30])  # both in one plan: each computes the prompt
+    assert rows(p) == ("extend", [0, 1], [0, 0], [9, 9])
+    s.add(request(2, [*ids(10, 8), 50], max_new=2))
+    p = step(s, [21])
+    assert rows(p) == ("extend", [2], [8], [1]) and p.plan.page_values[:2] == [1, 2]
+    assert [r.rid for r in s.admission.running] == [1, 3, 2]
+    for _ in range(3):
+        step(s, [22], [32], [52])
+    finals = {u.rid: u for u in updates(s) if u.is_final}
+    assert finals[2].finish is not None and finals[2].finish.usage.cached_tokens == 8
+    s.check_integrity()
+
+
 def test_prefix_margin_pages_are_given_back() -> None:
     s = make(margin=1)
     s.add(request(1, ids(10, 9), max_new=1))
@@ -220,8 +240,10 @@ def test_retraction_takes_the_youngest_and_keeps_its_tokens() -> None:
     assert rows(p) == ("decode", [0], [8], [1]) and p.plan.page_values == [4]
     assert waiting(s) == [2] and s.requests[2].output_ids == [40, 41]
     assert rows(step(s, [23])) == ("decode", [0], [9], [1]) and waiting(s) == [2]
-    p = step(s, [42])  # request 1 finished: request 2 recomputes its tokens
-    assert rows(p) == ("extend", [0], [0], [9]) and p.plan.input_ids == [*ids(30, 7), 40, 41]
+    # Request 1 finished: request 2 recomputes its tokens past its prompt's whole page, which
+    # its first prefill published and the pool kept.
+    p = step(s, [42])
+    assert rows(p) == ("extend", [0], [4], [5]) and p.plan.input_ids == [*ids(30, 7)[4:], 40, 41]
     assert p.plan.sample_positions == [2]
     assert updates(s) == [
         final(1, [20, 21, 22, 23], "length", prompt=7),
@@ -240,8 +262,8 @@ def test_a_retracted_request_waits_for_its_step_in_flight() -> None:
     p3 = planned(s)  # retracts request 2, whose decode step is still in flight
     assert rows(p3) == ("decode", [0], [7], [1]) and waiting(s) == [2]
     s.process(p2, out([21], [41]))  # the retracted row's token is still appended
-    p4 = planned(s)
-    assert rows(p4) == ("extend", [1], [0], [8]) and p4.plan.input_ids == [*ids(30, 6), 40, 41]
+    p4 = planned(s)  # its prompt's whole page is cached (published at its prefill)
+    assert rows(p4) == ("extend", [1], [4], [4]) and p4.plan.input_ids == [*ids(30, 6)[4:], 40, 41]
     assert p3.plan.released_slots == [1] and p4.plan.sample_positions == [2]
     s.check_integrity()
 

@@ -28,6 +28,7 @@ from outrider.daemon.http.errors import split_path
 from outrider.protocol import GenerateResult, TokenChunk
 from outrider.protocol.messages import (
     MAX_LOGPROBS,
+    MAX_SEED,
     MAX_TOKEN_ID,
     Seed,
     TokenLogprob,
@@ -39,6 +40,9 @@ from outrider.protocol.messages import (
 # would not fit in the daemon's frame (and the daemon would refuse them anyway), so they are
 # refused here, by their OpenAI names.
 Count = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+# Choices one request may ask for (``n``): each is a request of its own to the daemon.
+MAX_CHOICES = 16
+Choices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
 
 # --- requests -----------------------------------------------------------------------------
 
@@ -66,7 +70,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Choices = 1
     ignore_eos: bool = False
     user: str | None = None  # the caller's end-user id: changes nothing here
     # Checked by the daemon (protocol 1.1); None: the neutral value.
@@ -136,6 +140,15 @@ class GenerateArgs:
     logprobs: int  # what the daemon is asked for: 0, or 1 + the alternatives wanted
     top_logprobs: int  # alternatives shown per token (<= logprobs)
     adjustments: dict[str, Any]  # min_p, the penalties and logit_bias a request gave
+    n: int  # choices: one daemon request each
+
+    def choice_kwargs(self) -> list[dict[str, Any]]:
+        """The client arguments of each choice: choice ``i`` draws with ``seed + i`` (a seed
+        left out: one the daemon picks for each)."""
+        one = self.client_kwargs()
+        if self.seed is None:
+            return [one] * self.n
+        return [one | {"seed": (self.seed + i) % (MAX_SEED + 1)} for i in range(self.n)]
 
     def client_kwargs(self) -> dict[str, Any]:
         return self.adjustments | {
@@ -226,8 +239,6 @@ def refuse_unimplemented(req: _Sampling) -> None:
 
 def _common_checks(req: _Sampling) -> None:
     refuse_unimplemented(req)
-    if req.n != 1:
-        raise InvalidRequest("only n = 1 is supported", "n")
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options needs stream: true", "stream_options")
 
@@ -318,6 +329,7 @@ def _args(
         adjustments={
             name: value for name in ADJUSTMENT_FIELDS if (value := getattr(req, name)) is not None
         },
+        n=req.n,
     )
 
 
@@ -361,6 +373,19 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         body["spec_drafts"] = usage.spec_drafts
         body["spec_accepted_tokens"] = usage.spec_accepted_tokens
     return body
+
+
+def merged_usage(usages: list[Usage]) -> Usage:
+    """One response's usage over its choices: the prompt (and its cached part) once, as
+    the first choice counted it; the completion tokens and the drafts of every choice."""
+    first = usages[0]
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=first.cached_tokens,
+        spec_drafts=sum(u.spec_drafts for u in usages),
+        spec_accepted_tokens=sum(u.spec_accepted_tokens for u in usages),
+    )
 
 
 def chat_logprobs(
@@ -423,16 +448,20 @@ class Shape:
             return chat_logprobs(logprobs, self.top_logprobs, self.texts)
         return completion_logprobs(logprobs, self.top_logprobs, self.texts)
 
-    def full(self, result: GenerateResult) -> dict[str, Any]:
-        """The non-streamed response."""
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
-        else:
-            choice["text"] = result.text
-        choice["logprobs"] = self._logprobs(result.logprobs)
-        choice["finish_reason"] = result.finish_reason
-        return self._head(False) | {"choices": [choice], "usage": usage_body(result.usage)}
+    def full(self, results: list[GenerateResult]) -> dict[str, Any]:
+        """The non-streamed response: a choice per result."""
+        choices = []
+        for index, result in enumerate(results):
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+            else:
+                choice["text"] = result.text
+            choice["logprobs"] = self._logprobs(result.logprobs)
+            choice["finish_reason"] = result.finish_reason
+            choices.append(choice)
+        usage = merged_usage([r.usage for r in results])
+        return self._head(False) | {"choices": choices, "usage": usage_body(usage)}
 
     def chunk(
         self,
@@ -440,9 +469,10 @@ class Shape:
         logprobs: list[TokenLogprob] | None = None,
         finish_reason: str | None = None,
         role: bool = False,
+        index: int = 0,
     ) -> dict[str, Any]:
-        """One streamed chunk (``text`` None: an empty delta)."""
-        choice: dict[str, Any] = {"index": 0}
+        """One streamed chunk of choice ``index`` (``text`` None: an empty delta)."""
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -454,8 +484,8 @@ class Shape:
         choice["finish_reason"] = finish_reason
         return self._head(True) | {"choices": [choice]}
 
-    def token_chunk(self, chunk: TokenChunk) -> dict[str, Any]:
-        return self.chunk(chunk.text, chunk.logprobs)
+    def token_chunk(self, chunk: TokenChunk, index: int = 0) -> dict[str, Any]:
+        return self.chunk(chunk.text, chunk.logprobs, index=index)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._head(True) | {"choices": [], "usage": usage_body(usage)}

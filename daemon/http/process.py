@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
@@ -64,6 +64,7 @@ from outrider.daemon.http.openai import (
     chat_args,
     completion_args,
     decode_request,
+    merged_usage,
     new_id,
     now,
 )
@@ -73,6 +74,7 @@ from outrider.daemon.processes.runtime import is_loopback
 from outrider.protocol import (
     AsyncClient,
     AsyncTokenStream,
+    GenerateResult,
     NotListening,
     RequestError,
     TokenChunk,
@@ -175,20 +177,21 @@ def sse(body: Any) -> bytes:
 
 
 class _Stream(StreamingResponse):
-    """An SSE response that aborts its request when it ends unfinished, however it ends (a
-    client that went away makes the next send fail, or cancels the task)."""
+    """An SSE response that aborts its requests (one a choice) when it ends unfinished, however
+    it ends (a client that went away makes the next send fail, or cancels the task)."""
 
-    def __init__(self, body: AsyncIterator[bytes], stream: AsyncTokenStream) -> None:
+    def __init__(self, body: AsyncIterator[bytes], streams: list[AsyncTokenStream]) -> None:
         super().__init__(
             body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
-        self._stream = stream
+        self._streams = streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._stream.close()
+            for stream in self._streams:
+                stream.close()
 
 
 class HttpFront:
@@ -347,24 +350,70 @@ class HttpFront:
             top_logprobs=args.top_logprobs,
             texts=self._texts,
         )
+        # NOTE: choices that arrive together would each compute the prompt: the first goes
+        # alone until its first chunk, and the others find its prompt in the prefix cache.
+        choices = args.choice_kwargs()
         if not streamed:
-            call = asyncio.ensure_future(self._client.generate(**args.client_kwargs()))
+            calls: list[Awaitable[GenerateResult]] = []
+            leads = [self._client.stream(**choices[0])] if len(choices) > 1 else []
             try:
-                result = await _unless_gone(request, call)
+                for lead in leads:
+                    await _first(lead)
+                    calls.append(_rest(lead))
+                calls += [self._client.generate(**kwargs) for kwargs in choices[len(leads) :]]
+                results = await _unless_gone(request, asyncio.ensure_future(_every(calls)))
             except RequestError as exc:
                 return request_error_response(exc, rename)
-            if result is None:  # nobody reads this answer: the request was aborted
+            finally:
+                _close(leads)
+            if results is None:  # nobody reads this answer: the requests were aborted
                 return Response(status_code=CLIENT_GONE)
-            return json_response(shape.full(result))
-        stream = self._client.stream(**args.client_kwargs())
-        # The first chunk is awaited here, so that a refused request gets its status code.
+            return json_response(shape.full(results))
+        streams = [self._client.stream(**kwargs) for kwargs in choices]
+        # The first chunks are awaited here, so that a refused request gets its status code.
         try:
-            first: TokenChunk | None = await anext(stream)
-        except StopAsyncIteration:
-            first = None
+            firsts = [await _first(streams[0])]
+            firsts += await _every([_first(stream) for stream in streams[1:]])
         except RequestError as exc:
+            _close(streams)
             return request_error_response(exc, rename)
-        return _Stream(_sse_events(shape, stream, first, include_usage), stream)
+        return _Stream(_sse_events(shape, streams, firsts, include_usage), streams)
+
+
+def _close(streams: list[AsyncTokenStream]) -> None:
+    """Abort the requests of the streams not finished yet."""
+    for stream in streams:
+        stream.close()
+
+
+async def _rest(stream: AsyncTokenStream) -> GenerateResult:
+    """The result of a stream whose first chunk was read."""
+    async for _ in stream:
+        pass
+    assert stream.result is not None
+    return stream.result
+
+
+async def _every(calls: Sequence[Awaitable[T]]) -> list[T]:
+    """Every call's result, run together; the first that raises cancels the others (which
+    aborts their requests) and is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _first(stream: AsyncTokenStream) -> TokenChunk | None:
+    """A stream's first chunk (which sends its request); None: it ended without one (no
+    token: its result is set)."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
 
 
 async def _unless_gone(request: Request, call: asyncio.Future[T]) -> T | None:
@@ -382,25 +431,53 @@ async def _unless_gone(request: Request, call: asyncio.Future[T]) -> T | None:
 
 
 async def _sse_events(
-    shape: Shape, stream: AsyncTokenStream, first: TokenChunk | None, include_usage: bool
+    shape: Shape,
+    streams: list[AsyncTokenStream],
+    firsts: list[TokenChunk | None],
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    """The events of one streamed response: chunks, the finish, usage, ``[DONE]``."""
+    """The events of one streamed response: each choice's chunks as they come (tagged with
+    its index), its finish, then the usage of all and ``[DONE]``."""
+    events: asyncio.Queue[tuple[int, TokenChunk | RequestError | None]] = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        stream, first = streams[index], firsts[index]
+        try:
+            if first is not None:
+                await events.put((index, first))
+                async for chunk in stream:
+                    await events.put((index, chunk))
+            await events.put((index, None))
+        except RequestError as exc:
+            await events.put((index, exc))
+
+    pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
     try:
         if shape.chat:
-            yield sse(_with_usage(shape.chunk("", role=True), include_usage))
-        if first is not None:
-            yield sse(_with_usage(shape.token_chunk(first), include_usage))
-            async for chunk in stream:
-                yield sse(_with_usage(shape.token_chunk(chunk), include_usage))
-        result = stream.result
-        assert result is not None
-        finish = shape.chunk(None if shape.chat else "", finish_reason=result.finish_reason)
-        yield sse(_with_usage(finish, include_usage))
+            for index in range(len(streams)):
+                yield sse(_with_usage(shape.chunk("", role=True, index=index), include_usage))
+        for _ in range(len(streams)):
+            while True:
+                index, event = await events.get()
+                if isinstance(event, RequestError):
+                    raise event
+                if event is None:
+                    break
+                yield sse(_with_usage(shape.token_chunk(event, index), include_usage))
+            result = streams[index].result
+            assert result is not None
+            text = None if shape.chat else ""
+            finish = shape.chunk(text, finish_reason=result.finish_reason, index=index)
+            yield sse(_with_usage(finish, include_usage))
         if include_usage:
-            yield sse(shape.usage_chunk(result.usage))
+            usages = [stream.result.usage for stream in streams if stream.result is not None]
+            yield sse(shape.usage_chunk(merged_usage(usages)))
     except RequestError as exc:
         status = STATUS_OF_CODE.get(exc.code, 500)
         yield b"data: " + error_body(status, public_message(exc), None, exc.code) + b"\n\n"
+    finally:
+        for task in pumps:
+            task.cancel()
     yield b"data: [DONE]\n\n"
 
 

@@ -92,6 +92,17 @@ class PageManager:
         self.cache.release(pages)
         req.pages, req.num_cached_pages, req.allocated_len = [], 0, 0
 
+    def share_prompt(self, req: Request, *, drafted: bool) -> None:
+        """Publish the whole pages of ``req``'s text that launched steps write (its prompt,
+        once the chunk that ends it is planned): requests admitted from the next plan on
+        reuse them while ``req`` still runs (``n`` choices of one prompt, a shared system
+        prompt). ``drafted``: the pages may be marked as holding the draft's KV."""
+        known = req.known_ids()
+        written = known[: min(req.scheduled_len, len(known))]
+        drafted = drafted and req.fed is not False
+        shared = self.cache.share(written, req.pages, drafted=drafted)
+        req.num_cached_pages = max(req.num_cached_pages, shared)
+
     def _write(self, req: Request, first: int, delta: PageDelta) -> None:
         base = req.slot * self.max_pages_per_request
         for i in range(first, len(req.pages)):

@@ -113,6 +113,11 @@ class Planner:
                 next_ids.append(known[req.scheduled_len])
         requests = [row.req for row in rows]
         sampled = [requests[i] for i in sample_rows]
+        # NOTE: after this plan's admissions, which must not read pages this plan writes. A
+        # draft that keeps KV may write the prompt's later (a deferred catch-up): the pages
+        # are then published as holding the target's KV alone.
+        for req in sampled:
+            self.pages.share_prompt(req, drafted=not self.limits.draft_state)
         plan = StepPlan(
             kind="extend",
             slots=[r.slot for r in requests],

@@ -10,7 +10,10 @@ Every page except the scratch page 0 is in exactly one state:
 | cached, evictable | a tree node                | 0                           |
 
 A tree node holds one page and the ``page_size`` token ids stored in it; a path from the root
-spells a prefix. ``check`` verifies the table; the scheduler runs it when idle and in tests.
+spells a prefix. Pages are published when their request ends (``insert``), and a prompt's
+whole pages as soon as the step that writes them is planned (``share``): its request keeps
+them as cached pages it references. ``check`` verifies the table; the scheduler runs it
+when idle and in tests.
 
 A speculative engine whose draft keeps its own KV in the same pages marks each node
 ``drafted`` when its page holds the draft's KV too: a request that does not feed its draft
@@ -173,6 +176,8 @@ class PrefixCache:
                 child = Node(key=key, page=page, parent=node, drafted=drafted)
                 node.children[key] = child
                 self.nodes[page] = child
+            elif child.page == page:  # the caller's own, shared while it ran (``share``)
+                child.drafted = child.drafted or drafted
             elif drafted and not child.drafted and self.refcount[child.page] == 0:
                 self._replace_page(child, page)
             child.last_use = self._clock
@@ -181,6 +186,28 @@ class PrefixCache:
         # cached under another page is a duplicate and goes back to the free list.
         self.release(pages[:full])
         return pages[full:]
+
+    def share(self, token_ids: list[int], pages: list[int], *, drafted: bool) -> int:
+        """Publish the whole pages of a prefix whose holder keeps using them (a prompt whose
+        KV a launched step writes): each becomes a cached page the holder references. Stops
+        at a chunk already cached under another page (the holder's copy stays private).
+        Returns how many leading ``pages`` are cached now."""
+        ps = self.page_size
+        full = min(len(token_ids) // ps, len(pages)) if self.enabled else 0
+        node = self.root
+        self._clock += 1
+        for i in range(full):
+            key = tuple(token_ids[i * ps : (i + 1) * ps])
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key=key, page=pages[i], parent=node, drafted=drafted)
+                node.children[key] = child
+                self.nodes[pages[i]] = child
+            elif child.page != pages[i]:
+                return i
+            child.last_use = self._clock
+            node = child
+        return full
 
     def _replace_page(self, node: Node, page: int) -> None:
         """``page`` (the caller's, drafted) takes the place of idle undrafted ``node``'s."""
