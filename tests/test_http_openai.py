@@ -160,6 +160,16 @@ def test_logit_adjustments_go_to_the_daemon_as_given() -> None:
     assert exc.value.param == "logit_bias"
 
 
+def test_stop_token_ids_go_to_the_daemon() -> None:
+    body = b'{"prompt": "a", "stop_token_ids": [2, 7]}'
+    assert completion_args(decode_request(body, CompletionRequest)).client_kwargs()[
+        "stop_token_ids"
+    ] == [2, 7]
+    with pytest.raises(InvalidRequest) as exc:
+        decode_request(b'{"prompt": "a", "stop_token_ids": [-1]}', CompletionRequest)
+    assert exc.value.param == "stop_token_ids[0]"
+
+
 def test_choice_i_draws_with_seed_plus_i() -> None:
     seeded = completion_args(
         decode_request(b'{"prompt": "a", "n": 3, "seed": 7}', CompletionRequest)

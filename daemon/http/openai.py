@@ -2,8 +2,9 @@
 translation to and from the client library's ``generate`` arguments and results.
 
 Sampling fields a request leaves out stay None on the way to the daemon, so that the model's
-generation defaults apply there. ``top_k``, ``min_p``, ``repetition_penalty`` and
-``ignore_eos`` are extensions (vLLM's names); the daemon checks every value's range.
+generation defaults apply there. ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids`` and ``ignore_eos`` are extensions (vLLM's names); the daemon checks every
+value's range.
 
 Nothing a request sends is dropped in silence: a field these shapes do not know is refused
 (400 naming it, as the OpenAI API itself answers), and a field of the API (or of vLLM's
@@ -68,6 +69,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
     top_k: TopK | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[Count] | None = None  # vLLM's extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Choices = 1
@@ -136,6 +138,7 @@ class GenerateArgs:
     top_k: int | None
     seed: int | None
     stop: list[str]
+    stop_token_ids: list[int]
     ignore_eos: bool
     logprobs: int  # what the daemon is asked for: 0, or 1 + the alternatives wanted
     top_logprobs: int  # alternatives shown per token (<= logprobs)
@@ -161,6 +164,7 @@ class GenerateArgs:
             "top_k": self.top_k,
             "seed": self.seed,
             "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "logprobs": self.logprobs,
         }
@@ -321,6 +325,7 @@ def _args(
         top_k=req.top_k,
         seed=req.seed,
         stop=_stop_list(req.stop),
+        stop_token_ids=req.stop_token_ids or [],
         ignore_eos=req.ignore_eos,
         # The daemon's logprobs=N: the chosen token's logprob and N alternatives (0: none at
         # all), so 0 alternatives shown still asks for 1.
