@@ -57,8 +57,9 @@ GRAPH_MEMORY_SHARE = 0.125
 MIN_KV_BUCKET = 64
 KV_BUCKET_GROWTH = 2  # each KV bucket is this many times the previous one
 # Sampling scratch per logit of a sampled row at its peak: the sorted values and their int64
-# ids, the softmax and its running mass, the race's int64 hash words and its float scores.
-SAMPLING_BYTES_PER_LOGIT = 40
+# ids, the softmax and its running mass, the race's int64 hash words and its float scores;
+# and the float32 copy of a batch that adjusts its logits (engine/penalties.py).
+SAMPLING_BYTES_PER_LOGIT = 44
 # A drafting step's share per logit of its rows (``draft_logit_rows``): measured with DFlash b16
 # on Qwen3-8B, 64 sampled rows, eager: 7,251 MiB at the draft's peak over 64 x 15 rows of
 # 151,936 logits. Within a capture the pool does not hand the draft's freed blocks to the

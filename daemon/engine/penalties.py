@@ -191,11 +191,15 @@ class Adjuster:
         self, logits: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, max_kv: int
     ) -> torch.Tensor:
         """``logits: [n, V]`` of EXTEND rows whose prompt of ``kv_lens`` tokens just ended."""
-        seen = self.history.seen(
-            self.slots.page_table, self.page_size, slots, kv_lens, torch.zeros_like(kv_lens),
-            max_kv, logits.shape[-1], None,
-        )  # fmt: skip
-        return adjusted_logits(logits.unsqueeze(1), self.slots.adjust(slots), seen)[:, 0]
+        out = torch.empty_like(logits, dtype=torch.float32)
+        for rows in _passes(slots.shape[0], 1):
+            seen = self.history.seen(
+                self.slots.page_table, self.page_size, slots[rows], kv_lens[rows],
+                torch.zeros_like(kv_lens[rows]), max_kv, logits.shape[-1], None,
+            )  # fmt: skip
+            adjust = self.slots.adjust(slots[rows])
+            out[rows] = adjusted_logits(logits[rows].unsqueeze(1), adjust, seen)[:, 0]
+        return out
 
     def decode_logits(
         self,
@@ -208,10 +212,27 @@ class Adjuster:
         """``logits: [bs * W, V]`` of a decode batch (``W`` nodes a row; ``path`` as
         ``adjusted_logits`` takes it when ``W > 1``), adjusted: the same shape."""
         bs, vocab = slots.shape[0], logits.shape[-1]
-        seen = self.history.seen(
-            self.slots.page_table, self.page_size, slots, relay.starts, relay.out_lens,
-            max_kv, vocab, relay.roots,
-        )  # fmt: skip
-        adjust = self.slots.adjust(slots)
-        out = adjusted_logits(logits.view(bs, -1, vocab), adjust, seen, path)
-        return out.reshape(-1, vocab)
+        nodes = logits.view(bs, -1, vocab)
+        out = torch.empty(nodes.shape, dtype=torch.float32, device=logits.device)
+        for rows in _passes(bs, nodes.shape[1]):
+            seen = self.history.seen(
+                self.slots.page_table, self.page_size, slots[rows], relay.starts[rows],
+                relay.out_lens[rows], max_kv, vocab, relay.roots[rows],
+            )  # fmt: skip
+            adjust = self.slots.adjust(slots[rows])
+            row_path = None if path is None else (path[0][rows], path[1][rows])
+            out[rows] = adjusted_logits(nodes[rows], adjust, seen, row_path)
+        return out.view(-1, vocab)
+
+
+# Logit rows (batch rows times nodes) adjusted in one pass: the rules' temporaries, a few
+# logits-sized tensors each, stay this small whatever the batch; the adjusted logits are one
+# float32 copy of the batch's (memory_plan.py budgets it).
+ROWS_PER_PASS = 64
+
+
+def _passes(rows: int, width: int) -> list[slice]:
+    """Slices of ``rows`` batch rows of ``width`` logit rows each, ``ROWS_PER_PASS`` logit rows
+    a pass (at least one batch row)."""
+    step = max(1, ROWS_PER_PASS // width)
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
