@@ -7,11 +7,11 @@ EXTEND:        forward -> sample the rows that end their prompt -> seed their re
 decode:        relay -> draft -> forward over (root, drafts) -> verify -> advance the relay
                -> the worker's catch-up
 plain decode:  relay -> forward over the root -> sample -> advance the relay -> catch-up
-every step writes its tokens into the token history; a plan that ``adjusts`` samples from
-adjusted logits (penalties.py), eagerly
                (or its inputs buffered, for one batch later: engine/deferred.py)
 collect:       wait for the copy -> StepOutput
 ```
+Every step writes its tokens into the token history; a plan that ``adjusts`` runs eagerly and
+samples from the adjusted logits (penalties.py).
 Inputs live in fixed device buffers (inputs.py), per-slot state in ``SlotState`` (slots.py),
 the accept rule in ``Verifier`` (verify.py), result copies in ``ResultCopies`` (results.py);
 graph replays and captures of decode batches in ``GraphSteps`` (graph_steps.py), deferred
