@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from outrider.plugins.attention.torch_impl import TorchAttentionMetadata
 from outrider.plugins.device import AttentionShape, ForwardBatch
-from outrider.plugins.models.config import ModelConfig, load_eos_ids
+from outrider.plugins.models.config import ModelConfig, config_is_complete, load_eos_ids
 from outrider.plugins.models.layers import DecoderForCausalLM
 from outrider.plugins.models.loader import (
     check_checkpoint_layout,
@@ -242,6 +242,57 @@ def test_rope_v4_and_v5_keys_agree(tmp_path: Path) -> None:
     assert parsed[0] == parsed[1]
     assert parsed[0].rope.theta == 250000.0 and parsed[0].rope.llama3 is not None
     assert parsed[0].rope.llama3.original_max_position_embeddings == 32
+
+
+def _through_transformers(config: dict[str, object], directory: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    return ModelConfig.from_dict(AutoConfig.from_pretrained(str(directory)).to_dict())
+
+
+MOE_KINDS = ("qwen3_moe", "mixtral", "qwen2_moe")
+
+
+def test_complete_configs_read_as_transformers_reads_them(tmp_path: Path) -> None:
+    """Every reference target config and every family's tiny config is complete, and read
+    without transformers gives what transformers' AutoConfig gives (a draft's config need not
+    be complete: it goes through AutoConfig)."""
+    configs = {p.name: p for p in REFERENCE.glob("*.config.json")}
+    with torch.no_grad():
+        for kind in (*KINDS, *MOE_KINDS):
+            save_tiny_model(kind, tmp_path / kind)
+            configs[kind] = tmp_path / kind / "config.json"
+    assert len(configs) == 13
+    for name, path in configs.items():
+        raw = json.loads(path.read_text())
+        assert config_is_complete(raw) == ("EAGLE3" not in name), name
+        expected = _through_transformers(raw, tmp_path / f"hf-{name}")
+        assert ModelConfig.from_pretrained(path) == expected, name
+
+
+@pytest.mark.parametrize(
+    ("reference", "left_out", "given"),
+    [
+        # Qwen3's default head_dim is 128, not hidden / heads (64 here)
+        ("Qwen3-8B", "head_dim", {"num_attention_heads": 64}),
+        ("Mixtral-8x7B-Instruct-v0.1", "rope_theta", {}),  # Mixtral's default theta is 1e6
+        ("Llama-3.1-8B-Instruct", "eos_token_id", {}),  # Llama's default eos is 2
+        ("Qwen3-30B-A3B", "num_experts", {}),
+    ],
+)
+def test_incomplete_configs_take_the_familys_defaults(
+    tmp_path: Path, reference: str, left_out: str, given: dict[str, int]
+) -> None:
+    raw = json.loads((REFERENCE / f"{reference}.config.json").read_text()) | given
+    raw.pop(left_out)
+    assert not config_is_complete(raw)
+    (tmp_path / "given").mkdir()
+    (tmp_path / "given" / "config.json").write_text(json.dumps(raw))
+    parsed = ModelConfig.from_pretrained(tmp_path / "given")
+    assert parsed == _through_transformers(raw, tmp_path / "hf")
+    assert parsed != ModelConfig.from_dict(raw)
 
 
 @pytest.mark.parametrize("eos_form", ["dict", "str"])

@@ -132,7 +132,18 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """Parse a model directory or a config.json path. Raises ValueError for a model that
-        Outrider cannot run (unknown model_type, rope type, activation, sliding window)."""
+        Outrider cannot run (unknown model_type, rope type, activation, sliding window).
+
+        A config.json that gives every key whose default depends on the family
+        (``config_is_complete``) is read as it is; any other goes through transformers'
+        ``AutoConfig``, which supplies those defaults (and costs seconds of imports)."""
+        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, ValueError):
+            raw = None
+        if isinstance(raw, dict) and config_is_complete(raw):
+            return cls.from_dict(raw)
         from transformers import AutoConfig
 
         return cls.from_dict(AutoConfig.from_pretrained(str(path)).to_dict())
@@ -179,6 +190,37 @@ class ModelConfig:
             moe=moe,
             fp8=fp8,
         )
+
+
+# The keys ``from_dict`` reads whose default, when config.json leaves them out, transformers'
+# config class of the family supplies (Qwen3's head_dim of 128 against hidden / heads,
+# Mixtral's rope theta of 1e6, Llama's eos id 2, the experts' counts, ...).
+_KEYS_EVERY_FAMILY = (
+    "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "vocab_size", "rms_norm_eps",
+    "max_position_embeddings", "eos_token_id", "tie_word_embeddings",
+)  # fmt: skip
+_KEYS_OF_FAMILY: dict[str, tuple[str, ...]] = {
+    "llama": (),
+    "qwen2": (),
+    "qwen3": ("head_dim",),
+    "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "norm_topk_prob"),
+    "qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"),
+    "mixtral": ("num_local_experts", "num_experts_per_tok"),
+}  # fmt: skip
+
+
+def config_is_complete(d: dict[str, Any]) -> bool:
+    """Whether config.json ``d`` (raw keys) gives every key whose default depends on its
+    family, so that ``from_dict`` reads it as transformers would (a model type not served
+    here: False, and ``from_dict`` refuses it after AutoConfig)."""
+    keys = _KEYS_OF_FAMILY.get(str(d.get("model_type")))
+    if keys is None:
+        return False
+    rope = "rope_parameters" in d or "rope_theta" in d
+    experts = d.get("model_type") != "qwen3_moe" or "num_experts" in d or "num_local_experts" in d
+    return rope and experts and all(key in d for key in (*_KEYS_EVERY_FAMILY, *keys))
 
 
 def model_type_problem(d: dict[str, Any]) -> str | None:
