@@ -282,10 +282,11 @@ def test_graph_pool_estimate_of_a_tiny_model() -> None:
     model = ModelConfig.from_dict(TINY_SHAPE)
     # 4 tokens x (2 B x (3 x 64 hidden + 2 x 64 q + 2 x 32 kv) + 4 B x 64 + 2 B x 3 x 128)
     layer = 4 * (2 * (192 + 128 + 64) + 256 + 768)
-    logits = 4 * 256 * (2 + 4 + 40)  # the head's output, its float32 copy, sampling scratch
+    # The head's output, its float32 copy, the sampling scratch and the adjusted copy.
+    logits = 4 * 256 * (2 + 4 + 44)
     # 4 rows x 128 KV x (K and V at 2 + 4 heads of 16, 2 B, + the int64 index) + the mask
     attention = 4 * 128 * (2 * (32 + 64) * 2 + 8) + 4 * 1 * 128
-    assert (layer, logits, attention) == (7168, 47104, 201216)
+    assert (layer, logits, attention) == (7168, 51200, 201216)
     assert graph_pool_bytes(model, 2, bs=4, width=1, kv_bound=128) == layer + logits + attention
     assert graph_pool_bytes(model, 2, bs=4, width=1, kv_bound=None) == layer + logits
     # A speculative row verifies `width` tokens: everything but the gathered K/V scales.
