@@ -164,23 +164,15 @@ class PrefixCache:
         draft's KV too. Returns the pages the caller must still release (the partial tail and
         pages beyond ``token_ids``).
         """
-        ps = self.page_size
-        full = min(len(token_ids) // ps, len(pages)) if self.enabled else 0
+        full = self._whole_pages(token_ids, pages)
         node = self.root
         self._clock += 1
-        for i in range(full):
-            key = tuple(token_ids[i * ps : (i + 1) * ps])
-            page = pages[i]
-            child = node.children.get(key)
-            if child is None:
-                child = Node(key=key, page=page, parent=node, drafted=drafted)
-                node.children[key] = child
-                self.nodes[page] = child
-            elif child.page == page:  # the caller's own, shared while it ran (``share``)
+        for i, page in enumerate(pages[:full]):
+            child = self._child(node, token_ids, i, page, drafted)
+            if child.page == page:  # new, or the caller's own shared while it ran (``share``)
                 child.drafted = child.drafted or drafted
             elif drafted and not child.drafted and self.refcount[child.page] == 0:
                 self._replace_page(child, page)
-            child.last_use = self._clock
             node = child
         # Every published page loses the caller's reference; a page whose chunk was already
         # cached under another page is a duplicate and goes back to the free list.
@@ -192,22 +184,31 @@ class PrefixCache:
         KV a launched step writes): each becomes a cached page the holder references. Stops
         at a chunk already cached under another page (the holder's copy stays private).
         Returns how many leading ``pages`` are cached now."""
-        ps = self.page_size
-        full = min(len(token_ids) // ps, len(pages)) if self.enabled else 0
+        full = self._whole_pages(token_ids, pages)
         node = self.root
         self._clock += 1
-        for i in range(full):
-            key = tuple(token_ids[i * ps : (i + 1) * ps])
-            child = node.children.get(key)
-            if child is None:
-                child = Node(key=key, page=pages[i], parent=node, drafted=drafted)
-                node.children[key] = child
-                self.nodes[pages[i]] = child
-            elif child.page != pages[i]:
+        for i, page in enumerate(pages[:full]):
+            node = self._child(node, token_ids, i, page, drafted)
+            if node.page != page:
                 return i
-            child.last_use = self._clock
-            node = child
         return full
+
+    def _whole_pages(self, token_ids: list[int], pages: list[int]) -> int:
+        """How many leading ``pages`` hold a whole page of ``token_ids`` (0: caching is off)."""
+        return min(len(token_ids) // self.page_size, len(pages)) if self.enabled else 0
+
+    def _child(self, node: Node, token_ids: list[int], i: int, page: int, drafted: bool) -> Node:
+        """``node``'s child for page ``i`` of ``token_ids``, made to hold ``page`` if there
+        is none; marked used now."""
+        ps = self.page_size
+        key = tuple(token_ids[i * ps : (i + 1) * ps])
+        child = node.children.get(key)
+        if child is None:
+            child = Node(key=key, page=page, parent=node, drafted=drafted)
+            node.children[key] = child
+            self.nodes[page] = child
+        child.last_use = self._clock
+        return child
 
     def _replace_page(self, node: Node, page: int) -> None:
         """``page`` (the caller's, drafted) takes the place of idle undrafted ``node``'s."""
