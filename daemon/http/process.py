@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
@@ -41,11 +41,11 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from outrider.daemon.http.access import Access, AccessRule
+from outrider.daemon.http.choices import close_all, every, first_chunk, rest_of, sse_events
 from outrider.daemon.http.config import HttpFrontConfig, bind_http
 from outrider.daemon.http.errors import (
     STATUS_OF_CODE,
     Guard,
-    error_body,
     error_response,
     public_message,
     split_path,
@@ -64,7 +64,6 @@ from outrider.daemon.http.openai import (
     chat_args,
     completion_args,
     decode_request,
-    merged_usage,
     new_id,
     now,
 )
@@ -77,7 +76,6 @@ from outrider.protocol import (
     GenerateResult,
     NotListening,
     RequestError,
-    TokenChunk,
 )
 
 log = logging.getLogger("outrider.http")
@@ -170,10 +168,6 @@ def request_error_response(exc: RequestError, rename: dict[str, str] = DAEMON_FI
 
 def json_response(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status, media_type="application/json")
-
-
-def sse(body: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
 class _Stream(StreamingResponse):
@@ -358,62 +352,26 @@ class HttpFront:
             leads = [self._client.stream(**choices[0])] if len(choices) > 1 else []
             try:
                 for lead in leads:
-                    await _first(lead)
-                    calls.append(_rest(lead))
+                    await first_chunk(lead)
+                    calls.append(rest_of(lead))
                 calls += [self._client.generate(**kwargs) for kwargs in choices[len(leads) :]]
-                results = await _unless_gone(request, asyncio.ensure_future(_every(calls)))
+                results = await _unless_gone(request, asyncio.ensure_future(every(calls)))
             except RequestError as exc:
                 return request_error_response(exc, rename)
             finally:
-                _close(leads)
+                close_all(leads)
             if results is None:  # nobody reads this answer: the requests were aborted
                 return Response(status_code=CLIENT_GONE)
             return json_response(shape.full(results))
         streams = [self._client.stream(**kwargs) for kwargs in choices]
         # The first chunks are awaited here, so that a refused request gets its status code.
         try:
-            firsts = [await _first(streams[0])]
-            firsts += await _every([_first(stream) for stream in streams[1:]])
+            firsts = [await first_chunk(streams[0])]
+            firsts += await every([first_chunk(stream) for stream in streams[1:]])
         except RequestError as exc:
-            _close(streams)
+            close_all(streams)
             return request_error_response(exc, rename)
-        return _Stream(_sse_events(shape, streams, firsts, include_usage), streams)
-
-
-def _close(streams: list[AsyncTokenStream]) -> None:
-    """Abort the requests of the streams not finished yet."""
-    for stream in streams:
-        stream.close()
-
-
-async def _rest(stream: AsyncTokenStream) -> GenerateResult:
-    """The result of a stream whose first chunk was read."""
-    async for _ in stream:
-        pass
-    assert stream.result is not None
-    return stream.result
-
-
-async def _every(calls: Sequence[Awaitable[T]]) -> list[T]:
-    """Every call's result, run together; the first that raises cancels the others (which
-    aborts their requests) and is raised."""
-    tasks = [asyncio.ensure_future(call) for call in calls]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-async def _first(stream: AsyncTokenStream) -> TokenChunk | None:
-    """A stream's first chunk (which sends its request); None: it ended without one (no
-    token: its result is set)."""
-    try:
-        return await anext(stream)
-    except StopAsyncIteration:
-        return None
+        return _Stream(sse_events(shape, streams, firsts, include_usage), streams)
 
 
 async def _unless_gone(request: Request, call: asyncio.Future[T]) -> T | None:
@@ -428,59 +386,3 @@ async def _unless_gone(request: Request, call: asyncio.Future[T]) -> T | None:
             with contextlib.suppress(asyncio.CancelledError, RequestError):
                 await call
             return None
-
-
-async def _sse_events(
-    shape: Shape,
-    streams: list[AsyncTokenStream],
-    firsts: list[TokenChunk | None],
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    """The events of one streamed response: each choice's chunks as they come (tagged with
-    its index), its finish, then the usage of all and ``[DONE]``."""
-    events: asyncio.Queue[tuple[int, TokenChunk | RequestError | None]] = asyncio.Queue()
-
-    async def pump(index: int) -> None:
-        stream, first = streams[index], firsts[index]
-        try:
-            if first is not None:
-                await events.put((index, first))
-                async for chunk in stream:
-                    await events.put((index, chunk))
-            await events.put((index, None))
-        except RequestError as exc:
-            await events.put((index, exc))
-
-    pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
-    try:
-        if shape.chat:
-            for index in range(len(streams)):
-                yield sse(_with_usage(shape.chunk("", role=True, index=index), include_usage))
-        for _ in range(len(streams)):
-            while True:
-                index, event = await events.get()
-                if isinstance(event, RequestError):
-                    raise event
-                if event is None:
-                    break
-                yield sse(_with_usage(shape.token_chunk(event, index), include_usage))
-            result = streams[index].result
-            assert result is not None
-            text = None if shape.chat else ""
-            finish = shape.chunk(text, finish_reason=result.finish_reason, index=index)
-            yield sse(_with_usage(finish, include_usage))
-        if include_usage:
-            usages = [stream.result.usage for stream in streams if stream.result is not None]
-            yield sse(shape.usage_chunk(merged_usage(usages)))
-    except RequestError as exc:
-        status = STATUS_OF_CODE.get(exc.code, 500)
-        yield b"data: " + error_body(status, public_message(exc), None, exc.code) + b"\n\n"
-    finally:
-        for task in pumps:
-            task.cancel()
-    yield b"data: [DONE]\n\n"
-
-
-def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
-    # With include_usage, every chunk but the last carries "usage": null (OpenAI's shape).
-    return chunk | {"usage": None} if include_usage else chunk

@@ -1,0 +1,113 @@
+"""The choices of one OpenAI request (``n``): a daemon request each, run together, and the
+server-sent events of their streams merged as their chunks come, each tagged with its index.
+Whatever ends a response early aborts the requests of every choice not finished."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from outrider.daemon.http.errors import STATUS_OF_CODE, error_body, public_message
+from outrider.daemon.http.openai import Shape, merged_usage
+from outrider.protocol import AsyncTokenStream, GenerateResult, RequestError, TokenChunk
+
+T = TypeVar("T")
+
+
+def sse(body: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+def close_all(streams: list[AsyncTokenStream]) -> None:
+    """Abort the requests of the streams not finished yet."""
+    for stream in streams:
+        stream.close()
+
+
+async def rest_of(stream: AsyncTokenStream) -> GenerateResult:
+    """The result of a stream whose first chunk was read."""
+    async for _ in stream:
+        pass
+    assert stream.result is not None
+    return stream.result
+
+
+async def every(calls: Sequence[Awaitable[T]]) -> list[T]:
+    """Every call's result, run together; the first that raises cancels the others (which
+    aborts their requests) and is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def first_chunk(stream: AsyncTokenStream) -> TokenChunk | None:
+    """A stream's first chunk (which sends its request); None: it ended without one (no
+    token: its result is set)."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
+
+
+async def sse_events(
+    shape: Shape,
+    streams: list[AsyncTokenStream],
+    firsts: list[TokenChunk | None],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """The events of one streamed response: each choice's chunks as they come (tagged with
+    its index), its finish, then the usage of all and ``[DONE]``."""
+    events: asyncio.Queue[tuple[int, TokenChunk | RequestError | None]] = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        stream, first = streams[index], firsts[index]
+        try:
+            if first is not None:
+                await events.put((index, first))
+                async for chunk in stream:
+                    await events.put((index, chunk))
+            await events.put((index, None))
+        except RequestError as exc:
+            await events.put((index, exc))
+
+    pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    try:
+        if shape.chat:
+            for index in range(len(streams)):
+                yield sse(with_usage(shape.chunk("", role=True, index=index), include_usage))
+        for _ in range(len(streams)):
+            while True:
+                index, event = await events.get()
+                if isinstance(event, RequestError):
+                    raise event
+                if event is None:
+                    break
+                yield sse(with_usage(shape.token_chunk(event, index), include_usage))
+            result = streams[index].result
+            assert result is not None
+            text = None if shape.chat else ""
+            finish = shape.chunk(text, finish_reason=result.finish_reason, index=index)
+            yield sse(with_usage(finish, include_usage))
+        if include_usage:
+            usages = [stream.result.usage for stream in streams if stream.result is not None]
+            yield sse(shape.usage_chunk(merged_usage(usages)))
+    except RequestError as exc:
+        status = STATUS_OF_CODE.get(exc.code, 500)
+        yield b"data: " + error_body(status, public_message(exc), None, exc.code) + b"\n\n"
+    finally:
+        for task in pumps:
+            task.cancel()
+    yield b"data: [DONE]\n\n"
+
+
+def with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    # With include_usage, every chunk but the last carries "usage": null (OpenAI's shape).
+    return chunk | {"usage": None} if include_usage else chunk
