@@ -102,6 +102,21 @@ def test_quantizing_kernels_on_representable_activations(
     assert torch.equal(fp8_kernels.fp8_linear(x, weight, bias), w8a8_linear(x, weight, bias))
 
 
+@pytest.mark.parametrize("k", [80, 4096])
+def test_channel_gemv_on_representable_activations(k: int) -> None:
+    """One token against per-channel weights (the decode step's projection): quantization of
+    the whole row and the GEMV, equal to the reference to the bit on exact operands; 44
+    rows end inside a program's block, 80 columns inside a step, 4,096 span steps."""
+    from outrider.plugins.models.fp8 import kernels as fp8_kernels
+
+    gen = _gen()
+    x = exact_operand(1, k, (1, k), gen)
+    weight = quantize_weight(exact_operand(44, k, (1, k), gen), None)
+    bias = _exact_bias(44, gen)
+    for b in (bias, None):
+        assert torch.equal(fp8_kernels.fp8_linear(x, weight, b), w8a8_linear(x, weight, b))
+
+
 @pytest.mark.gpu  # they quantize: see above
 @pytest.mark.parametrize(("n", "k", "block"), SHAPES)
 @pytest.mark.parametrize("tokens", [1, 5])

@@ -14,15 +14,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from outrider.plugins.models.moe import tiles as moe_tiles
 from outrider.plugins.models.moe.tiles import (
     CONFIG_DIR,
+    DecodePath,
     GemmTiles,
     GemvTiles,
     MoeKernelConfig,
     MoeShape,
     config_from_table,
     heuristic_config,
+    load_decode,
     load_table,
+    table_file_for_gpu,
     table_for_gpu,
 )
 
@@ -187,7 +191,8 @@ def test_fused_moe_takes_the_gemvs_up_to_the_pair_limit_then_chunks(
 
     monkeypatch.setattr(mk, "decode_moe", record("decode"))
     monkeypatch.setattr(mk, "grouped_moe", record("grouped"))
-    limit = mk.DECODE_MAX_PAIRS // SMALL.topk
+    limit = DecodePath.default(SMALL).max_tokens  # the CPU's: no table
+    assert limit == moe_tiles.DEFAULT_DECODE_PAIRS // SMALL.topk
     for tokens in (limit, limit + 1):
         mk.fused_moe(*routed_batch(SMALL, tokens, torch.float32))
     monkeypatch.setattr(mk, "MAX_CHUNK_PAIRS", 2 * limit)
@@ -205,7 +210,7 @@ def test_fused_moe_chunks_add_up_to_the_reference(monkeypatch: pytest.MonkeyPatc
     from outrider.plugins.models.moe import kernels as mk
 
     # Two chunks of the grouped path at the heuristic's config (the CPU's).
-    monkeypatch.setattr(mk, "DECODE_MAX_PAIRS", 8)
+    monkeypatch.setattr(moe_tiles, "DEFAULT_DECODE_PAIRS", 8)
     monkeypatch.setattr(mk, "MAX_CHUNK_PAIRS", 16)
     batch = routed_batch(SMALL, 11, torch.float32, seed=2)
     torch.testing.assert_close(mk.fused_moe(*batch), reference_moe(*batch), **F32_TOL)
@@ -248,6 +253,39 @@ def test_configs_come_from_the_device_file_then_the_generation_then_the_heuristi
     other = MoeShape(experts=8, hidden=4096, intermediate=14336, topk=2)
     assert config_from_table(exact, other, 5000) == heuristic_config(other, 5000)
     assert config_from_table({"default": {1: large}}, other, 5000) == large
+
+
+def test_a_table_file_names_each_shapes_decode_path(tmp_path: Path) -> None:
+    """The device file's decode paths, none from a file that names none; a shape no file
+    names takes the default (the pair limit over its slots, at least one token)."""
+    path = tmp_path / "NVIDIA_H200.json"
+    reach = DecodePath(16, GemvTiles(block_n=4, block_k=1024, num_warps=4, num_stages=2))
+    doc = _table_json({64: SMALL_CONFIG}) | {"decode": {SMALL.key: reach.to_json()}}
+    path.write_text(json.dumps(doc))
+    assert table_file_for_gpu("NVIDIA H200", (9, 0), tmp_path) == path
+    assert table_file_for_gpu("NVIDIA H100 80GB HBM3", (9, 0), tmp_path) is None
+    assert load_decode(path) == {SMALL.key: reach}
+    (tmp_path / "sm90.json").write_text(json.dumps(_table_json({64: SMALL_CONFIG})))
+    assert load_decode(tmp_path / "sm90.json") == {}
+    wide = MoeShape(experts=8, hidden=64, intermediate=32, topk=128)
+    assert DecodePath.default(wide).max_tokens == 1
+    assert DecodePath.default(SMALL).tiles == moe_tiles.DEFAULT_DECODE_TILES
+
+
+def test_the_tuner_places_the_decode_paths_reach_where_the_gemvs_stop_winning() -> None:
+    from outrider.plugins.models.moe import tune
+
+    fast, slow = GemvTiles(4, 1024, 4, 3), GemvTiles(8, 512, 8, 2)
+
+    def timed(grouped: float, decode: float | None, tiles: GemvTiles = slow) -> tune.Timed:
+        return tune.Timed(SMALL_CONFIG, grouped, None if decode is None else (decode, tiles))
+
+    # Faster through 8 tokens, slower at 16, faster again at 32: the reach stops at 8.
+    sizes = {1: timed(0.09, 0.04, fast), 8: timed(0.24, 0.14), 16: timed(0.24, 0.25)}
+    sizes |= {32: timed(0.30, 0.29), 64: timed(0.38, None)}
+    assert tune.decode_path(sizes) == DecodePath(8, fast)
+    assert tune.decode_path({1: timed(0.28, 0.30, fast)}) == DecodePath(0, fast)
+    assert tune.decode_path({512: timed(0.5, None)}) is None
 
 
 def test_the_shipped_table_and_the_heuristic_give_configs_that_compile_on_hopper() -> None:
@@ -305,6 +343,12 @@ def test_the_tuner_merges_its_configs_into_the_table_file(tmp_path: Path) -> Non
     tune.write_table(path, SMALL, configs, source="run four")
     lines = [line for line in path.read_text().splitlines() if '"block_m"' in line]
     assert [line.split(":")[0].strip() for line in lines] == ['"16"', '"256"', '"8"']
+    # A decode path goes beside the buckets and survives a later run that times none.
+    reach = DecodePath(4, GemvTiles(4, 1024, 4, 3))
+    tune.write_table(path, other, {8: SMALL_CONFIG}, source="run five", decode=reach)
+    tune.write_table(path, SMALL, {32: SMALL_CONFIG}, source="run six")
+    assert load_decode(path) == {other.key: reach}
+    assert load_table(path) == {SMALL.key: {32: SMALL_CONFIG}, other.key: {8: SMALL_CONFIG}}
     # Tuning into the shipped, untuned generation file keeps it marked untuned.
     untuned = tmp_path / "sm90.json"
     untuned.write_text((CONFIG_DIR / "sm90.json").read_text())

@@ -37,6 +37,7 @@ from outrider.plugins.models.fp8.reference import (
     Fp8Weight,
     w8a8_linear,
 )
+from outrider.plugins.models.moe.tiles import GemvTiles
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 
 # NOTE: divisions are div_rn (IEEE, as torch divides): Triton's `/` on float32 is approximate,
@@ -45,7 +46,10 @@ from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 _E4M3_MAX = tl.constexpr(FP8_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _QUANT_CHUNK = 1024
-_GEMV_BLOCK_N = 8
+# The one-token GEMVs' tiles (block_k counts e4m3 bytes), the least summed time over
+# Llama-3.1-8B's and Qwen3-30B-A3B's projections on an H200 (benchmarks/fp8_gemv.py).
+CHANNEL_GEMV_TILES = GemvTiles(block_n=4, block_k=2048, num_warps=4, num_stages=3)
+BLOCK_GEMV_TILES = GemvTiles(block_n=16, block_k=4096, num_warps=8, num_stages=3)
 _GEMM_BLOCK_M = 64
 _GEMM_BLOCK_N = 128
 # tl.dot of 8-bit tiles reduces at least 32 columns (Triton's smallest dot of e4m3 operands).
@@ -98,50 +102,123 @@ def quantize_activations(x: torch.Tensor, group: int) -> Fp8Activations:
 
 
 @triton.jit
+def _group_dot(
+    w, xq, w_scale, x_scale, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr
+):
+    """``sum_g (sum_{k in g} w[:, k] * xq[k]) * w_scale[:, g] * x_scale[g]`` in float32 over
+    ``GROUPS`` consecutive groups of ``GROUP`` columns: ``w: [BLOCK_N, GROUPS * GROUP]`` e4m3,
+    ``xq: [GROUPS * GROUP]`` float32 (e4m3 values), ``w_scale: [BLOCK_N, GROUPS]``,
+    ``x_scale: [GROUPS]`` -> ``[BLOCK_N]``. The one-token GEMVs' step: several groups a load,
+    so that a program's loads are long enough to stream the weights."""
+    products = tl.reshape(w.to(tl.float32) * xq[None, :], (BLOCK_N, GROUPS, GROUP))
+    return tl.sum(tl.sum(products, axis=2) * w_scale * x_scale[None, :], axis=1)
+
+
+@triton.jit
 def _block_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_w, stride_ws, BLOCK_ROWS,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < N
     row_at = rows.to(tl.int64)[:, None] * stride_w
-    scale_at = ws_ptr + (rows // BLOCK_ROWS) * stride_ws
-    step = tl.arange(0, GROUP)
+    scale_at = ws_ptr + (rows // BLOCK_ROWS)[:, None] * stride_ws
+    step = tl.arange(0, GROUPS * GROUP)
+    group_step = tl.arange(0, GROUPS)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for g in range(0, tl.cdiv(K, GROUP)):
-        cols = g * GROUP + step
+    for k0 in range(0, K, GROUPS * GROUP):
+        cols = k0 + step
         cols_ok = cols < K
-        # The token's group quantized as quantize_activations does (each program redoes it:
-        # GROUP values against BLOCK_N * GROUP weight bytes).
-        x = tl.load(x_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
-        x_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), _AMAX_FLOOR), _E4M3_MAX)
-        xq = (
-            tl.clamp(tl.math.div_rn(x, x_scale), -_E4M3_MAX, _E4M3_MAX)
-            .to(w_ptr.dtype.element_ty)
-            .to(tl.float32)
+        # The token's groups quantized as quantize_activations does (each program redoes it:
+        # GROUPS * GROUP values against BLOCK_N times as many weight bytes).
+        x = tl.reshape(
+            tl.load(x_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32), (GROUPS, GROUP)
         )
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), _AMAX_FLOOR)
+        x_scale = tl.math.div_rn(amax, _E4M3_MAX)
+        xq = tl.clamp(tl.math.div_rn(x, x_scale[:, None]), -_E4M3_MAX, _E4M3_MAX)
+        xq = tl.reshape(xq.to(w_ptr.dtype.element_ty).to(tl.float32), (GROUPS * GROUP,))
         w = tl.load(
             w_ptr + row_at + cols[None, :], mask=rows_ok[:, None] & cols_ok[None, :], other=0.0
         )
-        partial = tl.sum(w.to(tl.float32) * xq[None, :], axis=1)
-        w_scale = tl.load(scale_at + g, mask=rows_ok, other=0.0)
-        acc += partial * x_scale * w_scale
+        groups = k0 // GROUP + group_step
+        scales_ok = rows_ok[:, None] & (groups * GROUP < K)[None, :]
+        w_scale = tl.load(scale_at + groups[None, :], mask=scales_ok, other=0.0)
+        acc += _group_dot(w, xq, w_scale, x_scale, BLOCK_N, GROUPS, GROUP)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows_ok)
 
 
-def block_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def groups_a_step(group: int, k: int, tiles: GemvTiles) -> int:
+    """How many activation groups of ``group`` columns a GEMV step of ``tiles`` loads: as
+    many as fit ``tiles.block_k`` weight bytes, no more than ``k`` holds (a power of two)."""
+    return max(1, min(tiles.block_k, triton.next_power_of_2(k)) // group)
+
+
+def block_gemv(
+    x: torch.Tensor,
+    weight: Fp8Weight,
+    bias: torch.Tensor | None,
+    tiles: GemvTiles = BLOCK_GEMV_TILES,
+) -> torch.Tensor:
     """``fp8_linear`` of one token ``x: [1, K]`` against block-scaled ``weight`` -> ``[1, N]``."""
     assert weight.block is not None
     n, k = weight.data.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _block_gemv_kernel[(triton.cdiv(n, _GEMV_BLOCK_N),)](
+    _block_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight.data, weight.scale, x if bias is None else bias, y, n, k,
         weight.data.stride(0), weight.scale.stride(0), weight.block[0],
-        HAS_BIAS=bias is not None, BLOCK_N=_GEMV_BLOCK_N, GROUP=weight.block[1],
-        num_warps=4, **pdl_options(x.device),
+        HAS_BIAS=bias is not None, BLOCK_N=tiles.block_n, GROUP=weight.group,
+        GROUPS=groups_a_step(weight.group, k, tiles), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl_options(x.device),
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _channel_gemv_kernel(
+    q_ptr, qs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_w,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = rows < N
+    row_at = rows.to(tl.int64)[:, None] * stride_w
+    step = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + step
+        cols_ok = cols < K
+        xq = tl.load(q_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + row_at + cols[None, :], mask=rows_ok[:, None] & cols_ok[None, :], other=0.0
+        )
+        acc += tl.sum(w.to(tl.float32) * xq[None, :], axis=1)
+    acc *= tl.load(qs_ptr) * tl.load(ws_ptr + rows, mask=rows_ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows_ok)
+
+
+def channel_gemv(
+    x: torch.Tensor,
+    weight: Fp8Weight,
+    bias: torch.Tensor | None,
+    tiles: GemvTiles = CHANNEL_GEMV_TILES,
+) -> torch.Tensor:
+    """``fp8_linear`` of one token ``x: [1, K]`` against per-channel ``weight`` -> ``[1, N]``:
+    the token quantized in one launch, the GEMV (one scale a row) in another."""
+    n, k = weight.data.shape
+    acts = quantize_activations(x, k)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _channel_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
+        acts.data, acts.scale, weight.data, weight.scale, x if bias is None else bias, y, n, k,
+        weight.data.stride(0), HAS_BIAS=bias is not None, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.step(k), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **pdl_options(x.device),
     )  # fmt: skip
     return y
 
@@ -246,6 +323,8 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) ->
     if x.dim() != 2 or x.shape[0] == 0 or x.stride(1) != 1 or weight.data.stride(1) != 1:
         return w8a8_linear(x, weight, bias)
     if weight.block is None:
+        if x.shape[0] == 1:
+            return channel_gemv(x, weight, bias)
         if _scaled_mm_serves(x, weight):
             return channel_scaled_mm(x.contiguous(), weight, bias)
         return w8a8_linear(x, weight, bias)

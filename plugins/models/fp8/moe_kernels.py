@@ -2,8 +2,9 @@
 ``fused_moe_fp8``, ``moe.kernels.fused_moe`` with ``fp8.reference.Fp8ExpertWeights`` and the
 w8a8 arithmetic of ``fp8/reference.py``.
 
-The same two paths as ``moe/kernels.py``, chosen by the same pair count, each GEMM's
-reduction stepping one activation group (``bk`` columns, the block's width) at a time:
+The same two paths as ``moe/kernels.py``, chosen by the same decode path (the shape's, as
+timed for 16-bit experts); the GEMMs' reduction steps one activation group (``bk`` columns,
+the block's width) at a time, the GEMVs' several (``fp8.kernels._group_dot``):
 
 - decode: ``fp8.kernels.quantize_activations`` of x (per token and group), the gate/up GEMV
   (a program per pair and block of intermediate rows, SiLU-and-multiply), the intermediate
@@ -32,19 +33,29 @@ import triton.language as tl
 
 from outrider.plugins.device import in_graph_build
 from outrider.plugins.models.fp8 import kernels as fp8_kernels
+from outrider.plugins.models.fp8.kernels import _group_dot, groups_a_step
 from outrider.plugins.models.fp8.reference import Fp8Activations, Fp8ExpertWeights, w8a8_moe
 from outrider.plugins.models.moe.align import AlignedPairs, align_pairs
 from outrider.plugins.models.moe.kernels import (
     _SUM_BLOCK,
-    DECODE_MAX_PAIRS,
-    DECODE_TILES,
     _sum_slots_kernel,
     _tile,
 )
 from outrider.plugins.models.moe.memory import MAX_CHUNK_PAIRS
-from outrider.plugins.models.moe.tiles import GemvTiles, MoeKernelConfig, MoeShape, config_for
+from outrider.plugins.models.moe.tiles import (
+    GemvTiles,
+    MoeKernelConfig,
+    MoeShape,
+    config_for,
+    decode_for,
+)
 from outrider.plugins.models.triton_kernels import _silu_mul
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
+
+# The GEMVs' tiles (block_k counts e4m3 bytes): the fastest at one token of Qwen3-30B-A3B's
+# shape on an H200 (benchmarks/fp8_gemv.py; 18.3 us a layer against 19.9 at the 16-bit
+# experts' tiles). The batch sizes they serve are the shape's 16-bit decode path's.
+DECODE_TILES = GemvTiles(block_n=8, block_k=2048, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -132,7 +143,8 @@ def _down_kernel(
 def _gate_up_gemv_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, width, hidden, stride_a, stride_as,
     stride_we, stride_wn, stride_wse, stride_wsn, stride_h, BLOCK_ROWS,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(PDL)
     pair = tl.program_id(0)
@@ -142,23 +154,28 @@ def _gate_up_gemv_kernel(
     rows_ok = rows < width
     gate_at = w_ptr + expert * stride_we + rows[:, None] * stride_wn
     up_at = gate_at + width * stride_wn
-    gate_scale_at = ws_ptr + expert * stride_wse + (rows // BLOCK_ROWS) * stride_wsn
-    up_scale_at = ws_ptr + expert * stride_wse + ((rows + width) // BLOCK_ROWS) * stride_wsn
-    step = tl.arange(0, GROUP)
+    scales_at = ws_ptr + expert * stride_wse
+    gate_scale_at = scales_at + (rows // BLOCK_ROWS)[:, None] * stride_wsn
+    up_scale_at = scales_at + ((rows + width) // BLOCK_ROWS)[:, None] * stride_wsn
+    step = tl.arange(0, GROUPS * GROUP)
+    group_step = tl.arange(0, GROUPS)
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for g in range(0, tl.cdiv(hidden, GROUP)):
-        cols = g * GROUP + step
+    for k0 in range(0, hidden, GROUPS * GROUP):
+        cols = k0 + step
         cols_ok = cols < hidden
         w_ok = rows_ok[:, None] & cols_ok[None, :]
+        groups = k0 // GROUP + group_step
+        groups_ok = groups * GROUP < hidden
+        scales_ok = rows_ok[:, None] & groups_ok[None, :]
         a = tl.load(a_ptr + token * stride_a + cols, mask=cols_ok, other=0.0).to(tl.float32)
-        a_scale = tl.load(as_ptr + token * stride_as + g)
-        gate_w = tl.load(gate_at + cols[None, :], mask=w_ok, other=0.0).to(tl.float32)
-        up_w = tl.load(up_at + cols[None, :], mask=w_ok, other=0.0).to(tl.float32)
-        gate_scale = tl.load(gate_scale_at + g, mask=rows_ok, other=0.0)
-        up_scale = tl.load(up_scale_at + g, mask=rows_ok, other=0.0)
-        gate += tl.sum(gate_w * a[None, :], 1) * a_scale * gate_scale
-        up += tl.sum(up_w * a[None, :], 1) * a_scale * up_scale
+        a_scale = tl.load(as_ptr + token * stride_as + groups, mask=groups_ok, other=0.0)
+        gate_w = tl.load(gate_at + cols[None, :], mask=w_ok, other=0.0)
+        up_w = tl.load(up_at + cols[None, :], mask=w_ok, other=0.0)
+        gate_scale = tl.load(gate_scale_at + groups[None, :], mask=scales_ok, other=0.0)
+        up_scale = tl.load(up_scale_at + groups[None, :], mask=scales_ok, other=0.0)
+        gate += _group_dot(gate_w, a, gate_scale, a_scale, BLOCK_N, GROUPS, GROUP)
+        up += _group_dot(up_w, a, up_scale, a_scale, BLOCK_N, GROUPS, GROUP)
     h = _silu_mul(gate, up, h_ptr.dtype.element_ty)
     tl.store(h_ptr + pair * stride_h + rows, h, mask=rows_ok)
 
@@ -167,28 +184,34 @@ def _gate_up_gemv_kernel(
 def _down_gemv_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, ids_ptr, weights_ptr, out_ptr, hidden, width,
     stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out, BLOCK_ROWS,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(PDL)
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < hidden
-    step = tl.arange(0, GROUP)
+    step = tl.arange(0, GROUPS * GROUP)
+    group_step = tl.arange(0, GROUPS)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for slot in tl.static_range(TOPK):
         pair = token * TOPK + slot
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         w_at = w_ptr + expert * stride_we + rows[:, None] * stride_wn
-        scale_at = ws_ptr + expert * stride_wse + (rows // BLOCK_ROWS) * stride_wsn
+        scale_at = ws_ptr + expert * stride_wse + (rows // BLOCK_ROWS)[:, None] * stride_wsn
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for g in range(0, tl.cdiv(width, GROUP)):
-            cols = g * GROUP + step
+        for k0 in range(0, width, GROUPS * GROUP):
+            cols = k0 + step
             cols_ok = cols < width
+            groups = k0 // GROUP + group_step
+            groups_ok = groups * GROUP < width
             a = tl.load(a_ptr + pair * stride_a + cols, mask=cols_ok, other=0.0).to(tl.float32)
+            a_scale = tl.load(as_ptr + pair * stride_as + groups, mask=groups_ok, other=0.0)
             w = tl.load(w_at + cols[None, :], mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
-            w_scale = tl.load(scale_at + g, mask=rows_ok, other=0.0)
-            a_scale = tl.load(as_ptr + pair * stride_as + g)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], 1) * a_scale * w_scale
+            w_scale = tl.load(
+                scale_at + groups[None, :], mask=rows_ok[:, None] & groups_ok[None, :], other=0.0
+            )
+            acc += _group_dot(w, a, w_scale, a_scale, BLOCK_N, GROUPS, GROUP)
         total += tl.load(weights_ptr + pair) * acc
     tl.store(out_ptr + token * stride_out + rows, total.to(out_ptr.dtype.element_ty), mask=rows_ok)
 
@@ -211,10 +234,9 @@ def fused_moe_fp8(
         return w8a8_moe(x, experts, topk_weights, topk_ids, every_expert=in_graph_build())
     tokens, topk = topk_ids.shape
     out = torch.empty_like(x)
-    if tokens * topk <= DECODE_MAX_PAIRS:
+    shape = MoeShape(experts.num_experts, x.shape[1], experts.w13.shape[1] // 2, topk)
+    if tokens <= decode_for(shape, x.device).max_tokens:
         return decode_moe_fp8(x, experts, topk_weights, topk_ids, out)
-    width = experts.w13.shape[1] // 2
-    shape = MoeShape(experts.num_experts, x.shape[1], width, topk)
     chunk = max(1, MAX_CHUNK_PAIRS // topk)
     for start in range(0, tokens, chunk):
         end = min(start + chunk, tokens)
@@ -261,7 +283,8 @@ def gate_up_gemv(
         acts.data, acts.scale, w, ws, topk_ids, h, width, hidden, acts.data.stride(0),
         acts.scale.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), h.stride(0),
         experts.block[0], TOPK=topk, BLOCK_N=tiles.block_n, GROUP=experts.block[1],
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options(h.device),
+        GROUPS=groups_a_step(experts.block[1], hidden, tiles), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl_options(h.device),
     )  # fmt: skip
     return h
 
@@ -283,8 +306,8 @@ def down_gemv(
         h_acts.data, h_acts.scale, w, ws, topk_ids, topk_weights, out, hidden, width,
         h_acts.data.stride(0), h_acts.scale.stride(0), w.stride(0), w.stride(1), ws.stride(0),
         ws.stride(1), out.stride(0), experts.block[0], TOPK=topk, BLOCK_N=tiles.block_n,
-        GROUP=experts.block[1], num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **pdl_options(out.device),
+        GROUP=experts.block[1], GROUPS=groups_a_step(experts.block[1], width, tiles),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options(out.device),
     )  # fmt: skip
     return out
 

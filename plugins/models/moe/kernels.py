@@ -1,7 +1,7 @@
 """The fused mixture-of-experts layer in Triton: ``fused_moe``, every routed (token, slot) pair
 through its expert's SwiGLU MLP, weighted and summed per token.
 
-Two paths, chosen by the number of pairs ``T * k`` (``DECODE_MAX_PAIRS``):
+Two paths, chosen by the batch's tokens against the shape's decode path (``tiles.DecodePath``):
 
 - decode (few pairs): GEMVs that read only the chosen experts' rows, as ``triton_kernels.gemv``
   does for dense projections. ``_gate_up_gemv_kernel``: a program per (pair, block of
@@ -35,16 +35,17 @@ import triton.language as tl
 
 from outrider.plugins.models.moe.align import AlignedPairs, align_pairs
 from outrider.plugins.models.moe.memory import MAX_CHUNK_PAIRS
-from outrider.plugins.models.moe.tiles import GemvTiles, MoeKernelConfig, MoeShape, config_for
+from outrider.plugins.models.moe.tiles import (
+    DEFAULT_DECODE_TILES,
+    GemvTiles,
+    MoeKernelConfig,
+    MoeShape,
+    config_for,
+    decode_for,
+)
 from outrider.plugins.models.triton_kernels import _silu_mul
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 
-# Up to this many (token, slot) pairs the GEMVs serve (decode batches: 8 tokens at k = 8);
-# above, the grouped GEMMs. Untuned: the GPU session measures the crossover.
-DECODE_MAX_PAIRS = 64
-
-# The dense GEMV's measured best (triton_kernels.py), untuned for experts.
-DECODE_TILES = GemvTiles(block_n=8, block_k=1024, num_warps=8, num_stages=3)
 _SUM_BLOCK = 1024
 
 
@@ -243,8 +244,9 @@ def fused_moe(
     shape = moe_shape(x, w13, w2, topk_weights, topk_ids)
     out = torch.empty_like(x)
     tokens = x.shape[0]
-    if tokens * shape.topk <= DECODE_MAX_PAIRS:
-        return decode_moe(x, w13, w2, topk_weights, topk_ids, out)
+    decode = decode_for(shape, x.device)
+    if tokens <= decode.max_tokens:
+        return decode_moe(x, w13, w2, topk_weights, topk_ids, out, decode.tiles)
     chunk = max(1, MAX_CHUNK_PAIRS // shape.topk)
     for start in range(0, tokens, chunk):
         end = min(start + chunk, tokens)
@@ -263,7 +265,7 @@ def decode_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     out: torch.Tensor,
-    tiles: GemvTiles = DECODE_TILES,
+    tiles: GemvTiles = DEFAULT_DECODE_TILES,
 ) -> torch.Tensor:
     """``fused_moe`` by the GEMV path with ``tiles``, into ``out: [T, H]``."""
     tokens, hidden = x.shape

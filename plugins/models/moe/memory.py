@@ -6,7 +6,8 @@ The grouped path (``kernels.py``, ``fp8/moe_kernels.py``) runs at most ``MAX_CHU
 routed (token, slot) pairs at a time. Each pair holds its intermediate row ``[I]`` in the
 model dtype (with FP8 experts also its e4m3 copy), its down product ``[H]`` in float32 until
 the slots are summed, and its place in the expert-sorted order. The decode path's buffers
-(``DECODE_MAX_PAIRS`` pairs) are small and run inside the CUDA graphs' estimate.
+(an intermediate row a pair, a few batches' worth) are small and run inside the CUDA
+graphs' estimate.
 """
 
 from __future__ import annotations

@@ -11,6 +11,13 @@ maps an MoE shape (``MoeShape.key``) or ``"default"`` to token buckets, each to 
 
 A batch of T tokens takes the smallest bucket >= T, else the largest. Where no file or no
 entry serves a shape, ``heuristic_config`` does, from the average rows an expert receives.
+
+A file's ``"decode"`` maps a shape to its decode path (``DecodePath``): the largest batch the
+GEMVs serve faster than the grouped GEMMs, and their tiles. The crossover is a property of
+the shape: the GEMVs read each pair's expert once, so they win while a batch's pairs land
+on distinct experts (measured on an H200: through 16 tokens of Qwen3-30B-A3B's 128 experts,
+8 a token; 1 token of Mixtral's 8 experts, 2 a token). Where no file names a shape,
+``DecodePath.default``.
 """
 
 from __future__ import annotations
@@ -73,6 +80,32 @@ class GemvTiles:
         return min(self.block_k, triton.next_power_of_2(k))
 
 
+# Where no table names a shape: the decode path up to this many (token, slot) pairs, with
+# the tiles that were fastest at one token for both shapes timed (Qwen3-30B-A3B, Mixtral).
+DEFAULT_DECODE_PAIRS = 64
+DEFAULT_DECODE_TILES = GemvTiles(block_n=4, block_k=1024, num_warps=4, num_stages=3)
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    """One shape's decode path: batches of up to ``max_tokens`` tokens take the GEMVs with
+    ``tiles`` (0: none does), larger ones the grouped GEMMs."""
+
+    max_tokens: int
+    tiles: GemvTiles
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_tokens": self.max_tokens, "tiles": asdict(self.tiles)}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> DecodePath:
+        return cls(raw["max_tokens"], GemvTiles(**raw["tiles"]))
+
+    @classmethod
+    def default(cls, shape: MoeShape) -> DecodePath:
+        return cls(max(1, DEFAULT_DECODE_PAIRS // shape.topk), DEFAULT_DECODE_TILES)
+
+
 @dataclass(frozen=True)
 class MoeKernelConfig:
     """Both GEMMs of one MoE layer. They share ``block_m``: the rows are aligned to it once."""
@@ -90,6 +123,7 @@ class MoeKernelConfig:
 
 
 Table = dict[str, dict[int, MoeKernelConfig]]  # shape key -> token bucket -> config
+DecodeTable = dict[str, DecodePath]  # shape key -> its decode path
 
 
 def load_table(path: Path) -> Table:
@@ -99,6 +133,12 @@ def load_table(path: Path) -> Table:
         shape: {int(bucket): MoeKernelConfig.from_json(cfg) for bucket, cfg in buckets.items()}
         for shape, buckets in raw["shapes"].items()
     }
+
+
+def load_decode(path: Path) -> DecodeTable:
+    """A table file's decode paths (none in a file that names none)."""
+    raw = json.loads(path.read_text()).get("decode", {})
+    return {shape: DecodePath.from_json(entry) for shape, entry in raw.items()}
 
 
 def pick_bucket(buckets: dict[int, MoeKernelConfig], tokens: int) -> MoeKernelConfig:
@@ -138,19 +178,40 @@ def device_file_stem(device_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", device_name).strip("_")
 
 
+def table_file_for_gpu(
+    device_name: str, capability: tuple[int, int], directory: Path
+) -> Path | None:
+    """The first file of ``table_file_names`` in ``directory``; None if none is there."""
+    paths = [directory / name for name in table_file_names(device_name, capability)]
+    return next((path for path in paths if path.exists()), None)
+
+
 def table_for_gpu(device_name: str, capability: tuple[int, int], directory: Path) -> Table:
-    """The table of the first file of ``table_file_names`` in ``directory``; empty if none."""
-    for name in table_file_names(device_name, capability):
-        path = directory / name
-        if path.exists():
-            return load_table(path)
-    return {}
+    """The table of ``table_file_for_gpu``; empty if none."""
+    path = table_file_for_gpu(device_name, capability, directory)
+    return load_table(path) if path else {}
+
+
+@cache
+def _device_file(index: int) -> Path | None:
+    name = torch.cuda.get_device_name(index)
+    return table_file_for_gpu(name, torch.cuda.get_device_capability(index), CONFIG_DIR)
 
 
 @cache
 def _device_table(index: int) -> Table:
-    name = torch.cuda.get_device_name(index)
-    return table_for_gpu(name, torch.cuda.get_device_capability(index), CONFIG_DIR)
+    path = _device_file(index)
+    return load_table(path) if path else {}
+
+
+@cache
+def _device_decode(index: int) -> DecodeTable:
+    path = _device_file(index)
+    return load_decode(path) if path else {}
+
+
+def _cuda_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def config_from_table(table: Table, shape: MoeShape, tokens: int) -> MoeKernelConfig:
@@ -165,5 +226,12 @@ def config_for(shape: MoeShape, tokens: int, device: torch.device) -> MoeKernelC
     heuristic elsewhere: the CPU interpreter)."""
     if device.type != "cuda":
         return heuristic_config(shape, tokens)
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return config_from_table(_device_table(index), shape, tokens)
+    return config_from_table(_device_table(_cuda_index(device)), shape, tokens)
+
+
+def decode_for(shape: MoeShape, device: torch.device) -> DecodePath:
+    """``shape``'s decode path on ``device`` (its GPU's table, else the default; the default
+    elsewhere: the CPU interpreter)."""
+    if device.type != "cuda":
+        return DecodePath.default(shape)
+    return _device_decode(_cuda_index(device)).get(shape.key) or DecodePath.default(shape)

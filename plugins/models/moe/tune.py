@@ -6,10 +6,11 @@ For each batch size and each row block ``block_m`` the two GEMMs are timed apart
 random routing (their tiles are independent once the rows are aligned): a config is the
 ``block_m`` whose alignment plus best gate/up plus best down is the least, with those tiles.
 A candidate's compiled kernel serves every batch size (up to Triton's specialisation of
-integer arguments divisible by 16): the grid is what a batch size changes. The decode
-path's time (at ``DECODE_TILES`` and at its fastest tiles) is printed beside the grouped
-path's up to ``4 * DECODE_MAX_PAIRS`` pairs, to place that crossover and tune those tiles
-(constants in ``moe/kernels.py``: the table holds the GEMMs' configs only).
+integer arguments divisible by 16): the grid is what a batch size changes. The decode path
+(the GEMVs) is timed at its candidate tiles beside the grouped path's, up to
+``4 * DEFAULT_DECODE_PAIRS`` pairs: the table's ``DecodePath`` for the shape serves the
+batch sizes, from the smallest timed, where the GEMVs were faster, with the tiles fastest
+at the smallest.
 
     python -m outrider.plugins.models.moe.tune --experts 128 --hidden 2048 \\
         --intermediate 768 --topk 8
@@ -35,6 +36,8 @@ from outrider.plugins.models.moe import kernels as mk
 from outrider.plugins.models.moe.memory import MAX_CHUNK_PAIRS
 from outrider.plugins.models.moe.tiles import (
     CONFIG_DIR,
+    DEFAULT_DECODE_PAIRS,
+    DecodePath,
     GemmTiles,
     GemvTiles,
     MoeKernelConfig,
@@ -97,12 +100,16 @@ def table_document(
     shape: MoeShape,
     configs: dict[int, MoeKernelConfig],
     source: str,
+    decode: DecodePath | None = None,
 ) -> dict[str, Any]:
     """``existing`` (a table file's JSON, or None) with ``shape``'s buckets replaced by
-    ``configs``; other shapes kept. A file stays untuned if it was."""
+    ``configs`` and its decode path by ``decode`` (where given); other shapes kept. A file
+    stays untuned if it was."""
     doc = existing or {"tuned": True, "note": "timed by moe.tune", "shapes": {}, "sources": {}}
     doc.setdefault("sources", {})[shape.key] = source
     doc["shapes"][shape.key] = {str(t): configs[t].to_json() for t in sorted(configs)}
+    if decode is not None:
+        doc.setdefault("decode", {})[shape.key] = decode.to_json()
     return doc
 
 
@@ -110,7 +117,7 @@ def format_table(doc: dict[str, Any]) -> str:
     """JSON with one line a config."""
     lines = ["{"]
     for key, value in doc.items():
-        if key != "shapes":
+        if key not in ("shapes", "decode"):
             lines.append(f"  {json.dumps(key)}: {json.dumps(value)},")
     lines.append('  "shapes": {')
     shapes = list(doc["shapes"].items())
@@ -119,17 +126,27 @@ def format_table(doc: dict[str, Any]) -> str:
         rows = [f"      {json.dumps(b)}: {json.dumps(cfg)}" for b, cfg in buckets.items()]
         lines.append(",\n".join(rows))
         lines.append("    }" + ("," if i + 1 < len(shapes) else ""))
-    lines.extend(["  }", "}"])
+    lines.append("  }")
+    if "decode" in doc:
+        lines[-1] += ","
+        paths = [f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in doc["decode"].items()]
+        lines.extend(['  "decode": {', ",\n".join(paths), "  }"])
+    lines.append("}")
     return "\n".join(lines) + "\n"
 
 
 def write_table(
-    path: Path, shape: MoeShape, configs: dict[int, MoeKernelConfig], source: str
+    path: Path,
+    shape: MoeShape,
+    configs: dict[int, MoeKernelConfig],
+    source: str,
+    decode: DecodePath | None = None,
 ) -> None:
-    """Write ``configs`` for ``shape`` into the table file at ``path`` (merged)."""
+    """Write ``configs`` (and ``decode``) for ``shape`` into the table file at ``path``
+    (merged)."""
     existing = json.loads(path.read_text()) if path.exists() else None
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(format_table(table_document(existing, shape, configs, source)))
+    path.write_text(format_table(table_document(existing, shape, configs, source, decode)))
 
 
 def _time_ms(fn: Callable[[], object]) -> float:
@@ -195,17 +212,25 @@ def tune_block_m(
     return align_ms + gate_up_ms + down_ms, MoeKernelConfig(block_m, gate_up_tiles, down_tiles)
 
 
-def tune_tokens(
-    shape: MoeShape, tokens: int, dtype: torch.dtype, gen: torch.Generator
-) -> MoeKernelConfig:
-    """The fastest config at ``tokens`` (random inputs and routing, on the current GPU)."""
+@dataclass(frozen=True)
+class Timed:
+    """One batch size's fastest grouped config and, where timed, decode tiles."""
+
+    config: MoeKernelConfig
+    grouped_ms: float
+    decode: tuple[float, GemvTiles] | None
+
+
+def tune_tokens(shape: MoeShape, tokens: int, dtype: torch.dtype, gen: torch.Generator) -> Timed:
+    """The fastest configs at ``tokens`` (random inputs and routing, on the current GPU)."""
     inputs = TuneInputs.random(shape, tokens, dtype, gen)
     ms, config = min(
         (tune_block_m(shape, inputs, block_m) for block_m in block_m_candidates(shape, tokens)),
         key=lambda pair: pair[0],
     )
     line = f"tokens {tokens}: grouped {ms * 1e3:.1f} us {config}"
-    if tokens * shape.topk <= 4 * mk.DECODE_MAX_PAIRS:
+    decode = None
+    if tokens * shape.topk <= 4 * DEFAULT_DECODE_PAIRS:
         out = torch.empty_like(inputs.x)
 
         def run_decode(tiles: GemvTiles) -> torch.Tensor:
@@ -213,14 +238,27 @@ def tune_tokens(
                 inputs.x, inputs.w13, inputs.w2, inputs.topk_weights, inputs.topk_ids, out, tiles
             )
 
-        default_ms = _time_ms(partial(run_decode, mk.DECODE_TILES))
-        decode_ms, decode_tiles = fastest_tiles(gemv_candidates(), run_decode)
-        line += (
-            f"; decode {default_ms * 1e3:.1f} us at DECODE_TILES, "
-            f"{decode_ms * 1e3:.1f} us at {decode_tiles}"
-        )
+        decode = fastest_tiles(gemv_candidates(), run_decode)
+        line += f"; decode {decode[0] * 1e3:.1f} us at {decode[1]}"
     print(line, flush=True)
-    return config
+    return Timed(config, ms, decode)
+
+
+def decode_path(timed: dict[int, Timed]) -> DecodePath | None:
+    """The batch sizes, from the smallest timed on, whose decode path beat the grouped one,
+    with the decode tiles fastest at the smallest; None where the smallest was not timed
+    for the decode path."""
+    sizes = sorted(timed)
+    first = timed[sizes[0]].decode
+    if first is None:
+        return None
+    reach = 0
+    for tokens in sizes:
+        decode = timed[tokens].decode
+        if decode is None or decode[0] >= timed[tokens].grouped_ms:
+            break
+        reach = tokens
+    return DecodePath(reach, first[1])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -251,12 +289,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     largest = MAX_CHUNK_PAIRS // shape.topk
     tokens = sorted({min(int(t), largest) for t in args.tokens.split(",")})
     print(f"moe.tune {shape.key} {args.dtype} on {device_name}: {' '.join(sys.argv)}")
-    configs = {t: tune_tokens(shape, t, dtype, gen) for t in tokens}
     source = (
         f"moe.tune on {device_name}, {args.dtype}, seed {args.seed}, "
         f"torch {torch.__version__}, triton {triton.__version__}"
     )
-    write_table(out, shape, configs, source)
+    timed: dict[int, Timed] = {}
+    for t in tokens:
+        timed[t] = tune_tokens(shape, t, dtype, gen)
+        # Written after every batch size: a run stopped part-way keeps what it timed.
+        configs = {size: entry.config for size, entry in timed.items()}
+        write_table(out, shape, configs, source, decode_path(timed))
     print(f"wrote {out}")
 
 
