@@ -3,13 +3,16 @@ arithmetic of ``fp8/reference.py`` (activation quantization bit for bit, sums in
 
 - ``quantize_activations``: each token's groups of columns to e4m3 with their float32 scales
   (grid: tokens x groups; a group as wide as the row, per channel, is read twice in chunks);
-- per-channel weights: ``torch._scaled_mm`` with row-wise scales (one per token, one per
-  output row; compute capability 8.9 or later), bfloat16 out;
+- per-channel weights, several tokens: ``torch._scaled_mm`` with row-wise scales (one per
+  token, one per output row; compute capability 8.9 or later), bfloat16 out;
+- per-channel weights, one token: the token quantized, then ``_channel_gemv_kernel`` (whole
+  output rows a program, one scale each);
 - block-scaled weights, several tokens: ``_block_gemm_kernel``, a tiled w8a8 GEMM whose K
   step is one scale group, each partial product scaled by its token's and its block's scale;
 - block-scaled weights, one token: ``_block_gemv_kernel``, which quantizes the token's
-  groups itself as it reads them and gives each program whole output rows, so each FP8
-  weight byte is read once (the decode step's case, bandwidth-bound).
+  groups itself as it reads them, several groups a step (``_group_dot``), and gives each
+  program whole output rows, so each FP8 weight byte is read once (the decode step's case,
+  bandwidth-bound).
 
 NOTE: Triton's interpreter (3.x) rounds a float32 that rounds up into the next binade to the
 wrong e4m3 value (126.8 to 64, not 128): on CPU the kernels that quantize are checked on
@@ -17,8 +20,8 @@ activations that need no rounding, the GEMM also from the reference's quantized 
 their rounding is checked on a GPU.
 
 What these kernels cannot serve (fp16 with per-channel weights, a group that is not a power
-of two of at least 32, non-contiguous rows) runs the reference on the GPU. Tile sizes are
-first guesses, to be measured on an H100.
+of two of at least 32, non-contiguous rows) runs the reference on the GPU. The GEMVs' tiles
+were timed on an H200; the GEMM's are first guesses.
 """
 
 from __future__ import annotations
