@@ -17,7 +17,7 @@ from msgspec import Struct
 
 from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.protocol.frames import FrameCodec
-from outrider.protocol.messages import ErrorCode, FinishReason, TokenLogprob, Usage
+from outrider.protocol.messages import ErrorCode, FinishReason, Grammar, TokenLogprob, Usage
 
 FAMILY_TO_DAEMON = 3
 FAMILY_OUTPUTS = 4
@@ -36,6 +36,7 @@ class TokenizedRequest(Struct, array_like=True, tag=1, frozen=True):
     stream: bool
     want_logprobs: bool
     arrival: float  # time.time() at the front door
+    grammar: Grammar | None = None  # compiled by the daemon (daemon/grammar/)
 
 
 GREEDY = SamplingSpec()

@@ -75,6 +75,11 @@ class Tokenizer:
         return self._hf.backend_tokenizer
 
     @property
+    def hf(self) -> PreTrainedTokenizerFast:
+        """transformers' tokenizer itself (the grammar engine reads its vocabulary)."""
+        return self._hf
+
+    @property
     def longest_token_chars(self) -> int:
         """Characters of the longest token text in the vocabulary, added tokens included."""
         return max(len(text) for text in self._hf.get_vocab())

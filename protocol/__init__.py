@@ -12,6 +12,7 @@ from outrider.protocol.errors import NotListening, RequestError, Timeout
 from outrider.protocol.messages import (
     PROTOCOL_VERSION,
     ChatMessage,
+    Grammar,
     Health,
     ServerInfo,
     TokenLogprob,
@@ -28,6 +29,7 @@ __all__ = [
     "ChatMessage",
     "Client",
     "GenerateResult",
+    "Grammar",
     "Health",
     "NotListening",
     "RequestError",

@@ -26,6 +26,7 @@ from outrider.protocol.messages import (
     Finished,
     FinishReason,
     Generate,
+    Grammar,
     HealthQuery,
     ServerInfoQuery,
     TokenLogprob,
@@ -100,6 +101,7 @@ class GenerateCall:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | None = None
+    grammar: Grammar | None = None
     request_id: str | None = None
     timeout: float | None = None
 
@@ -140,6 +142,7 @@ class GenerateCall:
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=dict(self.logit_bias or {}),
+            grammar=self.grammar,
         )
 
 

@@ -13,11 +13,11 @@ from msgspec import Meta, Struct
 
 PROTOCOL_VERSION = 1
 # The version nibbles of request frames: 1 is protocol 1.0; 2 is protocol 1.1, which adds
-# Generate's min_p, penalties and logit_bias. A client sends the oldest revision that carries
-# its request (``request_revision``): a daemon of 1.0 serves every request it can honour and
-# refuses the rest (unsupported_version) instead of ignoring fields it does not know. Replies
-# are unchanged (revision 1).
-REQUEST_REVISIONS = (1, 2)
+# Generate's min_p, penalties and logit_bias; 3 is protocol 1.2, which adds its grammar. A
+# client sends the oldest revision that carries its request (``request_revision``): an older
+# daemon serves every request it can honour and refuses the rest (unsupported_version)
+# instead of ignoring fields it does not know. Replies are unchanged (revision 1).
+REQUEST_REVISIONS = (1, 2, 3)
 PROTOCOL_MINOR = len(REQUEST_REVISIONS) - 1
 
 MAX_STOP_STRINGS = 16
@@ -84,6 +84,33 @@ class ChatMessage(Struct, frozen=True, gc=False):
     content: str
 
 
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf"]
+MAX_GRAMMAR_CHARS = 65536
+MAX_CHOICES = 1024
+
+
+class Grammar(Struct, frozen=True, gc=False):
+    """What a constrained output must match (protocol 1.2), by ``kind``:
+
+    - ``json_schema``: a JSON document valid under the JSON Schema ``text``;
+    - ``json_object``: any JSON object (``text`` empty);
+    - ``regex``: a whole match of the regular expression ``text``;
+    - ``choice``: exactly one of ``choices``;
+    - ``ebnf``: a sentence of the grammar ``text`` (GBNF: rules ``name ::= ...``, from
+      ``root``).
+
+    The output ends where the grammar lets it end and the model chooses its end of sequence;
+    a request cut short by ``max_new_tokens`` ends ``length`` with the partial output.
+    """
+
+    kind: GrammarKind
+    text: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
+    choices: Annotated[
+        list[Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)]],
+        Meta(max_length=MAX_CHOICES),
+    ] = []
+
+
 class Generate(Struct, tag="generate", frozen=True):
     """One generation request. Exactly one of ``prompt``, ``input_ids``, ``messages``.
 
@@ -98,6 +125,9 @@ class Generate(Struct, tag="generate", frozen=True):
     token of the prompt or the output, ``frequency_penalty`` and ``presence_penalty`` subtract
     from a token of the output its count and its presence; ``min_p`` drops tokens less likely
     than ``min_p`` times the most likely one.
+
+    ``grammar`` (protocol 1.2) constrains the output: at each position only tokens that keep
+    it a prefix of a match are drawn (``Grammar``).
     """
 
     request_id: RequestId
@@ -119,6 +149,7 @@ class Generate(Struct, tag="generate", frozen=True):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     logit_bias: LogitBias = {}
+    grammar: Grammar | None = None
 
 
 class Abort(Struct, tag="abort", frozen=True):
@@ -252,6 +283,8 @@ ClientReply = Chunk | Finished | Error | Ack | Health | ServerInfo
 
 def request_revision(msg: ClientRequest) -> int:
     """The oldest request revision (``REQUEST_REVISIONS``) whose fields carry ``msg``."""
+    if isinstance(msg, Generate) and msg.grammar is not None:
+        return 3
     if isinstance(msg, Generate) and (
         msg.min_p
         or msg.presence_penalty

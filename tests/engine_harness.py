@@ -10,8 +10,10 @@ import pytest
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
+from outrider.daemon.grammar.compiler import Grammars
 from outrider.daemon.internal import Counters, FinishInfo, RequestUpdate, TokenizedRequest
 from outrider.plugins.sampling_spec import SamplingSpec
+from outrider.protocol.messages import Grammar
 
 
 @dataclass
@@ -87,6 +89,7 @@ def request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     stream: bool = False,
+    grammar: Grammar | None = None,
 ) -> TokenizedRequest:
     return TokenizedRequest(
         rid=rid,
@@ -100,6 +103,7 @@ def request(
         stream=stream,
         want_logprobs=logprobs > 0,
         arrival=time.time(),
+        grammar=grammar,
     )
 
 
@@ -143,10 +147,15 @@ def debug_checks_fixture(*, relay_check: bool = True) -> Callable[..., object]:
 
 
 def run(
-    engine: Engine, requests: Sequence[TokenizedRequest], *, stagger: int = 0
+    engine: Engine,
+    requests: Sequence[TokenizedRequest],
+    *,
+    stagger: int = 0,
+    grammars: Grammars | None = None,
 ) -> dict[int, Outcome]:
     """Serve ``requests`` to completion; with ``stagger`` > 0, add one request every
-    ``stagger`` loop turns instead of all at once. Asserts exactly one final per request."""
+    ``stagger`` loop turns instead of all at once; ``grammars`` starts the grammar of each
+    request that has one, as the daemon does. Asserts exactly one final per request."""
     outcomes = {r.rid: Outcome() for r in requests}
     pending = list(requests)
     loop = engine.loop
@@ -155,7 +164,11 @@ def run(
         if pending and (stagger == 0 or turn % stagger == 0):
             batch = pending if stagger == 0 else pending[:1]
             for r in batch:
-                loop.scheduler.add(r)
+                start = None
+                if r.grammar is not None:
+                    assert grammars is not None, "a request with a grammar needs grammars"
+                    start = grammars.start(r.grammar, r.stop_token_ids)
+                loop.scheduler.add(r, start)
             pending = pending[len(batch) :]
         for update in loop.iterate():
             outcome = outcomes[update.rid]

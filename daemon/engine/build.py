@@ -256,6 +256,7 @@ def _build_runner(
         max_pages=plan.max_pages,
         max_tokens=plan.max_step_tokens,
         vocab_limit=vocab_limit,
+        vocab_size=model_config.vocab_size,
     )
     slots = SlotState(config.max_running, plan.max_pages, device)
     # NOTE: a draft model is sharded as the target is (its worker gets the rank's tp); it

@@ -47,8 +47,14 @@ class StepPlan(Struct, array_like=True, frozen=True):
     # Slots of rows whose requests do not feed the draft (scheduler/drafting.py): their
     # draft's state is never caught up.
     unfed: list[int] = []
-    # A sampled row adjusts its logits or cuts by min_p (penalties.py): the step runs eagerly.
+    # A sampled row adjusts its logits or cuts by min_p (penalties.py), or draws under a
+    # grammar: the step runs eagerly.
     adjusts: bool = False
+    # Sampled rows (indices into sample_rows) that draw under a grammar, and their masks:
+    # int32 [len(masked_rows), ceil(vocab / 32)], row after row, bit t set where token t may
+    # come (daemon/grammar/). Only plain steps carry them: a batch holding one never drafts.
+    masked_rows: list[int] = []
+    masks: bytes = b""
 
     @property
     def bs(self) -> int:

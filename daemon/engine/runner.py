@@ -59,6 +59,7 @@ from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
 from outrider.daemon.engine.slots import HostStarts, KnownStarts, SlotState
 from outrider.daemon.engine.timing import PhaseTimer
+from outrider.daemon.engine.token_masks import TokenMasks
 from outrider.daemon.engine.verify import Verifier
 from outrider.plugins.api import Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend
@@ -92,6 +93,7 @@ class RunnerLimits:
     max_pages: int  # per request: ceil((context_length + reservation) / page_size)
     max_tokens: int  # per step
     vocab_limit: int  # sampled ids stay below this (the tokenizer's length)
+    vocab_size: int  # the model's: the width of a grammar mask (token_masks.py)
 
 
 class ModelRunner:
@@ -134,6 +136,7 @@ class ModelRunner:
         self.results = ResultCopies(rows, shape.max_commit, device)
         self.verifier = verifier
         self.adjuster = Adjuster(kv, slots, device)
+        self.token_masks = TokenMasks(rows, limits.vocab_size, device)
         self.offsets = torch.arange(shape.width, device=device)  # [W]
         # A chain's node j sees the nodes 0 .. j (the tree's ``visible``).
         self.chain_visible = torch.ones(
@@ -254,6 +257,7 @@ class ModelRunner:
             choose = self.adjuster.extend_logits(
                 logits, inputs.sample_slots, last_positions + 1, max_kv
             )
+            self.token_masks.apply(choose, plan)
         out = sample(
             logits, batch, inputs.sample_positions, vocab_limit=self.limits.vocab_limit,
             choose_from=choose,
@@ -275,6 +279,7 @@ class ModelRunner:
         every layout of the step."""
         if not plan.drafting:
             return self._plain(plan, inputs, max_kv)
+        assert not plan.masked_rows, "a batch holding a grammar never drafts (daemon/grammar/)"
         bs, width, max_commit = plan.bs, self.shape.width, self.shape.max_commit
         relay = self.slots.read(inputs.slots)
         tokens = inputs.input_ids.view(bs, width)
@@ -343,6 +348,7 @@ class ModelRunner:
         choose = None
         if plan.adjusts:
             choose = self.adjuster.decode_logits(logits, inputs.slots, relay, max_kv)
+            self.token_masks.apply(choose, plan)
         out = sample(
             logits, sampling, relay.out_lens, vocab_limit=self.limits.vocab_limit,
             choose_from=choose,

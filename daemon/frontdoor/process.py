@@ -327,6 +327,7 @@ class FrontDoor:
                 stream=msg.stream,
                 want_logprobs=req.want_logprobs,
                 arrival=time.time(),
+                grammar=msg.grammar,
             )
         )
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -205,6 +206,7 @@ class Validator:
         """What can be decided before tokenizing; raises ``Rejected``."""
         sampling = self._sampling(msg)
         self._check_stops(msg)
+        self._check_grammar(msg)
         prompt = self._prompt(msg)
         if prompt.chars > self.max_prompt_chars:
             raise Rejected(
@@ -293,6 +295,40 @@ class Validator:
                 "unsupported",
                 "stop strings need a tokenizer and this model has none; use stop_token_ids",
             )
+
+    def _check_grammar(self, msg: Generate) -> None:
+        """What a grammar needs beyond its fields' bounds; the daemon compiles it (and
+        refuses a schema, pattern or grammar it cannot)."""
+        grammar = msg.grammar
+        if grammar is None:
+            return
+        if not self.has_tokenizer:
+            raise Rejected(
+                "unsupported", "a grammar needs the model's tokenizer and this model has none"
+            )
+        if msg.ignore_eos:
+            raise Rejected(
+                "invalid_request",
+                "ignore_eos cannot be combined with a grammar: a constrained output ends where "
+                "its grammar lets it",
+            )
+        if (grammar.kind == "choice") != bool(grammar.choices):
+            raise Rejected(
+                "invalid_request",
+                "grammar.choices: a choice grammar lists its choices, and only a choice grammar",
+            )
+        if (grammar.kind in ("json_object", "choice")) == bool(grammar.text):
+            needs = "takes no" if grammar.text else "needs its"
+            raise Rejected(
+                "invalid_request", f"grammar.text: a {grammar.kind} grammar {needs} text"
+            )
+        if grammar.kind == "json_schema":
+            try:
+                schema = json.loads(grammar.text)
+            except ValueError as exc:
+                raise Rejected("invalid_request", f"grammar.text: not JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise Rejected("invalid_request", "grammar.text: a JSON schema is an object")
 
     def _prompt(self, msg: Generate) -> Prompt:
         fields: tuple[tuple[PromptSource, object], ...] = (

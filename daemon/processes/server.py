@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine
+from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.internal import (
     AbortRid,
     Control,
@@ -75,6 +76,12 @@ class Daemon:
         self._last_watchdog = 0.0
         self._watchdog_interval = notifier.watchdog_interval()
         self._unhealthy = ""
+        facts = engine.facts
+        self.grammars = (
+            Grammars(facts.tokenizer_dir, facts.vocab_size, facts.eos_token_ids)
+            if facts.tokenizer_dir is not None
+            else None
+        )
 
     async def run(self) -> int:
         """Serve until drained; the exit status (``EXIT_INTERRUPTED`` after a forced stop)."""
@@ -158,12 +165,29 @@ class Daemon:
                     error = ErrorInfo("shutting_down", "the daemon is shutting down")
                     self._send_updates([RequestUpdate(msg.rid, [], error=error)])
                 else:
-                    scheduler.add(msg)
+                    self._add(msg)
             elif isinstance(msg, AbortRid):
                 scheduler.abort(msg.rid, msg.reason)
                 self._send_updates(scheduler.take_updates())
             elif isinstance(msg, InfoQuery):
                 self.sockets.send_control(InfoReply(msg.query_id, scheduler.counters()))
+
+    def _add(self, msg: TokenizedRequest) -> None:
+        """Queue ``msg``, its grammar compiled first (here, on the loop: xgrammar caches
+        by content, a JSON schema takes milliseconds); a grammar that cannot compile
+        answers ``invalid_request``."""
+        grammar = None
+        if msg.grammar is not None:
+            try:
+                if self.grammars is None:
+                    raise GrammarRefused("a grammar needs the model's tokenizer")
+                grammar = self.grammars.start(msg.grammar, msg.stop_token_ids)
+            except GrammarRefused as exc:
+                self._send_updates(
+                    [RequestUpdate(msg.rid, [], error=ErrorInfo("invalid_request", str(exc)))]
+                )
+                return
+        self.engine.scheduler.add(msg, grammar)
 
     def _recheck(self, msg: TokenizedRequest) -> ErrorInfo | None:
         """The front door validated ``msg``; check again what device work relies on."""

@@ -74,6 +74,9 @@ class OutputProcessor:
         if not req.output_ids:
             req.first_token_time = time.time()
         kept, finish = self.finish.append(req, tokens)
+        if req.grammar is not None and not req.grammar.advance(tokens[:kept]):
+            self.fail(req, f"the grammar refused a committed token of {tokens[:kept]}")
+            return
         if req.want_logprobs:
             # NOTE: the batch computes the largest top-n any row asked for; trim to ours. No
             # row asked for any: the step output has no top entries at all.

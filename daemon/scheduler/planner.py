@@ -10,6 +10,10 @@ processing it takes back what was not committed (outputs.py). Pages cover the bo
 step's ``kv_span``; the device reads the exact lengths from its relay. A plain step (the
 drafting policy's choice on a speculative engine, drafting.py; every step without
 speculation) has width 1 and commits exactly one token a row: it adds 1 and pages cover 1.
+
+A row that draws under a grammar (daemon/grammar/) carries its mask in the plan, computed
+from every token its request committed: it waits while a step of its request is in flight
+(the other rows go on overlapping), and a decode batch holding one does not draft.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from outrider.daemon.engine.plan import SlotParams, StepPlan
+from outrider.daemon.grammar.state import pack_masks
 from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.drafting import DraftPolicy
 from outrider.daemon.scheduler.drill import RetractDrill
@@ -113,6 +118,7 @@ class Planner:
                 next_ids.append(known[req.scheduled_len])
         requests = [row.req for row in rows]
         sampled = [requests[i] for i in sample_rows]
+        masked_rows, masks = _masks(sampled)
         # NOTE: after this plan's admissions, which must not read pages this plan writes. A
         # draft that keeps KV may write the prompt's later (a deferred catch-up): the pages
         # are then published as holding the target's KV alone.
@@ -134,7 +140,9 @@ class Planner:
             released_slots=self.slots.take_released(),
             next_ids=next_ids,
             unfed=_unfed(requests),
-            adjusts=_adjusts(sampled),
+            adjusts=_adjusts(sampled) or bool(masked_rows),
+            masked_rows=masked_rows,
+            masks=masks,
         )
         return Planned(plan, requests)
 
@@ -149,12 +157,15 @@ class Planner:
         """Every decoding request not yet scheduled to its end, with pages for one more step."""
         delta = PageDelta()
         candidates = [
-            r for r in self.admission.running if r.decoding and not self._scheduled_to_end(r)
+            r
+            for r in self.admission.running
+            if r.decoding and not self._scheduled_to_end(r) and not _mask_pending(r)
         ]
         if not candidates:
             return None
         shape = self.shape
-        drafting = shape.speculative and self.policy.drafting(candidates)
+        constrained = any(r.grammar is not None for r in candidates)
+        drafting = shape.speculative and not constrained and self.policy.drafting(candidates)
         width, span, max_commit = (
             (shape.width, shape.kv_span, shape.max_commit) if drafting else (1, 1, 1)
         )
@@ -170,6 +181,7 @@ class Planner:
         for req in rows:
             req.scheduled_len += max_commit
             req.scheduled_outputs += max_commit
+        masked_rows, masks = _masks(rows)
         plan = StepPlan(
             kind="decode",
             slots=[r.slot for r in rows],
@@ -185,7 +197,9 @@ class Planner:
             all_greedy=_all_greedy(rows),
             released_slots=self.slots.take_released(),
             unfed=_unfed(rows),
-            adjusts=_adjusts(rows),
+            adjusts=_adjusts(rows) or bool(masked_rows),
+            masked_rows=masked_rows,
+            masks=masks,
         )
         return Planned(plan, rows, max_commit)
 
@@ -225,3 +239,18 @@ def _all_greedy(requests: list[Request]) -> bool:
 def _adjusts(requests: list[Request]) -> bool:
     """Whether a sampled row changes its logits: a bias, a penalty, or a min_p cut."""
     return any(r.sampling.adjusts or r.sampling.min_p > 0 for r in requests)
+
+
+def _mask_pending(req: Request) -> bool:
+    """A constrained request with a step in flight: its next mask needs that step's token
+    (daemon/grammar/), so it waits a turn while the other rows go on."""
+    return req.grammar is not None and req.steps_in_flight > 0
+
+
+def _masks(sampled: list[Request]) -> tuple[list[int], bytes]:
+    """The sampled rows that draw under a grammar (indices into ``sampled``) and their
+    masks, as ``StepPlan`` carries them."""
+    rows = [i for i, req in enumerate(sampled) if req.grammar is not None]
+    if not rows:
+        return [], b""
+    return rows, pack_masks([g for i in rows if (g := sampled[i].grammar) is not None])

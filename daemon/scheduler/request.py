@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from outrider.daemon.grammar.state import GrammarState
 from outrider.daemon.internal import TokenizedRequest
 from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.protocol.messages import TokenLogprob
@@ -70,9 +71,11 @@ class Request:
     probe: bool = False
     first_token_time: float = 0.0
     admit_time: float = 0.0
+    # Where its output stands in its grammar (daemon/grammar/); None: unconstrained.
+    grammar: GrammarState | None = None
 
     @classmethod
-    def from_message(cls, msg: TokenizedRequest) -> Request:
+    def from_message(cls, msg: TokenizedRequest, grammar: GrammarState | None = None) -> Request:
         return cls(
             rid=msg.rid,
             request_id=msg.request_id,
@@ -85,6 +88,7 @@ class Request:
             stream=msg.stream,
             want_logprobs=msg.want_logprobs,
             arrival=msg.arrival,
+            grammar=grammar,
         )
 
     def known_ids(self) -> list[int]:

@@ -21,6 +21,7 @@ import logging
 from collections import deque
 
 from outrider.daemon.engine.plan import StepOutput
+from outrider.daemon.grammar.state import GrammarState
 from outrider.daemon.internal import Counters, RequestUpdate, TokenizedRequest
 from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.counters import SchedulerStats
@@ -82,8 +83,9 @@ class Scheduler:
 
     # --- requests ------------------------------------------------------------------------
 
-    def add(self, msg: TokenizedRequest) -> None:
-        self.admission.add(Request.from_message(msg))
+    def add(self, msg: TokenizedRequest, grammar: GrammarState | None = None) -> None:
+        """Queue ``msg``; ``grammar``: its grammar's start (msg.grammar compiled)."""
+        self.admission.add(Request.from_message(msg, grammar))
 
     def abort(self, rid: int, reason: str) -> None:
         """End a live request at once with ``abort``; unknown or finished rids are ignored."""

@@ -1,0 +1,67 @@
+"""``Grammars``: one model's grammar compiler. Loaded on the first constrained request (the
+tokenizer's vocabulary is read then: about a second for 150,000 tokens); every compile after
+that goes through xgrammar's cache, keyed by the grammar's content."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from functools import cached_property
+
+import xgrammar as xgr
+
+from outrider.daemon.grammar.state import GrammarState
+from outrider.daemon.tokenizer import load_tokenizer
+from outrider.protocol.messages import Grammar
+
+_SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
+
+class GrammarRefused(ValueError):
+    """The grammar cannot be compiled; the message says why (xgrammar's own words)."""
+
+
+class Grammars:
+    def __init__(self, tokenizer_dir: str, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        """``vocab_size``: the model's (the width of its logits, which the masks cover);
+        ``stop_ids``: the model's end-of-sequence ids."""
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.stop_ids = list(stop_ids)
+
+    @cached_property
+    def _compiler(self) -> xgr.GrammarCompiler:
+        tokenizer = load_tokenizer(self.tokenizer_dir)
+        if tokenizer is None:
+            raise GrammarRefused("a grammar needs the model's tokenizer and this model has none")
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer.hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+        )
+        return xgr.GrammarCompiler(info, max_threads=1)
+
+    def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
+        """``grammar`` compiled; raises ``GrammarRefused``."""
+        compiler = self._compiler
+        try:
+            if grammar.kind == "json_schema":
+                # Compact JSON: no whitespace runs for a model to wander into.
+                return compiler.compile_json_schema(grammar.text, any_whitespace=False)
+            if grammar.kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if grammar.kind == "regex":
+                return compiler.compile_regex(grammar.text)
+            if grammar.kind == "choice":
+                alternatives = " | ".join(json.dumps(choice) for choice in grammar.choices)
+                return compiler.compile_grammar(f"root ::= {alternatives}")
+            return compiler.compile_grammar(grammar.text)
+        except (RuntimeError, ValueError) as exc:
+            # xgrammar prefixes its messages with a time and a source location.
+            reason = _SOURCE_PREFIX.sub("", str(exc)).strip()
+            raise GrammarRefused(f"grammar ({grammar.kind}): {reason}") from None
+
+    def start(self, grammar: Grammar, stop_token_ids: Sequence[int]) -> GrammarState:
+        """A request's state at the start of its output; ``stop_token_ids``: the request's
+        own, which end it where the grammar may end, as the model's end of sequence does."""
+        stops = sorted({*self.stop_ids, *stop_token_ids})
+        return GrammarState(self.compile(grammar), stops)

@@ -1,0 +1,174 @@
+"""Constrained outputs (daemon/grammar/): a tiny random llama with a real BPE tokenizer, each
+kind of grammar through the in-process engine: every output matches its grammar and ends where
+the grammar lets it; greedy tokens are the same under every draft algorithm as without
+speculation, through the overlap loop and the serial one, beside unconstrained requests whose
+tokens the grammar rows do not change; seeded sampled outputs likewise; grammars that cannot
+compile are refused with the compiler's reason."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
+from frontdoor_harness import build_tokenizer
+from model_fixtures import save_drafts, save_tiny_model
+
+from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
+from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
+from outrider.protocol.messages import Generate, Grammar, request_revision
+
+debug_checks = debug_checks_fixture()
+
+VOCAB = 336  # the model's: past the tokenizer's 320 ids, which no mask may let through
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+        "digit": {"type": "integer", "minimum": 0, "maximum": 9},
+        "flag": {"type": "boolean"},
+    },
+    "required": ["answer", "digit", "flag"],
+    "additionalProperties": False,
+}
+GRAMMARS = {
+    "json_schema": Grammar("json_schema", json.dumps(SCHEMA)),
+    "regex": Grammar("regex", "[a-c]{3}-[0-9]{2}"),
+    "choice": Grammar("choice", choices=["red", "green", "blue"]),
+    "ebnf": Grammar("ebnf", 'root ::= "(" item ("," item)* ")"\nitem ::= [xyz]'),
+}
+PROMPTS = [[1, 17, 40, 99, 7], [1, 5, 6, 200, 31, 77, 3], [1, 250, 12]]
+NEW_TOKENS = 80  # the tiny tokenizer spends about a token a character
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("grammar-llama")
+    with torch.no_grad():
+        save_tiny_model("llama", directory, vocab_size=VOCAB)
+    build_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    tok = load_tokenizer(model_dir)
+    assert tok is not None
+    return tok
+
+
+@pytest.fixture(scope="module")
+def grammars(model_dir: Path, tokenizer: Tokenizer) -> Grammars:
+    assert tokenizer.eos_token_id is not None
+    return Grammars(str(model_dir), VOCAB, [tokenizer.eos_token_id])
+
+
+@pytest.fixture(scope="module")
+def drafts(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    found = save_drafts(tmp_path_factory.mktemp("grammar-drafts"), model_dir)
+    build_tokenizer(Path(found["standalone"]))  # a standalone draft shares the tokenizer
+    return found
+
+
+def _requests(temperature: float = 0.0) -> list:
+    """Each grammar on each prompt, then the prompts unconstrained (rids from 100)."""
+    reqs = [
+        request(10 * g + p, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=False,
+                temperature=temperature, seed=g + p, grammar=grammar)
+        for g, grammar in enumerate(GRAMMARS.values())
+        for p, prompt in enumerate(PROMPTS)
+    ]  # fmt: skip
+    reqs += [
+        request(100 + p, prompt, max_new_tokens=12, temperature=temperature, seed=p)
+        for p, prompt in enumerate(PROMPTS)
+    ]
+    return reqs
+
+
+def _matches(kind: str, text: str) -> bool:
+    if kind == "json_schema":
+        value = json.loads(text)
+        return (
+            set(value) == {"answer", "digit", "flag"}
+            and value["answer"] in ("yes", "no", "maybe")
+            and value["digit"] in range(10)
+            and isinstance(value["flag"], bool)
+        )
+    if kind == "regex":
+        return re.fullmatch(r"[a-c]{3}-[0-9]{2}", text) is not None
+    if kind == "choice":
+        return text in ("red", "green", "blue")
+    return re.fullmatch(r"\([xyz](,[xyz])*\)", text) is not None
+
+
+def _check_outputs(outcomes: dict, tokenizer: Tokenizer) -> None:
+    """Every constrained output matches its grammar and ended on its stop token."""
+    eos = tokenizer.eos_token_id
+    for g, kind in enumerate(GRAMMARS):
+        for p in range(len(PROMPTS)):
+            outcome = outcomes[10 * g + p]
+            tokens = outcome.token_ids
+            assert outcome.finish.reason == "stop", (kind, p, tokens)
+            assert tokens[-1] == eos and all(t < 320 for t in tokens)
+            text = tokenizer.hf.decode(tokens[:-1])
+            assert _matches(kind, text), (kind, p, text)
+
+
+def test_every_output_matches_its_grammar_and_ends_there(
+    model_dir: Path, tokenizer: Tokenizer, grammars: Grammars
+) -> None:
+    outcomes = run(engine_for(str(model_dir)), _requests(), grammars=grammars)
+    _check_outputs(outcomes, tokenizer)
+    # The unconstrained rows beside them decode as they do alone.
+    alone = run(engine_for(str(model_dir)), _requests()[-len(PROMPTS) :])
+    for rid, outcome in alone.items():
+        assert outcomes[rid].token_ids == outcome.token_ids
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize("algorithm", list(DRAFT_ALGORITHMS))
+def test_speculative_engines_give_the_target_only_tokens_under_grammars(
+    model_dir: Path,
+    tokenizer: Tokenizer,
+    grammars: Grammars,
+    drafts: dict[str, str],
+    algorithm: str,
+    overlap: bool,
+) -> None:
+    """Greedy and seeded sampled: the same tokens as the plain engine (serial) for every
+    request, constrained or not."""
+    settings = dict(DRAFT_ALGORITHMS[algorithm])
+    if "eagle3" in algorithm or algorithm in ("dflash", "standalone"):
+        settings["draft_model"] = drafts[algorithm.split()[0]]
+    for temperature in (0.0, 1.0):
+        reference = run(
+            engine_for(str(model_dir), no_overlap=True), _requests(temperature), grammars=grammars
+        )
+        engine = engine_for(str(model_dir), no_overlap=not overlap, **settings)
+        outcomes = run(engine, _requests(temperature), grammars=grammars)
+        for rid, outcome in reference.items():
+            assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
+        _check_outputs(outcomes, tokenizer)
+
+
+def test_grammars_that_cannot_compile_are_refused_with_the_reason(grammars: Grammars) -> None:
+    cases = [
+        (Grammar("regex", "[0-9"), "grammar (regex): Regex parsing error at position 5: "),
+        (Grammar("json_schema", '{"type": "nonsense"}'), "grammar (json_schema): Unsupported"),
+        (Grammar("ebnf", "root ::= missing"), "grammar (ebnf): "),
+    ]
+    for grammar, start in cases:
+        with pytest.raises(GrammarRefused) as info:
+            grammars.start(grammar, [])
+        assert str(info.value).startswith(start), str(info.value)
+        assert "/project/" not in str(info.value)
+
+
+def test_a_grammar_request_travels_as_protocol_1_2() -> None:
+    plain = Generate("a", prompt="x")
+    assert request_revision(plain) == 1
+    assert request_revision(Generate("b", prompt="x", min_p=0.1)) == 2
+    assert request_revision(Generate("c", prompt="x", grammar=GRAMMARS["regex"])) == 3
