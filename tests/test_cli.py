@@ -17,7 +17,7 @@ from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.flags import add_serve_arguments, flag_name, flag_table, resolve
 from outrider.daemon.processes.placement import available_cpus, torch_threads
 from outrider.protocol import Timeout
-from outrider.protocol.messages import PROTOCOL_VERSION
+from outrider.protocol.messages import PROTOCOL_VERSION, Grammar
 
 
 def test_version_names_the_installed_distribution_and_the_protocol(
@@ -28,7 +28,7 @@ def test_version_names_the_installed_distribution_and_the_protocol(
     assert exited.value.code == 0
     installed = importlib.metadata.version("outrider")
     assert (
-        capsys.readouterr().out == f"outrider {installed} (client protocol {PROTOCOL_VERSION}.1)\n"
+        capsys.readouterr().out == f"outrider {installed} (client protocol {PROTOCOL_VERSION}.2)\n"
     )
 
 
@@ -212,3 +212,34 @@ def test_generate_passes_the_logit_adjustments(
     with pytest.raises(SystemExit):
         main(["generate", *fake, "--logit-bias", "7", "x"])
     assert "expected ID=BIAS, got '7'" in capsys.readouterr().err
+
+
+def test_generate_sends_the_grammar_it_is_given(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(generate_cmd, "Client", _FakeClient)
+    _FakeClient.calls.clear()
+    fake = ["--connect", "tcp://127.0.0.1:9"]
+    schema = '{"type": "object"}'
+    (tmp_path / "schema.json").write_text(schema)
+    assert main(["generate", *fake, "--json-schema", schema, "x"]) == 1
+    assert main(["generate", *fake, "--json-schema", f"@{tmp_path / 'schema.json'}", "x"]) == 1
+    assert main(["generate", *fake, "--regex", "[0-9]+", "x"]) == 1
+    assert main(["generate", *fake, "--choice", "yes", "--choice", "no", "x"]) == 1
+    assert main(["generate", *fake, "x"]) == 1
+    assert [call["grammar"] for call in _FakeClient.calls] == [
+        Grammar("json_schema", schema),
+        Grammar("json_schema", schema),
+        Grammar("regex", "[0-9]+"),
+        Grammar("choice", choices=["yes", "no"]),
+        None,
+    ]
+    capsys.readouterr()
+    for argv, error in (
+        (["--json-schema", "{"], "--json-schema: not JSON: "),
+        (["--json-schema", "@/nonexistent.json"], "--json-schema: cannot read /nonexistent.json"),
+        (["--regex", "a", "--choice", "b"], "--choice: not allowed with argument --regex"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["generate", *fake, *argv, "x"])
+        assert error in capsys.readouterr().err

@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 from daemon_harness import poll_until
 from http_harness import API_KEY, AUTH, FAMILY, HttpDaemon
@@ -370,3 +372,53 @@ def test_hostile_bodies_are_400s_naming_the_field(server: HttpDaemon) -> None:
         assert answer.status_code == 400, (body, answer.text)
         assert answer.json()["error"]["param"] == param, (body, answer.text)
     assert "Traceback" not in server.daemon.log()
+
+
+class _Verdict(pydantic.BaseModel):
+    verdict: Literal["yes", "no"]
+    score: int = pydantic.Field(ge=0, le=9)
+    reason: Literal["short", "long"]
+
+
+def test_parse_with_a_pydantic_model_gets_an_instance(server: HttpDaemon) -> None:
+    """``chat.completions.parse``: the client sends the model's strict JSON schema as
+    ``response_format``; the daemon's output parses into the model, ending where it ends."""
+    client = server.openai()
+    for seed in range(3):
+        completion = client.chat.completions.parse(
+            model="outrider-family",
+            messages=[{"role": "user", "content": "Was the sea calm?"}],
+            response_format=_Verdict,
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, _Verdict), choice.message.content
+
+
+def test_regex_choice_and_grammar_outputs_match_streamed_or_not(server: HttpDaemon) -> None:
+    client = server.openai()
+    params = dict(model="outrider-family", prompt="Once upon a time", max_tokens=40, temperature=0)
+    cases = [
+        ({"structured_outputs": {"regex": "[a-c]{2}-[0-9]{3}"}}, r"[a-c]{2}-[0-9]{3}"),
+        ({"guided_choice": ["sea", "land", "sky"]}, r"sea|land|sky"),
+        ({"guided_grammar": 'root ::= "(" [xy] ("," [xy])* ")"'}, r"\([xy](,[xy])*\)"),
+    ]
+    for extra, pattern in cases:
+        done = client.completions.create(**params, extra_body=extra)  # type: ignore[call-overload]
+        assert re.fullmatch(pattern, done.choices[0].text), (extra, done.choices[0].text)
+        assert done.choices[0].finish_reason == "stop"
+        stream = client.completions.create(**params, extra_body=extra, stream=True)  # type: ignore[call-overload]
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert text == done.choices[0].text
+
+
+def test_a_grammar_the_daemon_cannot_compile_is_a_400(server: HttpDaemon) -> None:
+    client = server.openai()
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(  # type: ignore[call-overload]
+            model="outrider-family", prompt="a", extra_body={"guided_regex": "[0-9"}
+        )
+    assert "grammar (regex): Regex parsing error at position 5" in str(exc.value)

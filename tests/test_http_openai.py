@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import time
@@ -41,7 +42,7 @@ from outrider.daemon.http.tokenize import PIECE_CHARS, Tokenization
 from outrider.protocol import AsyncClient, NotListening, RequestError
 from outrider.protocol._client_common import GenerateCall
 from outrider.protocol.frames import request_codec
-from outrider.protocol.messages import MAX_TOKEN_ID, Health
+from outrider.protocol.messages import MAX_TOKEN_ID, Grammar, Health
 
 FAMILY = embedded_family()
 
@@ -105,17 +106,11 @@ _ASKING = {
     "min_tokens": (4, 0),
     "best_of": (2, 1),
     "suffix": ("x", ""),
-    "response_format": ({"type": "json_object"}, {"type": "text"}),
     "tools": ([{"type": "function", "function": {"name": "f"}}], []),
     "tool_choice": ("auto", "none"),
     "parallel_tool_calls": ("yes", True),
     "functions": ([{"name": "f"}], []),
     "function_call": ("auto", "none"),
-    "guided_json": ({"type": "object"}, None),
-    "guided_regex": ("a+", None),
-    "guided_choice": (["a", "b"], None),
-    "guided_grammar": ("root ::= 'a'", None),
-    "structured_outputs": ({"json": {}}, None),
 }
 
 
@@ -136,6 +131,68 @@ def test_every_unimplemented_field_is_refused_unless_it_asks_for_nothing() -> No
             assert (exc.value.status, exc.value.param) == (400, name)
             if neutral is not None:
                 _translate(base | {name: neutral})
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+# Each spelling of structured output, and the grammar it becomes.
+_STRUCTURED = [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, Grammar("json_object")),
+    (
+        {"response_format": {"type": "json_schema",
+                             "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+        Grammar("json_schema", json.dumps(SCHEMA)),
+    ),
+    ({"structured_outputs": {"json": SCHEMA}}, Grammar("json_schema", json.dumps(SCHEMA))),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}},
+     Grammar("json_schema", json.dumps(SCHEMA))),
+    ({"structured_outputs": {"regex": "a+"}}, Grammar("regex", "a+")),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, Grammar("choice", choices=["x", "y"])),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, Grammar("ebnf", 'root ::= "a"')),
+    ({"structured_outputs": {"json_object": True}}, Grammar("json_object")),
+    ({"guided_json": SCHEMA}, Grammar("json_schema", json.dumps(SCHEMA))),
+    ({"guided_regex": "[0-9]+"}, Grammar("regex", "[0-9]+")),
+    ({"guided_choice": ["x"]}, Grammar("choice", choices=["x"])),
+    ({"guided_grammar": 'root ::= "a"'}, Grammar("ebnf", 'root ::= "a"')),
+]  # fmt: skip
+
+
+def test_structured_output_fields_become_one_grammar() -> None:
+    for base in ({"prompt": "a"}, _CHAT):
+        for fields, grammar in _STRUCTURED:
+            body = msgspec.json.encode(base | fields)
+            if "messages" in base:
+                kwargs = chat_args(decode_request(body, ChatRequest)).client_kwargs()
+            else:
+                kwargs = completion_args(decode_request(body, CompletionRequest)).client_kwargs()
+            assert kwargs.get("grammar") == grammar, fields
+
+
+def test_structured_output_refusals_name_the_field() -> None:
+    cases = [
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"},
+         "response_format and guided_regex both constrain the output: give one", "guided_regex"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}},
+         "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+         "structured_outputs"),
+        ({"structured_outputs": {}},
+         "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+         "structured_outputs"),
+        ({"response_format": {"type": "json_schema"}},
+         "a json_schema response_format needs json_schema.schema", "response_format"),
+        ({"guided_choice": ["a", ""]}, "guided_choice: a list of non-empty strings",
+         "guided_choice"),
+        ({"guided_json": "[1]"}, "guided_json: a JSON schema is an object", "guided_json"),
+        ({"structured_outputs": {"json": "{"}}, "structured_outputs.json: not JSON: ",
+         "structured_outputs.json"),
+    ]  # fmt: skip
+    for fields, message, param in cases:
+        with pytest.raises(InvalidRequest) as exc:
+            _translate(_CHAT | fields)
+        assert str(exc.value).startswith(message) and exc.value.param == param, fields
+    with pytest.raises(InvalidRequest) as exc:
+        _translate(_CHAT | {"response_format": {"type": "xml"}})
+    assert exc.value.param == "response_format.type"
 
 
 def test_logit_adjustments_go_to_the_daemon_as_given() -> None:

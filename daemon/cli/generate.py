@@ -8,9 +8,11 @@ in a light install (no torch).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any, Final
 
 import msgspec
@@ -18,6 +20,7 @@ import msgspec
 from outrider.protocol import (
     Client,
     GenerateResult,
+    Grammar,
     NotListening,
     RequestError,
     Timeout,
@@ -83,6 +86,22 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID=BIAS",
         help="add BIAS (-100 to 100) to token ID's logit (repeatable; default: none)",
     )
+    constrain = parser.add_mutually_exclusive_group()
+    constrain.add_argument(
+        "--json-schema",
+        type=_json_schema,
+        metavar="SCHEMA",
+        help="the output is JSON valid under this JSON Schema (its text, or @FILE)",
+    )
+    constrain.add_argument(
+        "--regex", metavar="RE", help="the output is a whole match of this regular expression"
+    )
+    constrain.add_argument(
+        "--choice",
+        action="append",
+        metavar="TEXT",
+        help="the output is one of these (repeatable; default: unconstrained)",
+    )
     parser.add_argument(
         "--stop",
         action="append",
@@ -120,6 +139,30 @@ def _logit_bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {text!r}") from None
 
 
+def _json_schema(text: str) -> str:
+    """A JSON Schema's text, given inline or as ``@FILE``; it must parse as JSON."""
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {text[1:]}: {exc.strerror}") from None
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    return text
+
+
+def _grammar(args: argparse.Namespace) -> Grammar | None:
+    if args.json_schema is not None:
+        return Grammar("json_schema", args.json_schema)
+    if args.regex is not None:
+        return Grammar("regex", args.regex)
+    if args.choice:
+        return Grammar("choice", choices=args.choice)
+    return None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Run ``outrider generate``; returns the exit status (1: the request failed)."""
     if args.prompt in (None, "-"):
@@ -142,6 +185,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "frequency_penalty": args.frequency_penalty,
         "repetition_penalty": args.repetition_penalty,
         "logit_bias": dict(args.logit_bias),
+        "grammar": _grammar(args),
     }
     if args.chat:
         request["messages"] = [{"role": "user", "content": prompt}]

@@ -6,6 +6,9 @@ generation defaults apply there. ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids`` and ``ignore_eos`` are extensions (vLLM's names); the daemon checks every
 value's range.
 
+Structured output (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``) goes
+to the daemon as one grammar (structured.py).
+
 Nothing a request sends is dropped in silence: a field these shapes do not know is refused
 (400 naming it, as the OpenAI API itself answers), and a field of the API (or of vLLM's
 extensions) that this front does not implement is accepted only at its neutral value
@@ -26,11 +29,13 @@ import msgspec
 from msgspec import Meta
 
 from outrider.daemon.http.errors import split_path
+from outrider.daemon.http.structured import GrammarFieldError, StructuredFields, grammar_of
 from outrider.protocol import GenerateResult, TokenChunk
 from outrider.protocol.messages import (
     MAX_LOGPROBS,
     MAX_SEED,
     MAX_TOKEN_ID,
+    Grammar,
     Seed,
     TokenLogprob,
     TopK,
@@ -62,7 +67,7 @@ class ChatMessageIn(msgspec.Struct):
     content: str | list[ContentPart] | None = None
 
 
-class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
+class _Sampling(StructuredFields, forbid_unknown_fields=True):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -85,17 +90,11 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
     min_tokens: Any = None
     best_of: Any = None
     suffix: Any = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -106,7 +105,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessageIn] = []
+    messages: list[ChatMessageIn] = msgspec.field(default_factory=list)
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False
@@ -144,6 +143,7 @@ class GenerateArgs:
     top_logprobs: int  # alternatives shown per token (<= logprobs)
     adjustments: dict[str, Any]  # min_p, the penalties and logit_bias a request gave
     n: int  # choices: one daemon request each
+    grammar: Grammar | None  # structured output (structured.py)
 
     def choice_kwargs(self) -> list[dict[str, Any]]:
         """The client arguments of each choice: choice ``i`` draws with ``seed + i`` (a seed
@@ -154,20 +154,25 @@ class GenerateArgs:
         return [one | {"seed": (self.seed + i) % (MAX_SEED + 1)} for i in range(self.n)]
 
     def client_kwargs(self) -> dict[str, Any]:
-        return self.adjustments | {
-            "prompt": self.prompt,
-            "input_ids": self.input_ids,
-            "messages": self.messages,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": self.ignore_eos,
-            "logprobs": self.logprobs,
-        }
+        constrained = {} if self.grammar is None else {"grammar": self.grammar}
+        return (
+            self.adjustments
+            | constrained
+            | {
+                "prompt": self.prompt,
+                "input_ids": self.input_ids,
+                "messages": self.messages,
+                "max_new_tokens": self.max_new_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "top_k": self.top_k,
+                "seed": self.seed,
+                "stop": self.stop,
+                "stop_token_ids": self.stop_token_ids,
+                "ignore_eos": self.ignore_eos,
+                "logprobs": self.logprobs,
+            }
+        )
 
 
 T = TypeVar("T")
@@ -213,22 +218,16 @@ ADJUSTMENT_FIELDS = (
 
 
 # The fields this front knows but does not implement, each with the values that ask for
-# nothing (a request may send those). Structured output and tools are still to come.
+# nothing (a request may send those). Tools are still to come.
 UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "min_tokens": lambda v: v == 0,
     "best_of": lambda v: v == 1,
     "suffix": lambda v: v == "",
-    "response_format": lambda v: v == {"type": "text"},
     "tools": lambda v: v == [],
     "tool_choice": lambda v: v == "none",
     "parallel_tool_calls": lambda v: isinstance(v, bool),
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "structured_outputs": lambda v: False,
 }
 
 
@@ -335,7 +334,15 @@ def _args(
             name: value for name in ADJUSTMENT_FIELDS if (value := getattr(req, name)) is not None
         },
         n=req.n,
+        grammar=_grammar(req),
     )
+
+
+def _grammar(req: _Sampling) -> Grammar | None:
+    try:
+        return grammar_of(req)
+    except GrammarFieldError as exc:
+        raise InvalidRequest(str(exc), exc.param) from None
 
 
 # --- responses ----------------------------------------------------------------------------
