@@ -3,12 +3,13 @@ kind of grammar through the in-process engine: every output matches its grammar 
 the grammar lets it; greedy tokens are the same under every draft algorithm as without
 speculation, through the overlap loop and the serial one, beside unconstrained requests whose
 tokens the grammar rows do not change; seeded sampled outputs likewise; grammars that cannot
-compile are refused with the compiler's reason."""
+compile are refused with the compiler's reason; the daemon's compile queue."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ from frontdoor_harness import build_tokenizer
 from model_fixtures import save_drafts, save_tiny_model
 
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
+from outrider.daemon.grammar.queue import GrammarQueue
+from outrider.daemon.grammar.state import GrammarState
 from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
 from outrider.protocol.messages import Generate, Grammar, request_revision
 
@@ -172,3 +175,30 @@ def test_a_grammar_request_travels_as_protocol_1_2() -> None:
     assert request_revision(plain) == 1
     assert request_revision(Generate("b", prompt="x", min_p=0.1)) == 2
     assert request_revision(Generate("c", prompt="x", grammar=GRAMMARS["regex"])) == 3
+
+
+def test_the_queue_hands_back_compiled_and_refused_grammars_and_forgets_cancelled_ones(
+    grammars: Grammars,
+) -> None:
+    queue = GrammarQueue(grammars)
+    good = request(1, PROMPTS[0], grammar=GRAMMARS["choice"], ignore_eos=False)
+    bad = request(2, PROMPTS[0], grammar=Grammar("regex", "[0-9"), ignore_eos=False)
+    gone = request(3, PROMPTS[0], grammar=GRAMMARS["regex"], ignore_eos=False)
+    for msg in (good, bad, gone):
+        queue.submit(msg)
+    assert len(queue) == 3 and queue.rids() == [1, 2, 3]
+    assert queue.cancel(3) is gone and queue.cancel(3) is None
+    ready: dict[int, object] = {}
+    deadline = time.monotonic() + 30
+    while len(ready) < 2 and time.monotonic() < deadline:
+        ready.update((msg.rid, compiled) for msg, compiled in queue.ready())
+        time.sleep(0.001)
+    assert set(ready) == {1, 2} and not queue
+    assert isinstance(ready[1], GrammarState)
+    assert isinstance(ready[2], GrammarRefused)
+    assert str(ready[2]).startswith("grammar (regex): Regex parsing error at position 5")
+    queue.close()
+    without = GrammarQueue(None)
+    without.submit(good)
+    [(msg, refused)] = without.ready()
+    assert msg is good and str(refused) == "a grammar needs the model's tokenizer"

@@ -20,10 +20,12 @@ import zmq.asyncio
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
+from outrider.daemon.grammar.queue import GrammarQueue
 from outrider.daemon.internal import (
     AbortRid,
     Control,
     ErrorInfo,
+    FinishInfo,
     Heartbeat,
     InfoQuery,
     InfoReply,
@@ -41,10 +43,13 @@ from outrider.daemon.processes.ranks import LocalRanks
 from outrider.daemon.processes.sdnotify import Notifier
 from outrider.daemon.processes.start_signals import StartSignals
 from outrider.protocol.frames import FrameError
+from outrider.protocol.messages import Usage
 
 log = logging.getLogger("outrider.daemon")
 
 HEARTBEAT_SECONDS = 1.0
+# How often an idle daemon looks for a finished grammar compile (daemon/grammar/queue.py).
+GRAMMAR_POLL_S = 0.002
 # How long the final frames of a drained daemon may take to reach the children at exit.
 FLUSH_LINGER_MS = 5000
 # The exit status after a SIGINT during the drain (128 + SIGINT, as a shell reports it).
@@ -77,7 +82,7 @@ class Daemon:
         self._watchdog_interval = notifier.watchdog_interval()
         self._unhealthy = ""
         facts = engine.facts
-        self.grammars = (
+        self.grammars = GrammarQueue(
             Grammars(facts.tokenizer_dir, facts.vocab_size, facts.eos_token_ids)
             if facts.tokenizer_dir is not None
             else None
@@ -98,6 +103,7 @@ class Daemon:
             if self.ranks is not None:
                 self.ranks.raise_if_exited()
             self._receive()
+            self._add_compiled()
             self._tick()
             if self.draining and self._drained():
                 break
@@ -106,19 +112,22 @@ class Daemon:
                 await asyncio.sleep(0)
             else:
                 engine_loop.idle_check()
-                await self.sockets.wait_inbox(HEARTBEAT_SECONDS / 2)
+                # A compile in flight ends without a message: look again soon.
+                wait = GRAMMAR_POLL_S if self.grammars else HEARTBEAT_SECONDS / 2
+                await self.sockets.wait_inbox(wait)
+        self.grammars.close()
         return EXIT_INTERRUPTED if self.interrupted else 0
 
     def _drained(self) -> bool:
         scheduler = self.engine.scheduler
-        if not self.engine.loop.has_work:
+        if not self.engine.loop.has_work and not self.grammars:
             return True
         if time.monotonic() >= self.drain_deadline:
             reason = "a second SIGINT" if self.interrupted else "drain deadline"
-            for rid in list(scheduler.requests):
-                scheduler.abort(rid, reason)
+            for rid in [*scheduler.requests, *self.grammars.rids()]:
+                self._abort(rid, reason)
             self._send_updates(scheduler.take_updates())
-            return not self.engine.loop.has_work
+            return not self.engine.loop.has_work and not self.grammars
         return False
 
     def _on_sigint(self) -> None:
@@ -167,27 +176,38 @@ class Daemon:
                 else:
                     self._add(msg)
             elif isinstance(msg, AbortRid):
-                scheduler.abort(msg.rid, msg.reason)
+                self._abort(msg.rid, msg.reason)
                 self._send_updates(scheduler.take_updates())
             elif isinstance(msg, InfoQuery):
                 self.sockets.send_control(InfoReply(msg.query_id, scheduler.counters()))
 
     def _add(self, msg: TokenizedRequest) -> None:
-        """Queue ``msg``, its grammar compiled first (here, on the loop: xgrammar caches
-        by content, a JSON schema takes milliseconds); a grammar that cannot compile
-        answers ``invalid_request``."""
-        grammar = None
-        if msg.grammar is not None:
-            try:
-                if self.grammars is None:
-                    raise GrammarRefused("a grammar needs the model's tokenizer")
-                grammar = self.grammars.start(msg.grammar, msg.stop_token_ids)
-            except GrammarRefused as exc:
-                self._send_updates(
-                    [RequestUpdate(msg.rid, [], error=ErrorInfo("invalid_request", str(exc)))]
-                )
-                return
-        self.engine.scheduler.add(msg, grammar)
+        """Queue ``msg``; one with a grammar waits for its compile (``GrammarQueue``)."""
+        if msg.grammar is None:
+            self.engine.scheduler.add(msg)
+        else:
+            self.grammars.submit(msg)
+
+    def _add_compiled(self) -> None:
+        """Queue the requests whose grammars compiled; refuse those whose could not
+        (``invalid_request``, the compiler's reason)."""
+        for msg, compiled in self.grammars.ready():
+            if isinstance(compiled, GrammarRefused):
+                error = ErrorInfo("invalid_request", str(compiled))
+                self._send_updates([RequestUpdate(msg.rid, [], error=error)])
+            else:
+                self.engine.scheduler.add(msg, compiled)
+
+    def _abort(self, rid: int, reason: str) -> None:
+        """End ``rid`` with ``abort``, whether it waits for its grammar or the scheduler
+        has it."""
+        waiting = self.grammars.cancel(rid)
+        if waiting is None:
+            self.engine.scheduler.abort(rid, reason)
+            return
+        usage = Usage(prompt_tokens=len(waiting.input_ids))
+        finish = FinishInfo("abort", None, usage)
+        self._send_updates([RequestUpdate(rid, [], finish=finish)])
 
     def _recheck(self, msg: TokenizedRequest) -> ErrorInfo | None:
         """The front door validated ``msg``; check again what device work relies on."""
