@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xgrammar as xgr
 from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
 from frontdoor_harness import build_tokenizer
 from model_fixtures import save_drafts, save_tiny_model
@@ -155,6 +156,11 @@ def test_speculative_engines_give_the_target_only_tokens_under_grammars(
         for rid, outcome in reference.items():
             assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
         _check_outputs(outcomes, tokenizer)
+        # The constrained requests drafted: their verify nodes were masked, not skipped.
+        drafted = [
+            outcomes[10 * g + p].finish.usage.spec_drafts for g in range(4) for p in range(3)
+        ]
+        assert all(drafted), drafted
 
 
 def test_grammars_that_cannot_compile_are_refused_with_the_reason(grammars: Grammars) -> None:
@@ -202,3 +208,40 @@ def test_the_queue_hands_back_compiled_and_refused_grammars_and_forgets_cancelle
     without.submit(good)
     [(msg, refused)] = without.ready()
     assert msg is good and str(refused) == "a grammar needs the model's tokenizer"
+
+
+def test_each_verify_node_is_masked_by_the_state_its_own_path_reaches(
+    grammars: Grammars, tokenizer: Tokenizer
+) -> None:
+    """A tree under ``[a-c]{3}-[0-9]{2}``: each node's mask is a fresh matcher's after the
+    node's path; a node the grammar refuses (and its child) takes its parent's mask."""
+
+    def ids(text: str) -> list[int]:
+        return [tokenizer.hf.convert_tokens_to_ids(c) for c in text]
+
+    a, b, c, x, dash = ids("abcx-")
+    # Nodes 1..7: a (root's child), b (a's), x (a's: refused), c (b's), c (x's: after a
+    # refused one), - (node 4's), b (root's).
+    tokens = [a, b, x, c, c, dash, b]
+    parents = [0, 1, 1, 2, 3, 4, 0]
+    state = grammars.start(GRAMMARS["regex"], [])
+    masks = xgr.allocate_token_bitmask(2 + len(tokens) + 1, VOCAB)
+    state.node_masks(masks, 2, tokens, parents)
+
+    def fresh(path: list[int]) -> torch.Tensor:
+        matcher = grammars.start(GRAMMARS["regex"], [])
+        assert matcher.advance(path)
+        row = xgr.allocate_token_bitmask(1, VOCAB)
+        matcher.fill(row, 0)
+        return row[0]
+
+    expected = [
+        fresh([]), fresh([a]), fresh([a, b]), fresh([a]), fresh([a, b, c]), fresh([a]),
+        fresh([a, b, c, dash]), fresh([b]),
+    ]  # fmt: skip
+    for node, row in enumerate(expected):
+        assert torch.equal(masks[2 + node], row), node
+    # The state is where it was: its next mask is the root's.
+    again = xgr.allocate_token_bitmask(1, VOCAB)
+    state.fill(again, 0)
+    assert torch.equal(again[0], expected[0])

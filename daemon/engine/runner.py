@@ -36,7 +36,8 @@ captures nothing, and no worker hook runs (a plain step replays a graph of its o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -59,7 +60,7 @@ from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
 from outrider.daemon.engine.slots import HostStarts, KnownStarts, SlotState
 from outrider.daemon.engine.timing import PhaseTimer
-from outrider.daemon.engine.token_masks import TokenMasks
+from outrider.daemon.engine.token_masks import NodeMasks, TokenMasks
 from outrider.daemon.engine.verify import Verifier
 from outrider.plugins.api import Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend
@@ -68,6 +69,7 @@ from outrider.plugins.sampling import sample
 from outrider.plugins.speculative.base import (
     Accepted,
     DecodeView,
+    Drafts,
     ExtendView,
     SpeculativeWorker,
 )
@@ -94,6 +96,24 @@ class RunnerLimits:
     max_tokens: int  # per step
     vocab_limit: int  # sampled ids stay below this (the tokenizer's length)
     vocab_size: int  # the model's: the width of a grammar mask (token_masks.py)
+
+
+@dataclass(frozen=True)
+class DraftsOnHost:
+    tokens: torch.Tensor  # [rows, W - 1], host
+    parents: torch.Tensor | None  # a tree's, host
+    ready: torch.cuda.Event | None  # recorded behind the copy (CUDA)
+
+
+@contextmanager
+def _syncs_allowed() -> Iterator[None]:
+    """The sync check off for the wait a grammar row's drafts make on purpose."""
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 class ModelRunner:
@@ -128,6 +148,7 @@ class ModelRunner:
         self.device = device
         self.decode_phase = target_phases(shape)[1]
         self.sync_check = False
+        self._node_masks: NodeMasks | None = None  # the launch's (``launch``)
         self.timer = PhaseTimer(device)  # benchmarks: device time per decode phase
         rows = limits.max_slots + 1
         # A step can at most rewrite the whole request table.
@@ -136,7 +157,7 @@ class ModelRunner:
         self.results = ResultCopies(rows, shape.max_commit, device)
         self.verifier = verifier
         self.adjuster = Adjuster(kv, slots, device)
-        self.token_masks = TokenMasks(rows, limits.vocab_size, device)
+        self.token_masks = TokenMasks(limits.vocab_size, device)
         self.offsets = torch.arange(shape.width, device=device)  # [W]
         # A chain's node j sees the nodes 0 .. j (the tree's ``visible``).
         self.chain_visible = torch.ones(
@@ -186,10 +207,14 @@ class ModelRunner:
         """The host's counts of the positions plain steps buffered; None: no deferral."""
         return None if self.catch_ups is None else self.catch_ups.deferred
 
-    def launch(self, plan: StepPlan) -> Launched:
+    def launch(self, plan: StepPlan, node_masks: NodeMasks | None = None) -> Launched:
         """Queue ``plan`` on the device and return a handle for ``collect``. With
-        ``sync_check`` (CUDA), any host synchronisation inside raises. Rank 0 of
-        tensor-parallel ranks sends ``plan`` to the others first."""
+        ``sync_check`` (CUDA), any host synchronisation inside raises (but the one a drafting
+        plan with grammar rows makes on purpose: ``node_masks`` gives their verify nodes'
+        masks once the drafts are on the host). Rank 0 of tensor-parallel ranks sends
+        ``plan`` to the others first."""
+        assert node_masks is None or self.channel is None, "grammar drafts run on one rank"
+        self._node_masks = node_masks
         if self.channel is not None:
             self.channel.send(plan)
         if not self.sync_check:
@@ -257,7 +282,7 @@ class ModelRunner:
             choose = self.adjuster.extend_logits(
                 logits, inputs.sample_slots, last_positions + 1, max_kv
             )
-            self.token_masks.apply(choose, plan)
+            self.token_masks.apply(choose, plan.masked_rows, plan.masks)
         out = sample(
             logits, batch, inputs.sample_positions, vocab_limit=self.limits.vocab_limit,
             choose_from=choose,
@@ -279,7 +304,6 @@ class ModelRunner:
         every layout of the step."""
         if not plan.drafting:
             return self._plain(plan, inputs, max_kv)
-        assert not plan.masked_rows, "a batch holding a grammar never drafts (daemon/grammar/)"
         bs, width, max_commit = plan.bs, self.shape.width, self.shape.max_commit
         relay = self.slots.read(inputs.slots)
         tokens = inputs.input_ids.view(bs, width)
@@ -293,6 +317,7 @@ class ModelRunner:
         drafts = self.worker.draft(view)
         self.timer.mark("verify")
         tokens[:, 1:] = drafts.tokens  # [bs, W - 1]
+        masked = self._drafts_to_host(plan, drafts) if plan.masked_rows else None
         offsets = self.offsets.expand(bs, width)  # [bs, W]
         depth, visible = offsets, None
         if drafts.parents is not None:
@@ -315,6 +340,9 @@ class ModelRunner:
             choose = self.adjuster.decode_logits(
                 logits, inputs.slots, relay, max_kv, (tokens, nodes)
             )
+        if masked is not None:
+            assert choose is not None  # a plan with grammar rows adjusts
+            self._mask_nodes(choose, plan, masked)
         verified = self.verifier.verify(plan, inputs, relay, drafts, depth, logits, choose)
         committed, lens, path = verified.committed(), verified.commit_lens, verified.path
         bonus = committed.gather(1, (lens - 1).unsqueeze(1)).squeeze(1)
@@ -324,6 +352,34 @@ class ModelRunner:
         self.worker.after_accept(view, fb, Accepted(committed, lens, path))
         self.timer.mark("end")
         return verified.results(committed)
+
+    def _drafts_to_host(self, plan: StepPlan, drafts: Drafts) -> DraftsOnHost:
+        """The grammar rows' drafts (and a tree's shape), copied to the host behind the
+        draft; the verify's forward is queued before anything waits for them."""
+        rows = torch.tensor(plan.masked_rows, dtype=torch.int64).to(self.device)
+        parts = [drafts.tokens.index_select(0, rows)]
+        if drafts.parents is not None:
+            parts.append(drafts.parents.index_select(0, rows))
+        pinned = self.device.type == "cuda"
+        host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned) for p in parts]
+        for h, p in zip(host, parts, strict=True):
+            h.copy_(p, non_blocking=True)
+        ready = torch.cuda.Event() if pinned else None
+        if ready is not None:
+            ready.record()
+        return DraftsOnHost(host[0], host[1] if len(host) > 1 else None, ready)
+
+    def _mask_nodes(self, choose: torch.Tensor, plan: StepPlan, masked: DraftsOnHost) -> None:
+        """Wait for the grammar rows' drafts (the device goes on with the verify's
+        forward), have the host compute each verify node's mask, and apply them."""
+        assert self._node_masks is not None, "a drafting plan with grammar rows needs masks"
+        if masked.ready is not None:
+            with _syncs_allowed():
+                masked.ready.synchronize()
+        masks = self._node_masks(masked.tokens, masked.parents)
+        width = self.shape.width
+        rows = [r * width + node for r in plan.masked_rows for node in range(width)]
+        self.token_masks.apply(choose, rows, masks)
 
     def _plain(self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int) -> StepResults:
         """Every row's root at its relay position, and the target's draw after it (output
@@ -348,7 +404,7 @@ class ModelRunner:
         choose = None
         if plan.adjusts:
             choose = self.adjuster.decode_logits(logits, inputs.slots, relay, max_kv)
-            self.token_masks.apply(choose, plan)
+            self.token_masks.apply(choose, plan.masked_rows, plan.masks)
         out = sample(
             logits, sampling, relay.out_lens, vocab_limit=self.limits.vocab_limit,
             choose_from=choose,

@@ -10,7 +10,12 @@ Invariants:
 - a state is advanced by exactly the tokens its request commits, in order, once each;
 - a constrained row is planned only when no step of its request is in flight, so its mask is
   computed from every token it has committed (under the overlap loop too; other rows keep
-  overlapping), and a batch holding one does not draft;
+  overlapping);
+- under speculation every verify node is masked by the state its own path reaches: the host
+  computes the nodes' masks once the step's drafts are copied back, while the device runs the
+  verify's forward (``GrammarState.node_masks``; one rank only: tensor-parallel batches
+  holding a constrained row do not draft). Drafts are proposed without the grammar: a draft
+  it refuses is rejected by the verify, which costs acceptance, never correctness;
 - the mask lets a stop token (the model's end of sequence and the request's stop token ids)
   through only where the grammar may end.
 """

@@ -23,6 +23,46 @@ class GrammarState:
         (none is taken after it)."""
         return all(self._matcher.accept_token(token) for token in tokens)
 
+    def node_masks(
+        self, masks: torch.Tensor, first: int, tokens: list[int], parents: list[int] | None
+    ) -> None:
+        """Rows ``first ..`` of ``masks``: the mask of each verify node of a draft, node 0
+        the root (this state), node ``i`` after the path root -> ``i`` (``tokens[i - 1]``
+        the token of node ``i``, ``parents[i - 1]`` its parent's index; a chain's parent is
+        the node before). A node is reached when its parent is and its parent's mask allows
+        its token; one that is not, or that follows the grammar's end, is never committed
+        and takes its parent's mask, so that no row is all masked."""
+        self.fill(masks, first)
+        live = [True]  # per node: reached, and the grammar not ended there
+        for node in range(1, len(tokens) + 1):
+            parent = node - 1 if parents is None else parents[node - 1]
+            token = tokens[node - 1]
+            allowed = live[parent] and _allows(masks[first + parent], token)
+            live.append(allowed and self._fill_after(masks, first + node, node, tokens, parents))
+            if not live[node]:
+                masks[first + node] = masks[first + parent]
+
+    def _fill_after(
+        self,
+        masks: torch.Tensor,
+        row: int,
+        node: int,
+        tokens: list[int],
+        parents: list[int] | None,
+    ) -> bool:
+        """Row ``row``: the mask after the path to ``node`` (each of its tokens allowed
+        where it stands); False, and the row untouched, where the grammar ended on the way.
+        The matcher is back at this state after."""
+        path = _path_to(node, parents)
+        for step in path:
+            # Allowed by the mask before it, so accepted: only a stop token ends the grammar.
+            self._matcher.accept_token(tokens[step - 1])
+        going_on = not self._matcher.is_terminated()
+        if going_on:
+            self.fill(masks, row)
+        self._matcher.rollback(len(path))
+        return going_on
+
     @property
     def ended(self) -> bool:
         """The grammar has taken a stop token: nothing may follow."""
@@ -34,4 +74,33 @@ def pack_masks(states: Sequence[GrammarState]) -> bytes:
     masks = xgr.allocate_token_bitmask(len(states), states[0].vocab_size)
     for row, state in enumerate(states):
         state.fill(masks, row)
+    return masks.numpy().tobytes()
+
+
+def _allows(mask: torch.Tensor, token: int) -> bool:
+    """Whether row ``mask`` (int32 words) lets ``token`` through."""
+    if token >> 5 >= mask.shape[0]:
+        return False
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+def _path_to(node: int, parents: list[int] | None) -> list[int]:
+    """The nodes from the root's child down to ``node`` (the root, 0, left out)."""
+    path = []
+    while node:
+        path.append(node)
+        node = node - 1 if parents is None else parents[node - 1]
+    return path[::-1]
+
+
+def pack_node_masks(
+    states: Sequence[GrammarState], tokens: torch.Tensor, parents: torch.Tensor | None
+) -> bytes:
+    """The verify-node masks of each row of ``states`` (its drafts ``tokens[r]``, a tree's
+    ``parents[r]``: host tensors ``[rows, width - 1]``), row after row, node after node."""
+    width = tokens.shape[1] + 1
+    masks = xgr.allocate_token_bitmask(len(states) * width, states[0].vocab_size)
+    for row, state in enumerate(states):
+        shape = None if parents is None else parents[row].tolist()
+        state.node_masks(masks, row * width, tokens[row].tolist(), shape)
     return masks.numpy().tobytes()

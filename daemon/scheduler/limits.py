@@ -15,3 +15,6 @@ class SchedulerLimits:
     # The draft keeps state over the context (its own KV): requests may not feed it
     # (``Request.fed``, drafting.py).
     draft_state: bool = False
+    # A decode batch holding grammar rows may draft: their verify nodes' masks come from the
+    # host mid-step, which one rank alone can wait for (tensor-parallel ranks: False).
+    grammar_drafts: bool = True

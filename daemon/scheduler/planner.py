@@ -11,17 +11,21 @@ step's ``kv_span``; the device reads the exact lengths from its relay. A plain s
 drafting policy's choice on a speculative engine, drafting.py; every step without
 speculation) has width 1 and commits exactly one token a row: it adds 1 and pages cover 1.
 
-A row that draws under a grammar (daemon/grammar/) carries its mask in the plan, computed
-from every token its request committed: it waits while a step of its request is in flight
-(the other rows go on overlapping), and a decode batch holding one does not draft.
+A row that draws under a grammar (daemon/grammar/) is planned only when no step of its
+request is in flight (the other rows go on overlapping), so that its grammar state holds
+every token it committed. A plain step carries its mask in the plan; a drafting step's
+verify nodes' masks come from the host once the drafts are known (``Planned.node_masks``),
+on one rank only: tensor-parallel batches holding one do not draft.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from outrider.daemon.engine.plan import SlotParams, StepPlan
-from outrider.daemon.grammar.state import pack_masks
+from outrider.daemon.engine.token_masks import NodeMasks
+from outrider.daemon.grammar.state import pack_masks, pack_node_masks
 from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.drafting import DraftPolicy
 from outrider.daemon.scheduler.drill import RetractDrill
@@ -37,6 +41,8 @@ class Planned:
     plan: StepPlan
     requests: list[Request]  # one per plan row
     max_commit: int = 1  # tokens a row may commit: what planning added to its bounds
+    # A drafting plan with grammar rows: their verify nodes' masks, from their drafts.
+    node_masks: NodeMasks | None = None
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,11 @@ class Planner:
             return None
         shape = self.shape
         constrained = any(r.grammar is not None for r in candidates)
-        drafting = shape.speculative and not constrained and self.policy.drafting(candidates)
+        drafting = (
+            shape.speculative
+            and (self.limits.grammar_drafts or not constrained)
+            and self.policy.drafting(candidates)
+        )
         width, span, max_commit = (
             (shape.width, shape.kv_span, shape.max_commit) if drafting else (1, 1, 1)
         )
@@ -181,7 +191,13 @@ class Planner:
         for req in rows:
             req.scheduled_len += max_commit
             req.scheduled_outputs += max_commit
-        masked_rows, masks = _masks(rows)
+        node_masks = None
+        if drafting:  # the masks come once the drafts are known
+            masked_rows, masks = [i for i, r in enumerate(rows) if r.grammar is not None], b""
+            states = [g for r in rows if (g := r.grammar) is not None]
+            node_masks = partial(pack_node_masks, states) if states else None
+        else:
+            masked_rows, masks = _masks(rows)
         plan = StepPlan(
             kind="decode",
             slots=[r.slot for r in rows],
@@ -201,7 +217,7 @@ class Planner:
             masked_rows=masked_rows,
             masks=masks,
         )
-        return Planned(plan, rows, max_commit)
+        return Planned(plan, rows, max_commit, node_masks)
 
     def _scheduled_to_end(self, req: Request) -> bool:
         """Launched steps already produce this request's last possible token."""
