@@ -71,6 +71,36 @@ def test_bench_serve_over_both_transports(
         assert 0 < result[f"median_{metric}_ms"] <= result[f"p99_{metric}_ms"]
 
 
+SCHEMA = Path(__file__).parent.parent / "benchmarks" / "structured" / "review.schema.json"
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(FAMILY is None, reason="the embedded family is not installed")
+@pytest.mark.parametrize("backend", ["zmq", "openai"])
+def test_bench_serve_sends_a_json_schema(
+    server: HttpDaemon, backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every request constrained by the repository's workload schema: each ends where its
+    JSON does (its stop token counted) or at its output length, none fails."""
+    assert FAMILY is not None
+    result_path = tmp_path / "result.json"
+    argv = [
+        "bench", "serve", "--backend", backend, "--random-input-len", "16",
+        "--random-output-len", "160", "--num-prompts", "4", "--max-concurrency", "2",
+        "--temperature", "1.0", "--json-schema", f"@{SCHEMA}", "--result-json", str(result_path),
+    ]  # fmt: skip
+    if backend == "zmq":
+        argv += ["--endpoint", server.daemon.endpoint]
+    else:
+        argv += ["--base-url", server.base, "--api-key", API_KEY, "--tokenizer", str(FAMILY.target)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    result = json.loads(result_path.read_text())
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert json.loads(result["json_schema"]) == json.loads(SCHEMA.read_text())
+    assert all(0 < n <= 160 for n in result["output_lens"])
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(FAMILY is None, reason="the embedded family is not installed")
 def test_bench_serve_defaults_fit_the_served_context(

@@ -46,8 +46,9 @@ from outrider.daemon.bench.serve_data import (
     sharegpt_requests,
 )
 from outrider.daemon.bench.serve_report import Outcome, print_report, summarize
+from outrider.daemon.cli.generate import json_schema_text
 from outrider.daemon.version import installed_version
-from outrider.protocol import AsyncClient, RequestError, default_endpoint
+from outrider.protocol import AsyncClient, Grammar, RequestError, default_endpoint
 
 if TYPE_CHECKING:
     from outrider.daemon.tokenizer import Tokenizer
@@ -121,6 +122,14 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, metavar="N", help="default: no limit")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0, help="default: 0, greedy")
+    parser.add_argument(
+        "--json-schema",
+        type=json_schema_text,
+        metavar="SCHEMA",
+        help="every request's output is JSON valid under this JSON Schema (its text, or @FILE; "
+        "--backend openai sends it as response_format); each then ends where its JSON does "
+        "or at its output length (default: unconstrained, every output its full length)",
+    )
     parser.add_argument("--result-json", type=Path, metavar="PATH", help="write the result here")
 
 
@@ -148,9 +157,10 @@ class _Timer:
 
 
 class ZmqBackend:
-    def __init__(self, endpoint: str | None, temperature: float) -> None:
+    def __init__(self, endpoint: str | None, temperature: float, schema: str | None) -> None:
         self.client = AsyncClient(endpoint or default_endpoint(), timeout=REQUEST_TIMEOUT_S)
         self.temperature = temperature
+        self.grammar = None if schema is None else Grammar("json_schema", schema)
 
     async def facts(self) -> dict[str, Any]:
         info = await self.client.server_info(timeout=10.0)
@@ -167,7 +177,8 @@ class ZmqBackend:
             input_ids=req.prompt_ids,
             max_new_tokens=req.output_len,
             temperature=self.temperature,
-            ignore_eos=True,
+            ignore_eos=self.grammar is None,  # a grammar's output ends where it ends
+            grammar=self.grammar,
         )
         timer = _Timer(out)
         try:
@@ -192,7 +203,9 @@ class ZmqBackend:
 class OpenAIBackend:
     """Streamed ``/v1/completions``; outputs are the chunks with text."""
 
-    def __init__(self, base_url: str, model: str | None, api_key: str, temperature: float):
+    def __init__(
+        self, base_url: str, model: str | None, api_key: str, temperature: float, schema: str | None
+    ):
         import httpx
 
         self._transport_errors = (httpx.HTTPError,)
@@ -206,6 +219,7 @@ class OpenAIBackend:
         )
         self.model = model
         self.temperature = temperature
+        self.schema = None if schema is None else json.loads(schema)
 
     async def facts(self) -> dict[str, Any]:
         """The model (``--model``, else the first card of ``/v1/models``) and its card's
@@ -240,10 +254,15 @@ class OpenAIBackend:
             "prompt": req.prompt if req.prompt is not None else req.prompt_ids,
             "max_tokens": req.output_len,
             "temperature": self.temperature,
-            "ignore_eos": True,
+            "ignore_eos": self.schema is None,  # a grammar's output ends where it ends
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.schema is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "bench", "schema": self.schema},
+            }
         timer = _Timer(out)
         async with self.http.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -361,9 +380,11 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     command = shlex.join(["outrider", *sys.argv[1:]])
     backend: Backend
     if args.backend == "zmq":
-        backend = ZmqBackend(args.endpoint, args.temperature)
+        backend = ZmqBackend(args.endpoint, args.temperature, args.json_schema)
     else:
-        backend = OpenAIBackend(args.base_url, args.model, args.api_key, args.temperature)
+        backend = OpenAIBackend(
+            args.base_url, args.model, args.api_key, args.temperature, args.json_schema
+        )
     try:
         server = await backend.facts()
         requests = _requests(args, _tokenizer(args, server), server)
@@ -386,6 +407,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency,
         "seed": args.seed,
         "temperature": args.temperature,
+        "json_schema": args.json_schema,
     } | result
 
 

@@ -89,7 +89,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     constrain = parser.add_mutually_exclusive_group()
     constrain.add_argument(
         "--json-schema",
-        type=_json_schema,
+        type=json_schema_text,
         metavar="SCHEMA",
         help="the output is JSON valid under this JSON Schema (its text, or @FILE)",
     )
@@ -139,7 +139,7 @@ def _logit_bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {text!r}") from None
 
 
-def _json_schema(text: str) -> str:
+def json_schema_text(text: str) -> str:
     """A JSON Schema's text, given inline or as ``@FILE``; it must parse as JSON."""
     if text.startswith("@"):
         try:
