@@ -356,11 +356,12 @@ class ModelRunner:
     def _drafts_to_host(self, plan: StepPlan, drafts: Drafts) -> DraftsOnHost:
         """The grammar rows' drafts (and a tree's shape), copied to the host behind the
         draft; the verify's forward is queued before anything waits for them."""
-        rows = torch.tensor(plan.masked_rows, dtype=torch.int64).to(self.device)
+        pinned = self.device.type == "cuda"
+        host_rows = torch.tensor(plan.masked_rows, dtype=torch.int64)
+        rows = (host_rows.pin_memory() if pinned else host_rows).to(self.device, non_blocking=True)
         parts = [drafts.tokens.index_select(0, rows)]
         if drafts.parents is not None:
             parts.append(drafts.parents.index_select(0, rows))
-        pinned = self.device.type == "cuda"
         host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned) for p in parts]
         for h, p in zip(host, parts, strict=True):
             h.copy_(p, non_blocking=True)

@@ -16,6 +16,7 @@ from outrider.daemon.tokenizer import load_tokenizer
 from outrider.protocol.messages import Grammar
 
 _SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+NO_TOKENIZER = "a grammar needs the model's tokenizer and this model has none"
 
 
 class GrammarRefused(ValueError):
@@ -34,7 +35,7 @@ class Grammars:
     def _compiler(self) -> xgr.GrammarCompiler:
         tokenizer = load_tokenizer(self.tokenizer_dir)
         if tokenizer is None:
-            raise GrammarRefused("a grammar needs the model's tokenizer and this model has none")
+            raise GrammarRefused(NO_TOKENIZER)
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer.hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
         )

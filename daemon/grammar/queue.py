@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
+from outrider.daemon.grammar.compiler import NO_TOKENIZER, GrammarRefused, Grammars
 from outrider.daemon.grammar.state import GrammarState
 from outrider.daemon.internal import TokenizedRequest
 
@@ -34,7 +34,7 @@ class GrammarQueue:
         grammars = self.grammars
         if grammars is None:
             future: Future[GrammarState] = Future()
-            future.set_exception(GrammarRefused("a grammar needs the model's tokenizer"))
+            future.set_exception(GrammarRefused(NO_TOKENIZER))
         else:
             future = self._pool.submit(grammars.start, msg.grammar, msg.stop_token_ids)
         self._pending[msg.rid] = (msg, future)
