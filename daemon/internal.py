@@ -17,7 +17,14 @@ from msgspec import Struct
 
 from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.protocol.frames import FrameCodec
-from outrider.protocol.messages import ErrorCode, FinishReason, Grammar, TokenLogprob, Usage
+from outrider.protocol.messages import (
+    ErrorCode,
+    FinishReason,
+    Grammar,
+    TokenLogprob,
+    Tool,
+    Usage,
+)
 
 FAMILY_TO_DAEMON = 3
 FAMILY_OUTPUTS = 4
@@ -37,6 +44,19 @@ class TokenizedRequest(Struct, array_like=True, tag=1, frozen=True):
     want_logprobs: bool
     arrival: float  # time.time() at the front door
     grammar: Grammar | None = None  # compiled by the daemon (daemon/grammar/)
+    tools: ToolUse | None = None  # its calls held to their schemas (daemon/grammar/)
+
+
+class ToolUse(Struct, array_like=True, frozen=True):
+    """A chat request's tools as the daemon constrains their calls: in the model's
+    ``format`` (daemon/tool_calls.py), ``choice`` ``auto`` (it may call) or ``required`` (at
+    least one call; ``name``: that function's), one call or several (``parallel``)."""
+
+    format: str
+    tools: list[Tool]
+    choice: Literal["auto", "required"]
+    name: str | None
+    parallel: bool
 
 
 GREEDY = SamplingSpec()

@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
@@ -93,14 +93,29 @@ class Tokenizer:
         behaviour: whatever its post-processor adds (e.g. BOS for Llama 3) is added."""
         return list(self._hf.encode(text))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` rendered by transformers' ``apply_chat_template`` with
-        ``add_generation_prompt=True``. Raises ``ChatTemplateError`` when it cannot."""
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's text (the default one where a tokenizer names several)."""
+        template = self._hf.chat_template
+        if isinstance(template, dict):
+            return template.get("default")
+        return template
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of ``messages`` (with ``tools``, in the OpenAI shape, where given)
+        rendered by transformers' ``apply_chat_template`` with ``add_generation_prompt=True``.
+        Raises ``ChatTemplateError`` when it cannot."""
         if not self.has_chat_template:
             raise ChatTemplateError("this model's tokenizer has no chat template")
         try:
             ids = self._hf.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+                list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
             )
         except Exception as exc:  # a template is model-supplied code and may raise anything
             raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from None

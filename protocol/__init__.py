@@ -16,6 +16,8 @@ from outrider.protocol.messages import (
     Health,
     ServerInfo,
     TokenLogprob,
+    Tool,
+    ToolCall,
     Usage,
 )
 
@@ -38,6 +40,8 @@ __all__ = [
     "TokenChunk",
     "TokenLogprob",
     "TokenStream",
+    "Tool",
+    "ToolCall",
     "Usage",
     "default_endpoint",
 ]

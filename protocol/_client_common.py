@@ -30,6 +30,8 @@ from outrider.protocol.messages import (
     HealthQuery,
     ServerInfoQuery,
     TokenLogprob,
+    Tool,
+    ToolChoice,
     Usage,
 )
 
@@ -102,6 +104,10 @@ class GenerateCall:
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | None = None
     grammar: Grammar | None = None
+    tools: Sequence[Tool] = ()
+    tool_choice: ToolChoice = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
     request_id: str | None = None
     timeout: float | None = None
 
@@ -143,6 +149,10 @@ class GenerateCall:
             repetition_penalty=self.repetition_penalty,
             logit_bias=dict(self.logit_bias or {}),
             grammar=self.grammar,
+            tools=list(self.tools),
+            tool_choice=self.tool_choice,
+            tool_name=self.tool_name,
+            parallel_tool_calls=self.parallel_tool_calls,
         )
 
 

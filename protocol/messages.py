@@ -13,10 +13,11 @@ from msgspec import Meta, Struct
 
 PROTOCOL_VERSION = 1
 # The version nibbles of request frames: 1 is protocol 1.0; 2 is protocol 1.1, which adds
-# Generate's min_p, penalties and logit_bias; 3 is protocol 1.2, which adds its grammar. A
-# client sends the oldest revision that carries its request (``request_revision``): an older
-# daemon serves every request it can honour and refuses the rest (unsupported_version)
-# instead of ignoring fields it does not know. Replies are unchanged (revision 1).
+# Generate's min_p, penalties and logit_bias; 3 is protocol 1.2, which adds its grammar and
+# tools (and the chat messages' tool calls). A client sends the oldest revision that carries
+# its request (``request_revision``): an older daemon serves every request it can honour and
+# refuses the rest (unsupported_version) instead of ignoring fields it does not know.
+# Replies are unchanged (revision 1).
 REQUEST_REVISIONS = (1, 2, 3)
 PROTOCOL_MINOR = len(REQUEST_REVISIONS) - 1
 
@@ -79,13 +80,44 @@ LogitBias = Annotated[
 # --- requests (client -> daemon) ---------------------------------------------------------
 
 
+MAX_GRAMMAR_CHARS = 65536
+MAX_TOOLS = 128
+ToolName = Annotated[str, Meta(min_length=1, max_length=256)]
+
+
+class ToolCall(Struct, frozen=True, gc=False):
+    """A call an assistant message made (protocol 1.2): ``arguments`` as JSON text."""
+
+    id: Annotated[str, Meta(max_length=256)]
+    name: ToolName
+    arguments: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
+
+
 class ChatMessage(Struct, frozen=True, gc=False):
+    """One message of a chat. An assistant's may carry its ``tool_calls``; a ``tool``
+    message answers the call ``tool_call_id`` (protocol 1.2)."""
+
     role: Annotated[str, Meta(max_length=64)]
     content: str
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOLS)] = []
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None
+
+
+class Tool(Struct, frozen=True, gc=False):
+    """A function the model may call (protocol 1.2): ``parameters`` is the JSON Schema of its
+    arguments, as JSON text ("" for any object)."""
+
+    name: ToolName
+    description: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
+    parameters: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
+
+
+# ``auto``: the model may answer or call; ``none``: it answers (the tools are still shown to
+# it); ``required``: it calls at least one (``Generate.tool_name``: that one).
+ToolChoice = Literal["auto", "none", "required"]
 
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf"]
-MAX_GRAMMAR_CHARS = 65536
 MAX_CHOICES = 1024
 
 
@@ -128,6 +160,13 @@ class Generate(Struct, tag="generate", frozen=True):
 
     ``grammar`` (protocol 1.2) constrains the output: at each position only tokens that keep
     it a prefix of a match are drawn (``Grammar``).
+
+    ``tools`` (protocol 1.2, chat requests only) are shown to the model through its chat
+    template, and its calls are held to their schemas in the model's own tool-call format
+    (``ServerInfo.configuration["tool_call_format"]``): ``tool_choice`` ``auto`` lets it
+    answer or call, ``none`` lets it answer only, ``required`` makes it call at least one tool
+    (with ``tool_name``: that one); ``parallel_tool_calls`` False allows one call. The output
+    text holds the calls as the model writes them.
     """
 
     request_id: RequestId
@@ -150,6 +189,10 @@ class Generate(Struct, tag="generate", frozen=True):
     repetition_penalty: RepetitionPenalty = 1.0
     logit_bias: LogitBias = {}
     grammar: Grammar | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] = []
+    tool_choice: ToolChoice = "auto"
+    tool_name: ToolName | None = None
+    parallel_tool_calls: bool = True
 
 
 class Abort(Struct, tag="abort", frozen=True):
@@ -283,7 +326,11 @@ ClientReply = Chunk | Finished | Error | Ack | Health | ServerInfo
 
 def request_revision(msg: ClientRequest) -> int:
     """The oldest request revision (``REQUEST_REVISIONS``) whose fields carry ``msg``."""
-    if isinstance(msg, Generate) and msg.grammar is not None:
+    if isinstance(msg, Generate) and (
+        msg.grammar is not None
+        or msg.tools
+        or any(m.tool_calls or m.tool_call_id is not None for m in msg.messages or [])
+    ):
         return 3
     if isinstance(msg, Generate) and (
         msg.min_p

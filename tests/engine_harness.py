@@ -165,9 +165,9 @@ def run(
             batch = pending if stagger == 0 else pending[:1]
             for r in batch:
                 start = None
-                if r.grammar is not None:
+                if r.grammar is not None or r.tools is not None:
                     assert grammars is not None, "a request with a grammar needs grammars"
-                    start = grammars.start(r.grammar, r.stop_token_ids)
+                    start = grammars.start(r)
                 loop.scheduler.add(r, start)
             pending = pending[len(batch) :]
         for update in loop.iterate():

@@ -92,6 +92,11 @@ def _requests(temperature: float = 0.0) -> list:
     return reqs
 
 
+def _start(grammars: Grammars, grammar: Grammar) -> GrammarState:
+    """``grammar``'s state at the start of an output, as the daemon starts it."""
+    return grammars.start(request(0, [1], grammar=grammar, ignore_eos=False))
+
+
 def _matches(kind: str, text: str) -> bool:
     if kind == "json_schema":
         value = json.loads(text)
@@ -171,7 +176,7 @@ def test_grammars_that_cannot_compile_are_refused_with_the_reason(grammars: Gram
     ]
     for grammar, start in cases:
         with pytest.raises(GrammarRefused) as info:
-            grammars.start(grammar, [])
+            _start(grammars, grammar)
         assert str(info.value).startswith(start), str(info.value)
         assert "/project/" not in str(info.value)
 
@@ -225,12 +230,12 @@ def test_each_verify_node_is_masked_by_the_state_its_own_path_reaches(
     # refused one), - (node 4's), b (root's).
     tokens = [a, b, x, c, c, dash, b]
     parents = [0, 1, 1, 2, 3, 4, 0]
-    state = grammars.start(GRAMMARS["regex"], [])
+    state = _start(grammars, GRAMMARS["regex"])
     masks = xgr.allocate_token_bitmask(2 + len(tokens) + 1, VOCAB)
     state.node_masks(masks, 2, tokens, parents)
 
     def fresh(path: list[int]) -> torch.Tensor:
-        matcher = grammars.start(GRAMMARS["regex"], [])
+        matcher = _start(grammars, GRAMMARS["regex"])
         assert matcher.advance(path)
         row = xgr.allocate_token_bitmask(1, VOCAB)
         matcher.fill(row, 0)

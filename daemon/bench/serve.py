@@ -249,7 +249,7 @@ class OpenAIBackend:
         return out
 
     async def _stream(self, req: BenchRequest, out: Outcome) -> None:
-        body = {
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": req.prompt if req.prompt is not None else req.prompt_ids,
             "max_tokens": req.output_len,

@@ -43,6 +43,7 @@ from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler
 from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
+from outrider.daemon.tool_calls import tool_call_format
 from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.debug import debug_knob
@@ -166,6 +167,8 @@ def build_engine(
             "chunked_prefill_tokens": config.chunked_prefill_tokens,
             "load_format": config.load_format,
             "speculative_num_draft_tokens": shape.width if built.speculative else 0,
+            # The format a request's tools are called in (daemon/tool_calls.py); None: none.
+            "tool_call_format": tool_call_format(tokenizer.chat_template if tokenizer else None),
         },
         plugins={f"attention.{phase}": name for phase, name in built.attention_routes.items()}
         | {"speculative": config.speculative_algorithm},

@@ -328,6 +328,7 @@ class FrontDoor:
                 want_logprobs=req.want_logprobs,
                 arrival=time.time(),
                 grammar=msg.grammar,
+                tools=admitted.tools,
             )
         )
 

@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from outrider.daemon.internal import ModelFacts
+from outrider.daemon.frontdoor.tools import ToolsRefused, template_inputs, tool_use
+from outrider.daemon.internal import ModelFacts, ToolUse
 from outrider.daemon.sampling_defaults import OUTRIDER_DEFAULTS, SamplingDefaults
 from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer
 from outrider.plugins.api import RequestFacts
@@ -70,6 +71,7 @@ class Admitted:
     input_ids: list[int]
     sampling: SamplingSpec
     max_new_tokens: int | None  # None: until a stop condition or the context limit
+    tools: ToolUse | None = None
 
 
 PromptSource = Literal["prompt", "input_ids", "messages"]
@@ -85,11 +87,12 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Checked:
-    """What ``Validator.check`` decided before tokenizing: the prompt to tokenize and the
-    request's sampling."""
+    """What ``Validator.check`` decided before tokenizing: the prompt to tokenize, the
+    request's sampling and what its tool calls are held to."""
 
     prompt: Prompt
     sampling: SamplingSpec
+    tools: ToolUse | None = None
 
 
 def speculative_request_check(algorithm: str) -> RequestCheck | None:
@@ -125,9 +128,9 @@ def tokenize(tokenizer: Tokenizer, msg: Generate) -> list[int]:
     if msg.prompt is not None:
         return tokenizer.encode_prompt(msg.prompt)
     assert msg.messages is not None
-    turns = [{"role": m.role, "content": m.content} for m in msg.messages]
+    turns, tools = template_inputs(msg)
     try:
-        return tokenizer.apply_chat_template(turns)
+        return tokenizer.apply_chat_template(turns, tools)
     except ChatTemplateError as exc:
         raise Rejected("invalid_request", f"messages: chat template failed: {exc}") from None
 
@@ -208,6 +211,10 @@ class Validator:
         self._check_stops(msg)
         self._check_grammar(msg)
         prompt = self._prompt(msg)
+        try:
+            tools = tool_use(msg, self.facts.configuration.get("tool_call_format"))
+        except ToolsRefused as exc:
+            raise Rejected(exc.code, str(exc)) from None
         if prompt.chars > self.max_prompt_chars:
             raise Rejected(
                 "prompt_too_long",
@@ -215,7 +222,7 @@ class Validator:
                 f"{self.max_prompt_chars} can fit in the context length of "
                 f"{self.facts.context_length} tokens",
             )
-        return Checked(prompt, sampling)
+        return Checked(prompt, sampling, tools)
 
     def admit(self, msg: Generate, checked: Checked, input_ids: list[int]) -> Admitted:
         """The daemon's inputs for ``msg``, checked and tokenized; raises ``Rejected``."""
@@ -236,7 +243,7 @@ class Validator:
             max_new = self.facts.max_new_tokens_default
         else:
             self._check_room(len(input_ids), max_new)
-        return Admitted(input_ids, checked.sampling, max_new)
+        return Admitted(input_ids, checked.sampling, max_new, checked.tools)
 
     def _check_room(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Refuses a ``max_new_tokens`` the context cannot hold after the prompt (as vLLM
@@ -356,7 +363,9 @@ class Validator:
         assert msg.messages is not None
         if not msg.messages:
             raise Rejected("invalid_request", "messages is an empty list")
-        return Prompt(source, sum(len(m.role) + len(m.content) for m in msg.messages))
+        chars = sum(len(m.role) + len(m.content) for m in msg.messages)
+        chars += sum(len(t.name) + len(t.description) + len(t.parameters) for t in msg.tools)
+        return Prompt(source, chars)
 
     def _check_vocab(self, source: str, input_ids: list[int]) -> None:
         vocab = self.facts.vocab_size

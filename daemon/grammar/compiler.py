@@ -8,11 +8,14 @@ import json
 import re
 from collections.abc import Sequence
 from functools import cached_property
+from typing import Any, Literal
 
 import xgrammar as xgr
 
 from outrider.daemon.grammar.state import GrammarState
+from outrider.daemon.internal import TokenizedRequest, ToolUse
 from outrider.daemon.tokenizer import load_tokenizer
+from outrider.daemon.tool_calls import function_schema
 from outrider.protocol.messages import Grammar
 
 _SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
@@ -61,8 +64,35 @@ class Grammars:
             reason = _SOURCE_PREFIX.sub("", str(exc)).strip()
             raise GrammarRefused(f"grammar ({grammar.kind}): {reason}") from None
 
-    def start(self, grammar: Grammar, stop_token_ids: Sequence[int]) -> GrammarState:
-        """A request's state at the start of its output; ``stop_token_ids``: the request's
-        own, which end it where the grammar may end, as the model's end of sequence does."""
-        stops = sorted({*self.stop_ids, *stop_token_ids})
-        return GrammarState(self.compile(grammar), stops)
+    def compile_tools(self, use: ToolUse) -> xgr.CompiledGrammar:
+        """The grammar of ``use``'s calls: xgrammar's structural tag for the model's format,
+        which lets text through until a call begins and holds each call to its tool's
+        schema; raises ``GrammarRefused``."""
+        functions: list[Any] = [function_schema(tool) for tool in use.tools]
+        choice: Literal["auto", "required"] | dict[str, Any] = use.choice
+        if use.name is not None:
+            choice = {"type": "function", "function": {"name": use.name}}
+        try:
+            tag = xgr.get_model_structural_tag(
+                use.format,
+                tools=functions,
+                tool_choice=choice,
+                reasoning="disabled",
+                parallel_tool_calls=use.parallel,
+                # As JSON schemas compile (``compile``): no whitespace runs to wander into.
+                max_whitespace_cnt=1,
+            )
+            return self._compiler.compile_structural_tag(tag)
+        except (RuntimeError, ValueError) as exc:
+            reason = _SOURCE_PREFIX.sub("", str(exc)).strip()
+            raise GrammarRefused(f"tools: {reason}") from None
+
+    def start(self, msg: TokenizedRequest) -> GrammarState:
+        """``msg``'s state at the start of its output (its grammar's, or its tools'); the
+        request's own stop token ids end it where the grammar may end, as the model's end
+        of sequence does."""
+        stops = sorted({*self.stop_ids, *msg.stop_token_ids})
+        if msg.grammar is not None:
+            return GrammarState(self.compile(msg.grammar), stops)
+        assert msg.tools is not None
+        return GrammarState(self.compile_tools(msg.tools), stops)

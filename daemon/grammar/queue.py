@@ -29,14 +29,14 @@ class GrammarQueue:
         return len(self._pending)
 
     def submit(self, msg: TokenizedRequest) -> None:
-        """Compile ``msg.grammar`` (not None) and start its state."""
-        assert msg.grammar is not None
+        """Compile ``msg``'s grammar (or its tools') and start its state."""
+        assert msg.grammar is not None or msg.tools is not None
         grammars = self.grammars
         if grammars is None:
             future: Future[GrammarState] = Future()
             future.set_exception(GrammarRefused(NO_TOKENIZER))
         else:
-            future = self._pool.submit(grammars.start, msg.grammar, msg.stop_token_ids)
+            future = self._pool.submit(grammars.start, msg)
         self._pending[msg.rid] = (msg, future)
 
     def ready(self) -> list[tuple[TokenizedRequest, Compiled]]:

@@ -182,8 +182,9 @@ class Daemon:
                 self.sockets.send_control(InfoReply(msg.query_id, scheduler.counters()))
 
     def _add(self, msg: TokenizedRequest) -> None:
-        """Queue ``msg``; one with a grammar waits for its compile (``GrammarQueue``)."""
-        if msg.grammar is None:
+        """Queue ``msg``; one with a grammar or tools waits for its compile
+        (``GrammarQueue``)."""
+        if msg.grammar is None and msg.tools is None:
             self.engine.scheduler.add(msg)
         else:
             self.grammars.submit(msg)

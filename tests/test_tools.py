@@ -1,0 +1,241 @@
+"""Tools (daemon/tool_calls.py, frontdoor/tools.py, the daemon's tool grammar): the format a
+chat template speaks, calls parsed out of outputs in both formats, the front door's refusals
+and the template's rendering of tools and tool messages, and through the in-process engine
+(a tiny random llama, a tokenizer with a Hermes-style template): ``required`` and named calls
+always come, each call's arguments valid under its tool's schema, one call where parallel
+calls are off; the same tokens under speculation as without."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from engine_harness import debug_checks_fixture, engine_for, request, run
+from frontdoor_harness import build_tokenizer
+from model_fixtures import save_drafts, save_tiny_model
+
+from outrider.daemon.frontdoor.tools import ToolsRefused, template_inputs, tool_use
+from outrider.daemon.grammar.compiler import Grammars
+from outrider.daemon.internal import TokenizedRequest, ToolUse
+from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
+from outrider.daemon.tool_calls import ParsedCall, parse_tool_calls, tool_call_format
+from outrider.protocol.messages import ChatMessage, Generate, Grammar, Tool, ToolCall
+
+debug_checks = debug_checks_fixture()
+
+VOCAB = 336
+# Chat templates written for these tests in the two formats' styles.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|system|>Tools:{% for tool in tools %}\n{{ tool.function | tojson }}"
+    '{% endfor %}\nCall one as <tool_call>\n{"name": N, "arguments": A}\n</tool_call></s>'
+    "{% endif %}{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|user|><tool_response>{{ m.content }}</tool_response></s>"
+    "{% elif m.tool_calls %}<|assistant|>{% for c in m.tool_calls %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n"
+    "</tool_call>{% endfor %}</s>"
+    "{% else %}<|{{ m.role }}|>{{ m.content }}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+LLAMA_TEMPLATE = (
+    '{% if tools %}<|system|>Answer with {"name": N, "parameters": A}:'
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}</s>{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WEATHER = Tool(
+    "get_weather",
+    "The weather in a city",
+    json.dumps({
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }),
+)  # fmt: skip
+CLOCK = Tool(
+    "get_time",
+    "The time in a zone",
+    json.dumps({
+        "type": "object",
+        "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    }),
+)  # fmt: skip
+PROMPTS = [[1, 17, 40, 99, 7], [1, 5, 6, 200, 31, 77, 3], [1, 250, 12]]
+
+
+def test_the_format_comes_from_the_chat_template() -> None:
+    assert tool_call_format(HERMES_TEMPLATE) == "qwen_3"
+    assert tool_call_format(LLAMA_TEMPLATE) == "llama"
+    assert tool_call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert tool_call_format(None) is None
+
+
+def test_calls_are_parsed_out_of_both_formats() -> None:
+    hermes = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+        '"days": 2}}\n</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+        "<tool_call>not json</tool_call>"
+    )
+    content, calls = parse_tool_calls("qwen_3", hermes)
+    assert calls == [
+        ParsedCall("get_weather", {"city": "Oslo", "days": 2}),
+        ParsedCall("get_time", {}),
+    ]
+    assert content == "Let me look.\n<tool_call>not json</tool_call>"
+    llama = '{"name": "get_weather", "parameters": {"city": "Lima", "days": 1}}'
+    assert parse_tool_calls("llama", llama) == (
+        "",
+        [ParsedCall("get_weather", {"city": "Lima", "days": 1})],
+    )
+    plain = 'The {"name": tag} is not a call.'
+    assert parse_tool_calls("llama", plain) == (plain, [])
+
+
+def _chat(**fields: object) -> Generate:
+    return Generate("r", messages=[ChatMessage("user", "Weather?")], **fields)  # type: ignore[arg-type]
+
+
+def test_the_front_door_refuses_what_it_cannot_honour() -> None:
+    cases = [
+        (_chat(tool_choice="required"), "tool_choice required needs tools"),
+        (_chat(tools=[WEATHER], tool_name="get_weather"), "tool_name needs tool_choice required"),
+        (_chat(tools=[WEATHER], tool_choice="required", tool_name="nope"),
+         "tool_name 'nope' is not one of tools"),
+        (_chat(tools=[WEATHER, WEATHER]), "tools: two tools have the same name"),
+        (_chat(tools=[Tool("f", parameters="[1]")]), "tools[0].parameters: not a JSON object"),
+        (Generate("r", prompt="x", tools=[WEATHER]), "tools need a chat request (messages)"),
+        (_chat(tools=[WEATHER], grammar=Grammar("json_object")),
+         "a grammar and tools cannot both constrain one output"),
+        (Generate("r", messages=[ChatMessage("assistant", "", [ToolCall("c", "f", "{")])]),
+         "messages[0].tool_calls[0].arguments: not JSON"),
+    ]  # fmt: skip
+    for msg, message in cases:
+        with pytest.raises(ToolsRefused) as refused:
+            tool_use(msg, "qwen_3")
+        assert str(refused.value).startswith(message), str(refused.value)
+    with pytest.raises(ToolsRefused, match="renders no tool-call format") as exc:
+        tool_use(_chat(tools=[WEATHER]), None)
+    assert exc.value.code == "unsupported"
+    assert tool_use(_chat(tools=[WEATHER], tool_choice="none"), None) is None
+    named = _chat(tools=[WEATHER], tool_choice="required", tool_name="get_weather")
+    assert tool_use(named, "llama") == ToolUse("llama", [WEATHER], "required", "get_weather", True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tools-llama")
+    with torch.no_grad():
+        save_tiny_model("llama", directory, vocab_size=VOCAB)
+    build_tokenizer(directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = HERMES_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    tok = load_tokenizer(model_dir)
+    assert tok is not None
+    return tok
+
+
+def test_the_template_renders_tools_calls_and_results(tokenizer: Tokenizer) -> None:
+    msg = Generate(
+        "r",
+        messages=[
+            ChatMessage("user", "Weather in Oslo?"),
+            ChatMessage("assistant", "", [ToolCall("c1", "get_weather", '{"city": "Oslo"}')]),
+            ChatMessage("tool", "cold", tool_call_id="c1"),
+        ],
+        tools=[WEATHER],
+    )
+    turns, tools = template_inputs(msg)
+    text = tokenizer.hf.decode(tokenizer.apply_chat_template(turns, tools))
+    assert '"name": "get_weather"' in text and '"description": "The weather in a city"' in text
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    )
+    assert "<tool_response>cold</tool_response>" in text
+    assert text.endswith("<|assistant|>")
+
+
+def _requests(use: ToolUse) -> list[TokenizedRequest]:
+    return [
+        request(i, prompt, max_new_tokens=120, ignore_eos=False, temperature=1.0, seed=i)
+        for i, prompt in enumerate(PROMPTS)
+    ]
+
+
+def _with_tools(reqs: list[TokenizedRequest], use: ToolUse) -> list[TokenizedRequest]:
+    return [TokenizedRequest(**{f: getattr(r, f) for f in r.__struct_fields__} | {"tools": use})
+            for r in reqs]  # fmt: skip
+
+
+def _calls(outcomes: dict, tokenizer: Tokenizer) -> list[list[ParsedCall]]:
+    """Each output's calls (text may follow them: a random model rambles to its length)."""
+    found = []
+    for rid in sorted(outcomes):
+        tokens = outcomes[rid].token_ids
+        if tokens and tokens[-1] == tokenizer.eos_token_id:
+            tokens = tokens[:-1]
+        found.append(parse_tool_calls("qwen_3", tokenizer.hf.decode(tokens))[1])
+    return found
+
+
+def _valid(call: ParsedCall) -> bool:
+    if call.name == "get_weather":
+        args = call.arguments
+        return (
+            set(args) == {"city", "days"}
+            and args["city"] in ("Paris", "Oslo", "Lima")
+            and (args["days"] in range(1, 8))
+        )
+    return call.name == "get_time" and call.arguments.get("zone") in ("UTC", "CET")
+
+
+@pytest.mark.parametrize(
+    ("use", "names"),
+    [
+        (ToolUse("qwen_3", [WEATHER, CLOCK], "required", None, True), {"get_weather", "get_time"}),
+        (ToolUse("qwen_3", [WEATHER, CLOCK], "required", "get_time", True), {"get_time"}),
+        (ToolUse("qwen_3", [WEATHER, CLOCK], "required", None, False), {"get_weather", "get_time"}),
+    ],
+    ids=["required", "named", "one call"],
+)
+def test_required_calls_come_and_hold_to_their_schemas(
+    model_dir: Path, tokenizer: Tokenizer, use: ToolUse, names: set[str]
+) -> None:
+    assert tokenizer.eos_token_id is not None
+    grammars = Grammars(str(model_dir), VOCAB, [tokenizer.eos_token_id])
+    outcomes = run(engine_for(str(model_dir)), _with_tools(_requests(use), use), grammars=grammars)
+    for calls in _calls(outcomes, tokenizer):
+        assert calls and all(_valid(c) and c.name in names for c in calls), calls
+        if not use.parallel:
+            assert len(calls) == 1
+
+
+def test_tool_calls_under_speculation_are_the_plain_engines(
+    model_dir: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    assert tokenizer.eos_token_id is not None
+    grammars = Grammars(str(model_dir), VOCAB, [tokenizer.eos_token_id])
+    drafts = save_drafts(tmp_path_factory.mktemp("tools-drafts"), model_dir)
+    use = ToolUse("qwen_3", [WEATHER, CLOCK], "auto", None, True)
+    reqs = _with_tools(_requests(use), use)
+    plain = run(engine_for(str(model_dir), no_overlap=True), reqs, grammars=grammars)
+    spec = run(
+        engine_for(str(model_dir), speculative_algorithm="eagle3", speculative_num_steps=3,
+                   draft_model=drafts["eagle3"]),
+        reqs,
+        grammars=grammars,
+    )  # fmt: skip
+    for rid, outcome in plain.items():
+        assert spec[rid].token_ids == outcome.token_ids
+    for calls in _calls(spec, tokenizer):
+        assert all(_valid(c) for c in calls)
