@@ -42,7 +42,7 @@ from outrider.daemon.http.tokenize import PIECE_CHARS, Tokenization
 from outrider.protocol import AsyncClient, NotListening, RequestError
 from outrider.protocol._client_common import GenerateCall
 from outrider.protocol.frames import request_codec
-from outrider.protocol.messages import MAX_TOKEN_ID, Grammar, Health
+from outrider.protocol.messages import MAX_TOKEN_ID, Grammar, Health, Tool
 
 FAMILY = embedded_family()
 
@@ -106,9 +106,6 @@ _ASKING = {
     "min_tokens": (4, 0),
     "best_of": (2, 1),
     "suffix": ("x", ""),
-    "tools": ([{"type": "function", "function": {"name": "f"}}], []),
-    "tool_choice": ("auto", "none"),
-    "parallel_tool_calls": ("yes", True),
     "functions": ([{"name": "f"}], []),
     "function_call": ("auto", "none"),
 }
@@ -193,6 +190,42 @@ def test_structured_output_refusals_name_the_field() -> None:
     with pytest.raises(InvalidRequest) as exc:
         _translate(_CHAT | {"response_format": {"type": "xml"}})
     assert exc.value.param == "response_format.type"
+
+
+def test_tools_go_to_the_daemon_and_only_with_chat() -> None:
+    tool = {"type": "function", "function": {"name": "f", "description": "d",
+                                             "parameters": {"type": "object"}}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    body = {"messages": messages, "tools": [tool], "tool_choice": "required"}
+    args = chat_args(decode_request(msgspec.json.encode(body), ChatRequest))
+    kwargs = args.client_kwargs()
+    assert kwargs["tools"] == [Tool("f", "d", '{"type": "object"}')]
+    assert (kwargs["tool_choice"], kwargs["parallel_tool_calls"]) == ("required", True)
+    assert kwargs["messages"][1] == {
+        "role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "name": "f", "arguments": "{}"}]
+    }  # fmt: skip
+    assert kwargs["messages"][2] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    assert args.calls_tools
+    named = body | {"tool_choice": {"type": "function", "function": {"name": "f"}},
+                    "parallel_tool_calls": False}  # fmt: skip
+    kwargs = chat_args(decode_request(msgspec.json.encode(named), ChatRequest)).client_kwargs()
+    assert (kwargs["tool_choice"], kwargs["tool_name"], kwargs["parallel_tool_calls"]) == (
+        "required", "f", False)  # fmt: skip
+    off = chat_args(
+        decode_request(msgspec.json.encode(body | {"tool_choice": "none"}), ChatRequest)
+    )
+    assert not off.calls_tools and off.client_kwargs()["tool_choice"] == "none"
+    plain = chat_args(decode_request(msgspec.json.encode(_CHAT), ChatRequest))
+    assert "tools" not in plain.client_kwargs() and not plain.calls_tools
+    with pytest.raises(InvalidRequest) as exc:
+        _translate({"prompt": "a", "tools": [tool]})
+    assert (str(exc.value), exc.value.param) == ("tools is not a field this server takes", "tools")
 
 
 def test_logit_adjustments_go_to_the_daemon_as_given() -> None:

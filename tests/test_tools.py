@@ -8,12 +8,14 @@ calls are off; the same tokens under speculation as without."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from engine_harness import debug_checks_fixture, engine_for, request, run
 from frontdoor_harness import build_tokenizer
+from http_harness import API_KEY, HttpDaemon
 from model_fixtures import save_drafts, save_tiny_model
 
 from outrider.daemon.frontdoor.tools import ToolsRefused, template_inputs, tool_use
@@ -130,7 +132,9 @@ def test_the_front_door_refuses_what_it_cannot_honour() -> None:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("tools-llama")
     with torch.no_grad():
-        save_tiny_model("llama", directory, vocab_size=VOCAB)
+        # A context that holds the tools' schemas, a byte a token.
+        overrides = {"max_position_embeddings": 1024}
+        save_tiny_model("llama", directory, vocab_size=VOCAB, config_overrides=overrides)
     build_tokenizer(directory)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config["chat_template"] = HERMES_TEMPLATE
@@ -239,3 +243,58 @@ def test_tool_calls_under_speculation_are_the_plain_engines(
         assert spec[rid].token_ids == outcome.token_ids
     for calls in _calls(spec, tokenizer):
         assert all(_valid(c) for c in calls)
+
+
+@pytest.fixture(scope="module")
+def http_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    http = HttpDaemon(tmp_path_factory.mktemp("tools-http"), "--api-key", API_KEY, model=model_dir)
+    try:
+        yield http
+        assert http.daemon.stop() == 0, http.daemon.log()
+    finally:
+        http.daemon.kill_all()
+
+
+OPENAI_TOOLS = [
+    {"type": "function",
+     "function": {"name": t.name, "description": t.description,
+                  "parameters": json.loads(t.parameters)}}
+    for t in (WEATHER, CLOCK)
+]  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_the_openai_client_gets_tool_calls_streamed_or_not(
+    http_server: HttpDaemon, model_dir: Path
+) -> None:
+    client = http_server.openai()
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    params = dict(model=model_dir.name, messages=messages, tools=OPENAI_TOOLS, max_tokens=120,
+                  temperature=1.0, seed=3)  # fmt: skip
+    done = client.chat.completions.create(**params, tool_choice="required")  # type: ignore[call-overload]
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert _valid(ParsedCall(call.function.name, json.loads(call.function.arguments)))
+        assert call.id.startswith("call_") and call.type == "function"
+    named = client.chat.completions.create(  # type: ignore[call-overload]
+        **params, tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
+    assert {c.function.name for c in named.choices[0].message.tool_calls or []} == {"get_time"}
+    stream = client.chat.completions.create(**params, tool_choice="required", stream=True)  # type: ignore[call-overload]
+    deltas = [chunk.choices[0] for chunk in stream if chunk.choices]
+    streamed = [call for d in deltas for call in d.delta.tool_calls or []]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
+    ]
+    assert deltas[-1].finish_reason == "tool_calls"
+    # The call and its result go back in: the template renders them, the model answers.
+    call = choice.message.tool_calls[0]
+    follow_up = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "cold"},
+    ]
+    answer = client.chat.completions.create(**params | {"messages": follow_up}, tool_choice="none")  # type: ignore[call-overload]
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].finish_reason in ("stop", "length")

@@ -1,6 +1,7 @@
 """The choices of one OpenAI request (``n``): a daemon request each, run together, and the
-server-sent events of their streams merged as their chunks come, each tagged with its index.
-Whatever ends a response early aborts the requests of every choice not finished."""
+server-sent events of their streams merged as their chunks come, each tagged with its index
+(or, for a chat request whose tools may be called, of its complete answers). Whatever ends a
+response early aborts the requests of every choice not finished."""
 
 from __future__ import annotations
 
@@ -105,6 +106,32 @@ async def sse_events(
     finally:
         for task in pumps:
             task.cancel()
+    yield b"data: [DONE]\n\n"
+
+
+async def sse_answered(
+    shape: Shape, results: list[GenerateResult], include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The events of a streamed response whose answers are complete (a chat request whose
+    tools may be called: its calls are parsed from the whole answer): per choice its role,
+    its message's content and calls as one delta, its finish; then the usage and ``[DONE]``."""
+    full = shape.full(results)
+    for choice in full["choices"]:
+        index, message = choice["index"], choice["message"]
+        yield sse(with_usage(shape.chunk("", role=True, index=index), include_usage))
+        delta = {key: message[key] for key in ("content", "tool_calls") if message.get(key)}
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [
+                call | {"index": i} for i, call in enumerate(delta["tool_calls"])
+            ]
+        body = shape.chunk(None, index=index)
+        body["choices"][0]["delta"] = delta
+        body["choices"][0]["logprobs"] = choice["logprobs"]
+        yield sse(with_usage(body, include_usage))
+        finish = shape.chunk(None, finish_reason=choice["finish_reason"], index=index)
+        yield sse(with_usage(finish, include_usage))
+    if include_usage:
+        yield sse(shape.usage_chunk(merged_usage([r.usage for r in results])))
     yield b"data: [DONE]\n\n"
 
 

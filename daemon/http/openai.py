@@ -21,7 +21,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -30,6 +30,15 @@ from msgspec import Meta
 
 from outrider.daemon.http.errors import split_path
 from outrider.daemon.http.structured import GrammarFieldError, StructuredFields, grammar_of
+from outrider.daemon.http.tools import (
+    ToolCallIn,
+    ToolChoiceIn,
+    ToolIn,
+    answer_with_calls,
+    message_calls,
+    tools_kwargs,
+)
+from outrider.daemon.tool_calls import ToolCallFormat
 from outrider.protocol import GenerateResult, TokenChunk
 from outrider.protocol.messages import (
     MAX_LOGPROBS,
@@ -65,6 +74,8 @@ class ContentPart(msgspec.Struct):
 class ChatMessageIn(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls (tools.py)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class _Sampling(StructuredFields, forbid_unknown_fields=True):
@@ -90,9 +101,6 @@ class _Sampling(StructuredFields, forbid_unknown_fields=True):
     min_tokens: Any = None
     best_of: Any = None
     suffix: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
 
@@ -110,6 +118,9 @@ class ChatRequest(_Sampling):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: ToolChoiceIn | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class InvalidRequest(ValueError):
@@ -130,7 +141,7 @@ class GenerateArgs:
 
     prompt: str | None
     input_ids: list[int] | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     max_new_tokens: int | None
     temperature: float | None
     top_p: float | None
@@ -144,6 +155,12 @@ class GenerateArgs:
     adjustments: dict[str, Any]  # min_p, the penalties and logit_bias a request gave
     n: int  # choices: one daemon request each
     grammar: Grammar | None  # structured output (structured.py)
+    tools: dict[str, Any] = field(default_factory=dict)  # tools.py's client arguments
+
+    @property
+    def calls_tools(self) -> bool:
+        """The model may (or must) call the request's tools: its answer is parsed for them."""
+        return bool(self.tools.get("tools")) and self.tools.get("tool_choice") != "none"
 
     def choice_kwargs(self) -> list[dict[str, Any]]:
         """The client arguments of each choice: choice ``i`` draws with ``seed + i`` (a seed
@@ -158,6 +175,7 @@ class GenerateArgs:
         return (
             self.adjustments
             | constrained
+            | self.tools
             | {
                 "prompt": self.prompt,
                 "input_ids": self.input_ids,
@@ -218,14 +236,12 @@ ADJUSTMENT_FIELDS = (
 
 
 # The fields this front knows but does not implement, each with the values that ask for
-# nothing (a request may send those). Tools are still to come.
+# nothing (a request may send those). ``functions`` and ``function_call`` are the API's
+# older spelling of tools: a request sends ``tools`` instead.
 UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "min_tokens": lambda v: v == 0,
     "best_of": lambda v: v == 1,
     "suffix": lambda v: v == "",
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
-    "parallel_tool_calls": lambda v: isinstance(v, bool),
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
 }
@@ -277,7 +293,7 @@ def completion_args(req: CompletionRequest) -> GenerateArgs:
     return _args(req, prompt, input_ids, None, req.max_tokens, wanted)
 
 
-def chat_turns(messages_in: list[ChatMessageIn]) -> list[dict[str, str]]:
+def chat_turns(messages_in: list[ChatMessageIn]) -> list[dict[str, Any]]:
     """The messages as the daemon's chat template takes them (text parts joined)."""
     messages = []
     for i, msg in enumerate(messages_in):
@@ -286,7 +302,12 @@ def chat_turns(messages_in: list[ChatMessageIn]) -> list[dict[str, str]]:
             if any(part.type != "text" for part in content):
                 raise InvalidRequest("only text content parts are supported", f"messages[{i}]")
             content = "".join(part.text for part in content)
-        messages.append({"role": msg.role, "content": content or ""})
+        turn: dict[str, Any] = {"role": msg.role, "content": content or ""}
+        if msg.tool_calls:
+            turn["tool_calls"] = message_calls(msg.tool_calls)
+        if msg.tool_call_id is not None:
+            turn["tool_call_id"] = msg.tool_call_id
+        messages.append(turn)
     if not messages:
         raise InvalidRequest("messages must not be empty", "messages")
     return messages
@@ -303,14 +324,15 @@ def chat_args(req: ChatRequest) -> GenerateArgs:
     max_tokens = req.max_completion_tokens
     if max_tokens is None:
         max_tokens = req.max_tokens
-    return _args(req, None, None, messages, max_tokens, wanted)
+    args = _args(req, None, None, messages, max_tokens, wanted)
+    return replace(args, tools=tools_kwargs(req.tools, req.tool_choice, req.parallel_tool_calls))
 
 
 def _args(
     req: _Sampling,
     prompt: str | None,
     input_ids: list[int] | None,
-    messages: list[dict[str, str]] | None,
+    messages: list[dict[str, Any]] | None,
     max_tokens: int | None,
     top_wanted: int,  # -1: no logprobs
 ) -> GenerateArgs:
@@ -447,6 +469,8 @@ class Shape:
     created: int
     top_logprobs: int
     texts: TokenTexts
+    # The model's tool-call format, where the request's tools may be called (tools.py).
+    tool_format: ToolCallFormat | None = None
 
     def _head(self, streamed: bool) -> dict[str, Any]:
         if self.chat:
@@ -465,12 +489,15 @@ class Shape:
         choices = []
         for index, result in enumerate(results):
             choice: dict[str, Any] = {"index": index}
-            if self.chat:
+            finish_reason: str = result.finish_reason
+            if self.chat and self.tool_format is not None:
+                choice["message"], finish_reason = answer_with_calls(self.tool_format, result)
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": result.text}
             else:
                 choice["text"] = result.text
             choice["logprobs"] = self._logprobs(result.logprobs)
-            choice["finish_reason"] = result.finish_reason
+            choice["finish_reason"] = finish_reason
             choices.append(choice)
         usage = merged_usage([r.usage for r in results])
         return self._head(False) | {"choices": choices, "usage": usage_body(usage)}

@@ -41,7 +41,14 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from outrider.daemon.http.access import Access, AccessRule
-from outrider.daemon.http.choices import close_all, every, first_chunk, rest_of, sse_events
+from outrider.daemon.http.choices import (
+    close_all,
+    every,
+    first_chunk,
+    rest_of,
+    sse_answered,
+    sse_events,
+)
 from outrider.daemon.http.config import HttpFrontConfig, bind_http
 from outrider.daemon.http.errors import (
     STATUS_OF_CODE,
@@ -70,6 +77,7 @@ from outrider.daemon.http.openai import (
 from outrider.daemon.http.tokenize import Tokenization
 from outrider.daemon.processes.child_runtime import ChildTasks, ParentPipe, child_setup, run_child
 from outrider.daemon.processes.runtime import is_loopback
+from outrider.daemon.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat
 from outrider.protocol import (
     AsyncClient,
     AsyncTokenStream,
@@ -201,7 +209,7 @@ class HttpFront:
             api_key=cfg.api_key,
             allow_origins=frozenset(cfg.allow_origins),
         )
-        self._max_model_len: int | None = None  # the daemon's context length, once asked
+        self._daemon_configuration: dict[str, Any] | None = None  # once asked
         self._created = now()
         self._loading = LoadingWatch(cfg.client_endpoint)
 
@@ -275,10 +283,18 @@ class HttpFront:
         return json_response({"prompt": text})
 
     async def _context_length(self) -> int:
-        if self._max_model_len is None:
+        return int((await self._configuration())["context_length"])
+
+    async def _tool_format(self) -> ToolCallFormat | None:
+        fmt = (await self._configuration()).get("tool_call_format")
+        return fmt if fmt in TOOL_CALL_FORMATS else None
+
+    async def _configuration(self) -> dict[str, Any]:
+        """The daemon's configuration (``server_info``), asked once."""
+        if self._daemon_configuration is None:
             info = await self._client.server_info(timeout=HEALTH_TIMEOUT_S)
-            self._max_model_len = int(info.configuration["context_length"])
-        return self._max_model_len
+            self._daemon_configuration = info.configuration
+        return self._daemon_configuration
 
     async def version(self, _request: Request) -> Response:
         return json_response({"version": self._cfg.version})
@@ -343,11 +359,13 @@ class HttpFront:
             created=now(),
             top_logprobs=args.top_logprobs,
             texts=self._texts,
+            tool_format=await self._tool_format() if args.calls_tools else None,
         )
         # NOTE: choices that arrive together would each compute the prompt: the first goes
         # alone until its first chunk, and the others find its prompt in the prefix cache.
         choices = args.choice_kwargs()
-        if not streamed:
+        # The calls of an answer are parsed from all of it: streamed, it goes out complete.
+        if not streamed or shape.tool_format is not None:
             calls: list[Awaitable[GenerateResult]] = []
             leads = [self._client.stream(**choices[0])] if len(choices) > 1 else []
             try:
@@ -362,6 +380,8 @@ class HttpFront:
                 close_all(leads)
             if results is None:  # nobody reads this answer: the requests were aborted
                 return Response(status_code=CLIENT_GONE)
+            if streamed:
+                return _Stream(sse_answered(shape, results, include_usage), [])
             return json_response(shape.full(results))
         streams = [self._client.stream(**kwargs) for kwargs in choices]
         # The first chunks are awaited here, so that a refused request gets its status code.
