@@ -26,6 +26,12 @@ class GrammarRefused(ValueError):
     """The grammar cannot be compiled; the message says why (xgrammar's own words)."""
 
 
+def _refused(what: str, exc: Exception) -> GrammarRefused:
+    """xgrammar's ``exc`` as a refusal of ``what``, without the time and source location
+    xgrammar puts before its message."""
+    return GrammarRefused(f"{what}: {_SOURCE_PREFIX.sub('', str(exc)).strip()}")
+
+
 class Grammars:
     def __init__(self, tokenizer_dir: str, vocab_size: int, stop_ids: Sequence[int]) -> None:
         """``vocab_size``: the model's (the width of its logits, which the masks cover);
@@ -60,9 +66,7 @@ class Grammars:
                 return compiler.compile_grammar(f"root ::= {alternatives}")
             return compiler.compile_grammar(grammar.text)
         except (RuntimeError, ValueError) as exc:
-            # xgrammar prefixes its messages with a time and a source location.
-            reason = _SOURCE_PREFIX.sub("", str(exc)).strip()
-            raise GrammarRefused(f"grammar ({grammar.kind}): {reason}") from None
+            raise _refused(f"grammar ({grammar.kind})", exc) from None
 
     def compile_tools(self, use: ToolUse) -> xgr.CompiledGrammar:
         """The grammar of ``use``'s calls: xgrammar's structural tag for the model's format,
@@ -84,8 +88,7 @@ class Grammars:
             )
             return self._compiler.compile_structural_tag(tag)
         except (RuntimeError, ValueError) as exc:
-            reason = _SOURCE_PREFIX.sub("", str(exc)).strip()
-            raise GrammarRefused(f"tools: {reason}") from None
+            raise _refused("tools", exc) from None
 
     def start(self, msg: TokenizedRequest) -> GrammarState:
         """``msg``'s state at the start of its output (its grammar's, or its tools'); the

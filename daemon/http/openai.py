@@ -7,7 +7,8 @@ generation defaults apply there. ``top_k``, ``min_p``, ``repetition_penalty``,
 value's range.
 
 Structured output (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``) goes
-to the daemon as one grammar (structured.py).
+to the daemon as one grammar (structured.py); a chat request's tools as the client library's
+tool arguments, and its answer's calls come back as ``tool_calls`` (tools.py).
 
 Nothing a request sends is dropped in silence: a field these shapes do not know is refused
 (400 naming it, as the OpenAI API itself answers), and a field of the API (or of vLLM's
