@@ -20,6 +20,7 @@ from model_fixtures import save_drafts, save_tiny_model
 
 from outrider.daemon.frontdoor.tools import ToolsRefused, template_inputs, tool_use
 from outrider.daemon.grammar.compiler import Grammars
+from outrider.daemon.http.tools import CallStream
 from outrider.daemon.internal import TokenizedRequest, ToolUse
 from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
 from outrider.daemon.tool_calls import ParsedCall, parse_tool_calls, tool_call_format
@@ -96,6 +97,33 @@ def test_calls_are_parsed_out_of_both_formats() -> None:
     )
     plain = 'The {"name": tag} is not a call.'
     assert parse_tool_calls("llama", plain) == (plain, [])
+
+
+def test_a_stream_sends_content_until_a_call_may_begin_and_the_calls_at_the_end() -> None:
+    stream = CallStream("qwen_3")
+    pieces = [
+        stream.take(t)
+        for t in [
+            "Let me ",
+            "check.<tool",
+            "_call>\n",
+            '{"name": "get_time", ',
+            '"arguments": {"zone": "UTC"}}\n</tool_call>',
+            " Done.",
+        ]
+    ]
+    assert pieces == ["Let me ", "check.", "", "", "", ""]  # "<tool" may begin a call: held
+    rest, calls = stream.finish()
+    assert rest == "Done."
+    assert [(c["index"], c["function"]) for c in calls] == [
+        (0, {"name": "get_time", "arguments": '{"zone": "UTC"}'})
+    ]
+    plain = CallStream("qwen_3")
+    assert [plain.take(t) for t in ["a <to", "y> b"]] == ["a ", "<toy> b"]
+    assert plain.finish() == ("", [])
+    llama = CallStream("llama")
+    assert llama.take('Sure. {"name": "get_time", "parameters": {"zone": "CET"}}') == "Sure. "
+    assert [c["function"]["name"] for c in llama.finish()[1]] == ["get_time"]  # fmt: skip
 
 
 def _chat(**fields: object) -> Generate:

@@ -1,7 +1,8 @@
 """The choices of one OpenAI request (``n``): a daemon request each, run together, and the
 server-sent events of their streams merged as their chunks come, each tagged with its index
-(or, for a chat request whose tools may be called, of its complete answers). Whatever ends a
-response early aborts the requests of every choice not finished."""
+(a chat request whose tools may be called: its content until a call may begin, its calls at
+the end, tools.py). Whatever ends a response early aborts the requests of every choice not
+finished."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import msgspec
 
 from outrider.daemon.http.errors import STATUS_OF_CODE, error_body, public_message
 from outrider.daemon.http.openai import Shape, merged_usage
-from outrider.protocol import AsyncTokenStream, GenerateResult, RequestError, TokenChunk
+from outrider.daemon.http.tools import CallStream
+from outrider.protocol import (
+    AsyncTokenStream,
+    GenerateResult,
+    RequestError,
+    TokenChunk,
+    TokenLogprob,
+)
 
 T = TypeVar("T")
 
@@ -80,6 +88,9 @@ async def sse_events(
             await events.put((index, exc))
 
     pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    fmt = shape.tool_format if shape.chat else None
+    calls = [CallStream(fmt) for _ in streams] if fmt is not None else None
+    held: list[list[TokenLogprob]] = [[] for _ in streams]  # logprobs of text held back
     try:
         if shape.chat:
             for index in range(len(streams)):
@@ -91,11 +102,27 @@ async def sse_events(
                     raise event
                 if event is None:
                     break
-                yield sse(with_usage(shape.token_chunk(event, index), include_usage))
+                if calls is None:
+                    yield sse(with_usage(shape.token_chunk(event, index), include_usage))
+                    continue
+                held[index] += event.logprobs or []
+                if piece := calls[index].take(event.text):
+                    body = shape.chunk(piece, held[index] or None, index=index)
+                    held[index] = []
+                    yield sse(with_usage(body, include_usage))
             result = streams[index].result
             assert result is not None
+            reason: str = result.finish_reason
+            if calls is not None:
+                rest, called = calls[index].finish()
+                body = shape.chunk(rest or None, held[index] or None, index=index)
+                if called:
+                    body["choices"][0]["delta"]["tool_calls"] = called
+                    reason = "tool_calls"
+                if rest or called or held[index]:
+                    yield sse(with_usage(body, include_usage))
             text = None if shape.chat else ""
-            finish = shape.chunk(text, finish_reason=result.finish_reason, index=index)
+            finish = shape.chunk(text, finish_reason=reason, index=index)
             yield sse(with_usage(finish, include_usage))
         if include_usage:
             usages = [stream.result.usage for stream in streams if stream.result is not None]
@@ -106,32 +133,6 @@ async def sse_events(
     finally:
         for task in pumps:
             task.cancel()
-    yield b"data: [DONE]\n\n"
-
-
-async def sse_answered(
-    shape: Shape, results: list[GenerateResult], include_usage: bool
-) -> AsyncIterator[bytes]:
-    """The events of a streamed response whose answers are complete (a chat request whose
-    tools may be called: its calls are parsed from the whole answer): per choice its role,
-    its message's content and calls as one delta, its finish; then the usage and ``[DONE]``."""
-    full = shape.full(results)
-    for choice in full["choices"]:
-        index, message = choice["index"], choice["message"]
-        yield sse(with_usage(shape.chunk("", role=True, index=index), include_usage))
-        delta = {key: message[key] for key in ("content", "tool_calls") if message.get(key)}
-        if "tool_calls" in delta:
-            delta["tool_calls"] = [
-                call | {"index": i} for i, call in enumerate(delta["tool_calls"])
-            ]
-        body = shape.chunk(None, index=index)
-        body["choices"][0]["delta"] = delta
-        body["choices"][0]["logprobs"] = choice["logprobs"]
-        yield sse(with_usage(body, include_usage))
-        finish = shape.chunk(None, finish_reason=choice["finish_reason"], index=index)
-        yield sse(with_usage(finish, include_usage))
-    if include_usage:
-        yield sse(shape.usage_chunk(merged_usage([r.usage for r in results])))
     yield b"data: [DONE]\n\n"
 
 

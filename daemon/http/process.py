@@ -46,7 +46,6 @@ from outrider.daemon.http.choices import (
     every,
     first_chunk,
     rest_of,
-    sse_answered,
     sse_events,
 )
 from outrider.daemon.http.config import HttpFrontConfig, bind_http
@@ -364,8 +363,7 @@ class HttpFront:
         # NOTE: choices that arrive together would each compute the prompt: the first goes
         # alone until its first chunk, and the others find its prompt in the prefix cache.
         choices = args.choice_kwargs()
-        # The calls of an answer are parsed from all of it: streamed, it goes out complete.
-        if not streamed or shape.tool_format is not None:
+        if not streamed:
             calls: list[Awaitable[GenerateResult]] = []
             leads = [self._client.stream(**choices[0])] if len(choices) > 1 else []
             try:
@@ -380,8 +378,6 @@ class HttpFront:
                 close_all(leads)
             if results is None:  # nobody reads this answer: the requests were aborted
                 return Response(status_code=CLIENT_GONE)
-            if streamed:
-                return _Stream(sse_answered(shape, results, include_usage), [])
             return json_response(shape.full(results))
         streams = [self._client.stream(**kwargs) for kwargs in choices]
         # The first chunks are awaited here, so that a refused request gets its status code.
