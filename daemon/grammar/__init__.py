@@ -1,10 +1,11 @@
-"""Constrained outputs: a request's ``Grammar`` (protocol/messages.py) compiled against the
-model's vocabulary, and per request the tokens its grammar allows next.
+"""Constrained outputs: a request's ``Grammar`` (protocol/messages.py), or its tools' calls
+(the structural tag of the model's tool-call format), compiled against the model's
+vocabulary, and per request the tokens its grammar allows next.
 
 Built on xgrammar: ``compiler.Grammars`` turns a grammar into xgrammar's compiled form (the
-compiler caches by content), ``state.GrammarState`` holds one request's matcher. The
-scheduler owns the states (scheduler/planner.py, outputs.py); the engine only applies the
-masks a plan carries (engine/token_masks.py).
+compiler caches by content), ``queue.GrammarQueue`` compiles off the daemon's loop,
+``state.GrammarState`` holds one request's matcher. The scheduler owns the states
+(scheduler/planner.py, outputs.py); the engine only applies masks (engine/token_masks.py).
 
 Invariants:
 - a state is advanced by exactly the tokens its request commits, in order, once each;
