@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import xgrammar as xgr
+from chat_model_fixture import CHAT_VOCAB, save_chat_model
 from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
 from frontdoor_harness import build_tokenizer
-from model_fixtures import save_drafts, save_tiny_model
+from model_fixtures import save_drafts
 
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
@@ -27,7 +28,7 @@ from outrider.protocol.messages import Generate, Grammar, request_revision
 
 debug_checks = debug_checks_fixture()
 
-VOCAB = 336  # the model's: past the tokenizer's 320 ids, which no mask may let through
+VOCAB = CHAT_VOCAB  # the model's: past the tokenizer's 320 ids, which no mask may let through
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -51,9 +52,7 @@ NEW_TOKENS = 80  # the tiny tokenizer spends about a token a character
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("grammar-llama")
-    with torch.no_grad():
-        save_tiny_model("llama", directory, vocab_size=VOCAB)
-    build_tokenizer(directory)
+    save_chat_model(directory)
     return directory
 
 

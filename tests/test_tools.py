@@ -12,11 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+from chat_model_fixture import CHAT_VOCAB, save_chat_model
 from engine_harness import debug_checks_fixture, engine_for, request, run
-from frontdoor_harness import build_tokenizer
 from http_harness import API_KEY, HttpDaemon
-from model_fixtures import save_drafts, save_tiny_model
+from model_fixtures import save_drafts
 
 from outrider.daemon.frontdoor.tools import ToolsRefused, template_inputs, tool_use
 from outrider.daemon.grammar.compiler import Grammars
@@ -28,7 +27,7 @@ from outrider.protocol.messages import ChatMessage, Generate, Grammar, Tool, Too
 
 debug_checks = debug_checks_fixture()
 
-VOCAB = 336
+VOCAB = CHAT_VOCAB
 # Chat templates written for these tests in the two formats' styles.
 HERMES_TEMPLATE = (
     "{% if tools %}<|system|>Tools:{% for tool in tools %}\n{{ tool.function | tojson }}"
@@ -159,14 +158,8 @@ def test_the_front_door_refuses_what_it_cannot_honour() -> None:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("tools-llama")
-    with torch.no_grad():
-        # A context that holds the tools' schemas, a byte a token.
-        overrides = {"max_position_embeddings": 1024}
-        save_tiny_model("llama", directory, vocab_size=VOCAB, config_overrides=overrides)
-    build_tokenizer(directory)
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config["chat_template"] = HERMES_TEMPLATE
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    # A context that holds the tools' schemas, a byte a token.
+    save_chat_model(directory, chat_template=HERMES_TEMPLATE, context=1024)
     return directory
 
 
