@@ -117,7 +117,7 @@ class Tool(Struct, frozen=True, gc=False):
 ToolChoice = Literal["auto", "none", "required"]
 
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf", "lark"]
 MAX_CHOICES = 1024
 
 
@@ -129,7 +129,9 @@ class Grammar(Struct, frozen=True, gc=False):
     - ``regex``: a whole match of the regular expression ``text``;
     - ``choice``: exactly one of ``choices``;
     - ``ebnf``: a sentence of the grammar ``text`` (GBNF: rules ``name ::= ...``, from
-      ``root``).
+      ``root``);
+    - ``lark``: a sentence of the Lark grammar ``text`` (rules ``name: ...``, from
+      ``start``).
 
     The output ends where the grammar lets it end and the model chooses its end of sequence;
     a request cut short by ``max_new_tokens`` ends ``length`` with the partial output.

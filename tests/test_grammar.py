@@ -44,6 +44,7 @@ GRAMMARS = {
     "regex": Grammar("regex", "[a-c]{3}-[0-9]{2}"),
     "choice": Grammar("choice", choices=["red", "green", "blue"]),
     "ebnf": Grammar("ebnf", 'root ::= "(" item ("," item)* ")"\nitem ::= [xyz]'),
+    "lark": Grammar("lark", 'start: "[" pair "]"\npair: item ";" item\nitem: "p" | /q/'),
 }
 PROMPTS = [[1, 17, 40, 99, 7], [1, 5, 6, 200, 31, 77, 3], [1, 250, 12]]
 NEW_TOKENS = 80  # the tiny tokenizer spends about a token a character
@@ -109,6 +110,8 @@ def _matches(kind: str, text: str) -> bool:
         return re.fullmatch(r"[a-c]{3}-[0-9]{2}", text) is not None
     if kind == "choice":
         return text in ("red", "green", "blue")
+    if kind == "lark":
+        return re.fullmatch(r"\[[pq];[pq]\]", text) is not None
     return re.fullmatch(r"\([xyz](,[xyz])*\)", text) is not None
 
 
@@ -161,9 +164,8 @@ def test_speculative_engines_give_the_target_only_tokens_under_grammars(
             assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
         _check_outputs(outcomes, tokenizer)
         # The constrained requests drafted: their verify nodes were masked, not skipped.
-        drafted = [
-            outcomes[10 * g + p].finish.usage.spec_drafts for g in range(4) for p in range(3)
-        ]
+        constrained = [10 * g + p for g in range(len(GRAMMARS)) for p in range(len(PROMPTS))]
+        drafted = [outcomes[rid].finish.usage.spec_drafts for rid in constrained]
         assert all(drafted), drafted
 
 
@@ -172,6 +174,7 @@ def test_grammars_that_cannot_compile_are_refused_with_the_reason(grammars: Gram
         (Grammar("regex", "[0-9"), "grammar (regex): Regex parsing error at position 5: "),
         (Grammar("json_schema", '{"type": "nonsense"}'), "grammar (json_schema): Unsupported"),
         (Grammar("ebnf", "root ::= missing"), "grammar (ebnf): "),
+        (Grammar("lark", 'start: "(" item'), "grammar (lark): Lark error at line 1, column 12"),
     ]
     for grammar, start in cases:
         with pytest.raises(GrammarRefused) as info:

@@ -151,6 +151,8 @@ _STRUCTURED = [
     ({"guided_regex": "[0-9]+"}, Grammar("regex", "[0-9]+")),
     ({"guided_choice": ["x"]}, Grammar("choice", choices=["x"])),
     ({"guided_grammar": 'root ::= "a"'}, Grammar("ebnf", 'root ::= "a"')),
+    ({"guided_grammar": 'start: "a"'}, Grammar("lark", 'start: "a"')),
+    ({"structured_outputs": {"grammar": "start: /[0-9]+/"}}, Grammar("lark", "start: /[0-9]+/")),
 ]  # fmt: skip
 
 

@@ -64,6 +64,8 @@ class Grammars:
             if grammar.kind == "choice":
                 alternatives = " | ".join(json.dumps(choice) for choice in grammar.choices)
                 return compiler.compile_grammar(f"root ::= {alternatives}")
+            if grammar.kind == "lark":
+                return compiler.compile_lark(grammar.text)
             return compiler.compile_grammar(grammar.text)
         except (RuntimeError, ValueError) as exc:
             raise _refused(f"grammar ({grammar.kind})", exc) from None

@@ -7,7 +7,8 @@ Three spellings, at most one per request:
   ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``
   (the schema is enforced whether ``strict`` is true or not);
 - vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, as an object or its JSON
-  text), ``regex``, ``choice``, ``grammar`` (GBNF), ``json_object: true``;
+  text), ``regex``, ``choice``, ``grammar`` (GBNF, or Lark where it has no ``::=`` rule),
+  ``json_object: true``;
 - vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
 
 A value of the wrong shape is refused by the request's decoding (``openai.py``), naming its
@@ -76,7 +77,7 @@ def grammar_of(req: StructuredFields) -> Grammar | None:
             ("guided_json", _schema(req.guided_json, "guided_json")),
             ("guided_regex", _text("regex", req.guided_regex)),
             ("guided_choice", _choice(req.guided_choice, "guided_choice")),
-            ("guided_grammar", _text("ebnf", req.guided_grammar)),
+            ("guided_grammar", _grammar(req.guided_grammar)),
         )
         if grammar is not None
     ]
@@ -107,7 +108,7 @@ def _structured_outputs(value: StructuredOutputs | None) -> Grammar | None:
             ("json", _schema(value.json, "structured_outputs.json")),
             ("regex", _text("regex", value.regex)),
             ("choice", _choice(value.choice, "structured_outputs.choice")),
-            ("grammar", _text("ebnf", value.grammar)),
+            ("grammar", _grammar(value.grammar)),
             ("json_object", Grammar("json_object") if value.json_object else None),
         )
         if grammar is not None
@@ -133,8 +134,15 @@ def _schema(value: JsonSchemaText | None, param: str) -> Grammar | None:
     return Grammar("json_schema", json.dumps(value))
 
 
-def _text(kind: Literal["regex", "ebnf"], value: str | None) -> Grammar | None:
+def _text(kind: Literal["regex"], value: str | None) -> Grammar | None:
     return None if value is None else Grammar(kind, value)
+
+
+def _grammar(text: str | None) -> Grammar | None:
+    """A grammar's text as GBNF (rules ``name ::= ...``), else as Lark (``name: ...``)."""
+    if text is None:
+        return None
+    return Grammar("ebnf" if "::=" in text else "lark", text)
 
 
 def _choice(value: list[str] | None, param: str) -> Grammar | None:
