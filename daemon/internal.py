@@ -49,7 +49,7 @@ class TokenizedRequest(Struct, array_like=True, tag=1, frozen=True):
 
 class ToolUse(Struct, array_like=True, frozen=True):
     """A chat request's tools as the daemon constrains their calls: in the model's
-    ``format`` (daemon/tool_calls.py), ``choice`` ``auto`` (it may call) or ``required`` (at
+    ``format`` (daemon/grammar/tool_calls.py), ``choice`` ``auto`` (it may call) or ``required`` (at
     least one call; ``name``: that function's), one call or several (``parallel``)."""
 
     format: str

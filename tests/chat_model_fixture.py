@@ -29,6 +29,11 @@ def save_chat_model(
         config = json.loads((directory / "tokenizer_config.json").read_text())
         config["chat_template"] = chat_template
         (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return chat_tokenizer(directory)
+
+
+def chat_tokenizer(directory: Path) -> Tokenizer:
+    """The tokenizer ``save_chat_model`` saved in ``directory``."""
     tokenizer = load_tokenizer(directory)
     assert tokenizer is not None and tokenizer.eos_token_id is not None
     return tokenizer

@@ -36,6 +36,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
         http.daemon.kill_all()
 
 
+def _transport(server: HttpDaemon, backend: str) -> list[str]:
+    """``bench serve``'s arguments that reach ``server`` over ``backend``."""
+    if backend == "zmq":
+        return ["--endpoint", server.daemon.endpoint]
+    assert FAMILY is not None
+    return ["--base-url", server.base, "--api-key", API_KEY, "--tokenizer", str(FAMILY.target)]
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(FAMILY is None, reason="the embedded family is not installed")
 @pytest.mark.parametrize("backend", ["zmq", "openai"])
@@ -50,10 +58,7 @@ def test_bench_serve_over_both_transports(
         "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", "3", "--request-rate", "50",
         "--seed", "3", "--result-json", str(result_path),
     ]  # fmt: skip
-    if backend == "zmq":
-        argv += ["--endpoint", server.daemon.endpoint]
-    else:
-        argv += ["--base-url", server.base, "--api-key", API_KEY, "--tokenizer", str(FAMILY.target)]
+    argv += _transport(server, backend)
     assert main(argv) == 0
     report = capsys.readouterr().out
     assert " Serving Benchmark Result ".center(50, "=") in report
@@ -89,10 +94,7 @@ def test_bench_serve_sends_a_json_schema(
         "--random-output-len", "160", "--num-prompts", "4", "--max-concurrency", "2",
         "--temperature", "1.0", "--json-schema", f"@{SCHEMA}", "--result-json", str(result_path),
     ]  # fmt: skip
-    if backend == "zmq":
-        argv += ["--endpoint", server.daemon.endpoint]
-    else:
-        argv += ["--base-url", server.base, "--api-key", API_KEY, "--tokenizer", str(FAMILY.target)]
+    argv += _transport(server, backend)
     assert main(argv) == 0
     capsys.readouterr()
     result = json.loads(result_path.read_text())

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import xgrammar as xgr
-from chat_model_fixture import CHAT_VOCAB, save_chat_model
+from chat_model_fixture import CHAT_VOCAB, chat_tokenizer, save_chat_model
 from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
 from frontdoor_harness import build_tokenizer
 from model_fixtures import save_drafts
@@ -23,7 +23,7 @@ from model_fixtures import save_drafts
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
 from outrider.daemon.grammar.state import GrammarState
-from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
+from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol.messages import Generate, Grammar, request_revision
 
 debug_checks = debug_checks_fixture()
@@ -59,9 +59,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path) -> Tokenizer:
-    tok = load_tokenizer(model_dir)
-    assert tok is not None
-    return tok
+    return chat_tokenizer(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tools (daemon/tool_calls.py, frontdoor/tools.py, the daemon's tool grammar): the format a
+"""Tools (daemon/grammar/tool_calls.py, frontdoor/tools.py, the daemon's tool grammar): the format a
 chat template speaks, calls parsed out of outputs in both formats, the front door's refusals
 and the template's rendering of tools and tool messages, and through the in-process engine
 (a tiny random llama, a tokenizer with a Hermes-style template): ``required`` and named calls
@@ -12,17 +12,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from chat_model_fixture import CHAT_VOCAB, save_chat_model
+from chat_model_fixture import CHAT_VOCAB, chat_tokenizer, save_chat_model
 from engine_harness import debug_checks_fixture, engine_for, request, run
 from http_harness import API_KEY, HttpDaemon
 from model_fixtures import save_drafts
 
 from outrider.daemon.frontdoor.tools import ToolsRefused, template_inputs, tool_use
 from outrider.daemon.grammar.compiler import Grammars
+from outrider.daemon.grammar.tool_calls import ParsedCall, parse_tool_calls, tool_call_format
 from outrider.daemon.http.tools import CallStream
 from outrider.daemon.internal import TokenizedRequest, ToolUse
-from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
-from outrider.daemon.tool_calls import ParsedCall, parse_tool_calls, tool_call_format
+from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol.messages import ChatMessage, Generate, Grammar, Tool, ToolCall
 
 debug_checks = debug_checks_fixture()
@@ -165,9 +165,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path) -> Tokenizer:
-    tok = load_tokenizer(model_dir)
-    assert tok is not None
-    return tok
+    return chat_tokenizer(model_dir)
 
 
 def test_the_template_renders_tools_calls_and_results(tokenizer: Tokenizer) -> None:

@@ -32,6 +32,7 @@ from outrider.daemon.engine.ranks import RankChannel
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits, target_phases
 from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.engine.verify import SimulatedAcceptance, Verifier
+from outrider.daemon.grammar.tool_calls import tool_call_format
 from outrider.daemon.internal import ModelFacts, own_request
 from outrider.daemon.processes.attention_choice import AttentionChoice
 from outrider.daemon.processes.preflight import resolve_plugins
@@ -43,7 +44,6 @@ from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler
 from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
-from outrider.daemon.tool_calls import tool_call_format
 from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.debug import debug_knob
@@ -167,7 +167,7 @@ def build_engine(
             "chunked_prefill_tokens": config.chunked_prefill_tokens,
             "load_format": config.load_format,
             "speculative_num_draft_tokens": shape.width if built.speculative else 0,
-            # The format a request's tools are called in (daemon/tool_calls.py); None: none.
+            # The format a request's tools are called in (daemon/grammar/tool_calls.py); None: none.
             "tool_call_format": tool_call_format(tokenizer.chat_template if tokenizer else None),
         },
         plugins={f"attention.{phase}": name for phase, name in built.attention_routes.items()}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from outrider.daemon.grammar.tool_calls import function_schema
 from outrider.daemon.internal import ToolUse
-from outrider.daemon.tool_calls import function_schema
 from outrider.protocol.messages import ChatMessage, Generate
 
 
@@ -23,7 +23,7 @@ class ToolsRefused(ValueError):
 def tool_use(msg: Generate, tool_format: str | None) -> ToolUse | None:
     """What the daemon holds ``msg``'s calls to (None: nothing: no tools, or
     ``tool_choice`` none); raises ``ToolsRefused``. ``tool_format``: the model's
-    (daemon/tool_calls.py), None where its chat template renders no tool calls."""
+    (daemon/grammar/tool_calls.py), None where its chat template renders no tool calls."""
     for i, message in enumerate(msg.messages or []):
         for j, call in enumerate(message.tool_calls):
             _object(call.arguments, f"messages[{i}].tool_calls[{j}].arguments")

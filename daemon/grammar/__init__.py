@@ -4,8 +4,13 @@ vocabulary, and per request the tokens its grammar allows next.
 
 Built on xgrammar: ``compiler.Grammars`` turns a grammar into xgrammar's compiled form (the
 compiler caches by content), ``queue.GrammarQueue`` compiles off the daemon's loop,
-``state.GrammarState`` holds one request's matcher. The scheduler owns the states
-(scheduler/planner.py, outputs.py); the engine only applies masks (engine/token_masks.py).
+``state.GrammarState`` holds one request's matcher; ``tool_calls`` knows a model's tool-call
+format (detected from its chat template, parsed out of its answers). The scheduler owns the
+states (scheduler/planner.py, outputs.py); the engine only applies masks
+(engine/token_masks.py).
+
+NOTE: this package's ``__init__`` and ``tool_calls`` import neither torch nor xgrammar: the
+HTTP front, a child process that must not import torch, reads ``tool_calls``.
 
 Invariants:
 - a state is advanced by exactly the tokens its request commits, in order, once each;

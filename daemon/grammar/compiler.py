@@ -13,9 +13,9 @@ from typing import Any, Literal
 import xgrammar as xgr
 
 from outrider.daemon.grammar.state import GrammarState
+from outrider.daemon.grammar.tool_calls import function_schema
 from outrider.daemon.internal import TokenizedRequest, ToolUse
 from outrider.daemon.tokenizer import load_tokenizer
-from outrider.daemon.tool_calls import function_schema
 from outrider.protocol.messages import Grammar
 
 _SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")

@@ -63,11 +63,6 @@ class GrammarState:
         self._matcher.rollback(len(path))
         return going_on
 
-    @property
-    def ended(self) -> bool:
-        """The grammar has taken a stop token: nothing may follow."""
-        return bool(self._matcher.is_terminated())
-
 
 def pack_masks(states: Sequence[GrammarState]) -> bytes:
     """The masks of ``states`` (one vocabulary), as ``StepPlan.masks`` carries them."""

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from outrider.daemon.http.errors import STATUS_OF_CODE, error_body, public_message
-from outrider.daemon.http.openai import Shape, merged_usage
+from outrider.daemon.http.responses import Shape, merged_usage
 from outrider.daemon.http.tools import CallStream
 from outrider.protocol import (
     AsyncTokenStream,

@@ -40,6 +40,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from outrider.daemon.grammar.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat
 from outrider.daemon.http.access import Access, AccessRule
 from outrider.daemon.http.choices import (
     close_all,
@@ -65,18 +66,14 @@ from outrider.daemon.http.openai import (
     CompletionRequest,
     GenerateArgs,
     InvalidRequest,
-    Shape,
-    TokenTexts,
     chat_args,
     completion_args,
     decode_request,
-    new_id,
-    now,
 )
+from outrider.daemon.http.responses import Shape, TokenTexts, new_id, now
 from outrider.daemon.http.tokenize import Tokenization
 from outrider.daemon.processes.child_runtime import ChildTasks, ParentPipe, child_setup, run_child
 from outrider.daemon.processes.runtime import is_loopback
-from outrider.daemon.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat
 from outrider.protocol import (
     AsyncClient,
     AsyncTokenStream,

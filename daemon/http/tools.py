@@ -4,7 +4,7 @@ answer's calls as ``message.tool_calls`` (streamed: ``delta.tool_calls``).
 
 The daemon holds the calls to their schemas in the model's own format
 (``server_info().configuration["tool_call_format"]``); the text the model wrote is parsed here
-by that format (daemon/tool_calls.py): the calls leave the content, and ``finish_reason`` is
+by that format (daemon/grammar/tool_calls.py): the calls leave the content, and ``finish_reason`` is
 ``tool_calls`` when there are any. Streamed, the content goes out as it comes until a call
 may begin (``CallStream``), the calls at the end.
 """
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from outrider.daemon.tool_calls import ParsedCall, ToolCallFormat, parse_tool_calls
+from outrider.daemon.grammar.tool_calls import ParsedCall, ToolCallFormat, parse_tool_calls
 from outrider.protocol import GenerateResult, Tool
 
 
@@ -110,7 +110,7 @@ def _call_body(call: ParsedCall, index: int | None = None) -> dict[str, Any]:
     }
 
 
-# What begins a call in each format's text (daemon/tool_calls.py).
+# What begins a call in each format's text (daemon/grammar/tool_calls.py).
 CALL_STARTS: dict[ToolCallFormat, str] = {"qwen_3": "<tool_call>", "llama": '{"name": '}
 
 
