@@ -15,7 +15,7 @@ from model_fixtures import VOCAB, hf_greedy, save_tiny_model
 from outrider.daemon.config import ConfigError
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.runner import Launched
-from outrider.daemon.engine.token_masks import NodeMasks
+from outrider.daemon.engine.token_masks import GrammarRows
 from outrider.daemon.flags import resolve
 
 NEW_TOKENS = 10
@@ -184,12 +184,12 @@ def test_failed_step_ends_its_batch_with_internal(reference: Reference, overlap:
     launch = runner.launch
     calls = 0
 
-    def failing_launch(plan: StepPlan, node_masks: NodeMasks | None = None) -> Launched:
+    def failing_launch(plan: StepPlan, grammar: GrammarRows | None = None) -> Launched:
         nonlocal calls
         calls += 1
         if calls == 3:
             raise RuntimeError("injected failure")
-        return launch(plan, node_masks)
+        return launch(plan, grammar)
 
     runner.launch = failing_launch  # type: ignore[method-assign]  # fault injection
     prompts = reference.prompts

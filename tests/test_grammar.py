@@ -2,8 +2,9 @@
 kind of grammar through the in-process engine: every output matches its grammar and ends where
 the grammar lets it; greedy tokens are the same under every draft algorithm as without
 speculation, through the overlap loop and the serial one, beside unconstrained requests whose
-tokens the grammar rows do not change; seeded sampled outputs likewise; grammars that cannot
-compile are refused with the compiler's reason; the daemon's compile queue."""
+tokens the grammar rows do not change; seeded sampled outputs likewise; drafts are proposed
+under the grammar (the guide), and the masks of verify nodes and draft places; grammars that
+cannot compile are refused with the compiler's reason; the daemon's compile queue."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, r
 from frontdoor_harness import build_tokenizer
 from model_fixtures import save_drafts
 
+from outrider.daemon.engine.token_masks import GrammarGuide, TokenMasks
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
-from outrider.daemon.grammar.state import GrammarState
+from outrider.daemon.grammar.state import GrammarState, RowGrammars
 from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol.messages import Generate, Grammar, request_revision
 
@@ -251,3 +253,119 @@ def test_each_verify_node_is_masked_by_the_state_its_own_path_reaches(
     again = xgr.allocate_token_bitmask(1, VOCAB)
     state.fill(again, 0)
     assert torch.equal(again[0], expected[0])
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3 chain", "eagle3 tree", "dflash", "standalone"])
+def test_drafts_are_proposed_under_the_grammar(
+    model_dir: Path,
+    grammars: Grammars,
+    drafts: dict[str, str],
+    algorithm: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The constrained requests' drafts, guided and (the guide switched off) not: guided,
+    no draft the grammar refuses reaches a verify where the draft's vocabulary is the
+    target's (DFlash, standalone; the EAGLE-3 draft's holds the even ids only, so some
+    places have no allowed token in it), and far more drafts are accepted."""
+    settings = dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts[algorithm.split()[0]])
+    refused = 0
+    node_masks = GrammarState.node_masks
+
+    def counted(state: GrammarState, *args: object) -> int:
+        nonlocal refused
+        count = node_masks(state, *args)  # type: ignore[arg-type]  # passed through
+        refused += count
+        return count
+
+    monkeypatch.setattr(GrammarState, "node_masks", counted)
+
+    def accepted_and_refused(temperature: float) -> tuple[int, int]:
+        nonlocal refused
+        refused = 0
+        reqs = _requests(temperature)[: -len(PROMPTS)]  # the constrained ones
+        outcomes = run(engine_for(str(model_dir), **settings), reqs, grammars=grammars)
+        return sum(o.finish.usage.spec_accepted_tokens for o in outcomes.values()), refused
+
+    for temperature in (0.0, 1.0):
+        guided = accepted_and_refused(temperature)
+        with monkeypatch.context() as off:
+            off.setattr(GrammarGuide, "restrict", lambda *args, **kwargs: None)
+            unguided = accepted_and_refused(temperature)
+        assert unguided[1] > 0, unguided  # the check can see refused drafts
+        if algorithm in ("dflash", "standalone"):
+            assert guided[1] == 0, (temperature, guided)
+        assert guided[1] < unguided[1], (temperature, guided, unguided)
+        assert guided[0] > 10 * max(unguided[0], 1), (temperature, guided, unguided)
+
+
+def test_each_draft_place_is_masked_by_the_state_its_path_reaches(
+    grammars: Grammars, tokenizer: Tokenizer
+) -> None:
+    """``RowGrammars.path_masks`` under ``[a-c]{3}-[0-9]{2}``: a place's mask is a fresh
+    matcher's after its path; a path the grammar refuses or ends allows every token; the
+    states are where they were after."""
+    a, b, x, dash, one = (tokenizer.hf.convert_tokens_to_ids(c) for c in "abx-1")
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    states = [_start(grammars, GRAMMARS["regex"]) for _ in range(3)]
+    assert states[1].advance([a, b, a, dash, one])  # one digit to go
+    assert states[2].advance([a, b, a, dash])
+    paths = torch.tensor([[[a, b], [a, x]], [[one, eos], [a, a]], [[one, one], [b, b]]])
+    masks = torch.frombuffer(
+        bytearray(RowGrammars(states).path_masks(paths)), dtype=torch.int32
+    ).view(6, -1)
+
+    def fresh(path: list[int]) -> torch.Tensor:
+        matcher = _start(grammars, GRAMMARS["regex"])
+        assert matcher.advance(path)
+        row = xgr.allocate_token_bitmask(1, VOCAB)
+        matcher.fill(row, 0)
+        return row[0]
+
+    everything = torch.full_like(masks[0], -1)
+    # Row 1 ends on its first place's path and its second refuses ``a``.
+    expected = [
+        fresh([a, b]), everything, everything, everything,
+        fresh([a, b, a, dash, one, one]), everything,
+    ]  # fmt: skip
+    for place, row in enumerate(expected):
+        assert torch.equal(masks[place], row), place
+    again = xgr.allocate_token_bitmask(1, VOCAB)
+    states[1].fill(again, 0)
+    assert torch.equal(again[0], fresh([a, b, a, dash, one]))
+
+
+def test_a_draft_vocabulary_is_masked_through_its_columns() -> None:
+    """``TokenMasks.apply`` with ``columns`` (a draft vocabulary's target ids): each column
+    takes its token's bit, ids past the vocabulary are refused, and a row that allows none
+    of the columns keeps every logit."""
+    masks = TokenMasks(40, torch.device("cpu"))
+    words = torch.zeros(2, 2, dtype=torch.int32)
+    words[0, 0] = (1 << 2) | (1 << 6)  # tokens 2 and 6
+    words[0, 1] = 1 << 3  # token 35
+    words[1, 0] = 1 << 1  # token 1: no column holds it
+    columns = torch.tensor([0, 2, 4, 6, 35, 41])
+    logits = torch.zeros(3, 6)
+    masks.apply(logits, [0, 2], words.numpy().tobytes(), columns)
+    inf = float("-inf")
+    assert logits.tolist() == [[inf, 0, inf, 0, 0, inf], [0] * 6, [0] * 6]
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3 chain", "eagle3 tree", "ngram"])
+def test_a_simulated_acceptance_commits_only_what_the_grammar_allows(
+    model_dir: Path,
+    tokenizer: Tokenizer,
+    grammars: Grammars,
+    drafts: dict[str, str],
+    algorithm: str,
+) -> None:
+    """Benchmarks with dummy weights: a simulated acceptance commits the accepted drafts,
+    never past one the grammar refuses (n-gram drafts are not guided), so every constrained
+    output still matches its grammar, and drafts are still accepted."""
+    settings = dict(DRAFT_ALGORITHMS[algorithm], speculative_simulate_acceptance=3.0)
+    if algorithm != "ngram":
+        settings["draft_model"] = drafts["eagle3"]
+    outcomes = run(engine_for(str(model_dir), **settings), _requests(), grammars=grammars)
+    _check_outputs(outcomes, tokenizer)
+    accepted = [o.finish.usage.spec_accepted_tokens for o in outcomes.values()]
+    assert sum(accepted) > len(accepted), accepted

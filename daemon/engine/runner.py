@@ -11,7 +11,9 @@ plain decode:  relay -> forward over the root -> sample -> advance the relay -> 
 collect:       wait for the copy -> StepOutput
 ```
 Every step writes its tokens into the token history; a plan that ``adjusts`` runs eagerly and
-samples from the adjusted logits (penalties.py).
+samples from the adjusted logits (penalties.py). A drafting plan with grammar rows waits on
+the host inside the step, on purpose: its worker drafts under a ``GrammarGuide`` and its
+verify nodes' masks follow the drafts (token_masks.py).
 Inputs live in fixed device buffers (inputs.py), per-slot state in ``SlotState`` (slots.py),
 the accept rule in ``Verifier`` (verify.py), result copies in ``ResultCopies`` (results.py);
 graph replays and captures of decode batches in ``GraphSteps`` (graph_steps.py), deferred
@@ -36,8 +38,7 @@ captures nothing, and no worker hook runs (a plain step replays a graph of its o
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -60,7 +61,7 @@ from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
 from outrider.daemon.engine.slots import HostStarts, KnownStarts, SlotState
 from outrider.daemon.engine.timing import PhaseTimer
-from outrider.daemon.engine.token_masks import NodeMasks, TokenMasks
+from outrider.daemon.engine.token_masks import GrammarGuide, GrammarRows, TokenMasks, syncs_allowed
 from outrider.daemon.engine.verify import Verifier
 from outrider.plugins.api import Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend
@@ -105,17 +106,6 @@ class DraftsOnHost:
     ready: torch.cuda.Event | None  # recorded behind the copy (CUDA)
 
 
-@contextmanager
-def _syncs_allowed() -> Iterator[None]:
-    """The sync check off for the wait a grammar row's drafts make on purpose."""
-    mode = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(0)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(mode)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -148,7 +138,7 @@ class ModelRunner:
         self.device = device
         self.decode_phase = target_phases(shape)[1]
         self.sync_check = False
-        self._node_masks: NodeMasks | None = None  # the launch's (``launch``)
+        self._grammar: GrammarRows | None = None  # the launch's (``launch``)
         self.timer = PhaseTimer(device)  # benchmarks: device time per decode phase
         rows = limits.max_slots + 1
         # A step can at most rewrite the whole request table.
@@ -207,14 +197,14 @@ class ModelRunner:
         """The host's counts of the positions plain steps buffered; None: no deferral."""
         return None if self.catch_ups is None else self.catch_ups.deferred
 
-    def launch(self, plan: StepPlan, node_masks: NodeMasks | None = None) -> Launched:
+    def launch(self, plan: StepPlan, grammar: GrammarRows | None = None) -> Launched:
         """Queue ``plan`` on the device and return a handle for ``collect``. With
-        ``sync_check`` (CUDA), any host synchronisation inside raises (but the one a drafting
-        plan with grammar rows makes on purpose: ``node_masks`` gives their verify nodes'
-        masks once the drafts are on the host). Rank 0 of tensor-parallel ranks sends
-        ``plan`` to the others first."""
-        assert node_masks is None or self.channel is None, "grammar drafts run on one rank"
-        self._node_masks = node_masks
+        ``sync_check`` (CUDA), any host synchronisation inside raises (but the ones a
+        drafting plan with grammar rows makes on purpose: ``grammar`` gives the masks of
+        their draft places and verify nodes once the drafts are on the host). Rank 0 of
+        tensor-parallel ranks sends ``plan`` to the others first."""
+        assert grammar is None or self.channel is None, "grammar drafts run on one rank"
+        self._grammar = grammar
         if self.channel is not None:
             self.channel.send(plan)
         if not self.sync_check:
@@ -309,9 +299,12 @@ class ModelRunner:
         tokens = inputs.input_ids.view(bs, width)
         tokens[:, 0] = relay.roots
         sampling = self.slots.sampling(inputs.slots, plan)
+        guide = None
+        if self._grammar is not None:
+            guide = GrammarGuide(self.token_masks, self._grammar, plan.masked_rows, bs)
         view = DecodeView(
             inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, max_kv,
-            self.starts.of_plan(plan),
+            self.starts.of_plan(plan), guide,
         )  # fmt: skip
         self.timer.mark("draft")
         drafts = self.worker.draft(view)
@@ -373,11 +366,11 @@ class ModelRunner:
     def _mask_nodes(self, choose: torch.Tensor, plan: StepPlan, masked: DraftsOnHost) -> None:
         """Wait for the grammar rows' drafts (the device goes on with the verify's
         forward), have the host compute each verify node's mask, and apply them."""
-        assert self._node_masks is not None, "a drafting plan with grammar rows needs masks"
+        assert self._grammar is not None, "a drafting plan with grammar rows needs masks"
         if masked.ready is not None:
-            with _syncs_allowed():
+            with syncs_allowed(self.device):
                 masked.ready.synchronize()
-        masks = self._node_masks(masked.tokens, masked.parents)
+        masks = self._grammar.node_masks(masked.tokens, masked.parents)
         width = self.shape.width
         rows = [r * width + node for r in plan.masked_rows for node in range(width)]
         self.token_masks.apply(choose, rows, masks)

@@ -1,7 +1,8 @@
 """``TokenMasks``: grammar masks (daemon/grammar/) applied to the logits sampled rows choose
 from (the adjusted copy: the logprobs stay the model's). A plain step's masks come in its
 plan (``StepPlan.masks``); a drafting step's, one per verify node, from the host in the
-middle of the step, once its drafts are known (runner.py).
+middle of the step, once its drafts are known (runner.py). ``GrammarGuide`` masks a draft's
+logits the same way, one draft place at a time (``DraftGuide``, plugins/speculative/base.py).
 
 Masks are int32 words, bit ``t`` of a row set where token ``t`` may come. They travel
 through pinned host memory to the device and are unpacked there: a disallowed token's
@@ -9,18 +10,48 @@ logit becomes -inf. Steps with masks run eagerly and allocate them per step (tor
 caching allocators); the unpacking's temporaries (an int32 and a bool a logit of a masked
 row) are freed before sampling's scratch is taken, inside the memory plan's
 ``SAMPLING_BYTES_PER_LOGIT``.
+
+The host waits inside a step only here (``syncs_allowed``): for the grammar rows' drafts
+before their verify nodes' masks, and for each draft place's path under a guide.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 
 _BITS = 32
-# Given the grammar rows' drafts on the host (``[rows, W - 1]``) and a tree's parents (or
-# None), their verify nodes' masks, row after row, node after node (daemon/grammar/).
-NodeMasks = Callable[[torch.Tensor, torch.Tensor | None], bytes]
+
+
+class GrammarRows(Protocol):
+    """The grammar rows of a drafting plan, in plan order (daemon/grammar/state.py)."""
+
+    def node_masks(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> bytes:
+        """Given their drafts on the host (``[rows, W - 1]``) and a tree's parents (or
+        None), their verify nodes' masks, row after row, node after node."""
+        ...
+
+    def path_masks(self, paths: torch.Tensor) -> bytes:
+        """Given the paths to their draft places on the host (``[rows, n, d]``), each
+        place's mask, row after row, place after place (``DraftGuide.restrict``)."""
+        ...
+
+
+@contextmanager
+def syncs_allowed(device: torch.device) -> Iterator[None]:
+    """The sync check off for a wait the grammar rows make on purpose."""
+    if device.type != "cuda":
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 class TokenMasks:
@@ -29,10 +60,17 @@ class TokenMasks:
         self.device = device
         self._shifts = torch.arange(_BITS, dtype=torch.int32, device=device)
 
-    def apply(self, choose: torch.Tensor, rows: list[int], masks: bytes) -> None:
-        """Set to -inf, in ``choose`` (``[R, V']``), every logit of row ``rows[i]`` whose
+    def apply(
+        self,
+        choose: torch.Tensor,
+        rows: list[int],
+        masks: bytes,
+        columns: torch.Tensor | None = None,
+    ) -> None:
+        """Set to -inf, in ``choose`` (``[R, C]``), every logit of row ``rows[i]`` whose
         token mask ``i`` (of ``masks``) does not allow, tokens at or past the masks'
-        vocabulary included."""
+        vocabulary included. ``columns: [C]``: the token of each column (None: column ``c``
+        is token ``c``), for a draft's own vocabulary."""
         n = len(rows)
         if not n:
             return
@@ -45,8 +83,41 @@ class TokenMasks:
         index = host_rows.to(self.device, non_blocking=True)
         bits = (words.unsqueeze(-1) >> self._shifts) & 1  # [n, words, 32]
         allowed = bits.view(n, -1)[:, : self.vocab_size].bool()
-        width = choose.shape[1]
-        if width > self.vocab_size:
-            allowed = torch.nn.functional.pad(allowed, (0, width - self.vocab_size))
+        # One column past the vocabulary, never allowed, for the tokens at or past it.
+        allowed = torch.nn.functional.pad(allowed, (0, 1))
+        if columns is None:
+            width = choose.shape[1]
+            if width > self.vocab_size:
+                allowed = torch.nn.functional.pad(allowed, (0, width - self.vocab_size - 1))
+            allowed = allowed[:, :width]
+        else:
+            allowed = allowed.index_select(1, columns.clamp(max=self.vocab_size))
+        # A draft whose vocabulary holds none of the tokens allowed keeps its logits (an all
+        # -inf row has no distribution); the verify refuses what it drafts there. A target's
+        # mask always allows a token of its vocabulary.
+        allowed |= ~allowed.any(dim=1, keepdim=True)
         picked = choose.index_select(0, index)
-        choose.index_copy_(0, index, picked.masked_fill(~allowed[:, :width], float("-inf")))
+        choose.index_copy_(0, index, picked.masked_fill(~allowed, float("-inf")))
+
+
+class GrammarGuide:
+    """A drafting step's ``DraftGuide``: masks from the host's grammar states, one call a
+    draft place (each waits for the paths to reach the host)."""
+
+    def __init__(self, masks: TokenMasks, grammar: GrammarRows, rows: list[int], bs: int) -> None:
+        """``rows``: the grammar rows' indices among the step's ``bs`` rows."""
+        self.masks = masks
+        self.grammar = grammar
+        self.rows = rows
+        self.bs = bs
+
+    def restrict(
+        self, logits: torch.Tensor, paths: torch.Tensor, columns: torch.Tensor | None = None
+    ) -> None:
+        n = logits.shape[0] // self.bs
+        places = [row * n + place for row in self.rows for place in range(n)]
+        with syncs_allowed(paths.device):
+            index = torch.tensor(places, dtype=torch.int64).to(paths.device)
+            host = paths.index_select(0, index).cpu()
+        masks = self.grammar.path_masks(host.view(len(self.rows), n, -1))
+        self.masks.apply(logits, places, masks, columns)

@@ -102,7 +102,10 @@ class Verifier:
         choices = out.tokens.view(bs, width)  # [bs, W]
         if self.simulated is not None:
             seed = self.slots.seed[inputs.slots]
-            commit_lens, path = self.simulated.accept(drafts, seed, relay.out_lens)
+            nodes = inputs.input_ids.view(bs, width)
+            allowed = None if choose_from is None else allowed_drafts(choose_from, nodes, drafts)
+            commit_lens, path = self.simulated.accept(drafts, seed, relay.out_lens, allowed)
+            choices = self.simulated.commit_drafts(choices, nodes, path, commit_lens)
             if drafts.parents is not None:
                 self._compact(inputs.slots, relay.starts, path)
         elif drafts.parents is not None:
@@ -127,12 +130,14 @@ class Verifier:
 
 
 class SimulatedAcceptance:
-    """Debug, for benchmarks with dummy weights: each row accepts ``a`` drafts whatever they
-    are, ``a`` drawn per row and step (counter-based, from the row's seed and output count)
-    so that the mean commit length is ``mean`` (at most ``max_commit``). A chain accepts its
-    first ``a`` drafts, a tree the first child at each depth; the committed tokens are the
-    target's choices along that path, so every step's work is the real one and only the
-    outputs are meaningless."""
+    """Debug, for benchmarks with dummy weights: each row accepts ``a`` drafts whatever the
+    target says, ``a`` drawn per row and step (counter-based, from the row's seed and output
+    count) so that the mean commit length is ``mean`` (at most ``max_commit``). A chain
+    accepts its first ``a`` drafts, a tree the first child at each depth, but never past a
+    draft its row's adjusted logits refuse (a grammar's mask). The committed tokens are the
+    accepted drafts and the target's choice after them, so every step's work is the real
+    one, a constrained output stays within its grammar, and only the outputs are
+    meaningless."""
 
     def __init__(self, mean: float, shape: StepShape, device: torch.device) -> None:
         extra = min(mean, shape.max_commit) - 1
@@ -142,13 +147,20 @@ class SimulatedAcceptance:
         self.no_ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
 
     def accept(
-        self, drafts: Drafts, seed: torch.Tensor, out_lens: torch.Tensor
+        self,
+        drafts: Drafts,
+        seed: torch.Tensor,
+        out_lens: torch.Tensor,
+        allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``commit_len`` [bs], ``path`` [bs, max_commit]), as accept.py's rules return."""
+        """(``commit_len`` [bs], ``path`` [bs, max_commit]), as accept.py's rules return;
+        ``allowed: [bs, W]`` (``allowed_drafts``; None: every node) bounds the path."""
         bs = seed.shape[0]
         u = uniform_at(seed, out_lens, DRAW_SIMULATE, self.no_ids.expand(bs, 1)).squeeze(1)
         accepted = self.whole + (u < self.fraction).to(torch.int64)  # [bs]
         if drafts.parents is None:
+            if allowed is not None:  # the drafts before the first refused one
+                accepted = torch.minimum(accepted, allowed[:, 1:].cumprod(dim=1).sum(dim=1))
             return accepted + 1, self.nodes[: self.max_depth + 1].expand(bs, -1)
         width = self.nodes.shape[0]
         # Each node's first child (the lowest index whose parent it is); a leaf: itself.
@@ -161,7 +173,34 @@ class SimulatedAcceptance:
         for d in range(self.max_depth):
             child = first.gather(1, node.unsqueeze(1)).squeeze(1)
             moves = (d < accepted) & (child != node)
+            if allowed is not None:
+                moves &= allowed.gather(1, child.unsqueeze(1)).squeeze(1)
             node = torch.where(moves, child, node)
             depth += moves
             path.append(node)
         return depth + 1, torch.stack(path, dim=1)
+
+    def commit_drafts(
+        self, choices: torch.Tensor, nodes: torch.Tensor, path: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        """``choices: [bs, W]`` with each accepted node's choice replaced by the draft of the
+        next node on ``path`` (``nodes: [bs, W]``: the verified tokens), so that the
+        committed tokens are the accepted drafts, then the target's choice."""
+        following = nodes.gather(1, path[:, 1:])  # [bs, max_commit - 1]
+        accepted = self.nodes[1 : path.shape[1]] < lens.unsqueeze(1)  # j + 1 < commit_len
+        kept = choices.gather(1, path[:, :-1])
+        return choices.scatter(1, path[:, :-1], torch.where(accepted, following, kept))
+
+
+def allowed_drafts(choose: torch.Tensor, nodes: torch.Tensor, drafts: Drafts) -> torch.Tensor:
+    """``[bs, W]`` bool: whether each node's token is allowed by its parent's adjusted logits
+    (``choose: [bs * W, V]``; -inf: refused, as a grammar's mask sets); the root always."""
+    bs, width = nodes.shape
+    parents = (
+        torch.arange(width - 1, device=nodes.device).expand(bs, -1)
+        if drafts.parents is None
+        else drafts.parents
+    )  # [bs, W - 1]: each draft's parent node
+    rows = (torch.arange(bs, device=nodes.device).unsqueeze(1) * width + parents).view(-1)
+    allowed = choose[rows, nodes[:, 1:].reshape(-1)].view(bs, width - 1) > float("-inf")
+    return torch.cat((torch.ones_like(allowed[:, :1]), allowed), dim=1)

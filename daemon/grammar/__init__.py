@@ -20,8 +20,11 @@ Invariants:
 - under speculation every verify node is masked by the state its own path reaches: the host
   computes the nodes' masks once the step's drafts are copied back, while the device runs the
   verify's forward (``GrammarState.node_masks``; one rank only: tensor-parallel batches
-  holding a constrained row do not draft). Drafts are proposed without the grammar: a draft
-  it refuses is rejected by the verify, which costs acceptance, never correctness;
+  holding a constrained row do not draft);
+- drafts are proposed under the grammar too: a worker that drafts from logits masks each
+  draft place by the state its path reaches (``DraftGuide``, ``GrammarState.path_mask``; the
+  host waits for each place's path). n-gram drafts, copied from the context, are not: a draft
+  the grammar refuses is rejected by the verify, which costs acceptance, never correctness;
 - the mask lets a stop token (the model's end of sequence and the request's stop token ids)
   through only where the grammar may end.
 """

@@ -1,8 +1,11 @@
-"""``GrammarState``: one request's place in its grammar."""
+"""``GrammarState``: one request's place in its grammar; ``RowGrammars``: the states of a
+drafting plan's grammar rows, which give the host's masks in the middle of the step (the
+engine's ``GrammarRows``, engine/token_masks.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
@@ -25,22 +28,41 @@ class GrammarState:
 
     def node_masks(
         self, masks: torch.Tensor, first: int, tokens: list[int], parents: list[int] | None
-    ) -> None:
+    ) -> int:
         """Rows ``first ..`` of ``masks``: the mask of each verify node of a draft, node 0
         the root (this state), node ``i`` after the path root -> ``i`` (``tokens[i - 1]``
         the token of node ``i``, ``parents[i - 1]`` its parent's index; a chain's parent is
         the node before). A node is reached when its parent is and its parent's mask allows
         its token; one that is not, or that follows the grammar's end, is never committed
-        and takes its parent's mask, so that no row is all masked."""
+        and takes its parent's mask, so that no row is all masked. Returns how many nodes
+        the grammar refused (reached parents whose masks refuse their tokens)."""
         self.fill(masks, first)
         live = [True]  # per node: reached, and the grammar not ended there
+        refused = 0
         for node in range(1, len(tokens) + 1):
             parent = node - 1 if parents is None else parents[node - 1]
             token = tokens[node - 1]
             allowed = live[parent] and _allows(masks[first + parent], token)
+            refused += live[parent] and not allowed
             live.append(allowed and self._fill_after(masks, first + node, node, tokens, parents))
             if not live[node]:
                 masks[first + node] = masks[first + parent]
+        return refused
+
+    def path_mask(self, masks: torch.Tensor, row: int, path: list[int]) -> None:
+        """Row ``row`` of ``masks``: the mask after ``path`` (tokens from this state); every
+        token allowed where the grammar refuses one of the path or ends on it (such a place
+        is never committed). The matcher is back at this state after."""
+        taken = 0
+        for token in path:
+            if not self._matcher.accept_token(token):
+                break
+            taken += 1
+        if taken == len(path) and not self._matcher.is_terminated():
+            self.fill(masks, row)
+        else:
+            masks[row] = -1  # every bit set
+        self._matcher.rollback(taken)
 
     def _fill_after(
         self,
@@ -88,14 +110,29 @@ def _path_to(node: int, parents: list[int] | None) -> list[int]:
     return path[::-1]
 
 
-def pack_node_masks(
-    states: Sequence[GrammarState], tokens: torch.Tensor, parents: torch.Tensor | None
-) -> bytes:
-    """The verify-node masks of each row of ``states`` (its drafts ``tokens[r]``, a tree's
-    ``parents[r]``: host tensors ``[rows, width - 1]``), row after row, node after node."""
-    width = tokens.shape[1] + 1
-    masks = xgr.allocate_token_bitmask(len(states) * width, states[0].vocab_size)
-    for row, state in enumerate(states):
-        shape = None if parents is None else parents[row].tolist()
-        state.node_masks(masks, row * width, tokens[row].tolist(), shape)
-    return masks.numpy().tobytes()
+@dataclass(frozen=True)
+class RowGrammars:
+    """The states of a drafting plan's grammar rows, in plan order."""
+
+    states: Sequence[GrammarState]
+
+    def node_masks(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> bytes:
+        """The verify-node masks of each row (its drafts ``tokens[r]``, a tree's
+        ``parents[r]``: host tensors ``[rows, width - 1]``), row after row, node after node."""
+        width = tokens.shape[1] + 1
+        masks = xgr.allocate_token_bitmask(len(self.states) * width, self.states[0].vocab_size)
+        for row, state in enumerate(self.states):
+            shape = None if parents is None else parents[row].tolist()
+            state.node_masks(masks, row * width, tokens[row].tolist(), shape)
+        return masks.numpy().tobytes()
+
+    def path_masks(self, paths: torch.Tensor) -> bytes:
+        """The mask at each draft place of each row (``paths[r, i]``: the tokens drafted
+        before place ``i``; a host tensor ``[rows, n, d]``), row after row, place after
+        place."""
+        rows, n, _ = paths.shape
+        masks = xgr.allocate_token_bitmask(rows * n, self.states[0].vocab_size)
+        for row, state in enumerate(self.states):
+            for place in range(n):
+                state.path_mask(masks, row * n + place, paths[row, place].tolist())
+        return masks.numpy().tobytes()

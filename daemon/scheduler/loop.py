@@ -65,7 +65,7 @@ class EngineLoop:
 
     def _launch(self, planned: Planned) -> tuple[Planned, Launched] | None:
         try:
-            return planned, self.runner.launch(planned.plan, planned.node_masks)
+            return planned, self.runner.launch(planned.plan, planned.grammar)
         except Exception as exc:
             self._step_failed(planned, exc)
             return None

@@ -13,19 +13,18 @@ speculation) has width 1 and commits exactly one token a row: it adds 1 and page
 
 A row that draws under a grammar (daemon/grammar/) is planned only when no step of its
 request is in flight (the other rows go on overlapping), so that its grammar state holds
-every token it committed. A plain step carries its mask in the plan; a drafting step's
-verify nodes' masks come from the host once the drafts are known (``Planned.node_masks``),
-on one rank only: tensor-parallel batches holding one do not draft.
+every token it committed. A plain step carries its mask in the plan; in a drafting step the
+host gives each draft place's mask as the worker drafts and each verify node's once the
+drafts are known (``Planned.grammar``), on one rank only: tensor-parallel batches holding one
+do not draft.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 from outrider.daemon.engine.plan import SlotParams, StepPlan
-from outrider.daemon.engine.token_masks import NodeMasks
-from outrider.daemon.grammar.state import pack_masks, pack_node_masks
+from outrider.daemon.grammar.state import RowGrammars, pack_masks
 from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.drafting import DraftPolicy
 from outrider.daemon.scheduler.drill import RetractDrill
@@ -41,8 +40,8 @@ class Planned:
     plan: StepPlan
     requests: list[Request]  # one per plan row
     max_commit: int = 1  # tokens a row may commit: what planning added to its bounds
-    # A drafting plan with grammar rows: their verify nodes' masks, from their drafts.
-    node_masks: NodeMasks | None = None
+    # A drafting plan with grammar rows: their states, for the masks of the drafts.
+    grammar: RowGrammars | None = None
 
 
 @dataclass(frozen=True)
@@ -191,11 +190,11 @@ class Planner:
         for req in rows:
             req.scheduled_len += max_commit
             req.scheduled_outputs += max_commit
-        node_masks = None
-        if drafting:  # the masks come once the drafts are known
+        grammar = None
+        if drafting:  # the masks come as the drafts are made
             masked_rows, masks = [i for i, r in enumerate(rows) if r.grammar is not None], b""
             states = [g for r in rows if (g := r.grammar) is not None]
-            node_masks = partial(pack_node_masks, states) if states else None
+            grammar = RowGrammars(states) if states else None
         else:
             masked_rows, masks = _masks(rows)
         plan = StepPlan(
@@ -217,7 +216,7 @@ class Planner:
             masked_rows=masked_rows,
             masks=masks,
         )
-        return Planned(plan, rows, max_commit, node_masks)
+        return Planned(plan, rows, max_commit, grammar)
 
     def _scheduled_to_end(self, req: Request) -> bool:
         """Launched steps already produce this request's last possible token."""

@@ -7,7 +7,16 @@ carry their parent's index: node ``i`` sits at position ``seq + depth(i)`` and i
 ``seq + i``, and it attends to the committed prefix, its ancestors and itself. The runner
 verifies the row with the target, accepts (outrider.daemon.engine.accept), moves a tree's
 accepted path to the KV slots ``seq ..`` and hands the committed tokens back for the worker's
-catch-up. Every method only queues device work: a host sync inside is a bug.
+catch-up. Every method only queues device work: a host sync inside is a bug, but for the
+ones a ``DraftGuide`` makes (below).
+
+Rows under a grammar: a decode batch holding them carries a ``DraftGuide`` in its view
+(``DecodeView.guide``), which a worker that drafts from logits calls before it chooses each
+draft, with the drafts already chosen before it on each place's path; it sets to -inf the
+logits of every token the row's grammar refuses there. The verify masks every node anyway, so
+a worker that ignores the guide stays lossless; it only loses the drafts the grammar refuses.
+Each call waits for the device (the host computes the masks): guides come with eager steps
+only, never under a graph's capture, and on one rank.
 
 KV of a row starting at ``seq`` (its committed length) during a decode batch::
 
@@ -20,7 +29,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -92,6 +101,21 @@ class ExtendView:
     sample_slots: torch.Tensor  # [n] int64: their slots
 
 
+class DraftGuide(Protocol):
+    """The grammar rows of a decode batch, for the worker's drafting (module docstring)."""
+
+    def restrict(
+        self, logits: torch.Tensor, paths: torch.Tensor, columns: torch.Tensor | None = None
+    ) -> None:
+        """Set to -inf, in place, the logits each grammar row's grammar refuses after its
+        place's path. ``logits: [bs * n, C]``: ``n`` draft places a batch row, row-major;
+        ``paths: [bs * n, d]``: the target ids drafted before each place after the root
+        (``d`` 0 at the first draft); ``columns: [C]``: the target id of each logits column
+        (None: column ``c`` is id ``c``). A place whose path the grammar refused, or ended,
+        is never committed and keeps every logit; so does a place where no column is
+        allowed (a draft vocabulary without the tokens the grammar allows there)."""
+
+
 @dataclass(frozen=True)
 class DecodeView:
     """A decode batch before verification, as the relay holds it."""
@@ -105,6 +129,7 @@ class DecodeView:
     # The starts as the host knows them exactly, where it does (``HostLengths``); None
     # under a graph's capture.
     host_starts: tuple[int, ...] | None = None
+    guide: DraftGuide | None = None  # where rows draw under a grammar (module docstring)
 
     @property
     def bs(self) -> int:

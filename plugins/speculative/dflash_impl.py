@@ -22,6 +22,10 @@ given the prefix and the drafts before it; a ``q_j`` that ignores those drafts i
 distribution. So ``min(1, p_j / q_j)`` with the residual at the first rejection leaves every
 committed token distributed as the target's (``rejection``), and the coupled draw's tokens are
 the target's own draws whatever the drafts are (``coupled``).
+
+Under a grammar (``DecodeView.guide``) the block's slots are chosen one after the other, slot
+``j`` from its logits masked by the grammar after the drafts before it: ``q_j`` then depends on
+those drafts, which the argument above allows as well.
 """
 
 from __future__ import annotations
@@ -93,21 +97,46 @@ class DFlashWorker(SpeculativeWorker):
         hidden = self.model(self.ctx.embed(block.reshape(-1)), fb)  # [bs * B, H]
         drafted = hidden.view(bs, width, -1)[:, 1:].reshape(-1, hidden.shape[-1])
         local = self.ctx.local_lm_head(drafted)  # [bs * (B - 1), V / N]
-        mode = self.options.sample
+        if view.guide is not None:
+            return self._guided(view, local.view(bs, width - 1, -1))
+        tokens, probs = self._choose(view, local, self.block_offsets[: width - 1])
+        return Drafts(tokens, probs)
+
+    def _choose(
+        self, view: DecodeView, local: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafts ``[bs, n]`` at ``n`` places of each row (``local: [bs * n, V / N]``,
+        place ``j`` drawing at ``out_len + offsets[j]``), and their ``q`` under
+        ``rejection`` (else None)."""
+        bs, mode = view.bs, self.options.sample
         if view.sampling.all_greedy or mode == "argmax":
-            return Drafts(vocab_argmax(local, self.ctx.tp).view(bs, width - 1))
+            return vocab_argmax(local, self.ctx.tp).view(bs, -1), None
         # Sampled rows draw from whole processed distributions: gather the vocabulary, as the
         # target's sampling does (a mixed batch's greedy rows then take their argmax from it).
         logits = gather_vocab(local, self.ctx.tp)
-        offsets, limit = self.block_offsets[: width - 1], self.ctx.vocab_limit
+        limit = self.ctx.vocab_limit
         if mode == "coupled":
-            return Drafts(
-                coupled_drafts(logits, view.sampling, view.out_lens, offsets, vocab_limit=limit)
+            drafts = coupled_drafts(
+                logits, view.sampling, view.out_lens, offsets, vocab_limit=limit
             )
-        tokens, probs = rejection_drafts(
-            logits, view.sampling, view.out_lens, offsets, vocab_limit=limit
-        )
-        return Drafts(tokens, probs)
+            return drafts, None
+        return rejection_drafts(logits, view.sampling, view.out_lens, offsets, vocab_limit=limit)
+
+    def _guided(self, view: DecodeView, local: torch.Tensor) -> Drafts:
+        """Under the view's guide (one rank): the block's places one after the other, each
+        masked by the grammar after the drafts before it. ``local: [bs, B - 1, V]``."""
+        assert view.guide is not None
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for place in range(local.shape[1]):
+            logits = local[:, place].contiguous()  # [bs, V]
+            path = torch.cat(tokens, dim=1) if tokens else view.roots.new_empty(view.bs, 0)
+            view.guide.restrict(logits, path)
+            token, q = self._choose(view, logits, self.block_offsets[place : place + 1])
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+        return Drafts(torch.cat(tokens, dim=1), torch.cat(probs, dim=1) if probs else None)
 
     def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         self._materialize(verify)

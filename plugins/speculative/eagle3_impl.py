@@ -122,7 +122,9 @@ class Eagle3Worker(SpeculativeWorker):
     def draft(self, view: DecodeView) -> Drafts:
         bs, k = view.bs, self.topk
         y = self.feat[view.slots].unsqueeze(1)  # [bs, 1, H]: the root's row
-        score, token, q = self._expand(view, 0, y.squeeze(1))  # [bs, K]: depth-1 candidates
+        # Under a grammar: the drafts on each frontier node's path, itself included.
+        paths = view.roots.new_empty(bs, 1, 0) if view.guide is not None else None
+        score, token, q = self._expand(view, 0, y.squeeze(1), paths)  # [bs, K]: depth 1
         cand_tokens, cand_scores, probs = [token], [score], [q]
         cand_parents = [torch.full_like(token, -1)]
         node = self.node_offsets.expand(bs, k)  # [bs, K]: the frontier's candidate indices
@@ -131,7 +133,9 @@ class Eagle3Worker(SpeculativeWorker):
             first = (step - 1) * k  # this step's node slots: seq + first ..
             ancestors[:, :, first : first + k] |= torch.eye(k, dtype=torch.bool, device=y.device)
             y = self._frontier(view, step, token, y, ancestors[:, :, : first + k])  # [bs, K, H]
-            child_score, child_token, q = self._expand(view, step, y.view(bs * k, -1))
+            if paths is not None:
+                paths = torch.cat((paths.expand(bs, k, -1), token.unsqueeze(2)), dim=2)
+            child_score, child_token, q = self._expand(view, step, y.view(bs * k, -1), paths)
             probs.append(q)  # child_score, child_token: [bs * K, K]
             child_score = (score.unsqueeze(2) + child_score.view(bs, k, k)).view(bs, k * k)
             cand_tokens.append(child_token.view(bs, k * k))
@@ -144,6 +148,8 @@ class Eagle3Worker(SpeculativeWorker):
             node = k + (step - 1) * k * k + keep
             y = y.gather(1, parent.unsqueeze(2).expand(-1, -1, y.shape[2]))
             ancestors = ancestors.gather(1, parent.unsqueeze(2).expand_as(ancestors))
+            if paths is not None:
+                paths = paths.gather(1, parent.unsqueeze(2).expand_as(paths))
         tokens = torch.cat(cand_tokens, dim=1)
         if k == 1:  # a chain: every candidate, in depth order
             sampled = [q for q in probs if q is not None]
@@ -210,14 +216,17 @@ class Eagle3Worker(SpeculativeWorker):
         return self._run(tokens.view(-1), feats, layout, self.decode_backend).view(bs, k, -1)
 
     def _expand(
-        self, view: DecodeView, depth: int, y: torch.Tensor
+        self, view: DecodeView, depth: int, y: torch.Tensor, paths: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The ``K`` best next tokens (target ids) after the nodes of ``depth`` whose draft
         outputs are ``y: [n, H]`` (``n`` a multiple of the batch, row-major), best first, and
         their scores: ``[n, K]`` each. Scores are the draft's log-probabilities, or a sampled
         row's coupled race scores. Under ``rejection`` (a chain) the one token is drawn from
-        ``q``, returned as ``[n, V]`` (else None)."""
+        ``q``, returned as ``[n, V]`` (else None). ``paths: [bs, n / bs, depth]``: each
+        node's path, for the grammar rows' guide (None: no guide)."""
         local = self.model.local_logits(y)  # [n, V_draft / N]
+        if view.guide is not None and paths is not None:  # one rank: ``local`` is whole
+            view.guide.restrict(local, paths.reshape(y.shape[0], depth), self.draft_ids)
         mode, sampling = self.options.sample, view.sampling
         # Siblings' order is free (neither is the other's ancestor): topk, not a full sort.
         if sampling.all_greedy or mode == "argmax":

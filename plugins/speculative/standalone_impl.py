@@ -81,14 +81,15 @@ class StandaloneWorker(SpeculativeWorker):
         mode, sampling, limit = self.options.sample, view.sampling, self.ctx.vocab_limit
         if sampling.all_greedy:
             mode = "argmax"
-        token, drafts, probs = view.roots, [], []
+        token, drafts, probs = view.roots, list[torch.Tensor](), list[torch.Tensor]()
         for k in range(self.shape.width - 1):
             hidden = self._forward(token, view.starts + k, view)  # [bs, H]
             if mode == "argmax":
-                token = self._greedy(hidden)
+                token = self._greedy(hidden, view, drafts)
                 drafts.append(token)
                 continue
             logits = self._wide_logits(hidden, view.bs)  # [bs, V]
+            _guide(view, logits, drafts)
             if mode == "coupled":
                 scores = coupled_scores(
                     logits, sampling, view.out_lens + k, self.vocab_ids, vocab_limit=limit
@@ -125,12 +126,16 @@ class StandaloneWorker(SpeculativeWorker):
         fb = ForwardBatch.bind(layout, self.decode_backend, self.kv)
         return self.model(tokens, fb)
 
-    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _greedy(
+        self, hidden: torch.Tensor, view: DecodeView, drafts: list[torch.Tensor]
+    ) -> torch.Tensor:
         """``hidden: [bs, H]`` -> ``[bs]`` the draft's argmax below the target's vocabulary
-        limit, from the rank's logits slice (no gather)."""
+        limit, from the rank's logits slice (no gather); under the view's guide, the best
+        token the grammar allows after ``drafts`` (one rank)."""
         local = self.model.local_logits(hidden)  # [bs, V_draft / N]
         if self.local_limited:
             local = local.masked_fill(self.local_ids >= self.ctx.vocab_limit, float("-inf"))
+        _guide(view, local, drafts)
         return vocab_argmax(local, self.ctx.tp)
 
     def _wide_logits(self, hidden: torch.Tensor, bs: int) -> torch.Tensor:
@@ -142,3 +147,11 @@ class StandaloneWorker(SpeculativeWorker):
         wide = self.logits.narrow(0, 0, bs)
         wide[:, :limit] = logits[:, :limit]
         return wide
+
+
+def _guide(view: DecodeView, logits: torch.Tensor, drafts: list[torch.Tensor]) -> None:
+    """Under the view's guide, mask ``logits: [bs, V]`` by the grammar after ``drafts``
+    (the chain's drafts so far, ``[bs]`` each)."""
+    if view.guide is not None:
+        path = torch.stack(drafts, dim=1) if drafts else view.roots.new_empty(view.bs, 0)
+        view.guide.restrict(logits, path)
