@@ -152,7 +152,7 @@ class DecodeGraphs:
         when it runs eagerly (larger than the largest bucket, or adjusting logits)."""
         bs = next((b for b in self.buckets if b >= plan.bs), 0)
         kv = next((b for b in self.kv_buckets if b >= kv_bound), 0)
-        if not bs or not kv or plan.adjusts:
+        if not bs or not kv or plan.choose_copy:
             return None
         return GraphKey(
             bs=bs,

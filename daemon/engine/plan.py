@@ -47,8 +47,8 @@ class StepPlan(Struct, array_like=True, frozen=True):
     # Slots of rows whose requests do not feed the draft (scheduler/drafting.py): their
     # draft's state is never caught up.
     unfed: list[int] = []
-    # A sampled row adjusts its logits or cuts by min_p (penalties.py), or draws under a
-    # grammar: the step runs eagerly.
+    # A sampled row adjusts its logits or cuts by min_p (penalties.py): the step runs
+    # eagerly (``choose_copy``).
     adjusts: bool = False
     # Sampled rows (indices into sample_rows) that draw under a grammar, and their masks:
     # int32 [len(masked_rows), ceil(vocab / 32)], row after row, bit t set where token t may
@@ -59,6 +59,12 @@ class StepPlan(Struct, array_like=True, frozen=True):
     @property
     def bs(self) -> int:
         return len(self.slots)
+
+    @property
+    def choose_copy(self) -> bool:
+        """Sampled rows choose from a copy of the logits, adjusted (penalties.py) or masked
+        by a grammar (token_masks.py): the step runs eagerly, never from a graph."""
+        return self.adjusts or bool(self.masked_rows)
 
     @property
     def drafting(self) -> bool:

@@ -10,10 +10,10 @@ plain decode:  relay -> forward over the root -> sample -> advance the relay -> 
                (or its inputs buffered, for one batch later: engine/deferred.py)
 collect:       wait for the copy -> StepOutput
 ```
-Every step writes its tokens into the token history; a plan that ``adjusts`` runs eagerly and
-samples from the adjusted logits (penalties.py). A drafting plan with grammar rows waits on
-the host inside the step, on purpose: its worker drafts under a ``GrammarGuide`` and its
-verify nodes' masks follow the drafts (token_masks.py).
+Every step writes its tokens into the token history; a plan that ``choose_copy`` runs eagerly
+and samples from a copy of the logits, adjusted (penalties.py) or masked (token_masks.py). A
+drafting plan with grammar rows waits on the host inside the step, on purpose: its worker
+drafts under a ``GrammarGuide`` and its verify nodes' masks follow the drafts.
 Inputs live in fixed device buffers (inputs.py), per-slot state in ``SlotState`` (slots.py),
 the accept rule in ``Verifier`` (verify.py), result copies in ``ResultCopies`` (results.py);
 graph replays and captures of decode batches in ``GraphSteps`` (graph_steps.py), deferred
@@ -104,6 +104,12 @@ class DraftsOnHost:
     tokens: torch.Tensor  # [rows, W - 1], host
     parents: torch.Tensor | None  # a tree's, host
     ready: torch.cuda.Event | None  # recorded behind the copy (CUDA)
+
+
+def _masked_copy(logits: torch.Tensor, adjusted: torch.Tensor | None) -> torch.Tensor:
+    """The logits grammar masks may write -inf into: the adjusted ones, or a float32 copy
+    (the raw logits give the logprobs)."""
+    return adjusted if adjusted is not None else logits.float().clone()
 
 
 class ModelRunner:
@@ -272,6 +278,8 @@ class ModelRunner:
             choose = self.adjuster.extend_logits(
                 logits, inputs.sample_slots, last_positions + 1, max_kv
             )
+        if plan.masked_rows:
+            choose = _masked_copy(logits, choose)
             self.token_masks.apply(choose, plan.masked_rows, plan.masks)
         out = sample(
             logits, batch, inputs.sample_positions, vocab_limit=self.limits.vocab_limit,
@@ -334,7 +342,7 @@ class ModelRunner:
                 logits, inputs.slots, relay, max_kv, (tokens, nodes)
             )
         if masked is not None:
-            assert choose is not None  # a plan with grammar rows adjusts
+            choose = _masked_copy(logits, choose)
             self._mask_nodes(choose, plan, masked)
         verified = self.verifier.verify(plan, inputs, relay, drafts, depth, logits, choose)
         committed, lens, path = verified.committed(), verified.commit_lens, verified.path
@@ -398,6 +406,8 @@ class ModelRunner:
         choose = None
         if plan.adjusts:
             choose = self.adjuster.decode_logits(logits, inputs.slots, relay, max_kv)
+        if plan.masked_rows:
+            choose = _masked_copy(logits, choose)
             self.token_masks.apply(choose, plan.masked_rows, plan.masks)
         out = sample(
             logits, sampling, relay.out_lens, vocab_limit=self.limits.vocab_limit,

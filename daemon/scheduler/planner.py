@@ -145,7 +145,7 @@ class Planner:
             released_slots=self.slots.take_released(),
             next_ids=next_ids,
             unfed=_unfed(requests),
-            adjusts=_adjusts(sampled) or bool(masked_rows),
+            adjusts=_adjusts(sampled),
             masked_rows=masked_rows,
             masks=masks,
         )
@@ -212,7 +212,7 @@ class Planner:
             all_greedy=_all_greedy(rows),
             released_slots=self.slots.take_released(),
             unfed=_unfed(rows),
-            adjusts=_adjusts(rows) or bool(masked_rows),
+            adjusts=_adjusts(rows),
             masked_rows=masked_rows,
             masks=masks,
         )

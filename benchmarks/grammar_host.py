@@ -1,0 +1,88 @@
+"""The host time a constrained row adds to a step: its grammar's masks, per row and step.
+
+Compiles the JSON schema (``benchmarks/structured/review.schema.json`` unless ``--schema``)
+against a model directory's tokenizer as the daemon does, walks a valid answer's tokens, and at
+every position times, per row: the plain step's mask (``pack_masks``), a drafting step's
+verify-node masks for a chain of ``--width`` nodes whose drafts are the answer's next tokens
+(``RowGrammars.node_masks``), and the guide's masks of those drafts, one place at a time
+(``RowGrammars.path_masks``, as a chain's worker asks for them). Medians in microseconds.
+
+    python benchmarks/grammar_host.py --model-dir DIR [--width 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from outrider.daemon.grammar.compiler import Grammars
+from outrider.daemon.grammar.state import GrammarState, RowGrammars, pack_masks
+from outrider.protocol.messages import Grammar
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "benchmarks" / "structured" / "review.schema.json"
+ANSWER = {
+    "sentiment": "positive",
+    "rating": 4,
+    "topics": ["quality", "delivery"],
+    "summary": "Sturdy, arrived early, and the colour is right.",
+    "recommend": True,
+}
+
+
+def timed(work: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    work()
+    return (time.perf_counter() - start) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--vocab-size", type=int, help="the model's (default: the tokenizer's)")
+    parser.add_argument("--schema", type=Path, default=SCHEMA)
+    parser.add_argument("--width", type=int, default=4, help="verify nodes of a chain")
+    args = parser.parse_args()
+    hf = AutoTokenizer.from_pretrained(args.model_dir)
+    vocab = args.vocab_size or len(hf)
+    grammars = Grammars(args.model_dir, vocab, [hf.eos_token_id])
+    grammar = Grammar("json_schema", args.schema.read_text())
+    start = time.perf_counter()
+    state = GrammarState(grammars.compile(grammar), [hf.eos_token_id])
+    compile_ms = (time.perf_counter() - start) * 1e3
+    # The schema's form: its properties in order, ", " and ": " between (any_whitespace off).
+    tokens = hf.encode(json.dumps(ANSWER), add_special_tokens=False)
+    tokens.append(hf.eos_token_id)
+    rows = RowGrammars([state])
+    fill, nodes, places = [], [], []
+    drafts = args.width - 1
+    for position in range(len(tokens) - drafts):
+        chain = torch.tensor([tokens[position : position + drafts]])
+        fill.append(timed(lambda: pack_masks([state])))
+        nodes.append(timed(lambda c=chain: rows.node_masks(c, None)))  # type: ignore[misc]
+        paths = [chain[:, :place].view(1, 1, place) for place in range(drafts)]
+        places.append(sum(timed(lambda p=p: rows.path_masks(p)) for p in paths))  # type: ignore[misc]
+        assert state.advance([tokens[position]]), position
+    report = {
+        "model_dir": args.model_dir,
+        "vocab": vocab,
+        "answer_tokens": len(tokens),
+        "first_compile_ms": round(compile_ms, 1),
+        "plain_mask_us": round(statistics.median(fill), 1),
+        "verify_node_masks_us": round(statistics.median(nodes), 1),
+        "guide_masks_us": round(statistics.median(places), 1),
+        "width": args.width,
+        "torch_threads": torch.get_num_threads(),
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

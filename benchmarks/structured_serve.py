@@ -1,0 +1,156 @@
+"""A JSON-schema workload through the real daemon, with the grammar and without, for each
+speculative algorithm, under the overlap loop and the serial one.
+
+For each configuration and loop it starts ``outrider serve``, then runs ``outrider bench
+serve`` (random prompts, ``--output-len`` tokens, greedy) at each ``--concurrency``, once with
+``--json-schema`` (``benchmarks/structured/review.schema.json`` unless ``--schema``) and once
+without, and writes every result and the ratios to ``--out`` (JSON) and a table to stdout:
+output tok/s and mean TPOT with the grammar over without, acceptance lengths, overlap over
+serial. Without the grammar the requests decode ``--output-len`` tokens (``ignore_eos``); with
+it they end where the schema's JSON ends (at most ``--output-len``).
+
+    python benchmarks/structured_serve.py --device cuda --out structured.json
+    python benchmarks/structured_serve.py --shape llama --model-dir DIR --device cuda ...
+
+``--shape family`` (the default) serves the embedded family with its trained drafts;
+``--shape llama`` serves ``--model-dir`` (a Llama-3.1-8B config.json beside a tokenizer, dummy
+weights) with dummy drafts at a simulated acceptance (bench/sweep.py's rates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from decode import wait_ready  # benchmarks/ is sys.path[0] when run as a script
+
+from outrider.daemon.family import embedded_family
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "benchmarks" / "structured" / "review.schema.json"
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+
+
+def family_configs() -> dict[str, list[str]]:
+    family = embedded_family()
+    if family is None:
+        raise SystemExit("the outrider-family package is not installed (pip install ./family)")
+    eagle3, dflash = str(family.target.parent / "eagle3"), str(family.target.parent / "dflash")
+    return {
+        "none": ["--speculative-algorithm", "none"],  # the family's default drafts
+        "ngram": ["--speculative-algorithm", "ngram"],
+        "eagle3-chain": ["--speculative-algorithm", "eagle3", "--draft-model", eagle3,
+                         "--speculative-num-steps", "3"],
+        "eagle3-tree": ["--speculative-algorithm", "eagle3", "--draft-model", eagle3,
+                        "--speculative-num-steps", "3", "--speculative-topk", "4",
+                        "--speculative-num-draft-tokens", "8"],
+        "dflash": ["--speculative-algorithm", "dflash", "--draft-model", dflash],
+    }  # fmt: skip
+
+
+def llama_configs(model_dir: str) -> dict[str, list[str]]:
+    eagle3 = str(CONFIGS / "Llama-3.1-8B-EAGLE3.config.json")
+    target = ["--model", model_dir, "--load-format", "dummy", "--dtype", "bfloat16"]
+    return {
+        "none": target,
+        "ngram": [*target, "--speculative-algorithm", "ngram",
+                  "--speculative-simulate-acceptance", "2"],
+        "eagle3-chain": [*target, "--speculative-algorithm", "eagle3", "--draft-model", eagle3,
+                         "--speculative-num-steps", "3", "--speculative-simulate-acceptance", "3"],
+        "eagle3-tree": [*target, "--speculative-algorithm", "eagle3", "--draft-model", eagle3,
+                        "--speculative-num-steps", "5", "--speculative-topk", "4",
+                        "--speculative-num-draft-tokens", "8",
+                        "--speculative-simulate-acceptance", "3"],
+    }  # fmt: skip
+
+
+def bench(endpoint: str, args: argparse.Namespace, concurrency: int, schema: bool) -> dict:
+    """One ``outrider bench serve`` run; its result JSON."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [
+            sys.executable, "-m", "outrider.daemon.cli", "bench", "serve", "--endpoint",
+            endpoint, "--dataset", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
+            "--num-prompts", str(args.prompts * concurrency), "--max-concurrency",
+            str(concurrency), "--result-json", out.name,
+        ]  # fmt: skip
+        if schema:
+            command += ["--json-schema", f"@{args.schema}"]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        result = json.loads(Path(out.name).read_text())
+    keep = ("output_throughput", "mean_tpot_ms", "total_output_tokens", "completed", "failed",
+            "spec_decode_acceptance_length", "duration")  # fmt: skip
+    return {key: result[key] for key in keep if key in result}
+
+
+def measure(name: str, flags: list[str], serial: bool, args: argparse.Namespace) -> list[dict]:
+    endpoint = f"ipc://{tempfile.mkdtemp()}/bench.sock"
+    command = [
+        sys.executable, "-m", "outrider.daemon.cli", "serve", "--listen", endpoint,
+        "--device", args.device, "--speculative-min-acceptance", "0", *flags, *args.serve_args,
+    ]  # fmt: skip
+    if serial:
+        command.append("--no-overlap")
+    print("daemon:", " ".join(command), flush=True)
+    proc = subprocess.Popen(command, env={**os.environ, "OUTRIDER_LOG_LEVEL": "warning"})
+    rows = []
+    try:
+        wait_ready(endpoint, proc, 900)
+        bench(endpoint, args, 1, True)  # warm: the grammar compiler's first vocabulary read
+        for concurrency in args.concurrency:
+            plain, constrained = (bench(endpoint, args, concurrency, s) for s in (False, True))
+            rows.append({
+                "config": name, "loop": "serial" if serial else "overlap",
+                "concurrency": concurrency, "plain": plain, "grammar": constrained,
+                "tok_s_ratio": constrained["output_throughput"] / plain["output_throughput"],
+                "tpot_ratio": constrained["mean_tpot_ms"] / plain["mean_tpot_ms"],
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=("family", "llama"), default="family")
+    parser.add_argument("--model-dir", help="--shape llama: config.json and a tokenizer")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--configs", nargs="+", help="default: every one of the shape")
+    parser.add_argument("--loops", nargs="+", choices=("overlap", "serial"),
+                        default=["overlap", "serial"])  # fmt: skip
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prompts", type=int, default=4, help="requests per concurrency slot")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--schema", type=Path, default=SCHEMA)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("serve_args", nargs="*", help="extra `outrider serve` flags (after --)")
+    args = parser.parse_args()
+    if args.shape == "llama" and not args.model_dir:
+        parser.error("--shape llama needs --model-dir")
+    configs = family_configs() if args.shape == "family" else llama_configs(args.model_dir)
+    rows = []
+    for name in args.configs or list(configs):
+        for loop in args.loops:
+            rows += measure(name, configs[name], loop == "serial", args)
+            args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    for row in rows:
+        print(
+            f"{row['config']:>13} {row['loop']:>7} c{row['concurrency']:<3}"
+            f" tok/s {row['plain']['output_throughput']:9.1f} -> "
+            f"{row['grammar']['output_throughput']:9.1f} ({row['tok_s_ratio']:.2f}x)"
+            f" TPOT {row['tpot_ratio']:.2f}x"
+            f" tau {row['plain'].get('spec_decode_acceptance_length', 1):.2f} -> "
+            f"{row['grammar'].get('spec_decode_acceptance_length', 1):.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
