@@ -10,6 +10,9 @@ import pytest
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
+from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
+from outrider.daemon.engine.plan import StepPlan
+from outrider.daemon.engine.results import StepResults
 from outrider.daemon.grammar.compiler import Grammars
 from outrider.daemon.internal import Counters, FinishInfo, RequestUpdate, TokenizedRequest
 from outrider.plugins.sampling_spec import SamplingSpec
@@ -179,3 +182,25 @@ def run(
     for rid, outcome in outcomes.items():
         assert outcome.updates and outcome.updates[-1].is_final, f"rid {rid} got no final"
     return outcomes
+
+
+class EagerGraphs(DecodeGraphs):
+    """Captures keep the recorded closure; replays run it; padding and replays are counted."""
+
+    def __init__(self, *args: int, kv_bounded: bool = True, widths: tuple[int, ...] = (1,)) -> None:
+        super().__init__(*args, kv_bounded=kv_bounded, widths=widths)
+        self.runs: dict[GraphKey, Callable[[], StepResults]] = {}
+        self.padded_rows = 0
+        self.replays = 0
+
+    def pad(self, plan: StepPlan, key: GraphKey) -> StepPlan:
+        self.padded_rows += key.bs - plan.bs
+        return super().pad(plan, key)
+
+    def capture(self, key: GraphKey, run: Callable[[], StepResults]) -> None:
+        self.runs[key] = run
+        self.graphs[key] = (None, None)  # type: ignore[assignment]  # marks it captured
+
+    def replay(self, key: GraphKey) -> StepResults:
+        self.replays += 1
+        return self.runs[key]()

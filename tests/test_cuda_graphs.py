@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from functools import partial
 
 import pytest
-from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
+from engine_harness import (
+    DRAFT_ALGORITHMS,
+    EagerGraphs,
+    debug_checks_fixture,
+    engine_for,
+    request,
+    run,
+)
 from model_fixtures import VOCAB
 
 from outrider.daemon.config import ConfigError, ServeConfig
@@ -38,7 +44,7 @@ from outrider.daemon.engine.memory_plan import (
     kv_buckets,
 )
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.engine.results import MAX_LOGPROBS, StepResults
+from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.scheduler.request import Request
 from outrider.plugins.models.config import ModelConfig
@@ -51,28 +57,6 @@ ALGORITHMS: dict[str, dict[str, object]] = {
     "none": {},
     **{name: flags for name, flags in DRAFT_ALGORITHMS.items() if name != "standalone"},
 }
-
-
-class EagerGraphs(DecodeGraphs):
-    """Captures keep the recorded closure; replays run it; padding and replays are counted."""
-
-    def __init__(self, *args: int, kv_bounded: bool = True, widths: tuple[int, ...] = (1,)) -> None:
-        super().__init__(*args, kv_bounded=kv_bounded, widths=widths)
-        self.runs: dict[GraphKey, Callable[[], StepResults]] = {}
-        self.padded_rows = 0
-        self.replays = 0
-
-    def pad(self, plan: StepPlan, key: GraphKey) -> StepPlan:
-        self.padded_rows += key.bs - plan.bs
-        return super().pad(plan, key)
-
-    def capture(self, key: GraphKey, run: Callable[[], StepResults]) -> None:
-        self.runs[key] = run
-        self.graphs[key] = (None, None)  # type: ignore[assignment]  # marks it captured
-
-    def replay(self, key: GraphKey) -> StepResults:
-        self.replays += 1
-        return self.runs[key]()
 
 
 def engine(speculative_dirs: dict[str, str], algorithm: str, **overrides: object) -> Engine:

@@ -17,7 +17,14 @@ import pytest
 import torch
 import xgrammar as xgr
 from chat_model_fixture import CHAT_VOCAB, chat_tokenizer, save_chat_model
-from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
+from engine_harness import (
+    DRAFT_ALGORITHMS,
+    EagerGraphs,
+    debug_checks_fixture,
+    engine_for,
+    request,
+    run,
+)
 from frontdoor_harness import build_tokenizer
 from model_fixtures import save_drafts
 
@@ -25,6 +32,7 @@ from outrider.daemon.engine.token_masks import GrammarGuide, TokenMasks
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
 from outrider.daemon.grammar.state import GrammarState, RowGrammars
+from outrider.daemon.scheduler.request import Request
 from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol.messages import Generate, Grammar, request_revision
 
@@ -339,7 +347,7 @@ def test_a_draft_vocabulary_is_masked_through_its_columns() -> None:
     """``TokenMasks.apply`` with ``columns`` (a draft vocabulary's target ids): each column
     takes its token's bit, ids past the vocabulary are refused, and a row that allows none
     of the columns keeps every logit."""
-    masks = TokenMasks(40, torch.device("cpu"))
+    masks = TokenMasks(40, 4, torch.device("cpu"))
     words = torch.zeros(2, 2, dtype=torch.int32)
     words[0, 0] = (1 << 2) | (1 << 6)  # tokens 2 and 6
     words[0, 1] = 1 << 3  # token 35
@@ -369,3 +377,61 @@ def test_a_simulated_acceptance_commits_only_what_the_grammar_allows(
     _check_outputs(outcomes, tokenizer)
     accepted = [o.finish.usage.spec_accepted_tokens for o in outcomes.values()]
     assert sum(accepted) > len(accepted), accepted
+
+
+class EveryOtherBatchDrafts:
+    """A drafting policy: every other decode batch drafts; every request feeds the draft."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def drafting(self, rows: list[Request]) -> bool:
+        self.batches += 1
+        return self.batches % 2 == 0
+
+    def feeds(self, req: Request, running: int) -> bool:
+        return True
+
+    def observe(self, req: Request, commit_len: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
+def test_plain_steps_with_grammar_rows_replay_graphs_of_their_own(
+    model_dir: Path,
+    tokenizer: Tokenizer,
+    grammars: Grammars,
+    drafts: dict[str, str],
+    algorithm: str,
+    device: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain decode steps holding grammar rows replay graphs with the staged masks (on the
+    CPU through the runner's capture path, replayed eagerly; on CUDA real graphs, every
+    launch under the sync check), beside the graphs of batches without them: greedy and
+    seeded tokens are the eager engine's. Under speculation every other batch drafts, its
+    grammar rows eagerly (their masks come mid-step)."""
+    monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
+    settings: dict[str, object] = {"device": device}
+    if algorithm != "none":
+        settings |= dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts["eagle3"])
+    graphed = engine_for(str(model_dir), **settings)
+    eager = engine_for(str(model_dir), disable_cuda_graph=True, **settings)
+    runner = graphed.loop.runner
+    if device == "cpu":
+        widths = tuple(sorted({runner.shape.width, 1}, reverse=True))
+        runner.graphs = EagerGraphs(8, 256, 20, runner.slots.scratch_slot, widths=widths)
+    assert runner.graphs is not None and eager.loop.runner.graphs is None
+    if algorithm != "none":
+        for built in (graphed, eager):
+            built.scheduler.use_policy(EveryOtherBatchDrafts())
+    for temperature in (0.0, 1.0):
+        expected = run(eager, _requests(temperature), grammars=grammars)
+        outcomes = run(graphed, _requests(temperature), grammars=grammars)
+        for rid, outcome in expected.items():
+            assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
+        _check_outputs(outcomes, tokenizer)
+    plain_keys = [key for key in runner.graphs.graphs if key.width == 1]
+    assert {key.masked for key in plain_keys} == {True, False}
+    assert not any(key.masked for key in runner.graphs.graphs if key.width > 1)

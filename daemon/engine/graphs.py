@@ -13,7 +13,8 @@ request-table row points at the scratch page: they read and write nothing of a l
 
 Before READY the engine captures every batch bucket x width x KV bucket, greedy and sampled
 without logprobs (``capture_all``), largest first so that the smaller captures reuse the pool's
-blocks; a logprob variant is captured the first time its key is needed. A capture runs from a
+blocks; a logprob variant, and a plain step's variant with grammar masks (``GraphKey.masked``),
+is captured the first time its key is needed. A capture runs from a
 batch of scratch rows only: its warm-up run and the capture touch no live state. Graphs share
 one memory pool; every replay waits (on the device) for the previous step's result copy, whose
 source the next replay overwrites. The start-up memory plan (engine/memory_plan.py) sizes that
@@ -71,6 +72,7 @@ class GraphKey:
     max_logprobs: int  # 0, or the most any request may ask
     width: int = 1  # tokens a row: the speculative width, or 1 for a plain step
     fed: bool = True  # False: a plain step of rows that do not feed the draft (the target's)
+    masked: bool = False  # a plain step with grammar rows: its staged masks (token_masks.py)
 
 
 @dataclass(frozen=True)
@@ -149,10 +151,12 @@ class DecodeGraphs:
 
     def key(self, plan: StepPlan, kv_bound: int) -> GraphKey | None:
         """The graph for ``plan`` (a decode batch whose host KV bound is ``kv_bound``), None
-        when it runs eagerly (larger than the largest bucket, or adjusting logits)."""
+        when it runs eagerly (larger than the largest bucket, adjusting logits, or drafting
+        with grammar rows, whose masks come from the host in the middle of the step)."""
         bs = next((b for b in self.buckets if b >= plan.bs), 0)
         kv = next((b for b in self.kv_buckets if b >= kv_bound), 0)
-        if not bs or not kv or plan.choose_copy:
+        masked = bool(plan.masked_rows)
+        if not bs or not kv or plan.adjusts or (masked and plan.drafting):
             return None
         return GraphKey(
             bs=bs,
@@ -161,6 +165,7 @@ class DecodeGraphs:
             max_logprobs=self.max_logprobs if plan.max_logprobs else 0,
             width=plan.q_lens[0],
             fed=not plan.target_only,
+            masked=masked,
         )
 
     def catch_up_key(self, catch_up: CatchUp) -> CatchUpKey | None:
@@ -285,6 +290,7 @@ class DecodeGraphs:
             max_logprobs=key.max_logprobs,
             all_greedy=key.all_greedy,
             unfed=[] if key.fed else [self.scratch_slot] * key.bs,
+            masked_rows=list(range(key.bs)) if key.masked else [],
         )
 
     def capture(self, key: GraphKey, run: Callable[[], StepResults]) -> None:
@@ -294,10 +300,11 @@ class DecodeGraphs:
         # Start-up captures are summed up by capture_all; a later one is a first use.
         log.log(
             logging.INFO if self.started else logging.DEBUG,
-            "captured a decode graph%s: batch %d, width %d%s, KV bound %d, %s%s in %.2f s",
+            "captured a decode graph%s: batch %d, width %d%s, KV bound %d, %s%s%s in %.2f s",
             " on first use" if self.started else "", key.bs, key.width,
             "" if key.fed else " (unfed)", key.max_kv, "greedy" if key.all_greedy else "sampling",
-            ", logprobs" if key.max_logprobs else "", time.monotonic() - started,
+            ", logprobs" if key.max_logprobs else "", ", grammar masks" if key.masked else "",
+            time.monotonic() - started,
         )  # fmt: skip
 
     def capture_catch_up(self, key: CatchUpKey, run: Callable[[], None]) -> None:

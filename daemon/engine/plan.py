@@ -48,11 +48,12 @@ class StepPlan(Struct, array_like=True, frozen=True):
     # draft's state is never caught up.
     unfed: list[int] = []
     # A sampled row adjusts its logits or cuts by min_p (penalties.py): the step runs
-    # eagerly (``choose_copy``).
+    # eagerly, never from a graph.
     adjusts: bool = False
     # Sampled rows (indices into sample_rows) that draw under a grammar, and their masks:
     # int32 [len(masked_rows), ceil(vocab / 32)], row after row, bit t set where token t may
-    # come (daemon/grammar/). Only plain steps carry them: a batch holding one never drafts.
+    # come (daemon/grammar/). Only plain steps carry masks (a plain decode step replays a
+    # graph of its own); a drafting step's come from the host mid-step, eagerly.
     masked_rows: list[int] = []
     masks: bytes = b""
 
@@ -63,7 +64,7 @@ class StepPlan(Struct, array_like=True, frozen=True):
     @property
     def choose_copy(self) -> bool:
         """Sampled rows choose from a copy of the logits, adjusted (penalties.py) or masked
-        by a grammar (token_masks.py): the step runs eagerly, never from a graph."""
+        by a grammar (token_masks.py)."""
         return self.adjusts or bool(self.masked_rows)
 
     @property

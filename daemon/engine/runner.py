@@ -153,7 +153,7 @@ class ModelRunner:
         self.results = ResultCopies(rows, shape.max_commit, device)
         self.verifier = verifier
         self.adjuster = Adjuster(kv, slots, device)
-        self.token_masks = TokenMasks(limits.vocab_size, device)
+        self.token_masks = TokenMasks(limits.vocab_size, rows, device)
         self.offsets = torch.arange(shape.width, device=device)  # [W]
         # A chain's node j sees the nodes 0 .. j (the tree's ``visible``).
         self.chain_visible = torch.ones(
@@ -240,10 +240,14 @@ class ModelRunner:
 
     def _launch_plan(self, plan: StepPlan) -> Launched:
         max_kv = self._max_kv(plan)
+        key = None
         if plan.kind == "decode" and self.graphs is not None:
             key = self.graphs.key(plan, max_kv)
-            if key is not None:
-                return self.graph_steps.launch(plan, key, self.graphs)
+        if plan.kind == "decode" and plan.masks:  # a plain step's, where its graph reads them
+            self.token_masks.stage(plan.bs if key is None else key.bs, plan.masked_rows, plan.masks)
+        if key is not None:
+            assert self.graphs is not None
+            return self.graph_steps.launch(plan, key, self.graphs)
         values = host_values(plan, poison_released=self.slots.relay_check)
         inputs = self.inputs.stage(plan, values)
         self.slots.apply(inputs)
@@ -406,9 +410,9 @@ class ModelRunner:
         choose = None
         if plan.adjusts:
             choose = self.adjuster.decode_logits(logits, inputs.slots, relay, max_kv)
-        if plan.masked_rows:
+        if plan.masked_rows:  # staged by the launch (a graph's capture: scratch rows)
             choose = _masked_copy(logits, choose)
-            self.token_masks.apply(choose, plan.masked_rows, plan.masks)
+            self.token_masks.apply_staged(choose)
         out = sample(
             logits, sampling, relay.out_lens, vocab_limit=self.limits.vocab_limit,
             choose_from=choose,

@@ -1,15 +1,18 @@
 """``TokenMasks``: grammar masks (daemon/grammar/) applied to the logits sampled rows choose
-from (the adjusted copy: the logprobs stay the model's). A plain step's masks come in its
-plan (``StepPlan.masks``); a drafting step's, one per verify node, from the host in the
-middle of the step, once its drafts are known (runner.py). ``GrammarGuide`` masks a draft's
-logits the same way, one draft place at a time (``DraftGuide``, plugins/speculative/base.py).
+from (a copy: the logprobs stay the model's). A plain step's masks come in its plan
+(``StepPlan.masks``); a drafting step's, one per verify node, from the host in the middle of
+the step, once its drafts are known (runner.py). ``GrammarGuide`` masks a draft's logits the
+same way, one draft place at a time (``DraftGuide``, plugins/speculative/base.py).
 
 Masks are int32 words, bit ``t`` of a row set where token ``t`` may come. They travel
 through pinned host memory to the device and are unpacked there: a disallowed token's
-logit becomes -inf. Steps with masks run eagerly and allocate them per step (torch's
-caching allocators); the unpacking's temporaries (an int32 and a bool a logit of a masked
-row) are freed before sampling's scratch is taken, inside the memory plan's
-``SAMPLING_BYTES_PER_LOGIT``.
+logit becomes -inf. A plain decode step's masks are staged into a fixed device buffer
+(``stage``: every row of the batch, padding included, rows without a grammar allowing every
+token), which its CUDA graph reads (``apply_staged``); the host staging is double-buffered
+as the step inputs are (inputs.py). The masks of EXTEND rows, verify nodes and draft places
+are applied eagerly (``apply``) and allocated per step (torch's caching allocators). The
+unpacking's temporaries (an int32 and a bool a logit of a masked row) are freed before
+sampling's scratch is taken, inside the memory plan's ``SAMPLING_BYTES_PER_LOGIT``.
 
 The host waits inside a step only here (``syncs_allowed``): for the grammar rows' drafts
 before their verify nodes' masks, and for each draft place's path under a guide.
@@ -55,10 +58,36 @@ def syncs_allowed(device: torch.device) -> Iterator[None]:
 
 
 class TokenMasks:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, rows: int, device: torch.device) -> None:
+        """``rows``: the most a decode batch has, padding included."""
         self.vocab_size = vocab_size
         self.device = device
         self._shifts = torch.arange(_BITS, dtype=torch.int32, device=device)
+        words = -(-vocab_size // _BITS)
+        # A plain step's masks, where its graph reads them; every token allowed at first,
+        # so that a capture from scratch rows never samples from an all -inf row.
+        self.staged = torch.full((rows, words), -1, dtype=torch.int32, device=device)
+        pinned = device.type == "cuda"
+        self._host = [
+            torch.empty((rows, words), dtype=torch.int32, pin_memory=pinned) for _ in range(2)
+        ]
+        self._parity = 0
+
+    def stage(self, bs: int, rows: list[int], masks: bytes) -> None:
+        """Queue a plain decode step's masks into ``staged``: row ``rows[i]`` takes mask
+        ``i`` of ``masks``, every other row of the ``bs`` allows every token."""
+        host, self._parity = self._host[self._parity], self._parity ^ 1
+        host[:bs] = -1
+        host[rows] = torch.frombuffer(bytearray(masks), dtype=torch.int32).view(len(rows), -1)
+        self.staged[:bs].copy_(host[:bs], non_blocking=True)
+
+    def apply_staged(self, choose: torch.Tensor) -> None:
+        """Set to -inf, in ``choose`` (``[bs, V]``), every logit its row's staged mask does
+        not allow (device work only: graph-safe)."""
+        n = choose.shape[0]
+        bits = (self.staged[:n].unsqueeze(-1) >> self._shifts) & 1  # [n, words, 32]
+        allowed = bits.view(n, -1)[:, : self.vocab_size].bool()
+        choose[:, : self.vocab_size].masked_fill_(~allowed, float("-inf"))
 
     def apply(
         self,
