@@ -5,7 +5,8 @@ against a model directory's tokenizer as the daemon does, walks a valid answer's
 every position times, per row: the plain step's mask (``pack_masks``), a drafting step's
 verify-node masks for a chain of ``--width`` nodes whose drafts are the answer's next tokens
 (``RowGrammars.node_masks``), and the guide's masks of those drafts, one place at a time
-(``RowGrammars.path_masks``, as a chain's worker asks for them). Medians in microseconds.
+(``RowGrammars.path_masks``, as a chain's worker asks for them); and the masks of a plain
+step of ``--rows`` grammar rows (filled in parallel). Medians in microseconds.
 
     python benchmarks/grammar_host.py --model-dir DIR [--width 4]
 """
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, help="the model's (default: the tokenizer's)")
     parser.add_argument("--schema", type=Path, default=SCHEMA)
     parser.add_argument("--width", type=int, default=4, help="verify nodes of a chain")
+    parser.add_argument("--rows", type=int, default=32, help="a plain step's grammar rows")
     args = parser.parse_args()
     hf = AutoTokenizer.from_pretrained(args.model_dir)
     vocab = args.vocab_size or len(hf)
@@ -70,6 +72,13 @@ def main() -> None:
         paths = [chain[:, :place].view(1, 1, place) for place in range(drafts)]
         places.append(sum(timed(lambda p=p: rows.path_masks(p)) for p in paths))  # type: ignore[misc]
         assert state.advance([tokens[position]]), position
+    # A plain step of ``--rows`` grammar rows, each at its own place of the answer.
+    rows_states = [
+        GrammarState(grammars.compile(grammar), [hf.eos_token_id]) for _ in range(args.rows)
+    ]
+    for row, row_state in enumerate(rows_states):
+        assert row_state.advance(tokens[: row % (len(tokens) - 1)])
+    batch = [timed(lambda: pack_masks(rows_states)) for _ in range(50)]
     report = {
         "model_dir": args.model_dir,
         "vocab": vocab,
@@ -79,6 +88,8 @@ def main() -> None:
         "verify_node_masks_us": round(statistics.median(nodes), 1),
         "guide_masks_us": round(statistics.median(places), 1),
         "width": args.width,
+        "plain_step_masks_us": round(statistics.median(batch), 1),
+        "rows": args.rows,
         "torch_threads": torch.get_num_threads(),
     }
     print(json.dumps(report))

@@ -101,8 +101,10 @@ def measure(name: str, flags: list[str], serial: bool, args: argparse.Namespace)
     rows = []
     try:
         wait_ready(endpoint, proc, 900)
-        bench(endpoint, args, 1, True)  # warm: the grammar compiler's first vocabulary read
         for concurrency in args.concurrency:
+            # Warm: the grammar compiler's first vocabulary read, the graphs a batch with
+            # grammar rows replays (captured on first use).
+            bench(endpoint, args, concurrency, True)
             plain, constrained = (bench(endpoint, args, concurrency, s) for s in (False, True))
             rows.append({
                 "config": name, "loop": "serial" if serial else "overlap",

@@ -411,8 +411,10 @@ def test_plain_steps_with_grammar_rows_replay_graphs_of_their_own(
     CPU through the runner's capture path, replayed eagerly; on CUDA real graphs, every
     launch under the sync check), beside the graphs of batches without them: greedy and
     seeded tokens are the eager engine's. Under speculation every other batch drafts, its
-    grammar rows eagerly (their masks come mid-step)."""
+    grammar rows eagerly (their masks come mid-step) where the engine runs without graphs:
+    with CUDA graphs a batch holding grammar rows does not draft."""
     monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
+    monkeypatch.delenv("OUTRIDER_DEBUG_RELAY_CHECK")  # graphs are off under it (build.py)
     settings: dict[str, object] = {"device": device}
     if algorithm != "none":
         settings |= dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts["eagle3"])
@@ -435,3 +437,5 @@ def test_plain_steps_with_grammar_rows_replay_graphs_of_their_own(
     plain_keys = [key for key in runner.graphs.graphs if key.width == 1]
     assert {key.masked for key in plain_keys} == {True, False}
     assert not any(key.masked for key in runner.graphs.graphs if key.width > 1)
+    # The CPU build has no graphs (EagerGraphs come after it).
+    assert graphed.scheduler.planner.limits.grammar_drafts == (device == "cpu")

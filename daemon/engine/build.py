@@ -125,7 +125,7 @@ def build_engine(
                 context_length=context_length,
                 prefix_margin_pages=runner.worker.prefix_margin_pages,
                 draft_state=shape.speculative and runner.worker.draft_state,
-                grammar_drafts=runner.channel is None,
+                grammar_drafts=runner.channel is None and runner.graphs is None,
             ),
             shape,
             PrefixCache(plan.num_pages, page_size),

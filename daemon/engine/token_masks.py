@@ -45,11 +45,12 @@ class GrammarRows(Protocol):
 
 @contextmanager
 def syncs_allowed(device: torch.device) -> Iterator[None]:
-    """The sync check off for a wait the grammar rows make on purpose."""
-    if device.type != "cuda":
+    """The sync check off for a wait the grammar rows make on purpose (only a check that is
+    on is lifted: setting the mode at all warns that it is a prototype)."""
+    mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else 0
+    if not mode:
         yield
         return
-    mode = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(0)
     try:
         yield

@@ -15,6 +15,8 @@ class SchedulerLimits:
     # The draft keeps state over the context (its own KV): requests may not feed it
     # (``Request.fed``, drafting.py).
     draft_state: bool = False
-    # A decode batch holding grammar rows may draft: their verify nodes' masks come from the
-    # host mid-step, which one rank alone can wait for (tensor-parallel ranks: False).
+    # A decode batch holding grammar rows may draft: their drafts and verify nodes' masks
+    # come from the host mid-step, so such a step runs eagerly, on one rank. Only where decode
+    # steps run eagerly anyway (no CUDA graphs) and on one rank: eagerly, an H200 step costs
+    # several graphed ones (BENCHMARKS.md, structured output), more than drafting gains.
     grammar_drafts: bool = True
