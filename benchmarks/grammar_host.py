@@ -6,7 +6,7 @@ every position times, per row: the plain step's mask (``pack_masks``), a draftin
 verify-node masks for a chain of ``--width`` nodes whose drafts are the answer's next tokens
 (``RowGrammars.node_masks``), and the guide's masks of those drafts, one place at a time
 (``RowGrammars.path_masks``, as a chain's worker asks for them); and the masks of a plain
-step of ``--rows`` grammar rows (filled in parallel). Medians in microseconds.
+step of ``--rows`` grammar rows. Medians in microseconds.
 
     python benchmarks/grammar_host.py --model-dir DIR [--width 4]
 """
