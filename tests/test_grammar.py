@@ -105,6 +105,15 @@ def _start(grammars: Grammars, grammar: Grammar) -> GrammarState:
     return grammars.start(request(0, [1], grammar=grammar, ignore_eos=False))
 
 
+def _regex_mask(grammars: Grammars, path: list[int]) -> torch.Tensor:
+    """The regex grammar's next mask after ``path``, from a fresh state."""
+    state = _start(grammars, GRAMMARS["regex"])
+    assert state.advance(path)
+    row = xgr.allocate_token_bitmask(1, VOCAB)
+    state.fill(row, 0)
+    return row[0]
+
+
 def _matches(kind: str, text: str) -> bool:
     if kind == "json_schema":
         value = json.loads(text)
@@ -244,17 +253,8 @@ def test_each_verify_node_is_masked_by_the_state_its_own_path_reaches(
     masks = xgr.allocate_token_bitmask(2 + len(tokens) + 1, VOCAB)
     state.node_masks(masks, 2, tokens, parents)
 
-    def fresh(path: list[int]) -> torch.Tensor:
-        matcher = _start(grammars, GRAMMARS["regex"])
-        assert matcher.advance(path)
-        row = xgr.allocate_token_bitmask(1, VOCAB)
-        matcher.fill(row, 0)
-        return row[0]
-
-    expected = [
-        fresh([]), fresh([a]), fresh([a, b]), fresh([a]), fresh([a, b, c]), fresh([a]),
-        fresh([a, b, c, dash]), fresh([b]),
-    ]  # fmt: skip
+    paths = [[], [a], [a, b], [a], [a, b, c], [a], [a, b, c, dash], [b]]
+    expected = [_regex_mask(grammars, path) for path in paths]
     for node, row in enumerate(expected):
         assert torch.equal(masks[2 + node], row), node
     # The state is where it was: its next mask is the root's.
@@ -323,24 +323,17 @@ def test_each_draft_place_is_masked_by_the_state_its_path_reaches(
         bytearray(RowGrammars(states).path_masks(paths)), dtype=torch.int32
     ).view(6, -1)
 
-    def fresh(path: list[int]) -> torch.Tensor:
-        matcher = _start(grammars, GRAMMARS["regex"])
-        assert matcher.advance(path)
-        row = xgr.allocate_token_bitmask(1, VOCAB)
-        matcher.fill(row, 0)
-        return row[0]
-
     everything = torch.full_like(masks[0], -1)
     # Row 1 ends on its first place's path and its second refuses ``a``.
     expected = [
-        fresh([a, b]), everything, everything, everything,
-        fresh([a, b, a, dash, one, one]), everything,
+        _regex_mask(grammars, [a, b]), everything, everything, everything,
+        _regex_mask(grammars, [a, b, a, dash, one, one]), everything,
     ]  # fmt: skip
     for place, row in enumerate(expected):
         assert torch.equal(masks[place], row), place
     again = xgr.allocate_token_bitmask(1, VOCAB)
     states[1].fill(again, 0)
-    assert torch.equal(again[0], fresh([a, b, a, dash, one]))
+    assert torch.equal(again[0], _regex_mask(grammars, [a, b, a, dash, one]))
 
 
 def test_a_draft_vocabulary_is_masked_through_its_columns() -> None:

@@ -19,8 +19,9 @@ Invariants:
   overlapping);
 - under speculation every verify node is masked by the state its own path reaches: the host
   computes the nodes' masks once the step's drafts are copied back, while the device runs the
-  verify's forward (``GrammarState.node_masks``; one rank only: tensor-parallel batches
-  holding a constrained row do not draft);
+  verify's forward (``GrammarState.node_masks``). Such a step runs eagerly, so a batch
+  holding a constrained row drafts only on one rank and without CUDA graphs
+  (``SchedulerLimits.grammar_drafts``); a plain step with constrained rows replays a graph;
 - drafts are proposed under the grammar too: a worker that drafts from logits masks each
   draft place by the state its path reaches (``DraftGuide``, ``GrammarState.path_mask``; the
   host waits for each place's path). n-gram drafts, copied from the context, are not: a draft

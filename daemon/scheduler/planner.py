@@ -15,8 +15,8 @@ A row that draws under a grammar (daemon/grammar/) is planned only when no step 
 request is in flight (the other rows go on overlapping), so that its grammar state holds
 every token it committed. A plain step carries its mask in the plan; in a drafting step the
 host gives each draft place's mask as the worker drafts and each verify node's once the
-drafts are known (``Planned.grammar``), on one rank only: tensor-parallel batches holding one
-do not draft.
+drafts are known (``Planned.grammar``): such a step runs eagerly, so a batch holding one
+drafts only where ``SchedulerLimits.grammar_drafts`` says (one rank, no CUDA graphs).
 """
 
 from __future__ import annotations
