@@ -98,31 +98,48 @@ def test_calls_are_parsed_out_of_both_formats() -> None:
     assert parse_tool_calls("llama", plain) == (plain, [])
 
 
-def test_a_stream_sends_content_until_a_call_may_begin_and_the_calls_at_the_end() -> None:
+def test_a_stream_sends_content_until_a_call_begins_then_each_call_as_it_is_written() -> None:
     stream = CallStream("qwen_3")
     pieces = [
         stream.take(t)
         for t in [
             "Let me ",
-            "check.<tool",
+            "check.<tool",  # "<tool" may begin a call: held
             "_call>\n",
             '{"name": "get_time", ',
-            '"arguments": {"zone": "UTC"}}\n</tool_call>',
+            '"arguments": {"zone": "U',
+            'TC", "at": [1, {"x": "}\\""}]}}\n</tool_call>',
             " Done.",
         ]
     ]
-    assert pieces == ["Let me ", "check.", "", "", "", ""]  # "<tool" may begin a call: held
-    rest, calls = stream.finish()
-    assert rest == "Done."
-    assert [(c["index"], c["function"]) for c in calls] == [
-        (0, {"name": "get_time", "arguments": '{"zone": "UTC"}'})
-    ]
+    assert [content for content, _ in pieces] == ["Let me", " check.", "", "", "", "", "Done."]
+    calls = [call for _, called in pieces for call in called]
+    head, rest = calls[0], calls[1:]
+    assert head["id"].startswith("call_") and head["type"] == "function"
+    assert head["index"] == 0
+    assert head["function"] == {"name": "get_time", "arguments": '{"zone": "U'}
+    assert rest == [{"index": 0, "function": {"arguments": 'TC", "at": [1, {"x": "}\\""}]}'}}]
+    arguments = "".join(call["function"]["arguments"] for call in calls)
+    assert json.loads(arguments) == {"zone": "UTC", "at": [1, {"x": '}"'}]}
+    assert stream.finish() == ("", []) and stream.calls == 1
+    # A second call gets the next index; whitespace after a call is not content.
+    assert stream.take('\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>\n')[0] == ""
+    assert stream.calls == 2
     plain = CallStream("qwen_3")
-    assert [plain.take(t) for t in ["a <to", "y> b"]] == ["a ", "<toy> b"]
-    assert plain.finish() == ("", [])
+    assert [plain.take(t) for t in ["a <to", "y> b\n"]] == [("a", []), (" <toy> b", [])]
+    assert plain.finish() == ("\n", []) and plain.calls == 0  # no call: the text as written
     llama = CallStream("llama")
-    assert llama.take('Sure. {"name": "get_time", "parameters": {"zone": "CET"}}') == "Sure. "
-    assert [c["function"]["name"] for c in llama.finish()[1]] == ["get_time"]  # fmt: skip
+    content, [call] = llama.take('Sure. {"name": "get_time", "parameters": {"zone": "CET"}}')
+    assert content == "Sure." and call["function"] == {
+        "name": "get_time", "arguments": '{"zone": "CET"}'
+    }  # fmt: skip
+    # A call's start that never makes a head is parsed with the rest at the end.
+    text = CallStream("llama")
+    assert text.take('The {"name": tag} is not a call.') == ("The", [])
+    assert text.finish() == (' {"name": tag} is not a call.', [])
+    cut = CallStream("qwen_3")  # ended inside its arguments (max_tokens): sent as written
+    assert cut.take('<tool_call>\n{"name": "b", "arguments": {"a": ')[1][0]["index"] == 0
+    assert cut.finish() == ("", []) and cut.calls == 1
 
 
 def _chat(**fields: object) -> Generate:
@@ -302,8 +319,16 @@ def test_the_openai_client_gets_tool_calls_streamed_or_not(
     assert {c.function.name for c in named.choices[0].message.tool_calls or []} == {"get_time"}
     stream = client.chat.completions.create(**params, tool_choice="required", stream=True)  # type: ignore[call-overload]
     deltas = [chunk.choices[0] for chunk in stream if chunk.choices]
-    streamed = [call for d in deltas for call in d.delta.tool_calls or []]
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == [
+    # Each call's head (id, name) first, then its arguments in pieces, under its index.
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for call in (c for d in deltas for c in d.delta.tool_calls or []):
+        if call.id is not None:
+            assert call.function is not None and call.function.name
+            names[call.index] = call.function.name
+        assert call.function is not None
+        arguments[call.index] = arguments.get(call.index, "") + (call.function.arguments or "")
+    assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == [
         (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
     ]
     assert deltas[-1].finish_reason == "tool_calls"

@@ -1,8 +1,8 @@
 """The choices of one OpenAI request (``n``): a daemon request each, run together, and the
 server-sent events of their streams merged as their chunks come, each tagged with its index
-(a chat request whose tools may be called: its content until a call may begin, its calls at
-the end, tools.py). Whatever ends a response early aborts the requests of every choice not
-finished."""
+(a chat request whose tools may be called: its content until a call may begin, then each
+call as it is written, tools.py). Whatever ends a response early aborts the requests of every
+choice not finished."""
 
 from __future__ import annotations
 
@@ -106,21 +106,18 @@ async def sse_events(
                     yield sse(with_usage(shape.token_chunk(event, index), include_usage))
                     continue
                 held[index] += event.logprobs or []
-                if piece := calls[index].take(event.text):
-                    body = shape.chunk(piece, held[index] or None, index=index)
-                    held[index] = []
-                    yield sse(with_usage(body, include_usage))
+                piece, called = calls[index].take(event.text)
+                if piece or called:
+                    yield sse(with_usage(_delta(shape, piece, called, held, index), include_usage))
             result = streams[index].result
             assert result is not None
             reason: str = result.finish_reason
             if calls is not None:
                 rest, called = calls[index].finish()
-                body = shape.chunk(rest or None, held[index] or None, index=index)
-                if called:
-                    body["choices"][0]["delta"]["tool_calls"] = called
-                    reason = "tool_calls"
                 if rest or called or held[index]:
-                    yield sse(with_usage(body, include_usage))
+                    yield sse(with_usage(_delta(shape, rest, called, held, index), include_usage))
+                if calls[index].calls:
+                    reason = "tool_calls"
             text = None if shape.chat else ""
             finish = shape.chunk(text, finish_reason=reason, index=index)
             yield sse(with_usage(finish, include_usage))
@@ -134,6 +131,21 @@ async def sse_events(
         for task in pumps:
             task.cancel()
     yield b"data: [DONE]\n\n"
+
+
+def _delta(
+    shape: Shape,
+    content: str,
+    calls: list[dict[str, Any]],
+    held: list[list[TokenLogprob]],
+    index: int,
+) -> dict[str, Any]:
+    """A chunk of choice ``index``: its content and calls, with the logprobs held for it."""
+    body = shape.chunk(content or None, held[index] or None, index=index)
+    held[index] = []
+    if calls:
+        body["choices"][0]["delta"]["tool_calls"] = calls
+    return body
 
 
 def with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:

@@ -5,13 +5,16 @@ answer's calls as ``message.tool_calls`` (streamed: ``delta.tool_calls``).
 The daemon holds the calls to their schemas in the model's own format
 (``server_info().configuration["tool_call_format"]``); the text the model wrote is parsed here
 by that format (daemon/grammar/tool_calls.py): the calls leave the content, and ``finish_reason`` is
-``tool_calls`` when there are any. Streamed, the content goes out as it comes until a call
-may begin (``CallStream``), the calls at the end.
+``tool_calls`` when there are any. Streamed (``CallStream``), the content goes out as it comes
+until a call may begin, each call as soon as its name is read and its arguments as they are
+written (their JSON text as the model wrote it; the answer not streamed carries them
+re-serialised).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Literal
 
@@ -101,48 +104,177 @@ def answer_with_calls(fmt: ToolCallFormat, result: GenerateResult) -> tuple[dict
     return message, "tool_calls"
 
 
-def _call_body(call: ParsedCall, index: int | None = None) -> dict[str, Any]:
+def _call_body(
+    call: ParsedCall, index: int | None = None, arguments: str | None = None
+) -> dict[str, Any]:
+    """A call as the API carries it (``index``: a streamed one's; ``arguments``: its JSON
+    text, default the parsed arguments')."""
     body: dict[str, Any] = {} if index is None else {"index": index}
+    text = json.dumps(call.arguments) if arguments is None else arguments
     return body | {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+        "function": {"name": call.name, "arguments": text},
     }
 
 
-# What begins a call in each format's text (daemon/grammar/tool_calls.py).
+# What begins a call in each format's text (daemon/grammar/tool_calls.py), the head of a call
+# up to its arguments (group 1: the name, as JSON string text), and what closes it after them.
 CALL_STARTS: dict[ToolCallFormat, str] = {"qwen_3": "<tool_call>", "llama": '{"name": '}
+_NAME = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+_HEADS: dict[ToolCallFormat, re.Pattern[str]] = {
+    "qwen_3": re.compile(r"<tool_call>\s*" + _NAME + r'"arguments"\s*:\s*'),
+    "llama": re.compile(_NAME + r'"parameters"\s*:\s*'),
+}
+_TAILS: dict[ToolCallFormat, re.Pattern[str]] = {
+    "qwen_3": re.compile(r"\s*\}\s*</tool_call>"),
+    "llama": re.compile(r"\s*\}"),
+}
+StreamMode = Literal["content", "head", "arguments", "tail"]
 
 
 class CallStream:
     """One streamed choice whose tools may be called: its text goes out as content until a
-    call may begin there (a text that could be the start of one is held back); the calls,
-    and whatever content follows them, once the answer is complete."""
+    call may begin (a text that could be the start of one, and trailing whitespace, are held
+    back); a call goes out as soon as its head is read (index, id and name), its arguments as
+    they are written, then content again (whitespace around calls dropped, as the answer not
+    streamed strips it). A call's start that never makes a head is parsed with the rest at the
+    end (``finish``)."""
 
     def __init__(self, fmt: ToolCallFormat) -> None:
         self.fmt = fmt
         self.text = ""
-        self.sent = 0  # characters of ``text`` sent as content
-        self.held = False  # a call began: nothing more goes out before the end
+        self.sent = 0  # characters of ``text`` sent, as content or as a call
+        self.mode: StreamMode = "content"
+        self.calls = 0  # calls sent (begun)
+        self.arguments = _JsonValue()  # the arguments of the call being written
+        self.after_call = False  # content after a call: its leading whitespace is dropped
+        self.head_at = 0  # where the call that may begin starts (mode "head")
 
-    def take(self, text: str) -> str:
-        """The next piece of ``text``'s answer that can go out as content ("" for none)."""
+    def take(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The next pieces of the answer that can go out: content ("" for none) and
+        ``delta.tool_calls`` entries."""
         self.text += text
-        if self.held:
-            return ""
-        start = CALL_STARTS[self.fmt]
-        at = self.text.find(start, self.sent)
-        if at >= 0:
-            self.held, limit = True, at
-        else:
-            limit = len(self.text) - _started(self.text, start)
-        piece, self.sent = self.text[self.sent : limit], max(self.sent, limit)
-        return piece
+        content: list[str] = []
+        deltas: list[dict[str, Any]] = []
+        while self._step(content, deltas):
+            pass
+        return "".join(content), _merged(deltas)
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The content not sent yet and the calls (as ``delta.tool_calls``), at the end."""
-        content, calls = parse_tool_calls(self.fmt, self.text[self.sent :])
-        return content, [_call_body(call, i) for i, call in enumerate(calls)]
+        """What is left at the end: the content held back, and the calls of a held text
+        that parse only as a whole (a call cut off inside its arguments stays as sent)."""
+        rest = self.text[self.sent :]
+        self.sent = len(self.text)
+        if self.mode == "content":
+            return self._content(rest.rstrip() if self.calls else rest), []
+        if self.mode != "head":
+            return "", []
+        content, calls = parse_tool_calls(self.fmt, rest)
+        if not calls:
+            return self._content(rest), []
+        first, self.calls = self.calls, self.calls + len(calls)
+        return content, [_call_body(call, first + i) for i, call in enumerate(calls)]
+
+    def _step(self, content: list[str], deltas: list[dict[str, Any]]) -> bool:
+        """Take what the text allows in the current mode; True when the mode changed."""
+        text, at = self.text, self.sent
+        if self.mode == "content":
+            start = CALL_STARTS[self.fmt]
+            found = text.find(start, at)
+            end = found if found >= 0 else len(text) - _started(text, start)
+            # Trailing whitespace is held: before a call it is dropped.
+            end = max(at, len(text[:end].rstrip()))
+            content.append(self._content(text[at:end]))
+            self.sent = end
+            if found < 0:
+                return False
+            self.head_at, self.mode = found, "head"
+            return True
+        if self.mode == "head":
+            head = _HEADS[self.fmt].match(text, self.head_at)
+            if head is None:
+                return False  # not yet, or never: then ``finish`` parses it
+            name = json.loads(f'"{head.group(1)}"')
+            deltas.append(_call_body(ParsedCall(name, {}), self.calls, arguments=""))
+            self.calls += 1
+            self.sent, self.mode, self.arguments = head.end(), "arguments", _JsonValue()
+            return True
+        if self.mode == "arguments":
+            taken = self.arguments.feed(text[at:])
+            if taken:
+                function = {"arguments": text[at : at + taken]}
+                deltas.append({"index": self.calls - 1, "function": function})
+            self.sent = at + taken
+            if not self.arguments.done:
+                return False
+            self.mode = "tail"
+            return True
+        tail = _TAILS[self.fmt].match(text, at)
+        if tail is None:
+            return False
+        self.sent, self.mode, self.after_call = tail.end(), "content", True
+        return True
+
+    def _content(self, piece: str) -> str:
+        if self.after_call:
+            piece = piece.lstrip()
+            self.after_call = not piece
+        return piece
+
+
+class _JsonValue:
+    """Where one JSON value ends in text fed piece by piece (strings, escapes, nesting)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.began = False
+        self.done = False
+
+    def feed(self, text: str) -> int:
+        """Characters of ``text`` that belong to the value (all, until it ends)."""
+        for i, char in enumerate(text):
+            if self.done:
+                return i
+            if not self.began and char.isspace():
+                continue
+            if self.began and self.depth == 0 and not self.in_string and char in ",}] \n\t":
+                self.done = True  # a scalar's end, not part of it
+                return i
+            self.began = True
+            self._take(char)
+        return len(text)
+
+    def _take(self, char: str) -> None:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+                self.done = self.depth == 0
+        elif char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+        elif char in "}]":
+            self.depth -= 1
+            self.done = self.depth == 0
+
+
+def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry a call: a call's argument pieces joined to the entry before them."""
+    merged: list[dict[str, Any]] = []
+    for delta in deltas:
+        if merged and merged[-1]["index"] == delta["index"]:
+            function = merged[-1]["function"]
+            function["arguments"] += delta["function"]["arguments"]
+        else:
+            merged.append(delta)
+    return merged
 
 
 def _started(text: str, start: str) -> int:
