@@ -62,12 +62,6 @@ class StepPlan(Struct, array_like=True, frozen=True):
         return len(self.slots)
 
     @property
-    def choose_copy(self) -> bool:
-        """Sampled rows choose from a copy of the logits, adjusted (penalties.py) or masked
-        by a grammar (token_masks.py)."""
-        return self.adjusts or bool(self.masked_rows)
-
-    @property
     def drafting(self) -> bool:
         """A decode batch whose rows verify drafts (width > 1); False: a plain decode step,
         one token a row, on any engine (a speculative engine's drafting policy chooses)."""

@@ -10,10 +10,11 @@ plain decode:  relay -> forward over the root -> sample -> advance the relay -> 
                (or its inputs buffered, for one batch later: engine/deferred.py)
 collect:       wait for the copy -> StepOutput
 ```
-Every step writes its tokens into the token history; a plan that ``choose_copy`` runs eagerly
-and samples from a copy of the logits, adjusted (penalties.py) or masked (token_masks.py). A
-drafting plan with grammar rows waits on the host inside the step, on purpose: its worker
-drafts under a ``GrammarGuide`` and its verify nodes' masks follow the drafts.
+Every step writes its tokens into the token history; a plan that ``adjusts`` runs eagerly and
+samples from the adjusted logits (penalties.py); grammar rows sample from a masked copy
+(token_masks.py). A drafting plan with grammar rows waits on the host inside the step, on
+purpose (so it runs eagerly): its worker drafts under a ``GrammarGuide`` and its verify nodes'
+masks follow the drafts.
 Inputs live in fixed device buffers (inputs.py), per-slot state in ``SlotState`` (slots.py),
 the accept rule in ``Verifier`` (verify.py), result copies in ``ResultCopies`` (results.py);
 graph replays and captures of decode batches in ``GraphSteps`` (graph_steps.py), deferred
