@@ -2,12 +2,14 @@
 speculative algorithm, under the overlap loop and the serial one.
 
 For each configuration and loop it starts ``outrider serve``, then runs ``outrider bench
-serve`` (random prompts, ``--output-len`` tokens, greedy) at each ``--concurrency``, once with
-``--json-schema`` (``benchmarks/structured/review.schema.json`` unless ``--schema``) and once
-without, and writes every result and the ratios to ``--out`` (JSON) and a table to stdout:
-output tok/s and mean TPOT with the grammar over without, acceptance lengths, overlap over
-serial. Without the grammar the requests decode ``--output-len`` tokens (``ignore_eos``); with
-it they end where the schema's JSON ends (at most ``--output-len``).
+serve`` (random prompts, ``--output-len`` tokens, greedy) at each ``--concurrency``: a warm-up
+run with the grammar (the compiler's first vocabulary read, the graphs captured on first use),
+then one with ``--json-schema`` (``benchmarks/structured/review.schema.json`` unless
+``--schema``) and one without. It writes every result and the ratios to ``--out`` (JSON) and
+a table to stdout: output tok/s and mean TPOT with the grammar over without, and acceptance
+lengths, a row per loop (overlap against serial: compare the rows). Without the grammar the
+requests decode ``--output-len`` tokens (``ignore_eos``); with it they end where the schema's
+JSON ends (at most ``--output-len``).
 
     python benchmarks/structured_serve.py --device cuda --out structured.json
     python benchmarks/structured_serve.py --shape llama --model-dir DIR --device cuda ...
