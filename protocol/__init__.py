@@ -1,4 +1,5 @@
-"""outrider.protocol: the wire messages and the ZeroMQ client library.
+"""outrider.protocol: the wire messages, the ZeroMQ client library, and the parser of tool
+calls in a model's output (``parse_tool_calls``).
 
 Depends on msgspec, pyzmq and the standard library only: a client never needs torch.
 """
@@ -20,6 +21,7 @@ from outrider.protocol.messages import (
     ToolCall,
     Usage,
 )
+from outrider.protocol.tool_calls import ParsedCall, parse_tool_calls
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -34,6 +36,7 @@ __all__ = [
     "Grammar",
     "Health",
     "NotListening",
+    "ParsedCall",
     "RequestError",
     "ServerInfo",
     "Timeout",
@@ -44,4 +47,5 @@ __all__ = [
     "ToolCall",
     "Usage",
     "default_endpoint",
+    "parse_tool_calls",
 ]

@@ -19,10 +19,11 @@ from model_fixtures import save_drafts
 
 from outrider.daemon.frontdoor.tools import ToolsRefused, template_inputs, tool_use
 from outrider.daemon.grammar.compiler import Grammars
-from outrider.daemon.grammar.tool_calls import ParsedCall, parse_tool_calls, tool_call_format
+from outrider.daemon.grammar.tool_calls import tool_call_format
 from outrider.daemon.http.tools import CallStream
 from outrider.daemon.internal import TokenizedRequest, ToolUse
 from outrider.daemon.tokenizer import Tokenizer
+from outrider.protocol import ParsedCall, parse_tool_calls
 from outrider.protocol.messages import ChatMessage, Generate, Grammar, Tool, ToolCall
 
 debug_checks = debug_checks_fixture()

@@ -5,7 +5,8 @@ vocabulary, and per request the tokens its grammar allows next.
 Built on xgrammar: ``compiler.Grammars`` turns a grammar into xgrammar's compiled form (the
 compiler caches by content), ``queue.GrammarQueue`` compiles off the daemon's loop,
 ``state.GrammarState`` holds one request's matcher; ``tool_calls`` knows a model's tool-call
-format (detected from its chat template, parsed out of its answers). The scheduler owns the
+format (detected from its chat template; its answers are parsed by the client library's
+outrider/protocol/tool_calls.py). The scheduler owns the
 states (scheduler/planner.py, outputs.py); the engine only applies masks
 (engine/token_masks.py).
 

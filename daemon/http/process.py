@@ -40,7 +40,6 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from outrider.daemon.grammar.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat
 from outrider.daemon.http.access import Access, AccessRule
 from outrider.daemon.http.choices import (
     close_all,
@@ -81,6 +80,7 @@ from outrider.protocol import (
     NotListening,
     RequestError,
 )
+from outrider.protocol.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat
 
 log = logging.getLogger("outrider.http")
 

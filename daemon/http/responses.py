@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from outrider.daemon.grammar.tool_calls import ToolCallFormat
 from outrider.daemon.http.tools import answer_with_calls
 from outrider.protocol import GenerateResult, TokenChunk
 from outrider.protocol.messages import TokenLogprob, Usage
+from outrider.protocol.tool_calls import ToolCallFormat
 
 
 class TokenTexts:

@@ -4,7 +4,7 @@ answer's calls as ``message.tool_calls`` (streamed: ``delta.tool_calls``).
 
 The daemon holds the calls to their schemas in the model's own format
 (``server_info().configuration["tool_call_format"]``); the text the model wrote is parsed here
-by that format (daemon/grammar/tool_calls.py): the calls leave the content, and ``finish_reason`` is
+by that format (protocol/tool_calls.py): the calls leave the content, and ``finish_reason`` is
 ``tool_calls`` when there are any. Streamed (``CallStream``), the content goes out as it comes
 until a call may begin, each call as soon as its name is read and its arguments as they are
 written (their JSON text as the model wrote it; the answer not streamed carries them
@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from outrider.daemon.grammar.tool_calls import ParsedCall, ToolCallFormat, parse_tool_calls
 from outrider.protocol import GenerateResult, Tool
+from outrider.protocol.tool_calls import ParsedCall, ToolCallFormat, parse_tool_calls
 
 
 class FunctionIn(msgspec.Struct, forbid_unknown_fields=True):
