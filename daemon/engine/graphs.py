@@ -46,6 +46,7 @@ from outrider.daemon.engine.deferred import CatchUp
 from outrider.daemon.engine.memory_plan import MIB, MemoryPlan, graph_pool_shortfall, kv_buckets
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
+from outrider.daemon.engine.sync_check import syncs_allowed
 from outrider.plugins.device import building_graph
 
 if TYPE_CHECKING:
@@ -329,32 +330,24 @@ class DecodeGraphs:
         """``run``'s graph in the shared pool, after a warm-up run on the warm-up stream, and
         what the captured run returned (its static outputs)."""
         # NOTE: capture synchronises; a launch under the sync check must not raise for it.
-        # Only a set check is lifted: setting the mode at all warns that it is a prototype.
-        sync_mode = torch.cuda.get_sync_debug_mode()
-        if sync_mode:
-            torch.cuda.set_sync_debug_mode(0)
-        try:
-            with _collector_paused():
-                # NOTE: a capture stages one extra step, so the next staging reuses the host set of
-                # the step still in flight out of turn: let every copy in flight finish first.
-                torch.cuda.synchronize()
-                if self.pool is None:
-                    self.pool = torch.cuda.graph_pool_handle()
-                if self.warm_stream is None:
-                    self.warm_stream = torch.cuda.Stream()
-                side = self.warm_stream
-                side.wait_stream(torch.cuda.current_stream())
-                with building_graph():
-                    with torch.cuda.stream(side):
-                        run()  # warm-up: lazy initialisations happen outside the graph
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
-                        outputs = run()
-                torch.cuda.synchronize()
-        finally:
-            if sync_mode:
-                torch.cuda.set_sync_debug_mode(sync_mode)
+        with syncs_allowed(torch.device("cuda")), _collector_paused():
+            # NOTE: a capture stages one extra step, so the next staging reuses the host set of
+            # the step still in flight out of turn: let every copy in flight finish first.
+            torch.cuda.synchronize()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            if self.warm_stream is None:
+                self.warm_stream = torch.cuda.Stream()
+            side = self.warm_stream
+            side.wait_stream(torch.cuda.current_stream())
+            with building_graph():
+                with torch.cuda.stream(side):
+                    run()  # warm-up: lazy initialisations happen outside the graph
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    outputs = run()
+            torch.cuda.synchronize()
         return graph, outputs
 
     def replay(self, key: GraphKey) -> StepResults:

@@ -61,8 +61,15 @@ from outrider.daemon.engine.penalties import Adjuster
 from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
 from outrider.daemon.engine.slots import HostStarts, KnownStarts, SlotState
+from outrider.daemon.engine.sync_check import sync_checked
 from outrider.daemon.engine.timing import PhaseTimer
-from outrider.daemon.engine.token_masks import GrammarGuide, GrammarRows, TokenMasks, syncs_allowed
+from outrider.daemon.engine.token_masks import (
+    GrammarGuide,
+    GrammarRows,
+    TokenMasks,
+    drafts_to_host,
+    masked_copy,
+)
 from outrider.daemon.engine.verify import Verifier
 from outrider.plugins.api import Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend
@@ -71,7 +78,6 @@ from outrider.plugins.sampling import sample
 from outrider.plugins.speculative.base import (
     Accepted,
     DecodeView,
-    Drafts,
     ExtendView,
     SpeculativeWorker,
 )
@@ -98,19 +104,6 @@ class RunnerLimits:
     max_tokens: int  # per step
     vocab_limit: int  # sampled ids stay below this (the tokenizer's length)
     vocab_size: int  # the model's: the width of a grammar mask (token_masks.py)
-
-
-@dataclass(frozen=True)
-class DraftsOnHost:
-    tokens: torch.Tensor  # [rows, W - 1], host
-    parents: torch.Tensor | None  # a tree's, host
-    ready: torch.cuda.Event | None  # recorded behind the copy (CUDA)
-
-
-def _masked_copy(logits: torch.Tensor, adjusted: torch.Tensor | None) -> torch.Tensor:
-    """The logits grammar masks may write -inf into: the adjusted ones, or a float32 copy
-    (the raw logits give the logprobs)."""
-    return adjusted if adjusted is not None else logits.float().clone()
 
 
 class ModelRunner:
@@ -214,13 +207,8 @@ class ModelRunner:
         self._grammar = grammar
         if self.channel is not None:
             self.channel.send(plan)
-        if not self.sync_check:
+        with sync_checked(self.sync_check):
             return self._launch(plan)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return self._launch(plan)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
 
     def collect(self, launched: Launched) -> StepOutput:
         """Wait for ``launched``'s results and return them on the host."""
@@ -284,7 +272,7 @@ class ModelRunner:
                 logits, inputs.sample_slots, last_positions + 1, max_kv
             )
         if plan.masked_rows:
-            choose = _masked_copy(logits, choose)
+            choose = masked_copy(logits, choose)
             self.token_masks.apply(choose, plan.masked_rows, plan.masks)
         out = sample(
             logits, batch, inputs.sample_positions, vocab_limit=self.limits.vocab_limit,
@@ -323,7 +311,9 @@ class ModelRunner:
         drafts = self.worker.draft(view)
         self.timer.mark("verify")
         tokens[:, 1:] = drafts.tokens  # [bs, W - 1]
-        masked = self._drafts_to_host(plan, drafts) if plan.masked_rows else None
+        masked = None
+        if plan.masked_rows:  # their nodes' masks come from the host once the drafts are known
+            masked = drafts_to_host(plan.masked_rows, drafts, self.device)
         offsets = self.offsets.expand(bs, width)  # [bs, W]
         depth, visible = offsets, None
         if drafts.parents is not None:
@@ -347,8 +337,11 @@ class ModelRunner:
                 logits, inputs.slots, relay, max_kv, (tokens, nodes)
             )
         if masked is not None:
-            choose = _masked_copy(logits, choose)
-            self._mask_nodes(choose, plan, masked)
+            assert self._grammar is not None, "a drafting plan with grammar rows needs masks"
+            choose = masked_copy(logits, choose)
+            self.token_masks.apply_node_masks(
+                choose, plan.masked_rows, width, masked, self._grammar
+            )
         verified = self.verifier.verify(plan, inputs, relay, drafts, depth, logits, choose)
         committed, lens, path = verified.committed(), verified.commit_lens, verified.path
         bonus = committed.gather(1, (lens - 1).unsqueeze(1)).squeeze(1)
@@ -358,35 +351,6 @@ class ModelRunner:
         self.worker.after_accept(view, fb, Accepted(committed, lens, path))
         self.timer.mark("end")
         return verified.results(committed)
-
-    def _drafts_to_host(self, plan: StepPlan, drafts: Drafts) -> DraftsOnHost:
-        """The grammar rows' drafts (and a tree's shape), copied to the host behind the
-        draft; the verify's forward is queued before anything waits for them."""
-        pinned = self.device.type == "cuda"
-        host_rows = torch.tensor(plan.masked_rows, dtype=torch.int64)
-        rows = (host_rows.pin_memory() if pinned else host_rows).to(self.device, non_blocking=True)
-        parts = [drafts.tokens.index_select(0, rows)]
-        if drafts.parents is not None:
-            parts.append(drafts.parents.index_select(0, rows))
-        host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned) for p in parts]
-        for h, p in zip(host, parts, strict=True):
-            h.copy_(p, non_blocking=True)
-        ready = torch.cuda.Event() if pinned else None
-        if ready is not None:
-            ready.record()
-        return DraftsOnHost(host[0], host[1] if len(host) > 1 else None, ready)
-
-    def _mask_nodes(self, choose: torch.Tensor, plan: StepPlan, masked: DraftsOnHost) -> None:
-        """Wait for the grammar rows' drafts (the device goes on with the verify's
-        forward), have the host compute each verify node's mask, and apply them."""
-        assert self._grammar is not None, "a drafting plan with grammar rows needs masks"
-        if masked.ready is not None:
-            with syncs_allowed(self.device):
-                masked.ready.synchronize()
-        masks = self._grammar.node_masks(masked.tokens, masked.parents)
-        width = self.shape.width
-        rows = [r * width + node for r in plan.masked_rows for node in range(width)]
-        self.token_masks.apply(choose, rows, masks)
 
     def _plain(self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int) -> StepResults:
         """Every row's root at its relay position, and the target's draw after it (output
@@ -412,7 +376,7 @@ class ModelRunner:
         if plan.adjusts:
             choose = self.adjuster.decode_logits(logits, inputs.slots, relay, max_kv)
         if plan.masked_rows:  # staged by the launch (a graph's capture: scratch rows)
-            choose = _masked_copy(logits, choose)
+            choose = masked_copy(logits, choose)
             self.token_masks.apply_staged(choose)
         out = sample(
             logits, sampling, relay.out_lens, vocab_limit=self.limits.vocab_limit,

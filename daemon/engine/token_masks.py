@@ -14,17 +14,20 @@ are applied eagerly (``apply``) and allocated per step (torch's caching allocato
 unpacking's temporaries (an int32 and a bool a logit of a masked row) are freed before
 sampling's scratch is taken, inside the memory plan's ``SAMPLING_BYTES_PER_LOGIT``.
 
-The host waits inside a step only here (``syncs_allowed``): for the grammar rows' drafts
-before their verify nodes' masks, and for each draft place's path under a guide.
+The host waits inside a step only here (``syncs_allowed``, sync_check.py): for the grammar
+rows' drafts before their verify nodes' masks (``drafts_to_host``, ``apply_node_masks``), and
+for each draft place's path under a guide.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from outrider.daemon.engine.sync_check import syncs_allowed
+from outrider.plugins.speculative.base import Drafts
 
 _BITS = 32
 
@@ -43,19 +46,35 @@ class GrammarRows(Protocol):
         ...
 
 
-@contextmanager
-def syncs_allowed(device: torch.device) -> Iterator[None]:
-    """The sync check off for a wait the grammar rows make on purpose (only a check that is
-    on is lifted: setting the mode at all warns that it is a prototype)."""
-    mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else 0
-    if not mode:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode(0)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(mode)
+@dataclass(frozen=True)
+class DraftsOnHost:
+    tokens: torch.Tensor  # [rows, W - 1], host
+    parents: torch.Tensor | None  # a tree's, host
+    ready: torch.cuda.Event | None  # recorded behind the copy (CUDA)
+
+
+def drafts_to_host(rows: list[int], drafts: Drafts, device: torch.device) -> DraftsOnHost:
+    """The drafts of batch rows ``rows`` (and a tree's shape), copied to the host behind the
+    draft, so that the verify's forward is queued before anything waits for them."""
+    pinned = device.type == "cuda"
+    host_rows = torch.tensor(rows, dtype=torch.int64)
+    index = (host_rows.pin_memory() if pinned else host_rows).to(device, non_blocking=True)
+    parts = [drafts.tokens.index_select(0, index)]
+    if drafts.parents is not None:
+        parts.append(drafts.parents.index_select(0, index))
+    host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned) for p in parts]
+    for h, p in zip(host, parts, strict=True):
+        h.copy_(p, non_blocking=True)
+    ready = torch.cuda.Event() if pinned else None
+    if ready is not None:
+        ready.record()
+    return DraftsOnHost(host[0], host[1] if len(host) > 1 else None, ready)
+
+
+def masked_copy(logits: torch.Tensor, adjusted: torch.Tensor | None) -> torch.Tensor:
+    """The logits grammar masks may write -inf into: the adjusted ones, or a float32 copy
+    (the raw logits give the logprobs)."""
+    return adjusted if adjusted is not None else logits.float().clone()
 
 
 class TokenMasks:
@@ -85,10 +104,25 @@ class TokenMasks:
     def apply_staged(self, choose: torch.Tensor) -> None:
         """Set to -inf, in ``choose`` (``[bs, V]``), every logit its row's staged mask does
         not allow (device work only: graph-safe)."""
-        n = choose.shape[0]
-        bits = (self.staged[:n].unsqueeze(-1) >> self._shifts) & 1  # [n, words, 32]
-        allowed = bits.view(n, -1)[:, : self.vocab_size].bool()
+        allowed = self._allowed(self.staged[: choose.shape[0]])
         choose[:, : self.vocab_size].masked_fill_(~allowed, float("-inf"))
+
+    def apply_node_masks(
+        self,
+        choose: torch.Tensor,
+        rows: list[int],
+        width: int,
+        drafts: DraftsOnHost,
+        grammar: GrammarRows,
+    ) -> None:
+        """Wait for the drafts of batch rows ``rows`` (the device goes on with the verify's
+        forward), have the host compute each of their ``width`` verify nodes' masks, and
+        apply them to ``choose`` (``[bs * width, V]``)."""
+        if drafts.ready is not None:
+            with syncs_allowed(self.device):
+                drafts.ready.synchronize()
+        masks = grammar.node_masks(drafts.tokens, drafts.parents)
+        self.apply(choose, [r * width + node for r in rows for node in range(width)], masks)
 
     def apply(
         self,
@@ -111,8 +145,7 @@ class TokenMasks:
             host, host_rows = host.pin_memory(), host_rows.pin_memory()
         words = host.to(self.device, non_blocking=True)
         index = host_rows.to(self.device, non_blocking=True)
-        bits = (words.unsqueeze(-1) >> self._shifts) & 1  # [n, words, 32]
-        allowed = bits.view(n, -1)[:, : self.vocab_size].bool()
+        allowed = self._allowed(words)
         # One column past the vocabulary, never allowed, for the tokens at or past it.
         allowed = torch.nn.functional.pad(allowed, (0, 1))
         if columns is None:
@@ -128,6 +161,11 @@ class TokenMasks:
         allowed |= ~allowed.any(dim=1, keepdim=True)
         picked = choose.index_select(0, index)
         choose.index_copy_(0, index, picked.masked_fill(~allowed, float("-inf")))
+
+    def _allowed(self, words: torch.Tensor) -> torch.Tensor:
+        """Mask rows (int32 words ``[n, ceil(V / 32)]``) unpacked: ``[n, V]`` bool."""
+        bits = (words.unsqueeze(-1) >> self._shifts) & 1  # [n, words, 32]
+        return bits.view(words.shape[0], -1)[:, : self.vocab_size].bool()
 
 
 class GrammarGuide:
