@@ -14,23 +14,49 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from unittest import mock
 
+import msgspec
+from host_turn import family_settings  # benchmarks/ is sys.path[0] when run as a script
+from transformers import AutoTokenizer
+
+from outrider.daemon.config import ServeConfig
+from outrider.daemon.engine.build import build_engine
+from outrider.daemon.engine.token_masks import GrammarGuide
+from outrider.daemon.grammar.compiler import Grammars
+from outrider.daemon.internal import own_request
+from outrider.protocol.messages import Grammar
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the in-process engine's harness
-
-from engine_harness import engine_for, request, run  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
-from outrider.daemon.engine.token_masks import GrammarGuide  # noqa: E402
-from outrider.daemon.family import embedded_family  # noqa: E402
-from outrider.daemon.grammar.compiler import Grammars  # noqa: E402
-from outrider.protocol.messages import Grammar  # noqa: E402
-
 SCHEMA = ROOT / "benchmarks" / "structured" / "review.schema.json"
 ASK = " Answer in JSON: a short review of this request."
+
+
+def acceptance(
+    settings: dict[str, object],
+    prompts: list[list[int]],
+    grammar: Grammar | None,
+    grammars: Grammars,
+    new_tokens: int,
+) -> tuple[float, int]:
+    """The mean acceptance length of ``prompts`` served together in process (every decode
+    batch drafting), and the tokens they produced."""
+    config = ServeConfig(**settings, max_running=len(prompts), speculative_min_acceptance=0.0)  # type: ignore[arg-type]  # family_settings' types
+    loop = build_engine(config).loop
+    for rid, prompt in enumerate(prompts):
+        req = own_request(rid, f"r{rid}", prompt, new_tokens)
+        if grammar is not None:
+            req = msgspec.structs.replace(req, grammar=grammar, ignore_eos=False)
+        loop.scheduler.add(req, None if grammar is None else grammars.start(req))
+    drafts = accepted = tokens = 0
+    while loop.has_work:
+        for update in loop.iterate():
+            tokens += len(update.token_ids)
+            if update.finish is not None:
+                drafts += update.finish.usage.spec_drafts
+                accepted += update.finish.usage.spec_accepted_tokens
+    return 1 + accepted / max(drafts, 1), tokens
 
 
 def main() -> None:
@@ -39,51 +65,33 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    family = embedded_family()
-    if family is None:
-        raise SystemExit("the outrider-family package is not installed (pip install ./family)")
-    target, folder = str(family.target), family.target.parent
+    target = str(family_settings(args.device, "none")["model"])
     hf = AutoTokenizer.from_pretrained(target)
-    lines = (folder / "heldout_prompts.jsonl").read_text().splitlines()[: args.prompts]
+    lines = (Path(target).parent / "heldout_prompts.jsonl").read_text().splitlines()
     texts = [
         hf.apply_chat_template(
             [{"role": "user", "content": json.loads(line)["messages"][0]["content"] + ASK}],
             add_generation_prompt=True,
             tokenize=False,
         )
-        for line in lines
+        for line in lines[: args.prompts]
     ]
     prompts = [hf.encode(text, add_special_tokens=False) for text in texts]
     grammars = Grammars(target, hf.vocab_size, [hf.eos_token_id])
     schema = Grammar("json_schema", SCHEMA.read_text())
-    algorithms = {
-        "ngram": {"speculative_algorithm": "ngram"},
-        "eagle3 chain": {"speculative_algorithm": "eagle3", "draft_model": str(folder / "eagle3"),
-                         "speculative_num_steps": 3},
-        "eagle3 tree": {"speculative_algorithm": "eagle3", "draft_model": str(folder / "eagle3"),
-                        "speculative_num_steps": 3, "speculative_topk": 4,
-                        "speculative_num_draft_tokens": 8},
-        "dflash": {"speculative_algorithm": "dflash", "draft_model": str(folder / "dflash")},
+    shapes: dict[str, tuple[str, dict[str, object]]] = {
+        "ngram": ("ngram", {}),
+        "eagle3 chain": ("eagle3", {"speculative_num_steps": 3}),
+        "eagle3 tree": ("eagle3", {"speculative_num_steps": 3, "speculative_topk": 4,
+                                   "speculative_num_draft_tokens": 8}),
+        "dflash": ("dflash", {}),
     }  # fmt: skip
-
-    def tau(settings: dict[str, object], grammar: Grammar | None) -> tuple[float, int]:
-        engine = engine_for(target, device=args.device, max_running=len(prompts), **settings)
-        reqs = [
-            request(i, ids, max_new_tokens=args.new_tokens, ignore_eos=grammar is None,
-                    grammar=grammar)
-            for i, ids in enumerate(prompts)
-        ]  # fmt: skip
-        outcomes = run(engine, reqs, grammars=grammars)
-        drafts = sum(o.finish.usage.spec_drafts for o in outcomes.values())
-        accepted = sum(o.finish.usage.spec_accepted_tokens for o in outcomes.values())
-        tokens = sum(len(o.token_ids) for o in outcomes.values())
-        return 1 + accepted / max(drafts, 1), tokens
-
-    for name, settings in algorithms.items():
-        plain = tau(settings, None)
-        guided = tau(settings, schema)
+    for name, (algorithm, shape) in shapes.items():
+        settings = family_settings(args.device, algorithm) | shape
+        plain = acceptance(settings, prompts, None, grammars, args.new_tokens)
+        guided = acceptance(settings, prompts, schema, grammars, args.new_tokens)
         with mock.patch.object(GrammarGuide, "restrict", lambda *a, **k: None):
-            free = tau(settings, schema)
+            free = acceptance(settings, prompts, schema, grammars, args.new_tokens)
         print(json.dumps({
             "algorithm": name, "prompts": len(prompts),
             "tau_plain": round(plain[0], 3), "tau_schema_guided": round(guided[0], 3),
