@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -192,6 +193,7 @@ class EagerGraphs(DecodeGraphs):
         self.runs: dict[GraphKey, Callable[[], StepResults]] = {}
         self.padded_rows = 0
         self.replays = 0
+        self.held: Any = None  # a split key's front outputs, for its back
 
     def pad(self, plan: StepPlan, key: GraphKey) -> StepPlan:
         self.padded_rows += key.bs - plan.bs
@@ -200,6 +202,16 @@ class EagerGraphs(DecodeGraphs):
     def capture(self, key: GraphKey, run: Callable[[], StepResults]) -> None:
         self.runs[key] = run
         self.graphs[key] = (None, None)  # type: ignore[assignment]  # marks it captured
+
+    def capture_split(
+        self, key: GraphKey, front: Callable[[], Any], back: Callable[[Any], StepResults]
+    ) -> None:
+        self.fronts[key] = (None, front)  # type: ignore[assignment]  # its run, not a graph
+        self.capture(key, lambda: back(self.held))
+
+    def replay_front(self, key: GraphKey) -> None:
+        if key in self.fronts:
+            self.held = self.fronts[key][1]()  # type: ignore[operator]
 
     def replay(self, key: GraphKey) -> StepResults:
         self.replays += 1

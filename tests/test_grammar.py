@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,10 +30,12 @@ from engine_harness import (
 from frontdoor_harness import build_tokenizer
 from model_fixtures import save_drafts
 
+from outrider.daemon.engine.build import Engine
 from outrider.daemon.engine.token_masks import GrammarGuide, TokenMasks
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
 from outrider.daemon.grammar.state import GrammarState, RowGrammars
+from outrider.daemon.scheduler.planner import Planned
 from outrider.daemon.scheduler.request import Request
 from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol.messages import Generate, Grammar, request_revision
@@ -184,6 +188,66 @@ def test_speculative_engines_give_the_target_only_tokens_under_grammars(
         constrained = [10 * g + p for g in range(len(GRAMMARS)) for p in range(len(PROMPTS))]
         drafted = [outcomes[rid].finish.usage.spec_drafts for rid in constrained]
         assert all(drafted), drafted
+
+
+@pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
+def test_a_plain_batch_takes_grammar_rows_whose_step_is_in_flight(
+    model_dir: Path,
+    tokenizer: Tokenizer,
+    grammars: Grammars,
+    drafts: dict[str, str],
+    algorithm: str,
+) -> None:
+    """Late masks (scheduler/loop.py): through the overlap loop a plain batch holds grammar
+    rows whose previous step is still in flight, the host fills their masks once it has
+    processed that step; greedy and seeded tokens are the serial loop's. Under speculation
+    (late masks switched on as on CUDA, where constrained batches do not draft) the batches
+    of such rows are plain and the others draft."""
+    settings: dict[str, object] = {}
+    if algorithm != "none":
+        settings |= dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts["eagle3"])
+    for temperature in (0.0, 1.0):
+        reference = run(
+            engine_for(str(model_dir), no_overlap=True), _requests(temperature), grammars=grammars
+        )
+        engine = engine_for(str(model_dir), **settings)
+        planner = engine.scheduler.planner
+        if algorithm != "none":
+            assert not planner.limits.late_masks  # the CPU drafts constrained batches
+            planner.limits = replace(planner.limits, grammar_drafts=False, late_masks=True)
+        assert planner.limits.late_masks and engine.loop.overlap
+        late_rows, drafting_rows = _count_rows(engine)
+        outcomes = run(engine, _requests(temperature), grammars=grammars)
+        for rid, outcome in reference.items():
+            assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
+        _check_outputs(outcomes, tokenizer)
+        # Constrained rows rode behind their own steps, in most of their steps.
+        assert (
+            late_rows["grammar"]
+            > sum(len(o.token_ids) for rid, o in outcomes.items() if rid < 100) // 2
+        ), late_rows
+        assert drafting_rows["grammar"] == 0
+        assert (drafting_rows["free"] > 0) == (algorithm != "none")
+
+
+def _count_rows(engine: Engine) -> tuple[Counter[str], Counter[str]]:
+    """Counters, filled as ``engine`` plans: rows planned while a step of theirs was in
+    flight, and rows of drafting batches, by whether they draw under a grammar."""
+    late: Counter[str] = Counter()
+    drafting: Counter[str] = Counter()
+    schedule = engine.scheduler.schedule
+
+    def counted() -> Planned | None:
+        planned = schedule()
+        if planned is not None and planned.plan.kind == "decode":
+            for req in planned.requests:
+                kind = "free" if req.grammar is None else "grammar"
+                late[kind] += req.steps_in_flight > 1
+                drafting[kind] += planned.plan.drafting
+        return planned
+
+    engine.scheduler.schedule = counted  # type: ignore[method-assign]
+    return late, drafting
 
 
 def test_grammars_that_cannot_compile_are_refused_with_the_reason(grammars: Grammars) -> None:
@@ -428,7 +492,9 @@ def test_plain_steps_with_grammar_rows_replay_graphs_of_their_own(
             assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
         _check_outputs(outcomes, tokenizer)
     plain_keys = [key for key in runner.graphs.graphs if key.width == 1]
-    assert {key.masked for key in plain_keys} == {True, False}
+    # Without speculation every batch takes the grammar rows (late masks): all are masked.
+    assert {key.masked for key in plain_keys} == ({True} if algorithm == "none" else {True, False})
+    assert set(runner.graphs.fronts) == {key for key in plain_keys if key.masked}
     assert not any(key.masked for key in runner.graphs.graphs if key.width > 1)
     # The CPU build has no graphs (EagerGraphs come after it).
     assert graphed.scheduler.planner.limits.grammar_drafts == (device == "cpu")

@@ -116,6 +116,9 @@ def build_engine(
         tokenizer.decoder if tokenizer is not None else None
     )
 
+    one_rank = runner.channel is None
+    grammar_drafts = one_rank and runner.graphs is None
+
     def new_scheduler(policy: DraftPolicy | None = None) -> Scheduler:
         return Scheduler(
             SchedulerLimits(
@@ -125,7 +128,8 @@ def build_engine(
                 context_length=context_length,
                 prefix_margin_pages=runner.worker.prefix_margin_pages,
                 draft_state=shape.speculative and runner.worker.draft_state,
-                grammar_drafts=runner.channel is None and runner.graphs is None,
+                grammar_drafts=grammar_drafts,
+                late_masks=one_rank and not (shape.speculative and grammar_drafts),
             ),
             shape,
             PrefixCache(plan.num_pages, page_size),

@@ -14,11 +14,14 @@ request-table row points at the scratch page: they read and write nothing of a l
 Before READY the engine captures every batch bucket x width x KV bucket, greedy and sampled
 without logprobs (``capture_all``), largest first so that the smaller captures reuse the pool's
 blocks; a logprob variant, and a plain step's variant with grammar masks (``GraphKey.masked``),
-is captured the first time its key is needed. A capture runs from a
-batch of scratch rows only: its warm-up run and the capture touch no live state. Graphs share
-one memory pool; every replay waits (on the device) for the previous step's result copy, whose
-source the next replay overwrites. The start-up memory plan (engine/memory_plan.py) sizes that
-pool before any graph exists, and the KV bound graphs are built with.
+is captured the first time its key is needed. A masked key is two graphs, its front and its
+back (graph_steps.py), captured one after the other; the front's outputs, which the back
+reads, stay held with it, so that no later capture in the pool takes their memory. A
+capture runs from a batch of scratch rows only: its warm-up run and the capture touch no
+live state. Graphs share one memory pool; every replay waits (on the device) for the previous
+step's result copy, whose source the next replay overwrites. The start-up memory plan
+(engine/memory_plan.py) sizes that pool before any graph exists, and the KV bound graphs are
+built with.
 
 A speculative engine that defers its draft's catch-up (engine/deferred.py) also replays small
 catch-up batches: up to ``CATCH_UP_ROWS[-1]`` rows, each padded to a bucket of lengths (from
@@ -60,6 +63,7 @@ CATCH_UP_ROWS = (1, 2, 4, 8)
 MIN_CATCH_UP_LEN = 16  # the shortest padded row of a captured catch-up
 
 _Out = TypeVar("_Out")  # what a captured run returns
+_Front = TypeVar("_Front")  # what a split step's front returns, and its back reads
 
 # (graphs captured so far, graphs of the set): a progress bar's update.
 CaptureProgress = Callable[[int, int], None]
@@ -145,6 +149,8 @@ class DecodeGraphs:
         # different streams to ``torch.cuda.Stream()`` calls.
         self.warm_stream: torch.cuda.Stream | None = None
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, StepResults]] = {}
+        # Split keys' fronts, with their outputs (held: the back reads them).
+        self.fronts: dict[GraphKey, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.catch_ups: dict[CatchUpKey, torch.cuda.CUDAGraph] = {}
         self.catch_up_replays = 0
         self.last_copy: torch.cuda.Event | None = None
@@ -298,6 +304,31 @@ class DecodeGraphs:
         """Capture ``run`` (a decode step over staged scratch rows) for ``key``."""
         started = time.monotonic()
         self.graphs[key] = self._captured(run)
+        self._log_capture(key, started)
+
+    def capture_split(
+        self,
+        key: GraphKey,
+        front: Callable[[], _Front],
+        back: Callable[[_Front], StepResults],
+    ) -> None:
+        """Capture a split step for ``key``: ``front`` (over staged scratch rows) in one
+        graph, then ``back`` over the front's outputs in another."""
+        started = time.monotonic()
+        with self._capturing() as side:
+            with torch.cuda.stream(side):
+                back(front())  # warm-up
+            torch.cuda.current_stream().wait_stream(side)
+            front_graph, back_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(front_graph, pool=self.pool):
+                held = front()
+            with torch.cuda.graph(back_graph, pool=self.pool):
+                outputs = back(held)
+        self.fronts[key] = (front_graph, held)
+        self.graphs[key] = (back_graph, outputs)
+        self._log_capture(key, started)
+
+    def _log_capture(self, key: GraphKey, started: float) -> None:
         # Start-up captures are summed up by capture_all; a later one is a first use.
         log.log(
             logging.INFO if self.started else logging.DEBUG,
@@ -329,6 +360,19 @@ class DecodeGraphs:
     def _captured(self, run: Callable[[], _Out]) -> tuple[torch.cuda.CUDAGraph, _Out]:
         """``run``'s graph in the shared pool, after a warm-up run on the warm-up stream, and
         what the captured run returned (its static outputs)."""
+        with self._capturing() as side:
+            with torch.cuda.stream(side):
+                run()  # warm-up: lazy initialisations happen outside the graph
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = run()
+        return graph, outputs
+
+    @contextmanager
+    def _capturing(self) -> Iterator[torch.cuda.Stream]:
+        """Around a capture: the device idle before and after, the pool and the warm-up
+        stream (yielded) made at the first."""
         # NOTE: capture synchronises; a launch under the sync check must not raise for it.
         with syncs_allowed(torch.device("cuda")), _collector_paused():
             # NOTE: a capture stages one extra step, so the next staging reuses the host set of
@@ -338,20 +382,21 @@ class DecodeGraphs:
                 self.pool = torch.cuda.graph_pool_handle()
             if self.warm_stream is None:
                 self.warm_stream = torch.cuda.Stream()
-            side = self.warm_stream
-            side.wait_stream(torch.cuda.current_stream())
+            self.warm_stream.wait_stream(torch.cuda.current_stream())
             with building_graph():
-                with torch.cuda.stream(side):
-                    run()  # warm-up: lazy initialisations happen outside the graph
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    outputs = run()
+                yield self.warm_stream
             torch.cuda.synchronize()
-        return graph, outputs
+
+    def replay_front(self, key: GraphKey) -> None:
+        """Replay a split ``key``'s front over the inputs staged now (nothing for a key that
+        is one graph)."""
+        front = self.fronts.get(key)
+        if front is not None:
+            front[0].replay()
 
     def replay(self, key: GraphKey) -> StepResults:
-        """Replay ``key``'s graph over the inputs staged now; its static results."""
+        """Replay ``key``'s graph (a split key's back) over the inputs staged now; its static
+        results."""
         graph, outputs = self.graphs[key]
         if self.last_copy is not None:
             torch.cuda.current_stream().wait_event(self.last_copy)

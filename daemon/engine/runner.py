@@ -12,9 +12,12 @@ collect:       wait for the copy -> StepOutput
 ```
 Every step writes its tokens into the token history; a plan that ``adjusts`` runs eagerly and
 samples from the adjusted logits (penalties.py); grammar rows sample from a masked copy
-(token_masks.py). A drafting plan with grammar rows waits on the host inside the step, on
-purpose (so it runs eagerly): its worker drafts under a ``GrammarGuide`` and its verify nodes'
-masks follow the drafts.
+(token_masks.py). A plain decode step with grammar rows is launched in two parts
+(``launch_front``: through the logits; ``launch_back``: given the masks, the rest), so that
+the host may compute the masks while the device runs the forward (scheduler/loop.py); a
+graph replays each part (graph_steps.py). A drafting plan with grammar rows waits on the host
+inside the step, on purpose (so it runs eagerly): its worker drafts under a ``GrammarGuide``
+and its verify nodes' masks follow the drafts.
 Inputs live in fixed device buffers (inputs.py), per-slot state in ``SlotState`` (slots.py),
 the accept rule in ``Verifier`` (verify.py), result copies in ``ResultCopies`` (results.py);
 graph replays and captures of decode batches in ``GraphSteps`` (graph_steps.py), deferred
@@ -47,9 +50,9 @@ import torch
 
 from outrider.daemon.engine.accept import check_tree, tree_geometry
 from outrider.daemon.engine.catch_up import CatchUpRunner
-from outrider.daemon.engine.deferred import DeferredCatchUp
-from outrider.daemon.engine.graph_steps import GraphPlanning, GraphSteps
-from outrider.daemon.engine.graphs import DecodeGraphs
+from outrider.daemon.engine.deferred import CatchUp, DeferredCatchUp
+from outrider.daemon.engine.graph_steps import GraphPlanning, GraphSteps, PlainFront, StepParts
+from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
 from outrider.daemon.engine.inputs import (
     Capacity,
     InputBuffers,
@@ -95,6 +98,16 @@ def target_phases(shape: StepShape) -> tuple[Phase, Phase]:
 class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor: ...
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class FrontLaunched:
+    """A plain decode step with grammar rows queued through its logits (``launch_front``)."""
+
+    plan: StepPlan
+    key: GraphKey | None  # its graph's, None: eager
+    front: PlainFront | None  # eager: what its back reads
+    catch_up: CatchUp | None  # the deferred catch-up run before it
 
 
 @dataclass(frozen=True)
@@ -164,8 +177,9 @@ class ModelRunner:
             tuple(dict.fromkeys((backends[self.decode_phase], *draft_backends))), kv.page_size
         )
         self.graph_steps = GraphSteps(
-            self.inputs, slots, self.results, planning, self.starts, self.timer, self._decode
-        )
+            self.inputs, slots, self.results, planning, self.starts, self.timer,
+            StepParts(self._decode, self._plain_front, self._plain_back),
+        )  # fmt: skip
         # Plain steps buffer the draft's catch-up (deferred.py); None: they run it at once.
         self.catch_ups = (
             CatchUpRunner(
@@ -210,39 +224,91 @@ class ModelRunner:
         with sync_checked(self.sync_check):
             return self._launch(plan)
 
+    def launch_front(self, plan: StepPlan) -> FrontLaunched:
+        """Queue a plain decode step with grammar rows (``plan.masks`` empty: they come to
+        ``launch_back``) through its logits, on one rank."""
+        assert plan.kind == "decode" and not plan.drafting and plan.masked_rows
+        assert not plan.masks and self.channel is None, "late masks run on one rank"
+        with sync_checked(self.sync_check):
+            return self._launch_front(plan)
+
+    def launch_back(self, front: FrontLaunched, masks: bytes) -> Launched:
+        """Queue the rest of ``front``'s step, its grammar rows drawing under ``masks``
+        (``StepPlan.masks``'s layout)."""
+        with sync_checked(self.sync_check):
+            return self._launch_back(front, masks)
+
     def collect(self, launched: Launched) -> StepOutput:
         """Wait for ``launched``'s results and return them on the host."""
         return self.results.collect(launched)
 
     def _launch(self, plan: StepPlan) -> Launched:
-        catch_ups, catch_up = self.catch_ups, None
-        if catch_ups is not None:
-            catch_up = catch_ups.deferred.due(plan)
-            if catch_up is not None:  # before the plan writes anything (deferred.py)
-                catch_ups.run(catch_up, self.graphs)
+        if plan.kind == "decode" and plan.masked_rows and not plan.drafting:
+            return self._launch_back(self._launch_front(plan), plan.masks)
+        catch_up = self._catch_up_before(plan)
         launched = self._launch_plan(plan)
-        if catch_ups is not None:
-            catch_ups.deferred.advance(plan, catch_up)
+        self._after_launch(plan, catch_up)
+        return launched
+
+    def _catch_up_before(self, plan: StepPlan) -> CatchUp | None:
+        """Run the deferred catch-up due before ``plan`` writes anything (deferred.py)."""
+        if self.catch_ups is None:
+            return None
+        catch_up = self.catch_ups.deferred.due(plan)
+        if catch_up is not None:
+            self.catch_ups.run(catch_up, self.graphs)
+        return catch_up
+
+    def _after_launch(self, plan: StepPlan, catch_up: CatchUp | None) -> None:
+        if self.catch_ups is not None:
+            self.catch_ups.deferred.advance(plan, catch_up)
         if self.host_starts is not None:
             self.host_starts.refresh()
-        return launched
 
     def _launch_plan(self, plan: StepPlan) -> Launched:
         max_kv = self._max_kv(plan)
-        key = None
-        if plan.kind == "decode" and self.graphs is not None:
-            key = self.graphs.key(plan, max_kv)
-        if plan.kind == "decode" and plan.masks:  # a plain step's, where its graph reads them
-            self.token_masks.stage(plan.bs if key is None else key.bs, plan.masked_rows, plan.masks)
+        key = self._graph_key(plan, max_kv)
         if key is not None:
             assert self.graphs is not None
             return self.graph_steps.launch(plan, key, self.graphs)
-        values = host_values(plan, poison_released=self.slots.relay_check)
-        inputs = self.inputs.stage(plan, values)
-        self.slots.apply(inputs)
+        inputs = self._staged(plan)
         if plan.kind == "extend":
             return self.results.copy(plan, self._extend(plan, inputs, max_kv))
         return self.results.copy(plan, self._decode(plan, inputs, max_kv))
+
+    def _launch_front(self, plan: StepPlan) -> FrontLaunched:
+        catch_up = self._catch_up_before(plan)
+        max_kv = self._max_kv(plan)
+        key = self._graph_key(plan, max_kv)
+        if key is not None:
+            assert self.graphs is not None
+            self.graph_steps.launch_front(plan, key, self.graphs)
+            return FrontLaunched(plan, key, None, catch_up)
+        front = self._plain_front(plan, self._staged(plan), max_kv)
+        return FrontLaunched(plan, None, front, catch_up)
+
+    def _launch_back(self, front: FrontLaunched, masks: bytes) -> Launched:
+        plan, key = front.plan, front.key
+        self.token_masks.stage(plan.bs if key is None else key.bs, plan.masked_rows, masks)
+        if key is not None:
+            assert self.graphs is not None
+            launched = self.graph_steps.launch_back(plan, key, self.graphs)
+        else:
+            assert front.front is not None
+            launched = self.results.copy(plan, self._plain_back(front.front))
+        self._after_launch(plan, front.catch_up)
+        return launched
+
+    def _graph_key(self, plan: StepPlan, max_kv: int) -> GraphKey | None:
+        if plan.kind != "decode" or self.graphs is None:
+            return None
+        return self.graphs.key(plan, max_kv)
+
+    def _staged(self, plan: StepPlan) -> StepInputs[torch.Tensor]:
+        """``plan``'s inputs staged for an eager step, and its slots' admissions applied."""
+        inputs = self.inputs.stage(plan, host_values(plan, poison_released=self.slots.relay_check))
+        self.slots.apply(inputs)
+        return inputs
 
     def _extend(
         self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int
@@ -356,7 +422,12 @@ class ModelRunner:
         """Every row's root at its relay position, and the target's draw after it (output
         index ``out_len``): one token a row; the worker catches up as after a verify of the
         root alone."""
-        bs = plan.bs
+        return self._plain_back(self._plain_front(plan, inputs, max_kv))
+
+    def _plain_front(
+        self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int
+    ) -> PlainFront:
+        """A plain step through its logits."""
         relay = self.slots.read(inputs.slots)
         inputs.input_ids.copy_(relay.roots)
         inputs.positions.copy_(relay.starts)
@@ -372,10 +443,20 @@ class ModelRunner:
         )
         hidden = self.model.forward(inputs.input_ids, fb)  # [bs, H]
         logits = self.model.compute_logits(hidden)  # [bs, V]
+        return PlainFront(plan, inputs, relay, view, fb, logits, max_kv)
+
+    def _plain_back(self, front: PlainFront) -> StepResults:
+        """A plain step's draw from ``front``'s logits (its grammar rows' masks staged by then;
+        a graph's capture: scratch rows' masks), the relay and token history written, and the
+        worker's catch-up."""
+        plan, inputs, relay, view, logits = (
+            front.plan, front.inputs, front.relay, front.view, front.logits
+        )  # fmt: skip
+        bs, sampling = plan.bs, view.sampling
         choose = None
         if plan.adjusts:
-            choose = self.adjuster.decode_logits(logits, inputs.slots, relay, max_kv)
-        if plan.masked_rows:  # staged by the launch (a graph's capture: scratch rows)
+            choose = self.adjuster.decode_logits(logits, inputs.slots, relay, front.max_kv)
+        if plan.masked_rows:
             choose = masked_copy(logits, choose)
             self.token_masks.apply_staged(choose)
         out = sample(
@@ -389,9 +470,9 @@ class ModelRunner:
         accepted = Accepted(tokens, lens.view(bs), path)
         if not plan.target_only:
             if self.deferred is not None:
-                self.worker.defer(view, fb, accepted)
+                self.worker.defer(view, front.fb, accepted)
             else:
-                self.worker.after_accept(view, fb, accepted)
+                self.worker.after_accept(view, front.fb, accepted)
         self.timer.mark("end")
         return StepResults.one_a_row(out, lens.view(bs))
 

@@ -20,3 +20,7 @@ class SchedulerLimits:
     # steps run eagerly anyway (no CUDA graphs) and on one rank: eagerly, an H200 step costs
     # several graphed ones (BENCHMARKS.md, structured output), more than drafting gains.
     grammar_drafts: bool = True
+    # A plain decode batch may take grammar rows whose step is still in flight: the loop
+    # launches its forward, processes that step, then gives the masks (scheduler/loop.py). On
+    # one rank, where constrained batches do not draft (each of their steps would).
+    late_masks: bool = False

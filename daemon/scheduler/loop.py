@@ -3,8 +3,14 @@
 ```
 overlap:  plan_n = schedule(); launch(plan_n); process(plan_{n-1})
 serial:   plan_n = schedule(); launch(plan_n); process(plan_n)
+late masks (overlap):
+          plan_n = schedule(); launch_front(plan_n); process(plan_{n-1});
+          launch_back(plan_n, masks from the grammar states now)
 ```
-Both share every function; only the order differs, so both give identical tokens.
+Both share every function; only the order differs, so both give identical tokens. A plain
+decode plan with grammar rows may hold rows whose step n - 1 is still in flight
+(``Planned.late_masks``, planner.py): their masks need that step's tokens, so the host
+processes it while the device runs plan n's forward, then gives the masks to its sampling.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import time
 
 import torch
 
-from outrider.daemon.engine.runner import Launched, ModelRunner
+from outrider.daemon.engine.runner import FrontLaunched, Launched, ModelRunner
 from outrider.daemon.internal import RequestUpdate
 from outrider.daemon.scheduler.planner import Planned
 from outrider.daemon.scheduler.scheduler import Scheduler
@@ -45,13 +51,22 @@ class EngineLoop:
     def iterate(self) -> list[RequestUpdate]:
         """One turn of the loop; returns the updates to send to the detokenizer."""
         planned = self.scheduler.schedule()
-        launched = self._launch(planned) if planned is not None else None
-        previous, self.in_flight = self.in_flight, launched
-        if self.overlap:
+        previous, self.in_flight = self.in_flight, None
+        launched = None
+        if planned is not None and planned.late_masks:
+            front = self._launch_front(planned)
             if previous is not None:
                 self._process(*previous)
+                previous = None
+            if front is not None:
+                launched = self._launch_back(planned, front)
+        elif planned is not None:
+            launched = self._launch(planned)
+        if previous is not None:
+            self._process(*previous)
+        if self.overlap:
+            self.in_flight = launched
         elif launched is not None:
-            self.in_flight = None
             self._process(*launched)
         self.oldest_step_started = time.monotonic() if self.in_flight is not None else 0.0
         if self.check_kv:
@@ -66,6 +81,23 @@ class EngineLoop:
     def _launch(self, planned: Planned) -> tuple[Planned, Launched] | None:
         try:
             return planned, self.runner.launch(planned.plan, planned.grammar)
+        except Exception as exc:
+            self._step_failed(planned, exc)
+            return None
+
+    def _launch_front(self, planned: Planned) -> FrontLaunched | None:
+        try:
+            return self.runner.launch_front(planned.plan)
+        except Exception as exc:
+            self._step_failed(planned, exc)
+            return None
+
+    def _launch_back(
+        self, planned: Planned, front: FrontLaunched
+    ) -> tuple[Planned, Launched] | None:
+        try:
+            masks = self.scheduler.late_masks(planned)
+            return planned, self.runner.launch_back(front, masks)
         except Exception as exc:
             self._step_failed(planned, exc)
             return None

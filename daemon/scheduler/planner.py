@@ -11,12 +11,15 @@ step's ``kv_span``; the device reads the exact lengths from its relay. A plain s
 drafting policy's choice on a speculative engine, drafting.py; every step without
 speculation) has width 1 and commits exactly one token a row: it adds 1 and pages cover 1.
 
-A row that draws under a grammar (daemon/grammar/) is planned only when no step of its
-request is in flight (the other rows go on overlapping), so that its grammar state holds
-every token it committed. A plain step carries its mask in the plan; in a drafting step the
-host gives each draft place's mask as the worker drafts and each verify node's once the
-drafts are known (``Planned.grammar``): such a step runs eagerly, so a batch holding one
-drafts only where ``SchedulerLimits.grammar_drafts`` says (one rank, no CUDA graphs).
+A row that draws under a grammar (daemon/grammar/) needs the state its committed tokens
+reach. A plain decode batch takes it even with a step of its request in flight where
+``SchedulerLimits.late_masks`` says (one rank): its masks are filled after that step is
+processed, while the batch's forward runs (``Planned.late_masks``, scheduler/loop.py).
+Elsewhere such a row waits for its step (the other rows go on overlapping), and a plain
+step carries its masks in the plan. In a drafting step the host gives each draft place's
+mask as the worker drafts and each verify node's once the drafts are known
+(``Planned.grammar``): such a step runs eagerly, so a batch holding one drafts only where
+``SchedulerLimits.grammar_drafts`` says (one rank, no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class Planned:
     max_commit: int = 1  # tokens a row may commit: what planning added to its bounds
     # A drafting plan with grammar rows: their states, for the masks of the drafts.
     grammar: RowGrammars | None = None
+    # A plain decode plan whose grammar rows' masks are given once the step in flight is
+    # processed (``Scheduler.late_masks``), not in the plan.
+    late_masks: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,20 +167,20 @@ class Planner:
     def _decode(self) -> Planned | None:
         """Every decoding request not yet scheduled to its end, with pages for one more step."""
         delta = PageDelta()
-        candidates = [
-            r
-            for r in self.admission.running
-            if r.decoding and not self._scheduled_to_end(r) and not _mask_pending(r)
-        ]
-        if not candidates:
-            return None
+        ready = [r for r in self.admission.running if r.decoding and not self._scheduled_to_end(r)]
+        settled = [r for r in ready if not _mask_pending(r)]
         shape = self.shape
-        constrained = any(r.grammar is not None for r in candidates)
+        constrained = any(r.grammar is not None for r in settled)
         drafting = (
             shape.speculative
+            and bool(settled)
             and (self.limits.grammar_drafts or not constrained)
-            and self.policy.drafting(candidates)
+            and self.policy.drafting(settled)
         )
+        late = self.limits.late_masks and not drafting
+        candidates = ready if late else settled
+        if not candidates:
+            return None
         width, span, max_commit = (
             (shape.width, shape.kv_span, shape.max_commit) if drafting else (1, 1, 1)
         )
@@ -191,10 +197,10 @@ class Planner:
             req.scheduled_len += max_commit
             req.scheduled_outputs += max_commit
         grammar = None
-        if drafting:  # the masks come as the drafts are made
+        if drafting or late:  # the masks come as the drafts are made, or after the plan
             masked_rows, masks = [i for i, r in enumerate(rows) if r.grammar is not None], b""
             states = [g for r in rows if (g := r.grammar) is not None]
-            grammar = RowGrammars(states) if states else None
+            grammar = RowGrammars(states) if states and drafting else None
         else:
             masked_rows, masks = _masks(rows)
         plan = StepPlan(
@@ -216,7 +222,7 @@ class Planner:
             masked_rows=masked_rows,
             masks=masks,
         )
-        return Planned(plan, rows, max_commit, grammar)
+        return Planned(plan, rows, max_commit, grammar, late_masks=late and bool(masked_rows))
 
     def _scheduled_to_end(self, req: Request) -> bool:
         """Launched steps already produce this request's last possible token."""
@@ -268,4 +274,12 @@ def _masks(sampled: list[Request]) -> tuple[list[int], bytes]:
     rows = [i for i, req in enumerate(sampled) if req.grammar is not None]
     if not rows:
         return [], b""
-    return rows, pack_masks([g for i in rows if (g := sampled[i].grammar) is not None])
+    return rows, row_masks([sampled[i] for i in rows])
+
+
+def row_masks(requests: list[Request]) -> bytes:
+    """The next-token masks of ``requests`` (each under a grammar), as ``StepPlan.masks``
+    carries them; a request that finished allows every token (its draw is dropped)."""
+    states = [g for req in requests if (g := req.grammar) is not None]
+    assert len(states) == len(requests), "a masked row draws under a grammar"
+    return pack_masks(states, [req.finished for req in requests])
