@@ -2,14 +2,16 @@
 speculative algorithm, under the overlap loop and the serial one.
 
 For each configuration and loop it starts ``outrider serve``, then runs ``outrider bench
-serve`` (random prompts, ``--output-len`` tokens, greedy) at each ``--concurrency``: a warm-up
-run with the grammar (the compiler's first vocabulary read, the graphs captured on first use),
-then one with ``--json-schema`` (``benchmarks/structured/review.schema.json`` unless
-``--schema``) and one without. It writes every result and the ratios to ``--out`` (JSON) and
-a table to stdout: output tok/s and mean TPOT with the grammar over without, and acceptance
-lengths, a row per loop (overlap against serial: compare the rows). Without the grammar the
-requests decode ``--output-len`` tokens (``ignore_eos``); with it they end where the schema's
-JSON ends (at most ``--output-len``).
+serve`` (random prompts, greedy) at each ``--concurrency``: a warm-up run with the grammar
+(the compiler's first vocabulary read, the graphs captured on first use), then one without the
+grammar and one with ``--json-schema`` (``benchmarks/structured/review.schema.json`` unless
+``--schema``). It writes every result and the ratios to ``--out`` (JSON) and a table to
+stdout: output tok/s and mean TPOT with the grammar over without, and acceptance lengths, a
+row per loop (overlap against serial: compare the rows). With the grammar the requests end
+where the schema's JSON ends (at most ``--output-len``); without it they decode as much
+(``ignore_eos``): lengths drawn uniformly around the warm-up's mean output length, spread as
+its shortest and longest, so that both runs admit and finish requests alike and the ratio is
+the grammar's cost.
 
     python benchmarks/structured_serve.py --device cuda --out structured.json
     python benchmarks/structured_serve.py --shape llama --model-dir DIR --device cuda ...
@@ -27,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from decode import wait_ready  # benchmarks/ is sys.path[0] when run as a script
@@ -71,22 +74,40 @@ def llama_configs(model_dir: str) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
-def bench(endpoint: str, args: argparse.Namespace, concurrency: int, schema: bool) -> dict:
-    """One ``outrider bench serve`` run; its result JSON."""
+@dataclass(frozen=True)
+class Lengths:
+    """Output lengths of a run: uniform in ``[mean * (1 - spread), mean * (1 + spread)]``."""
+
+    mean: int
+    spread: float
+
+    @classmethod
+    def of(cls, outputs: list[int]) -> Lengths:
+        """The lengths ``outputs`` (a run's output lengths) span."""
+        mean = max(1, round(sum(outputs) / len(outputs)))
+        return cls(mean, min(1.0, (max(outputs) - min(outputs)) / (2 * mean)))
+
+
+def bench(
+    endpoint: str, args: argparse.Namespace, concurrency: int, lengths: Lengths | None
+) -> dict:
+    """One ``outrider bench serve`` run: with the schema (``lengths`` None; at most
+    ``--output-len`` tokens), or without it, of ``lengths``. Its result JSON's figures."""
+    mean, spread = (args.output_len, 0.0) if lengths is None else (lengths.mean, lengths.spread)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [
             sys.executable, "-m", "outrider.daemon.cli", "bench", "serve", "--endpoint",
             endpoint, "--dataset", "random", "--random-input-len", str(args.input_len),
-            "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
+            "--random-output-len", str(mean), "--random-range-ratio", str(spread),
             "--num-prompts", str(args.prompts * concurrency), "--max-concurrency",
             str(concurrency), "--result-json", out.name,
         ]  # fmt: skip
-        if schema:
+        if lengths is None:
             command += ["--json-schema", f"@{args.schema}"]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         result = json.loads(Path(out.name).read_text())
     keep = ("output_throughput", "mean_tpot_ms", "total_output_tokens", "completed", "failed",
-            "spec_decode_acceptance_length", "duration")  # fmt: skip
+            "spec_decode_acceptance_length", "duration", "output_lens")  # fmt: skip
     return {key: result[key] for key in keep if key in result}
 
 
@@ -106,11 +127,15 @@ def measure(name: str, flags: list[str], serial: bool, args: argparse.Namespace)
         for concurrency in args.concurrency:
             # Warm: the grammar compiler's first vocabulary read, the graphs a batch with
             # grammar rows replays (captured on first use).
-            bench(endpoint, args, concurrency, True)
-            plain, constrained = (bench(endpoint, args, concurrency, s) for s in (False, True))
+            lengths = Lengths.of(bench(endpoint, args, concurrency, None)["output_lens"])
+            plain = bench(endpoint, args, concurrency, lengths)
+            constrained = bench(endpoint, args, concurrency, None)
+            for run in (plain, constrained):
+                del run["output_lens"]
             rows.append({
                 "config": name, "loop": "serial" if serial else "overlap",
                 "concurrency": concurrency, "plain": plain, "grammar": constrained,
+                "plain_lengths": {"mean": lengths.mean, "spread": lengths.spread},
                 "tok_s_ratio": constrained["output_throughput"] / plain["output_throughput"],
                 "tpot_ratio": constrained["mean_tpot_ms"] / plain["mean_tpot_ms"],
             })  # fmt: skip
