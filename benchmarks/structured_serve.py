@@ -2,16 +2,16 @@
 speculative algorithm, under the overlap loop and the serial one.
 
 For each configuration and loop it starts ``outrider serve``, then runs ``outrider bench
-serve`` (random prompts, greedy) at each ``--concurrency``: a warm-up run with the grammar
-(the compiler's first vocabulary read, the graphs captured on first use), then one without the
-grammar and one with ``--json-schema`` (``benchmarks/structured/review.schema.json`` unless
-``--schema``). It writes every result and the ratios to ``--out`` (JSON) and a table to
-stdout: output tok/s and mean TPOT with the grammar over without, and acceptance lengths, a
-row per loop (overlap against serial: compare the rows). With the grammar the requests end
-where the schema's JSON ends (at most ``--output-len``); without it they decode as much
-(``ignore_eos``): lengths drawn uniformly around the warm-up's mean output length, spread as
-its shortest and longest, so that both runs admit and finish requests alike and the ratio is
-the grammar's cost.
+serve`` (random prompts, greedy) at each ``--concurrency``: warm-up runs with the grammar
+(the compiler's first vocabulary read, the graphs captured on first use) and without, then
+the measured pair, without the grammar and with ``--json-schema``
+(``benchmarks/structured/review.schema.json`` unless ``--schema``). It writes every result
+and the ratios to ``--out`` (JSON) and a table to stdout: output tok/s and mean TPOT with the
+grammar over without, and acceptance lengths, a row per loop (overlap against serial: compare
+the rows). With the grammar the requests end where the schema's JSON ends (at most
+``--output-len``); without it they decode as much (``ignore_eos``): lengths drawn uniformly
+around the warm-up's mean output length, spread as its shortest and longest, so that both
+runs admit and finish requests alike and the ratio is the grammar's cost.
 
     python benchmarks/structured_serve.py --device cuda --out structured.json
     python benchmarks/structured_serve.py --shape llama --model-dir DIR --device cuda ...
@@ -128,6 +128,7 @@ def measure(name: str, flags: list[str], serial: bool, args: argparse.Namespace)
             # Warm: the grammar compiler's first vocabulary read, the graphs a batch with
             # grammar rows replays (captured on first use).
             lengths = Lengths.of(bench(endpoint, args, concurrency, None)["output_lens"])
+            bench(endpoint, args, concurrency, lengths)  # warm: the unconstrained batches
             plain = bench(endpoint, args, concurrency, lengths)
             constrained = bench(endpoint, args, concurrency, None)
             for run in (plain, constrained):

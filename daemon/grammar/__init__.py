@@ -15,9 +15,11 @@ HTTP front, a child process that must not import torch, reads ``tool_calls``.
 
 Invariants:
 - a state is advanced by exactly the tokens its request commits, in order, once each;
-- a constrained row is planned only when no step of its request is in flight, so its mask is
-  computed from every token it has committed (under the overlap loop too; other rows keep
-  overlapping);
+- a constrained row's mask is computed from every token it has committed: a plain decode
+  step on one rank takes the row with its previous step in flight, and the loop fills the
+  mask once that step is processed, while the new step's forward runs (late masks,
+  scheduler/loop.py); elsewhere (a drafting step, tensor-parallel ranks) the row waits for its
+  step while the other rows keep overlapping;
 - under speculation every verify node is masked by the state its own path reaches: the host
   computes the nodes' masks once the step's drafts are copied back, while the device runs the
   verify's forward (``GrammarState.node_masks``). Such a step runs eagerly, so a batch
