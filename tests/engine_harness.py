@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
@@ -14,6 +14,7 @@ from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
+from outrider.daemon.engine.token_masks import MaskHoles
 from outrider.daemon.grammar.compiler import Grammars
 from outrider.daemon.internal import Counters, FinishInfo, RequestUpdate, TokenizedRequest
 from outrider.plugins.sampling_spec import SamplingSpec
@@ -193,26 +194,31 @@ class EagerGraphs(DecodeGraphs):
         self.runs: dict[GraphKey, Callable[[], StepResults]] = {}
         self.padded_rows = 0
         self.replays = 0
-        self.held: Any = None  # a split key's front outputs, for its back
+        self.holes: dict[GraphKey, MaskHoles | None] = {}
+        self.cuts: Counter[GraphKey] = Counter()  # host waits between segments, per key
 
     def pad(self, plan: StepPlan, key: GraphKey) -> StepPlan:
         self.padded_rows += key.bs - plan.bs
         return super().pad(plan, key)
 
-    def capture(self, key: GraphKey, run: Callable[[], StepResults]) -> None:
+    def capture(
+        self, key: GraphKey, run: Callable[[], StepResults], holes: MaskHoles | None = None
+    ) -> None:
         self.runs[key] = run
+        self.holes[key] = holes
         self.graphs[key] = (None, None)  # type: ignore[assignment]  # marks it captured
 
-    def capture_split(
-        self, key: GraphKey, front: Callable[[], Any], back: Callable[[Any], StepResults]
-    ) -> None:
-        self.fronts[key] = (None, front)  # type: ignore[assignment]  # its run, not a graph
-        self.capture(key, lambda: back(self.held))
-
-    def replay_front(self, key: GraphKey) -> None:
-        if key in self.fronts:
-            self.held = self.fronts[key][1]()  # type: ignore[operator]
-
     def replay(self, key: GraphKey) -> StepResults:
+        """The recorded run, its host waits cut as a captured graph's are (each fill run
+        between two segments, counted per key)."""
         self.replays += 1
-        return self.runs[key]()
+        holes = self.holes[key]
+        if holes is None:
+            return self.runs[key]()
+
+        def cut(fill: Callable[[], None]) -> None:
+            self.cuts[key] += 1
+            fill()
+
+        with holes.cutting(cut):
+            return self.runs[key]()

@@ -14,14 +14,15 @@ request-table row points at the scratch page: they read and write nothing of a l
 Before READY the engine captures every batch bucket x width x KV bucket, greedy and sampled
 without logprobs (``capture_all``), largest first so that the smaller captures reuse the pool's
 blocks; a logprob variant, and a plain step's variant with grammar masks (``GraphKey.masked``),
-is captured the first time its key is needed. A masked key is two graphs, its front and its
-back (graph_steps.py), captured one after the other; the front's outputs, which the back
-reads, stay held with it, so that no later capture in the pool takes their memory. A
-capture runs from a batch of scratch rows only: its warm-up run and the capture touch no
-live state. Graphs share one memory pool; every replay waits (on the device) for the previous
-step's result copy, whose source the next replay overwrites. The start-up memory plan
-(engine/memory_plan.py) sizes that pool before any graph exists, and the KV bound graphs are
-built with.
+is captured the first time its key is needed. A step that waits for the host's masks
+(``MaskHoles``, engine/token_masks.py) is captured as segments, cut at each wait: a replay
+runs each segment, then the host's fill recorded there, then the next. A tensor a later
+segment reads from an earlier one lives in the shared pool, which is safe because nothing
+else replays between the segments of one step. A capture runs from a batch of scratch rows
+only: its warm-up run and the capture touch no live state. Graphs share one memory pool; every
+replay waits (on the device) for the previous step's result copy, whose source the next
+replay overwrites. The start-up memory plan (engine/memory_plan.py) sizes that pool before
+any graph exists, and the KV bound graphs are built with.
 
 A speculative engine that defers its draft's catch-up (engine/deferred.py) also replays small
 catch-up batches: up to ``CATCH_UP_ROWS[-1]`` rows, each padded to a bucket of lengths (from
@@ -37,7 +38,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
@@ -50,6 +51,7 @@ from outrider.daemon.engine.memory_plan import MIB, MemoryPlan, graph_pool_short
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
 from outrider.daemon.engine.sync_check import syncs_allowed
+from outrider.daemon.engine.token_masks import MaskHoles
 from outrider.plugins.device import building_graph
 
 if TYPE_CHECKING:
@@ -63,7 +65,8 @@ CATCH_UP_ROWS = (1, 2, 4, 8)
 MIN_CATCH_UP_LEN = 16  # the shortest padded row of a captured catch-up
 
 _Out = TypeVar("_Out")  # what a captured run returns
-_Front = TypeVar("_Front")  # what a split step's front returns, and its back reads
+# A graph before a host wait, and the host's fill to run after it.
+Segment = tuple[torch.cuda.CUDAGraph, Callable[[], None]]
 
 # (graphs captured so far, graphs of the set): a progress bar's update.
 CaptureProgress = Callable[[int, int], None]
@@ -149,8 +152,8 @@ class DecodeGraphs:
         # different streams to ``torch.cuda.Stream()`` calls.
         self.warm_stream: torch.cuda.Stream | None = None
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, StepResults]] = {}
-        # Split keys' fronts, with their outputs (held: the back reads them).
-        self.fronts: dict[GraphKey, tuple[torch.cuda.CUDAGraph, object]] = {}
+        # The segments before a key's last graph, where its step waits for the host.
+        self.segments: dict[GraphKey, list[Segment]] = {}
         self.catch_ups: dict[CatchUpKey, torch.cuda.CUDAGraph] = {}
         self.catch_up_replays = 0
         self.last_copy: torch.cuda.Event | None = None
@@ -300,35 +303,16 @@ class DecodeGraphs:
             masked_rows=list(range(key.bs)) if key.masked else [],
         )
 
-    def capture(self, key: GraphKey, run: Callable[[], StepResults]) -> None:
-        """Capture ``run`` (a decode step over staged scratch rows) for ``key``."""
-        started = time.monotonic()
-        self.graphs[key] = self._captured(run)
-        self._log_capture(key, started)
-
-    def capture_split(
-        self,
-        key: GraphKey,
-        front: Callable[[], _Front],
-        back: Callable[[_Front], StepResults],
+    def capture(
+        self, key: GraphKey, run: Callable[[], StepResults], holes: MaskHoles | None = None
     ) -> None:
-        """Capture a split step for ``key``: ``front`` (over staged scratch rows) in one
-        graph, then ``back`` over the front's outputs in another."""
+        """Capture ``run`` (a decode step over staged scratch rows) for ``key``, cut into
+        segments at each of ``holes``' waits."""
         started = time.monotonic()
-        with self._capturing() as side:
-            with torch.cuda.stream(side):
-                back(front())  # warm-up
-            torch.cuda.current_stream().wait_stream(side)
-            front_graph, back_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(front_graph, pool=self.pool):
-                held = front()
-            with torch.cuda.graph(back_graph, pool=self.pool):
-                outputs = back(held)
-        self.fronts[key] = (front_graph, held)
-        self.graphs[key] = (back_graph, outputs)
-        self._log_capture(key, started)
-
-    def _log_capture(self, key: GraphKey, started: float) -> None:
+        graph, outputs, segments = self._captured(run, holes)
+        self.graphs[key] = (graph, outputs)
+        if segments:
+            self.segments[key] = segments
         # Start-up captures are summed up by capture_all; a later one is a first use.
         log.log(
             logging.INFO if self.started else logging.DEBUG,
@@ -357,22 +341,12 @@ class DecodeGraphs:
             f"{_span(self.catch_up_lens)})"
         )
 
-    def _captured(self, run: Callable[[], _Out]) -> tuple[torch.cuda.CUDAGraph, _Out]:
-        """``run``'s graph in the shared pool, after a warm-up run on the warm-up stream, and
-        what the captured run returned (its static outputs)."""
-        with self._capturing() as side:
-            with torch.cuda.stream(side):
-                run()  # warm-up: lazy initialisations happen outside the graph
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = run()
-        return graph, outputs
-
-    @contextmanager
-    def _capturing(self) -> Iterator[torch.cuda.Stream]:
-        """Around a capture: the device idle before and after, the pool and the warm-up
-        stream (yielded) made at the first."""
+    def _captured(
+        self, run: Callable[[], _Out], holes: MaskHoles | None = None
+    ) -> tuple[torch.cuda.CUDAGraph, _Out, list[Segment]]:
+        """``run``'s graph in the shared pool, after a warm-up run on the warm-up stream, what
+        the captured run returned (its static outputs), and the segments before the graph
+        where ``run`` waited at one of ``holes``."""
         # NOTE: capture synchronises; a launch under the sync check must not raise for it.
         with syncs_allowed(torch.device("cuda")), _collector_paused():
             # NOTE: a capture stages one extra step, so the next staging reuses the host set of
@@ -382,26 +356,53 @@ class DecodeGraphs:
                 self.pool = torch.cuda.graph_pool_handle()
             if self.warm_stream is None:
                 self.warm_stream = torch.cuda.Stream()
-            self.warm_stream.wait_stream(torch.cuda.current_stream())
+            side = self.warm_stream
+            side.wait_stream(torch.cuda.current_stream())
             with building_graph():
-                yield self.warm_stream
+                with torch.cuda.stream(side):
+                    run()  # warm-up: lazy initialisations happen outside the graph
+                torch.cuda.current_stream().wait_stream(side)
+                capture = _SegmentedCapture(self.pool)
+                with capture, holes.cutting(capture.cut) if holes else nullcontext():
+                    outputs = run()
             torch.cuda.synchronize()
-
-    def replay_front(self, key: GraphKey) -> None:
-        """Replay a split ``key``'s front over the inputs staged now (nothing for a key that
-        is one graph)."""
-        front = self.fronts.get(key)
-        if front is not None:
-            front[0].replay()
+        return capture.graph, outputs, capture.segments
 
     def replay(self, key: GraphKey) -> StepResults:
-        """Replay ``key``'s graph (a split key's back) over the inputs staged now; its static
-        results."""
+        """Replay ``key``'s graph over the inputs staged now (its segments first, each
+        followed by its host fill); its static results."""
         graph, outputs = self.graphs[key]
         if self.last_copy is not None:
             torch.cuda.current_stream().wait_event(self.last_copy)
+        for segment, fill in self.segments.get(key, ()):
+            segment.replay()
+            fill()
         graph.replay()
         return outputs
+
+
+class _SegmentedCapture:
+    """One capture in a pool, cut into segments where the step waits for the host."""
+
+    def __init__(self, pool: _POOL_HANDLE) -> None:
+        self.pool = pool
+        self.segments: list[Segment] = []
+        self.graph = torch.cuda.CUDAGraph()
+        self._context = torch.cuda.graph(self.graph, pool=pool)
+
+    def __enter__(self) -> None:
+        self._context.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._context.__exit__(*exc)
+
+    def cut(self, fill: Callable[[], None]) -> None:
+        """End the graph being captured (a segment, ``fill`` after it) and begin the next."""
+        self._context.__exit__(None, None, None)
+        self.segments.append((self.graph, fill))
+        self.graph = torch.cuda.CUDAGraph()
+        self._context = torch.cuda.graph(self.graph, pool=self.pool)
+        self._context.__enter__()
 
 
 @contextmanager

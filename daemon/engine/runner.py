@@ -12,12 +12,13 @@ collect:       wait for the copy -> StepOutput
 ```
 Every step writes its tokens into the token history; a plan that ``adjusts`` runs eagerly and
 samples from the adjusted logits (penalties.py); grammar rows sample from a masked copy
-(token_masks.py). A plain decode step with grammar rows is launched in two parts
-(``launch_front``: through the logits; ``launch_back``: given the masks, the rest), so that
-the host may compute the masks while the device runs the forward (scheduler/loop.py); a
-graph replays each part (graph_steps.py). A drafting plan with grammar rows waits on the host
-inside the step, on purpose (so it runs eagerly): its worker drafts under a ``GrammarGuide``
-and its verify nodes' masks follow the drafts.
+(token_masks.py). A plain decode step with grammar rows waits for their masks between its
+logits and its sampling (a ``MaskHoles`` wait: the host's fill there, between the segments of
+its graph when replayed). Its masks come in the plan, or from the grammar states once the
+launch's ``settle`` has processed the step before (scheduler/loop.py): the host does that work
+while the device runs the forward. A drafting plan with grammar rows waits on the host inside
+the step, on purpose (so it runs eagerly): its worker drafts under a ``GrammarGuide`` and its
+verify nodes' masks follow the drafts.
 Inputs live in fixed device buffers (inputs.py), per-slot state in ``SlotState`` (slots.py),
 the accept rule in ``Verifier`` (verify.py), result copies in ``ResultCopies`` (results.py);
 graph replays and captures of decode batches in ``GraphSteps`` (graph_steps.py), deferred
@@ -42,7 +43,8 @@ captures nothing, and no worker hook runs (a plain step replays a graph of its o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -50,8 +52,8 @@ import torch
 
 from outrider.daemon.engine.accept import check_tree, tree_geometry
 from outrider.daemon.engine.catch_up import CatchUpRunner
-from outrider.daemon.engine.deferred import CatchUp, DeferredCatchUp
-from outrider.daemon.engine.graph_steps import GraphPlanning, GraphSteps, PlainFront, StepParts
+from outrider.daemon.engine.deferred import DeferredCatchUp
+from outrider.daemon.engine.graph_steps import GraphPlanning, GraphSteps
 from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
 from outrider.daemon.engine.inputs import (
     Capacity,
@@ -64,11 +66,12 @@ from outrider.daemon.engine.penalties import Adjuster
 from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
 from outrider.daemon.engine.slots import HostStarts, KnownStarts, SlotState
-from outrider.daemon.engine.sync_check import sync_checked
+from outrider.daemon.engine.sync_check import sync_checked, syncs_allowed
 from outrider.daemon.engine.timing import PhaseTimer
 from outrider.daemon.engine.token_masks import (
     GrammarGuide,
     GrammarRows,
+    MaskHoles,
     TokenMasks,
     drafts_to_host,
     masked_copy,
@@ -95,19 +98,30 @@ def target_phases(shape: StepShape) -> tuple[Phase, Phase]:
     return ("extend", "verify" if shape.speculative else "decode")
 
 
-class CausalLM(Protocol):
-    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor: ...
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+def _nothing() -> None:
+    pass
 
 
 @dataclass(frozen=True)
-class FrontLaunched:
-    """A plain decode step with grammar rows queued through its logits (``launch_front``)."""
+class HostTurn:
+    """The step being launched, as the host's fills inside it read it."""
 
     plan: StepPlan
-    key: GraphKey | None  # its graph's, None: eager
-    front: PlainFront | None  # eager: what its back reads
-    catch_up: CatchUp | None  # the deferred catch-up run before it
+    bs: int  # rows staged, padding included
+    grammar: GrammarRows | None  # its grammar rows' states (None: masks in the plan, if any)
+    settle: Callable[[], None]  # processes the step before; the first fill calls it
+
+    def row_masks(self) -> tuple[list[int], bytes]:
+        """The grammar rows of a plain step and their masks (none: every token)."""
+        if self.grammar is not None:
+            self.settle()
+            return self.plan.masked_rows, self.grammar.masks()
+        return (self.plan.masked_rows, self.plan.masks) if self.plan.masks else ([], b"")
+
+
+class CausalLM(Protocol):
+    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -151,7 +165,8 @@ class ModelRunner:
         self.device = device
         self.decode_phase = target_phases(shape)[1]
         self.sync_check = False
-        self._grammar: GrammarRows | None = None  # the launch's (``launch``)
+        self._turn = HostTurn(_empty_plan(), 0, None, _nothing)  # the launch's (``launch``)
+        self.holes = MaskHoles()
         self.timer = PhaseTimer(device)  # benchmarks: device time per decode phase
         rows = limits.max_slots + 1
         # A step can at most rewrite the whole request table.
@@ -177,8 +192,8 @@ class ModelRunner:
             tuple(dict.fromkeys((backends[self.decode_phase], *draft_backends))), kv.page_size
         )
         self.graph_steps = GraphSteps(
-            self.inputs, slots, self.results, planning, self.starts, self.timer,
-            StepParts(self._decode, self._plain_front, self._plain_back),
+            self.inputs, slots, self.results, planning, self.starts, self.timer, self._decode,
+            self.holes,
         )  # fmt: skip
         # Plain steps buffer the draft's catch-up (deferred.py); None: they run it at once.
         self.catch_ups = (
@@ -211,104 +226,72 @@ class ModelRunner:
         """The host's counts of the positions plain steps buffered; None: no deferral."""
         return None if self.catch_ups is None else self.catch_ups.deferred
 
-    def launch(self, plan: StepPlan, grammar: GrammarRows | None = None) -> Launched:
-        """Queue ``plan`` on the device and return a handle for ``collect``. With
-        ``sync_check`` (CUDA), any host synchronisation inside raises (but the ones a
-        drafting plan with grammar rows makes on purpose: ``grammar`` gives the masks of
-        their draft places and verify nodes once the drafts are on the host). Rank 0 of
-        tensor-parallel ranks sends ``plan`` to the others first."""
-        assert grammar is None or self.channel is None, "grammar drafts run on one rank"
-        self._grammar = grammar
+    def launch(
+        self,
+        plan: StepPlan,
+        grammar: GrammarRows | None = None,
+        settle: Callable[[], None] = _nothing,
+    ) -> Launched:
+        """Queue ``plan`` on the device and return a handle for ``collect``. ``grammar``:
+        the states of its grammar rows, whose masks the host computes inside the step (a
+        plain step's, when the plan does not carry them; a drafting step's draft places and
+        verify nodes, once the drafts are on the host); ``settle``: the host's processing of
+        the step before, which must come before those masks (called at most once, and only
+        then). With ``sync_check`` (CUDA), any host synchronisation inside raises (but those
+        waits). Rank 0 of tensor-parallel ranks sends ``plan`` to the others first."""
+        assert grammar is None or self.channel is None, "grammar masks come in the plan on ranks"
         if self.channel is not None:
             self.channel.send(plan)
         with sync_checked(self.sync_check):
-            return self._launch(plan)
-
-    def launch_front(self, plan: StepPlan) -> FrontLaunched:
-        """Queue a plain decode step with grammar rows (``plan.masks`` empty: they come to
-        ``launch_back``) through its logits, on one rank."""
-        assert plan.kind == "decode" and not plan.drafting and plan.masked_rows
-        assert not plan.masks and self.channel is None, "late masks run on one rank"
-        with sync_checked(self.sync_check):
-            return self._launch_front(plan)
-
-    def launch_back(self, front: FrontLaunched, masks: bytes) -> Launched:
-        """Queue the rest of ``front``'s step, its grammar rows drawing under ``masks``
-        (``StepPlan.masks``'s layout)."""
-        with sync_checked(self.sync_check):
-            return self._launch_back(front, masks)
+            return self._launch(plan, grammar, settle)
 
     def collect(self, launched: Launched) -> StepOutput:
         """Wait for ``launched``'s results and return them on the host."""
         return self.results.collect(launched)
 
-    def _launch(self, plan: StepPlan) -> Launched:
-        if plan.kind == "decode" and plan.masked_rows and not plan.drafting:
-            return self._launch_back(self._launch_front(plan), plan.masks)
-        catch_up = self._catch_up_before(plan)
+    def _launch(
+        self, plan: StepPlan, grammar: GrammarRows | None, settle: Callable[[], None]
+    ) -> Launched:
+        done = False
+
+        def settle_once() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                with syncs_allowed(self.device):  # it waits for the step before's results
+                    settle()
+
+        self._turn = HostTurn(plan, plan.bs, grammar, settle_once)
+        catch_ups, catch_up = self.catch_ups, None
+        if catch_ups is not None:
+            catch_up = catch_ups.deferred.due(plan)
+            if catch_up is not None:  # before the plan writes anything (deferred.py)
+                catch_ups.run(catch_up, self.graphs)
         launched = self._launch_plan(plan)
-        self._after_launch(plan, catch_up)
-        return launched
-
-    def _catch_up_before(self, plan: StepPlan) -> CatchUp | None:
-        """Run the deferred catch-up due before ``plan`` writes anything (deferred.py)."""
-        if self.catch_ups is None:
-            return None
-        catch_up = self.catch_ups.deferred.due(plan)
-        if catch_up is not None:
-            self.catch_ups.run(catch_up, self.graphs)
-        return catch_up
-
-    def _after_launch(self, plan: StepPlan, catch_up: CatchUp | None) -> None:
-        if self.catch_ups is not None:
-            self.catch_ups.deferred.advance(plan, catch_up)
+        if catch_ups is not None:
+            catch_ups.deferred.advance(plan, catch_up)
         if self.host_starts is not None:
             self.host_starts.refresh()
+        return launched
 
     def _launch_plan(self, plan: StepPlan) -> Launched:
         max_kv = self._max_kv(plan)
-        key = self._graph_key(plan, max_kv)
+        key = None
+        if plan.kind == "decode" and self.graphs is not None:
+            key = self.graphs.key(plan, max_kv)
         if key is not None:
             assert self.graphs is not None
+            if key not in self.graphs.graphs:
+                with self._scratch_turn(key):
+                    self.graph_steps.capture(key, self.graphs)
+            self._turn = HostTurn(plan, key.bs, self._turn.grammar, self._turn.settle)
             return self.graph_steps.launch(plan, key, self.graphs)
-        inputs = self._staged(plan)
+        values = host_values(plan, poison_released=self.slots.relay_check)
+        inputs = self.inputs.stage(plan, values)
+        self.slots.apply(inputs)
         if plan.kind == "extend":
             return self.results.copy(plan, self._extend(plan, inputs, max_kv))
         return self.results.copy(plan, self._decode(plan, inputs, max_kv))
-
-    def _launch_front(self, plan: StepPlan) -> FrontLaunched:
-        catch_up = self._catch_up_before(plan)
-        max_kv = self._max_kv(plan)
-        key = self._graph_key(plan, max_kv)
-        if key is not None:
-            assert self.graphs is not None
-            self.graph_steps.launch_front(plan, key, self.graphs)
-            return FrontLaunched(plan, key, None, catch_up)
-        front = self._plain_front(plan, self._staged(plan), max_kv)
-        return FrontLaunched(plan, None, front, catch_up)
-
-    def _launch_back(self, front: FrontLaunched, masks: bytes) -> Launched:
-        plan, key = front.plan, front.key
-        self.token_masks.stage(plan.bs if key is None else key.bs, plan.masked_rows, masks)
-        if key is not None:
-            assert self.graphs is not None
-            launched = self.graph_steps.launch_back(plan, key, self.graphs)
-        else:
-            assert front.front is not None
-            launched = self.results.copy(plan, self._plain_back(front.front))
-        self._after_launch(plan, front.catch_up)
-        return launched
-
-    def _graph_key(self, plan: StepPlan, max_kv: int) -> GraphKey | None:
-        if plan.kind != "decode" or self.graphs is None:
-            return None
-        return self.graphs.key(plan, max_kv)
-
-    def _staged(self, plan: StepPlan) -> StepInputs[torch.Tensor]:
-        """``plan``'s inputs staged for an eager step, and its slots' admissions applied."""
-        inputs = self.inputs.stage(plan, host_values(plan, poison_released=self.slots.relay_check))
-        self.slots.apply(inputs)
-        return inputs
 
     def _extend(
         self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int
@@ -366,9 +349,9 @@ class ModelRunner:
         tokens = inputs.input_ids.view(bs, width)
         tokens[:, 0] = relay.roots
         sampling = self.slots.sampling(inputs.slots, plan)
-        guide = None
-        if self._grammar is not None:
-            guide = GrammarGuide(self.token_masks, self._grammar, plan.masked_rows, bs)
+        guide, grammar = None, self._turn.grammar
+        if grammar is not None:
+            guide = GrammarGuide(self.token_masks, grammar, plan.masked_rows, bs)
         view = DecodeView(
             inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, max_kv,
             self.starts.of_plan(plan), guide,
@@ -403,11 +386,9 @@ class ModelRunner:
                 logits, inputs.slots, relay, max_kv, (tokens, nodes)
             )
         if masked is not None:
-            assert self._grammar is not None, "a drafting plan with grammar rows needs masks"
+            assert grammar is not None, "a drafting plan with grammar rows needs masks"
             choose = masked_copy(logits, choose)
-            self.token_masks.apply_node_masks(
-                choose, plan.masked_rows, width, masked, self._grammar
-            )
+            self.token_masks.apply_node_masks(choose, plan.masked_rows, width, masked, grammar)
         verified = self.verifier.verify(plan, inputs, relay, drafts, depth, logits, choose)
         committed, lens, path = verified.committed(), verified.commit_lens, verified.path
         bonus = committed.gather(1, (lens - 1).unsqueeze(1)).squeeze(1)
@@ -422,12 +403,7 @@ class ModelRunner:
         """Every row's root at its relay position, and the target's draw after it (output
         index ``out_len``): one token a row; the worker catches up as after a verify of the
         root alone."""
-        return self._plain_back(self._plain_front(plan, inputs, max_kv))
-
-    def _plain_front(
-        self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int
-    ) -> PlainFront:
-        """A plain step through its logits."""
+        bs = plan.bs
         relay = self.slots.read(inputs.slots)
         inputs.input_ids.copy_(relay.roots)
         inputs.positions.copy_(relay.starts)
@@ -443,20 +419,11 @@ class ModelRunner:
         )
         hidden = self.model.forward(inputs.input_ids, fb)  # [bs, H]
         logits = self.model.compute_logits(hidden)  # [bs, V]
-        return PlainFront(plan, inputs, relay, view, fb, logits, max_kv)
-
-    def _plain_back(self, front: PlainFront) -> StepResults:
-        """A plain step's draw from ``front``'s logits (its grammar rows' masks staged by then;
-        a graph's capture: scratch rows' masks), the relay and token history written, and the
-        worker's catch-up."""
-        plan, inputs, relay, view, logits = (
-            front.plan, front.inputs, front.relay, front.view, front.logits
-        )  # fmt: skip
-        bs, sampling = plan.bs, view.sampling
         choose = None
         if plan.adjusts:
-            choose = self.adjuster.decode_logits(logits, inputs.slots, relay, front.max_kv)
+            choose = self.adjuster.decode_logits(logits, inputs.slots, relay, max_kv)
         if plan.masked_rows:
+            self.holes.wait(self._stage_row_masks)
             choose = masked_copy(logits, choose)
             self.token_masks.apply_staged(choose)
         out = sample(
@@ -470,11 +437,28 @@ class ModelRunner:
         accepted = Accepted(tokens, lens.view(bs), path)
         if not plan.target_only:
             if self.deferred is not None:
-                self.worker.defer(view, front.fb, accepted)
+                self.worker.defer(view, fb, accepted)
             else:
-                self.worker.after_accept(view, front.fb, accepted)
+                self.worker.after_accept(view, fb, accepted)
         self.timer.mark("end")
         return StepResults.one_a_row(out, lens.view(bs))
+
+    def _stage_row_masks(self) -> None:
+        """The host's fill of a plain step with grammar rows: their masks staged where the
+        step reads them (``TokenMasks.stage``), every other row allowing every token."""
+        turn = self._turn
+        rows, masks = turn.row_masks()
+        self.token_masks.stage(turn.bs, rows, masks)
+
+    @contextmanager
+    def _scratch_turn(self, key: GraphKey) -> Iterator[None]:
+        """While ``key``'s graph is captured from scratch rows: fills that allow every token
+        and never settle the live step before."""
+        turn, self._turn = self._turn, HostTurn(_empty_plan(), key.bs, None, _nothing)
+        try:
+            yield
+        finally:
+            self._turn = turn
 
     def _forward_batch(
         self,
@@ -500,3 +484,8 @@ class ModelRunner:
         if plan.kind == "extend":
             return max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True))
         return max(plan.starts) + (self.shape.kv_span if plan.drafting else 1)
+
+
+def _empty_plan() -> StepPlan:
+    """A plan of no rows: the host turn outside any launch, and a capture's."""
+    return StepPlan("decode", [], [], [], [], [], [], [], [], [], 0, True)

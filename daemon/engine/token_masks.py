@@ -1,8 +1,13 @@
 """``TokenMasks``: grammar masks (daemon/grammar/) applied to the logits sampled rows choose
-from (a copy: the logprobs stay the model's). A plain step's masks come in its plan
-(``StepPlan.masks``); a drafting step's, one per verify node, from the host in the middle of
-the step, once its drafts are known (runner.py). ``GrammarGuide`` masks a draft's logits the
-same way, one draft place at a time (``DraftGuide``, plugins/speculative/base.py).
+from (a copy: the logprobs stay the model's). A plain step's masks come from the host in the
+middle of the step, at a ``MaskHoles`` wait (from its plan's ``StepPlan.masks``, or computed
+from the grammar states once the previous step is processed); a drafting step's, one per
+verify node, once its drafts are known (runner.py). ``GrammarGuide`` masks a draft's logits
+the same way, one draft place at a time (``DraftGuide``, plugins/speculative/base.py).
+
+``MaskHoles`` is where a step waits for the host: eagerly the host's fill runs there and
+then; while a graph is captured the graph is cut there (graphs.py), and each replay runs the
+recorded fill between the two graphs.
 
 Masks are int32 words, bit ``t`` of a row set where token ``t`` may come. They travel
 through pinned host memory to the device and are unpacked there: a disallowed token's
@@ -21,6 +26,8 @@ for each draft place's path under a guide.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,8 +39,40 @@ from outrider.plugins.speculative.base import Drafts
 _BITS = 32
 
 
+# Cut the graph being captured here; the replay runs the fill between the two graphs.
+Cut = Callable[[Callable[[], None]], None]
+
+
+class MaskHoles:
+    """The points where a step waits for the host's masks (module docstring)."""
+
+    def __init__(self) -> None:
+        self._cut: Cut | None = None
+
+    def wait(self, fill: Callable[[], None]) -> None:
+        """The host's ``fill`` (it stages masks the step reads next): run now, or, while a
+        graph is captured, recorded for each replay to run here."""
+        if self._cut is None:
+            fill()
+        else:
+            self._cut(fill)
+
+    @contextmanager
+    def cutting(self, cut: Cut) -> Iterator[None]:
+        """While a graph is captured: each ``wait`` calls ``cut`` instead."""
+        self._cut = cut
+        try:
+            yield
+        finally:
+            self._cut = None
+
+
 class GrammarRows(Protocol):
-    """The grammar rows of a drafting plan, in plan order (daemon/grammar/state.py)."""
+    """The grammar rows of a decode plan, in plan order (daemon/grammar/state.py)."""
+
+    def masks(self) -> bytes:
+        """Their next masks from their states now, row after row (``StepPlan.masks``)."""
+        ...
 
     def node_masks(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> bytes:
         """Given their drafts on the host (``[rows, W - 1]``) and a tree's parents (or

@@ -1,11 +1,12 @@
 """``GrammarState``: one request's place in its grammar; ``RowGrammars``: the states of a
-drafting plan's grammar rows, which give the host's masks in the middle of the step (the
+decode plan's grammar rows, which give the host's masks in the middle of the step (the
 engine's ``GrammarRows``, engine/token_masks.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import xgrammar as xgr
@@ -114,11 +115,24 @@ def _path_to(node: int, parents: list[int] | None) -> list[int]:
     return path[::-1]
 
 
+class Owner(Protocol):
+    """What a row's mask needs of its request: whether it finished."""
+
+    @property
+    def finished(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class RowGrammars:
-    """The states of a drafting plan's grammar rows, in plan order."""
+    """The states of a decode plan's grammar rows, in plan order, with their requests (a row
+    whose request finished allows every token: its draw is dropped)."""
 
     states: Sequence[GrammarState]
+    owners: Sequence[Owner] = ()  # one a state; none: no request finished
+
+    def masks(self) -> bytes:
+        """Each row's next mask from its state now."""
+        return pack_masks(self.states, [owner.finished for owner in self.owners])
 
     def node_masks(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> bytes:
         """The verify-node masks of each row (its drafts ``tokens[r]``, a tree's

@@ -1,16 +1,14 @@
 """The overlap loop and its serial twin (ARCHITECTURE.md 4.3).
 
 ```
-overlap:  plan_n = schedule(); launch(plan_n); process(plan_{n-1})
+overlap:  plan_n = schedule(); launch(plan_n, settle); process(plan_{n-1}) unless settled
 serial:   plan_n = schedule(); launch(plan_n); process(plan_n)
-late masks (overlap):
-          plan_n = schedule(); launch_front(plan_n); process(plan_{n-1});
-          launch_back(plan_n, masks from the grammar states now)
 ```
-Both share every function; only the order differs, so both give identical tokens. A plain
-decode plan with grammar rows may hold rows whose step n - 1 is still in flight
-(``Planned.late_masks``, planner.py): their masks need that step's tokens, so the host
-processes it while the device runs plan n's forward, then gives the masks to its sampling.
+Both share every function; only the order differs, so both give identical tokens. ``settle``
+processes plan_{n-1} from inside the launch, where the runner first needs the host's grammar
+masks (late masks: a plain decode batch may hold grammar rows whose step n - 1 is still in
+flight, planner.py): plan_n's forward is queued by then, so the host's processing and mask
+work run while the device computes it.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import time
 
 import torch
 
-from outrider.daemon.engine.runner import FrontLaunched, Launched, ModelRunner
+from outrider.daemon.engine.runner import Launched, ModelRunner
 from outrider.daemon.internal import RequestUpdate
 from outrider.daemon.scheduler.planner import Planned
 from outrider.daemon.scheduler.scheduler import Scheduler
@@ -51,22 +49,12 @@ class EngineLoop:
     def iterate(self) -> list[RequestUpdate]:
         """One turn of the loop; returns the updates to send to the detokenizer."""
         planned = self.scheduler.schedule()
-        previous, self.in_flight = self.in_flight, None
-        launched = None
-        if planned is not None and planned.late_masks:
-            front = self._launch_front(planned)
-            if previous is not None:
-                self._process(*previous)
-                previous = None
-            if front is not None:
-                launched = self._launch_back(planned, front)
-        elif planned is not None:
-            launched = self._launch(planned)
-        if previous is not None:
-            self._process(*previous)
-        if self.overlap:
-            self.in_flight = launched
-        elif launched is not None:
+        settle = _Settle(self, self.in_flight)
+        launched = self._launch(planned, settle) if planned is not None else None
+        settle()
+        self.in_flight = launched
+        if not self.overlap and launched is not None:
+            self.in_flight = None
             self._process(*launched)
         self.oldest_step_started = time.monotonic() if self.in_flight is not None else 0.0
         if self.check_kv:
@@ -78,27 +66,12 @@ class EngineLoop:
         assert self.in_flight is None
         self.scheduler.check_integrity()
 
-    def _launch(self, planned: Planned) -> tuple[Planned, Launched] | None:
+    def _launch(self, planned: Planned, settle: _Settle) -> tuple[Planned, Launched] | None:
         try:
-            return planned, self.runner.launch(planned.plan, planned.grammar)
+            return planned, self.runner.launch(planned.plan, planned.grammar, settle)
         except Exception as exc:
-            self._step_failed(planned, exc)
-            return None
-
-    def _launch_front(self, planned: Planned) -> FrontLaunched | None:
-        try:
-            return self.runner.launch_front(planned.plan)
-        except Exception as exc:
-            self._step_failed(planned, exc)
-            return None
-
-    def _launch_back(
-        self, planned: Planned, front: FrontLaunched
-    ) -> tuple[Planned, Launched] | None:
-        try:
-            masks = self.scheduler.late_masks(planned)
-            return planned, self.runner.launch_back(front, masks)
-        except Exception as exc:
+            if settle.raised:  # the step before's processing: not this step's failure
+                raise
             self._step_failed(planned, exc)
             return None
 
@@ -122,6 +95,25 @@ class EngineLoop:
         for req in planned.requests:
             req.steps_in_flight -= 1
         self.scheduler.fail_all(planned.requests, f"step failed: {type(exc).__name__}: {exc}")
+
+
+class _Settle:
+    """The processing of the step in flight before a launch, once: where the launch first
+    needs its results (the runner calls it), or after the launch."""
+
+    def __init__(self, loop: EngineLoop, previous: tuple[Planned, Launched] | None) -> None:
+        self.loop = loop
+        self.previous = previous
+        self.raised = False
+
+    def __call__(self) -> None:
+        previous, self.previous = self.previous, None
+        if previous is not None:
+            try:
+                self.loop._process(*previous)
+            except BaseException:
+                self.raised = True
+                raise
 
 
 def _is_fatal_cuda_error(exc: Exception) -> bool:

@@ -13,13 +13,13 @@ speculation) has width 1 and commits exactly one token a row: it adds 1 and page
 
 A row that draws under a grammar (daemon/grammar/) needs the state its committed tokens
 reach. A plain decode batch takes it even with a step of its request in flight where
-``SchedulerLimits.late_masks`` says (one rank): its masks are filled after that step is
-processed, while the batch's forward runs (``Planned.late_masks``, scheduler/loop.py).
-Elsewhere such a row waits for its step (the other rows go on overlapping), and a plain
-step carries its masks in the plan. In a drafting step the host gives each draft place's
-mask as the worker drafts and each verify node's once the drafts are known
-(``Planned.grammar``): such a step runs eagerly, so a batch holding one drafts only where
-``SchedulerLimits.grammar_drafts`` says (one rank, no CUDA graphs).
+``SchedulerLimits.late_masks`` says (one rank): the runner computes its masks from the states
+(``Planned.grammar``) once the loop has processed that step, while the batch's forward runs
+(scheduler/loop.py). Elsewhere such a row waits for its step (the other rows go on
+overlapping), and a plain step carries its masks in the plan. In a drafting step the host
+gives each draft place's mask as the worker drafts and each verify node's once the drafts
+are known (``Planned.grammar``): such a step runs eagerly, so a batch holding one drafts only
+where ``SchedulerLimits.grammar_drafts`` says (one rank, no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -43,11 +43,9 @@ class Planned:
     plan: StepPlan
     requests: list[Request]  # one per plan row
     max_commit: int = 1  # tokens a row may commit: what planning added to its bounds
-    # A drafting plan with grammar rows: their states, for the masks of the drafts.
+    # A decode plan's grammar rows, whose masks the runner computes from their states: a
+    # drafting plan's, or a plain one's whose masks are not in the plan (late masks).
     grammar: RowGrammars | None = None
-    # A plain decode plan whose grammar rows' masks are given once the step in flight is
-    # processed (``Scheduler.late_masks``), not in the plan.
-    late_masks: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,10 +195,11 @@ class Planner:
             req.scheduled_len += max_commit
             req.scheduled_outputs += max_commit
         grammar = None
-        if drafting or late:  # the masks come as the drafts are made, or after the plan
+        if drafting or late:  # the runner computes the masks
             masked_rows, masks = [i for i, r in enumerate(rows) if r.grammar is not None], b""
             states = [g for r in rows if (g := r.grammar) is not None]
-            grammar = RowGrammars(states) if states and drafting else None
+            owners = [r for r in rows if r.grammar is not None]
+            grammar = RowGrammars(states, owners) if states else None
         else:
             masked_rows, masks = _masks(rows)
         plan = StepPlan(
@@ -222,7 +221,7 @@ class Planner:
             masked_rows=masked_rows,
             masks=masks,
         )
-        return Planned(plan, rows, max_commit, grammar, late_masks=late and bool(masked_rows))
+        return Planned(plan, rows, max_commit, grammar)
 
     def _scheduled_to_end(self, req: Request) -> bool:
         """Launched steps already produce this request's last possible token."""
@@ -274,12 +273,4 @@ def _masks(sampled: list[Request]) -> tuple[list[int], bytes]:
     rows = [i for i, req in enumerate(sampled) if req.grammar is not None]
     if not rows:
         return [], b""
-    return rows, row_masks([sampled[i] for i in rows])
-
-
-def row_masks(requests: list[Request]) -> bytes:
-    """The next-token masks of ``requests`` (each under a grammar), as ``StepPlan.masks``
-    carries them; a request that finished allows every token (its draw is dropped)."""
-    states = [g for req in requests if (g := req.grammar) is not None]
-    assert len(states) == len(requests), "a masked row draws under a grammar"
-    return pack_masks(states, [req.finished for req in requests])
+    return rows, pack_masks([g for i in rows if (g := sampled[i].grammar) is not None])

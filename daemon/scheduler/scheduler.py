@@ -31,7 +31,7 @@ from outrider.daemon.scheduler.finish import Finish, FinishChecker
 from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.outputs import OutputProcessor
 from outrider.daemon.scheduler.pages import PageManager
-from outrider.daemon.scheduler.planner import Planned, Planner, row_masks
+from outrider.daemon.scheduler.planner import Planned, Planner
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.request import Request
 from outrider.daemon.scheduler.slots import SlotTable
@@ -118,11 +118,6 @@ class Scheduler:
             for req in planned.requests:
                 req.steps_in_flight += 1
         return planned
-
-    def late_masks(self, planned: Planned) -> bytes:
-        """The masks of a ``Planned.late_masks`` plan's grammar rows, from their states now:
-        after the step in flight at its planning was processed."""
-        return row_masks([planned.requests[row] for row in planned.plan.masked_rows])
 
     def process(self, planned: Planned, out: StepOutput) -> None:
         """Apply the results of a launched step (in launch order); the updates wait in
