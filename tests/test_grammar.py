@@ -190,19 +190,24 @@ def test_speculative_engines_give_the_target_only_tokens_under_grammars(
         assert all(drafted), drafted
 
 
-@pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
-def test_a_plain_batch_takes_grammar_rows_whose_step_is_in_flight(
+@pytest.mark.parametrize(
+    ("algorithm", "grammar_drafts"),
+    [("none", False), ("eagle3 chain", True), ("eagle3 chain", False)],
+    ids=["none", "eagle3-drafting", "eagle3-plain"],
+)
+def test_a_batch_takes_grammar_rows_whose_step_is_in_flight(
     model_dir: Path,
     tokenizer: Tokenizer,
     grammars: Grammars,
     drafts: dict[str, str],
     algorithm: str,
+    grammar_drafts: bool,
 ) -> None:
-    """Late masks (scheduler/loop.py): through the overlap loop a plain batch holds grammar
-    rows whose previous step is still in flight, the host fills their masks once it has
-    processed that step; greedy and seeded tokens are the serial loop's. Under speculation
-    (late masks switched on as on CUDA, where constrained batches do not draft) the batches
-    of such rows are plain and the others draft."""
+    """Late masks (scheduler/loop.py): through the overlap loop a batch holds grammar rows
+    whose previous step is still in flight; the host computes their masks inside the step,
+    once it has processed that step; greedy and seeded tokens are the serial loop's. Under
+    speculation such batches draft (on the CPU), or, with ``grammar_drafts`` off (as with
+    CUDA graphs), are plain while the batches without them draft."""
     settings: dict[str, object] = {}
     if algorithm != "none":
         settings |= dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts["eagle3"])
@@ -212,21 +217,19 @@ def test_a_plain_batch_takes_grammar_rows_whose_step_is_in_flight(
         )
         engine = engine_for(str(model_dir), **settings)
         planner = engine.scheduler.planner
-        if algorithm != "none":
-            assert not planner.limits.late_masks  # the CPU drafts constrained batches
-            planner.limits = replace(planner.limits, grammar_drafts=False, late_masks=True)
         assert planner.limits.late_masks and engine.loop.overlap
+        planner.limits = replace(planner.limits, grammar_drafts=grammar_drafts)
         late_rows, drafting_rows = _count_rows(engine)
         outcomes = run(engine, _requests(temperature), grammars=grammars)
         for rid, outcome in reference.items():
             assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
         _check_outputs(outcomes, tokenizer)
         # Constrained rows rode behind their own steps, in most of their steps.
-        assert (
-            late_rows["grammar"]
-            > sum(len(o.token_ids) for rid, o in outcomes.items() if rid < 100) // 2
-        ), late_rows
-        assert drafting_rows["grammar"] == 0
+        steps = sum(len(o.token_ids) for rid, o in outcomes.items() if rid < 100)
+        if grammar_drafts:
+            steps //= 2  # a drafting step commits more than one token
+        assert late_rows["grammar"] > steps // 2, (late_rows, steps)
+        assert (drafting_rows["grammar"] > 0) == grammar_drafts, drafting_rows
         assert (drafting_rows["free"] > 0) == (algorithm != "none")
 
 
@@ -401,19 +404,24 @@ def test_each_draft_place_is_masked_by_the_state_its_path_reaches(
 
 
 def test_a_draft_vocabulary_is_masked_through_its_columns() -> None:
-    """``TokenMasks.apply`` with ``columns`` (a draft vocabulary's target ids): each column
-    takes its token's bit, ids past the vocabulary are refused, and a row that allows none
-    of the columns keeps every logit."""
-    masks = TokenMasks(40, 4, torch.device("cpu"))
+    """``TokenMasks.apply_staged`` with ``columns`` (a draft vocabulary's target ids): each
+    column takes its token's bit, ids past the vocabulary are refused, a row that allows none
+    of the columns keeps every logit, and rows staged without a mask allow every token."""
+    masks = TokenMasks(40, 2, 2, torch.device("cpu"))
     words = torch.zeros(2, 2, dtype=torch.int32)
     words[0, 0] = (1 << 2) | (1 << 6)  # tokens 2 and 6
     words[0, 1] = 1 << 3  # token 35
     words[1, 0] = 1 << 1  # token 1: no column holds it
+    masks.stage(3, ([0, 2], words.numpy().tobytes()))
     columns = torch.tensor([0, 2, 4, 6, 35, 41])
     logits = torch.zeros(3, 6)
-    masks.apply(logits, [0, 2], words.numpy().tobytes(), columns)
+    masks.apply_staged(logits, columns)
     inf = float("-inf")
     assert logits.tolist() == [[inf, 0, inf, 0, 0, inf], [0] * 6, [0] * 6]
+    masks.stage(3, ([], b""))  # a capture's scratch rows: every token
+    full = torch.zeros(3, 40)
+    masks.apply_staged(full)
+    assert not full.isinf().any()
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3 chain", "eagle3 tree", "ngram"])
@@ -455,7 +463,7 @@ class EveryOtherBatchDrafts:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
-def test_plain_steps_with_grammar_rows_replay_graphs_of_their_own(
+def test_steps_with_grammar_rows_replay_graphs_in_segments(
     model_dir: Path,
     tokenizer: Tokenizer,
     grammars: Grammars,
@@ -464,12 +472,13 @@ def test_plain_steps_with_grammar_rows_replay_graphs_of_their_own(
     device: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Plain decode steps holding grammar rows replay graphs with the staged masks (on the
-    CPU through the runner's capture path, replayed eagerly; on CUDA real graphs, every
-    launch under the sync check), beside the graphs of batches without them: greedy and
-    seeded tokens are the eager engine's. Under speculation every other batch drafts, its
-    grammar rows eagerly (their masks come mid-step) where the engine runs without graphs:
-    with CUDA graphs a batch holding grammar rows does not draft."""
+    """Decode steps holding grammar rows replay graphs of their own, cut where they wait for
+    the host's masks (on the CPU through the runner's capture path, replayed eagerly with
+    each fill run at its cut; on CUDA real graphs, every launch under the sync check), beside
+    the graphs of batches without them: greedy and seeded tokens are the eager engine's.
+    Under speculation every other batch drafts: on the CPU its grammar rows too (a cut before
+    each draft place and before the verify), with CUDA graphs a batch holding grammar rows
+    does not draft."""
     monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
     monkeypatch.delenv("OUTRIDER_DEBUG_RELAY_CHECK")  # graphs are off under it (build.py)
     settings: dict[str, object] = {"device": device}
@@ -491,11 +500,13 @@ def test_plain_steps_with_grammar_rows_replay_graphs_of_their_own(
         for rid, outcome in expected.items():
             assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
         _check_outputs(outcomes, tokenizer)
-    plain_keys = [key for key in runner.graphs.graphs if key.width == 1]
-    # A masked key's step waits for the host between two segments: one cut a replay.
-    masked = {key for key in plain_keys if key.masked}
+    masked = {key for key in runner.graphs.graphs if key.masked}
     cuts = runner.graphs.cuts if device == "cpu" else runner.graphs.segments
-    assert masked and set(cuts) == masked
-    assert not any(key.masked for key in runner.graphs.graphs if key.width > 1)
-    # The CPU build has no graphs (EagerGraphs come after it).
+    assert any(key.width == 1 for key in masked) and set(cuts) == masked
+    # The CPU build has no graphs (EagerGraphs come after it): its constrained batches draft,
+    # cut at each of the chain's 3 draft places and before the verify.
+    drafting = {key for key in masked if key.width > 1}
+    assert bool(drafting) == (device == "cpu" and algorithm != "none")
     assert graphed.scheduler.planner.limits.grammar_drafts == (device == "cpu")
+    if device == "cpu":
+        assert all(cuts[key] % 4 == 0 for key in drafting), cuts

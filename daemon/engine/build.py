@@ -129,7 +129,7 @@ def build_engine(
                 prefix_margin_pages=runner.worker.prefix_margin_pages,
                 draft_state=shape.speculative and runner.worker.draft_state,
                 grammar_drafts=grammar_drafts,
-                late_masks=one_rank and not (shape.speculative and grammar_drafts),
+                late_masks=one_rank,
             ),
             shape,
             PrefixCache(plan.num_pages, page_size),

@@ -13,7 +13,7 @@ request-table row points at the scratch page: they read and write nothing of a l
 
 Before READY the engine captures every batch bucket x width x KV bucket, greedy and sampled
 without logprobs (``capture_all``), largest first so that the smaller captures reuse the pool's
-blocks; a logprob variant, and a plain step's variant with grammar masks (``GraphKey.masked``),
+blocks; a logprob variant, and a variant with grammar rows (``GraphKey.masked``),
 is captured the first time its key is needed. A step that waits for the host's masks
 (``MaskHoles``, engine/token_masks.py) is captured as segments, cut at each wait: a replay
 runs each segment, then the host's fill recorded there, then the next. A tensor a later
@@ -80,7 +80,7 @@ class GraphKey:
     max_logprobs: int  # 0, or the most any request may ask
     width: int = 1  # tokens a row: the speculative width, or 1 for a plain step
     fed: bool = True  # False: a plain step of rows that do not feed the draft (the target's)
-    masked: bool = False  # a plain step with grammar rows: its staged masks (token_masks.py)
+    masked: bool = False  # a step with grammar rows: its host's masks (token_masks.py)
 
 
 @dataclass(frozen=True)
@@ -161,12 +161,11 @@ class DecodeGraphs:
 
     def key(self, plan: StepPlan, kv_bound: int) -> GraphKey | None:
         """The graph for ``plan`` (a decode batch whose host KV bound is ``kv_bound``), None
-        when it runs eagerly (larger than the largest bucket, adjusting logits, or drafting
-        with grammar rows, whose masks come from the host in the middle of the step)."""
+        when it runs eagerly (larger than the largest bucket, or adjusting logits)."""
         bs = next((b for b in self.buckets if b >= plan.bs), 0)
         kv = next((b for b in self.kv_buckets if b >= kv_bound), 0)
         masked = bool(plan.masked_rows)
-        if not bs or not kv or plan.adjusts or (masked and plan.drafting):
+        if not bs or not kv or plan.adjusts:
             return None
         return GraphKey(
             bs=bs,

@@ -71,9 +71,9 @@ from outrider.daemon.engine.timing import PhaseTimer
 from outrider.daemon.engine.token_masks import (
     GrammarGuide,
     GrammarRows,
+    HostTurn,
     MaskHoles,
     TokenMasks,
-    drafts_to_host,
     masked_copy,
 )
 from outrider.daemon.engine.verify import Verifier
@@ -96,27 +96,6 @@ def target_phases(shape: StepShape) -> tuple[Phase, Phase]:
     """The attention phases the target runs: prompts, and decode steps (the verify phase under
     speculation, width-1 steps of adaptive drafting included). Draft phases are the draft's."""
     return ("extend", "verify" if shape.speculative else "decode")
-
-
-def _nothing() -> None:
-    pass
-
-
-@dataclass(frozen=True)
-class HostTurn:
-    """The step being launched, as the host's fills inside it read it."""
-
-    plan: StepPlan
-    bs: int  # rows staged, padding included
-    grammar: GrammarRows | None  # its grammar rows' states (None: masks in the plan, if any)
-    settle: Callable[[], None]  # processes the step before; the first fill calls it
-
-    def row_masks(self) -> tuple[list[int], bytes]:
-        """The grammar rows of a plain step and their masks (none: every token)."""
-        if self.grammar is not None:
-            self.settle()
-            return self.plan.masked_rows, self.grammar.masks()
-        return (self.plan.masked_rows, self.plan.masks) if self.plan.masks else ([], b"")
 
 
 class CausalLM(Protocol):
@@ -165,7 +144,7 @@ class ModelRunner:
         self.device = device
         self.decode_phase = target_phases(shape)[1]
         self.sync_check = False
-        self._turn = HostTurn(_empty_plan(), 0, None, _nothing)  # the launch's (``launch``)
+        self._turn = HostTurn(_empty_plan(), 0, None)  # the launch's (``launch``)
         self.holes = MaskHoles()
         self.timer = PhaseTimer(device)  # benchmarks: device time per decode phase
         rows = limits.max_slots + 1
@@ -175,7 +154,7 @@ class ModelRunner:
         self.results = ResultCopies(rows, shape.max_commit, device)
         self.verifier = verifier
         self.adjuster = Adjuster(kv, slots, device)
-        self.token_masks = TokenMasks(limits.vocab_size, rows, device)
+        self.token_masks = TokenMasks(limits.vocab_size, rows, shape.width, device)
         self.offsets = torch.arange(shape.width, device=device)  # [W]
         # A chain's node j sees the nodes 0 .. j (the tree's ``visible``).
         self.chain_visible = torch.ones(
@@ -230,7 +209,7 @@ class ModelRunner:
         self,
         plan: StepPlan,
         grammar: GrammarRows | None = None,
-        settle: Callable[[], None] = _nothing,
+        settle: Callable[[], None] | None = None,
     ) -> Launched:
         """Queue ``plan`` on the device and return a handle for ``collect``. ``grammar``:
         the states of its grammar rows, whose masks the host computes inside the step (a
@@ -250,14 +229,15 @@ class ModelRunner:
         return self.results.collect(launched)
 
     def _launch(
-        self, plan: StepPlan, grammar: GrammarRows | None, settle: Callable[[], None]
+        self, plan: StepPlan, grammar: GrammarRows | None, settle: Callable[[], None] | None
     ) -> Launched:
-        done = False
+        done = settle is None
 
         def settle_once() -> None:
             nonlocal done
             if not done:
                 done = True
+                assert settle is not None
                 with syncs_allowed(self.device):  # it waits for the step before's results
                     settle()
 
@@ -349,9 +329,9 @@ class ModelRunner:
         tokens = inputs.input_ids.view(bs, width)
         tokens[:, 0] = relay.roots
         sampling = self.slots.sampling(inputs.slots, plan)
-        guide, grammar = None, self._turn.grammar
-        if grammar is not None:
-            guide = GrammarGuide(self.token_masks, grammar, plan.masked_rows, bs)
+        guide = None
+        if plan.masked_rows:
+            guide = GrammarGuide(self.token_masks, self.holes, lambda: self._turn)
         view = DecodeView(
             inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, max_kv,
             self.starts.of_plan(plan), guide,
@@ -360,9 +340,9 @@ class ModelRunner:
         drafts = self.worker.draft(view)
         self.timer.mark("verify")
         tokens[:, 1:] = drafts.tokens  # [bs, W - 1]
-        masked = None
+        on_host = None
         if plan.masked_rows:  # their nodes' masks come from the host once the drafts are known
-            masked = drafts_to_host(plan.masked_rows, drafts, self.device)
+            on_host = self.token_masks.drafts_to_host(drafts)
         offsets = self.offsets.expand(bs, width)  # [bs, W]
         depth, visible = offsets, None
         if drafts.parents is not None:
@@ -385,10 +365,10 @@ class ModelRunner:
             choose = self.adjuster.decode_logits(
                 logits, inputs.slots, relay, max_kv, (tokens, nodes)
             )
-        if masked is not None:
-            assert grammar is not None, "a drafting plan with grammar rows needs masks"
+        if on_host is not None:
+            self.holes.wait(lambda: self._stage_node_masks(bs * width, *on_host))
             choose = masked_copy(logits, choose)
-            self.token_masks.apply_node_masks(choose, plan.masked_rows, width, masked, grammar)
+            self.token_masks.apply_staged(choose)
         verified = self.verifier.verify(plan, inputs, relay, drafts, depth, logits, choose)
         committed, lens, path = verified.committed(), verified.commit_lens, verified.path
         bonus = committed.gather(1, (lens - 1).unsqueeze(1)).squeeze(1)
@@ -446,15 +426,21 @@ class ModelRunner:
     def _stage_row_masks(self) -> None:
         """The host's fill of a plain step with grammar rows: their masks staged where the
         step reads them (``TokenMasks.stage``), every other row allowing every token."""
-        turn = self._turn
-        rows, masks = turn.row_masks()
-        self.token_masks.stage(turn.bs, rows, masks)
+        self.token_masks.stage(self._turn.bs, self._turn.row_masks())
+
+    def _stage_node_masks(
+        self, nodes: int, tokens: torch.Tensor, parents: torch.Tensor | None
+    ) -> None:
+        """The host's fill of a drafting step with grammar rows: once its drafts are on the
+        host, the masks of its ``nodes`` verify nodes staged."""
+        self.token_masks.wait_for_device()
+        self.token_masks.stage(nodes, self._turn.node_masks(tokens, parents))
 
     @contextmanager
     def _scratch_turn(self, key: GraphKey) -> Iterator[None]:
         """While ``key``'s graph is captured from scratch rows: fills that allow every token
         and never settle the live step before."""
-        turn, self._turn = self._turn, HostTurn(_empty_plan(), key.bs, None, _nothing)
+        turn, self._turn = self._turn, HostTurn(_empty_plan(), key.bs, None)
         try:
             yield
         finally:

@@ -1,27 +1,28 @@
 """``TokenMasks``: grammar masks (daemon/grammar/) applied to the logits sampled rows choose
-from (a copy: the logprobs stay the model's). A plain step's masks come from the host in the
-middle of the step, at a ``MaskHoles`` wait (from its plan's ``StepPlan.masks``, or computed
-from the grammar states once the previous step is processed); a drafting step's, one per
-verify node, once its drafts are known (runner.py). ``GrammarGuide`` masks a draft's logits
-the same way, one draft place at a time (``DraftGuide``, plugins/speculative/base.py).
+from (a copy: the logprobs stay the model's), and ``GrammarGuide``, which masks a draft's
+logits the same way, one draft place at a time (``DraftGuide``,
+plugins/speculative/base.py).
 
-``MaskHoles`` is where a step waits for the host: eagerly the host's fill runs there and
-then; while a graph is captured the graph is cut there (graphs.py), and each replay runs the
-recorded fill between the two graphs.
+A decode step takes its masks from the host in the middle of the step, at a ``MaskHoles``
+wait: a plain step's between its logits and its sampling, a drafting step's before each draft
+place its worker chooses (the place's path copied to the host) and before its verify (its
+drafts copied to the host; the nodes' masks follow the paths they reach). Eagerly the host's
+fill runs at the wait; while a graph is captured the graph is cut there (graphs.py) and each
+replay runs the recorded fill between the two segments. A fill reads the launch's
+``HostTurn``: the plan's masks, or its grammar rows' states, which it first brings up to date
+with the turn's ``settle`` (the loop's processing of the step before, scheduler/loop.py).
 
-Masks are int32 words, bit ``t`` of a row set where token ``t`` may come. They travel
-through pinned host memory to the device and are unpacked there: a disallowed token's
-logit becomes -inf. A plain decode step's masks are staged into a fixed device buffer
-(``stage``: every row of the batch, padding included, rows without a grammar allowing every
-token), which its CUDA graph reads (``apply_staged``); the host staging is double-buffered
-as the step inputs are (inputs.py). The masks of EXTEND rows, verify nodes and draft places
-are applied eagerly (``apply``) and allocated per step (torch's caching allocators). The
-unpacking's temporaries (an int32 and a bool a logit of a masked row) are freed before
-sampling's scratch is taken, inside the memory plan's ``SAMPLING_BYTES_PER_LOGIT``.
+Masks are int32 words, bit ``t`` of a row set where token ``t`` may come. A decode step's are
+staged into one fixed device buffer (``stage``: every mask row of the batch, padding included;
+rows without a grammar allow every token) and unpacked there by device work only
+(``apply_staged``: a disallowed token's logit becomes -inf), which a graph records. Paths and
+drafts reach the host through fixed pinned buffers. The host staging is double-buffered as the
+step inputs are (inputs.py). The masks of EXTEND rows come in the plan and are applied eagerly
+(``apply``). The unpacking's temporaries (an int32 and a bool a logit of a masked row) are
+freed before sampling's scratch is taken, inside the memory plan's
+``SAMPLING_BYTES_PER_LOGIT``; the fixed buffers take ``rows * width`` mask rows.
 
-The host waits inside a step only here (``syncs_allowed``, sync_check.py): for the grammar
-rows' drafts before their verify nodes' masks (``drafts_to_host``, ``apply_node_masks``), and
-for each draft place's path under a guide.
+The host waits inside a step only in these fills (``syncs_allowed``, sync_check.py).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from typing import Protocol
 
 import torch
 
+from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.sync_check import syncs_allowed
 from outrider.plugins.speculative.base import Drafts
 
 _BITS = 32
-
 
 # Cut the graph being captured here; the replay runs the fill between the two graphs.
 Cut = Callable[[Callable[[], None]], None]
@@ -85,29 +86,51 @@ class GrammarRows(Protocol):
         ...
 
 
+def _nothing() -> None:
+    pass
+
+
+# Mask rows of a step (indices into its staged rows) and their masks; none: every token.
+StagedMasks = tuple[list[int], bytes]
+
+
 @dataclass(frozen=True)
-class DraftsOnHost:
-    tokens: torch.Tensor  # [rows, W - 1], host
-    parents: torch.Tensor | None  # a tree's, host
-    ready: torch.cuda.Event | None  # recorded behind the copy (CUDA)
+class HostTurn:
+    """The step being launched, as the host's fills inside it read it (padding included)."""
 
+    plan: StepPlan
+    bs: int  # rows staged, padding included
+    grammar: GrammarRows | None  # its grammar rows' states (None: masks in the plan, if any)
+    settle: Callable[[], None] = _nothing  # processes the step before; fills call it first
 
-def drafts_to_host(rows: list[int], drafts: Drafts, device: torch.device) -> DraftsOnHost:
-    """The drafts of batch rows ``rows`` (and a tree's shape), copied to the host behind the
-    draft, so that the verify's forward is queued before anything waits for them."""
-    pinned = device.type == "cuda"
-    host_rows = torch.tensor(rows, dtype=torch.int64)
-    index = (host_rows.pin_memory() if pinned else host_rows).to(device, non_blocking=True)
-    parts = [drafts.tokens.index_select(0, index)]
-    if drafts.parents is not None:
-        parts.append(drafts.parents.index_select(0, index))
-    host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned) for p in parts]
-    for h, p in zip(host, parts, strict=True):
-        h.copy_(p, non_blocking=True)
-    ready = torch.cuda.Event() if pinned else None
-    if ready is not None:
-        ready.record()
-    return DraftsOnHost(host[0], host[1] if len(host) > 1 else None, ready)
+    def row_masks(self) -> StagedMasks:
+        """A plain step's masks: one a row."""
+        if self.grammar is not None:
+            self.settle()
+            return self.plan.masked_rows, self.grammar.masks()
+        return (self.plan.masked_rows, self.plan.masks) if self.plan.masks else ([], b"")
+
+    def path_masks(self, paths: torch.Tensor) -> StagedMasks:
+        """The masks of a drafting step's draft places, given every row's paths to them on
+        the host (``[bs * n, d]``, row after row)."""
+        if self.grammar is None:
+            return [], b""
+        self.settle()
+        n = paths.shape[0] // self.bs
+        rows = self.plan.masked_rows
+        index = [row * n + place for row in rows for place in range(n)]
+        return index, self.grammar.path_masks(paths[index].view(len(rows), n, paths.shape[1]))
+
+    def node_masks(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> StagedMasks:
+        """The masks of a drafting step's verify nodes, given every row's drafts on the host
+        (``[bs, W - 1]``, a tree's parents alike)."""
+        if self.grammar is None:
+            return [], b""
+        self.settle()
+        rows, width = self.plan.masked_rows, tokens.shape[1] + 1
+        index = [row * width + node for row in rows for node in range(width)]
+        shape = None if parents is None else parents[rows]
+        return index, self.grammar.node_masks(tokens[rows], shape)
 
 
 def masked_copy(logits: torch.Tensor, adjusted: torch.Tensor | None) -> torch.Tensor:
@@ -117,63 +140,80 @@ def masked_copy(logits: torch.Tensor, adjusted: torch.Tensor | None) -> torch.Te
 
 
 class TokenMasks:
-    def __init__(self, vocab_size: int, rows: int, device: torch.device) -> None:
-        """``rows``: the most a decode batch has, padding included."""
+    def __init__(self, vocab_size: int, rows: int, width: int, device: torch.device) -> None:
+        """``rows``: the most a decode batch has, padding included; ``width``: its tokens a
+        row (verify nodes, or draft places at one depth)."""
         self.vocab_size = vocab_size
         self.device = device
         self._shifts = torch.arange(_BITS, dtype=torch.int32, device=device)
         words = -(-vocab_size // _BITS)
-        # A plain step's masks, where its graph reads them; every token allowed at first,
-        # so that a capture from scratch rows never samples from an all -inf row.
-        self.staged = torch.full((rows, words), -1, dtype=torch.int32, device=device)
-        pinned = device.type == "cuda"
+        cuda = device.type == "cuda"
+        # Every token allowed at first, so that a capture from scratch rows never samples
+        # from an all -inf row.
+        self.staged = torch.full((rows * width, words), -1, dtype=torch.int32, device=device)
         self._host = [
-            torch.empty((rows, words), dtype=torch.int32, pin_memory=pinned) for _ in range(2)
+            torch.empty((rows * width, words), dtype=torch.int32, pin_memory=cuda) for _ in range(2)
         ]
         self._parity = 0
+        self._paths = torch.empty((rows * width, width), dtype=torch.int64, pin_memory=cuda)
+        self._drafts = torch.empty((2, rows, width), dtype=torch.int64, pin_memory=cuda)
 
-    def stage(self, bs: int, rows: list[int], masks: bytes) -> None:
-        """Queue a plain decode step's masks into ``staged``: row ``rows[i]`` takes mask
-        ``i`` of ``masks``, every other row of the ``bs`` allows every token."""
+    def stage(self, n: int, staged: StagedMasks) -> None:
+        """Queue the masks of ``n`` mask rows into ``staged``: row ``rows[i]`` takes mask
+        ``i``, every other row allows every token."""
+        rows, masks = staged
         host, self._parity = self._host[self._parity], self._parity ^ 1
-        host[:bs] = -1
-        host[rows] = torch.frombuffer(bytearray(masks), dtype=torch.int32).view(len(rows), -1)
-        self.staged[:bs].copy_(host[:bs], non_blocking=True)
+        host[:n] = -1
+        if rows:
+            host[rows] = torch.frombuffer(bytearray(masks), dtype=torch.int32).view(len(rows), -1)
+        self.staged[:n].copy_(host[:n], non_blocking=True)
 
-    def apply_staged(self, choose: torch.Tensor) -> None:
-        """Set to -inf, in ``choose`` (``[bs, V]``), every logit its row's staged mask does
-        not allow (device work only: graph-safe)."""
+    def apply_staged(self, choose: torch.Tensor, columns: torch.Tensor | None = None) -> None:
+        """Set to -inf, in ``choose`` (``[n, C]``), every logit the staged mask of its row
+        does not allow (device work only: graph-safe). ``columns: [C]``: the token of each
+        column, for a draft's own vocabulary (None: column ``c`` is token ``c``; ids past the
+        vocabulary are refused under a grammar); a draft row whose columns hold none of the
+        allowed tokens keeps its logits (an all -inf row has
+        no distribution; the verify refuses what it drafts there)."""
         allowed = self._allowed(self.staged[: choose.shape[0]])
-        choose[:, : self.vocab_size].masked_fill_(~allowed, float("-inf"))
+        if columns is None:
+            choose[:, : self.vocab_size].masked_fill_(~allowed, float("-inf"))
+            return
+        # One column past the vocabulary for the tokens at or past it: allowed only in the
+        # rows without a grammar (every token staged).
+        allowed = torch.cat([allowed, allowed.all(dim=1, keepdim=True)], dim=1)
+        allowed = allowed.index_select(1, columns.clamp(max=self.vocab_size))
+        allowed |= ~allowed.any(dim=1, keepdim=True)
+        choose.masked_fill_(~allowed, float("-inf"))
 
-    def apply_node_masks(
-        self,
-        choose: torch.Tensor,
-        rows: list[int],
-        width: int,
-        drafts: DraftsOnHost,
-        grammar: GrammarRows,
-    ) -> None:
-        """Wait for the drafts of batch rows ``rows`` (the device goes on with the verify's
-        forward), have the host compute each of their ``width`` verify nodes' masks, and
-        apply them to ``choose`` (``[bs * width, V]``)."""
-        if drafts.ready is not None:
+    def paths_to_host(self, paths: torch.Tensor) -> torch.Tensor:
+        """``paths`` (``[R, d]``) copied into the fixed pinned buffer, behind the work
+        queued; the host reads them once the device is there (``wait_for_device``)."""
+        host = self._paths[: paths.shape[0], : paths.shape[1]]
+        host.copy_(paths, non_blocking=True)
+        return host
+
+    def drafts_to_host(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A step's drafts (and a tree's parents) copied into fixed pinned buffers, as
+        ``paths_to_host``."""
+        bs, n = drafts.tokens.shape
+        tokens = self._drafts[0, :bs, :n]
+        tokens.copy_(drafts.tokens, non_blocking=True)
+        if drafts.parents is None:
+            return tokens, None
+        parents = self._drafts[1, :bs, :n]
+        parents.copy_(drafts.parents, non_blocking=True)
+        return tokens, parents
+
+    def wait_for_device(self) -> None:
+        """The host waits for the work queued (a fill reading what was copied to it)."""
+        if self.device.type == "cuda":
             with syncs_allowed(self.device):
-                drafts.ready.synchronize()
-        masks = grammar.node_masks(drafts.tokens, drafts.parents)
-        self.apply(choose, [r * width + node for r in rows for node in range(width)], masks)
+                torch.cuda.current_stream().synchronize()
 
-    def apply(
-        self,
-        choose: torch.Tensor,
-        rows: list[int],
-        masks: bytes,
-        columns: torch.Tensor | None = None,
-    ) -> None:
-        """Set to -inf, in ``choose`` (``[R, C]``), every logit of row ``rows[i]`` whose
-        token mask ``i`` (of ``masks``) does not allow, tokens at or past the masks'
-        vocabulary included. ``columns: [C]``: the token of each column (None: column ``c``
-        is token ``c``), for a draft's own vocabulary."""
+    def apply(self, choose: torch.Tensor, rows: list[int], masks: bytes) -> None:
+        """Eagerly: set to -inf, in ``choose`` (``[R, V]``), every logit of row ``rows[i]``
+        that mask ``i`` (of ``masks``) does not allow (EXTEND rows)."""
         n = len(rows)
         if not n:
             return
@@ -185,21 +225,9 @@ class TokenMasks:
         words = host.to(self.device, non_blocking=True)
         index = host_rows.to(self.device, non_blocking=True)
         allowed = self._allowed(words)
-        # One column past the vocabulary, never allowed, for the tokens at or past it.
-        allowed = torch.nn.functional.pad(allowed, (0, 1))
-        if columns is None:
-            width = choose.shape[1]
-            if width > self.vocab_size:
-                allowed = torch.nn.functional.pad(allowed, (0, width - self.vocab_size - 1))
-            allowed = allowed[:, :width]
-        else:
-            allowed = allowed.index_select(1, columns.clamp(max=self.vocab_size))
-        # A draft whose vocabulary holds none of the tokens allowed keeps its logits (an all
-        # -inf row has no distribution); the verify refuses what it drafts there. A target's
-        # mask always allows a token of its vocabulary.
-        allowed |= ~allowed.any(dim=1, keepdim=True)
         picked = choose.index_select(0, index)
-        choose.index_copy_(0, index, picked.masked_fill(~allowed, float("-inf")))
+        picked[:, : self.vocab_size].masked_fill_(~allowed, float("-inf"))
+        choose.index_copy_(0, index, picked)
 
     def _allowed(self, words: torch.Tensor) -> torch.Tensor:
         """Mask rows (int32 words ``[n, ceil(V / 32)]``) unpacked: ``[n, V]`` bool."""
@@ -208,23 +236,23 @@ class TokenMasks:
 
 
 class GrammarGuide:
-    """A drafting step's ``DraftGuide``: masks from the host's grammar states, one call a
-    draft place (each waits for the paths to reach the host)."""
+    """A drafting step's ``DraftGuide``: each draft place's mask from the host, at a
+    ``MaskHoles`` wait (the launch's turn gives the states: ``turn()`` at fill time, so that
+    a replayed graph's fills read the step replayed)."""
 
-    def __init__(self, masks: TokenMasks, grammar: GrammarRows, rows: list[int], bs: int) -> None:
-        """``rows``: the grammar rows' indices among the step's ``bs`` rows."""
+    def __init__(self, masks: TokenMasks, holes: MaskHoles, turn: Callable[[], HostTurn]) -> None:
         self.masks = masks
-        self.grammar = grammar
-        self.rows = rows
-        self.bs = bs
+        self.holes = holes
+        self.turn = turn
 
     def restrict(
         self, logits: torch.Tensor, paths: torch.Tensor, columns: torch.Tensor | None = None
     ) -> None:
-        n = logits.shape[0] // self.bs
-        places = [row * n + place for row in self.rows for place in range(n)]
-        with syncs_allowed(paths.device):
-            index = torch.tensor(places, dtype=torch.int64).to(paths.device)
-            host = paths.index_select(0, index).cpu()
-        masks = self.grammar.path_masks(host.view(len(self.rows), n, -1))
-        self.masks.apply(logits, places, masks, columns)
+        host = self.masks.paths_to_host(paths)
+
+        def fill() -> None:
+            self.masks.wait_for_device()
+            self.masks.stage(host.shape[0], self.turn().path_masks(host))
+
+        self.holes.wait(fill)
+        self.masks.apply_staged(logits, columns)

@@ -132,16 +132,17 @@ class RowGrammars:
 
     def masks(self) -> bytes:
         """Each row's next mask from its state now."""
-        return pack_masks(self.states, [owner.finished for owner in self.owners])
+        return pack_masks(self.states, self._ended())
 
     def node_masks(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> bytes:
         """The verify-node masks of each row (its drafts ``tokens[r]``, a tree's
         ``parents[r]``: host tensors ``[rows, width - 1]``), row after row, node after node."""
         width = tokens.shape[1] + 1
         masks = xgr.allocate_token_bitmask(len(self.states) * width, self.states[0].vocab_size)
-        for row, state in enumerate(self.states):
-            shape = None if parents is None else parents[row].tolist()
-            state.node_masks(masks, row * width, tokens[row].tolist(), shape)
+        for row, (state, ended) in enumerate(zip(self.states, self._ended(), strict=True)):
+            if not ended:
+                shape = None if parents is None else parents[row].tolist()
+                state.node_masks(masks, row * width, tokens[row].tolist(), shape)
         return masks.numpy().tobytes()
 
     def path_masks(self, paths: torch.Tensor) -> bytes:
@@ -150,7 +151,13 @@ class RowGrammars:
         place."""
         rows, n, _ = paths.shape
         masks = xgr.allocate_token_bitmask(rows * n, self.states[0].vocab_size)
-        for row, state in enumerate(self.states):
-            for place in range(n):
+        for row, (state, ended) in enumerate(zip(self.states, self._ended(), strict=True)):
+            for place in range(n if not ended else 0):
                 state.path_mask(masks, row * n + place, paths[row, place].tolist())
         return masks.numpy().tobytes()
+
+    def _ended(self) -> list[bool]:
+        """Per row: its request finished (its masks allow every token)."""
+        if not self.owners:
+            return [False] * len(self.states)
+        return [owner.finished for owner in self.owners]

@@ -15,12 +15,11 @@ class SchedulerLimits:
     # The draft keeps state over the context (its own KV): requests may not feed it
     # (``Request.fed``, drafting.py).
     draft_state: bool = False
-    # A decode batch holding grammar rows may draft: their drafts and verify nodes' masks
-    # come from the host mid-step, so such a step runs eagerly, on one rank. Only where decode
-    # steps run eagerly anyway (no CUDA graphs) and on one rank: eagerly, an H200 step costs
-    # several graphed ones (BENCHMARKS.md, structured output), more than drafting gains.
+    # A decode batch holding grammar rows may draft: the host computes the masks of their
+    # draft places and verify nodes at waits inside the step (graph segments where graphs
+    # run). One rank; not yet with CUDA graphs, where such a batch takes plain steps.
     grammar_drafts: bool = True
-    # A plain decode batch may take grammar rows whose step is still in flight: the loop
-    # launches its forward, processes that step, then gives the masks (scheduler/loop.py). On
-    # one rank, where constrained batches do not draft (each of their steps would).
+    # A decode batch may take grammar rows whose step is still in flight: the runner
+    # computes their masks once the loop has processed that step, in the middle of the new
+    # one (scheduler/loop.py). On one rank (the masks do not travel to the other ranks).
     late_masks: bool = False

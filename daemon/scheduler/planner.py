@@ -12,14 +12,15 @@ drafting policy's choice on a speculative engine, drafting.py; every step withou
 speculation) has width 1 and commits exactly one token a row: it adds 1 and pages cover 1.
 
 A row that draws under a grammar (daemon/grammar/) needs the state its committed tokens
-reach. A plain decode batch takes it even with a step of its request in flight where
-``SchedulerLimits.late_masks`` says (one rank): the runner computes its masks from the states
-(``Planned.grammar``) once the loop has processed that step, while the batch's forward runs
-(scheduler/loop.py). Elsewhere such a row waits for its step (the other rows go on
-overlapping), and a plain step carries its masks in the plan. In a drafting step the host
-gives each draft place's mask as the worker drafts and each verify node's once the drafts
-are known (``Planned.grammar``): such a step runs eagerly, so a batch holding one drafts only
-where ``SchedulerLimits.grammar_drafts`` says (one rank, no CUDA graphs).
+reach. Where ``SchedulerLimits.late_masks`` says (one rank) a decode batch takes it even with
+a step of its request in flight: the runner computes its masks from the states
+(``Planned.grammar``) once the loop has processed that step, while the batch's first device
+work runs (scheduler/loop.py): a plain step's masks before its sampling, a drafting step's
+before each draft place and before its verify. Elsewhere such a row waits for its step (the
+other rows go on overlapping), and a plain step carries its masks in the plan. A batch
+holding grammar rows drafts only where ``SchedulerLimits.grammar_drafts`` says (one rank, no
+CUDA graphs); elsewhere its grammar rows wait while the other rows draft, and ride the
+next plain batch.
 """
 
 from __future__ import annotations
@@ -167,16 +168,19 @@ class Planner:
         delta = PageDelta()
         ready = [r for r in self.admission.running if r.decoding and not self._scheduled_to_end(r)]
         settled = [r for r in ready if not _mask_pending(r)]
+        late, grammar_drafts = self.limits.late_masks, self.limits.grammar_drafts
+        # The rows a drafting batch would take: a grammar row with its step in flight only
+        # where it may draft (else it rides the next plain batch, when its masks come late).
+        pool = ready if late and grammar_drafts else settled
         shape = self.shape
-        constrained = any(r.grammar is not None for r in settled)
+        constrained = any(r.grammar is not None for r in pool)
         drafting = (
             shape.speculative
-            and bool(settled)
-            and (self.limits.grammar_drafts or not constrained)
-            and self.policy.drafting(settled)
+            and bool(pool)
+            and (grammar_drafts or not constrained)
+            and self.policy.drafting(pool)
         )
-        late = self.limits.late_masks and not drafting
-        candidates = ready if late else settled
+        candidates = pool if drafting or not late else ready
         if not candidates:
             return None
         width, span, max_commit = (
@@ -195,7 +199,7 @@ class Planner:
             req.scheduled_len += max_commit
             req.scheduled_outputs += max_commit
         grammar = None
-        if drafting or late:  # the runner computes the masks
+        if late or drafting:  # the runner computes the masks
             masked_rows, masks = [i for i, r in enumerate(rows) if r.grammar is not None], b""
             states = [g for r in rows if (g := r.grammar) is not None]
             owners = [r for r in rows if r.grammar is not None]

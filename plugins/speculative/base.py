@@ -15,8 +15,10 @@ Rows under a grammar: a decode batch holding them carries a ``DraftGuide`` in it
 draft, with the drafts already chosen before it on each place's path; it sets to -inf the
 logits of every token the row's grammar refuses there. The verify masks every node anyway, so
 a worker that ignores the guide stays lossless; it only loses the drafts the grammar refuses.
-Each call waits for the device (the host computes the masks): guides come with eager steps
-only, never under a graph's capture, and on one rank.
+Each call waits for the host, which computes the masks from the paths copied to it: eagerly
+at once, in a replayed graph between two segments (the capture is cut at the call), so the
+worker's code around the calls stays device work only, as anywhere in a step. Guides come
+on one rank only.
 
 KV of a row starting at ``seq`` (its committed length) during a decode batch::
 
