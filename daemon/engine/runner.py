@@ -12,13 +12,12 @@ collect:       wait for the copy -> StepOutput
 ```
 Every step writes its tokens into the token history; a plan that ``adjusts`` runs eagerly and
 samples from the adjusted logits (penalties.py); grammar rows sample from a masked copy
-(token_masks.py). A plain decode step with grammar rows waits for their masks between its
-logits and its sampling (a ``MaskHoles`` wait: the host's fill there, between the segments of
-its graph when replayed). Its masks come in the plan, or from the grammar states once the
-launch's ``settle`` has processed the step before (scheduler/loop.py): the host does that work
-while the device runs the forward. A drafting plan with grammar rows waits on the host inside
-the step, on purpose (so it runs eagerly): its worker drafts under a ``GrammarGuide`` and its
-verify nodes' masks follow the drafts.
+(token_masks.py). A decode step with grammar rows waits for their masks from the host (a
+``MaskHoles`` wait: the host's fill there, between two segments of its graph when replayed):
+a plain step between its logits and its sampling, a drafting step before each draft place
+its worker chooses under the ``GrammarGuide`` and before its verify. The masks come in the
+plan, or from the grammar states once the launch's ``settle`` has processed the step before
+(scheduler/loop.py): the host does that work while the device runs what was queued first.
 Inputs live in fixed device buffers (inputs.py), per-slot state in ``SlotState`` (slots.py),
 the accept rule in ``Verifier`` (verify.py), result copies in ``ResultCopies`` (results.py);
 graph replays and captures of decode batches in ``GraphSteps`` (graph_steps.py), deferred

@@ -15,20 +15,21 @@ HTTP front, a child process that must not import torch, reads ``tool_calls``.
 
 Invariants:
 - a state is advanced by exactly the tokens its request commits, in order, once each;
-- a constrained row's mask is computed from every token it has committed: a plain decode
-  step on one rank takes the row with its previous step in flight, and the loop fills the
-  mask once that step is processed, while the new step's forward runs (late masks,
-  scheduler/loop.py); elsewhere (a drafting step, tensor-parallel ranks) the row waits for its
-  step while the other rows keep overlapping;
+- a constrained row's mask is computed from every token it has committed: on one rank a
+  decode step takes the row with its previous step in flight, and the host computes the mask
+  inside the new step once the loop has processed that step (late masks, scheduler/loop.py);
+  on tensor-parallel ranks the row waits for its step while the other rows keep overlapping,
+  and its mask travels in the plan;
 - under speculation every verify node is masked by the state its own path reaches: the host
-  computes the nodes' masks once the step's drafts are copied back, while the device runs the
-  verify's forward (``GrammarState.node_masks``). Such a step runs eagerly, so a batch
-  holding a constrained row drafts only on one rank and without CUDA graphs
-  (``SchedulerLimits.grammar_drafts``); a plain step with constrained rows replays a graph;
+  computes the nodes' masks once the step's drafts are copied back
+  (``GrammarState.node_masks``). A batch holding a constrained row drafts on one rank, and
+  not yet with CUDA graphs (``SchedulerLimits.grammar_drafts``: there it takes plain steps);
 - drafts are proposed under the grammar too: a worker that drafts from logits masks each
   draft place by the state its path reaches (``DraftGuide``, ``GrammarState.path_mask``; the
   host waits for each place's path). n-gram drafts, copied from the context, are not: a draft
   the grammar refuses is rejected by the verify, which costs acceptance, never correctness;
+- a step waits for the host only at ``MaskHoles`` waits (engine/token_masks.py), where a
+  replayed graph is cut into segments;
 - the mask lets a stop token (the model's end of sequence and the request's stop token ids)
   through only where the grammar may end.
 """
