@@ -64,10 +64,10 @@ def label_turns(engine: Engine) -> list[str]:
     runner, label = engine.loop.runner, [""]
     launch, worker = runner.launch, runner.worker
 
-    def labelled(plan: StepPlan) -> object:
+    def labelled(plan: StepPlan, *rest: object) -> object:
         kind = plan.kind if plan.kind == "extend" else ("draft" if plan.drafting else "plain")
         label[0] = kind + ("+rel" if plan.released_slots else "") + label[0]
-        return launch(plan)
+        return launch(plan, *rest)  # type: ignore[arg-type]  # the loop's grammar and settle
 
     runner.launch = labelled  # type: ignore[method-assign,assignment]
     if runner.deferred is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -184,12 +185,16 @@ def test_failed_step_ends_its_batch_with_internal(reference: Reference, overlap:
     launch = runner.launch
     calls = 0
 
-    def failing_launch(plan: StepPlan, grammar: GrammarRows | None = None) -> Launched:
+    def failing_launch(
+        plan: StepPlan,
+        grammar: GrammarRows | None = None,
+        settle: Callable[[], None] | None = None,
+    ) -> Launched:
         nonlocal calls
         calls += 1
         if calls == 3:
             raise RuntimeError("injected failure")
-        return launch(plan, grammar)
+        return launch(plan, grammar, settle)
 
     runner.launch = failing_launch  # type: ignore[method-assign]  # fault injection
     prompts = reference.prompts

@@ -277,7 +277,7 @@ def test_a_failed_step_of_ranks_is_fatal(llama_dir: str, monkeypatch: pytest.Mon
     engine = engine_for(llama_dir, max_running=2, kv_cache_tokens=256)
     runner = engine.loop.runner
 
-    def broken(plan: object) -> None:
+    def broken(*args: object) -> None:
         raise RuntimeError("boom")
 
     monkeypatch.setattr(runner, "_launch", broken)
