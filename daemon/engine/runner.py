@@ -42,8 +42,7 @@ captures nothing, and no worker hook runs (a plain step replays a graph of its o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -53,7 +52,7 @@ from outrider.daemon.engine.accept import check_tree, tree_geometry
 from outrider.daemon.engine.catch_up import CatchUpRunner
 from outrider.daemon.engine.deferred import DeferredCatchUp
 from outrider.daemon.engine.graph_steps import GraphPlanning, GraphSteps
-from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
+from outrider.daemon.engine.graphs import DecodeGraphs
 from outrider.daemon.engine.inputs import (
     Capacity,
     InputBuffers,
@@ -65,16 +64,9 @@ from outrider.daemon.engine.penalties import Adjuster
 from outrider.daemon.engine.plan import StepOutput, StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
 from outrider.daemon.engine.slots import HostStarts, KnownStarts, SlotState
-from outrider.daemon.engine.sync_check import sync_checked, syncs_allowed
+from outrider.daemon.engine.sync_check import sync_checked
 from outrider.daemon.engine.timing import PhaseTimer
-from outrider.daemon.engine.token_masks import (
-    GrammarGuide,
-    GrammarRows,
-    HostTurn,
-    MaskHoles,
-    TokenMasks,
-    masked_copy,
-)
+from outrider.daemon.engine.token_masks import GrammarRows, HostMasks, TokenMasks, masked_copy
 from outrider.daemon.engine.verify import Verifier
 from outrider.plugins.api import Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend
@@ -143,8 +135,6 @@ class ModelRunner:
         self.device = device
         self.decode_phase = target_phases(shape)[1]
         self.sync_check = False
-        self._turn = HostTurn(_empty_plan(), 0, None)  # the launch's (``launch``)
-        self.holes = MaskHoles()
         self.timer = PhaseTimer(device)  # benchmarks: device time per decode phase
         rows = limits.max_slots + 1
         # A step can at most rewrite the whole request table.
@@ -154,6 +144,7 @@ class ModelRunner:
         self.verifier = verifier
         self.adjuster = Adjuster(kv, slots, device)
         self.token_masks = TokenMasks(limits.vocab_size, rows, shape.width, device)
+        self.host_masks = HostMasks(self.token_masks)
         self.offsets = torch.arange(shape.width, device=device)  # [W]
         # A chain's node j sees the nodes 0 .. j (the tree's ``visible``).
         self.chain_visible = torch.ones(
@@ -171,7 +162,7 @@ class ModelRunner:
         )
         self.graph_steps = GraphSteps(
             self.inputs, slots, self.results, planning, self.starts, self.timer, self._decode,
-            self.holes,
+            self.host_masks.holes,
         )  # fmt: skip
         # Plain steps buffer the draft's catch-up (deferred.py); None: they run it at once.
         self.catch_ups = (
@@ -230,17 +221,7 @@ class ModelRunner:
     def _launch(
         self, plan: StepPlan, grammar: GrammarRows | None, settle: Callable[[], None] | None
     ) -> Launched:
-        done = settle is None
-
-        def settle_once() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                assert settle is not None
-                with syncs_allowed(self.device):  # it waits for the step before's results
-                    settle()
-
-        self._turn = HostTurn(plan, plan.bs, grammar, settle_once)
+        self.host_masks.begin(plan, grammar, settle)
         catch_ups, catch_up = self.catch_ups, None
         if catch_ups is not None:
             catch_up = catch_ups.deferred.due(plan)
@@ -261,9 +242,9 @@ class ModelRunner:
         if key is not None:
             assert self.graphs is not None
             if key not in self.graphs.graphs:
-                with self._scratch_turn(key):
+                with self.host_masks.scratch(key.bs):
                     self.graph_steps.capture(key, self.graphs)
-            self._turn = HostTurn(plan, key.bs, self._turn.grammar, self._turn.settle)
+            self.host_masks.padded(key.bs)
             return self.graph_steps.launch(plan, key, self.graphs)
         values = host_values(plan, poison_released=self.slots.relay_check)
         inputs = self.inputs.stage(plan, values)
@@ -330,7 +311,7 @@ class ModelRunner:
         sampling = self.slots.sampling(inputs.slots, plan)
         guide = None
         if plan.masked_rows:
-            guide = GrammarGuide(self.token_masks, self.holes, lambda: self._turn)
+            guide = self.host_masks.guide()
         view = DecodeView(
             inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, max_kv,
             self.starts.of_plan(plan), guide,
@@ -365,7 +346,7 @@ class ModelRunner:
                 logits, inputs.slots, relay, max_kv, (tokens, nodes)
             )
         if on_host is not None:
-            self.holes.wait(lambda: self._stage_node_masks(bs * width, *on_host))
+            self.host_masks.wait_nodes(bs * width, on_host)
             choose = masked_copy(logits, choose)
             self.token_masks.apply_staged(choose)
         verified = self.verifier.verify(plan, inputs, relay, drafts, depth, logits, choose)
@@ -402,7 +383,7 @@ class ModelRunner:
         if plan.adjusts:
             choose = self.adjuster.decode_logits(logits, inputs.slots, relay, max_kv)
         if plan.masked_rows:
-            self.holes.wait(self._stage_row_masks)
+            self.host_masks.wait_rows()
             choose = masked_copy(logits, choose)
             self.token_masks.apply_staged(choose)
         out = sample(
@@ -421,29 +402,6 @@ class ModelRunner:
                 self.worker.after_accept(view, fb, accepted)
         self.timer.mark("end")
         return StepResults.one_a_row(out, lens.view(bs))
-
-    def _stage_row_masks(self) -> None:
-        """The host's fill of a plain step with grammar rows: their masks staged where the
-        step reads them (``TokenMasks.stage``), every other row allowing every token."""
-        self.token_masks.stage(self._turn.bs, self._turn.row_masks())
-
-    def _stage_node_masks(
-        self, nodes: int, tokens: torch.Tensor, parents: torch.Tensor | None
-    ) -> None:
-        """The host's fill of a drafting step with grammar rows: once its drafts are on the
-        host, the masks of its ``nodes`` verify nodes staged."""
-        self.token_masks.wait_for_device()
-        self.token_masks.stage(nodes, self._turn.node_masks(tokens, parents))
-
-    @contextmanager
-    def _scratch_turn(self, key: GraphKey) -> Iterator[None]:
-        """While ``key``'s graph is captured from scratch rows: fills that allow every token
-        and never settle the live step before."""
-        turn, self._turn = self._turn, HostTurn(_empty_plan(), key.bs, None)
-        try:
-            yield
-        finally:
-            self._turn = turn
 
     def _forward_batch(
         self,
@@ -469,8 +427,3 @@ class ModelRunner:
         if plan.kind == "extend":
             return max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True))
         return max(plan.starts) + (self.shape.kv_span if plan.drafting else 1)
-
-
-def _empty_plan() -> StepPlan:
-    """A plan of no rows: the host turn outside any launch, and a capture's."""
-    return StepPlan("decode", [], [], [], [], [], [], [], [], [], 0, True)

@@ -1,7 +1,8 @@
 """``TokenMasks``: grammar masks (daemon/grammar/) applied to the logits sampled rows choose
 from (a copy: the logprobs stay the model's), and ``GrammarGuide``, which masks a draft's
 logits the same way, one draft place at a time (``DraftGuide``,
-plugins/speculative/base.py).
+plugins/speculative/base.py). ``HostMasks`` is the runner's side of it: the launch's turn,
+its waits, the fills.
 
 A decode step takes its masks from the host in the middle of the step, at a ``MaskHoles``
 wait: a plain step's between its logits and its sampling, a drafting step's before each draft
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -233,6 +234,70 @@ class TokenMasks:
         """Mask rows (int32 words ``[n, ceil(V / 32)]``) unpacked: ``[n, V]`` bool."""
         bits = (words.unsqueeze(-1) >> self._shifts) & 1  # [n, words, 32]
         return bits.view(words.shape[0], -1)[:, : self.vocab_size].bool()
+
+
+def _no_plan() -> StepPlan:
+    """A plan of no rows: the turn outside any launch, and a capture's."""
+    return StepPlan("decode", [], [], [], [], [], [], [], [], [], 0, True)
+
+
+class HostMasks:
+    """A runner's grammar masks on the host: the launch's ``HostTurn``, the step's waits
+    (``holes``) and the fills there, over ``masks``' fixed buffers."""
+
+    def __init__(self, masks: TokenMasks) -> None:
+        self.masks = masks
+        self.holes = MaskHoles()
+        self.turn = HostTurn(_no_plan(), 0, None)
+
+    def begin(
+        self, plan: StepPlan, grammar: GrammarRows | None, settle: Callable[[], None] | None
+    ) -> None:
+        """A launch of ``plan`` starts: its fills read ``grammar``, once ``settle`` ran (at
+        most once, at the first fill that needs the states)."""
+        done = settle is None
+
+        def settle_once() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                assert settle is not None
+                with syncs_allowed(self.masks.device):  # it waits for the step before's
+                    settle()
+
+        self.turn = HostTurn(plan, plan.bs, grammar, settle_once)
+
+    def padded(self, bs: int) -> None:
+        """The launch replays a graph of ``bs`` rows: its fills stage that many."""
+        self.turn = replace(self.turn, bs=bs)
+
+    @contextmanager
+    def scratch(self, bs: int) -> Iterator[None]:
+        """While a graph of ``bs`` scratch rows is captured: fills that allow every token and
+        never settle the live step before."""
+        turn, self.turn = self.turn, HostTurn(_no_plan(), bs, None)
+        try:
+            yield
+        finally:
+            self.turn = turn
+
+    def guide(self) -> GrammarGuide:
+        """A drafting step's guide: its fills read the turn when they run."""
+        return GrammarGuide(self.masks, self.holes, lambda: self.turn)
+
+    def wait_rows(self) -> None:
+        """A plain step waits for its rows' masks (staged where ``apply_staged`` reads)."""
+        self.holes.wait(lambda: self.masks.stage(self.turn.bs, self.turn.row_masks()))
+
+    def wait_nodes(self, nodes: int, drafts: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        """A drafting step waits for the masks of its ``nodes`` verify nodes, given its
+        ``drafts`` copied to the host (``TokenMasks.drafts_to_host``)."""
+
+        def fill() -> None:
+            self.masks.wait_for_device()
+            self.masks.stage(nodes, self.turn.node_masks(*drafts))
+
+        self.holes.wait(fill)
 
 
 class GrammarGuide:
