@@ -163,6 +163,8 @@ class TokenMasks:
         """Queue the masks of ``n`` mask rows into ``staged``: row ``rows[i]`` takes mask
         ``i``, every other row allows every token."""
         rows, masks = staged
+        # NOTE: a host set is refilled two stages later, once its copy ran: steps alternate
+        # as the inputs do, and within a drafting step every fill waits for the device first.
         host, self._parity = self._host[self._parity], self._parity ^ 1
         host[:n] = -1
         if rows:
@@ -174,8 +176,8 @@ class TokenMasks:
         does not allow (device work only: graph-safe). ``columns: [C]``: the token of each
         column, for a draft's own vocabulary (None: column ``c`` is token ``c``; ids past the
         vocabulary are refused under a grammar); a draft row whose columns hold none of the
-        allowed tokens keeps its logits (an all -inf row has
-        no distribution; the verify refuses what it drafts there)."""
+        allowed tokens keeps its logits (an all -inf row has no distribution; the verify
+        refuses what it drafts there)."""
         allowed = self._allowed(self.staged[: choose.shape[0]])
         if columns is None:
             choose[:, : self.vocab_size].masked_fill_(~allowed, float("-inf"))
