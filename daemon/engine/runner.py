@@ -322,7 +322,7 @@ class ModelRunner:
         tokens[:, 1:] = drafts.tokens  # [bs, W - 1]
         on_host = None
         if plan.masked_rows:  # their nodes' masks come from the host once the drafts are known
-            on_host = self.token_masks.drafts_to_host(drafts)
+            on_host = self.host_masks.drafts_to_host(drafts)
         offsets = self.offsets.expand(bs, width)  # [bs, W]
         depth, visible = offsets, None
         if drafts.parents is not None:

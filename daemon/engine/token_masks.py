@@ -7,7 +7,8 @@ its waits, the fills.
 A decode step takes its masks from the host in the middle of the step, at a ``MaskHoles``
 wait: a plain step's between its logits and its sampling, a drafting step's before each draft
 place its worker chooses (the place's path copied to the host) and before its verify (its
-drafts copied to the host; the nodes' masks follow the paths they reach). Eagerly the host's
+drafts copied to the host and the point marked, ``DeviceMark``, so that the nodes' masks wait
+for the copy alone while the verify's forward runs). Eagerly the host's
 fill runs at the wait; while a graph is captured the graph is cut there (graphs.py) and each
 replay runs the recorded fill between the two segments. A fill reads the launch's
 ``HostTurn``: the plan's masks, or its grammar rows' states, which it first brings up to date
@@ -238,6 +239,25 @@ class TokenMasks:
         return bits.view(words.shape[0], -1)[:, : self.vocab_size].bool()
 
 
+class DeviceMark:
+    """A point of a step's device work the host may wait for: an event recorded there (at
+    once eagerly, between two segments of a replayed graph); nothing to wait for on the
+    CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.event = torch.cuda.Event() if device.type == "cuda" else None
+
+    def record(self) -> None:
+        if self.event is not None:
+            self.event.record()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            with syncs_allowed(self.device):
+                self.event.synchronize()
+
+
 def _no_plan() -> StepPlan:
     """A plan of no rows: the turn outside any launch, and a capture's."""
     return StepPlan("decode", [], [], [], [], [], [], [], [], [], 0, True)
@@ -251,6 +271,7 @@ class HostMasks:
         self.masks = masks
         self.holes = MaskHoles()
         self.turn = HostTurn(_no_plan(), 0, None)
+        self.drafts_copied = DeviceMark(masks.device)  # a drafting step's drafts on the host
 
     def begin(
         self, plan: StepPlan, grammar: GrammarRows | None, settle: Callable[[], None] | None
@@ -291,12 +312,21 @@ class HostMasks:
         """A plain step waits for its rows' masks (staged where ``apply_staged`` reads)."""
         self.holes.wait(lambda: self.masks.stage(self.turn.bs, self.turn.row_masks()))
 
+    def drafts_to_host(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A drafting step's drafts copied to the host (``TokenMasks.drafts_to_host``), and
+        the point after the copy marked (a cut of a replayed graph), so that the nodes'
+        masks wait for the copy only, while the verify's forward runs."""
+        on_host = self.masks.drafts_to_host(drafts)
+        self.holes.wait(self.drafts_copied.record)
+        return on_host
+
     def wait_nodes(self, nodes: int, drafts: tuple[torch.Tensor, torch.Tensor | None]) -> None:
         """A drafting step waits for the masks of its ``nodes`` verify nodes, given its
-        ``drafts`` copied to the host (``TokenMasks.drafts_to_host``)."""
+        ``drafts`` on the host (``drafts_to_host``)."""
 
         def fill() -> None:
-            self.masks.wait_for_device()
+            self.turn.settle()
+            self.drafts_copied.wait()
             self.masks.stage(nodes, self.turn.node_masks(*drafts))
 
         self.holes.wait(fill)
@@ -318,8 +348,11 @@ class GrammarGuide:
         host = self.masks.paths_to_host(paths)
 
         def fill() -> None:
-            self.masks.wait_for_device()
-            self.masks.stage(host.shape[0], self.turn().path_masks(host))
+            turn = self.turn()
+            turn.settle()  # while the device runs what was queued
+            if host.shape[1]:  # the first place's path is empty: nothing to wait for
+                self.masks.wait_for_device()
+            self.masks.stage(host.shape[0], turn.path_masks(host))
 
         self.holes.wait(fill)
         self.masks.apply_staged(logits, columns)
