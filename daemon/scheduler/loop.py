@@ -6,9 +6,9 @@ serial:   plan_n = schedule(); launch(plan_n); process(plan_n)
 ```
 Both share every function; only the order differs, so both give identical tokens. ``settle``
 processes plan_{n-1} from inside the launch, where the runner first needs the host's grammar
-masks (late masks: a plain decode batch may hold grammar rows whose step n - 1 is still in
-flight, planner.py): plan_n's forward is queued by then, so the host's processing and mask
-work run while the device computes it.
+masks (late masks: a decode batch may hold grammar rows whose step n - 1 is still in
+flight, planner.py): plan_n's first device work is queued by then, so the host's processing
+and mask work run while the device computes it.
 """
 
 from __future__ import annotations
