@@ -1,107 +1,39 @@
-"""Constrained outputs (daemon/grammar/): a tiny random llama with a real BPE tokenizer, each
-kind of grammar through the in-process engine: every output matches its grammar and ends where
-the grammar lets it; greedy tokens are the same under every draft algorithm as without
-speculation, through the overlap loop and the serial one, beside unconstrained requests whose
-tokens the grammar rows do not change; seeded sampled outputs likewise; drafts are proposed
-under the grammar (the guide), and the masks of verify nodes and draft places; grammars that
-cannot compile are refused with the compiler's reason; the daemon's compile queue."""
+"""Constrained outputs (daemon/grammar/), each kind of grammar through the in-process engine
+(grammar_cases.py): every output matches its grammar and ends where the grammar lets it;
+greedy tokens are the same under every draft algorithm as without speculation, through the
+overlap loop and the serial one, beside unconstrained requests whose tokens the grammar rows
+do not change; seeded sampled outputs likewise; drafts are proposed under the grammar (the
+guide), and the masks of verify nodes and draft places; grammars that cannot compile are
+refused with the compiler's reason; the daemon's compile queue. The loop's and the graphs'
+handling of constrained steps: test_grammar_steps.py."""
 
 from __future__ import annotations
 
-import json
-import re
 import time
-from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import xgrammar as xgr
-from chat_model_fixture import CHAT_VOCAB, chat_tokenizer, save_chat_model
-from engine_harness import (
-    DRAFT_ALGORITHMS,
-    EagerGraphs,
-    debug_checks_fixture,
-    engine_for,
-    request,
-    run,
+from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
+from grammar_cases import (
+    GRAMMARS,
+    PROMPTS,
+    VOCAB,
+    check_outputs,
+    grammar_fixtures,
+    grammar_requests,
 )
-from frontdoor_harness import build_tokenizer
-from model_fixtures import save_drafts
 
-from outrider.daemon.engine.build import Engine
 from outrider.daemon.engine.token_masks import GrammarGuide, TokenMasks
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
 from outrider.daemon.grammar.state import GrammarState, RowGrammars
-from outrider.daemon.scheduler.planner import Planned
-from outrider.daemon.scheduler.request import Request
 from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol.messages import Generate, Grammar, request_revision
 
 debug_checks = debug_checks_fixture()
-
-VOCAB = CHAT_VOCAB  # the model's: past the tokenizer's 320 ids, which no mask may let through
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
-        "digit": {"type": "integer", "minimum": 0, "maximum": 9},
-        "flag": {"type": "boolean"},
-    },
-    "required": ["answer", "digit", "flag"],
-    "additionalProperties": False,
-}
-GRAMMARS = {
-    "json_schema": Grammar("json_schema", json.dumps(SCHEMA)),
-    "regex": Grammar("regex", "[a-c]{3}-[0-9]{2}"),
-    "choice": Grammar("choice", choices=["red", "green", "blue"]),
-    "ebnf": Grammar("ebnf", 'root ::= "(" item ("," item)* ")"\nitem ::= [xyz]'),
-    "lark": Grammar("lark", 'start: "[" pair "]"\npair: item ";" item\nitem: "p" | /q/'),
-}
-PROMPTS = [[1, 17, 40, 99, 7], [1, 5, 6, 200, 31, 77, 3], [1, 250, 12]]
-NEW_TOKENS = 80  # the tiny tokenizer spends about a token a character
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("grammar-llama")
-    save_chat_model(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Tokenizer:
-    return chat_tokenizer(model_dir)
-
-
-@pytest.fixture(scope="module")
-def grammars(model_dir: Path, tokenizer: Tokenizer) -> Grammars:
-    assert tokenizer.eos_token_id is not None
-    return Grammars(str(model_dir), VOCAB, [tokenizer.eos_token_id])
-
-
-@pytest.fixture(scope="module")
-def drafts(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    found = save_drafts(tmp_path_factory.mktemp("grammar-drafts"), model_dir)
-    build_tokenizer(Path(found["standalone"]))  # a standalone draft shares the tokenizer
-    return found
-
-
-def _requests(temperature: float = 0.0) -> list:
-    """Each grammar on each prompt, then the prompts unconstrained (rids from 100)."""
-    reqs = [
-        request(10 * g + p, prompt, max_new_tokens=NEW_TOKENS, ignore_eos=False,
-                temperature=temperature, seed=g + p, grammar=grammar)
-        for g, grammar in enumerate(GRAMMARS.values())
-        for p, prompt in enumerate(PROMPTS)
-    ]  # fmt: skip
-    reqs += [
-        request(100 + p, prompt, max_new_tokens=12, temperature=temperature, seed=p)
-        for p, prompt in enumerate(PROMPTS)
-    ]
-    return reqs
+_model_dir, _tokenizer, _grammars, _drafts = grammar_fixtures()
 
 
 def _start(grammars: Grammars, grammar: Grammar) -> GrammarState:
@@ -118,44 +50,13 @@ def _regex_mask(grammars: Grammars, path: list[int]) -> torch.Tensor:
     return row[0]
 
 
-def _matches(kind: str, text: str) -> bool:
-    if kind == "json_schema":
-        value = json.loads(text)
-        return (
-            set(value) == {"answer", "digit", "flag"}
-            and value["answer"] in ("yes", "no", "maybe")
-            and value["digit"] in range(10)
-            and isinstance(value["flag"], bool)
-        )
-    if kind == "regex":
-        return re.fullmatch(r"[a-c]{3}-[0-9]{2}", text) is not None
-    if kind == "choice":
-        return text in ("red", "green", "blue")
-    if kind == "lark":
-        return re.fullmatch(r"\[[pq];[pq]\]", text) is not None
-    return re.fullmatch(r"\([xyz](,[xyz])*\)", text) is not None
-
-
-def _check_outputs(outcomes: dict, tokenizer: Tokenizer) -> None:
-    """Every constrained output matches its grammar and ended on its stop token."""
-    eos = tokenizer.eos_token_id
-    for g, kind in enumerate(GRAMMARS):
-        for p in range(len(PROMPTS)):
-            outcome = outcomes[10 * g + p]
-            tokens = outcome.token_ids
-            assert outcome.finish.reason == "stop", (kind, p, tokens)
-            assert tokens[-1] == eos and all(t < 320 for t in tokens)
-            text = tokenizer.hf.decode(tokens[:-1])
-            assert _matches(kind, text), (kind, p, text)
-
-
 def test_every_output_matches_its_grammar_and_ends_there(
     model_dir: Path, tokenizer: Tokenizer, grammars: Grammars
 ) -> None:
-    outcomes = run(engine_for(str(model_dir)), _requests(), grammars=grammars)
-    _check_outputs(outcomes, tokenizer)
+    outcomes = run(engine_for(str(model_dir)), grammar_requests(), grammars=grammars)
+    check_outputs(outcomes, tokenizer)
     # The unconstrained rows beside them decode as they do alone.
-    alone = run(engine_for(str(model_dir)), _requests()[-len(PROMPTS) :])
+    alone = run(engine_for(str(model_dir)), grammar_requests()[-len(PROMPTS) :])
     for rid, outcome in alone.items():
         assert outcomes[rid].token_ids == outcome.token_ids
 
@@ -177,80 +78,19 @@ def test_speculative_engines_give_the_target_only_tokens_under_grammars(
         settings["draft_model"] = drafts[algorithm.split()[0]]
     for temperature in (0.0, 1.0):
         reference = run(
-            engine_for(str(model_dir), no_overlap=True), _requests(temperature), grammars=grammars
+            engine_for(str(model_dir), no_overlap=True),
+            grammar_requests(temperature),
+            grammars=grammars,
         )
         engine = engine_for(str(model_dir), no_overlap=not overlap, **settings)
-        outcomes = run(engine, _requests(temperature), grammars=grammars)
+        outcomes = run(engine, grammar_requests(temperature), grammars=grammars)
         for rid, outcome in reference.items():
             assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
-        _check_outputs(outcomes, tokenizer)
+        check_outputs(outcomes, tokenizer)
         # The constrained requests drafted: their verify nodes were masked, not skipped.
         constrained = [10 * g + p for g in range(len(GRAMMARS)) for p in range(len(PROMPTS))]
         drafted = [outcomes[rid].finish.usage.spec_drafts for rid in constrained]
         assert all(drafted), drafted
-
-
-@pytest.mark.parametrize(
-    ("algorithm", "grammar_drafts"),
-    [("none", False), ("eagle3 chain", True), ("eagle3 chain", False)],
-    ids=["none", "eagle3-drafting", "eagle3-plain"],
-)
-def test_a_batch_takes_grammar_rows_whose_step_is_in_flight(
-    model_dir: Path,
-    tokenizer: Tokenizer,
-    grammars: Grammars,
-    drafts: dict[str, str],
-    algorithm: str,
-    grammar_drafts: bool,
-) -> None:
-    """Late masks (scheduler/loop.py): through the overlap loop a batch holds grammar rows
-    whose previous step is still in flight; the host computes their masks inside the step,
-    once it has processed that step; greedy and seeded tokens are the serial loop's. Under
-    speculation such batches draft (on the CPU), or, with ``grammar_drafts`` off (as with
-    CUDA graphs), are plain while the batches without them draft."""
-    settings: dict[str, object] = {}
-    if algorithm != "none":
-        settings |= dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts["eagle3"])
-    for temperature in (0.0, 1.0):
-        reference = run(
-            engine_for(str(model_dir), no_overlap=True), _requests(temperature), grammars=grammars
-        )
-        engine = engine_for(str(model_dir), **settings)
-        planner = engine.scheduler.planner
-        assert planner.limits.late_masks and engine.loop.overlap
-        planner.limits = replace(planner.limits, grammar_drafts=grammar_drafts)
-        late_rows, drafting_rows = _count_rows(engine)
-        outcomes = run(engine, _requests(temperature), grammars=grammars)
-        for rid, outcome in reference.items():
-            assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
-        _check_outputs(outcomes, tokenizer)
-        # Constrained rows rode behind their own steps, in most of their steps.
-        steps = sum(len(o.token_ids) for rid, o in outcomes.items() if rid < 100)
-        if grammar_drafts:
-            steps //= 2  # a drafting step commits more than one token
-        assert late_rows["grammar"] > steps // 2, (late_rows, steps)
-        assert (drafting_rows["grammar"] > 0) == grammar_drafts, drafting_rows
-        assert (drafting_rows["free"] > 0) == (algorithm != "none")
-
-
-def _count_rows(engine: Engine) -> tuple[Counter[str], Counter[str]]:
-    """Counters, filled as ``engine`` plans: rows planned while a step of theirs was in
-    flight, and rows of drafting batches, by whether they draw under a grammar."""
-    late: Counter[str] = Counter()
-    drafting: Counter[str] = Counter()
-    schedule = engine.scheduler.schedule
-
-    def counted() -> Planned | None:
-        planned = schedule()
-        if planned is not None and planned.plan.kind == "decode":
-            for req in planned.requests:
-                kind = "free" if req.grammar is None else "grammar"
-                late[kind] += req.steps_in_flight > 1
-                drafting[kind] += planned.plan.drafting
-        return planned
-
-    engine.scheduler.schedule = counted  # type: ignore[method-assign]
-    return late, drafting
 
 
 def test_grammars_that_cannot_compile_are_refused_with_the_reason(grammars: Grammars) -> None:
@@ -357,7 +197,7 @@ def test_drafts_are_proposed_under_the_grammar(
     def accepted_and_refused(temperature: float) -> tuple[int, int]:
         nonlocal refused
         refused = 0
-        reqs = _requests(temperature)[: -len(PROMPTS)]  # the constrained ones
+        reqs = grammar_requests(temperature)[: -len(PROMPTS)]  # the constrained ones
         outcomes = run(engine_for(str(model_dir), **settings), reqs, grammars=grammars)
         return sum(o.finish.usage.spec_accepted_tokens for o in outcomes.values()), refused
 
@@ -438,75 +278,7 @@ def test_a_simulated_acceptance_commits_only_what_the_grammar_allows(
     settings = dict(DRAFT_ALGORITHMS[algorithm], speculative_simulate_acceptance=3.0)
     if algorithm != "ngram":
         settings["draft_model"] = drafts["eagle3"]
-    outcomes = run(engine_for(str(model_dir), **settings), _requests(), grammars=grammars)
-    _check_outputs(outcomes, tokenizer)
+    outcomes = run(engine_for(str(model_dir), **settings), grammar_requests(), grammars=grammars)
+    check_outputs(outcomes, tokenizer)
     accepted = [o.finish.usage.spec_accepted_tokens for o in outcomes.values()]
     assert sum(accepted) > len(accepted), accepted
-
-
-class EveryOtherBatchDrafts:
-    """A drafting policy: every other decode batch drafts; every request feeds the draft."""
-
-    def __init__(self) -> None:
-        self.batches = 0
-
-    def drafting(self, rows: list[Request]) -> bool:
-        self.batches += 1
-        return self.batches % 2 == 0
-
-    def feeds(self, req: Request, running: int) -> bool:
-        return True
-
-    def observe(self, req: Request, commit_len: int) -> None:
-        pass
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
-def test_steps_with_grammar_rows_replay_graphs_in_segments(
-    model_dir: Path,
-    tokenizer: Tokenizer,
-    grammars: Grammars,
-    drafts: dict[str, str],
-    algorithm: str,
-    device: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Decode steps holding grammar rows replay graphs of their own, cut where they wait for
-    the host's masks (on the CPU through the runner's capture path, replayed eagerly with
-    each fill run at its cut; on CUDA real graphs, every launch under the sync check), beside
-    the graphs of batches without them: greedy and seeded tokens are the eager engine's.
-    Under speculation every other batch drafts: on the CPU its grammar rows too (a cut before
-    each draft place and before the verify), with CUDA graphs a batch holding grammar rows
-    does not draft."""
-    monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
-    monkeypatch.delenv("OUTRIDER_DEBUG_RELAY_CHECK")  # graphs are off under it (build.py)
-    settings: dict[str, object] = {"device": device}
-    if algorithm != "none":
-        settings |= dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts["eagle3"])
-    graphed = engine_for(str(model_dir), **settings)
-    eager = engine_for(str(model_dir), disable_cuda_graph=True, **settings)
-    runner = graphed.loop.runner
-    if device == "cpu":
-        widths = tuple(sorted({runner.shape.width, 1}, reverse=True))
-        runner.graphs = EagerGraphs(8, 256, 20, runner.slots.scratch_slot, widths=widths)
-    assert runner.graphs is not None and eager.loop.runner.graphs is None
-    if algorithm != "none":
-        for built in (graphed, eager):
-            built.scheduler.use_policy(EveryOtherBatchDrafts())
-    for temperature in (0.0, 1.0):
-        expected = run(eager, _requests(temperature), grammars=grammars)
-        outcomes = run(graphed, _requests(temperature), grammars=grammars)
-        for rid, outcome in expected.items():
-            assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
-        _check_outputs(outcomes, tokenizer)
-    masked = {key for key in runner.graphs.graphs if key.masked}
-    cuts = runner.graphs.cuts if device == "cpu" else runner.graphs.segments
-    assert any(key.width == 1 for key in masked) and set(cuts) == masked
-    # The CPU build has no graphs (EagerGraphs come after it): its constrained batches draft,
-    # cut at each of the chain's 3 draft places, after the drafts' copy and before the verify.
-    drafting = {key for key in masked if key.width > 1}
-    assert bool(drafting) == (device == "cpu" and algorithm != "none")
-    assert graphed.scheduler.planner.limits.grammar_drafts == (device == "cpu")
-    if device == "cpu":
-        assert all(cuts[key] % 5 == 0 for key in drafting), cuts

@@ -1,0 +1,160 @@
+"""Constrained steps through the loop and graphs: a decode batch takes grammar rows whose step
+is still in flight (late masks), drafting or not, with the serial loop's tokens; steps with
+grammar rows replay graphs cut where they wait for the host's masks, with the eager engine's
+tokens."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from engine_harness import DRAFT_ALGORITHMS, EagerGraphs, debug_checks_fixture, engine_for, run
+from grammar_cases import (
+    check_outputs,
+    grammar_fixtures,
+    grammar_requests,
+)
+
+from outrider.daemon.engine.build import Engine
+from outrider.daemon.grammar.compiler import Grammars
+from outrider.daemon.scheduler.planner import Planned
+from outrider.daemon.scheduler.request import Request
+from outrider.daemon.tokenizer import Tokenizer
+
+debug_checks = debug_checks_fixture()
+_model_dir, _tokenizer, _grammars, _drafts = grammar_fixtures()
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "grammar_drafts"),
+    [("none", False), ("eagle3 chain", True), ("eagle3 chain", False)],
+    ids=["none", "eagle3-drafting", "eagle3-plain"],
+)
+def test_a_batch_takes_grammar_rows_whose_step_is_in_flight(
+    model_dir: Path,
+    tokenizer: Tokenizer,
+    grammars: Grammars,
+    drafts: dict[str, str],
+    algorithm: str,
+    grammar_drafts: bool,
+) -> None:
+    """Late masks (scheduler/loop.py): through the overlap loop a batch holds grammar rows
+    whose previous step is still in flight; the host computes their masks inside the step,
+    once it has processed that step; greedy and seeded tokens are the serial loop's. Under
+    speculation such batches draft (on the CPU), or, with ``grammar_drafts`` off (as with
+    CUDA graphs), are plain while the batches without them draft."""
+    settings: dict[str, object] = {}
+    if algorithm != "none":
+        settings |= dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts["eagle3"])
+    for temperature in (0.0, 1.0):
+        reference = run(
+            engine_for(str(model_dir), no_overlap=True),
+            grammar_requests(temperature),
+            grammars=grammars,
+        )
+        engine = engine_for(str(model_dir), **settings)
+        planner = engine.scheduler.planner
+        assert planner.limits.late_masks and engine.loop.overlap
+        planner.limits = replace(planner.limits, grammar_drafts=grammar_drafts)
+        late_rows, drafting_rows = _count_rows(engine)
+        outcomes = run(engine, grammar_requests(temperature), grammars=grammars)
+        for rid, outcome in reference.items():
+            assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
+        check_outputs(outcomes, tokenizer)
+        # Constrained rows rode behind their own steps, in most of their steps.
+        steps = sum(len(o.token_ids) for rid, o in outcomes.items() if rid < 100)
+        if grammar_drafts:
+            steps //= 2  # a drafting step commits more than one token
+        assert late_rows["grammar"] > steps // 2, (late_rows, steps)
+        assert (drafting_rows["grammar"] > 0) == grammar_drafts, drafting_rows
+        assert (drafting_rows["free"] > 0) == (algorithm != "none")
+
+
+def _count_rows(engine: Engine) -> tuple[Counter[str], Counter[str]]:
+    """Counters, filled as ``engine`` plans: rows planned while a step of theirs was in
+    flight, and rows of drafting batches, by whether they draw under a grammar."""
+    late: Counter[str] = Counter()
+    drafting: Counter[str] = Counter()
+    schedule = engine.scheduler.schedule
+
+    def counted() -> Planned | None:
+        planned = schedule()
+        if planned is not None and planned.plan.kind == "decode":
+            for req in planned.requests:
+                kind = "free" if req.grammar is None else "grammar"
+                late[kind] += req.steps_in_flight > 1
+                drafting[kind] += planned.plan.drafting
+        return planned
+
+    engine.scheduler.schedule = counted  # type: ignore[method-assign]
+    return late, drafting
+
+
+class EveryOtherBatchDrafts:
+    """A drafting policy: every other decode batch drafts; every request feeds the draft."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def drafting(self, rows: list[Request]) -> bool:
+        self.batches += 1
+        return self.batches % 2 == 0
+
+    def feeds(self, req: Request, running: int) -> bool:
+        return True
+
+    def observe(self, req: Request, commit_len: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
+def test_steps_with_grammar_rows_replay_graphs_in_segments(
+    model_dir: Path,
+    tokenizer: Tokenizer,
+    grammars: Grammars,
+    drafts: dict[str, str],
+    algorithm: str,
+    device: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode steps holding grammar rows replay graphs of their own, cut where they wait for
+    the host's masks (on the CPU through the runner's capture path, replayed eagerly with
+    each fill run at its cut; on CUDA real graphs, every launch under the sync check), beside
+    the graphs of batches without them: greedy and seeded tokens are the eager engine's.
+    Under speculation every other batch drafts: on the CPU its grammar rows too (a cut before
+    each draft place and before the verify), with CUDA graphs a batch holding grammar rows
+    does not draft."""
+    monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
+    monkeypatch.delenv("OUTRIDER_DEBUG_RELAY_CHECK")  # graphs are off under it (build.py)
+    settings: dict[str, object] = {"device": device}
+    if algorithm != "none":
+        settings |= dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts["eagle3"])
+    graphed = engine_for(str(model_dir), **settings)
+    eager = engine_for(str(model_dir), disable_cuda_graph=True, **settings)
+    runner = graphed.loop.runner
+    if device == "cpu":
+        widths = tuple(sorted({runner.shape.width, 1}, reverse=True))
+        runner.graphs = EagerGraphs(8, 256, 20, runner.slots.scratch_slot, widths=widths)
+    assert runner.graphs is not None and eager.loop.runner.graphs is None
+    if algorithm != "none":
+        for built in (graphed, eager):
+            built.scheduler.use_policy(EveryOtherBatchDrafts())
+    for temperature in (0.0, 1.0):
+        expected = run(eager, grammar_requests(temperature), grammars=grammars)
+        outcomes = run(graphed, grammar_requests(temperature), grammars=grammars)
+        for rid, outcome in expected.items():
+            assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
+        check_outputs(outcomes, tokenizer)
+    masked = {key for key in runner.graphs.graphs if key.masked}
+    cuts = runner.graphs.cuts if device == "cpu" else runner.graphs.segments
+    assert any(key.width == 1 for key in masked) and set(cuts) == masked
+    # The CPU build has no graphs (EagerGraphs come after it): its constrained batches draft,
+    # cut at each of the chain's 3 draft places, after the drafts' copy and before the verify.
+    drafting = {key for key in masked if key.width > 1}
+    assert bool(drafting) == (device == "cpu" and algorithm != "none")
+    assert graphed.scheduler.planner.limits.grammar_drafts == (device == "cpu")
+    if device == "cpu":
+        assert all(cuts[key] % 5 == 0 for key in drafting), cuts
