@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -21,7 +22,7 @@ from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
 from outrider.daemon.engine.slots import KnownStarts, SlotState
 from outrider.daemon.engine.timing import PhaseTimer
-from outrider.daemon.engine.token_masks import MaskHoles
+from outrider.daemon.engine.token_masks import HostMasks
 from outrider.plugins.attention.base import AttentionBackend, GraphBounds
 
 # The runner's eager decode step over staged inputs, with the KV bound of its layouts.
@@ -57,7 +58,7 @@ class GraphSteps:
         starts: KnownStarts,
         timer: PhaseTimer,
         decode: DecodeStep,
-        holes: MaskHoles,
+        masks: HostMasks,
     ) -> None:
         self.inputs = inputs
         self.slots = slots
@@ -66,7 +67,7 @@ class GraphSteps:
         self.starts = starts
         self.timer = timer
         self.decode = decode
-        self.holes = holes
+        self.masks = masks
 
     def launch(self, plan: StepPlan, key: GraphKey, graphs: DecodeGraphs) -> Launched:
         """``plan`` padded to ``key``'s batch and replayed from its graph (captured first from
@@ -74,6 +75,7 @@ class GraphSteps:
         if key not in graphs.graphs:
             self.capture(key, graphs)
         padded = graphs.pad(plan, key)
+        self.masks.padded(key.bs)
         inputs = self.inputs.stage(padded, host_values(padded, poison_released=False))
         self.slots.apply(inputs)
         self._plan(padded, key)
@@ -89,8 +91,9 @@ class GraphSteps:
         scratch = graphs.scratch_plan(key)
         staged = self.inputs.stage(scratch, host_values(scratch, poison_released=False))
         self._plan(scratch, key)
-        with self.timer.paused():
-            graphs.capture(key, lambda: self._recorded(scratch, staged, key.max_kv), self.holes)
+        run = partial(self._recorded, scratch, staged, key.max_kv)
+        with self.timer.paused(), self.masks.scratch(key.bs):  # fills allow every token
+            graphs.capture(key, run, self.masks.holes)
 
     def _plan(self, plan: StepPlan, key: GraphKey) -> None:
         """Let the backends that schedule on the host plan ``key``'s graph for ``plan`` (its

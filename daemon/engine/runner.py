@@ -162,7 +162,7 @@ class ModelRunner:
         )
         self.graph_steps = GraphSteps(
             self.inputs, slots, self.results, planning, self.starts, self.timer, self._decode,
-            self.host_masks.holes,
+            self.host_masks,
         )  # fmt: skip
         # Plain steps buffer the draft's catch-up (deferred.py); None: they run it at once.
         self.catch_ups = (
@@ -241,10 +241,6 @@ class ModelRunner:
             key = self.graphs.key(plan, max_kv)
         if key is not None:
             assert self.graphs is not None
-            if key not in self.graphs.graphs:
-                with self.host_masks.scratch(key.bs):
-                    self.graph_steps.capture(key, self.graphs)
-            self.host_masks.padded(key.bs)
             return self.graph_steps.launch(plan, key, self.graphs)
         values = host_values(plan, poison_released=self.slots.relay_check)
         inputs = self.inputs.stage(plan, values)

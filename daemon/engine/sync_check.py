@@ -1,6 +1,7 @@
 """The sync check (debug, CUDA: ``OUTRIDER_DEBUG_SYNC_CHECK``): a launched step raises on any
 host synchronisation inside it (``sync_checked``), but for the waits made on purpose
-(``syncs_allowed``): a graph's capture, and the grammar rows' waits for their drafts
+(``syncs_allowed``): a graph's capture, and the host's grammar-mask fills inside a step,
+which wait for the step before's results and for the paths and drafts copied to the host
 (token_masks.py).
 
 Only a check that is on is lifted: setting torch's sync debug mode at all warns that it is a

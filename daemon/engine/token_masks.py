@@ -103,12 +103,13 @@ class HostTurn:
     plan: StepPlan
     bs: int  # rows staged, padding included
     grammar: GrammarRows | None  # its grammar rows' states (None: masks in the plan, if any)
-    settle: Callable[[], None] = _nothing  # processes the step before; fills call it first
+    # Processes the step before: every fill calls it first, before it waits for the device
+    # (the mask methods below read the states it brings up to date).
+    settle: Callable[[], None] = _nothing
 
     def row_masks(self) -> StagedMasks:
         """A plain step's masks: one a row."""
         if self.grammar is not None:
-            self.settle()
             return self.plan.masked_rows, self.grammar.masks()
         return (self.plan.masked_rows, self.plan.masks) if self.plan.masks else ([], b"")
 
@@ -117,7 +118,6 @@ class HostTurn:
         the host (``[bs * n, d]``, row after row)."""
         if self.grammar is None:
             return [], b""
-        self.settle()
         n = paths.shape[0] // self.bs
         rows = self.plan.masked_rows
         index = [row * n + place for row in rows for place in range(n)]
@@ -128,7 +128,6 @@ class HostTurn:
         (``[bs, W - 1]``, a tree's parents alike)."""
         if self.grammar is None:
             return [], b""
-        self.settle()
         rows, width = self.plan.masked_rows, tokens.shape[1] + 1
         index = [row * width + node for row in rows for node in range(width)]
         shape = None if parents is None else parents[rows]
@@ -310,7 +309,12 @@ class HostMasks:
 
     def wait_rows(self) -> None:
         """A plain step waits for its rows' masks (staged where ``apply_staged`` reads)."""
-        self.holes.wait(lambda: self.masks.stage(self.turn.bs, self.turn.row_masks()))
+
+        def fill() -> None:
+            self.turn.settle()
+            self.masks.stage(self.turn.bs, self.turn.row_masks())
+
+        self.holes.wait(fill)
 
     def drafts_to_host(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A drafting step's drafts copied to the host (``TokenMasks.drafts_to_host``), and

@@ -201,8 +201,8 @@ class Planner:
         grammar = None
         if late or drafting:  # the runner computes the masks
             masked_rows, masks = [i for i, r in enumerate(rows) if r.grammar is not None], b""
-            states = [g for r in rows if (g := r.grammar) is not None]
-            owners = [r for r in rows if r.grammar is not None]
+            owners = [rows[i] for i in masked_rows]
+            states = [g for r in owners if (g := r.grammar) is not None]
             grammar = RowGrammars(states, owners) if states else None
         else:
             masked_rows, masks = _masks(rows)
