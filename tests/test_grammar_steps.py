@@ -43,8 +43,8 @@ def test_a_batch_takes_grammar_rows_whose_step_is_in_flight(
     """Late masks (scheduler/loop.py): through the overlap loop a batch holds grammar rows
     whose previous step is still in flight; the host computes their masks inside the step,
     once it has processed that step; greedy and seeded tokens are the serial loop's. Under
-    speculation such batches draft (on the CPU), or, with ``grammar_drafts`` off (as with
-    CUDA graphs), are plain while the batches without them draft."""
+    speculation such batches draft, or, with ``grammar_drafts`` off (as on tensor-parallel
+    ranks), are plain while the batches without them draft."""
     settings: dict[str, object] = {}
     if algorithm != "none":
         settings |= dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts["eagle3"])
@@ -109,8 +109,13 @@ class EveryOtherBatchDrafts:
         pass
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
+SEGMENTED_CASES = [("cpu", "none"), ("cpu", "eagle3 chain")] + [
+    pytest.param("cuda", algorithm, marks=pytest.mark.gpu)
+    for algorithm in ("none", *DRAFT_ALGORITHMS)
+]
+
+
+@pytest.mark.parametrize(("device", "algorithm"), SEGMENTED_CASES)
 def test_steps_with_grammar_rows_replay_graphs_in_segments(
     model_dir: Path,
     tokenizer: Tokenizer,
@@ -124,14 +129,15 @@ def test_steps_with_grammar_rows_replay_graphs_in_segments(
     the host's masks (on the CPU through the runner's capture path, replayed eagerly with
     each fill run at its cut; on CUDA real graphs, every launch under the sync check), beside
     the graphs of batches without them: greedy and seeded tokens are the eager engine's.
-    Under speculation every other batch drafts: on the CPU its grammar rows too (a cut before
-    each draft place and before the verify), with CUDA graphs a batch holding grammar rows
-    does not draft."""
+    Under speculation every other batch drafts, its grammar rows too (a cut before each draft
+    place, after the drafts' copy and before the verify)."""
     monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
     monkeypatch.delenv("OUTRIDER_DEBUG_RELAY_CHECK")  # graphs are off under it (build.py)
     settings: dict[str, object] = {"device": device}
     if algorithm != "none":
-        settings |= dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts["eagle3"])
+        settings |= dict(DRAFT_ALGORITHMS[algorithm])
+        if algorithm != "ngram":
+            settings["draft_model"] = drafts[algorithm.split()[0]]
     graphed = engine_for(str(model_dir), **settings)
     eager = engine_for(str(model_dir), disable_cuda_graph=True, **settings)
     runner = graphed.loop.runner
@@ -149,12 +155,14 @@ def test_steps_with_grammar_rows_replay_graphs_in_segments(
             assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
         check_outputs(outcomes, tokenizer)
     masked = {key for key in runner.graphs.graphs if key.masked}
-    cuts = runner.graphs.cuts if device == "cpu" else runner.graphs.segments
-    assert any(key.width == 1 for key in masked) and set(cuts) == masked
-    # The CPU build has no graphs (EagerGraphs come after it): its constrained batches draft,
-    # cut at each of the chain's 3 draft places, after the drafts' copy and before the verify.
-    drafting = {key for key in masked if key.width > 1}
-    assert bool(drafting) == (device == "cpu" and algorithm != "none")
-    assert graphed.scheduler.planner.limits.grammar_drafts == (device == "cpu")
+    # Host waits per key: counted over the CPU's replays, the captured segments on CUDA.
     if device == "cpu":
+        cuts = runner.graphs.cuts
+    else:
+        cuts = Counter({key: len(segments) for key, segments in runner.graphs.segments.items()})
+    assert any(key.width == 1 for key in masked) and set(cuts) == masked
+    drafting = {key for key in masked if key.width > 1}
+    assert bool(drafting) == (algorithm != "none")
+    if algorithm == "eagle3 chain":
+        # A cut at each of the chain's 3 draft places, after the drafts' copy, before the verify.
         assert all(cuts[key] % 5 == 0 for key in drafting), cuts

@@ -117,7 +117,6 @@ def build_engine(
     )
 
     one_rank = runner.channel is None
-    grammar_drafts = one_rank and runner.graphs is None
 
     def new_scheduler(policy: DraftPolicy | None = None) -> Scheduler:
         return Scheduler(
@@ -128,7 +127,7 @@ def build_engine(
                 context_length=context_length,
                 prefix_margin_pages=runner.worker.prefix_margin_pages,
                 draft_state=shape.speculative and runner.worker.draft_state,
-                grammar_drafts=grammar_drafts,
+                grammar_drafts=one_rank,
                 late_masks=one_rank,
             ),
             shape,

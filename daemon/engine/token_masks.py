@@ -156,8 +156,8 @@ class TokenMasks:
             torch.empty((rows * width, words), dtype=torch.int32, pin_memory=cuda) for _ in range(2)
         ]
         self._parity = 0
-        self._paths = torch.empty((rows * width, width), dtype=torch.int64, pin_memory=cuda)
-        self._drafts = torch.empty((2, rows, width), dtype=torch.int64, pin_memory=cuda)
+        self._paths = torch.empty(rows * width * width, dtype=torch.int64, pin_memory=cuda)
+        self._drafts = torch.empty((2, rows * width), dtype=torch.int64, pin_memory=cuda)
 
     def stage(self, n: int, staged: StagedMasks) -> None:
         """Queue the masks of ``n`` mask rows into ``staged``: row ``rows[i]`` takes mask
@@ -192,19 +192,18 @@ class TokenMasks:
     def paths_to_host(self, paths: torch.Tensor) -> torch.Tensor:
         """``paths`` (``[R, d]``) copied into the fixed pinned buffer, behind the work
         queued; the host reads them once the device is there (``wait_for_device``)."""
-        host = self._paths[: paths.shape[0], : paths.shape[1]]
+        host = _leading(self._paths, paths.shape)
         host.copy_(paths, non_blocking=True)
         return host
 
     def drafts_to_host(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A step's drafts (and a tree's parents) copied into fixed pinned buffers, as
         ``paths_to_host``."""
-        bs, n = drafts.tokens.shape
-        tokens = self._drafts[0, :bs, :n]
+        tokens = _leading(self._drafts[0], drafts.tokens.shape)
         tokens.copy_(drafts.tokens, non_blocking=True)
         if drafts.parents is None:
             return tokens, None
-        parents = self._drafts[1, :bs, :n]
+        parents = _leading(self._drafts[1], drafts.parents.shape)
         parents.copy_(drafts.parents, non_blocking=True)
         return tokens, parents
 
@@ -236,6 +235,13 @@ class TokenMasks:
         """Mask rows (int32 words ``[n, ceil(V / 32)]``) unpacked: ``[n, V]`` bool."""
         bits = (words.unsqueeze(-1) >> self._shifts) & 1  # [n, words, 32]
         return bits.view(words.shape[0], -1)[:, : self.vocab_size].bool()
+
+
+def _leading(buffer: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The first elements of flat ``buffer`` viewed as ``shape``: contiguous, since a copy
+    from the device into a strided host view goes through an unpinned temporary (refused
+    while a graph is captured)."""
+    return buffer[: shape.numel()].view(shape)
 
 
 class DeviceMark:

@@ -22,8 +22,8 @@ Invariants:
   and its mask travels in the plan;
 - under speculation every verify node is masked by the state its own path reaches: the host
   computes the nodes' masks once the step's drafts are copied back
-  (``GrammarState.node_masks``). A batch holding a constrained row drafts on one rank, and
-  not yet with CUDA graphs (``SchedulerLimits.grammar_drafts``: there it takes plain steps);
+  (``GrammarState.node_masks``). A batch holding a constrained row drafts on one rank
+  (``SchedulerLimits.grammar_drafts``; on tensor-parallel ranks it takes plain steps);
 - drafts are proposed under the grammar too: a worker that drafts from logits masks each
   draft place by the state its path reaches (``DraftGuide``, ``GrammarState.path_mask``; the
   host waits for each place's path). n-gram drafts, copied from the context, are not: a draft

@@ -17,7 +17,7 @@ class SchedulerLimits:
     draft_state: bool = False
     # A decode batch holding grammar rows may draft: the host computes the masks of their
     # draft places and verify nodes at waits inside the step (graph segments where graphs
-    # run). One rank; not yet with CUDA graphs, where such a batch takes plain steps.
+    # run). One rank: the masks do not travel to the other ranks.
     grammar_drafts: bool = True
     # A decode batch may take grammar rows whose step is still in flight: the runner
     # computes their masks once the loop has processed that step, in the middle of the new

@@ -18,9 +18,8 @@ a step of its request in flight: the runner computes its masks from the states
 work runs (scheduler/loop.py): a plain step's masks before its sampling, a drafting step's
 before each draft place and before its verify. Elsewhere such a row waits for its step (the
 other rows go on overlapping), and a plain step carries its masks in the plan. A batch
-holding grammar rows drafts only where ``SchedulerLimits.grammar_drafts`` says (one rank, no
-CUDA graphs); elsewhere its grammar rows wait while the other rows draft, and ride the
-next plain batch.
+holding grammar rows drafts only where ``SchedulerLimits.grammar_drafts`` says (one rank);
+elsewhere its grammar rows wait while the other rows draft, and ride the next plain batch.
 """
 
 from __future__ import annotations
