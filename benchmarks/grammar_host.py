@@ -1,12 +1,14 @@
 """The host time a constrained row adds to a step: its grammar's masks, per row and step.
 
 Compiles the JSON schema (``benchmarks/structured/review.schema.json`` unless ``--schema``)
-against a model directory's tokenizer as the daemon does, walks a valid answer's tokens, and at
-every position times, per row: the plain step's mask (``pack_masks``), a drafting step's
-verify-node masks for a chain of ``--width`` nodes whose drafts are the answer's next tokens
-(``RowGrammars.node_masks``), and the guide's masks of those drafts, one place at a time
-(``RowGrammars.path_masks``, as a chain's worker asks for them); and the masks of a plain
-step of ``--rows`` grammar rows. Medians in microseconds.
+against a model directory's tokenizer as the daemon does and walks a valid answer's tokens as
+a chain of ``--width`` verify nodes whose drafts are all accepted would: at each cycle it
+times, per row, the guide's masks of the drafts, one place at a time (``RowGrammars.path_masks``,
+as a chain's worker asks for them), then the verify nodes' masks (``RowGrammars.node_masks``,
+which reuse the places'), then the commit of the drafts and the target's next token
+(``GrammarState.advance``); and, on a state of its own, a plain step's mask at each token
+(``pack_masks``), and the masks of a plain step of ``--rows`` grammar rows. Medians in
+microseconds.
 
     python benchmarks/grammar_host.py --model-dir DIR [--width 4]
 """
@@ -18,9 +20,11 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
+import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from outrider.daemon.grammar.compiler import Grammars
@@ -56,29 +60,41 @@ def main() -> None:
     vocab = args.vocab_size or len(hf)
     grammars = Grammars(args.model_dir, vocab, [hf.eos_token_id])
     grammar = Grammar("json_schema", args.schema.read_text())
+    fill: list[float] = []
+    accepted: list[bool] = []
     start = time.perf_counter()
     state = GrammarState(grammars.compile(grammar), [hf.eos_token_id])
     compile_ms = (time.perf_counter() - start) * 1e3
+    plain = GrammarState(grammars.compile(grammar), [hf.eos_token_id])
     # The schema's form: its properties in order, ", " and ": " between (any_whitespace off).
     tokens = hf.encode(json.dumps(ANSWER), add_special_tokens=False)
     tokens.append(hf.eos_token_id)
+    for token in tokens:
+        fill.append(timed(lambda: pack_masks([plain])))
+        assert plain.advance([token])
     rows = RowGrammars([state])
-    fill, nodes, places = [], [], []
+    out = xgr.allocate_token_bitmask(args.width, vocab)
+    nodes, places, commits = [], [], []
     drafts = args.width - 1
-    for position in range(len(tokens) - drafts):
+    for position in range(0, len(tokens) - args.width, args.width):
         chain = torch.tensor([tokens[position : position + drafts]])
-        fill.append(timed(lambda: pack_masks([state])))
-        nodes.append(timed(lambda c=chain: rows.node_masks(c, None)))  # type: ignore[misc]
         paths = [chain[:, :place].view(1, 1, place) for place in range(drafts)]
-        places.append(sum(timed(lambda p=p: rows.path_masks(p)) for p in paths))  # type: ignore[misc]
-        assert state.advance([tokens[position]]), position
+        places.append(sum(timed(partial(rows.path_masks, out, [0], path)) for path in paths))
+        nodes.append(timed(partial(rows.node_masks, out, [0], chain, None)))
+        committed = tokens[position : position + args.width]
+        commits.append(timed(lambda c=committed: accepted.append(state.advance(c))))  # type: ignore[misc]
+    assert all(accepted)
     # A plain step of ``--rows`` grammar rows, each at its own place of the answer.
     rows_states = [
         GrammarState(grammars.compile(grammar), [hf.eos_token_id]) for _ in range(args.rows)
     ]
     for row, row_state in enumerate(rows_states):
         assert row_state.advance(tokens[: row % (len(tokens) - 1)])
-    batch = [timed(lambda: pack_masks(rows_states)) for _ in range(50)]
+    batch = []
+    for _ in range(50):
+        for row_state in rows_states:
+            row_state.advance([])  # a new step: no mask of this one known yet
+        batch.append(timed(lambda: pack_masks(rows_states)))
     report = {
         "model_dir": args.model_dir,
         "vocab": vocab,
@@ -87,6 +103,7 @@ def main() -> None:
         "plain_mask_us": round(statistics.median(fill), 1),
         "verify_node_masks_us": round(statistics.median(nodes), 1),
         "guide_masks_us": round(statistics.median(places), 1),
+        "commit_us": round(statistics.median(commits), 1),
         "width": args.width,
         "plain_step_masks_us": round(statistics.median(batch), 1),
         "rows": args.rows,

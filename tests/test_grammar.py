@@ -226,9 +226,10 @@ def test_each_draft_place_is_masked_by_the_state_its_path_reaches(
     assert states[1].advance([a, b, a, dash, one])  # one digit to go
     assert states[2].advance([a, b, a, dash])
     paths = torch.tensor([[[a, b], [a, x]], [[one, eos], [a, a]], [[one, one], [b, b]]])
-    masks = torch.frombuffer(
-        bytearray(RowGrammars(states).path_masks(paths)), dtype=torch.int32
-    ).view(6, -1)
+    masks = xgr.allocate_token_bitmask(7, VOCAB)
+    masks[:] = 0
+    RowGrammars(states).path_masks(masks, [0, 2, 4], paths)
+    assert not masks[6].any()  # nothing written past the places
 
     everything = torch.full_like(masks[0], -1)
     # Row 1 ends on its first place's path and its second refuses ``a``.
@@ -243,6 +244,41 @@ def test_each_draft_place_is_masked_by_the_state_its_path_reaches(
     assert torch.equal(again[0], _regex_mask(grammars, [a, b, a, dash, one]))
 
 
+def test_a_chain_walks_each_draft_once_and_its_commit_starts_from_the_walk(
+    grammars: Grammars, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain's draft places, then its verify nodes, then its commit, under
+    ``[a-c]{3}-[0-9]{2}``: the matcher takes each draft token once (the nodes reuse the
+    places' masks), the commit takes only what follows the accepted drafts, and every mask
+    is a fresh matcher's after its path."""
+    a, b, c = (tokenizer.hf.convert_tokens_to_ids(t) for t in "abc")
+    state = _start(grammars, GRAMMARS["regex"])
+    taken: list[int] = []
+    accept = xgr.GrammarMatcher.accept_token
+
+    def counted(matcher: xgr.GrammarMatcher, token: int, **kwargs: bool) -> bool:
+        taken.append(token)
+        return accept(matcher, token, **kwargs)
+
+    monkeypatch.setattr(xgr.GrammarMatcher, "accept_token", counted)
+    places = xgr.allocate_token_bitmask(3, VOCAB)
+    for place, path in enumerate([[], [a], [a, b]]):
+        state.path_mask(places, place, path)
+    nodes = xgr.allocate_token_bitmask(4, VOCAB)
+    assert state.node_masks(nodes, 0, [a, b, c], None) == 0
+    assert taken == [a, b, c]
+    for node, path in enumerate([[], [a], [a, b], [a, b, c]]):
+        assert torch.equal(nodes[node], _regex_mask(grammars, path)), node
+        if node < 3:
+            assert torch.equal(places[node], nodes[node]), node
+    taken.clear()
+    assert state.advance([a, b, a])  # two drafts accepted, then the target's own token
+    assert taken == [a]
+    after = xgr.allocate_token_bitmask(1, VOCAB)
+    state.fill(after, 0)
+    assert torch.equal(after[0], _regex_mask(grammars, [a, b, a]))
+
+
 def test_a_draft_vocabulary_is_masked_through_its_columns() -> None:
     """``TokenMasks.apply_staged`` with ``columns`` (a draft vocabulary's target ids): each
     column takes its token's bit, ids past the vocabulary are refused, a row that allows none
@@ -252,13 +288,18 @@ def test_a_draft_vocabulary_is_masked_through_its_columns() -> None:
     words[0, 0] = (1 << 2) | (1 << 6)  # tokens 2 and 6
     words[0, 1] = 1 << 3  # token 35
     words[1, 0] = 1 << 1  # token 1: no column holds it
-    masks.stage(3, ([0, 2], words.numpy().tobytes()))
+
+    def fill(out: torch.Tensor) -> list[int]:
+        out[[0, 2]] = words
+        return [0, 2]
+
+    masks.stage(3, fill)
     columns = torch.tensor([0, 2, 4, 6, 35, 41])
     logits = torch.zeros(3, 6)
     masks.apply_staged(logits, columns)
     inf = float("-inf")
     assert logits.tolist() == [[inf, 0, inf, 0, 0, inf], [0] * 6, [0] * 6]
-    masks.stage(3, ([], b""))  # a capture's scratch rows: every token
+    masks.stage(3)  # a capture's scratch rows: every token
     full = torch.zeros(3, 40)
     masks.apply_staged(full)
     assert not full.isinf().any()

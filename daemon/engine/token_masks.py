@@ -29,7 +29,7 @@ The host waits inside a step only in these fills (``syncs_allowed``, sync_check.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -71,20 +71,29 @@ class MaskHoles:
 
 
 class GrammarRows(Protocol):
-    """The grammar rows of a decode plan, in plan order (daemon/grammar/state.py)."""
+    """The grammar rows of a decode plan, in plan order (daemon/grammar/state.py). Each
+    method writes into ``out``, int32 words ``[n, ceil(V / 32)]`` on the host."""
 
-    def masks(self) -> bytes:
-        """Their next masks from their states now, row after row (``StepPlan.masks``)."""
+    def masks(self, out: torch.Tensor, rows: Sequence[int]) -> None:
+        """Row ``rows[i]``: grammar row ``i``'s next mask from its state now."""
         ...
 
-    def node_masks(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> bytes:
+    def node_masks(
+        self,
+        out: torch.Tensor,
+        firsts: Sequence[int],
+        tokens: torch.Tensor,
+        parents: torch.Tensor | None,
+    ) -> None:
         """Given their drafts on the host (``[rows, W - 1]``) and a tree's parents (or
-        None), their verify nodes' masks, row after row, node after node."""
+        None), rows ``firsts[i] ..``: grammar row ``i``'s verify nodes' masks, node after
+        node."""
         ...
 
-    def path_masks(self, paths: torch.Tensor) -> bytes:
-        """Given the paths to their draft places on the host (``[rows, n, d]``), each
-        place's mask, row after row, place after place (``DraftGuide.restrict``)."""
+    def path_masks(self, out: torch.Tensor, firsts: Sequence[int], paths: torch.Tensor) -> None:
+        """Given the paths to their draft places on the host (``[rows, n, d]``), rows
+        ``firsts[i] ..``: the mask of each of grammar row ``i``'s places, place after place
+        (``DraftGuide.restrict``)."""
         ...
 
 
@@ -92,8 +101,13 @@ def _nothing() -> None:
     pass
 
 
-# Mask rows of a step (indices into its staged rows) and their masks; none: every token.
-StagedMasks = tuple[list[int], bytes]
+# Writes the masks of some of a step's mask rows into its host staging rows (``out``) and
+# returns which; every other row allows every token.
+MaskFill = Callable[[torch.Tensor], Sequence[int]]
+
+
+def _no_masks(out: torch.Tensor) -> Sequence[int]:
+    return ()
 
 
 @dataclass(frozen=True)
@@ -107,31 +121,45 @@ class HostTurn:
     # (the mask methods below read the states it brings up to date).
     settle: Callable[[], None] = _nothing
 
-    def row_masks(self) -> StagedMasks:
-        """A plain step's masks: one a row."""
+    def row_masks(self, out: torch.Tensor) -> Sequence[int]:
+        """A plain step's masks (a ``MaskFill``): one a row."""
+        rows = self.plan.masked_rows
         if self.grammar is not None:
-            return self.plan.masked_rows, self.grammar.masks()
-        return (self.plan.masked_rows, self.plan.masks) if self.plan.masks else ([], b"")
+            self.grammar.masks(out, rows)
+        elif self.plan.masks:
+            out[rows] = _words(self.plan.masks, len(rows))
+        else:
+            return ()
+        return rows
 
-    def path_masks(self, paths: torch.Tensor) -> StagedMasks:
-        """The masks of a drafting step's draft places, given every row's paths to them on
-        the host (``[bs * n, d]``, row after row)."""
+    def path_masks(self, out: torch.Tensor, paths: torch.Tensor) -> Sequence[int]:
+        """The masks of a drafting step's draft places (a ``MaskFill``, given every row's
+        paths to them on the host: ``[bs * n, d]``, row after row)."""
         if self.grammar is None:
-            return [], b""
+            return ()
         n = paths.shape[0] // self.bs
         rows = self.plan.masked_rows
         index = [row * n + place for row in rows for place in range(n)]
-        return index, self.grammar.path_masks(paths[index].view(len(rows), n, paths.shape[1]))
+        grouped = paths[index].view(len(rows), n, paths.shape[1])
+        self.grammar.path_masks(out, [row * n for row in rows], grouped)
+        return index
 
-    def node_masks(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> StagedMasks:
-        """The masks of a drafting step's verify nodes, given every row's drafts on the host
-        (``[bs, W - 1]``, a tree's parents alike)."""
+    def node_masks(
+        self, out: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None
+    ) -> Sequence[int]:
+        """The masks of a drafting step's verify nodes (a ``MaskFill``, given every row's
+        drafts on the host: ``[bs, W - 1]``, a tree's parents alike)."""
         if self.grammar is None:
-            return [], b""
+            return ()
         rows, width = self.plan.masked_rows, tokens.shape[1] + 1
-        index = [row * width + node for row in rows for node in range(width)]
         shape = None if parents is None else parents[rows]
-        return index, self.grammar.node_masks(tokens[rows], shape)
+        self.grammar.node_masks(out, [row * width for row in rows], tokens[rows], shape)
+        return [row * width + node for row in rows for node in range(width)]
+
+
+def _words(masks: bytes, n: int) -> torch.Tensor:
+    """``n`` packed mask rows (``StepPlan.masks``) as int32 words ``[n, ceil(V / 32)]``."""
+    return torch.frombuffer(bytearray(masks), dtype=torch.int32).view(n, -1)
 
 
 def masked_copy(logits: torch.Tensor, adjusted: torch.Tensor | None) -> torch.Tensor:
@@ -159,17 +187,16 @@ class TokenMasks:
         self._paths = torch.empty(rows * width * width, dtype=torch.int64, pin_memory=cuda)
         self._drafts = torch.empty((2, rows * width), dtype=torch.int64, pin_memory=cuda)
 
-    def stage(self, n: int, staged: StagedMasks) -> None:
-        """Queue the masks of ``n`` mask rows into ``staged``: row ``rows[i]`` takes mask
-        ``i``, every other row allows every token."""
-        rows, masks = staged
+    def stage(self, n: int, fill: MaskFill = _no_masks) -> None:
+        """Queue the masks of ``n`` mask rows into ``staged``: those ``fill`` writes into
+        the host's staging rows, every other row allowing every token."""
         # NOTE: a host set is refilled two stages later, once its copy ran: steps alternate
         # as the inputs do, and within a drafting step every fill waits for the device first.
-        host, self._parity = self._host[self._parity], self._parity ^ 1
-        host[:n] = -1
-        if rows:
-            host[rows] = torch.frombuffer(bytearray(masks), dtype=torch.int32).view(len(rows), -1)
-        self.staged[:n].copy_(host[:n], non_blocking=True)
+        host, self._parity = self._host[self._parity][:n], self._parity ^ 1
+        filled = fill(host)
+        if len(filled) < n:
+            host[sorted(set(range(n)).difference(filled))] = -1
+        self.staged[:n].copy_(host, non_blocking=True)
 
     def apply_staged(self, choose: torch.Tensor, columns: torch.Tensor | None = None) -> None:
         """Set to -inf, in ``choose`` (``[n, C]``), every logit the staged mask of its row
@@ -220,7 +247,7 @@ class TokenMasks:
         if not n:
             return
         pinned = self.device.type == "cuda"
-        host = torch.frombuffer(bytearray(masks), dtype=torch.int32).view(n, -1)
+        host = _words(masks, n)
         host_rows = torch.tensor(rows, dtype=torch.int64)
         if pinned:
             host, host_rows = host.pin_memory(), host_rows.pin_memory()
@@ -318,7 +345,7 @@ class HostMasks:
 
         def fill() -> None:
             self.turn.settle()
-            self.masks.stage(self.turn.bs, self.turn.row_masks())
+            self.masks.stage(self.turn.bs, self.turn.row_masks)
 
         self.holes.wait(fill)
 
@@ -337,7 +364,7 @@ class HostMasks:
         def fill() -> None:
             self.turn.settle()
             self.drafts_copied.wait()
-            self.masks.stage(nodes, self.turn.node_masks(*drafts))
+            self.masks.stage(nodes, lambda out: self.turn.node_masks(out, *drafts))
 
         self.holes.wait(fill)
 
@@ -362,7 +389,7 @@ class GrammarGuide:
             turn.settle()  # while the device runs what was queued
             if host.shape[1]:  # the first place's path is empty: nothing to wait for
                 self.masks.wait_for_device()
-            self.masks.stage(host.shape[0], turn.path_masks(host))
+            self.masks.stage(host.shape[0], lambda out: turn.path_masks(out, host))
 
         self.holes.wait(fill)
         self.masks.apply_staged(logits, columns)

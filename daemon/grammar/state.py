@@ -13,19 +13,33 @@ import xgrammar as xgr
 
 
 class GrammarState:
+    """One request's matcher. Invariant: the matcher stands at the committed tokens plus
+    ``_ahead``, tokens a walk took past them (a draft path, kept so that the next walk, or
+    the commit, starts from the longest prefix they share); ``_masks`` holds the masks after
+    the paths walked since the last commit (None: the path is refused or ends the grammar),
+    so that a verify node reuses its draft place's mask."""
+
     def __init__(self, compiled: xgr.CompiledGrammar, stop_ids: Sequence[int]) -> None:
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids))
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
+        self._ahead: list[int] = []
+        self._masks: dict[tuple[int, ...], torch.Tensor | None] = {}
 
     def fill(self, masks: torch.Tensor, row: int) -> None:
         """Row ``row`` of ``masks`` (int32 ``[rows, ceil(V / 32)]``, on the CPU): bit ``t``
         set where token ``t`` may come next."""
+        self._walk(())  # a request whose grammar ended has finished: its mask is not read
         self._matcher.fill_next_token_bitmask(masks, row)
 
     def advance(self, tokens: Sequence[int]) -> bool:
         """Take the request's newly committed ``tokens``; False when the grammar refuses one
         (none is taken after it)."""
-        return all(self._matcher.accept_token(token) for token in tokens)
+        kept = _shared(self._ahead, tokens)
+        if kept < len(self._ahead):
+            self._matcher.rollback(len(self._ahead) - kept)
+        self._ahead.clear()
+        self._masks.clear()
+        return all(self._matcher.accept_token(token) for token in tokens[kept:])
 
     def node_masks(
         self, masks: torch.Tensor, first: int, tokens: list[int], parents: list[int] | None
@@ -37,61 +51,60 @@ class GrammarState:
         its token; one that is not, or that follows the grammar's end, is never committed
         and takes its parent's mask, so that no row is all masked. Returns how many nodes
         the grammar refused (reached parents whose masks refuse their tokens)."""
-        self.fill(masks, first)
+        self.path_mask(masks, first, ())
+        paths: list[tuple[int, ...]] = [()]
         live = [True]  # per node: reached, and the grammar not ended there
         refused = 0
         for node in range(1, len(tokens) + 1):
             parent = node - 1 if parents is None else parents[node - 1]
             token = tokens[node - 1]
+            paths.append((*paths[parent], token))
             allowed = live[parent] and _allows(masks[first + parent], token)
             refused += live[parent] and not allowed
-            live.append(allowed and self._fill_after(masks, first + node, node, tokens, parents))
+            live.append(allowed and self._mask_after(paths[node], masks, first + node))
             if not live[node]:
                 masks[first + node] = masks[first + parent]
         return refused
 
-    def path_mask(self, masks: torch.Tensor, row: int, path: list[int]) -> None:
-        """Row ``row`` of ``masks``: the mask after ``path`` (tokens from this state); every
-        token allowed where the grammar refuses one of the path or ends on it (such a place
-        is never committed). The matcher is back at this state after."""
-        taken = 0
-        for token in path:
-            if not self._matcher.accept_token(token):
-                break
-            taken += 1
-        if taken == len(path) and not self._matcher.is_terminated():
-            self.fill(masks, row)
-        else:
+    def path_mask(self, masks: torch.Tensor, row: int, path: Sequence[int]) -> None:
+        """Row ``row`` of ``masks``: the mask after ``path`` (tokens from the committed
+        state); every token allowed where the grammar refuses one of the path or ends on it
+        (such a place is never committed)."""
+        if not self._mask_after(tuple(path), masks, row):
             masks[row] = -1  # every bit set
-        self._matcher.rollback(taken)
 
-    def _fill_after(
-        self,
-        masks: torch.Tensor,
-        row: int,
-        node: int,
-        tokens: list[int],
-        parents: list[int] | None,
-    ) -> bool:
-        """Row ``row``: the mask after the path to ``node`` (each of its tokens allowed
-        where it stands); False, and the row untouched, where the grammar ended on the way.
-        The matcher is back at this state after."""
-        path = _path_to(node, parents)
-        for step in path:
-            # Allowed by the mask before it, so accepted: only a stop token ends the grammar.
-            self._matcher.accept_token(tokens[step - 1])
-        going_on = not self._matcher.is_terminated()
-        if going_on:
-            self.fill(masks, row)
-        self._matcher.rollback(len(path))
-        return going_on
+    def _mask_after(self, path: tuple[int, ...], masks: torch.Tensor, row: int) -> bool:
+        """Row ``row``: the mask after ``path``, walked once a commit; False, and the row
+        untouched, where the grammar refuses a token of it or ends on the way."""
+        if path in self._masks:
+            known = self._masks[path]
+            if known is not None:
+                masks[row] = known
+            return known is not None
+        reached = self._walk(path)
+        if reached:
+            self._matcher.fill_next_token_bitmask(masks, row)
+        self._masks[path] = masks[row].clone() if reached else None
+        return reached
+
+    def _walk(self, path: tuple[int, ...]) -> bool:
+        """Bring the matcher to ``path`` past the committed tokens, from the longest prefix
+        it shares with where the matcher stands; whether the whole path was taken and the
+        grammar goes on after it (the empty path: always)."""
+        kept = _shared(self._ahead, path)
+        if kept < len(self._ahead):
+            self._matcher.rollback(len(self._ahead) - kept)
+            del self._ahead[kept:]
+        for token in path[kept:]:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                return False
+            self._ahead.append(token)
+        return not path or not self._matcher.is_terminated()
 
 
 def pack_masks(states: Sequence[GrammarState], ended: Sequence[bool] = ()) -> bytes:
     """The masks of ``states`` (one vocabulary), as ``StepPlan.masks`` carries them; a row
-    whose ``ended`` is set (its request finished: its draw is dropped) allows every token. One
-    row after the other: xgrammar's ``BatchGrammarMatcher`` took 4.0 ms for 32 rows on a
-    16-core host where one row takes 8 us (BENCHMARKS.md, structured output)."""
+    whose ``ended`` is set (its request finished: its draw is dropped) allows every token."""
     masks = xgr.allocate_token_bitmask(len(states), states[0].vocab_size)  # every bit set
     for row, state in enumerate(states):
         if not (ended and ended[row]):
@@ -99,20 +112,21 @@ def pack_masks(states: Sequence[GrammarState], ended: Sequence[bool] = ()) -> by
     return masks.numpy().tobytes()
 
 
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _allows(mask: torch.Tensor, token: int) -> bool:
     """Whether row ``mask`` (int32 words) lets ``token`` through."""
     if token >> 5 >= mask.shape[0]:
         return False
     return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
-
-
-def _path_to(node: int, parents: list[int] | None) -> list[int]:
-    """The nodes from the root's child down to ``node`` (the root, 0, left out)."""
-    path = []
-    while node:
-        path.append(node)
-        node = node - 1 if parents is None else parents[node - 1]
-    return path[::-1]
 
 
 class Owner(Protocol):
@@ -130,31 +144,48 @@ class RowGrammars:
     states: Sequence[GrammarState]
     owners: Sequence[Owner] = ()  # one a state; none: no request finished
 
-    def masks(self) -> bytes:
-        """Each row's next mask from its state now."""
-        return pack_masks(self.states, self._ended())
+    def masks(self, out: torch.Tensor, rows: Sequence[int]) -> None:
+        """Row ``rows[i]`` of ``out`` (int32 words ``[n, ceil(V / 32)]``, on the CPU):
+        grammar row ``i``'s next mask from its state now."""
+        for row, state, ended in zip(rows, self.states, self._ended(), strict=True):
+            if ended:
+                out[row] = -1
+            else:
+                state.fill(out, row)
 
-    def node_masks(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> bytes:
-        """The verify-node masks of each row (its drafts ``tokens[r]``, a tree's
-        ``parents[r]``: host tensors ``[rows, width - 1]``), row after row, node after node."""
+    def node_masks(
+        self,
+        out: torch.Tensor,
+        firsts: Sequence[int],
+        tokens: torch.Tensor,
+        parents: torch.Tensor | None,
+    ) -> None:
+        """Rows ``firsts[i] ..`` of ``out``: the masks of grammar row ``i``'s verify nodes,
+        node after node (its drafts ``tokens[i]``, a tree's ``parents[i]``: host tensors
+        ``[rows, width - 1]``)."""
         width = tokens.shape[1] + 1
-        masks = xgr.allocate_token_bitmask(len(self.states) * width, self.states[0].vocab_size)
-        for row, (state, ended) in enumerate(zip(self.states, self._ended(), strict=True)):
-            if not ended:
+        for row, (first, state, ended) in enumerate(
+            zip(firsts, self.states, self._ended(), strict=True)
+        ):
+            if ended:
+                out[first : first + width] = -1
+            else:
                 shape = None if parents is None else parents[row].tolist()
-                state.node_masks(masks, row * width, tokens[row].tolist(), shape)
-        return masks.numpy().tobytes()
+                state.node_masks(out, first, tokens[row].tolist(), shape)
 
-    def path_masks(self, paths: torch.Tensor) -> bytes:
-        """The mask at each draft place of each row (``paths[r, i]``: the tokens drafted
-        before place ``i``; a host tensor ``[rows, n, d]``), row after row, place after
-        place."""
-        rows, n, _ = paths.shape
-        masks = xgr.allocate_token_bitmask(rows * n, self.states[0].vocab_size)
-        for row, (state, ended) in enumerate(zip(self.states, self._ended(), strict=True)):
-            for place in range(n if not ended else 0):
-                state.path_mask(masks, row * n + place, paths[row, place].tolist())
-        return masks.numpy().tobytes()
+    def path_masks(self, out: torch.Tensor, firsts: Sequence[int], paths: torch.Tensor) -> None:
+        """Rows ``firsts[i] ..`` of ``out``: the mask at each draft place of grammar row
+        ``i``, place after place (``paths[i, p]``: the tokens drafted before place ``p``; a
+        host tensor ``[rows, n, d]``)."""
+        n = paths.shape[1]
+        for row, (first, state, ended) in enumerate(
+            zip(firsts, self.states, self._ended(), strict=True)
+        ):
+            for place in range(n):
+                if ended:
+                    out[first + place] = -1
+                else:
+                    state.path_mask(out, first + place, paths[row, place].tolist())
 
     def _ended(self) -> list[bool]:
         """Per row: its request finished (its masks allow every token)."""
