@@ -18,7 +18,9 @@ runs admit and finish requests alike and the ratio is the grammar's cost.
 
 ``--shape family`` (the default) serves the embedded family with its trained drafts;
 ``--shape llama`` serves ``--model-dir`` (a Llama-3.1-8B config.json beside a tokenizer, dummy
-weights) with dummy drafts at a simulated acceptance (bench/sweep.py's rates).
+weights) with dummy drafts at a simulated acceptance (bench/sweep.py's rates). The tokenizer
+should have the config's vocabulary size (``benchmarks/wide_tokenizer.py`` widens a smaller
+one): the grammar engine's cost follows the tokenizer's size and its special ids.
 """
 
 from __future__ import annotations
