@@ -52,8 +52,9 @@ class StepPlan(Struct, array_like=True, frozen=True):
     adjusts: bool = False
     # Sampled rows (indices into sample_rows) that draw under a grammar, and their masks:
     # int32 [len(masked_rows), ceil(vocab / 32)], row after row, bit t set where token t may
-    # come (daemon/grammar/). Only plain steps carry masks (a plain decode step replays a
-    # graph of its own); a drafting step's come from the host mid-step, eagerly.
+    # come (daemon/grammar/). Only plain steps carry masks, and only where the host cannot
+    # compute them mid-step (tensor-parallel ranks, EXTEND rows); a drafting step's come from
+    # the host mid-step (engine/token_masks.py).
     masked_rows: list[int] = []
     masks: bytes = b""
 
