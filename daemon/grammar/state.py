@@ -4,7 +4,7 @@ engine's ``GrammarRows``, engine/token_masks.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -102,13 +102,10 @@ class GrammarState:
         return not path or not self._matcher.is_terminated()
 
 
-def pack_masks(states: Sequence[GrammarState], ended: Sequence[bool] = ()) -> bytes:
-    """The masks of ``states`` (one vocabulary), as ``StepPlan.masks`` carries them; a row
-    whose ``ended`` is set (its request finished: its draw is dropped) allows every token."""
-    masks = xgr.allocate_token_bitmask(len(states), states[0].vocab_size)  # every bit set
-    for row, state in enumerate(states):
-        if not (ended and ended[row]):
-            state.fill(masks, row)
+def pack_masks(states: Sequence[GrammarState]) -> bytes:
+    """The masks of ``states`` (one vocabulary), as ``StepPlan.masks`` carries them."""
+    masks = xgr.allocate_token_bitmask(len(states), states[0].vocab_size)
+    RowGrammars(states).masks(masks, range(len(states)))
     return masks.numpy().tobytes()
 
 
@@ -147,11 +144,8 @@ class RowGrammars:
     def masks(self, out: torch.Tensor, rows: Sequence[int]) -> None:
         """Row ``rows[i]`` of ``out`` (int32 words ``[n, ceil(V / 32)]``, on the CPU):
         grammar row ``i``'s next mask from its state now."""
-        for row, state, ended in zip(rows, self.states, self._ended(), strict=True):
-            if ended:
-                out[row] = -1
-            else:
-                state.fill(out, row)
+        for i, row in self._live(out, rows, 1):
+            self.states[i].fill(out, row)
 
     def node_masks(
         self,
@@ -163,32 +157,29 @@ class RowGrammars:
         """Rows ``firsts[i] ..`` of ``out``: the masks of grammar row ``i``'s verify nodes,
         node after node (its drafts ``tokens[i]``, a tree's ``parents[i]``: host tensors
         ``[rows, width - 1]``)."""
-        width = tokens.shape[1] + 1
-        for row, (first, state, ended) in enumerate(
-            zip(firsts, self.states, self._ended(), strict=True)
-        ):
-            if ended:
-                out[first : first + width] = -1
-            else:
-                shape = None if parents is None else parents[row].tolist()
-                state.node_masks(out, first, tokens[row].tolist(), shape)
+        drafts = tokens.tolist()
+        shapes = None if parents is None else parents.tolist()
+        for i, first in self._live(out, firsts, tokens.shape[1] + 1):
+            shape = None if shapes is None else shapes[i]
+            self.states[i].node_masks(out, first, drafts[i], shape)
 
     def path_masks(self, out: torch.Tensor, firsts: Sequence[int], paths: torch.Tensor) -> None:
         """Rows ``firsts[i] ..`` of ``out``: the mask at each draft place of grammar row
         ``i``, place after place (``paths[i, p]``: the tokens drafted before place ``p``; a
         host tensor ``[rows, n, d]``)."""
-        n = paths.shape[1]
-        for row, (first, state, ended) in enumerate(
-            zip(firsts, self.states, self._ended(), strict=True)
-        ):
-            for place in range(n):
-                if ended:
-                    out[first + place] = -1
-                else:
-                    state.path_mask(out, first + place, paths[row, place].tolist())
+        places = paths.tolist()
+        for i, first in self._live(out, firsts, paths.shape[1]):
+            for place, path in enumerate(places[i]):
+                self.states[i].path_mask(out, first + place, path)
 
-    def _ended(self) -> list[bool]:
-        """Per row: its request finished (its masks allow every token)."""
-        if not self.owners:
-            return [False] * len(self.states)
-        return [owner.finished for owner in self.owners]
+    def _live(
+        self, out: torch.Tensor, firsts: Sequence[int], span: int
+    ) -> Iterator[tuple[int, int]]:
+        """``(i, firsts[i])`` of each grammar row whose request has not finished; a finished
+        one's ``span`` rows of ``out`` allow every token (its draw is dropped)."""
+        ended = [owner.finished for owner in self.owners] or [False] * len(self.states)
+        for i, (first, end) in enumerate(zip(firsts, ended, strict=True)):
+            if end:
+                out[first : first + span] = -1
+            else:
+                yield i, first
