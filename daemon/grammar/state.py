@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -17,13 +18,15 @@ class GrammarState:
     ``_ahead``, tokens a walk took past them (a draft path, kept so that the next walk, or
     the commit, starts from the longest prefix they share); ``_masks`` holds the masks after
     the paths walked since the last commit (None: the path is refused or ends the grammar),
-    so that a verify node reuses its draft place's mask."""
+    so that a verify node reuses its draft place's mask. Masks are int32 words ``[rows,
+    ceil(V / 32)]`` on the CPU; rows are copied, and bits read, through a numpy view
+    (``_words``): torch's indexing costs microseconds a call."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, stop_ids: Sequence[int]) -> None:
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids))
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
         self._ahead: list[int] = []
-        self._masks: dict[tuple[int, ...], torch.Tensor | None] = {}
+        self._masks: dict[tuple[int, ...], np.ndarray | None] = {}
 
     def fill(self, masks: torch.Tensor, row: int) -> None:
         """Row ``row`` of ``masks`` (int32 ``[rows, ceil(V / 32)]``, on the CPU): bit ``t``
@@ -52,6 +55,7 @@ class GrammarState:
         and takes its parent's mask, so that no row is all masked. Returns how many nodes
         the grammar refused (reached parents whose masks refuse their tokens)."""
         self.path_mask(masks, first, ())
+        words = _words(masks)
         paths: list[tuple[int, ...]] = [()]
         live = [True]  # per node: reached, and the grammar not ended there
         refused = 0
@@ -59,11 +63,11 @@ class GrammarState:
             parent = node - 1 if parents is None else parents[node - 1]
             token = tokens[node - 1]
             paths.append((*paths[parent], token))
-            allowed = live[parent] and _allows(masks[first + parent], token)
+            allowed = live[parent] and _allows(words[first + parent], token)
             refused += live[parent] and not allowed
             live.append(allowed and self._mask_after(paths[node], masks, first + node))
             if not live[node]:
-                masks[first + node] = masks[first + parent]
+                words[first + node] = words[first + parent]
         return refused
 
     def path_mask(self, masks: torch.Tensor, row: int, path: Sequence[int]) -> None:
@@ -71,7 +75,7 @@ class GrammarState:
         state); every token allowed where the grammar refuses one of the path or ends on it
         (such a place is never committed)."""
         if not self._mask_after(tuple(path), masks, row):
-            masks[row] = -1  # every bit set
+            _words(masks)[row] = _EVERY
 
     def _mask_after(self, path: tuple[int, ...], masks: torch.Tensor, row: int) -> bool:
         """Row ``row``: the mask after ``path``, walked once a commit; False, and the row
@@ -79,12 +83,12 @@ class GrammarState:
         if path in self._masks:
             known = self._masks[path]
             if known is not None:
-                masks[row] = known
+                _words(masks)[row] = known
             return known is not None
         reached = self._walk(path)
         if reached:
             self._matcher.fill_next_token_bitmask(masks, row)
-        self._masks[path] = masks[row].clone() if reached else None
+        self._masks[path] = _words(masks)[row].copy() if reached else None
         return reached
 
     def _walk(self, path: tuple[int, ...]) -> bool:
@@ -119,8 +123,16 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _allows(mask: torch.Tensor, token: int) -> bool:
-    """Whether row ``mask`` (int32 words) lets ``token`` through."""
+_EVERY = 0xFFFFFFFF  # a mask word allowing every token
+
+
+def _words(masks: torch.Tensor) -> np.ndarray:
+    """``masks`` as unsigned words, sharing its memory."""
+    return masks.numpy().view(np.uint32)
+
+
+def _allows(mask: np.ndarray, token: int) -> bool:
+    """Whether row ``mask`` (words) lets ``token`` through."""
     if token >> 5 >= mask.shape[0]:
         return False
     return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
