@@ -27,8 +27,10 @@ SCHEMA = {
         "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
         "digit": {"type": "integer", "minimum": 0, "maximum": 9},
         "flag": {"type": "boolean"},
+        # Free text, bounded: strict JSON (no raw control character) however long.
+        "note": {"type": "string", "maxLength": 6},
     },
-    "required": ["answer", "digit", "flag"],
+    "required": ["answer", "digit", "flag", "note"],
     "additionalProperties": False,
 }
 GRAMMARS = {
@@ -89,10 +91,12 @@ def matches(kind: str, text: str) -> bool:
     if kind == "json_schema":
         value = json.loads(text)
         return (
-            set(value) == {"answer", "digit", "flag"}
+            set(value) == {"answer", "digit", "flag", "note"}
             and value["answer"] in ("yes", "no", "maybe")
             and value["digit"] in range(10)
             and isinstance(value["flag"], bool)
+            and isinstance(value["note"], str)
+            and len(value["note"]) <= 6
         )
     if kind == "regex":
         return re.fullmatch(r"[a-c]{3}-[0-9]{2}", text) is not None

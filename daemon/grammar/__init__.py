@@ -3,7 +3,8 @@
 vocabulary, and per request the tokens its grammar allows next.
 
 Built on xgrammar: ``compiler.Grammars`` turns a grammar into xgrammar's compiled form (the
-compiler caches by content), ``queue.GrammarQueue`` compiles off the daemon's loop,
+compiler caches by content; ``schemas`` keeps the strings of its JSON schemas' grammars
+strict JSON), ``queue.GrammarQueue`` compiles off the daemon's loop,
 ``state.GrammarState`` holds one request's matcher; ``tool_calls`` knows a model's tool-call
 format (detected from its chat template; its answers are parsed by the client library's
 outrider/protocol/tool_calls.py). The scheduler owns the
@@ -31,5 +32,7 @@ Invariants:
 - a step waits for the host only at ``MaskHoles`` waits (engine/token_masks.py), where a
   replayed graph is cut into segments;
 - the mask lets a stop token (the model's end of sequence and the request's stop token ids)
-  through only where the grammar may end.
+  through only where the grammar may end;
+- an output constrained by a JSON schema (or a tool's parameters) is strict JSON: no raw
+  control character inside a string, length-bounded ones included (schemas.py).
 """

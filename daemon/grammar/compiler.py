@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import xgrammar as xgr
 
+from outrider.daemon.grammar.schemas import strict_json
 from outrider.daemon.grammar.state import GrammarState
 from outrider.daemon.grammar.tool_calls import function_schema
 from outrider.daemon.internal import TokenizedRequest, ToolUse
@@ -56,7 +57,8 @@ class Grammars:
         try:
             if grammar.kind == "json_schema":
                 # Compact JSON: no whitespace runs for a model to wander into.
-                return compiler.compile_json_schema(grammar.text, any_whitespace=False)
+                schema = xgr.Grammar.from_json_schema(grammar.text, any_whitespace=False)
+                return compiler.compile_grammar(strict_json(schema))
             if grammar.kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
             if grammar.kind == "regex":
@@ -88,7 +90,7 @@ class Grammars:
                 # As JSON schemas compile (``compile``): no whitespace runs to wander into.
                 max_whitespace_cnt=1,
             )
-            return self._compiler.compile_structural_tag(tag)
+            return self._compiler.compile_grammar(strict_json(xgr.Grammar.from_structural_tag(tag)))
         except (RuntimeError, ValueError) as exc:
             raise _refused("tools", exc) from None
 
