@@ -18,9 +18,10 @@ runs admit and finish requests alike and the ratio is the grammar's cost.
 
 ``--shape family`` (the default) serves the embedded family with its trained drafts;
 ``--shape llama`` serves ``--model-dir`` (a Llama-3.1-8B config.json beside a tokenizer, dummy
-weights) with dummy drafts at a simulated acceptance (bench/sweep.py's rates). The tokenizer
-should have the config's vocabulary size (``benchmarks/wide_tokenizer.py`` widens a smaller
-one): the grammar engine's cost follows the tokenizer's size and its special ids.
+weights) with dummy drafts at a simulated acceptance (bench/sweep.py's rates), and ``--shape
+qwen3`` a Qwen3-8B one, plainly and with the DFlash-b16 draft. The tokenizer should have the
+config's vocabulary size (``benchmarks/wide_tokenizer.py`` widens a smaller one): the grammar
+engine's cost follows the tokenizer's size and its special ids.
 """
 
 from __future__ import annotations
@@ -74,6 +75,19 @@ def llama_configs(model_dir: str) -> dict[str, list[str]]:
                         "--speculative-num-draft-tokens", "8",
                         "--speculative-simulate-acceptance", "3"],
     }  # fmt: skip
+
+
+def qwen3_configs(model_dir: str) -> dict[str, list[str]]:
+    dflash = str(CONFIGS / "Qwen3-8B-DFlash-b16.config.json")
+    target = ["--model", model_dir, "--load-format", "dummy", "--dtype", "bfloat16"]
+    return {
+        "none": target,
+        "dflash": [*target, "--speculative-algorithm", "dflash", "--draft-model", dflash,
+                   "--speculative-simulate-acceptance", "6.4"],
+    }  # fmt: skip
+
+
+SHAPES = {"llama": llama_configs, "qwen3": qwen3_configs}
 
 
 @dataclass(frozen=True)
@@ -151,8 +165,8 @@ def measure(name: str, flags: list[str], serial: bool, args: argparse.Namespace)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=("family", "llama"), default="family")
-    parser.add_argument("--model-dir", help="--shape llama: config.json and a tokenizer")
+    parser.add_argument("--shape", choices=("family", *SHAPES), default="family")
+    parser.add_argument("--model-dir", help="--shape llama, qwen3: config.json and a tokenizer")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--configs", nargs="+", help="default: every one of the shape")
     parser.add_argument("--loops", nargs="+", choices=("overlap", "serial"),
@@ -165,9 +179,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("serve_args", nargs="*", help="extra `outrider serve` flags (after --)")
     args = parser.parse_args()
-    if args.shape == "llama" and not args.model_dir:
-        parser.error("--shape llama needs --model-dir")
-    configs = family_configs() if args.shape == "family" else llama_configs(args.model_dir)
+    if args.shape == "family":
+        configs = family_configs()
+    elif args.model_dir:
+        configs = SHAPES[args.shape](args.model_dir)
+    else:
+        parser.error(f"--shape {args.shape} needs --model-dir")
     rows = []
     for name in args.configs or list(configs):
         for loop in args.loops:
