@@ -45,6 +45,8 @@ class TokenizedRequest(Struct, array_like=True, tag=1, frozen=True):
     arrival: float  # time.time() at the front door
     grammar: Grammar | None = None  # compiled by the daemon (daemon/grammar/)
     tools: ToolUse | None = None  # its calls held to their schemas (daemon/grammar/)
+    # The most drafts a step may commit for it (0: speculation off); None: the engine's.
+    max_drafts: int | None = None
 
 
 class ToolUse(Struct, array_like=True, frozen=True):

@@ -95,6 +95,7 @@ def request(
     stop_token_ids: Sequence[int] = (),
     stream: bool = False,
     grammar: Grammar | None = None,
+    max_drafts: int | None = None,
 ) -> TokenizedRequest:
     return TokenizedRequest(
         rid=rid,
@@ -109,6 +110,7 @@ def request(
         want_logprobs=logprobs > 0,
         arrival=time.time(),
         grammar=grammar,
+        max_drafts=max_drafts,
     )
 
 

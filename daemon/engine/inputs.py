@@ -21,12 +21,14 @@ from typing import Any, Final, Generic, Literal, TypeVar
 import numpy as np
 import torch
 
-from outrider.daemon.engine.plan import StepPlan
+from outrider.daemon.engine.plan import SlotParams, StepPlan
 from outrider.plugins.device import BatchLayout, HostLengths, flat_kv_index
 from outrider.protocol.messages import MAX_LOGIT_BIAS
 
 T = TypeVar("T")
 Per = Literal["token", "row", "page", "bias"]
+# A slot's most committed tokens a step where its request sets no cap: more than any step's.
+NO_CAP: Final = 1 << 30
 
 
 # Each field's dtype and what its capacity counts.
@@ -67,6 +69,7 @@ class StepInputs(Generic[T]):
     admit_presence: T = field(metadata=_ROW_F32)
     admit_frequency: T = field(metadata=_ROW_F32)
     admit_repetition: T = field(metadata=_ROW_F32)
+    admit_max_commit: T = field(metadata=_ROW)  # tokens a step commits at most (NO_CAP)
     # [admitted * MAX_LOGIT_BIAS] each admitted slot's logit bias, padded with (0, 0.0)
     admit_bias_ids: T = field(metadata=_BIAS)
     admit_bias_values: T = field(metadata=_BIAS_F32)
@@ -132,12 +135,18 @@ def host_values(plan: StepPlan, *, poison_released: bool) -> StepInputs[np.ndarr
         admit_presence=np.asarray([p.sampling.presence_penalty for p in admitted], np.float32),
         admit_frequency=np.asarray([p.sampling.frequency_penalty for p in admitted], np.float32),
         admit_repetition=np.asarray([p.sampling.repetition_penalty for p in admitted], np.float32),
+        admit_max_commit=np.asarray([_max_commit(p) for p in admitted], dtype=np.int64),
         admit_bias_ids=bias_ids.reshape(-1),
         admit_bias_values=bias_values.reshape(-1),
         released_slots=np.asarray(plan.released_slots if poison_released else [], np.int64),
         page_writes=np.asarray(plan.page_writes, dtype=np.int64),
         page_values=np.asarray(plan.page_values, dtype=np.int32),
     )
+
+
+def _max_commit(params: SlotParams) -> int:
+    """The most tokens a step commits for an admitted slot: its drafts and the target's own."""
+    return NO_CAP if params.max_drafts is None else params.max_drafts + 1
 
 
 def batch_layout(

@@ -19,6 +19,7 @@ class SlotParams(Struct, array_like=True, frozen=True, gc=False):
 
     slot: int
     sampling: SamplingSpec
+    max_drafts: int | None = None  # the most drafts a step commits for it; None: no cap
 
 
 class StepPlan(Struct, array_like=True, frozen=True):

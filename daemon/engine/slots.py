@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.daemon.engine.inputs import StepInputs
+from outrider.daemon.engine.inputs import NO_CAP, StepInputs
 from outrider.daemon.engine.penalties import LogitAdjust
 from outrider.daemon.engine.plan import StepPlan
 from outrider.plugins.device import SamplingBatch
@@ -57,6 +57,9 @@ class SlotState:
         self.presence = zeros(torch.float32)
         self.frequency = zeros(torch.float32)
         self.repetition = zeros(torch.float32)
+        # The most tokens a step commits for each slot (a request's draft cap; NO_CAP: none,
+        # the scratch slot's too).
+        self.max_commit = torch.full((rows,), NO_CAP, dtype=torch.int64, device=device)
         self.bias_ids = torch.zeros((rows, MAX_LOGIT_BIAS), dtype=torch.int64, device=device)
         self.bias_values = torch.zeros((rows, MAX_LOGIT_BIAS), dtype=torch.float32, device=device)
         # Debug: released slots' relay rows are poisoned (-1) and every decode batch asserts
@@ -87,6 +90,7 @@ class SlotState:
         self.presence.index_copy_(0, slots, inputs.admit_presence)
         self.frequency.index_copy_(0, slots, inputs.admit_frequency)
         self.repetition.index_copy_(0, slots, inputs.admit_repetition)
+        self.max_commit.index_copy_(0, slots, inputs.admit_max_commit)
         self.bias_ids.index_copy_(0, slots, inputs.admit_bias_ids.view(-1, MAX_LOGIT_BIAS))
         self.bias_values.index_copy_(0, slots, inputs.admit_bias_values.view(-1, MAX_LOGIT_BIAS))
 

@@ -87,6 +87,10 @@ class Verifier:
         bs, width, limit = plan.bs, self.shape.width, self.vocab_limit
         batch = self.slots.sampling(inputs.token_slots, plan)  # per token
         path = self.offsets[: self.shape.max_commit].expand(bs, -1)  # a chain: 0, 1, ..
+        # A request's draft cap cuts its commit after the token at the cap: the target's own
+        # there (its draw, or under the sampled rule the accepted draft or the residual's,
+        # distributed as the target's), so every rule stays lossless.
+        max_commit = self.slots.max_commit[inputs.slots]
         if drafts.probs is not None:
             chosen = logits if choose_from is None else choose_from
             target = processed_probs(chosen, batch, vocab_limit=limit).view(bs, width, -1)
@@ -95,7 +99,7 @@ class Verifier:
                 drafts.tokens, drafts.probs, target, seed, relay.out_lens
             )
             out = token_logprobs(logits, choices.view(-1), plan.max_logprobs, vocab_limit=limit)
-            return Verified(out, choices, commit_lens, path)
+            return Verified(out, choices, torch.minimum(commit_lens, max_commit), path)
         # The target's own draw at each node: output index out_len + depth.
         draws = (relay.out_lens.unsqueeze(1) + depth).view(-1)  # [bs * W]
         out = sample(logits, batch, draws, vocab_limit=limit, choose_from=choose_from)
@@ -105,6 +109,7 @@ class Verifier:
             nodes = inputs.input_ids.view(bs, width)
             allowed = None if choose_from is None else allowed_drafts(choose_from, nodes, drafts)
             commit_lens, path = self.simulated.accept(drafts, seed, relay.out_lens, allowed)
+            commit_lens = torch.minimum(commit_lens, max_commit)
             choices = self.simulated.commit_drafts(choices, nodes, path, commit_lens)
             if drafts.parents is not None:
                 self._compact(inputs.slots, relay.starts, path)
@@ -116,7 +121,7 @@ class Verifier:
         else:
             tokens = inputs.input_ids.view(bs, width)
             commit_lens = accept_chain(tokens[:, 1:], choices)  # [bs]; 1 without drafts
-        return Verified(out, choices, commit_lens, path)
+        return Verified(out, choices, torch.minimum(commit_lens, max_commit), path)
 
     def _compact(self, slots: torch.Tensor, starts: torch.Tensor, path: torch.Tensor) -> None:
         """Move the KV of a tree's accepted path (node ``path[:, j]`` at ``start +

@@ -99,7 +99,7 @@ class Planner:
         delta = PageDelta()
         admitted: list[SlotParams] = []
         while budget > 0 and (new := self.admission.admit_next(delta, self._feeds)) is not None:
-            admitted.append(SlotParams(new.slot, new.sampling))
+            admitted.append(SlotParams(new.slot, new.sampling, new.max_drafts))
             rows.append(ExtendRow(new, min(budget, new.extend_end - new.scheduled_len)))
             budget -= rows[-1].chunk
         return self._extend_plan(rows, delta, admitted) if rows else None
@@ -157,8 +157,11 @@ class Planner:
 
     def _feeds(self, req: Request) -> bool:
         """Whether ``req`` feeds the draft (``Request.fed``): the policy's choice where the
-        draft keeps state over the context, else always."""
-        return not self.limits.draft_state or self.policy.feeds(req, len(self.admission.running))
+        draft keeps state over the context, else always; never where it turned speculation
+        off."""
+        if not self.limits.draft_state:
+            return True
+        return req.max_drafts != 0 and self.policy.feeds(req, len(self.admission.running))
 
     # --- decode ------------------------------------------------------------------------
 
@@ -175,7 +178,7 @@ class Planner:
         constrained = any(r.grammar is not None for r in pool)
         drafting = (
             shape.speculative
-            and bool(pool)
+            and any(r.max_drafts != 0 for r in pool)  # not all turned speculation off
             and (grammar_drafts or not constrained)
             and self.policy.drafting(pool)
         )

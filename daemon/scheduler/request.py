@@ -73,6 +73,8 @@ class Request:
     admit_time: float = 0.0
     # Where its output stands in its grammar (daemon/grammar/); None: unconstrained.
     grammar: GrammarState | None = None
+    # The most drafts a step commits for it (0: speculation off); None: the engine's.
+    max_drafts: int | None = None
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest, grammar: GrammarState | None = None) -> Request:
@@ -89,6 +91,7 @@ class Request:
             want_logprobs=msg.want_logprobs,
             arrival=msg.arrival,
             grammar=grammar,
+            max_drafts=msg.max_drafts,
         )
 
     def known_ids(self) -> list[int]:

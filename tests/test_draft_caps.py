@@ -1,0 +1,97 @@
+"""A request's draft cap (``TokenizedRequest.max_drafts``): each of its steps commits at most
+that many drafts and then the target's own token, beside requests with other caps or none in
+the same batches; its tokens stay the target-only ones, greedy and seeded, under every draft
+algorithm through the overlap loop and the serial one; a batch whose requests all turned
+speculation off takes plain steps."""
+
+from __future__ import annotations
+
+import pytest
+from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
+from model_fixtures import mixed_prompts, save_drafts, save_tiny_model
+
+debug_checks = debug_checks_fixture()
+
+PROMPTS = mixed_prompts(11, 4)
+CAPS = [None, 0, 1, 2]  # per request, each prompt under each
+NEW_TOKENS = 16
+STEPS = 3  # the target's own draft drafts this many a step
+
+
+def _requests(temperature: float = 0.0, caps: list[int | None] = CAPS) -> list:
+    return [
+        request(len(caps) * p + c, prompt, max_new_tokens=NEW_TOKENS, temperature=temperature,
+                seed=p, max_drafts=cap)
+        for p, prompt in enumerate(PROMPTS)
+        for c, cap in enumerate(caps)
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
+    root = tmp_path_factory.mktemp("draft-caps")
+    save_tiny_model("llama", root / "target")
+    return str(root / "target"), save_drafts(root / "drafts", root / "target")
+
+
+def _itself(directory: str) -> dict[str, object]:
+    """The target as its own standalone draft: every draft is the target's greedy choice."""
+    return {
+        "speculative_algorithm": "standalone",
+        "draft_model": directory,
+        "speculative_num_steps": STEPS,
+    }
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_each_step_commits_at_most_the_cap_and_the_tokens_stay_the_targets(
+    target: tuple[str, dict[str, str]], temperature: float
+) -> None:
+    directory, _ = target
+    plain = run(engine_for(directory), _requests(temperature))
+    outcomes = run(engine_for(directory, **_itself(directory)), _requests(temperature))
+    for rid, outcome in plain.items():
+        assert outcomes[rid].token_ids == outcome.token_ids, rid
+    for rid, outcome in outcomes.items():
+        cap, usage = CAPS[rid % len(CAPS)], outcome.finish.usage
+        if cap == 0:  # plain steps, or verifies that commit the target's token alone
+            assert usage.spec_accepted_tokens == 0, rid
+            continue
+        most = STEPS if cap is None else cap
+        assert 0 < usage.spec_accepted_tokens <= most * usage.spec_drafts, (rid, usage)
+        if temperature == 0.0:  # greedy drafts of the target itself: every one accepted, but
+            # in the last step, which the length may cut
+            assert usage.spec_accepted_tokens >= most * (usage.spec_drafts - 1), (rid, usage)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize("algorithm", list(DRAFT_ALGORITHMS))
+def test_every_algorithm_keeps_the_target_only_tokens_under_caps(
+    target: tuple[str, dict[str, str]], algorithm: str, overlap: bool
+) -> None:
+    directory, drafts = target
+    settings = dict(DRAFT_ALGORITHMS[algorithm])
+    name = str(settings["speculative_algorithm"])
+    if name in drafts:
+        settings["draft_model"] = drafts[name]
+    for temperature in (0.0, 1.0):
+        plain = run(engine_for(directory), _requests(temperature))
+        engine = engine_for(directory, no_overlap=not overlap, **settings)
+        outcomes = run(engine, _requests(temperature))
+        for rid, outcome in plain.items():
+            assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
+        capped = [o.finish.usage.spec_accepted_tokens for r, o in outcomes.items() if r % 4 == 1]
+        assert capped == [0] * len(PROMPTS), capped
+
+
+def test_a_batch_that_turned_speculation_off_takes_plain_steps(
+    target: tuple[str, dict[str, str]],
+) -> None:
+    directory, _ = target
+    engine = engine_for(directory, **_itself(directory))
+    outcomes = run(engine, _requests(caps=[0]))
+    assert engine.scheduler.counters().spec_drafts == 0
+    plain = run(engine_for(directory), _requests(caps=[0]))
+    assert {r: o.token_ids for r, o in outcomes.items()} == {
+        r: o.token_ids for r, o in plain.items()
+    }
