@@ -108,6 +108,7 @@ class GenerateCall:
     tool_choice: ToolChoice = "auto"
     tool_name: str | None = None
     parallel_tool_calls: bool = True
+    max_drafts: int | None = None
     request_id: str | None = None
     timeout: float | None = None
 
@@ -153,6 +154,7 @@ class GenerateCall:
             tool_choice=self.tool_choice,
             tool_name=self.tool_name,
             parallel_tool_calls=self.parallel_tool_calls,
+            max_drafts=self.max_drafts,
         )
 
 

@@ -14,11 +14,12 @@ from msgspec import Meta, Struct
 PROTOCOL_VERSION = 1
 # The version nibbles of request frames: 1 is protocol 1.0; 2 is protocol 1.1, which adds
 # Generate's min_p, penalties and logit_bias; 3 is protocol 1.2, which adds its grammar and
-# tools (and the chat messages' tool calls). A client sends the oldest revision that carries
+# tools (and the chat messages' tool calls); 4 is protocol 1.3, which adds its max_drafts.
+# A client sends the oldest revision that carries
 # its request (``request_revision``): an older daemon serves every request it can honour and
 # refuses the rest (unsupported_version) instead of ignoring fields it does not know.
 # Replies are unchanged (revision 1).
-REQUEST_REVISIONS = (1, 2, 3)
+REQUEST_REVISIONS = (1, 2, 3, 4)
 PROTOCOL_MINOR = len(REQUEST_REVISIONS) - 1
 
 MAX_STOP_STRINGS = 16
@@ -35,6 +36,7 @@ MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_ABS_PENALTY = 2.0  # presence and frequency
 MAX_REPETITION_PENALTY = 10.0
+MAX_DRAFTS = 1024  # a request's draft cap; any cap past the engine's depth is none
 # The largest client frame a daemon takes by default (``--max-message-bytes``): a larger one
 # ends the sender's connection, so the client library refuses to send one.
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 2**20
@@ -71,6 +73,7 @@ Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]  # 0: no cut
 Penalty = Annotated[float, Meta(ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)]  # 0: off
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)]  # 1: off
+MaxDrafts = Annotated[int, Meta(ge=0, le=MAX_DRAFTS)]  # 0: speculation off
 LogitBias = Annotated[
     dict[TokenId, Annotated[float, Meta(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]],
     Meta(max_length=MAX_LOGIT_BIAS),
@@ -169,6 +172,10 @@ class Generate(Struct, tag="generate", frozen=True):
     answer or call, ``none`` lets it answer only, ``required`` makes it call at least one tool
     (with ``tool_name``: that one); ``parallel_tool_calls`` False allows one call. The output
     text holds the calls as the model writes them.
+
+    ``max_drafts`` (protocol 1.3) caps the drafted tokens a speculative step may accept for
+    this request (0 turns speculation off for it; None: the daemon's); the output is the same
+    either way (greedy and seeded), only how many tokens a step commits changes.
     """
 
     request_id: RequestId
@@ -195,6 +202,7 @@ class Generate(Struct, tag="generate", frozen=True):
     tool_choice: ToolChoice = "auto"
     tool_name: ToolName | None = None
     parallel_tool_calls: bool = True
+    max_drafts: MaxDrafts | None = None
 
 
 class Abort(Struct, tag="abort", frozen=True):
@@ -328,6 +336,8 @@ ClientReply = Chunk | Finished | Error | Ack | Health | ServerInfo
 
 def request_revision(msg: ClientRequest) -> int:
     """The oldest request revision (``REQUEST_REVISIONS``) whose fields carry ``msg``."""
+    if isinstance(msg, Generate) and msg.max_drafts is not None:
+        return 4
     if isinstance(msg, Generate) and (
         msg.grammar is not None
         or msg.tools

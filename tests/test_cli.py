@@ -28,7 +28,7 @@ def test_version_names_the_installed_distribution_and_the_protocol(
     assert exited.value.code == 0
     installed = importlib.metadata.version("outrider")
     assert (
-        capsys.readouterr().out == f"outrider {installed} (client protocol {PROTOCOL_VERSION}.2)\n"
+        capsys.readouterr().out == f"outrider {installed} (client protocol {PROTOCOL_VERSION}.3)\n"
     )
 
 
@@ -194,7 +194,7 @@ def test_generate_chat_sends_one_user_message_and_the_timeout_says_what_to_do(
     ]
 
 
-def test_generate_passes_the_logit_adjustments(
+def test_generate_passes_the_logit_adjustments_and_the_draft_cap(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(generate_cmd, "Client", _FakeClient)
@@ -208,6 +208,8 @@ def test_generate_passes_the_logit_adjustments(
     names = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
     assert [given[n] for n in names] == [0.05, 1.5, -0.5, 1.2, {7: 100.0, 9: -2.5}]
     assert [plain[n] for n in names] == [0.0, 0.0, 0.0, 1.0, {}]
+    assert main(["generate", *fake, "--max-drafts", "0", "z"]) == 1
+    assert (_FakeClient.calls[-1]["max_drafts"], plain["max_drafts"]) == (0, None)
     capsys.readouterr()
     with pytest.raises(SystemExit):
         main(["generate", *fake, "--logit-bias", "7", "x"])

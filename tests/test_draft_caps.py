@@ -10,6 +10,9 @@ import pytest
 from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
 from model_fixtures import mixed_prompts, save_drafts, save_tiny_model
 
+from outrider.protocol.frames import FAMILY_CLIENT_REQUEST, FrameCodec, FrameError, request_codec
+from outrider.protocol.messages import ClientRequest, Generate, request_revision
+
 debug_checks = debug_checks_fixture()
 
 PROMPTS = mixed_prompts(11, 4)
@@ -95,3 +98,15 @@ def test_a_batch_that_turned_speculation_off_takes_plain_steps(
     assert {r: o.token_ids for r, o in outcomes.items()} == {
         r: o.token_ids for r, o in plain.items()
     }
+
+
+def test_a_capped_request_travels_as_protocol_1_3_which_a_1_2_daemon_refuses() -> None:
+    capped = Generate("c", prompt="x", max_drafts=0)
+    assert request_revision(capped) == 4
+    assert request_revision(Generate("p", prompt="x")) == 1
+    frame = request_codec().encode(capped, request_revision(capped))
+    assert request_codec().decode(frame) == capped
+    older = FrameCodec(FAMILY_CLIENT_REQUEST, ClientRequest, 3, 1)
+    with pytest.raises(FrameError) as refused:
+        older.decode(frame)
+    assert (refused.value.code, refused.value.request_id) == ("unsupported_version", "c")

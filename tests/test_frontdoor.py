@@ -232,7 +232,7 @@ def _validation_cases(vocab: int) -> list[tuple[str, Any, str, str]]:
     cases: list[tuple[str, Any, str, str]] = [
         ("garbage body", b"\x11\xc1", "malformed", "undecodable"),
         ("unknown frame kind", b"\x71\x80", "malformed", "frame kind"),
-        ("other version", b"\x14" + b"\x81\xaarequest_id\xa1v", "unsupported_version", "version"),
+        ("other version", b"\x15" + b"\x81\xaarequest_id\xa1v", "unsupported_version", "version"),
         ("unknown type", {**ok, "type": "bogus"}, "invalid_request", "type"),
         ("empty request_id", {**ok, "request_id": ""}, "invalid_request", "request_id"),
         ("no prompt", {"type": "generate", "request_id": "v"}, "invalid_request", "exactly one"),
@@ -245,6 +245,8 @@ def _validation_cases(vocab: int) -> list[tuple[str, Any, str, str]]:
         ("presence past 2", {**ok, "presence_penalty": 2.5}, "invalid_request", "presence"),
         ("repetition 0", {**ok, "repetition_penalty": 0.0}, "invalid_request", "repetition"),
         ("min_p past 1", {**ok, "min_p": 1.5}, "invalid_request", "min_p"),
+        ("max_drafts below 0", {**ok, "max_drafts": -1}, "invalid_request", "max_drafts"),
+        ("max_drafts past 1024", {**ok, "max_drafts": 1025}, "invalid_request", "max_drafts"),
         ("too long", {**ok, "input_ids": [5] * CONTEXT_LENGTH}, "prompt_too_long", "input_ids"),
         (
             "long prompt",
@@ -378,6 +380,15 @@ async def test_max_new_tokens_up_to_the_context_is_forwarded(stack: Stack, clien
         assert (await stack.daemon.request("open")).max_new_tokens is None  # to the context
     finally:
         raw.close()
+
+
+async def test_a_draft_cap_is_forwarded_and_none_leaves_the_daemons(
+    stack: Stack, client: Client
+) -> None:
+    for request_id, cap in (("capped", 2), ("off", 0), ("open", None)):
+        await call(client.generate, input_ids=[5], max_new_tokens=3, max_drafts=cap,
+                   request_id=request_id)  # fmt: skip
+        assert (await stack.daemon.request(request_id)).max_drafts == cap, request_id
 
 
 async def test_stream_chunks_concatenate_to_the_final(

@@ -167,6 +167,17 @@ def test_structured_output_fields_become_one_grammar() -> None:
             assert kwargs.get("grammar") == grammar, fields
 
 
+def test_a_draft_cap_goes_to_the_daemon_as_given() -> None:
+    for base in ({"prompt": "a"}, _CHAT):
+        for fields, cap in (({}, None), ({"max_drafts": 0}, 0), ({"max_drafts": 3}, 3)):
+            body = msgspec.json.encode(base | fields)
+            if "messages" in base:
+                kwargs = chat_args(decode_request(body, ChatRequest)).client_kwargs()
+            else:
+                kwargs = completion_args(decode_request(body, CompletionRequest)).client_kwargs()
+            assert kwargs["max_drafts"] == cap, fields
+
+
 def test_structured_output_refusals_name_the_field() -> None:
     cases = [
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"},

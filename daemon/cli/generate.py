@@ -86,6 +86,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID=BIAS",
         help="add BIAS (-100 to 100) to token ID's logit (repeatable; default: none)",
     )
+    parser.add_argument(
+        "--max-drafts",
+        type=int,
+        metavar="N",
+        help="the drafted tokens a speculative step may accept for it (0: speculation off; "
+        "default: the daemon's)",
+    )
     constrain = parser.add_mutually_exclusive_group()
     constrain.add_argument(
         "--json-schema",
@@ -186,6 +193,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "repetition_penalty": args.repetition_penalty,
         "logit_bias": dict(args.logit_bias),
         "grammar": _grammar(args),
+        "max_drafts": args.max_drafts,
     }
     if args.chat:
         request["messages"] = [{"role": "user", "content": prompt}]

@@ -329,6 +329,7 @@ class FrontDoor:
                 arrival=time.time(),
                 grammar=msg.grammar,
                 tools=admitted.tools,
+                max_drafts=msg.max_drafts,
             )
         )
 

@@ -3,8 +3,9 @@ client library's ``generate`` arguments (the responses: responses.py).
 
 Sampling fields a request leaves out stay None on the way to the daemon, so that the model's
 generation defaults apply there. ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids`` and ``ignore_eos`` are extensions (vLLM's names); the daemon checks every
-value's range.
+``stop_token_ids`` and ``ignore_eos`` are extensions (vLLM's names), and ``max_drafts`` this
+daemon's own (the drafted tokens a speculative step may accept for the request; 0 turns
+speculation off for it); the daemon checks every value's range.
 
 Structured output (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``) goes
 to the daemon as one grammar (structured.py); a chat request's tools as the client library's
@@ -90,6 +91,7 @@ class _Sampling(StructuredFields, forbid_unknown_fields=True):
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     min_p: float | None = None
+    max_drafts: int | None = None  # checked by the daemon (protocol 1.3); None: its own
     # Fields of ``UNIMPLEMENTED``: None when left out, checked by ``refuse_unimplemented``.
     min_tokens: Any = None
     best_of: Any = None
@@ -148,6 +150,7 @@ class GenerateArgs:
     adjustments: dict[str, Any]  # min_p, the penalties and logit_bias a request gave
     n: int  # choices: one daemon request each
     grammar: Grammar | None  # structured output (structured.py)
+    max_drafts: int | None  # the request's draft cap (None: the daemon's)
     tools: dict[str, Any] = field(default_factory=dict)  # tools.py's client arguments
 
     @property
@@ -182,6 +185,7 @@ class GenerateArgs:
                 "stop_token_ids": self.stop_token_ids,
                 "ignore_eos": self.ignore_eos,
                 "logprobs": self.logprobs,
+                "max_drafts": self.max_drafts,
             }
         )
 
@@ -350,6 +354,7 @@ def _args(
         },
         n=req.n,
         grammar=_grammar(req),
+        max_drafts=req.max_drafts,
     )
 
 
