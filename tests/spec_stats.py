@@ -31,10 +31,15 @@ def joint_distribution(model: torch.nn.Module) -> torch.Tensor:
     return first[:, None, None] * second[:, :, None] * third
 
 
-def sampled_joint_counts(engine: Engine) -> tuple[torch.Tensor, float]:
-    """Counts of the 3 generated tokens over SAMPLES seeded requests at temperature 1, and the
-    engine's mean acceptance length."""
-    reqs = [request(i, PROMPT, max_new_tokens=3, temperature=1.0, seed=i) for i in range(SAMPLES)]
+def sampled_joint_counts(
+    engine: Engine, max_drafts: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """Counts of the 3 generated tokens over SAMPLES seeded requests at temperature 1 (each
+    with draft cap ``max_drafts``), and the engine's mean acceptance length."""
+    reqs = [
+        request(i, PROMPT, max_new_tokens=3, temperature=1.0, seed=i, max_drafts=max_drafts)
+        for i in range(SAMPLES)
+    ]
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
     for outcome in run(engine, reqs).values():
         a, b, c = outcome.token_ids

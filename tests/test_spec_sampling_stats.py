@@ -2,7 +2,8 @@
 distributed as the target's. A chi-square test of the joint distribution of three generated
 tokens (20,000 seeded requests through the in-process engine, a target with a vocabulary of
 16) against the probabilities enumerated from the target, for every sampled path: chains kept
-with min(1, p/q) (``"sample": "rejection"``) and coupled drafts (the default), trees included.
+with min(1, p/q) (``"sample": "rejection"``, a request's draft cap included) and coupled
+drafts (the default), trees included.
 The same test must reject a deliberately wrong rule (an argmax draft verified with its softmax
 as q). Greedy rows of a mixed batch stay exact, and coupled drafts give the target-only seeded
 outputs token for token."""
@@ -73,6 +74,18 @@ def test_sampled_drafts_are_distributed_as_the_target(
     target_dir, drafts, joint = models
     counts, tau = sampled_joint_counts(_engine(target_dir, drafts, path, **BIG_BATCHES))
     assert tau > PATHS[path][3]  # drafts are kept often enough for the rule to matter
+    assert chi_square_p_value(counts, joint) > SIGNIFICANCE
+
+
+def test_a_capped_chain_under_rejection_is_distributed_as_the_target(
+    models: tuple[str, dict[str, str], torch.Tensor],
+) -> None:
+    """A draft cap of 1 cuts each commit after the token at the first draft: the kept draft or
+    the residual's, which is the target's distribution."""
+    target_dir, drafts, joint = models
+    engine = _engine(target_dir, drafts, "standalone rejection", **BIG_BATCHES)
+    counts, tau = sampled_joint_counts(engine, max_drafts=1)
+    assert 1.1 < tau <= 2.0  # drafts kept, one a step at most
     assert chi_square_p_value(counts, joint) > SIGNIFICANCE
 
 
