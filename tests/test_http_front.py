@@ -378,6 +378,7 @@ class _Verdict(pydantic.BaseModel):
     verdict: Literal["yes", "no"]
     score: int = pydantic.Field(ge=0, le=9)
     reason: Literal["short", "long"]
+    note: str = pydantic.Field(max_length=12)  # a bounded string: strict JSON too
 
 
 def test_parse_with_a_pydantic_model_gets_an_instance(server: HttpDaemon) -> None:
