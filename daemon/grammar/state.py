@@ -20,7 +20,7 @@ class GrammarState:
     the paths walked since the last commit (None: the path is refused or ends the grammar),
     so that a verify node reuses its draft place's mask. Masks are int32 words ``[rows,
     ceil(V / 32)]`` on the CPU; rows are copied, and bits read, through a numpy view
-    (``_words``): torch's indexing costs microseconds a call."""
+    (``_word_view``): torch's indexing costs microseconds a call."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, stop_ids: Sequence[int]) -> None:
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids))
@@ -55,7 +55,7 @@ class GrammarState:
         and takes its parent's mask, so that no row is all masked. Returns how many nodes
         the grammar refused (reached parents whose masks refuse their tokens)."""
         self.path_mask(masks, first, ())
-        words = _words(masks)
+        words = _word_view(masks)
         paths: list[tuple[int, ...]] = [()]
         live = [True]  # per node: reached, and the grammar not ended there
         refused = 0
@@ -75,7 +75,7 @@ class GrammarState:
         state); every token allowed where the grammar refuses one of the path or ends on it
         (such a place is never committed)."""
         if not self._mask_after(tuple(path), masks, row):
-            _words(masks)[row] = _EVERY
+            _word_view(masks)[row] = _EVERY
 
     def _mask_after(self, path: tuple[int, ...], masks: torch.Tensor, row: int) -> bool:
         """Row ``row``: the mask after ``path``, walked once a commit; False, and the row
@@ -83,12 +83,12 @@ class GrammarState:
         if path in self._masks:
             known = self._masks[path]
             if known is not None:
-                _words(masks)[row] = known
+                _word_view(masks)[row] = known
             return known is not None
         reached = self._walk(path)
         if reached:
             self._matcher.fill_next_token_bitmask(masks, row)
-        self._masks[path] = _words(masks)[row].copy() if reached else None
+        self._masks[path] = _word_view(masks)[row].copy() if reached else None
         return reached
 
     def _walk(self, path: tuple[int, ...]) -> bool:
@@ -126,7 +126,7 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
 _EVERY = 0xFFFFFFFF  # a mask word allowing every token
 
 
-def _words(masks: torch.Tensor) -> np.ndarray:
+def _word_view(masks: torch.Tensor) -> np.ndarray:
     """``masks`` as unsigned words, sharing its memory."""
     return masks.numpy().view(np.uint32)
 
