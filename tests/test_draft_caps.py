@@ -92,6 +92,33 @@ def test_every_algorithm_keeps_the_target_only_tokens_under_caps(
         assert off == [0] * len(PROMPTS), off
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", list(DRAFT_ALGORITHMS))
+def test_capped_rows_in_replayed_graphs_keep_the_eager_tokens(
+    target: tuple[str, dict[str, str]], algorithm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA the caps ride in captured batches (each slot's bound read by the replayed
+    verify), every launch under the sync check: greedy and seeded tokens are the eager
+    engine's, and a request that turned speculation off accepts no draft."""
+    monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
+    monkeypatch.delenv("OUTRIDER_DEBUG_RELAY_CHECK")  # graphs are off under it (build.py)
+    directory, drafts = target
+    settings: dict[str, object] = {"device": "cuda", **DRAFT_ALGORITHMS[algorithm]}
+    name = str(settings["speculative_algorithm"])
+    if name in drafts:
+        settings["draft_model"] = drafts[name]
+    for temperature in (0.0, 1.0):
+        eager = engine_for(directory, disable_cuda_graph=True, **settings)
+        expected = run(eager, _requests(temperature))
+        graphed = engine_for(directory, **settings)
+        assert graphed.loop.runner.graphs is not None
+        outcomes = run(graphed, _requests(temperature))
+        for rid, outcome in expected.items():
+            assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
+        off = [o.finish.usage.spec_accepted_tokens for r, o in outcomes.items() if _cap(r) == 0]
+        assert off == [0] * len(PROMPTS), off
+
+
 def test_a_batch_that_turned_speculation_off_takes_plain_steps(
     target: tuple[str, dict[str, str]],
 ) -> None:
