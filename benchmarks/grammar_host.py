@@ -7,10 +7,10 @@ times, per row, the guide's masks of the drafts, one place at a time (``RowGramm
 as a chain's worker asks for them), then the verify nodes' masks (``RowGrammars.node_masks``,
 which reuse the places'), then the commit of the drafts and the target's next token
 (``GrammarState.advance``); and, on a state of its own, a plain step's mask at each token
-(``pack_masks``), and the masks of a plain step of ``--rows`` grammar rows. Medians in
-microseconds.
+(``pack_masks``); then steps of ``--rows`` grammar rows, each row at its own place of the
+answer: a plain step's masks, a chain's guide and its verify nodes. Medians in microseconds.
 
-    python benchmarks/grammar_host.py --model-dir DIR [--width 4]
+    python benchmarks/grammar_host.py --model-dir DIR [--width 4] [--rows 32]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, help="the model's (default: the tokenizer's)")
     parser.add_argument("--schema", type=Path, default=SCHEMA)
     parser.add_argument("--width", type=int, default=4, help="verify nodes of a chain")
-    parser.add_argument("--rows", type=int, default=32, help="a plain step's grammar rows")
+    parser.add_argument("--rows", type=int, default=32, help="a step's grammar rows")
     args = parser.parse_args()
     hf = AutoTokenizer.from_pretrained(args.model_dir)
     vocab = args.vocab_size or len(hf)
@@ -84,17 +84,31 @@ def main() -> None:
         committed = tokens[position : position + args.width]
         commits.append(timed(lambda c=committed: accepted.append(state.advance(c))))  # type: ignore[misc]
     assert all(accepted)
-    # A plain step of ``--rows`` grammar rows, each at its own place of the answer.
+    # Steps of ``--rows`` grammar rows, each at its own place of the answer: a plain step's
+    # masks, a chain's guide (place after place) and its verify nodes.
     rows_states = [
         GrammarState(grammars.compile(grammar), [hf.eos_token_id]) for _ in range(args.rows)
     ]
-    for row, row_state in enumerate(rows_states):
-        assert row_state.advance(tokens[: row % (len(tokens) - 1)])
-    batch = []
+    offsets = [row % (len(tokens) - args.width) for row in range(args.rows)]
+    for offset, row_state in zip(offsets, rows_states, strict=True):
+        assert row_state.advance(tokens[:offset])
+    chains = torch.tensor([tokens[offset : offset + drafts] for offset in offsets])
+    batch = RowGrammars(rows_states)
+    plain_out = xgr.allocate_token_bitmask(args.rows, vocab)
+    step_out = xgr.allocate_token_bitmask(args.rows * args.width, vocab)
+    firsts = [row * args.width for row in range(args.rows)]
+    plain_us, guide_us, nodes_us = [], [], []
     for _ in range(50):
         for row_state in rows_states:
             row_state.advance([])  # a new step: no mask of this one known yet
-        batch.append(timed(lambda: pack_masks(rows_states)))
+        plain_us.append(timed(partial(batch.masks, plain_out, range(args.rows))))
+        guide_us.append(
+            sum(
+                timed(partial(batch.path_masks, step_out, firsts, chains[:, None, :place]))
+                for place in range(drafts)
+            )
+        )
+        nodes_us.append(timed(partial(batch.node_masks, step_out, firsts, chains, None)))
     report = {
         "model_dir": args.model_dir,
         "vocab": vocab,
@@ -105,8 +119,10 @@ def main() -> None:
         "guide_masks_us": round(statistics.median(places), 1),
         "commit_us": round(statistics.median(commits), 1),
         "width": args.width,
-        "plain_step_masks_us": round(statistics.median(batch), 1),
         "rows": args.rows,
+        "plain_step_masks_us": round(statistics.median(plain_us), 1),
+        "step_guide_us": round(statistics.median(guide_us), 1),
+        "step_verify_nodes_us": round(statistics.median(nodes_us), 1),
         "torch_threads": torch.get_num_threads(),
     }
     print(json.dumps(report))

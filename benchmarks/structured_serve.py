@@ -4,11 +4,13 @@ speculative algorithm, under the overlap loop and the serial one.
 For each configuration and loop it starts ``outrider serve``, then runs ``outrider bench
 serve`` (random prompts, greedy) at each ``--concurrency``: warm-up runs with the grammar
 (the compiler's first vocabulary read, the graphs captured on first use) and without, then
-the measured pair, without the grammar and with ``--json-schema``
-(``benchmarks/structured/review.schema.json`` unless ``--schema``). It writes every result
-and the ratios to ``--out`` (JSON) and a table to stdout: output tok/s and mean TPOT with the
-grammar over without, and acceptance lengths, a row per loop (overlap against serial: compare
-the rows). With the grammar the requests end where the schema's JSON ends (at most
+``--pairs`` measured pairs back to back, each a run without the grammar and one with
+``--json-schema`` (``benchmarks/structured/review.schema.json`` unless ``--schema``). It
+writes every result and the ratios to ``--out`` (JSON) and a table to stdout: the median
+pair's output tok/s and mean TPOT with the grammar over without (the pairs' range of the
+first beside it), and acceptance lengths, a row per loop (overlap against serial: compare
+the rows). Runs of a few seconds move by a tenth from one to the next: compare pairs of one
+daemon, not daemons. With the grammar the requests end where the schema's JSON ends (at most
 ``--output-len``); without it they decode as much (``ignore_eos``): lengths drawn uniformly
 around the warm-up's mean output length, spread as its shortest and longest, so that both
 runs admit and finish requests alike and the ratio is the grammar's cost.
@@ -145,16 +147,22 @@ def measure(name: str, flags: list[str], serial: bool, args: argparse.Namespace)
             # grammar rows replays (captured on first use).
             lengths = Lengths.of(bench(endpoint, args, concurrency, None)["output_lens"])
             bench(endpoint, args, concurrency, lengths)  # warm: the unconstrained batches
-            plain = bench(endpoint, args, concurrency, lengths)
-            constrained = bench(endpoint, args, concurrency, None)
-            for run in (plain, constrained):
-                del run["output_lens"]
+            pairs = []
+            for _ in range(args.pairs):
+                plain = bench(endpoint, args, concurrency, lengths)
+                constrained = bench(endpoint, args, concurrency, None)
+                for run in (plain, constrained):
+                    del run["output_lens"]
+                pairs.append({
+                    "plain": plain, "grammar": constrained,
+                    "tok_s_ratio": constrained["output_throughput"] / plain["output_throughput"],
+                    "tpot_ratio": constrained["mean_tpot_ms"] / plain["mean_tpot_ms"],
+                })  # fmt: skip
+            middle = sorted(pairs, key=lambda pair: pair["tok_s_ratio"])[len(pairs) // 2]
             rows.append({
                 "config": name, "loop": "serial" if serial else "overlap",
-                "concurrency": concurrency, "plain": plain, "grammar": constrained,
+                "concurrency": concurrency, **middle, "pairs": pairs,
                 "plain_lengths": {"mean": lengths.mean, "spread": lengths.spread},
-                "tok_s_ratio": constrained["output_throughput"] / plain["output_throughput"],
-                "tpot_ratio": constrained["mean_tpot_ms"] / plain["mean_tpot_ms"],
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -173,6 +181,7 @@ def main() -> None:
                         default=["overlap", "serial"])  # fmt: skip
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompts", type=int, default=4, help="requests per concurrency slot")
+    parser.add_argument("--pairs", type=int, default=3, help="measured pairs per concurrency")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--schema", type=Path, default=SCHEMA)
@@ -195,6 +204,8 @@ def main() -> None:
             f"{row['config']:>13} {row['loop']:>7} c{row['concurrency']:<3}"
             f" tok/s {row['plain']['output_throughput']:9.1f} -> "
             f"{row['grammar']['output_throughput']:9.1f} ({row['tok_s_ratio']:.2f}x)"
+            f" [{min(pair['tok_s_ratio'] for pair in row['pairs']):.2f}-"
+            f"{max(pair['tok_s_ratio'] for pair in row['pairs']):.2f}]"
             f" TPOT {row['tpot_ratio']:.2f}x"
             f" tau {row['plain'].get('spec_decode_acceptance_length', 1):.2f} -> "
             f"{row['grammar'].get('spec_decode_acceptance_length', 1):.2f}"
