@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import xgrammar as xgr
@@ -25,7 +26,9 @@ from grammar_cases import (
     grammar_requests,
 )
 
-from outrider.daemon.engine.token_masks import GrammarGuide, TokenMasks
+from outrider.daemon.engine.plan import StepPlan
+from outrider.daemon.engine.token_masks import GrammarGuide, HostMasks, TokenMasks
+from outrider.daemon.grammar import state as state_module
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
 from outrider.daemon.grammar.state import GrammarState, RowGrammars
@@ -179,9 +182,10 @@ def test_drafts_are_proposed_under_the_grammar(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The constrained requests' drafts, guided and (the guide switched off) not: guided,
-    no draft the grammar refuses reaches a verify where the draft's vocabulary is the
-    target's (DFlash, standalone; the EAGLE-3 draft's holds the even ids only, so some
-    places have no allowed token in it), and far more drafts are accepted."""
+    far more drafts are accepted, and with every place guided (free text's later places
+    too: ``FREE_TEXT`` above 1) no draft the grammar refuses reaches a verify where the
+    draft's vocabulary is the target's (DFlash, standalone; the EAGLE-3 draft's holds the
+    even ids only, so some places have no allowed token in it)."""
     settings = dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts[algorithm.split()[0]])
     refused = 0
     node_masks = GrammarState.node_masks
@@ -207,9 +211,12 @@ def test_drafts_are_proposed_under_the_grammar(
             off.setattr(GrammarGuide, "restrict", lambda *args, **kwargs: None)
             unguided = accepted_and_refused(temperature)
         assert unguided[1] > 0, unguided  # the check can see refused drafts
+        with monkeypatch.context() as strict:
+            strict.setattr(state_module, "FREE_TEXT", 1.1)
+            every_place = accepted_and_refused(temperature)
         if algorithm in ("dflash", "standalone"):
-            assert guided[1] == 0, (temperature, guided)
-        assert guided[1] < unguided[1], (temperature, guided, unguided)
+            assert every_place[1] == 0, (temperature, every_place)
+        assert every_place[1] <= guided[1] < unguided[1], (temperature, guided, unguided)
         assert guided[0] > 10 * max(unguided[0], 1), (temperature, guided, unguided)
 
 
@@ -242,6 +249,92 @@ def test_each_draft_place_is_masked_by_the_state_its_path_reaches(
     again = xgr.allocate_token_bitmask(1, VOCAB)
     states[1].fill(again, 0)
     assert torch.equal(again[0], _regex_mask(grammars, [a, b, a, dash, one]))
+
+
+def _mask(grammars: Grammars, grammar: Grammar, path: list[int]) -> torch.Tensor:
+    """``grammar``'s next mask after ``path``, from a fresh state."""
+    state = _start(grammars, grammar)
+    assert state.advance(path)
+    row = xgr.allocate_token_bitmask(1, VOCAB)
+    state.fill(row, 0)
+    return row[0]
+
+
+def test_past_free_text_a_steps_later_places_allow_every_token_and_the_nodes_mask_them(
+    grammars: Grammars, tokenizer: Tokenizer
+) -> None:
+    """Inside a JSON string (the schema's free ``note``: most of the vocabulary allowed) a
+    step's draft places past the first allow every token, while the first place and every
+    verify node take the mask their path reaches; at a structural place (a fresh object)
+    every place is masked."""
+    schema = GRAMMARS["json_schema"]
+    text = '{"answer": "yes", "digit": 3, "flag": true, "note": "a'
+    inside = tokenizer.hf.encode(text, add_special_tokens=False)
+    c, d, brace, quote = (tokenizer.hf.convert_tokens_to_ids(t) for t in 'cd{"')
+    free, structural = _start(grammars, schema), _start(grammars, schema)
+    assert free.advance(inside)
+    cases = [(free, inside, [c, d], False), (structural, [], [brace, quote], True)]
+    for state, before, path, guided in cases:
+        rows = RowGrammars([state])
+        places = xgr.allocate_token_bitmask(3, VOCAB)
+        places[:] = 0
+        for place in range(3):
+            rows.path_masks(places[place:], [0], torch.tensor([[path[:place]]]))
+        assert rows.guides_paths() is guided
+        assert torch.equal(places[0], _mask(grammars, schema, before))
+        for place in (1, 2):
+            expected = _mask(grammars, schema, before + path[:place])
+            assert not torch.equal(expected, torch.full_like(expected, -1))
+            if guided:
+                assert torch.equal(places[place], expected), place
+            else:
+                assert torch.equal(places[place], torch.full_like(expected, -1)), place
+        nodes = xgr.allocate_token_bitmask(3, VOCAB)
+        state.node_masks(nodes, 0, path, None)
+        for node in range(3):
+            assert torch.equal(nodes[node], _mask(grammars, schema, before + path[:node])), node
+    assert RowGrammars([free, structural]).guides_paths()
+
+
+def test_a_later_draft_place_waits_for_the_device_only_where_a_row_guides_it(
+    grammars: Grammars, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GrammarGuide.restrict`` at a chain's first place and its second: with every row in
+    free text the second allows every token and never waits for the device (its paths go
+    unread); with a structural row beside it, it waits and masks that row."""
+    schema = GRAMMARS["json_schema"]
+    text = '{"answer": "yes", "digit": 3, "flag": true, "note": "a'
+    inside = tokenizer.hf.encode(text, add_special_tokens=False)
+    brace = tokenizer.hf.convert_tokens_to_ids("{")
+    waits = 0
+
+    def counted(masks: TokenMasks) -> None:
+        nonlocal waits
+        waits += 1
+
+    monkeypatch.setattr(TokenMasks, "wait_for_device", counted)
+    for structural in (False, True):
+        states = [_start(grammars, schema) for _ in range(1 + structural)]
+        assert states[0].advance(inside)
+        rows = len(states)
+        host = HostMasks(TokenMasks(VOCAB, rows, 2, torch.device("cpu")))
+        plan = StepPlan("decode", [], [], [], [], [], [], [], [], [], 0, True)
+        plan = msgspec.structs.replace(plan, masked_rows=list(range(rows)))
+        host.begin(plan, RowGrammars(states), None)
+        host.padded(rows)
+        guide, waits = host.guide(), 0
+        first = torch.zeros(rows, VOCAB)
+        guide.restrict(first, torch.zeros(rows, 0, dtype=torch.int64))
+        assert first.isinf().any(dim=1).all()  # the first place: every row masked
+        second = torch.zeros(rows, VOCAB)
+        paths = torch.tensor([[inside[-1]], [brace]])[:rows]
+        guide.restrict(second, paths)
+        assert waits == structural
+        assert not second[0].isinf().any()  # free text: every token
+        if structural:
+            expected = _mask(grammars, schema, [brace])
+            bits = (expected.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+            assert torch.equal(~second[1].isinf(), bits.view(-1)[:VOCAB].bool())
 
 
 def test_a_chain_walks_each_draft_once_and_its_commit_starts_from_the_walk(

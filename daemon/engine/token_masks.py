@@ -6,7 +6,9 @@ its waits, the fills.
 
 A decode step takes its masks from the host in the middle of the step, at a ``MaskHoles``
 wait: a plain step's between its logits and its sampling, a drafting step's before each draft
-place its worker chooses (the place's path copied to the host) and before its verify (its
+place its worker chooses (the place's path copied to the host; past the first place only
+where some row guides its paths, else the place allows every token without waiting:
+``HostTurn.guides_paths``) and before its verify (its
 drafts copied to the host and the point marked, ``DeviceMark``, so that the nodes' masks wait
 for the copy alone while the verify's forward runs). Eagerly the host's
 fill runs at the wait; while a graph is captured the graph is cut there (graphs.py) and each
@@ -96,6 +98,11 @@ class GrammarRows(Protocol):
         (``DraftGuide.restrict``)."""
         ...
 
+    def guides_paths(self) -> bool:
+        """Whether some row's draft places past the first take masks (else they allow every
+        token, and their paths are not read)."""
+        ...
+
 
 def _nothing() -> None:
     pass
@@ -131,6 +138,10 @@ class HostTurn:
         else:
             return ()
         return rows
+
+    def guides_paths(self) -> bool:
+        """Whether the masks of draft places past the first read their paths."""
+        return self.grammar is not None and self.grammar.guides_paths()
 
     def path_masks(self, out: torch.Tensor, paths: torch.Tensor) -> Sequence[int]:
         """The masks of a drafting step's draft places (a ``MaskFill``, given every row's
@@ -197,6 +208,11 @@ class TokenMasks:
         if len(filled) < n:
             host[sorted(set(range(n)).difference(filled))] = -1
         self.staged[:n].copy_(host, non_blocking=True)
+
+    def allow_every(self, n: int) -> None:
+        """Queue every token allowed in ``n`` staged rows: device work alone, so that a fill
+        which did not wait for the device writes no host set whose copy may be pending."""
+        self.staged[:n].fill_(-1)
 
     def apply_staged(self, choose: torch.Tensor, columns: torch.Tensor | None = None) -> None:
         """Set to -inf, in ``choose`` (``[n, C]``), every logit the staged mask of its row
@@ -387,7 +403,12 @@ class GrammarGuide:
         def fill() -> None:
             turn = self.turn()
             turn.settle()  # while the device runs what was queued
-            if host.shape[1]:  # the first place's path is empty: nothing to wait for
+            # The first place's path is empty: nothing to wait for; nor where no row reads
+            # the paths of later places.
+            if host.shape[1] and not turn.guides_paths():
+                self.masks.allow_every(host.shape[0])
+                return
+            if host.shape[1]:
                 self.masks.wait_for_device()
             self.masks.stage(host.shape[0], lambda out: turn.path_masks(out, host))
 

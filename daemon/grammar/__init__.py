@@ -27,7 +27,10 @@ Invariants:
   (``SchedulerLimits.grammar_drafts``; on tensor-parallel ranks it takes plain steps);
 - drafts are proposed under the grammar too: a worker that drafts from logits masks each
   draft place by the state its path reaches (``DraftGuide``, ``GrammarState.path_mask``; the
-  host waits for each place's path). n-gram drafts, copied from the context, are not: a draft
+  host waits for each place's path), but a row whose committed state is free text (inside a
+  string: its mask allows most of the vocabulary) masks only its first place in a step
+  (``GrammarState.guides_paths``): there a mask costs the most and the draft's own choice is
+  almost always allowed. n-gram drafts, copied from the context, are not guided. A draft
   the grammar refuses is rejected by the verify, which costs acceptance, never correctness;
 - a step waits for the host only at ``MaskHoles`` waits (engine/token_masks.py), where a
   replayed graph is cut into segments;

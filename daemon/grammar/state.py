@@ -20,13 +20,20 @@ class GrammarState:
     the paths walked since the last commit (None: the path is refused or ends the grammar),
     so that a verify node reuses its draft place's mask. Masks are int32 words ``[rows,
     ceil(V / 32)]`` on the CPU; rows are copied, and bits read, through a numpy view
-    (``_word_view``): torch's indexing costs microseconds a call."""
+    (``_word_view``): torch's indexing costs microseconds a call.
+
+    Free text: where the committed state's mask allows more than ``FREE_TEXT`` of the
+    vocabulary (inside a string), a draft's own choice is almost always allowed and a mask
+    costs the most (against a 128k vocabulary 100-300 us, against 1-15 us at a structural
+    place): a step's draft places past the first then take no mask (``guides_paths``), and
+    the verify nodes, whose masks fill while the verify's forward runs, mask those paths."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, stop_ids: Sequence[int]) -> None:
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids))
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
         self._ahead: list[int] = []
         self._masks: dict[tuple[int, ...], np.ndarray | None] = {}
+        self._free: bool | None = None  # whether the root's mask is free text, once read
 
     def fill(self, masks: torch.Tensor, row: int) -> None:
         """Row ``row`` of ``masks`` (int32 ``[rows, ceil(V / 32)]``, on the CPU): bit ``t``
@@ -42,6 +49,7 @@ class GrammarState:
             self._matcher.rollback(len(self._ahead) - kept)
         self._ahead.clear()
         self._masks.clear()
+        self._free = None
         return all(self._matcher.accept_token(token) for token in tokens[kept:])
 
     def node_masks(
@@ -73,9 +81,22 @@ class GrammarState:
     def path_mask(self, masks: torch.Tensor, row: int, path: Sequence[int]) -> None:
         """Row ``row`` of ``masks``: the mask after ``path`` (tokens from the committed
         state); every token allowed where the grammar refuses one of the path or ends on it
-        (such a place is never committed)."""
-        if not self._mask_after(tuple(path), masks, row):
+        (such a place is never committed), and past the first place where the paths are
+        not guided (``guides_paths``)."""
+        unguided = bool(path) and not self.guides_paths()
+        if unguided or not self._mask_after(tuple(path), masks, row):
             _word_view(masks)[row] = _EVERY
+
+    def guides_paths(self) -> bool:
+        """Whether this step's draft places past the first take masks: not where the
+        committed state's mask, once known (the first place's, or the root node's), is free
+        text (class docstring)."""
+        root = self._masks.get(())
+        if root is None:
+            return True
+        if self._free is None:
+            self._free = int(np.bitwise_count(root).sum()) > FREE_TEXT * self.vocab_size
+        return not self._free
 
     def _mask_after(self, path: tuple[int, ...], masks: torch.Tensor, row: int) -> bool:
         """Row ``row``: the mask after ``path``, walked once a commit; False, and the row
@@ -124,6 +145,9 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 _EVERY = 0xFFFFFFFF  # a mask word allowing every token
+# The share of the vocabulary a mask allows past which its state is free text (GrammarState):
+# a string's inside allows nearly every token, a structural place a few.
+FREE_TEXT = 0.5
 
 
 def _word_view(masks: torch.Tensor) -> np.ndarray:
@@ -174,6 +198,14 @@ class RowGrammars:
         for i, first in self._live(out, firsts, tokens.shape[1] + 1):
             shape = None if shapes is None else shapes[i]
             self.states[i].node_masks(out, first, drafts[i], shape)
+
+    def guides_paths(self) -> bool:
+        """Whether some row whose request goes on guides its draft places past the first
+        (``GrammarState.guides_paths``)."""
+        ended = [owner.finished for owner in self.owners] or [False] * len(self.states)
+        return any(
+            state.guides_paths() for state, end in zip(self.states, ended, strict=True) if not end
+        )
 
     def path_masks(self, out: torch.Tensor, firsts: Sequence[int], paths: torch.Tensor) -> None:
         """Rows ``firsts[i] ..`` of ``out``: the mask at each draft place of grammar row
