@@ -202,7 +202,8 @@ class TokenMasks:
         """Queue the masks of ``n`` mask rows into ``staged``: those ``fill`` writes into
         the host's staging rows, every other row allowing every token."""
         # NOTE: a host set is refilled two stages later, once its copy ran: steps alternate
-        # as the inputs do, and within a drafting step every fill waits for the device first.
+        # as the inputs do, and within a drafting step every stage but the first waits for
+        # the device first (a place that does not, ``allow_every``, writes no host set).
         host, self._parity = self._host[self._parity][:n], self._parity ^ 1
         filled = fill(host)
         if len(filled) < n:
