@@ -63,9 +63,9 @@ def main() -> None:
     fill: list[float] = []
     accepted: list[bool] = []
     start = time.perf_counter()
-    state = GrammarState(grammars.compile(grammar), [hf.eos_token_id])
+    state = GrammarState(grammars.compile(grammar), [hf.eos_token_id], grammars.text_exits)
     compile_ms = (time.perf_counter() - start) * 1e3
-    plain = GrammarState(grammars.compile(grammar), [hf.eos_token_id])
+    plain = GrammarState(grammars.compile(grammar), [hf.eos_token_id], grammars.text_exits)
     # The schema's form: its properties in order, ", " and ": " between (any_whitespace off).
     tokens = hf.encode(json.dumps(ANSWER), add_special_tokens=False)
     tokens.append(hf.eos_token_id)
@@ -87,7 +87,8 @@ def main() -> None:
     # Steps of ``--rows`` grammar rows, each at its own place of the answer: a plain step's
     # masks, a chain's guide (place after place) and its verify nodes.
     rows_states = [
-        GrammarState(grammars.compile(grammar), [hf.eos_token_id]) for _ in range(args.rows)
+        GrammarState(grammars.compile(grammar), [hf.eos_token_id], grammars.text_exits)
+        for _ in range(args.rows)
     ]
     offsets = [row % (len(tokens) - args.width) for row in range(args.rows)]
     for offset, row_state in zip(offsets, rows_states, strict=True):

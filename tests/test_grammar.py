@@ -296,6 +296,44 @@ def test_past_free_text_a_steps_later_places_allow_every_token_and_the_nodes_mas
     assert RowGrammars([free, structural]).guides_paths()
 
 
+def test_free_text_goes_on_unguided_until_a_committed_token_may_leave_it(
+    grammars: Grammars, tokenizer: Tokenizer
+) -> None:
+    """A step that started in free text and commits no token holding a quotation mark or a
+    backslash (``Grammars.text_exits``) starts the next unguided: its first place allows
+    every token, and its root's mask comes with the verify nodes, the true one. A step
+    whose root was not known, or that commits a quotation mark, guides the next one."""
+    schema = GRAMMARS["json_schema"]
+    text = '{"answer": "yes", "digit": 3, "flag": true, "note": "a'
+    inside = tokenizer.hf.encode(text, add_special_tokens=False)
+    b, quote, backslash = (tokenizer.hf.convert_tokens_to_ids(t) for t in 'b"\\')
+    exits = grammars.text_exits
+    assert exits[quote] and exits[backslash] and not exits[b]
+    state = _start(grammars, schema)
+    rows = RowGrammars([state])
+
+    def first_place() -> torch.Tensor:
+        out = xgr.allocate_token_bitmask(1, VOCAB)
+        out[:] = 0
+        rows.path_masks(out, [0], torch.zeros(1, 1, 0, dtype=torch.int64))
+        return out[0]
+
+    every = torch.full_like(first_place(), -1)
+    assert state.advance(inside)  # the step before knew no root
+    assert torch.equal(first_place(), _mask(grammars, schema, inside))
+    assert state.advance([b])  # from free text, no exit
+    assert torch.equal(first_place(), every)
+    assert not rows.guides_paths()
+    nodes = xgr.allocate_token_bitmask(2, VOCAB)
+    state.node_masks(nodes, 0, [b], None)
+    assert torch.equal(nodes[0], _mask(grammars, schema, [*inside, b]))
+    assert torch.equal(nodes[1], _mask(grammars, schema, [*inside, b, b]))
+    assert state.advance([b, quote])  # the string ends
+    closed = _mask(grammars, schema, [*inside, b, b, quote])
+    assert not torch.equal(closed, every)
+    assert torch.equal(first_place(), closed)
+
+
 def test_a_later_draft_place_waits_for_the_device_only_where_a_row_guides_it(
     grammars: Grammars, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

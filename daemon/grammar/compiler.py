@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any, Literal
 
+import numpy as np
 import xgrammar as xgr
 
 from outrider.daemon.grammar.schemas import strict_json
@@ -42,14 +43,17 @@ class Grammars:
         self.stop_ids = list(stop_ids)
 
     @cached_property
-    def _compiler(self) -> xgr.GrammarCompiler:
+    def _info(self) -> xgr.TokenizerInfo:
         tokenizer = load_tokenizer(self.tokenizer_dir)
         if tokenizer is None:
             raise GrammarRefused(NO_TOKENIZER)
-        info = xgr.TokenizerInfo.from_huggingface(
+        return xgr.TokenizerInfo.from_huggingface(
             tokenizer.hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
         )
-        return xgr.GrammarCompiler(info, max_threads=1)
+
+    @cached_property
+    def _compiler(self) -> xgr.GrammarCompiler:
+        return xgr.GrammarCompiler(self._info, max_threads=1)
 
     def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
         """``grammar`` compiled; raises ``GrammarRefused``."""
@@ -100,6 +104,17 @@ class Grammars:
         of sequence does."""
         stops = sorted({*self.stop_ids, *msg.stop_token_ids})
         if msg.grammar is not None:
-            return GrammarState(self.compile(msg.grammar), stops)
+            return GrammarState(self.compile(msg.grammar), stops, self.text_exits)
         assert msg.tools is not None
-        return GrammarState(self.compile_tools(msg.tools), stops)
+        return GrammarState(self.compile_tools(msg.tools), stops, self.text_exits)
+
+    @cached_property
+    def text_exits(self) -> np.ndarray:
+        """Per token id (``vocab_size`` of them), whether its text may leave free text: it
+        holds a quotation mark or a backslash (how a JSON string ends or an escape begins),
+        or it has none (ids past the tokenizer's, special tokens)."""
+        exits = np.ones(self.vocab_size, dtype=bool)
+        for token, text in enumerate(self._info.decoded_vocab):
+            if token < self.vocab_size:
+                exits[token] = not text or b'"' in text or b"\\" in text
+        return exits

@@ -26,14 +26,26 @@ class GrammarState:
     vocabulary (inside a string), a draft's own choice is almost always allowed and a mask
     costs the most (against a 128k vocabulary 100-300 us, against 1-15 us at a structural
     place): a step's draft places past the first then take no mask (``guides_paths``), and
-    the verify nodes, whose masks fill while the verify's forward runs, mask those paths."""
+    the verify nodes, whose masks fill while the verify's forward runs, mask those paths.
+    Free text goes on while the tokens committed hold none of ``exits`` (a JSON string
+    ends at a quotation mark, an escape starts at a backslash): such a step's first place
+    takes no mask either, and its root's mask is filled with the verify nodes'."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, stop_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        compiled: xgr.CompiledGrammar,
+        stop_ids: Sequence[int],
+        exits: np.ndarray | None = None,
+    ) -> None:
+        """``exits``: per token id, whether its text may leave free text (``text_exits``);
+        None: every step's first place takes its mask."""
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids))
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
+        self._exits = exits
         self._ahead: list[int] = []
         self._masks: dict[tuple[int, ...], np.ndarray | None] = {}
         self._free: bool | None = None  # whether the root's mask is free text, once read
+        self._still_free = False  # free text at the last root, no exit committed since
 
     def fill(self, masks: torch.Tensor, row: int) -> None:
         """Row ``row`` of ``masks`` (int32 ``[rows, ceil(V / 32)]``, on the CPU): bit ``t``
@@ -47,6 +59,12 @@ class GrammarState:
         kept = _shared(self._ahead, tokens)
         if kept < len(self._ahead):
             self._matcher.rollback(len(self._ahead) - kept)
+        self._still_free = (
+            self._exits is not None
+            and () in self._masks
+            and not self.guides_paths()
+            and not any(self._exits[token] for token in tokens)
+        )
         self._ahead.clear()
         self._masks.clear()
         self._free = None
@@ -62,7 +80,7 @@ class GrammarState:
         its token; one that is not, or that follows the grammar's end, is never committed
         and takes its parent's mask, so that no row is all masked. Returns how many nodes
         the grammar refused (reached parents whose masks refuse their tokens)."""
-        self.path_mask(masks, first, ())
+        self._mask_after((), masks, first)  # the root: always reached
         words = _word_view(masks)
         paths: list[tuple[int, ...]] = [()]
         live = [True]  # per node: reached, and the grammar not ended there
@@ -81,19 +99,21 @@ class GrammarState:
     def path_mask(self, masks: torch.Tensor, row: int, path: Sequence[int]) -> None:
         """Row ``row`` of ``masks``: the mask after ``path`` (tokens from the committed
         state); every token allowed where the grammar refuses one of the path or ends on it
-        (such a place is never committed), and past the first place where the paths are
-        not guided (``guides_paths``)."""
-        unguided = bool(path) and not self.guides_paths()
+        (such a place is never committed), and where the paths are not guided
+        (``guides_paths``): past the first place, and at the first while the root's mask is
+        not known."""
+        unguided = (bool(path) or () not in self._masks) and not self.guides_paths()
         if unguided or not self._mask_after(tuple(path), masks, row):
             _word_view(masks)[row] = _EVERY
 
     def guides_paths(self) -> bool:
-        """Whether this step's draft places past the first take masks: not where the
-        committed state's mask, once known (the first place's, or the root node's), is free
-        text (class docstring)."""
+        """Whether this step's draft places take masks (past the first; the first while the
+        root's mask is not known): not where the committed state's mask, once known (the
+        first place's, or the root node's), is free text, nor, while it is not known, where
+        free text goes on (class docstring)."""
         root = self._masks.get(())
         if root is None:
-            return True
+            return not self._still_free
         if self._free is None:
             self._free = int(np.bitwise_count(root).sum()) > FREE_TEXT * self.vocab_size
         return not self._free
