@@ -220,7 +220,7 @@ class RowGrammars:
             self.states[i].node_masks(out, first, drafts[i], shape)
 
     def guides_paths(self) -> bool:
-        """Whether some row whose request goes on guides its draft places past the first
+        """Whether some row whose request goes on guides its draft places
         (``GrammarState.guides_paths``)."""
         ended = [owner.finished for owner in self.owners] or [False] * len(self.states)
         return any(
