@@ -251,6 +251,10 @@ def test_each_draft_place_is_masked_by_the_state_its_path_reaches(
     assert torch.equal(again[0], _regex_mask(grammars, [a, b, a, dash, one]))
 
 
+# The schema's answer inside its free-text string (``note``): most of the vocabulary allowed.
+INSIDE_NOTE = '{"answer": "yes", "digit": 3, "flag": true, "note": "a'
+
+
 def _mask(grammars: Grammars, grammar: Grammar, path: list[int]) -> torch.Tensor:
     """``grammar``'s next mask after ``path``, from a fresh state."""
     state = _start(grammars, grammar)
@@ -268,8 +272,7 @@ def test_past_free_text_a_steps_later_places_allow_every_token_and_the_nodes_mas
     verify node take the mask their path reaches; at a structural place (a fresh object)
     every place is masked."""
     schema = GRAMMARS["json_schema"]
-    text = '{"answer": "yes", "digit": 3, "flag": true, "note": "a'
-    inside = tokenizer.hf.encode(text, add_special_tokens=False)
+    inside = tokenizer.hf.encode(INSIDE_NOTE, add_special_tokens=False)
     c, d, brace, quote = (tokenizer.hf.convert_tokens_to_ids(t) for t in 'cd{"')
     free, structural = _start(grammars, schema), _start(grammars, schema)
     assert free.advance(inside)
@@ -304,8 +307,7 @@ def test_free_text_goes_on_unguided_until_a_committed_token_may_leave_it(
     every token, and its root's mask comes with the verify nodes, the true one. A step
     whose root was not known, or that commits a quotation mark, guides the next one."""
     schema = GRAMMARS["json_schema"]
-    text = '{"answer": "yes", "digit": 3, "flag": true, "note": "a'
-    inside = tokenizer.hf.encode(text, add_special_tokens=False)
+    inside = tokenizer.hf.encode(INSIDE_NOTE, add_special_tokens=False)
     b, quote, backslash = (tokenizer.hf.convert_tokens_to_ids(t) for t in 'b"\\')
     exits = grammars.text_exits
     assert exits[quote] and exits[backslash] and not exits[b]
@@ -341,8 +343,7 @@ def test_a_later_draft_place_waits_for_the_device_only_where_a_row_guides_it(
     free text the second allows every token and never waits for the device (its paths go
     unread); with a structural row beside it, it waits and masks that row."""
     schema = GRAMMARS["json_schema"]
-    text = '{"answer": "yes", "digit": 3, "flag": true, "note": "a'
-    inside = tokenizer.hf.encode(text, add_special_tokens=False)
+    inside = tokenizer.hf.encode(INSIDE_NOTE, add_special_tokens=False)
     brace = tokenizer.hf.convert_tokens_to_ids("{")
     waits = 0
 

@@ -55,7 +55,10 @@ from outrider.plugins.sampling_spec import SamplingSpec
 
 log = logging.getLogger("outrider.engine")
 
-SIZES = (1, 4, 16, 64)  # batch sizes measured, up to the most running requests
+# Batch sizes measured, up to the most running requests: past 64 rows a verify of several
+# tokens a row is compute-bound (at 256 rows an 8B target's drafting step lost to plain steps
+# at an acceptance of 2), so the large batches an operator allows are measured too.
+SIZES = (1, 4, 16, 64, 128, 256)
 CPU_TURNS = 4  # the CPU device: loop turns timed per mode, the fastest taken
 GPU_TURNS = 8  # a GPU: intervals between turn ends averaged per mode
 PROMPT = 256  # tokens of each request's prompt, where the context allows
