@@ -129,7 +129,11 @@ def bench(
     return {key: result[key] for key in keep if key in result}
 
 
-def measure(name: str, flags: list[str], serial: bool, args: argparse.Namespace) -> list[dict]:
+def measure(
+    name: str, flags: list[str], serial: bool, args: argparse.Namespace, rows: list[dict]
+) -> None:
+    """Serve ``name`` and append a row to ``rows`` per concurrency, writing ``--out`` after
+    each (a run cut short keeps what it measured)."""
     endpoint = f"ipc://{tempfile.mkdtemp()}/bench.sock"
     command = [
         sys.executable, "-m", "outrider.daemon.cli", "serve", "--listen", endpoint,
@@ -139,7 +143,6 @@ def measure(name: str, flags: list[str], serial: bool, args: argparse.Namespace)
         command.append("--no-overlap")
     print("daemon:", " ".join(command), flush=True)
     proc = subprocess.Popen(command, env={**os.environ, "OUTRIDER_LOG_LEVEL": "warning"})
-    rows = []
     try:
         wait_ready(endpoint, proc, 900)
         for concurrency in args.concurrency:
@@ -164,11 +167,11 @@ def measure(name: str, flags: list[str], serial: bool, args: argparse.Namespace)
                 "concurrency": concurrency, **middle, "pairs": pairs,
                 "plain_lengths": {"mean": lengths.mean, "spread": lengths.spread},
             })  # fmt: skip
+            args.out.write_text(json.dumps(rows, indent=1) + "\n")
             print(json.dumps(rows[-1]), flush=True)
     finally:
         proc.terminate()
         proc.wait(120)
-    return rows
 
 
 def main() -> None:
@@ -194,11 +197,10 @@ def main() -> None:
         configs = SHAPES[args.shape](args.model_dir)
     else:
         parser.error(f"--shape {args.shape} needs --model-dir")
-    rows = []
+    rows: list[dict] = []
     for name in args.configs or list(configs):
         for loop in args.loops:
-            rows += measure(name, configs[name], loop == "serial", args)
-            args.out.write_text(json.dumps(rows, indent=1) + "\n")
+            measure(name, configs[name], loop == "serial", args, rows)
     for row in rows:
         print(
             f"{row['config']:>13} {row['loop']:>7} c{row['concurrency']:<3}"
