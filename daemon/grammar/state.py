@@ -29,7 +29,9 @@ class GrammarState:
     the verify nodes, whose masks fill while the verify's forward runs, mask those paths.
     Free text goes on while the tokens committed hold none of ``exits`` (a JSON string
     ends at a quotation mark, an escape starts at a backslash): such a step's first place
-    takes no mask either, and its root's mask is filled with the verify nodes'."""
+    takes no mask either, and its root's mask is filled with the verify nodes'; that mask
+    decides the step after, so free text that ended otherwise (another grammar's) costs one
+    step's guidance at most."""
 
     def __init__(
         self,
