@@ -395,7 +395,7 @@ def test_a_chain_walks_each_draft_once_and_its_commit_starts_from_the_walk(
     monkeypatch.setattr(xgr.GrammarMatcher, "accept_token", counted)
     places = xgr.allocate_token_bitmask(3, VOCAB)
     for place, path in enumerate([[], [a], [a, b]]):
-        state.path_mask(places, place, path)
+        state.place_masks(places, place, [path])
     nodes = xgr.allocate_token_bitmask(4, VOCAB)
     assert state.node_masks(nodes, 0, [a, b, c], None) == 0
     assert taken == [a, b, c]

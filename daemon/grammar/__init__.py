@@ -26,7 +26,7 @@ Invariants:
   (``GrammarState.node_masks``). A batch holding a constrained row drafts on one rank
   (``SchedulerLimits.grammar_drafts``; on tensor-parallel ranks it takes plain steps);
 - drafts are proposed under the grammar too: a worker that drafts from logits masks each
-  draft place by the state its path reaches (``DraftGuide``, ``GrammarState.path_mask``; the
+  draft place by the state its path reaches (``DraftGuide``, ``GrammarState.place_masks``; the
   host waits for each place's path), but a row whose committed state is free text (inside a
   string: its mask allows most of the vocabulary) masks only its first place in a step, and
   no place while free text goes on (nothing committed since that may leave it: a quotation

@@ -82,8 +82,8 @@ class GrammarState:
         its token; one that is not, or that follows the grammar's end, is never committed
         and takes its parent's mask, so that no row is all masked. Returns how many nodes
         the grammar refused (reached parents whose masks refuse their tokens)."""
-        self._mask_after((), masks, first)  # the root: always reached
         words = _word_view(masks)
+        self._mask_after((), masks, words, first)  # the root: always reached
         paths: list[tuple[int, ...]] = [()]
         live = [True]  # per node: reached, and the grammar not ended there
         refused = 0
@@ -93,20 +93,24 @@ class GrammarState:
             paths.append((*paths[parent], token))
             allowed = live[parent] and _allows(words[first + parent], token)
             refused += live[parent] and not allowed
-            live.append(allowed and self._mask_after(paths[node], masks, first + node))
+            live.append(allowed and self._mask_after(paths[node], masks, words, first + node))
             if not live[node]:
                 words[first + node] = words[first + parent]
         return refused
 
-    def path_mask(self, masks: torch.Tensor, row: int, path: Sequence[int]) -> None:
-        """Row ``row`` of ``masks``: the mask after ``path`` (tokens from the committed
-        state); every token allowed where the grammar refuses one of the path or ends on it
-        (such a place is never committed), and where the paths are not guided
-        (``guides_paths``): past the first place, and at the first while the root's mask is
-        not known."""
-        unguided = (bool(path) or () not in self._masks) and not self.guides_paths()
-        if unguided or not self._mask_after(tuple(path), masks, row):
-            _word_view(masks)[row] = _EVERY
+    def place_masks(self, masks: torch.Tensor, first: int, paths: Sequence[Sequence[int]]) -> None:
+        """Rows ``first ..`` of ``masks``: the masks of a step's draft places at one depth,
+        place ``p`` after ``paths[p]`` (tokens from the committed state); every token
+        allowed where the grammar refuses a token of the path or ends on it (such a place is
+        never committed), and where the paths are not guided (``guides_paths``): past the
+        first place, and at the first while the root's mask is not known."""
+        words = _word_view(masks)
+        guided = self.guides_paths()  # the first depth has one place: it holds for the call
+        for place, path in enumerate(paths):
+            key = tuple(path)
+            unguided = not guided and (bool(key) or () not in self._masks)
+            if unguided or not self._mask_after(key, masks, words, first + place):
+                words[first + place] = _EVERY
 
     def guides_paths(self) -> bool:
         """Whether this step's draft places take masks (past the first; the first while the
@@ -120,18 +124,21 @@ class GrammarState:
             self._free = int(np.bitwise_count(root).sum()) > FREE_TEXT * self.vocab_size
         return not self._free
 
-    def _mask_after(self, path: tuple[int, ...], masks: torch.Tensor, row: int) -> bool:
-        """Row ``row``: the mask after ``path``, walked once a commit; False, and the row
-        untouched, where the grammar refuses a token of it or ends on the way."""
+    def _mask_after(
+        self, path: tuple[int, ...], masks: torch.Tensor, words: np.ndarray, row: int
+    ) -> bool:
+        """Row ``row`` of ``masks`` (``words``: its numpy view): the mask after ``path``,
+        walked once a commit; False, and the row untouched, where the grammar refuses a
+        token of it or ends on the way."""
         if path in self._masks:
             known = self._masks[path]
             if known is not None:
-                _word_view(masks)[row] = known
+                words[row] = known
             return known is not None
         reached = self._walk(path)
         if reached:
             self._matcher.fill_next_token_bitmask(masks, row)
-        self._masks[path] = _word_view(masks)[row].copy() if reached else None
+        self._masks[path] = words[row].copy() if reached else None
         return reached
 
     def _walk(self, path: tuple[int, ...]) -> bool:
@@ -235,8 +242,7 @@ class RowGrammars:
         host tensor ``[rows, n, d]``)."""
         places = paths.tolist()
         for i, first in self._live(out, firsts, paths.shape[1]):
-            for place, path in enumerate(places[i]):
-                self.states[i].path_mask(out, first + place, path)
+            self.states[i].place_masks(out, first, places[i])
 
     def _live(
         self, out: torch.Tensor, firsts: Sequence[int], span: int
