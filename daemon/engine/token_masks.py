@@ -150,10 +150,11 @@ class HostTurn:
             return ()
         n = paths.shape[0] // self.bs
         rows = self.plan.masked_rows
-        index = [row * n + place for row in rows for place in range(n)]
-        grouped = paths[index].view(len(rows), n, paths.shape[1])
+        grouped = paths.view(self.bs, n, paths.shape[1])
+        if len(rows) < self.bs:  # masked rows ascend: every row is all of them in order
+            grouped = grouped[rows]
         self.grammar.path_masks(out, [row * n for row in rows], grouped)
-        return index
+        return [row * n + place for row in rows for place in range(n)]
 
     def node_masks(
         self, out: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None
