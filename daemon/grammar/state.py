@@ -39,8 +39,8 @@ class GrammarState:
         stop_ids: Sequence[int],
         exits: np.ndarray | None = None,
     ) -> None:
-        """``exits``: per token id, whether its text may leave free text (``text_exits``);
-        None: every step's first place takes its mask."""
+        """``exits``: per token id, whether its text may leave free text
+        (``Grammars.text_exits``); None: every step's first place takes its mask."""
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids))
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
         self._exits = exits
