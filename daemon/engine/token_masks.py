@@ -405,12 +405,10 @@ class GrammarGuide:
         def fill() -> None:
             turn = self.turn()
             turn.settle()  # while the device runs what was queued
-            # The first place's path is empty: nothing to wait for; nor where no row reads
-            # the paths of later places.
-            if host.shape[1] and not turn.guides_paths():
-                self.masks.allow_every(host.shape[0])
-                return
-            if host.shape[1]:
+            if host.shape[1]:  # past the first place (whose path is empty: no wait)
+                if not turn.guides_paths():  # no row reads its path
+                    self.masks.allow_every(host.shape[0])
+                    return
                 self.masks.wait_for_device()
             self.masks.stage(host.shape[0], lambda out: turn.path_masks(out, host))
 

@@ -114,7 +114,6 @@ class Grammars:
         holds a quotation mark or a backslash (how a JSON string ends or an escape begins),
         or it has none (ids past the tokenizer's, special tokens)."""
         exits = np.ones(self.vocab_size, dtype=bool)
-        for token, text in enumerate(self._info.decoded_vocab):
-            if token < self.vocab_size:
-                exits[token] = not text or b'"' in text or b"\\" in text
+        for token, text in enumerate(self._info.decoded_vocab[: self.vocab_size]):
+            exits[token] = not text or b'"' in text or b"\\" in text
         return exits

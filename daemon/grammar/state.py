@@ -231,7 +231,7 @@ class RowGrammars:
     def guides_paths(self) -> bool:
         """Whether some row whose request goes on guides its draft places
         (``GrammarState.guides_paths``)."""
-        ended = [owner.finished for owner in self.owners] or [False] * len(self.states)
+        ended = self._ended()
         return any(
             state.guides_paths() for state, end in zip(self.states, ended, strict=True) if not end
         )
@@ -249,9 +249,12 @@ class RowGrammars:
     ) -> Iterator[tuple[int, int]]:
         """``(i, firsts[i])`` of each grammar row whose request has not finished; a finished
         one's ``span`` rows of ``out`` allow every token (its draw is dropped)."""
-        ended = [owner.finished for owner in self.owners] or [False] * len(self.states)
-        for i, (first, end) in enumerate(zip(firsts, ended, strict=True)):
+        for i, (first, end) in enumerate(zip(firsts, self._ended(), strict=True)):
             if end:
                 out[first : first + span] = -1
             else:
                 yield i, first
+
+    def _ended(self) -> list[bool]:
+        """Per grammar row, whether its request has finished."""
+        return [owner.finished for owner in self.owners] or [False] * len(self.states)
