@@ -10,6 +10,7 @@ handling of constrained steps: test_grammar_steps.py."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -27,7 +28,7 @@ from grammar_cases import (
 )
 
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.engine.token_masks import GrammarGuide, HostMasks, TokenMasks
+from outrider.daemon.engine.token_masks import DeviceMark, GrammarGuide, HostMasks, TokenMasks
 from outrider.daemon.grammar import state as state_module
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
@@ -336,22 +337,21 @@ def test_free_text_goes_on_unguided_until_a_committed_token_may_leave_it(
     assert torch.equal(first_place(), closed)
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["restrict", "prepared"])
 def test_a_later_draft_place_waits_for_the_device_only_where_a_row_guides_it(
-    grammars: Grammars, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+    grammars: Grammars, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, prepared: bool
 ) -> None:
     """``GrammarGuide.restrict`` at a chain's first place and its second: with every row in
     free text the second allows every token and never waits for the device (its paths go
-    unread); with a structural row beside it, it waits and masks that row."""
+    unread); with a structural row beside it, it waits and masks that row: for all the work
+    queued, or, where its paths were handed over before (``prepare``, as a worker does before
+    the forward that computes the place's logits), for their copy alone."""
     schema = GRAMMARS["json_schema"]
     inside = tokenizer.hf.encode(INSIDE_NOTE, add_special_tokens=False)
     brace = tokenizer.hf.convert_tokens_to_ids("{")
-    waits = 0
-
-    def counted(masks: TokenMasks) -> None:
-        nonlocal waits
-        waits += 1
-
-    monkeypatch.setattr(TokenMasks, "wait_for_device", counted)
+    waits: Counter[str] = Counter()
+    monkeypatch.setattr(TokenMasks, "wait_for_device", lambda masks: waits.update(["device"]))
+    monkeypatch.setattr(DeviceMark, "wait", lambda mark: waits.update(["mark"]))
     for structural in (False, True):
         states = [_start(grammars, schema) for _ in range(1 + structural)]
         assert states[0].advance(inside)
@@ -361,14 +361,17 @@ def test_a_later_draft_place_waits_for_the_device_only_where_a_row_guides_it(
         plan = msgspec.structs.replace(plan, masked_rows=list(range(rows)))
         host.begin(plan, RowGrammars(states), None)
         host.padded(rows)
-        guide, waits = host.guide(), 0
+        guide = host.guide()
+        waits.clear()
         first = torch.zeros(rows, VOCAB)
         guide.restrict(first, torch.zeros(rows, 0, dtype=torch.int64))
         assert first.isinf().any(dim=1).all()  # the first place: every row masked
         second = torch.zeros(rows, VOCAB)
         paths = torch.tensor([[inside[-1]], [brace]])[:rows]
+        if prepared:
+            guide.prepare(paths)
         guide.restrict(second, paths)
-        assert waits == structural
+        assert waits == Counter({"mark" if prepared else "device": structural}), waits
         assert not second[0].isinf().any()  # free text: every token
         if structural:
             expected = _mask(grammars, schema, [brace])

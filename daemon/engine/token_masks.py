@@ -8,9 +8,11 @@ A decode step takes its masks from the host in the middle of the step, at a ``Ma
 wait: a plain step's between its logits and its sampling, a drafting step's before each draft
 place its worker chooses (the place's path copied to the host; past the first place only
 where some row guides its paths, else the place allows every token without waiting:
-``HostTurn.guides_paths``) and before its verify (its
-drafts copied to the host and the point marked, ``DeviceMark``, so that the nodes' masks wait
-for the copy alone while the verify's forward runs). Eagerly the host's
+``HostTurn.guides_paths``) and before its verify (its drafts copied to the host and the point
+marked, ``DeviceMark``, so that the nodes' masks wait for the copy alone while the verify's
+forward runs). A worker that runs a forward between two draft places hands the next place's
+paths over before that forward (``GrammarGuide.prepare``): their copy is marked alike, and
+the place's masks fill while the forward runs. Eagerly the host's
 fill runs at the wait; while a graph is captured the graph is cut there (graphs.py) and each
 replay runs the recorded fill between the two segments. A fill reads the launch's
 ``HostTurn``: the plan's masks, or its grammar rows' states, which it first brings up to date
@@ -204,7 +206,8 @@ class TokenMasks:
         the host's staging rows, every other row allowing every token."""
         # NOTE: a host set is refilled two stages later, once its copy ran: steps alternate
         # as the inputs do, and within a drafting step every stage but the first waits for
-        # the device first (a place that does not, ``allow_every``, writes no host set).
+        # the device first, for all its work queued or for a mark queued after the stage
+        # before (a place that does not wait, ``allow_every``, writes no host set).
         host, self._parity = self._host[self._parity][:n], self._parity ^ 1
         filled = fill(host)
         if len(filled) < n:
@@ -322,6 +325,7 @@ class HostMasks:
         self.holes = MaskHoles()
         self.turn = HostTurn(_no_plan(), 0, None)
         self.drafts_copied = DeviceMark(masks.device)  # a drafting step's drafts on the host
+        self.paths_copied = DeviceMark(masks.device)  # a prepared draft place's paths alike
 
     def begin(
         self, plan: StepPlan, grammar: GrammarRows | None, settle: Callable[[], None] | None
@@ -356,7 +360,7 @@ class HostMasks:
 
     def guide(self) -> GrammarGuide:
         """A drafting step's guide: its fills read the turn when they run."""
-        return GrammarGuide(self.masks, self.holes, lambda: self.turn)
+        return GrammarGuide(self.masks, self.holes, lambda: self.turn, self.paths_copied)
 
     def wait_rows(self) -> None:
         """A plain step waits for its rows' masks (staged where ``apply_staged`` reads)."""
@@ -392,15 +396,31 @@ class GrammarGuide:
     ``MaskHoles`` wait (the launch's turn gives the states: ``turn()`` at fill time, so that
     a replayed graph's fills read the step replayed)."""
 
-    def __init__(self, masks: TokenMasks, holes: MaskHoles, turn: Callable[[], HostTurn]) -> None:
+    def __init__(
+        self,
+        masks: TokenMasks,
+        holes: MaskHoles,
+        turn: Callable[[], HostTurn],
+        paths_copied: DeviceMark,
+    ) -> None:
         self.masks = masks
         self.holes = holes
         self.turn = turn
+        self.paths_copied = paths_copied
+        self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # (paths, on the host)
+
+    def prepare(self, paths: torch.Tensor) -> None:
+        # The paths on the host, and the point after their copy marked (a cut of a replayed
+        # graph): ``restrict``'s fill for them waits for the copy alone.
+        self._prepared = (paths, self.masks.paths_to_host(paths))
+        self.holes.wait(self.paths_copied.record)
 
     def restrict(
         self, logits: torch.Tensor, paths: torch.Tensor, columns: torch.Tensor | None = None
     ) -> None:
-        host = self.masks.paths_to_host(paths)
+        prepared, self._prepared = self._prepared, None
+        marked = prepared is not None and prepared[0] is paths
+        host = prepared[1] if prepared is not None and marked else self.masks.paths_to_host(paths)
 
         def fill() -> None:
             turn = self.turn()
@@ -409,7 +429,10 @@ class GrammarGuide:
                 if not turn.guides_paths():  # no row reads its path
                     self.masks.allow_every(host.shape[0])
                     return
-                self.masks.wait_for_device()
+                if marked:
+                    self.paths_copied.wait()  # the forward since runs on
+                else:
+                    self.masks.wait_for_device()
             self.masks.stage(host.shape[0], lambda out: turn.path_masks(out, host))
 
         self.holes.wait(fill)

@@ -17,8 +17,10 @@ logits of every token the row's grammar refuses there. The verify masks every no
 a worker that ignores the guide stays lossless; it only loses the drafts the grammar refuses.
 Each call waits for the host, which computes the masks from the paths copied to it: eagerly
 at once, in a replayed graph between two segments (the capture is cut at the call), so the
-worker's code around the calls stays device work only, as anywhere in a step. Guides come
-on one rank only.
+worker's code around the calls stays device work only, as anywhere in a step. A worker that
+runs a forward between two places hands the next place's paths to ``prepare`` before that
+forward: the host then computes their masks while the forward runs. Guides come on one rank
+only.
 
 KV of a row starting at ``seq`` (its committed length) during a decode batch::
 
@@ -116,6 +118,11 @@ class DraftGuide(Protocol):
         (None: column ``c`` is id ``c``). A place whose path the grammar refused, or ended,
         is never committed and keeps every logit; so does a place where no column is
         allowed (a draft vocabulary without the tokens the grammar allows there)."""
+
+    def prepare(self, paths: torch.Tensor) -> None:
+        """The next ``restrict``'s ``paths`` (the same tensor), handed over before the
+        forward that computes its logits, so that the host's masks for them fill while the
+        forward runs (an optional call: ``restrict`` alone waits for all the work queued)."""
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,8 @@ class Eagle3Worker(SpeculativeWorker):
         y = self.feat[view.slots].unsqueeze(1)  # [bs, 1, H]: the root's row
         # Under a grammar: the drafts on each frontier node's path, itself included.
         paths = view.roots.new_empty(bs, 1, 0) if view.guide is not None else None
-        score, token, q = self._expand(view, 0, y.squeeze(1), paths)  # [bs, K]: depth 1
+        flat = None if paths is None else paths.view(bs, 0)
+        score, token, q = self._expand(view, 0, y.squeeze(1), flat)  # [bs, K]: depth 1
         cand_tokens, cand_scores, probs = [token], [score], [q]
         cand_parents = [torch.full_like(token, -1)]
         node = self.node_offsets.expand(bs, k)  # [bs, K]: the frontier's candidate indices
@@ -132,10 +133,13 @@ class Eagle3Worker(SpeculativeWorker):
         for step in range(1, self.depth):
             first = (step - 1) * k  # this step's node slots: seq + first ..
             ancestors[:, :, first : first + k] |= torch.eye(k, dtype=torch.bool, device=y.device)
-            y = self._frontier(view, step, token, y, ancestors[:, :, : first + k])  # [bs, K, H]
-            if paths is not None:
+            if paths is not None:  # the next places' paths, on the host while the forward runs
                 paths = torch.cat((paths.expand(bs, k, -1), token.unsqueeze(2)), dim=2)
-            child_score, child_token, q = self._expand(view, step, y.view(bs * k, -1), paths)
+                flat = paths.reshape(bs * k, step)
+                assert view.guide is not None
+                view.guide.prepare(flat)
+            y = self._frontier(view, step, token, y, ancestors[:, :, : first + k])  # [bs, K, H]
+            child_score, child_token, q = self._expand(view, step, y.view(bs * k, -1), flat)
             probs.append(q)  # child_score, child_token: [bs * K, K]
             child_score = (score.unsqueeze(2) + child_score.view(bs, k, k)).view(bs, k * k)
             cand_tokens.append(child_token.view(bs, k * k))
@@ -222,11 +226,12 @@ class Eagle3Worker(SpeculativeWorker):
         outputs are ``y: [n, H]`` (``n`` a multiple of the batch, row-major), best first, and
         their scores: ``[n, K]`` each. Scores are the draft's log-probabilities, or a sampled
         row's coupled race scores. Under ``rejection`` (a chain) the one token is drawn from
-        ``q``, returned as ``[n, V]`` (else None). ``paths: [bs, n / bs, depth]``: each
-        node's path, for the grammar rows' guide (None: no guide)."""
+        ``q``, returned as ``[n, V]`` (else None). ``paths: [n, depth]``: each node's path,
+        for the grammar rows' guide (None: no guide; past depth 0 the guide's prepared
+        ones)."""
         local = self.model.local_logits(y)  # [n, V_draft / N]
         if view.guide is not None and paths is not None:  # one rank: ``local`` is whole
-            view.guide.restrict(local, paths.reshape(y.shape[0], depth), self.draft_ids)
+            view.guide.restrict(local, paths, self.draft_ids)
         mode, sampling = self.options.sample, view.sampling
         # Siblings' order is free (neither is the other's ancestor): topk, not a full sort.
         if sampling.all_greedy or mode == "argmax":

@@ -83,13 +83,17 @@ class StandaloneWorker(SpeculativeWorker):
             mode = "argmax"
         token, drafts, probs = view.roots, list[torch.Tensor](), list[torch.Tensor]()
         for k in range(self.shape.width - 1):
+            path = _path(view, drafts)
+            if path is not None and k:  # on the host while the forward runs
+                assert view.guide is not None
+                view.guide.prepare(path)
             hidden = self._forward(token, view.starts + k, view)  # [bs, H]
             if mode == "argmax":
-                token = self._greedy(hidden, view, drafts)
+                token = self._greedy(hidden, view, path)
                 drafts.append(token)
                 continue
             logits = self._wide_logits(hidden, view.bs)  # [bs, V]
-            _guide(view, logits, drafts)
+            _guide(view, logits, path)
             if mode == "coupled":
                 scores = coupled_scores(
                     logits, sampling, view.out_lens + k, self.vocab_ids, vocab_limit=limit
@@ -127,15 +131,15 @@ class StandaloneWorker(SpeculativeWorker):
         return self.model(tokens, fb)
 
     def _greedy(
-        self, hidden: torch.Tensor, view: DecodeView, drafts: list[torch.Tensor]
+        self, hidden: torch.Tensor, view: DecodeView, path: torch.Tensor | None
     ) -> torch.Tensor:
         """``hidden: [bs, H]`` -> ``[bs]`` the draft's argmax below the target's vocabulary
         limit, from the rank's logits slice (no gather); under the view's guide, the best
-        token the grammar allows after ``drafts`` (one rank)."""
+        token the grammar allows after ``path`` (one rank)."""
         local = self.model.local_logits(hidden)  # [bs, V_draft / N]
         if self.local_limited:
             local = local.masked_fill(self.local_ids >= self.ctx.vocab_limit, float("-inf"))
-        _guide(view, local, drafts)
+        _guide(view, local, path)
         return vocab_argmax(local, self.ctx.tp)
 
     def _wide_logits(self, hidden: torch.Tensor, bs: int) -> torch.Tensor:
@@ -149,9 +153,16 @@ class StandaloneWorker(SpeculativeWorker):
         return wide
 
 
-def _guide(view: DecodeView, logits: torch.Tensor, drafts: list[torch.Tensor]) -> None:
-    """Under the view's guide, mask ``logits: [bs, V]`` by the grammar after ``drafts``
-    (the chain's drafts so far, ``[bs]`` each)."""
-    if view.guide is not None:
-        path = torch.stack(drafts, dim=1) if drafts else view.roots.new_empty(view.bs, 0)
+def _path(view: DecodeView, drafts: list[torch.Tensor]) -> torch.Tensor | None:
+    """Under the view's guide, the next place's path: the chain's ``drafts`` so far
+    (``[bs]`` each) as ``[bs, len(drafts)]``; None without a guide."""
+    if view.guide is None:
+        return None
+    return torch.stack(drafts, dim=1) if drafts else view.roots.new_empty(view.bs, 0)
+
+
+def _guide(view: DecodeView, logits: torch.Tensor, path: torch.Tensor | None) -> None:
+    """Under the view's guide, mask ``logits: [bs, V]`` by the grammar after ``path``
+    (``_path``, prepared past the first place)."""
+    if view.guide is not None and path is not None:
         view.guide.restrict(logits, path)
