@@ -14,8 +14,11 @@ top functions by their own time over the same turns.
 
     python benchmarks/spec_cycle.py --model Llama-3.1-8B-Instruct.config.json \\
         --algorithm eagle3 --draft-model Llama-3.1-8B-EAGLE3.config.json --batch 1 32
-    python benchmarks/spec_cycle.py ... --simulate-acceptance 3 \\
+    python benchmarks/spec_cycle.py ... --attention-backend auto --simulate-acceptance 3 \\
         --schema benchmarks/structured/review.schema.json --tokenizer DIR --trace traces
+
+``--attention-backend`` defaults to ``torch`` (the figures of BENCHMARKS.md taken before the
+flag); the daemon's default is ``auto``.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ def _engine(args: argparse.Namespace, algorithm: str, batch: int) -> Engine:
         speculative_simulate_acceptance=args.simulate_acceptance if spec else 0.0,
         speculative_min_acceptance=0.0 if spec else -1.0,  # draft every batch
         threads=args.threads,
+        attention_backend=args.attention_backend,
     )
     return build_engine(config)
 
@@ -197,6 +201,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a profile of 3 turns")
     parser.add_argument("--simulate-acceptance", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=0, help="`outrider serve --threads`")
+    parser.add_argument(
+        "--attention-backend", default="torch", help="`outrider serve`'s (its default: auto)"
+    )
     parser.add_argument("--schema", type=Path, help="also run every row under this schema")
     parser.add_argument("--tokenizer", help="with --schema: the grammar's tokenizer directory")
     parser.add_argument("--items", type=int, default=4, help="with --schema: documents a row")
