@@ -331,11 +331,39 @@ class FeedingNothing:
     def drafting(self, rows: list[Request]) -> bool:
         return False
 
-    def feeds(self, req: Request, running: int) -> bool:
+    def feeds(self, req: Request, others: int) -> bool:
         return False
 
     def observe(self, req: Request, commit_len: int) -> None:
         pass
+
+
+class RecordingFeeds(FixedDrafting):
+    """Every batch drafts and every request feeds the draft; the batch each request was
+    admitted into is recorded (``others``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.others: list[int] = []
+
+    def feeds(self, req: Request, others: int) -> bool:
+        self.others.append(others)
+        return True
+
+
+@pytest.mark.parametrize(("max_running", "others"), [(8, [5] * 6), (3, [2] * 6)])
+def test_a_request_feeds_the_draft_by_the_batch_it_joins(
+    speculative_dirs: dict[str, str], max_running: int, others: list[int]
+) -> None:
+    """Six requests queued at once are admitted one by one but decode together: each asks
+    whether to feed the draft for the batch of the running ones and those queued behind it
+    (five others, not 0, 1, .. 5), at most a full batch beside it."""
+    settings = _settings(speculative_dirs, "eagle3 chain")
+    engine = engine_for(speculative_dirs["target"], max_running=max_running, **settings)
+    policy = RecordingFeeds()
+    engine.scheduler.use_policy(policy)
+    run(engine, _workload())
+    assert policy.others == others
 
 
 WORKER_HOOKS = ("after_extend", "defer_extend", "draft", "after_accept", "defer")

@@ -353,7 +353,7 @@ class FeedingBelow:
         self.batches += 1
         return self.batches % 2 == 0
 
-    def feeds(self, req: Request, running: int) -> bool:
+    def feeds(self, req: Request, others: int) -> bool:
         return req.rid < self.end
 
     def observe(self, req: Request, commit_len: int) -> None:

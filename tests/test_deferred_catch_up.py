@@ -211,7 +211,7 @@ class EveryNth:
         self.batches += 1
         return self.batches % self.n == 0
 
-    def feeds(self, req: Request, running: int) -> bool:
+    def feeds(self, req: Request, others: int) -> bool:
         return True
 
     def observe(self, req: Request, commit_len: int) -> None:

@@ -102,7 +102,7 @@ class EveryOtherBatchDrafts:
         self.batches += 1
         return self.batches % 2 == 0
 
-    def feeds(self, req: Request, running: int) -> bool:
+    def feeds(self, req: Request, others: int) -> bool:
         return True
 
     def observe(self, req: Request, commit_len: int) -> None:

@@ -46,7 +46,9 @@ Feeding the draft: a draft that keeps state over the context (EAGLE-3, DFlash, a
 draft: its own KV) costs a request something even where no step drafts: the target's forwards
 capture its layers, plain steps buffer them, and the draft catches up on them, at the end of
 the request too. A request of a kind whose acceptance does not pay for drafting does not feed
-the draft at all (``Request.fed`` False, decided at its first admission by ``feeds``): its
+the draft at all (``Request.fed`` False, decided at its first admission by ``feeds``, at the
+size of the batch it joins: the running requests and those queued behind it, which a burst
+admitted one by one decodes beside, at most ``--max-running``): its
 steps are the target's alone, as without speculation, and its pages enter the prefix cache
 marked as lacking the draft's KV (radix.py). A kind pays where its mean reaches the break-even
 counted against the target's own plain step (``BreakEven.unfed``: what a fed plain step costs
@@ -76,8 +78,9 @@ class DraftPolicy(Protocol):
         """Whether the decode batch of ``rows`` drafts."""
         ...
 
-    def feeds(self, req: Request, running: int) -> bool:
-        """Whether ``req``, admitted beside ``running`` requests, feeds the draft."""
+    def feeds(self, req: Request, others: int) -> bool:
+        """Whether ``req``, admitted into a batch of ``others`` requests besides it, feeds
+        the draft."""
         ...
 
     def observe(self, req: Request, commit_len: int) -> None:
@@ -94,7 +97,7 @@ class FixedDrafting:
     def drafting(self, rows: list[Request]) -> bool:
         return self.on
 
-    def feeds(self, req: Request, running: int) -> bool:
+    def feeds(self, req: Request, others: int) -> bool:
         return True
 
     def observe(self, req: Request, commit_len: int) -> None:
@@ -114,7 +117,7 @@ class AlternateDrafting:
         self.decisions.append(len(self.decisions) % 2 == 0)
         return self.decisions[-1]
 
-    def feeds(self, req: Request, running: int) -> bool:
+    def feeds(self, req: Request, others: int) -> bool:
         self.fed.append(len(self.fed) % 2 == 0)
         return self.fed[-1]
 
@@ -238,10 +241,10 @@ class AdaptiveDrafting:
         pays_from = break_even.at(batch, req.sampling.temperature == 0.0) * break_even.unfed
         return pays_from + break_even.resume / self.settings.resume_horizon
 
-    def feeds(self, req: Request, running: int) -> bool:
+    def feeds(self, req: Request, others: int) -> bool:
         settings, kind = self.settings, kind_of(req)
         mean = self.kind_tau.get(kind)
-        pays_from = self.feeding_pays_from(req, running + 1)
+        pays_from = self.feeding_pays_from(req, others + 1)
         pays = mean is None or mean.value >= pays_from
         if mean is not None and pays != self.kind_feeds.get(kind, True):
             log.info(

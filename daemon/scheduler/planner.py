@@ -156,12 +156,15 @@ class Planner:
         return Planned(plan, requests)
 
     def _feeds(self, req: Request) -> bool:
-        """Whether ``req`` feeds the draft (``Request.fed``): the policy's choice where the
-        draft keeps state over the context, else always; never where it turned speculation
-        off."""
+        """Whether ``req`` (the head of the queue) feeds the draft (``Request.fed``): the
+        policy's choice where the draft keeps state over the context, else always; never
+        where it turned speculation off. It joins the running requests and those queued
+        behind it (a burst admitted one by one decodes together), a full batch at most."""
         if not self.limits.draft_state:
             return True
-        return req.max_drafts != 0 and self.policy.feeds(req, len(self.admission.running))
+        queued = len(self.admission.running) + len(self.admission.waiting) - 1
+        others = min(queued, self.limits.max_running - 1)
+        return req.max_drafts != 0 and self.policy.feeds(req, others)
 
     # --- decode ------------------------------------------------------------------------
 
