@@ -103,15 +103,18 @@ def save_tiny_model(
     """Build a random float32 HF model of ``kind`` (llama / qwen2 / qwen3, or with experts:
     qwen3_moe / mixtral / qwen2_moe), save it to ``directory`` and return it (eval mode, eager
     attention and experts: the reference).
-    ``config_overrides`` are extra config keys (``attention_bias``, ...)."""
+    ``config_overrides`` are extra config keys (``attention_bias``, ``rope_parameters`` of
+    llama or qwen2, ...)."""
     import transformers
 
     shape = TINY | {"vocab_size": vocab_size} | (config_overrides or {})
+    rope = shape.pop("rope_parameters", None)
 
     if kind == "llama":
-        config: Any = transformers.LlamaConfig(**shape, rope_parameters=llama3_rope())
+        config: Any = transformers.LlamaConfig(**shape, rope_parameters=rope or llama3_rope())
     elif kind == "qwen2":
-        config = transformers.Qwen2Config(**shape, rope_parameters={"rope_theta": 5000.0})
+        rope = rope or {"rope_theta": 5000.0}
+        config = transformers.Qwen2Config(**shape, rope_parameters=rope)
     elif kind == "qwen3":
         # head_dim 24 != hidden_size / heads = 16, tied embeddings.
         config = transformers.Qwen3Config(

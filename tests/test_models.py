@@ -15,8 +15,13 @@ from safetensors.torch import load_file, save_file
 
 from outrider.plugins.attention.torch_impl import TorchAttentionMetadata
 from outrider.plugins.device import AttentionShape, ForwardBatch
-from outrider.plugins.models.config import ModelConfig, config_is_complete, load_eos_ids
-from outrider.plugins.models.layers import DecoderForCausalLM
+from outrider.plugins.models.config import (
+    ModelConfig,
+    RopeConfig,
+    config_is_complete,
+    load_eos_ids,
+)
+from outrider.plugins.models.layers import DecoderForCausalLM, rope_inv_freq
 from outrider.plugins.models.loader import (
     check_checkpoint_layout,
     expected_checkpoint_shapes,
@@ -220,10 +225,66 @@ def test_unsupported_architecture_and_rope(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="DFlashDraftModel"):
         model_class(draft.architecture)
     raw = json.loads((REFERENCE / "Llama-3.1-8B-Instruct.config.json").read_text())
-    raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    raw["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0}
+YARN_CASES = [
+    YARN | {"original_max_position_embeddings": 256},
+    YARN | {"original_max_position_embeddings": 256, "truncate": False, "beta_fast": 8},
+    YARN | {"original_max_position_embeddings": 64, "attention_factor": 1.3},
+    YARN | {"original_max_position_embeddings": 64, "mscale": 0.9, "mscale_all_dim": 0.5},
+    YARN | {"original_max_position_embeddings": 8},  # every pair past the ramp
+]
+
+
+@pytest.mark.parametrize("rope", YARN_CASES)
+def test_yarn_frequencies_and_scale_are_transformers(rope: dict[str, object]) -> None:
+    """YaRN's frequencies and cos/sin scale, parsed from config.json, bit for bit those
+    transformers computes (its rope functions, on a Llama config of head dim 16)."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    shape = {"hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 512}
+    hf = transformers.LlamaConfig(**shape, rope_parameters=dict(rope))
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, torch.device("cpu"))
+    parsed = ModelConfig.from_dict(_llama_dict(shape, rope))
+    assert parsed.rope.yarn is not None
+    assert torch.equal(rope_inv_freq(16, parsed.rope), inv_freq)
+    assert parsed.rope.attention_factor == factor
+    assert not torch.equal(inv_freq, rope_inv_freq(16, RopeConfig(100.0)))  # YaRN moved them
+
+
+def _llama_dict(shape: dict[str, int], rope: dict[str, object]) -> dict[str, object]:
+    """A Llama config.json's keys for ``from_dict`` with ``shape`` and ``rope``."""
+    tiny = json.loads((REFERENCE / "Llama-3.1-8B-Instruct.config.json").read_text())
+    return tiny | shape | {"rope_parameters": rope}
+
+
+def test_yarn_logits_match_hf(tmp_path: Path) -> None:
+    """A model under YaRN (scaled frequencies, cos and sin scaled) gives transformers' logits,
+    prefill and decode."""
+    rope = YARN_CASES[1]
+    hf = save_tiny_model("qwen2", tmp_path, config_overrides={"rope_parameters": dict(rope)})
+    model = _load(tmp_path)
+    assert model.config.rope.yarn is not None and model.config.rope.attention_factor > 1
+    seqs = _sequences()
+    with torch.no_grad():
+        expected = [hf(torch.tensor([s])).logits[0] for s in seqs]
+    rows = PagedRows(
+        num_layers=model.num_layers, shape=model.attention_shape, page_size=4,
+        max_len=max(map(len, seqs)),
+    )  # fmt: skip
+    steps = [tuple((0, n) for n in PROMPT_LENS)]
+    steps += [tuple((n + i, n + i + 1) for n in PROMPT_LENS) for i in range(DECODE_STEPS)]
+    for spans in steps:
+        batch = [(slot, seq[a:b]) for slot, seq, (a, b) in zip(SLOTS, seqs, spans, strict=True)]
+        got, _ = _run(model, rows, batch)
+        for (a, b), seq_logits, ref in zip(spans, got, expected, strict=True):
+            torch.testing.assert_close(seq_logits, ref[a:b], atol=ATOL, rtol=0)
 
 
 def test_rope_v4_and_v5_keys_agree(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from outrider.plugins.models.parallel import (
 
 if TYPE_CHECKING:
     from outrider.plugins.device import ForwardBatch
-    from outrider.plugins.models.config import ModelConfig, RopeConfig
+    from outrider.plugins.models.config import ModelConfig, RopeConfig, YarnScaling
 
 
 class RMSNorm(nn.Module, UsesKernels):
@@ -53,8 +53,11 @@ class RMSNorm(nn.Module, UsesKernels):
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` float32, with llama3 scaling when configured."""
+    """Inverse frequencies ``[head_dim // 2]`` float32, with llama3 or YaRN scaling when
+    configured."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if rope.yarn is not None:
+        return _yarn_inv_freq(head_dim, rope.theta**exponents, rope.theta, rope.yarn)
     inv_freq = 1.0 / (rope.theta**exponents)
     scaling = rope.llama3
     if scaling is None:
@@ -71,6 +74,28 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(in_band, blended, scaled)
+
+
+def _yarn_inv_freq(
+    head_dim: int, wavelength_base: torch.Tensor, theta: float, yarn: YarnScaling
+) -> torch.Tensor:
+    """YaRN's frequencies (``YarnScaling``) from ``theta ** (2i / head_dim)``."""
+
+    def dim_of(rotations: float) -> float:
+        # The dimension pair that turns ``rotations`` times over the original context.
+        turns = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = dim_of(yarn.beta_fast), dim_of(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)
+    kept = 1 - ramp.clamp(0, 1)  # 1: the original frequency, 0: divided by the factor
+    interpolated = 1.0 / (yarn.factor * wavelength_base)
+    return interpolated * (1 - kept) + (1.0 / wavelength_base) * kept
 
 
 class RotaryEmbedding(nn.Module, UsesKernels):
@@ -99,9 +124,10 @@ class RotaryEmbedding(nn.Module, UsesKernels):
         inv_freq = rope_inv_freq(self.head_dim, self.rope).to(self.cos.device)
         positions = torch.arange(self.max_positions, device=self.cos.device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+        scale = self.rope.attention_factor
         with torch.no_grad():
-            self.cos.copy_(freqs.cos())
-            self.sin.copy_(freqs.sin())
+            self.cos.copy_(freqs.cos() * scale)
+            self.sin.copy_(freqs.sin() * scale)
 
     def cos_sin_float32(self) -> torch.Tensor:
         """``[max_positions, D]`` float32: cos in the first half, sin in the second (the
@@ -110,7 +136,8 @@ class RotaryEmbedding(nn.Module, UsesKernels):
             inv_freq = rope_inv_freq(self.head_dim, self.rope).to(self.cos.device)
             positions = torch.arange(self.max_positions, device=self.cos.device).float()
             freqs = torch.outer(positions, inv_freq)  # [P, D/2]
-            self._cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+            scale = self.rope.attention_factor
+            self._cos_sin = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
         return self._cos_sin
 
     def forward(self, positions: torch.Tensor) -> Rotation:
