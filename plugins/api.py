@@ -191,6 +191,9 @@ class AttentionCapabilities:
     page_sizes: frozenset[int] | None = None
     non_causal: bool = False
     tree_mask: bool = False
+    # Per-layer sliding windows and per-head attention sinks (``AttentionShape``; gpt-oss).
+    sliding_window: bool = False
+    sinks: bool = False
     # Its launches may be captured in CUDA graphs.
     cuda_graphs: bool = False
     # Its work and memory grow with the layout's ``max_kv``: decode graphs are then captured

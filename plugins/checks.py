@@ -88,6 +88,49 @@ def head_dim_problems(
     return problems
 
 
+# The attention a model's config.json asks for beyond causal: what each needs of a backend.
+ModelAttention = Literal["sliding_window", "sinks"]
+MODEL_ATTENTION_WORDS: dict[ModelAttention, str] = {
+    "sliding_window": "sliding-window layers (layer_types)",
+    "sinks": "attention sinks (gpt_oss)",
+}
+
+
+def model_attention_needs(path: str) -> list[ModelAttention]:
+    """The capabilities beyond causal attention that ``path``'s config.json asks of every
+    backend its attention runs on (none where there is no config to read)."""
+    config = read_config(path) if path else None
+    if config is None:
+        return []
+    needs: list[ModelAttention] = []
+    if "sliding_attention" in (config.get("layer_types") or ()):
+        needs.append("sliding_window")
+    if config.get("model_type") == "gpt_oss":
+        needs.append("sinks")
+    return needs
+
+
+def model_attention_problems(
+    spec: PluginSpec, caps: AttentionCapabilities, ctx: CheckContext
+) -> list[Problem]:
+    """A problem for each model whose attention ``ctx`` routes to backend ``spec`` and asks
+    for what ``caps`` lacks (``model_attention_needs``)."""
+    option = f"{attention_option(ctx, spec.name)} {spec.name}"
+    models = (
+        ("--model", ctx.model, TARGET_PHASES),
+        ("--draft-model", ctx.draft_model, DRAFT_PHASES),
+    )
+    problems = []
+    for flag, path, phases in models:
+        if not any(ctx.attention_routes.get(phase) == spec.name for phase in phases):
+            continue
+        for need in model_attention_needs(path):
+            if not getattr(caps, need):
+                why = f"{spec.name} has no {MODEL_ATTENTION_WORDS[need]}, which {flag} {path} has"
+                problems.append(Problem(option, why))
+    return problems
+
+
 class PluginProblems(Exception):
     """A configuration its plugins cannot run; ``problems`` names every reason."""
 
@@ -264,6 +307,7 @@ def attention_problems(
     for phase in used_phases(ctx, drafts):
         if ctx.attention_routes[phase] == name:
             problems += phase_problems(name, caps, phase)
+    problems += model_attention_problems(spec, caps, ctx)
     try:
         spec.parse_options(ctx.attention_config.get(name))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:

@@ -87,6 +87,18 @@ class AttentionShape:
     head_dim: int
     scale: float
     dtype: torch.dtype  # of q, k, v and the cache
+    # Per layer, the positions a query attends back to, its own included (a sliding window);
+    # 0, or no entry: every one before it. Backends serve them where their capabilities say
+    # ``sliding_window``.
+    windows: tuple[int, ...] = ()
+    # Its layers give each query head a learned sink: a logit beside the keys' in the
+    # softmax's denominator, attending to nothing (``attend``'s ``sinks``; capability
+    # ``sinks``).
+    sinks: bool = False
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window; 0: none."""
+        return self.windows[layer] if layer < len(self.windows) else 0
 
 
 @dataclass
@@ -188,7 +200,13 @@ class Attention(Protocol):
     def build(self, layout: BatchLayout) -> object: ...
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -215,6 +233,16 @@ class ForwardBatch:
         """``layout`` run by ``backend`` over ``kv``; the backend builds its metadata now."""
         return cls(layout, kv, backend, backend.build(layout), capture_layers)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store ``k, v`` of layer ``layer`` and attend ``q`` (the backend's contract)."""
-        return self.backend.forward(layer, q, k, v, self)
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Store ``k, v`` of layer ``layer`` and attend ``q`` (the backend's contract);
+        ``sinks: [q_heads]``: the layer's sink logits (``AttentionShape.sinks``)."""
+        if sinks is None:
+            return self.backend.forward(layer, q, k, v, self)
+        return self.backend.forward(layer, q, k, v, self, sinks)

@@ -13,7 +13,9 @@ import torch
 from model_fixtures import VOCAB, PagedRows, llama3_rope, save_tiny_model, torch_backend
 from safetensors.torch import load_file, save_file
 
+from outrider.plugins.api import PHASES, CheckContext, Phase, Problem
 from outrider.plugins.attention.torch_impl import TorchAttentionMetadata
+from outrider.plugins.checks import attention_problems
 from outrider.plugins.device import AttentionShape, ForwardBatch
 from outrider.plugins.models.config import (
     ModelConfig,
@@ -28,6 +30,7 @@ from outrider.plugins.models.loader import (
     load_model,
 )
 from outrider.plugins.models.registry import model_class
+from outrider.plugins.registry import named_spec
 
 REFERENCE = Path(__file__).parent / "fixtures" / "configs"
 KINDS = ("llama", "qwen2", "qwen3")
@@ -155,6 +158,108 @@ def test_non_causal_attention_matches_dense() -> None:
         rq, rk, rv = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
         ref = torch.nn.functional.scaled_dot_product_attention(rq, rk, rv, enable_gqa=True)
         torch.testing.assert_close(out[start : start + n], ref.transpose(0, 1))
+
+
+def _dense_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    first: int,
+    window: int,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One row's attention as transformers' eager gpt-oss writes it: queries at positions
+    ``first ..`` over keys ``0 ..`` (``[n, H, D]`` each, K/V heads repeated), causal, within
+    ``window`` positions back (0: all), each head's softmax taking its sink logit."""
+    scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
+    q_pos = torch.arange(first, first + q.shape[0]).view(-1, 1)
+    k_pos = torch.arange(k.shape[0]).view(1, -1)
+    allowed = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.view(-1, 1, 1).expand(-1, q.shape[0], 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_sliding_windows_and_sinks_match_dense(sinks: bool) -> None:
+    """The torch backend's layers of a shape with a sliding window (layer 1: 3 positions) and
+    sinks: prompts (one of them in two chunks), then a decode step, each query within its
+    layer's window, the sinks in its heads' softmax, against the dense eager reference."""
+    torch.manual_seed(0)
+    hq, hkv, dim, page_size = 4, 2, 8, 4
+    shape = AttentionShape(hq, hkv, dim, dim**-0.5, torch.float32, windows=(0, 3), sinks=sinks)
+    rows = PagedRows(num_layers=2, shape=shape, page_size=page_size, max_len=16)
+    backend = torch_backend(shape)
+    sink_logits = torch.randn(hq) if sinks else None
+    lens = {1: 9, 2: 6}
+    steps = [{1: (0, 5), 2: (0, 6)}, {1: (5, 9)}, {1: (9, 10), 2: (6, 7)}]
+    every: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+    for slot in lens:
+        for layer in (0, 1):
+            every[slot, layer] = tuple(torch.randn(10, h, dim) for h in (hq, hkv, hkv))
+    for spans in steps:
+        batch = [(slot, [0] * (b - a)) for slot, (a, b) in spans.items()]
+        _, fb = rows.batch(backend, batch, kv_slack=3)
+        for layer in (0, 1):
+            q, k, v = (
+                torch.cat([every[slot, layer][i][a:b] for slot, (a, b) in spans.items()])
+                for i in range(3)
+            )
+            out = backend.forward(layer, q, k, v, fb, sink_logits)
+            start = 0
+            for slot, (a, b) in spans.items():
+                rq, rk, rv = every[slot, layer]
+                repeat = hq // hkv
+                ref = _dense_with_sinks(
+                    rq[a:b], rk[:b].repeat_interleave(repeat, 1),
+                    rv[:b].repeat_interleave(repeat, 1), a, shape.window(layer), sink_logits,
+                )  # fmt: skip
+                torch.testing.assert_close(out[start : start + b - a], ref)
+                start += b - a
+
+
+def test_backends_without_windows_or_sinks_refuse_such_shapes() -> None:
+    """A backend that does not declare them refuses a shape holding them at once."""
+    from outrider.plugins.attention.triton_backend import TritonOptions
+    from outrider.plugins.attention.triton_impl import TritonAttention
+
+    for shape in (
+        AttentionShape(4, 2, 16, 0.25, torch.float32, windows=(0, 8)),
+        AttentionShape(4, 2, 16, 0.25, torch.float32, sinks=True),
+    ):
+        with pytest.raises(ValueError, match="serves no sliding windows or attention sinks"):
+            TritonAttention(shape, TritonOptions(), torch.device("cpu"))
+
+
+def test_backends_without_windows_or_sinks_are_refused_for_a_model_with_them(
+    tmp_path: Path,
+) -> None:
+    """The capability check names each thing a model's attention asks for that the backend
+    routed to its phases lacks, with the flags that route it; torch serves both."""
+    config = {"model_type": "gpt_oss", "layer_types": ["sliding_attention", "full_attention"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    routes: dict[Phase, str] = {phase: "triton" for phase in PHASES} | {"extend": "torch"}
+    ctx = CheckContext(
+        device="cuda", dtype="bfloat16", page_size=16, overlap=True, attention_routes=routes,
+        speculative_algorithm="none", model=str(tmp_path),
+    )  # fmt: skip
+    option = (
+        "--decode-attention-backend / --verify-attention-backend / --draft-attention-backend triton"
+    )
+    triton = named_spec("attention", "triton")
+    assert triton.attention is not None
+    assert attention_problems(triton, triton.attention, ctx) == [
+        Problem(option, f"triton has no sliding-window layers (layer_types), which --model "
+                f"{tmp_path} has"),
+        Problem(option, f"triton has no attention sinks (gpt_oss), which --model {tmp_path} has"),
+    ]  # fmt: skip
+    reference = named_spec("attention", "torch")
+    assert reference.attention is not None
+    assert attention_problems(reference, reference.attention, ctx) == []
 
 
 def test_checkpoint_names_match_hf(checkpoints: Checkpoints) -> None:

@@ -65,6 +65,8 @@ def test_listed_as_json_with_options_problems_and_the_broken_one(site: Path) -> 
         "page_sizes": [16],
         "non_causal": False,
         "tree_mask": False,
+        "sliding_window": False,
+        "sinks": False,
         "cuda_graphs": False,
         "graph_kv_bound": True,
         "host_plans": False,

@@ -34,9 +34,15 @@ class AutoAttention(AttentionBackend):
         return self.route(layout.bs).build(layout)
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.route(fb.layout.bs).forward(layer, q, k, v, fb)
+        return self.route(fb.layout.bs).forward(layer, q, k, v, fb, sinks)
 
     def plan_replay(self, graph: Hashable, starts: tuple[int, ...], bounds: GraphBounds) -> None:
         self.route(bounds.max_bs).plan_replay(graph, starts, bounds)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -46,7 +46,14 @@ class AttentionBackend(ABC):
     with the host (no ``.item()``, ``.tolist()``, ``.cpu()``, no data-dependent shapes): sizes
     come from the layout's host-known bounds and validity from its device tensors."""
 
+    # Whether it serves sliding windows and sinks (``AttentionShape``): a backend that does
+    # declares them in its capabilities; one that does not refuses a shape holding them (the
+    # capability checks refuse such a model first).
+    windows_and_sinks: ClassVar[bool] = False
+
     def __init__(self, shape: AttentionShape, options: Any, device: torch.device) -> None:
+        if not self.windows_and_sinks and (any(shape.windows) or shape.sinks):
+            raise ValueError(f"{type(self).__name__} serves no sliding windows or attention sinks")
         self.shape = shape
         self.options = options
         self.device = device
@@ -57,11 +64,20 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store ``k, v: [T, kv_heads, head_dim]`` at ``fb.layout.out_loc`` into layer
         ``layer`` of ``fb.kv`` (``KVCache.store``), then attend ``q: [T, q_heads, head_dim]``
-        over each row's KV with ``fb.metadata``. Returns ``[T, q_heads, head_dim]``."""
+        over each row's KV with ``fb.metadata``, within the layer's sliding window
+        (``AttentionShape.window``), each head's softmax denominator taking ``exp(sinks[h])``
+        where given. Returns ``[T, q_heads, head_dim]``. A backend is handed windows and sinks
+        only where its capabilities declare them."""
 
     def plan_replay(self, graph: Hashable, starts: tuple[int, ...], bounds: GraphBounds) -> None:
         """Before graph ``graph`` (of ``len(starts)`` rows) is warmed up and captured, and

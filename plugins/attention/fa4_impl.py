@@ -68,7 +68,13 @@ class FA4Attention(AttentionBackend):
         return fa4_metadata(layout)
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = fb.metadata
         assert isinstance(meta, FA4Metadata), "metadata built by another backend"

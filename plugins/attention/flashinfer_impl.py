@@ -262,7 +262,13 @@ class FlashInferAttention(AttentionBackend):
             site.plan(self, HostLengths((q,) * len(starts), tuple(s + past for s in starts)))
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = fb.metadata
         assert isinstance(meta, FlashInferMetadata), "metadata built by another backend"

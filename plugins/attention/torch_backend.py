@@ -16,6 +16,8 @@ SPEC = PluginSpec(
         page_sizes=None,
         non_causal=True,
         tree_mask=True,
+        sliding_window=True,
+        sinks=True,
         cuda_graphs=True,
         graph_kv_bound=True,  # the K/V gather and the mask span max_kv
     ),

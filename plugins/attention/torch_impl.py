@@ -4,11 +4,17 @@ Work is sized by the host-known bounds ``bs x max_q x max_kv``; validity comes f
 tensors only (no host sync). Grid cells past a row's length are masked out, so the gathered
 values there are never read; they must still be finite (0 x NaN is NaN), which holds because
 KVCache pages start zeroed and only ever receive K/V.
+
+Sliding windows (``AttentionShape.windows``): a mask per window size, the causal (or tree) mask
+narrowed to the keys less than a window behind the query's position; a tree's block lies
+within any window, its nodes being at most its depth apart. Sinks: the softmax over each
+head's scores and its sink logit, computed here (SDPA takes no extra logit), the sink's share
+dropped.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,9 +28,13 @@ from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
 class TorchAttentionMetadata:
     kv_index: torch.Tensor  # [bs, max_kv] int64: flat KV index of each row's logical position
     mask: torch.Tensor  # [bs, 1, max_q, max_kv] bool: True = attend
+    # Per sliding window of the shape, the mask within it.
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class TorchAttention(AttentionBackend):
+    windows_and_sinks = True
+
     def __init__(self, shape: AttentionShape, options: Any, device: torch.device) -> None:
         super().__init__(shape, options, device)
         if device.type == "cuda":
@@ -57,9 +67,20 @@ class TorchAttention(AttentionBackend):
             mask = (kv_pos < layout.seq_lens.view(layout.bs, 1, 1)).expand(
                 layout.bs, layout.max_q, layout.max_kv
             )
-        # Padded query cells see kv 0 only, so their softmax has a finite row (no NaN).
-        mask = torch.where(is_query, mask, kv_pos == 0)
-        return TorchAttentionMetadata(kv_index=kv_index, mask=mask.unsqueeze(1))
+
+        def finite(cells: torch.Tensor) -> torch.Tensor:
+            # Padded query cells see kv 0 only, so their softmax has a finite row (no NaN).
+            return torch.where(is_query, cells, kv_pos == 0).unsqueeze(1)
+
+        windowed = {}
+        for window in sorted({w for w in self.shape.windows if w}):
+            assert layout.causal, "sliding windows are causal"
+            recent = kv_pos > q_pos - window
+            if layout.tree_mask is not None:  # the block: a tree's nodes, within the window
+                block = layout.tree_mask.shape[-1]
+                recent |= kv_pos >= (layout.seq_lens - block).view(layout.bs, 1, 1)
+            windowed[window] = finite(mask & recent)
+        return TorchAttentionMetadata(kv_index=kv_index, mask=finite(mask), windowed=windowed)
 
     @staticmethod
     def _tree_mask(layout: BatchLayout, kv_pos: torch.Tensor) -> torch.Tensor:
@@ -77,7 +98,13 @@ class TorchAttention(AttentionBackend):
         return (offset < 0) | (in_block & opened)
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = fb.metadata
         assert isinstance(meta, TorchAttentionMetadata), "metadata built by another backend"
@@ -101,8 +128,30 @@ class TorchAttention(AttentionBackend):
         q_grid[layout.q_pad_index] = q
         q_grid = q_grid.view(bs, max_q, num_q_heads, head_dim).transpose(1, 2)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q_grid, keys, values, attn_mask=meta.mask, scale=self.shape.scale
-        )  # [bs, Hq, max_q, D]
+        window = self.shape.window(layer)
+        mask = meta.windowed[window] if window else meta.mask
+        if sinks is None:
+            out = F.scaled_dot_product_attention(
+                q_grid, keys, values, attn_mask=mask, scale=self.shape.scale
+            )  # [bs, Hq, max_q, D]
+        else:
+            out = _attend_with_sinks(q_grid, keys, values, mask, self.shape.scale, sinks)
         out = out.transpose(1, 2).reshape(bs * max_q, num_q_heads, head_dim)
         return out[layout.q_pad_index]  # [T, Hq, D]
+
+
+def _attend_with_sinks(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """``q: [bs, H, max_q, D]`` over ``keys, values: [bs, H, max_kv, D]`` where ``mask``
+    allows, each head's softmax taking its sink logit (``sinks: [H]``) beside the scores."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [bs, H, max_q, max_kv]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)

@@ -85,7 +85,13 @@ class TritonAttention(AttentionBackend):
         )
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = fb.metadata
         assert isinstance(meta, TritonMetadata), "metadata built by another backend"
