@@ -101,8 +101,8 @@ def save_tiny_model(
     config_overrides: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
     """Build a random float32 HF model of ``kind`` (llama / qwen2 / qwen3, or with experts:
-    qwen3_moe / mixtral / qwen2_moe), save it to ``directory`` and return it (eval mode, eager
-    attention and experts: the reference).
+    qwen3_moe / mixtral / qwen2_moe / gpt_oss), save it to ``directory`` and return it (eval
+    mode, eager attention and experts: the reference).
     ``config_overrides`` are extra config keys (``attention_bias``, ``rope_parameters`` of
     llama or qwen2, ...)."""
     import transformers
@@ -122,6 +122,9 @@ def save_tiny_model(
         )
     elif kind in MOE_SHAPES:
         config = _moe_config(kind, shape | MOE_SHAPES[kind] | (config_overrides or {}))
+    elif kind == "gpt_oss":
+        shape = shape | GPT_OSS_SHAPE | (config_overrides or {})
+        config = transformers.GptOssConfig(**shape, rope_parameters=rope or GPT_OSS_ROPE)
     else:
         raise ValueError(kind)
     config._attn_implementation = "eager"
@@ -147,6 +150,19 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
                 "intermediate_size": 48},
     "qwen2_moe": {"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+}  # fmt: skip
+
+
+# A tiny gpt-oss (on top of TINY): sliding layers of 4 positions alternating with full ones,
+# a SwiGLU limit low enough that random weights clamp, YaRN past 16 positions.
+GPT_OSS_SHAPE: dict[str, Any] = {
+    "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+    "intermediate_size": 32, "head_dim": 16, "sliding_window": 4, "swiglu_limit": 0.5,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+}  # fmt: skip
+GPT_OSS_ROPE: dict[str, Any] = {
+    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16,
 }  # fmt: skip
 
 

@@ -418,7 +418,7 @@ def _through_transformers(config: dict[str, object], directory: Path) -> ModelCo
     return ModelConfig.from_dict(AutoConfig.from_pretrained(str(directory)).to_dict())
 
 
-MOE_KINDS = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE_KINDS = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")
 
 
 def test_complete_configs_read_as_transformers_reads_them(tmp_path: Path) -> None:
@@ -430,7 +430,7 @@ def test_complete_configs_read_as_transformers_reads_them(tmp_path: Path) -> Non
         for kind in (*KINDS, *MOE_KINDS):
             save_tiny_model(kind, tmp_path / kind)
             configs[kind] = tmp_path / kind / "config.json"
-    assert len(configs) == 13
+    assert len(configs) == 14
     for name, path in configs.items():
         raw = json.loads(path.read_text())
         assert config_is_complete(raw) == ("EAGLE3" not in name), name

@@ -39,6 +39,7 @@ _FAMILIES: dict[str, _Family] = {
     "qwen2_moe": _Family(qkv_bias=True, o_proj_bias=False, qk_norm=False),
     "qwen3_moe": _Family(qkv_bias=None, o_proj_bias=None, qk_norm=True),
     "mixtral": _Family(qkv_bias=False, o_proj_bias=False, qk_norm=False),
+    "gpt_oss": _Family(qkv_bias=None, o_proj_bias=None, qk_norm=False),
 }
 
 
@@ -78,6 +79,16 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's experts (``gpt_oss.py``): the gate clamped above at ``limit``, the up
+    projection within ``±limit``, then ``gate * sigmoid(alpha * gate) * (up + 1)``; their
+    projections and the router carry biases."""
+
+    alpha: float
+    limit: float
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """The mixture-of-experts facts of a model (``moe/block.py``)."""
 
@@ -88,6 +99,7 @@ class MoeConfig:
     renormalize: bool  # the top-k routing weights divided by their sum
     sparse_layers: frozenset[int]  # layers with experts; the others run the dense MLP
     shared_expert_size: int  # Qwen2-MoE's always-on expert; 0: none
+    clamped_swiglu: ClampedSwiglu | None = None  # gpt-oss's experts; None: SiLU-gated
 
     @property
     def shares(self) -> dict[str, int]:
@@ -120,6 +132,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]  # config.json's only; see load_eos_ids for the union
     moe: MoeConfig | None = None  # None: a dense model
     fp8: Fp8Config | None = None  # the checkpoint's FP8 format (fp8/config.py); None: 16-bit
+    # Per layer, its sliding window (``AttentionShape.windows``); empty: none anywhere.
+    windows: tuple[int, ...] = ()
+    sinks: bool = False  # each attention head's learned sink logit (gpt-oss)
 
     @property
     def dense_layers(self) -> int:
@@ -211,6 +226,8 @@ class ModelConfig:
             eos_token_ids=_as_ids(d.get("eos_token_id")),
             moe=moe,
             fp8=fp8,
+            windows=_parse_windows(d, model_type, num_layers),
+            sinks=model_type == "gpt_oss",
         )
 
 
@@ -230,6 +247,8 @@ _KEYS_OF_FAMILY: dict[str, tuple[str, ...]] = {
                   "shared_expert_intermediate_size", "norm_topk_prob"),
     "qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"),
     "mixtral": ("num_local_experts", "num_experts_per_tok"),
+    "gpt_oss": ("num_local_experts", "num_experts_per_tok", "head_dim", "attention_bias",
+                "sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit"),
 }  # fmt: skip
 
 
@@ -290,9 +309,30 @@ def _check_supported(d: dict[str, Any]) -> None:
         raise ValueError("mlp_bias=true is not supported")
     if d.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
-    layer_types = set(d.get("layer_types") or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise ValueError(f"layer_types {sorted(layer_types)} are not supported (full_attention)")
+
+
+# The layer types each family's sliding windows come as (every family: full attention).
+_SLIDING_FAMILIES = frozenset({"gpt_oss"})
+
+
+def _parse_windows(d: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window from ``layer_types`` and ``sliding_window`` (gpt-oss);
+    empty where every layer attends to the whole context."""
+    layer_types = list(d.get("layer_types") or ["full_attention"] * num_layers)
+    allowed = {"full_attention"}
+    if model_type in _SLIDING_FAMILIES:
+        allowed.add("sliding_attention")
+    if not set(layer_types) <= allowed or len(layer_types) != num_layers:
+        raise ValueError(
+            f"layer_types {sorted(set(layer_types))} of {len(layer_types)} layers are not "
+            f"supported for {model_type} ({', '.join(sorted(allowed))}, one per layer)"
+        )
+    if "sliding_attention" not in layer_types:
+        return ()
+    window = int(d["sliding_window"])
+    if window < 1:
+        raise ValueError(f"sliding_window {window} is not supported (at least 1)")
+    return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
 
 
 def _parse_moe(d: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
@@ -302,6 +342,10 @@ def _parse_moe(d: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig
         # Mixtral applies `sliding_window` whenever it is set (no use_sliding_window switch).
         if d.get("sliding_window") is not None:
             raise ValueError("sliding-window attention (sliding_window set) is not supported")
+        num_experts = int(d["num_local_experts"])
+        key, step, renormalize = "intermediate_size", 1, True
+    elif model_type == "gpt_oss":
+        # A softmax over the top-k router logits: the renormalised top-k of the softmax.
         num_experts = int(d["num_local_experts"])
         key, step, renormalize = "intermediate_size", 1, True
     elif model_type in ("qwen2_moe", "qwen3_moe"):
@@ -331,6 +375,11 @@ def _parse_moe(d: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig
         renormalize=renormalize,
         sparse_layers=sparse,
         shared_expert_size=shared if model_type == "qwen2_moe" else 0,
+        clamped_swiglu=(
+            ClampedSwiglu(float(d["swiglu_alpha"]), float(d["swiglu_limit"]))
+            if model_type == "gpt_oss"
+            else None
+        ),
     )
 
 

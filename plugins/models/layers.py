@@ -193,6 +193,8 @@ class Attention(nn.Module, UsesKernels):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        # Each head's sink logit (``AttentionShape.sinks``).
+        self.sinks = nn.Parameter(torch.empty(self.num_q_heads)) if config.sinks else None
 
     def forward(self, x: torch.Tensor, rotation: Rotation, fb: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden]
@@ -207,7 +209,7 @@ class Attention(nn.Module, UsesKernels):
             )
         else:
             q, k = rotation.rotate(q, k)
-        out = fb.attend(self.layer_id, q, k, v)  # [T, Hq, D]
+        out = fb.attend(self.layer_id, q, k, v, self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_q_heads * self.head_dim))
 
 
@@ -350,10 +352,14 @@ class DecoderForCausalLM(nn.Module, UsesKernels):
 
     @property
     def attention_shape(self) -> AttentionShape:
-        """The rank's attention: its heads, the model's head dim and scale."""
-        head_dim = self.config.head_dim
+        """The rank's attention: its heads, the model's head dim and scale, its layers'
+        sliding windows and sinks."""
+        config, head_dim = self.config, self.config.head_dim
         dtype = self.model.embed_tokens.weight.dtype
-        return AttentionShape(self.num_q_heads, self.num_kv_heads, head_dim, head_dim**-0.5, dtype)
+        return AttentionShape(
+            self.num_q_heads, self.num_kv_heads, head_dim, head_dim**-0.5, dtype,
+            windows=config.windows, sinks=config.sinks,
+        )  # fmt: skip
 
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """``input_ids: [T]`` int64 -> final-norm hidden states ``[T, hidden]``. Captures the

@@ -19,6 +19,7 @@ from outrider.plugins.models.config import ModelConfig
 from outrider.plugins.models.fp8.config import Fp8Config
 from outrider.plugins.models.fp8.layers import fp8_layout, use_fp8
 from outrider.plugins.models.fp8.reference import FP8
+from outrider.plugins.models.gpt_oss import gpt_oss_checkpoint_shapes
 from outrider.plugins.models.kernels import TORCH_KERNELS, select_kernels, use_kernels
 from outrider.plugins.models.layers import DecoderForCausalLM, RotaryEmbedding
 from outrider.plugins.models.moe.block import moe_checkpoint_shapes
@@ -142,7 +143,9 @@ def expected_checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]
         if config.qk_norm:
             shapes[f"{attn}.q_norm.weight"] = (head_dim,)
             shapes[f"{attn}.k_norm.weight"] = (head_dim,)
-        if config.moe is not None and i in config.moe.sparse_layers:
+        if config.model_type == "gpt_oss":
+            shapes.update(gpt_oss_checkpoint_shapes(config, i))
+        elif config.moe is not None and i in config.moe.sparse_layers:
             shapes.update(moe_checkpoint_shapes(config, i))
         else:
             shapes[f"{mlp}.gate_proj.weight"] = (inter, hidden)

@@ -15,6 +15,7 @@ _ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "outrider.plugins.models.qwen2_moe",
     "Qwen3MoeForCausalLM": "outrider.plugins.models.qwen3_moe",
     "MixtralForCausalLM": "outrider.plugins.models.mixtral",
+    "GptOssForCausalLM": "outrider.plugins.models.gpt_oss",
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)

@@ -1,0 +1,134 @@
+"""gpt-oss (``GptOssForCausalLM``): attention with biases and a learned sink per head
+(``AttentionShape.sinks``), sliding-window layers alternating with full ones
+(``AttentionShape.windows``), YaRN rotary scaling (config.py), and experts in every layer: a
+router with a bias whose softmax runs over its top-k logits, and experts with biased
+projections under the clamped SwiGLU (``ClampedSwiglu``).
+
+Checkpoint layout (the HF one; ``E`` experts of ``I`` rows, ``H`` hidden)::
+
+    parameter (and checkpoint name)        shape
+    -------------------------------------  -----------------------------------------------
+    mlp.router.weight, .bias               [E, H], [E]
+    mlp.experts.gate_up_proj               [E, H, 2I]: gate and up interleaved (columns
+                                           2j and 2j + 1 hold row j of each)
+    mlp.experts.gate_up_proj_bias          [E, 2I], interleaved alike
+    mlp.experts.down_proj, _bias           [E, I, H], [E, H]
+    self_attn.sinks                        [heads]
+
+Not yet: experts stored in mxfp4 (the published checkpoints' ``quantization_config``, refused
+by config.py), tensor parallelism (refused here), a fused kernel for these experts (they run
+through ``moe/reference.py``'s sum, as the 16-bit reference of the other families does).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from outrider.plugins.graph_build import in_graph_build
+from outrider.plugins.models.kernels import UsesKernels
+from outrider.plugins.models.layers import DecoderForCausalLM
+from outrider.plugins.models.moe.block import Routing
+from outrider.plugins.models.moe.reference import sum_over_experts
+from outrider.plugins.models.parallel import SINGLE, TPGroup
+
+if TYPE_CHECKING:
+    from outrider.plugins.models.config import ClampedSwiglu, ModelConfig, MoeConfig
+
+
+def _experts_of(config: ModelConfig) -> tuple[MoeConfig, ClampedSwiglu]:
+    moe = config.moe
+    assert moe is not None and moe.clamped_swiglu is not None, "a gpt-oss config"
+    return moe, moe.clamped_swiglu
+
+
+class GptOssRouter(nn.Module, UsesKernels):
+    def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(moe.num_experts))
+        self.top_k = moe.top_k
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """``x: [T, H]``: the top-k logits (in ``x``'s dtype), their softmax in float32."""
+        top = self.kernels.linear(x, self.weight, self.bias).topk(self.top_k, dim=-1)
+        return Routing(top.values.float().softmax(dim=-1), top.indices.to(torch.int32))
+
+
+class GptOssExperts(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoeConfig, swiglu: ClampedSwiglu) -> None:
+        super().__init__()
+        experts, rows = moe.num_experts, moe.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden_size, 2 * rows))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * rows))
+        self.down_proj = nn.Parameter(torch.empty(experts, rows, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden_size))
+        self.swiglu = swiglu
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """``x: [T, H]`` -> ``[T, H]``: each token's experts, weighted, summed in ascending
+        expert order (grouped by expert; every expert on every token while a CUDA graph is
+        built)."""
+        return sum_over_experts(
+            x,
+            routing.weights,
+            routing.ids,
+            self.gate_up_proj.shape[0],
+            self._product,
+            every_expert=in_graph_build(),
+        )
+
+    def _product(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Expert ``expert`` on the rows ``x: [n, H]``."""
+        gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        limit = self.swiglu.limit
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        glu = gate * torch.sigmoid(gate * self.swiglu.alpha)
+        return ((up + 1) * glu) @ self.down_proj[expert] + self.down_proj_bias[expert]
+
+
+class GptOssMoeBlock(nn.Module):
+    """One layer's router and experts (``mlp.``): ``[T, H] -> [T, H]``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe, swiglu = _experts_of(config)
+        self.router = GptOssRouter(config.hidden_size, moe)
+        self.experts = GptOssExperts(config.hidden_size, moe, swiglu)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.router(x))
+
+
+class GptOssForCausalLM(DecoderForCausalLM):
+    model_type = "gpt_oss"
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup = SINGLE) -> None:
+        if tp.size > 1:
+            raise ValueError(
+                "gpt-oss under tensor parallelism is not supported yet: run it with "
+                "--tensor-parallel-size 1"
+            )
+        super().__init__(config, max_positions, tp)
+
+    def feed_forward(self, config: ModelConfig, layer_id: int, tp: TPGroup) -> nn.Module:
+        return GptOssMoeBlock(config)
+
+
+def gpt_oss_checkpoint_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors (and shapes) of layer ``layer``'s sinks and experts."""
+    moe, _ = _experts_of(config)
+    experts, rows, hidden = moe.num_experts, moe.intermediate_size, config.hidden_size
+    prefix = f"model.layers.{layer}"
+    return {
+        f"{prefix}.self_attn.sinks": (config.num_q_heads,),
+        f"{prefix}.mlp.router.weight": (experts, hidden),
+        f"{prefix}.mlp.router.bias": (experts,),
+        f"{prefix}.mlp.experts.gate_up_proj": (experts, hidden, 2 * rows),
+        f"{prefix}.mlp.experts.gate_up_proj_bias": (experts, 2 * rows),
+        f"{prefix}.mlp.experts.down_proj": (experts, rows, hidden),
+        f"{prefix}.mlp.experts.down_proj_bias": (experts, hidden),
+    }
