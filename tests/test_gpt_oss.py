@@ -5,7 +5,9 @@ engine; the checkpoint layout; what is refused."""
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,10 @@ from model_fixtures import (
     save_tiny_model,
     torch_backend,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from outrider.plugins.models.config import ModelConfig
-from outrider.plugins.models.gpt_oss import GptOssForCausalLM
+from outrider.plugins.models.gpt_oss import GptOssForCausalLM, GptOssMxfp4Experts
 from outrider.plugins.models.layers import DecoderForCausalLM
 from outrider.plugins.models.loader import (
     build_model,
@@ -30,6 +32,7 @@ from outrider.plugins.models.loader import (
     expected_checkpoint_shapes,
     load_model,
 )
+from outrider.plugins.models.mxfp4 import BLOCK, E2M1_VALUES, SCALE_BIAS, dequantize
 from outrider.plugins.models.parallel import TPGroup
 
 debug_checks = debug_checks_fixture()
@@ -130,13 +133,8 @@ def test_the_checkpoint_layout_is_derived_from_the_config(
 def test_what_is_not_served_yet_is_refused(
     reference: tuple[Path, torch.nn.Module], tmp_path: Path
 ) -> None:
-    """Experts in mxfp4 and tensor parallelism, each named; sliding layers of a family that
-    has none."""
+    """Tensor parallelism, named; mxfp4 and sliding layers of a family that has neither."""
     directory, _ = reference
-    raw = json.loads((directory / "config.json").read_text())
-    mxfp4 = raw | {"quantization_config": {"quant_method": "mxfp4"}}
-    with pytest.raises(ValueError, match="quant_method 'mxfp4' is not supported"):
-        ModelConfig.from_dict(mxfp4)
     config = ModelConfig.from_pretrained(directory)
     with pytest.raises(ValueError, match="gpt-oss under tensor parallelism is not supported"):
         build_model(config, max_positions=8, dtype=torch.float32, device="meta",
@@ -145,6 +143,114 @@ def test_what_is_not_served_yet_is_refused(
         (Path(__file__).parent / "fixtures" / "configs" / "Llama-3.1-8B-Instruct.config.json")
         .read_text()
     )  # fmt: skip
+    with pytest.raises(ValueError, match="quant_method 'mxfp4' is supported for gpt_oss only"):
+        ModelConfig.from_dict(llama | {"quantization_config": {"quant_method": "mxfp4"}})
     llama["layer_types"] = ["sliding_attention"] * llama["num_hidden_layers"]
     with pytest.raises(ValueError, match="layer_types \\['sliding_attention'\\] of 32 layers"):
         ModelConfig.from_dict(llama | {"sliding_window": 128})
+
+
+# --- experts in mxfp4 -----------------------------------------------------------------------
+
+
+def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight: [..., in]`` (float32) -> mxfp4 ``(blocks, scales)``: each block of 32 scaled
+    by the power of two that brings its largest magnitude to at most 6, each value rounded to
+    the nearest e2m1 value."""
+    groups = weight.unflatten(-1, (-1, BLOCK))  # [..., G, 32]
+    largest = groups.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(largest / 6.0)).to(torch.int32)
+    scaled = groups / torch.ldexp(torch.ones_like(largest), exponent).unsqueeze(-1)
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    index = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
+    nibbles = (index + 8 * (scaled < 0)).to(torch.uint8)  # [..., G, 32]
+    blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return blocks, (exponent + SCALE_BIAS).to(torch.uint8)
+
+
+def test_mxfp4_dequantizes_as_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(118, 132, (3, 8, 2), generator=gen, dtype=torch.uint8)
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [3, 64, 8]
+        assert torch.equal(dequantize(blocks, scales, dtype).transpose(1, 2), theirs)
+    # The rounding of _quantize: values already on the grid come back exactly.
+    grid = dequantize(blocks, scales, torch.float32)
+    assert torch.equal(dequantize(*_quantize(grid), torch.float32), grid)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_reference(
+    reference: tuple[Path, torch.nn.Module], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, torch.nn.Module]:
+    """The tiny model with its experts quantized to mxfp4, saved as the published checkpoints
+    hold them, and transformers' model with the dequantized experts in place."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    source, hf = reference
+    directory = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, directory / file.name)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head",
+        ],
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for file in source.glob("*.safetensors"):
+        tensors |= load_file(file)
+    hf = copy.deepcopy(hf)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _quantize(tensors.pop(name).transpose(1, 2))  # [E, out, in]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        with torch.no_grad():
+            hf.get_parameter(name).copy_(
+                convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            )
+    save_file(tensors, directory / "model.safetensors")
+    return directory, hf
+
+
+def test_mxfp4_experts_match_hf(mxfp4_reference: tuple[Path, torch.nn.Module]) -> None:
+    """Experts held in mxfp4 and dequantized as they run: transformers' logits over the
+    dequantized checkpoint, and its greedy outputs through the engine."""
+    directory, hf = mxfp4_reference
+    model = _load(directory)
+    assert model.config.mxfp4_experts
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, GptOssMxfp4Experts)
+    assert experts.gate_up_proj_blocks.dtype == torch.uint8
+    seq = mixed_prompts(7, 1)[0] + [5, 6, 7]
+    rows = PagedRows(num_layers=model.num_layers, shape=model.attention_shape, page_size=4,
+                     max_len=len(seq))  # fmt: skip
+    input_ids, fb = rows.batch(torch_backend(model.attention_shape), [(0, seq)])
+    with torch.no_grad():
+        logits = model.compute_logits(model(input_ids, fb))
+        torch.testing.assert_close(logits, hf(torch.tensor([seq])).logits[0], atol=ATOL, rtol=0)
+        expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)
+    engine = engine_for(str(directory), page_size=4)
+    outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
+    assert tokens_of(outcomes) == dict(enumerate(expected))
+
+
+def test_mxfp4_layout_and_dummy_weights(mxfp4_reference: tuple[Path, torch.nn.Module]) -> None:
+    """The blocks and scales a checkpoint holds follow from the config; dummy weights (no
+    checkpoint read) draw every block and decode."""
+    directory, _ = mxfp4_reference
+    config = ModelConfig.from_pretrained(directory)
+    saved = {name: tuple(t.shape) for name, t in load_file(directory / "model.safetensors").items()}
+    assert expected_checkpoint_shapes(config) == saved
+    check_checkpoint_layout(config)
+    engine = engine_for(str(directory), load_format="dummy")
+    outcomes = run(engine, requests_for(PROMPTS[:2], max_new_tokens=4))
+    assert all(len(tokens) == 4 for tokens in tokens_of(outcomes).values())
+    weights = engine.loop.runner.model.model.layers[1].mlp.experts.down_proj_blocks
+    assert weights.unique().numel() > 200  # random bytes, not one value

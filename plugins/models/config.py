@@ -135,6 +135,7 @@ class ModelConfig:
     # Per layer, its sliding window (``AttentionShape.windows``); empty: none anywhere.
     windows: tuple[int, ...] = ()
     sinks: bool = False  # each attention head's learned sink logit (gpt-oss)
+    mxfp4_experts: bool = False  # gpt-oss's experts stored in mxfp4 (``quant_method: mxfp4``)
 
     @property
     def dense_layers(self) -> int:
@@ -202,7 +203,9 @@ class ModelConfig:
         hidden_size = int(d["hidden_size"])
         num_layers = int(d["num_hidden_layers"])
         moe = _parse_moe(d, model_type, num_layers)
-        fp8 = parse_quantization(d.get("quantization_config"))
+        quantization = d.get("quantization_config")
+        mxfp4 = _mxfp4_experts(quantization, model_type)
+        fp8 = None if mxfp4 else parse_quantization(quantization)
         if moe is not None and moe.sparse_layers and fp8 is not None and fp8.block is None:
             raise ValueError(FP8_EXPERTS_REFUSAL)
         return cls(
@@ -228,6 +231,7 @@ class ModelConfig:
             fp8=fp8,
             windows=_parse_windows(d, model_type, num_layers),
             sinks=model_type == "gpt_oss",
+            mxfp4_experts=mxfp4,
         )
 
 
@@ -333,6 +337,16 @@ def _parse_windows(d: dict[str, Any], model_type: str, num_layers: int) -> tuple
     if window < 1:
         raise ValueError(f"sliding_window {window} is not supported (at least 1)")
     return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+
+
+def _mxfp4_experts(quantization: dict[str, Any] | None, model_type: str) -> bool:
+    """Whether ``quantization_config`` stores gpt-oss's experts in mxfp4 (every other
+    tensor unquantized, as the published checkpoints are); ValueError for mxfp4 elsewhere."""
+    if quantization is None or quantization.get("quant_method") != "mxfp4":
+        return False
+    if model_type != "gpt_oss":
+        raise ValueError(f"quant_method 'mxfp4' is supported for gpt_oss only, not {model_type}")
+    return True
 
 
 def _parse_moe(d: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:

@@ -15,13 +15,17 @@ Checkpoint layout (the HF one; ``E`` experts of ``I`` rows, ``H`` hidden)::
     mlp.experts.down_proj, _bias           [E, I, H], [E, H]
     self_attn.sinks                        [heads]
 
-Not yet: experts stored in mxfp4 (the published checkpoints' ``quantization_config``, refused
-by config.py), tensor parallelism (refused here), a fused kernel for these experts (they run
+Experts stored in mxfp4 (``quant_method: mxfp4``, as the published checkpoints are: mxfp4.py)
+are held so, ``{gate_up,down}_proj_blocks`` and ``_scales`` of ``[E, out, in / 32, ...]`` (the
+transpose of the 16-bit layout), and dequantized an expert at a time as its tokens run.
+
+Not yet: tensor parallelism (refused here), a fused kernel for these experts (they run
 through ``moe/reference.py``'s sum, as the 16-bit reference of the other families does).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +36,9 @@ from outrider.plugins.models.kernels import UsesKernels
 from outrider.plugins.models.layers import DecoderForCausalLM
 from outrider.plugins.models.moe.block import Routing
 from outrider.plugins.models.moe.reference import sum_over_experts
+from outrider.plugins.models.mxfp4 import BLOCK, SCALE_BIAS, dequantize
 from outrider.plugins.models.parallel import SINGLE, TPGroup
+from outrider.plugins.models.weights import SelfDrawn
 
 if TYPE_CHECKING:
     from outrider.plugins.models.config import ClampedSwiglu, ModelConfig, MoeConfig
@@ -75,19 +81,64 @@ class GptOssExperts(nn.Module):
             x,
             routing.weights,
             routing.ids,
-            self.gate_up_proj.shape[0],
+            self.gate_up_proj_bias.shape[0],  # the experts (held in either form)
             self._product,
             every_expert=in_graph_build(),
         )
 
     def _product(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """Expert ``expert`` on the rows ``x: [n, H]``."""
-        gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        return self._gated(x, expert, self.gate_up_proj[expert], self.down_proj[expert])
+
+    def _gated(
+        self, x: torch.Tensor, expert: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+    ) -> torch.Tensor:
+        """``x: [n, H]`` through an expert's ``gate_up_proj: [H, 2I]`` (interleaved) and
+        ``down_proj: [I, H]``, with its biases, under the clamped SwiGLU."""
+        gate_up = x @ gate_up_proj + self.gate_up_proj_bias[expert]
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         limit = self.swiglu.limit
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         glu = gate * torch.sigmoid(gate * self.swiglu.alpha)
-        return ((up + 1) * glu) @ self.down_proj[expert] + self.down_proj_bias[expert]
+        return ((up + 1) * glu) @ down_proj + self.down_proj_bias[expert]
+
+
+class GptOssMxfp4Experts(GptOssExperts, SelfDrawn):
+    """The experts with their projections in mxfp4 (module docstring); biases in 16 bits."""
+
+    def __init__(self, hidden_size: int, moe: MoeConfig, swiglu: ClampedSwiglu) -> None:
+        nn.Module.__init__(self)
+        experts, rows = moe.num_experts, moe.intermediate_size
+        for name, out, into in (
+            ("gate_up_proj", 2 * rows, hidden_size),
+            ("down_proj", hidden_size, rows),
+        ):
+            shape = (experts, out, _blocks(into, name))
+            blocks = torch.empty(*shape, BLOCK // 2, dtype=torch.uint8)
+            self.register_parameter(f"{name}_blocks", nn.Parameter(blocks, requires_grad=False))
+            scales = torch.empty(*shape, dtype=torch.uint8)
+            self.register_parameter(f"{name}_scales", nn.Parameter(scales, requires_grad=False))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * rows))
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden_size))
+        self.swiglu = swiglu
+
+    def _product(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        gate_up = dequantize(
+            self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert], x.dtype
+        )
+        down = dequantize(self.down_proj_blocks[expert], self.down_proj_scales[expert], x.dtype)
+        return self._gated(x, expert, gate_up.t(), down.t())
+
+    def init_dummy(self, generator: torch.Generator, std: float) -> None:
+        """Random nibbles under one scale that keeps every weight within ``4 * std`` (the
+        largest e2m1 value is 6); biases N(0, std)."""
+        exponent = SCALE_BIAS + math.floor(math.log2(4 * std / 6.0))
+        for name in ("gate_up_proj", "down_proj"):
+            blocks: torch.Tensor = getattr(self, f"{name}_blocks")
+            drawn = torch.randint(0, 256, blocks.shape, generator=generator, device=blocks.device)
+            blocks.data.copy_(drawn.to(torch.uint8))
+            getattr(self, f"{name}_scales").data.fill_(exponent)
+            getattr(self, f"{name}_bias").data.normal_(0.0, std, generator=generator)
 
 
 class GptOssMoeBlock(nn.Module):
@@ -97,7 +148,8 @@ class GptOssMoeBlock(nn.Module):
         super().__init__()
         moe, swiglu = _experts_of(config)
         self.router = GptOssRouter(config.hidden_size, moe)
-        self.experts = GptOssExperts(config.hidden_size, moe, swiglu)
+        experts = GptOssMxfp4Experts if config.mxfp4_experts else GptOssExperts
+        self.experts = experts(config.hidden_size, moe, swiglu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.router(x))
@@ -123,12 +175,28 @@ def gpt_oss_checkpoint_shapes(config: ModelConfig, layer: int) -> dict[str, tupl
     moe, _ = _experts_of(config)
     experts, rows, hidden = moe.num_experts, moe.intermediate_size, config.hidden_size
     prefix = f"model.layers.{layer}"
-    return {
+    shapes = {
         f"{prefix}.self_attn.sinks": (config.num_q_heads,),
         f"{prefix}.mlp.router.weight": (experts, hidden),
         f"{prefix}.mlp.router.bias": (experts,),
-        f"{prefix}.mlp.experts.gate_up_proj": (experts, hidden, 2 * rows),
         f"{prefix}.mlp.experts.gate_up_proj_bias": (experts, 2 * rows),
-        f"{prefix}.mlp.experts.down_proj": (experts, rows, hidden),
         f"{prefix}.mlp.experts.down_proj_bias": (experts, hidden),
     }
+    projections = {"gate_up_proj": (2 * rows, hidden), "down_proj": (hidden, rows)}
+    for name, (out, into) in projections.items():
+        path = f"{prefix}.mlp.experts.{name}"
+        if config.mxfp4_experts:
+            groups = _blocks(into, name)
+            shapes[f"{path}_blocks"] = (experts, out, groups, BLOCK // 2)
+            shapes[f"{path}_scales"] = (experts, out, groups)
+        else:
+            shapes[path] = (experts, into, out)
+    return shapes
+
+
+def _blocks(features: int, name: str) -> int:
+    """The mxfp4 blocks of a row of ``features`` inputs; ValueError where they do not
+    divide it."""
+    if features % BLOCK:
+        raise ValueError(f"mxfp4 {name}: {features} input features are not blocks of {BLOCK}")
+    return features // BLOCK
