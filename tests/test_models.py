@@ -325,6 +325,28 @@ def test_reference_configs_map_onto_parameters(name: str) -> None:
         assert config.rope.llama3.factor == 8.0
 
 
+@pytest.mark.parametrize(
+    ("name", "layers", "experts"), [("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)]
+)
+def test_gpt_oss_configs_map_onto_parameters(name: str, layers: int, experts: int) -> None:
+    """The published gpt-oss shapes: sliding layers of 128 first and every other one, sinks,
+    YaRN of factor 32 over 4,096 positions, mxfp4 experts, and the checkpoint's tensors
+    mapping onto the model built on the meta device."""
+    config = ModelConfig.from_pretrained(REFERENCE / f"{name}.config.json")
+    check_checkpoint_layout(config)
+    assert config.windows == (128, 0) * (layers // 2) and config.sinks and config.mxfp4_experts
+    assert config.moe is not None and config.moe.clamped_swiglu is not None
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (
+        experts, 4, 2880,
+    )  # fmt: skip
+    assert config.moe.clamped_swiglu.alpha == 1.702 and config.moe.clamped_swiglu.limit == 7.0
+    assert config.rope.yarn is not None and config.rope.yarn.factor == 32.0
+    assert (
+        config.rope.yarn.original_max_position_embeddings == 4096 and not config.rope.yarn.truncate
+    )
+    assert (config.head_dim, config.num_q_heads, config.num_kv_heads) == (64, 64, 8)
+
+
 def test_unsupported_architecture_and_rope(tmp_path: Path) -> None:
     draft = ModelConfig.from_pretrained(REFERENCE / "Qwen3-8B-DFlash-b16.config.json")
     with pytest.raises(ValueError, match="DFlashDraftModel"):
@@ -430,10 +452,12 @@ def test_complete_configs_read_as_transformers_reads_them(tmp_path: Path) -> Non
         for kind in (*KINDS, *MOE_KINDS):
             save_tiny_model(kind, tmp_path / kind)
             configs[kind] = tmp_path / kind / "config.json"
-    assert len(configs) == 14
+    assert len(configs) == 16
     for name, path in configs.items():
         raw = json.loads(path.read_text())
-        assert config_is_complete(raw) == ("EAGLE3" not in name), name
+        # A draft's need not be; gpt-oss's published ones leave swiglu_alpha to the family.
+        complete = "EAGLE3" not in name and not name.startswith("gpt-oss")
+        assert config_is_complete(raw) == complete, name
         expected = _through_transformers(raw, tmp_path / f"hf-{name}")
         assert ModelConfig.from_pretrained(path) == expected, name
 
