@@ -23,7 +23,7 @@ from model_fixtures import (
 )
 from safetensors.torch import load_file, save_file
 
-from outrider.plugins.models.config import ModelConfig
+from outrider.plugins.models.config import ModelConfig, tensor_parallel_problems
 from outrider.plugins.models.gpt_oss import GptOssForCausalLM, GptOssMxfp4Experts
 from outrider.plugins.models.layers import DecoderForCausalLM
 from outrider.plugins.models.loader import (
@@ -133,10 +133,18 @@ def test_the_checkpoint_layout_is_derived_from_the_config(
 def test_what_is_not_served_yet_is_refused(
     reference: tuple[Path, torch.nn.Module], tmp_path: Path
 ) -> None:
-    """Tensor parallelism, named; mxfp4 and sliding layers of a family that has neither."""
+    """Experts that do not divide among the ranks (they are held whole: the intermediate
+    size is not cut), named; mxfp4 and sliding layers of a family that has neither."""
     directory, _ = reference
-    config = ModelConfig.from_pretrained(directory)
-    with pytest.raises(ValueError, match="gpt-oss under tensor parallelism is not supported"):
+    raw = json.loads((directory / "config.json").read_text())
+    assert tensor_parallel_problems(raw | {"intermediate_size": 33}, 2) == []
+    assert tensor_parallel_problems(raw | {"num_local_experts": 3}, 2) == [
+        "--tensor-parallel-size 2 does not divide the model's num_local_experts (3): each "
+        "rank takes an equal share"
+    ]
+    config = ModelConfig.from_dict(raw | {"num_local_experts": 3})
+    refusal = r"^--tensor-parallel-size 2 does not divide the model's num_local_experts \(3\)"
+    with pytest.raises(ValueError, match=refusal):
         build_model(config, max_positions=8, dtype=torch.float32, device="meta",
                     tp=TPGroup(rank=0, size=2))  # fmt: skip
     llama = json.loads(

@@ -7,6 +7,7 @@ what it saw; the test compares that with the same run in a world of one.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,13 +40,16 @@ DECODE_STEPS = 3
 REFERENCE = Path(__file__).parent / "fixtures" / "configs"
 # (checkpoint, load format): llama with biases on q/k/v and o_proj (the row-parallel bias),
 # qwen2 (q/k/v bias only), qwen3 (q/k norm, head_dim 24, tied embeddings), and qwen3's
-# dummy weights; qwen2_moe, its experts and shared expert cut per rank.
+# dummy weights; qwen2_moe, its experts and shared expert cut per rank; gpt-oss (sinks cut by
+# heads, experts held whole by one rank each) in 16 bits and with dummy mxfp4 experts.
 CASES: tuple[tuple[str, Literal["auto", "dummy"]], ...] = (
     ("llama", "auto"),
     ("qwen2", "auto"),
     ("qwen3", "auto"),
     ("qwen3", "dummy"),
     ("qwen2_moe", "auto"),
+    ("gpt_oss", "auto"),
+    ("gpt_oss_mxfp4", "dummy"),
 )
 
 
@@ -66,6 +70,11 @@ def _save_checkpoints(root: Path) -> None:
     save_tiny_model("qwen2", root / "qwen2")
     save_tiny_model("qwen3", root / "qwen3")
     save_tiny_model("qwen2_moe", root / "qwen2_moe")
+    save_tiny_model("gpt_oss", root / "gpt_oss")
+    (root / "gpt_oss_mxfp4").mkdir()
+    config = json.loads((root / "gpt_oss" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (root / "gpt_oss_mxfp4" / "config.json").write_text(json.dumps(config))
 
 
 def _quiet(index: int, count: int, name: str) -> None:

@@ -103,7 +103,11 @@ class MoeConfig:
 
     @property
     def shares(self) -> dict[str, int]:
-        """The expert sizes tensor parallelism divides (as ``ModelConfig.layer_shares``)."""
+        """The expert sizes tensor parallelism divides (as ``ModelConfig.layer_shares``):
+        each expert's rows, or, for gpt-oss's experts, the experts (each rank holds some
+        whole: expert parallelism, gpt_oss.py)."""
+        if self.clamped_swiglu is not None:
+            return {"num_local_experts": self.num_experts}
         shares = {self.intermediate_key: self.intermediate_size}
         if self.shared_expert_size:
             shares["shared_expert_intermediate_size"] = self.shared_expert_size
@@ -165,7 +169,8 @@ class ModelConfig:
 
     def tensor_parallel_problems(self, size: int) -> list[str]:
         """``tensor_parallel_problems`` of this model's shape."""
-        return tensor_parallel_problems(self.layer_shares | {"vocab_size": self.vocab_size}, size)
+        shape = self.layer_shares | {"vocab_size": self.vocab_size, "model_type": self.model_type}
+        return tensor_parallel_problems(shape, size)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -284,16 +289,19 @@ def tensor_parallel_problems(
 ) -> list[str]:
     """What keeps a model of config.json ``d`` (raw keys: no transformers needed) from being
     sharded over ``size`` ranks: each rank takes an equal share of the attention heads, the KV
-    heads, the MLP's (and each expert's) intermediate rows and the vocabulary of its head
+    heads, the MLP's (and each expert's) intermediate rows (gpt-oss: of its experts, whole)
+    and the vocabulary of its head
     (``vocab_key``; keys absent from ``d`` are not checked). One line per problem, naming the
     flag and ``whose`` shape it is; empty when it divides (always for ``size`` 1)."""
     if size < 1:
         return [f"{TENSOR_PARALLEL_FLAG} {size}: must be at least 1"]
     heads = d.get("num_attention_heads")
+    whole_experts = d.get("model_type") == "gpt_oss"  # split by expert, not by rows
     shares = {
         "num_attention_heads": heads,
         "num_key_value_heads": d.get("num_key_value_heads") or heads,
-        "intermediate_size": d.get("intermediate_size"),
+        "num_local_experts": d.get("num_local_experts") if whole_experts else None,
+        "intermediate_size": None if whole_experts else d.get("intermediate_size"),
         "moe_intermediate_size": d.get("moe_intermediate_size"),
         "shared_expert_intermediate_size": d.get("shared_expert_intermediate_size"),
         vocab_key: d.get(vocab_key),

@@ -19,8 +19,14 @@ Experts stored in mxfp4 (``quant_method: mxfp4``, as the published checkpoints a
 are held so, ``{gate_up,down}_proj_blocks`` and ``_scales`` of ``[E, out, in / 32, ...]`` (the
 transpose of the 16-bit layout), and dequantized an expert at a time as its tokens run.
 
-Not yet: tensor parallelism (refused here), a fused kernel for these experts (they run
-through ``moe/reference.py``'s sum, as the 16-bit reference of the other families does).
+Under tensor parallelism the attention heads (and their sinks) are cut as every family's, and
+the experts are not cut at all: each rank holds ``E / N`` of them whole (expert parallelism),
+runs the tokens routed to those (the router runs whole on every rank), and the ranks' shares
+are summed as a row-parallel layer's output is. So no mxfp4 block is ever split, whatever
+the intermediate size (gpt-oss's 2,880 rows are 90 blocks: no four equal shares).
+
+Not yet: a fused kernel for these experts (they run through ``moe/reference.py``'s sum, as
+the 16-bit reference of the other families does).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from outrider.plugins.models.layers import DecoderForCausalLM
 from outrider.plugins.models.moe.block import Routing
 from outrider.plugins.models.moe.reference import sum_over_experts
 from outrider.plugins.models.mxfp4 import BLOCK, SCALE_BIAS, dequantize
-from outrider.plugins.models.parallel import SINGLE, TPGroup
+from outrider.plugins.models.parallel import SINGLE, Sharded, Split, TPGroup
 from outrider.plugins.models.weights import SelfDrawn
 
 if TYPE_CHECKING:
@@ -63,111 +69,132 @@ class GptOssRouter(nn.Module, UsesKernels):
         return Routing(top.values.float().softmax(dim=-1), top.indices.to(torch.int32))
 
 
-class GptOssExperts(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoeConfig, swiglu: ClampedSwiglu) -> None:
+class GptOssExperts(nn.Module, Sharded):
+    """The rank's experts, whole (expert parallelism: module docstring), in 16 bits."""
+
+    def __init__(
+        self, hidden_size: int, moe: MoeConfig, swiglu: ClampedSwiglu, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
-        experts, rows = moe.num_experts, moe.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden_size, 2 * rows))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * rows))
-        self.down_proj = nn.Parameter(torch.empty(experts, rows, hidden_size))
-        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden_size))
+        self._hold(moe, swiglu, tp)
+        local, rows = len(self.held), moe.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(local, hidden_size, 2 * rows))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(local, 2 * rows))
+        self.down_proj = nn.Parameter(torch.empty(local, rows, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(local, hidden_size))
+
+    def _hold(self, moe: MoeConfig, swiglu: ClampedSwiglu, tp: TPGroup) -> None:
+        local = tp.part(moe.num_experts, "num_local_experts")
+        self.held = range(tp.rank * local, (tp.rank + 1) * local)  # global expert indices
+        self.num_experts = moe.num_experts
         self.swiglu = swiglu
+        self.tp = tp
+
+    def param_split(self, name: str) -> Split | None:
+        return self.tp.split(0)  # each parameter stacks the experts
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``x: [T, H]`` -> ``[T, H]``: each token's experts, weighted, summed in ascending
-        expert order (grouped by expert; every expert on every token while a CUDA graph is
-        built)."""
+        """``x: [T, H]`` -> the rank's experts' share of the output ``[T, H]`` (to be summed
+        over the ranks): each token's experts, weighted, summed in ascending expert order
+        (grouped by expert; every held expert on every token while a CUDA graph is built)."""
         return sum_over_experts(
             x,
             routing.weights,
             routing.ids,
-            self.gate_up_proj_bias.shape[0],  # the experts (held in either form)
+            self.num_experts,
             self._product,
             every_expert=in_graph_build(),
+            held=self.held,
         )
 
     def _product(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """Expert ``expert`` on the rows ``x: [n, H]``."""
-        return self._gated(x, expert, self.gate_up_proj[expert], self.down_proj[expert])
+        """Expert ``expert`` (a global index) on the rows ``x: [n, H]``."""
+        local = expert - self.held.start
+        return self._gated(x, local, self.gate_up_proj[local], self.down_proj[local])
 
     def _gated(
-        self, x: torch.Tensor, expert: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+        self, x: torch.Tensor, local: int, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
     ) -> torch.Tensor:
-        """``x: [n, H]`` through an expert's ``gate_up_proj: [H, 2I]`` (interleaved) and
-        ``down_proj: [I, H]``, with its biases, under the clamped SwiGLU."""
-        gate_up = x @ gate_up_proj + self.gate_up_proj_bias[expert]
+        """``x: [n, H]`` through held expert ``local``'s ``gate_up_proj: [H, 2I]``
+        (interleaved) and ``down_proj: [I, H]``, with its biases, under the clamped SwiGLU."""
+        gate_up = x @ gate_up_proj + self.gate_up_proj_bias[local]
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         limit = self.swiglu.limit
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         glu = gate * torch.sigmoid(gate * self.swiglu.alpha)
-        return ((up + 1) * glu) @ down_proj + self.down_proj_bias[expert]
+        return ((up + 1) * glu) @ down_proj + self.down_proj_bias[local]
 
 
 class GptOssMxfp4Experts(GptOssExperts, SelfDrawn):
-    """The experts with their projections in mxfp4 (module docstring); biases in 16 bits."""
+    """The rank's experts with their projections in mxfp4 (module docstring); biases in 16
+    bits."""
 
-    def __init__(self, hidden_size: int, moe: MoeConfig, swiglu: ClampedSwiglu) -> None:
+    def __init__(
+        self, hidden_size: int, moe: MoeConfig, swiglu: ClampedSwiglu, tp: TPGroup = SINGLE
+    ) -> None:
         nn.Module.__init__(self)
-        experts, rows = moe.num_experts, moe.intermediate_size
-        for name, out, into in (
-            ("gate_up_proj", 2 * rows, hidden_size),
-            ("down_proj", hidden_size, rows),
-        ):
-            shape = (experts, out, _blocks(into, name))
+        self._hold(moe, swiglu, tp)
+        local, rows = len(self.held), moe.intermediate_size
+        projections = {"gate_up_proj": (2 * rows, hidden_size), "down_proj": (hidden_size, rows)}
+        for name, (out, into) in projections.items():
+            shape = (local, out, _blocks(into, name))
             blocks = torch.empty(*shape, BLOCK // 2, dtype=torch.uint8)
             self.register_parameter(f"{name}_blocks", nn.Parameter(blocks, requires_grad=False))
             scales = torch.empty(*shape, dtype=torch.uint8)
             self.register_parameter(f"{name}_scales", nn.Parameter(scales, requires_grad=False))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * rows))
-        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden_size))
-        self.swiglu = swiglu
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(local, 2 * rows))
+        self.down_proj_bias = nn.Parameter(torch.empty(local, hidden_size))
 
     def _product(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        gate_up = dequantize(
-            self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert], x.dtype
-        )
-        down = dequantize(self.down_proj_blocks[expert], self.down_proj_scales[expert], x.dtype)
-        return self._gated(x, expert, gate_up.t(), down.t())
+        local = expert - self.held.start
+        gate_up, down = (
+            dequantize(blocks[local], scales[local], x.dtype).t()
+            for blocks, scales in (
+                (self.gate_up_proj_blocks, self.gate_up_proj_scales),
+                (self.down_proj_blocks, self.down_proj_scales),
+            )
+        )  # [H, 2I] and [I, H], as the 16-bit experts hold them
+        return self._gated(x, local, gate_up, down)
 
     def init_dummy(self, generator: torch.Generator, std: float) -> None:
         """Random nibbles under one scale that keeps every weight within ``4 * std`` (the
-        largest e2m1 value is 6); biases N(0, std)."""
+        largest e2m1 value is 6), biases N(0, std): each expert from a generator of its own,
+        seeded from ``generator`` alike on every rank, so that a rank holds the experts a
+        single rank draws."""
         exponent = SCALE_BIAS + math.floor(math.log2(4 * std / 6.0))
-        for name in ("gate_up_proj", "down_proj"):
-            blocks: torch.Tensor = getattr(self, f"{name}_blocks")
-            drawn = torch.randint(0, 256, blocks.shape, generator=generator, device=blocks.device)
-            blocks.data.copy_(drawn.to(torch.uint8))
-            getattr(self, f"{name}_scales").data.fill_(exponent)
-            getattr(self, f"{name}_bias").data.normal_(0.0, std, generator=generator)
+        device = self.down_proj_bias.device
+        base = int(torch.randint(0, 2**62, (1,), generator=generator, device=device).item())
+        for local, expert in enumerate(self.held):
+            own = torch.Generator(device=device).manual_seed(base + expert)
+            for name in ("gate_up_proj", "down_proj"):
+                blocks: torch.Tensor = getattr(self, f"{name}_blocks")[local]
+                drawn = torch.randint(0, 256, blocks.shape, generator=own, device=device)
+                blocks.copy_(drawn.to(torch.uint8))
+                getattr(self, f"{name}_scales")[local].fill_(exponent)
+                getattr(self, f"{name}_bias")[local].normal_(0.0, std, generator=own)
 
 
 class GptOssMoeBlock(nn.Module):
-    """One layer's router and experts (``mlp.``): ``[T, H] -> [T, H]``."""
+    """One layer's router (whole on every rank) and the rank's experts (``mlp.``):
+    ``[T, H] -> [T, H]``, summed over the ranks."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         moe, swiglu = _experts_of(config)
+        self.tp = tp
         self.router = GptOssRouter(config.hidden_size, moe)
         experts = GptOssMxfp4Experts if config.mxfp4_experts else GptOssExperts
-        self.experts = experts(config.hidden_size, moe, swiglu)
+        self.experts = experts(config.hidden_size, moe, swiglu, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.router(x))
+        return self.tp.all_reduce(self.experts(x, self.router(x)))
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
     model_type = "gpt_oss"
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup = SINGLE) -> None:
-        if tp.size > 1:
-            raise ValueError(
-                "gpt-oss under tensor parallelism is not supported yet: run it with "
-                "--tensor-parallel-size 1"
-            )
-        super().__init__(config, max_positions, tp)
-
     def feed_forward(self, config: ModelConfig, layer_id: int, tp: TPGroup) -> nn.Module:
-        return GptOssMoeBlock(config)
+        return GptOssMoeBlock(config, tp)
 
 
 def gpt_oss_checkpoint_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:

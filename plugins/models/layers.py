@@ -26,6 +26,8 @@ from outrider.plugins.models.parallel import (
     SINGLE,
     ColumnParallelLinear,
     RowParallelLinear,
+    Sharded,
+    Split,
     TPGroup,
     VocabParallelEmbedding,
     gather_vocab,
@@ -169,12 +171,13 @@ class FusedLinear(ColumnParallelLinear):
         return self.shards
 
 
-class Attention(nn.Module, UsesKernels):
+class Attention(nn.Module, Sharded, UsesKernels):
     """Self-attention over the rank's ``num_q_heads`` and ``num_kv_heads`` (the model's
     divided by the group's size); its KV cache holds those KV heads only."""
 
     def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.layer_id = layer_id
         self.num_q_heads = tp.part(config.num_q_heads, "num_attention_heads")
         self.num_kv_heads = tp.part(config.num_kv_heads, "num_key_value_heads")
@@ -193,8 +196,11 @@ class Attention(nn.Module, UsesKernels):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        # Each head's sink logit (``AttentionShape.sinks``).
+        # Each head's sink logit (``AttentionShape.sinks``): the rank's heads'.
         self.sinks = nn.Parameter(torch.empty(self.num_q_heads)) if config.sinks else None
+
+    def param_split(self, name: str) -> Split | None:
+        return self.tp.split(0)  # its own parameter: the sinks, one a head
 
     def forward(self, x: torch.Tensor, rotation: Rotation, fb: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden]

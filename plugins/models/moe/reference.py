@@ -25,20 +25,25 @@ def sum_over_experts(
     num_experts: int,
     product: ExpertProduct,
     every_expert: bool,
+    held: range | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum for ``x: [T, H]`` (``topk_weights: [T, k]`` float32,
     ``topk_ids: [T, k]``, distinct experts per row). The tokens are grouped by the experts hit,
     read on the host (a sync); with ``every_expert`` (no sync, for CUDA graphs) every expert
     runs on every token and adds its product at weight zero where not routed, which adds
-    exactly nothing: the same sums."""
+    exactly nothing: the same sums. ``held``: the experts summed (a rank's share under expert
+    parallelism; None: all), ``product`` called with their global indices."""
     out = torch.zeros_like(x)
+    experts = range(num_experts) if held is None else held
     if every_expert:
-        for expert in range(num_experts):
+        for expert in experts:
             weight = (topk_weights * (topk_ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]
             out += (product(x, expert).float() * weight).to(x.dtype)
         return out
     hit = torch.bincount(topk_ids.flatten(), minlength=num_experts).nonzero()
     for expert in hit.flatten().tolist():
+        if expert not in experts:
+            continue
         token, slot = torch.where(topk_ids == expert)  # [n] each, token order
         weighted = product(x[token], expert).float() * topk_weights[token, slot].unsqueeze(-1)
         out.index_add_(0, token, weighted.to(x.dtype))
