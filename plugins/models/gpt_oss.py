@@ -135,13 +135,12 @@ class GptOssMxfp4Experts(GptOssExperts, SelfDrawn):
         nn.Module.__init__(self)
         self._hold(moe, swiglu, tp)
         local, rows = len(self.held), moe.intermediate_size
-        projections = {"gate_up_proj": (2 * rows, hidden_size), "down_proj": (hidden_size, rows)}
-        for name, (out, into) in projections.items():
-            shape = (local, out, _blocks(into, name))
-            blocks = torch.empty(*shape, BLOCK // 2, dtype=torch.uint8)
-            self.register_parameter(f"{name}_blocks", nn.Parameter(blocks, requires_grad=False))
-            scales = torch.empty(*shape, dtype=torch.uint8)
-            self.register_parameter(f"{name}_scales", nn.Parameter(scales, requires_grad=False))
+        gate_up = (local, 2 * rows, _blocks(hidden_size, "gate_up_proj"))
+        down = (local, hidden_size, _blocks(rows, "down_proj"))
+        self.gate_up_proj_blocks = _packed(*gate_up, BLOCK // 2)
+        self.gate_up_proj_scales = _packed(*gate_up)
+        self.down_proj_blocks = _packed(*down, BLOCK // 2)
+        self.down_proj_scales = _packed(*down)
         self.gate_up_proj_bias = nn.Parameter(torch.empty(local, 2 * rows))
         self.down_proj_bias = nn.Parameter(torch.empty(local, hidden_size))
 
@@ -219,6 +218,11 @@ def gpt_oss_checkpoint_shapes(config: ModelConfig, layer: int) -> dict[str, tupl
         else:
             shapes[path] = (experts, into, out)
     return shapes
+
+
+def _packed(*shape: int) -> nn.Parameter:
+    """Bytes of mxfp4 blocks or scales (no gradient: an integer parameter takes none)."""
+    return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
 
 
 def _blocks(features: int, name: str) -> int:
