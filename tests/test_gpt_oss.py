@@ -12,12 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tokens_of
+from engine_harness import (
+    DRAFT_ALGORITHMS,
+    debug_checks_fixture,
+    engine_for,
+    requests_for,
+    run,
+    tokens_of,
+)
 from model_fixtures import (
     GPT_OSS_SHAPE,
     PagedRows,
     hf_greedy,
     mixed_prompts,
+    save_drafts,
     save_tiny_model,
     torch_backend,
 )
@@ -114,6 +122,34 @@ def test_greedy_matches_transformers(reference: tuple[Path, torch.nn.Module]) ->
     engine = engine_for(str(directory), page_size=4)
     outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
     assert tokens_of(outcomes) == dict(enumerate(expected))
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    ["ngram", "eagle3 chain", "eagle3 tree", "eagle3 deep tree", "dflash", "standalone"],
+)
+def test_speculation_keeps_greedy(
+    reference: tuple[Path, torch.nn.Module],
+    tmp_path_factory: pytest.TempPathFactory,
+    algorithm: str,
+) -> None:
+    """Every algorithm's verify (chains, trees whose nodes sit past the window of 4 from
+    their root's ancestors: 5 steps deep) keeps transformers' greedy outputs."""
+    directory, hf = reference
+    with torch.no_grad():
+        expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)
+    settings = dict(
+        DRAFT_ALGORITHMS["eagle3 tree" if algorithm == "eagle3 deep tree" else algorithm]
+    )
+    if algorithm == "eagle3 deep tree":
+        settings |= {"speculative_num_steps": 5, "speculative_num_draft_tokens": 10}
+    if algorithm != "ngram":
+        drafts = save_drafts(tmp_path_factory.mktemp("gpt_oss_drafts"), directory)
+        settings["draft_model"] = drafts[algorithm.split()[0]]
+    engine = engine_for(str(directory), page_size=4, **settings)
+    outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
+    assert tokens_of(outcomes) == dict(enumerate(expected))
+    assert engine.scheduler.counters().spec_drafts > 0
 
 
 def test_the_checkpoint_layout_is_derived_from_the_config(

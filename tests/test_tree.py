@@ -107,16 +107,19 @@ def test_kv_move_reads_every_source_before_writing() -> None:
         assert flat[4:7] == [10.0, 12.0, 12.0]
 
 
+@pytest.mark.parametrize("window", [0, 2], ids=["full", "window-2"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_torch_backend_tree_mask_matches_dense(page_size: int) -> None:
+def test_torch_backend_tree_mask_matches_dense(page_size: int, window: int) -> None:
     """Two rows of different committed lengths verify the same 6-node tree: each node's
-    output equals dense attention over the prefix, its ancestors and itself."""
+    output equals dense attention over the prefix, its ancestors and itself; in a sliding
+    window of 2 only over those at most one position back (a node at its depth's position:
+    a grandparent is out of it though its KV slot may be near)."""
     heads, dim, width = 2, 8, 6
     seqs = [5, 9]
     gen = torch.Generator().manual_seed(1)
     depth, visible = tree_geometry(PARENTS.expand(2, -1), max_depth=3)
     max_pages = (max(seqs) + width + page_size - 1) // page_size
-    shape = AttentionShape(heads, heads, dim, dim**-0.5, torch.float32)
+    shape = AttentionShape(heads, heads, dim, dim**-0.5, torch.float32, windows=(window,))
     kv = KVCache.allocate(
         1, 1 + 2 * max_pages, page_size, shape, torch.float32, torch.device("cpu")
     )
@@ -155,9 +158,13 @@ def test_torch_backend_tree_mask_matches_dense(page_size: int) -> None:
     out = fb.attend(0, q, k, v).view(2, width, heads, dim)
     for row in range(2):
         for node in range(width):
-            seen = visible[row, node].nonzero().flatten() + row * width
-            keys = torch.cat([prefix_k[row], k[seen]])  # [n, heads, dim]
-            values = torch.cat([prefix_v[row], v[seen]])
+            ancestors = visible[row, node].nonzero().flatten()
+            positions = torch.cat([torch.arange(seqs[row]), seqs[row] + depth[row, ancestors]])
+            near = positions > seqs[row] + depth[row, node] - window if window else positions >= 0
+            seen = ancestors + row * width
+            keys = torch.cat([prefix_k[row], k[seen]])[near]  # [n, heads, dim]
+            values = torch.cat([prefix_v[row], v[seen]])[near]
+            assert window == 0 or len(keys) < seqs[row] + len(seen)  # the window cut some
             scores = torch.einsum("hd,nhd->hn", q[row * width + node], keys) / math.sqrt(dim)
             expected = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
             torch.testing.assert_close(out[row, node], expected)

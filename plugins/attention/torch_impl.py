@@ -6,8 +6,8 @@ values there are never read; they must still be finite (0 x NaN is NaN), which h
 KVCache pages start zeroed and only ever receive K/V.
 
 Sliding windows (``AttentionShape.windows``): a mask per window size, the causal (or tree) mask
-narrowed to the keys less than a window behind the query's position; a tree's block lies
-within any window, its nodes being at most its depth apart. Sinks: the softmax over each
+narrowed to the keys less than a window behind the query's position (a tree's node at its
+depth's position, not its KV slot's). Sinks: the softmax over each
 head's scores and its sink logit, computed here (SDPA takes no extra logit), the sink's share
 dropped.
 """
@@ -75,12 +75,23 @@ class TorchAttention(AttentionBackend):
         windowed = {}
         for window in sorted({w for w in self.shape.windows if w}):
             assert layout.causal, "sliding windows are causal"
-            recent = kv_pos > q_pos - window
-            if layout.tree_mask is not None:  # the block: a tree's nodes, within the window
-                block = layout.tree_mask.shape[-1]
-                recent |= kv_pos >= (layout.seq_lens - block).view(layout.bs, 1, 1)
+            recent = self._key_positions(layout, kv_pos, q_pos).unsqueeze(1) > q_pos - window
             windowed[window] = finite(mask & recent)
         return TorchAttentionMetadata(kv_index=kv_index, mask=finite(mask), windowed=windowed)
+
+    @staticmethod
+    def _key_positions(
+        layout: BatchLayout, kv_pos: torch.Tensor, q_pos: torch.Tensor
+    ) -> torch.Tensor:
+        """``[bs, max_kv]``: the position of each KV cell: its index, but in a tree's block,
+        whose node ``j`` (a query of the row too) sits at its depth's position."""
+        key_pos = kv_pos.expand(layout.bs, layout.max_kv)
+        if layout.tree_mask is None:
+            return key_pos
+        block = layout.tree_mask.shape[-1]
+        offset = key_pos - (layout.seq_lens - block).view(layout.bs, 1)  # [bs, max_kv]
+        node = q_pos[:, :, 0].gather(1, offset.clamp(0, block - 1))
+        return torch.where((offset >= 0) & (offset < block), node, key_pos)
 
     @staticmethod
     def _tree_mask(layout: BatchLayout, kv_pos: torch.Tensor) -> torch.Tensor:
