@@ -142,11 +142,20 @@ def triton_backend(shape: AttentionShape, kv_splits: int = 0) -> AttentionBacken
 def _attend_both(
     fb: ForwardBatch, backend: AttentionBackend, gen: torch.Generator, shape: AttentionShape
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch backend's output and ``backend``'s over the same layout, cache and inputs."""
+    """The torch backend's output and ``backend``'s over the same layout, cache and inputs
+    (sink logits drawn where the shape has sinks)."""
     q, k, v = qkv(fb.layout.num_tokens, gen, DEVICE, shape)
-    want = fb.attend(0, q, k, v)
-    got = ForwardBatch.bind(fb.layout, backend, fb.kv).attend(0, q, k, v)
+    sinks = _sinks(shape, gen)
+    want = fb.attend(0, q, k, v, sinks)
+    got = ForwardBatch.bind(fb.layout, backend, fb.kv).attend(0, q, k, v, sinks)
     return got, want
+
+
+def _sinks(shape: AttentionShape, gen: torch.Generator) -> torch.Tensor | None:
+    """Random sink logits for ``shape``'s heads, scaled so that they weigh as keys do."""
+    if not shape.sinks:
+        return None
+    return (2 * torch.randn(shape.num_q_heads, generator=gen)).to(DEVICE, shape.dtype)
 
 
 def _prompts_then_decode(
@@ -179,6 +188,36 @@ def _prompts_then_decode(
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_prompt_chunks_and_decode_match_torch(page_size: int, kv_splits: int) -> None:
     _prompts_then_decode(SHAPE, page_size, kv_splits, atol=1e-4, max_len=160)
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_splits", [1, 3], ids=["one split", "3 splits"])
+@pytest.mark.parametrize(
+    ("window", "sinks"), [(5, False), (0, True), (5, True)], ids=["window", "sinks", "both"]
+)
+def test_sliding_windows_and_sinks_match_torch(window: int, sinks: bool, kv_splits: int) -> None:
+    """Prompt chunks and decode steps in a layer of a 5-position window, with sinks (added
+    at the end of the one split, or in the merge of three)."""
+    shape = dataclasses.replace(SHAPE, windows=(window,), sinks=sinks)
+    _prompts_then_decode(shape, page_size=4, kv_splits=kv_splits, atol=1e-4, max_len=96)
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", KINDS[:3], ids=[k.name for k in KINDS[:3]])
+def test_verify_layouts_under_a_window_and_sinks_match_torch(kind: Kind) -> None:
+    """Decode, chain and tree verify in a layer of a 2-position window with sinks: a tree's
+    block cell sits at its node's position."""
+    shape = dataclasses.replace(SHAPE, windows=(2,), sinks=True)
+    gen = torch.Generator().manual_seed(3)
+    rows = paged_rows(gen, DEVICE, shape)
+    fused, reference = triton_backend(shape, 3), torch_backend(shape, DEVICE)
+    for bs in BUCKETS:
+        batch = make_batch(kind, rows, bs, gen)
+        q, k, v = qkv(bs * kind.width, gen, DEVICE, shape)
+        sinks = _sinks(shape, gen)
+        got = ForwardBatch.bind(batch, fused, rows.kv).attend(0, q, k, v, sinks)
+        want = ForwardBatch.bind(batch, reference, rows.kv).attend(0, q, k, v, sinks)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @needs_triton

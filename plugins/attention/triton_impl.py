@@ -17,6 +17,7 @@ from outrider.plugins.attention import triton_kernels as kernels
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.attention.triton_backend import TritonOptions, head_dim_problem
 from outrider.plugins.attention.triton_plan import (
+    LOG2_E,
     MODE_CAUSAL,
     MODE_NON_CAUSAL,
     MODE_TREE,
@@ -26,8 +27,6 @@ from outrider.plugins.attention.triton_plan import (
 )
 from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch
 from outrider.plugins.triton_launch import pdl_options
-
-LOG2_E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,8 @@ def _mode(layout: BatchLayout) -> int:
 
 
 class TritonAttention(AttentionBackend):
+    windows_and_sinks = True
+
     def __init__(self, shape: AttentionShape, options: Any, device: torch.device) -> None:
         super().__init__(shape, options, device)
         assert isinstance(options, TritonOptions)
@@ -101,18 +102,24 @@ class TritonAttention(AttentionBackend):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq, D]
         if q.shape[0] == 0:
             return out
+        window = self.shape.window(layer)
+        assert not window or meta.plan.mode != MODE_NON_CAUSAL, "sliding windows are causal"
+        # Without sinks the kernels read none: any tensor stands in for the pointer.
+        sink_logits = sinks if sinks is not None else fb.layout.seq_lens
+        extras = (window, sinks is not None, sink_logits)
         if meta.partial_out is None or meta.partial_lse is None:
-            self._attend(q, fb.kv.k[layer], fb.kv.v[layer], fb.layout, meta, out, out)
+            self._attend(q, fb.kv.k[layer], fb.kv.v[layer], fb.layout, meta, out, out, extras)
             return out
         parts, lse = meta.partial_out, meta.partial_lse
-        self._attend(q, fb.kv.k[layer], fb.kv.v[layer], fb.layout, meta, parts, lse)
+        self._attend(q, fb.kv.k[layer], fb.kv.v[layer], fb.layout, meta, parts, lse, extras)
         kernels.merge_kernel[(q.shape[0], self.shape.num_q_heads)](
-            parts, lse, out,
+            parts, lse, out, sink_logits,
             parts.stride(0), parts.stride(1), parts.stride(2),
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             meta.plan.splits,
             HEAD_DIM=self.shape.head_dim,
+            SINKS=sinks is not None,
             **pdl_options(q.device),
         )  # fmt: skip
         return out
@@ -126,10 +133,14 @@ class TritonAttention(AttentionBackend):
         meta: TritonMetadata,
         target: torch.Tensor,
         lse: torch.Tensor,
+        extras: tuple[int, bool, torch.Tensor],
     ) -> None:
         """Attend into ``target``: the output ``[T, Hq, D]``, or with several splits the
-        partials ``[T, Hq, S, D]`` and their log-sum-exps ``lse`` (``[T, Hq, S]``)."""
+        partials ``[T, Hq, S, D]`` and their log-sum-exps ``lse`` (``[T, Hq, S]``).
+        ``extras``: the layer's sliding window (0: none), whether it has sinks, and their
+        logits (a stand-in tensor without)."""
         plan, shape = meta.plan, self.shape
+        window, has_sinks, sink_logits = extras
         target_strides = target.stride()[:3] if plan.merged else (*target.stride()[:2], 0)
         lse_strides = lse.stride()[:2] if plan.merged else (0, 0)
         # Without a tree the kernel reads no tree: any tensor stands in for the pointer.
@@ -140,7 +151,7 @@ class TritonAttention(AttentionBackend):
         kernels.attend_kernel[grid](
             q, k_cache, v_cache, target, lse,
             layout.page_table, layout.slots, layout.seq_lens, layout.q_start, layout.positions,
-            tree,
+            tree, sink_logits,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -148,12 +159,14 @@ class TritonAttention(AttentionBackend):
             layout.page_table.stride(0),
             *tree_strides,
             shape.num_kv_heads, layout.page_size, tree_block, shape.scale * LOG2_E, plan.splits,
+            window,
             GROUP=shape.num_q_heads // shape.num_kv_heads,
             HEAD_DIM=shape.head_dim,
             BLOCK_M=plan.block_m,
             BLOCK_N=plan.block_n,
             MERGED=plan.merged,
             MODE=plan.mode,
+            SINKS=has_sinks,
             # fp32 as fp32 (no TF32 rounding); the default for half types.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=4 if shape.head_dim <= 128 else 8,

@@ -16,6 +16,12 @@ What a query attends (the torch backend's masks, per row of KV length ``seq_len`
     MODE_NON_CAUSAL  kv <  seq_len (a DFlash block sees the whole row)
     MODE_TREE        kv <  seq_len - block, and block cell j where tree[row, query, j]
 
+and, in a layer with a sliding window of ``W`` positions (``window`` > 0; causal and tree
+modes), only keys less than ``W`` positions behind the query's (a tree's block cell at its
+node's position, read from ``positions``): the splits share the range from the tile's
+first visible key. A layer with sinks (``SINKS``) adds ``exp(sink[head])`` to each head's
+softmax denominator: at the end of the only split, or in the merge of several.
+
 NOTE: a query that sees nothing (a row of length 0) gets zeros, never NaN.
 """
 
@@ -32,12 +38,13 @@ MODE_CAUSAL = tl.constexpr(plan.MODE_CAUSAL)
 MODE_NON_CAUSAL = tl.constexpr(plan.MODE_NON_CAUSAL)
 MODE_TREE = tl.constexpr(plan.MODE_TREE)
 SPLIT_GRAIN = tl.constexpr(plan.SPLIT_GRAIN)
+LOG2_E = tl.constexpr(plan.LOG2_E)
 
 
 @triton.jit
 def attend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-    page_table_ptr, slots_ptr, seq_lens_ptr, q_start_ptr, positions_ptr, tree_ptr,
+    page_table_ptr, slots_ptr, seq_lens_ptr, q_start_ptr, positions_ptr, tree_ptr, sinks_ptr,
     stride_qt, stride_qh,  # q: [T, Hq, D]
     stride_kp, stride_ks, stride_kh,  # k cache: [pages, page_size, Hkv, D]
     stride_vp, stride_vs, stride_vh,
@@ -45,10 +52,10 @@ def attend_kernel(
     stride_lt, stride_lh,  # lse: [T, Hq, S] (partials only)
     stride_table,  # page table: [max_slots, max_pages]
     stride_tree_row, stride_tree_q, stride_tree_j,  # tree: [bs, max_q, block] uint8
-    num_kv_heads, page_size, tree_block, scale_log2, num_splits,
+    num_kv_heads, page_size, tree_block, scale_log2, num_splits, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MERGED: tl.constexpr, MODE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(PDL)
     row = tl.program_id(0) // num_kv_heads
@@ -72,14 +79,17 @@ def attend_kernel(
         other=0.0,
     )  # [M, D]
 
+    position = tl.load(positions_ptr + token, mask=q_ok, other=-1)  # [M]
+    kv_hi = seq_len
     if MODE == MODE_CAUSAL:
-        position = tl.load(positions_ptr + token, mask=q_ok, other=-1)  # [M]
         kv_hi = tl.minimum(seq_len, tl.max(position, 0) + 1)
-    else:
-        kv_hi = seq_len
     kv_hi = tl.where(tl.program_id(1) * BLOCK_M < q_len * GROUP, kv_hi, 0)  # a tile past the row
-    chunk = tl.cdiv(tl.cdiv(kv_hi, num_splits), SPLIT_GRAIN) * SPLIT_GRAIN
-    kv_lo = split * chunk
+    kv_base = 0
+    if MODE == MODE_CAUSAL and window > 0:  # from the tile's first visible key
+        first = tl.min(tl.where(q_ok, position, 2147483647))
+        kv_base = tl.minimum(tl.maximum(first - window + 1, 0), kv_hi)
+    chunk = tl.cdiv(tl.cdiv(kv_hi - kv_base, num_splits), SPLIT_GRAIN) * SPLIT_GRAIN
+    kv_lo = kv_base + split * chunk
     kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -103,6 +113,7 @@ def attend_kernel(
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
 
         seen = kv_ok[None, :]
+        key_position = kv
         if MODE == MODE_CAUSAL:
             seen = seen & (kv[None, :] <= position[:, None])
         if MODE == MODE_TREE:
@@ -117,6 +128,11 @@ def attend_kernel(
                 other=0,
             )
             seen = seen & ((offset < 0)[None, :] | (opened != 0))
+            if window > 0:  # a block cell sits at its node's position
+                node = tl.load(positions_ptr + q_first + offset, mask=in_block & kv_ok, other=0)
+                key_position = tl.where(in_block, node, kv)
+        if window > 0:
+            seen = seen & (key_position[None, :] > position[:, None] - window)
         scores = tl.where(seen, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -138,6 +154,9 @@ def attend_kernel(
         )
         m_i = m_new
 
+    if SINKS and not MERGED:  # the sink's share of the denominator (merged: in the merge)
+        sink = tl.load(sinks_ptr + q_head, mask=q_ok, other=0.0).to(tl.float32) * LOG2_E
+        l_i += tl.where(m_i == float("-inf"), 0.0, tl.exp2(sink - m_i))  # nothing seen: 0
     seen_any = l_i > 0
     out = acc / tl.where(seen_any, l_i, 1.0)[:, None]
     out_at = out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh + dim[None, :]
@@ -151,12 +170,12 @@ def attend_kernel(
 
 @triton.jit
 def merge_kernel(
-    part_ptr, lse_ptr, out_ptr,
+    part_ptr, lse_ptr, out_ptr, sinks_ptr,
     stride_pt, stride_ph, stride_ps,  # partials: [T, Hq, S, D] float32
     stride_lt, stride_lh,  # lse: [T, Hq, S] float32, base 2
     stride_ot, stride_oh,  # out: [T, Hq, D]
     num_splits,
-    HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(PDL)
     token = tl.program_id(0)
@@ -175,5 +194,11 @@ def merge_kernel(
         total = total * scale + weight
         acc = acc * scale + weight * tl.load(part_at + split * stride_ps)
         top = new_top
+    if SINKS:  # one more split, of the sink's logit, attending to nothing
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2_E
+        new_top = tl.maximum(top, sink)
+        scale, weight = tl.exp2(top - new_top), tl.exp2(sink - new_top)
+        total = total * scale + weight
+        acc = acc * scale
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dim, out.to(out_ptr.dtype.element_ty))

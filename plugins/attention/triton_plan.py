@@ -29,6 +29,7 @@ MAX_HEAD_DIM = 256
 # A split's share of a row's KV is rounded up to this many positions: short rows use fewer
 # splits (the rest see nothing and the merge weighs them 0).
 SPLIT_GRAIN = 16
+LOG2_E = 1.4426950408889634  # the kernels' softmax runs in base 2
 
 
 @dataclass(frozen=True)
