@@ -138,6 +138,23 @@ def test_a_head_dim_a_backend_cannot_attend_with_moves_its_slots_on(
     assert any(skip.why == why for skip in choice.skipped) == (head_dim == 24)
 
 
+def test_a_model_with_sliding_windows_and_sinks_is_routed_to_backends_that_serve_them(
+    tmp_path: Path,
+) -> None:
+    """Hopper as on this host (triton installed, neither FA4 nor FlashInfer): gpt-oss's
+    every slot goes to triton, the auto plugin skipped for lacking them, named."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    config = {"model_type": "gpt_oss", "hidden_size": 256, "num_attention_heads": 4,
+              "head_dim": 64, "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cuda = ServeConfig(model=str(tmp_path), device="cuda", attention_backend="auto")
+    choice = choose_for(cuda, "bfloat16", (9, 0), discover())
+    assert [choice.routes[slot] for slot in ("prefill", "decode", "verify")] == ["triton"] * 3
+    why = f"auto has no sliding-window layers (layer_types), which --model {tmp_path} has"
+    assert any(skip.backend == "auto" and skip.why == why for skip in choice.skipped)
+
+
 def test_head_dim_limits_of_the_cuda_backends() -> None:
     assert [triton_head_dim(d) is None for d in (8, 16, 24, 96, 128, 256, 512)] == [
         False, True, False, False, True, True, False,
