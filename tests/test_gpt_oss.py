@@ -24,11 +24,13 @@ from model_fixtures import (
     GPT_OSS_SHAPE,
     PagedRows,
     hf_greedy,
+    hf_logprobs,
     mixed_prompts,
     save_drafts,
     save_tiny_model,
     torch_backend,
 )
+from numeric_rule import MAX_DIFF, assert_within_rule
 from safetensors.torch import load_file, save_file
 
 from outrider.plugins.models.config import ModelConfig, tensor_parallel_problems
@@ -150,6 +152,33 @@ def test_speculation_keeps_greedy(
     outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
     assert tokens_of(outcomes) == dict(enumerate(expected))
     assert engine.scheduler.counters().spec_drafts > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_serves_gpt_oss_within_the_numeric_rule(
+    reference: tuple[Path, torch.nn.Module],
+    mxfp4_reference: tuple[Path, torch.nn.Module],
+    backend: str,
+) -> None:
+    """float32 on CUDA, 16-bit and mxfp4 experts, decode batches replayed from CUDA graphs
+    (every expert on every token) and eager: transformers' log-probabilities within the
+    numeric rule, under plain decoding and an EAGLE-3 tree."""
+    for directory, hf in (reference, mxfp4_reference):
+        with torch.no_grad():
+            expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)
+            logprobs = hf_logprobs(hf, PROMPTS, expected)
+        drafts = save_drafts(directory.parent / f"{directory.name}-drafts", directory)
+        tree = dict(DRAFT_ALGORITHMS["eagle3 tree"], draft_model=drafts["eagle3"])
+        for graphs, settings in ((True, {}), (False, {}), (True, tree)):
+            engine = engine_for(
+                str(directory), device="cuda", dtype="float32", attention_backend=backend,
+                disable_cuda_graph=not graphs, **settings,
+            )  # fmt: skip
+            requests = requests_for(PROMPTS, max_new_tokens=NEW_TOKENS, logprobs=2)
+            for rid, outcome in run(engine, requests).items():
+                served = [lp for update in outcome.updates for lp in update.logprobs or []]
+                assert_within_rule(logprobs[rid], served, MAX_DIFF["float32"])
 
 
 def test_the_checkpoint_layout_is_derived_from_the_config(
