@@ -33,7 +33,7 @@ from model_fixtures import (
 from numeric_rule import MAX_DIFF, assert_within_rule
 from safetensors.torch import load_file, save_file
 
-from outrider.plugins.models.config import ModelConfig, tensor_parallel_problems
+from outrider.plugins.models.config import ClampedSwiglu, ModelConfig, tensor_parallel_problems
 from outrider.plugins.models.gpt_oss import GptOssForCausalLM, GptOssMxfp4Experts
 from outrider.plugins.models.layers import DecoderForCausalLM
 from outrider.plugins.models.loader import (
@@ -42,6 +42,8 @@ from outrider.plugins.models.loader import (
     expected_checkpoint_shapes,
     load_model,
 )
+from outrider.plugins.models.moe.mxfp4_gemv import Mxfp4ExpertWeights, mxfp4_decode_moe
+from outrider.plugins.models.moe.reference import sum_over_experts
 from outrider.plugins.models.mxfp4 import BLOCK, E2M1_VALUES, SCALE_BIAS, dequantize
 from outrider.plugins.models.parallel import TPGroup
 
@@ -253,6 +255,46 @@ def test_mxfp4_dequantizes_as_transformers() -> None:
     # The rounding of _quantize: values already on the grid come back exactly.
     grid = dequantize(blocks, scales, torch.float32)
     assert torch.equal(dequantize(*_quantize(grid), torch.float32), grid)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("held", [range(4), range(2, 4)], ids=["all experts", "experts 2, 3"])
+def test_mxfp4_gemvs_are_the_reference_sum(held: range, dtype: torch.dtype) -> None:
+    """The decode GEMVs (Triton's interpreter on the CPU): the reference sum over a token's
+    experts, those a rank holds only (expert parallelism), clamps active."""
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, rows, tokens = 4, 64, 96, 3
+    swiglu = ClampedSwiglu(alpha=1.702, limit=0.5)
+
+    def stored(out: int, into: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = torch.randint(0, 256, (experts, out, into // BLOCK, 16), generator=gen)
+        scales = torch.randint(118, 128, (experts, out, into // BLOCK), generator=gen)
+        mine = slice(held.start, held.stop)
+        return blocks.to(torch.uint8)[mine], scales.to(torch.uint8)[mine]
+
+    gate_up, down = stored(2 * rows, hidden), stored(hidden, rows)
+    biases = [0.1 * torch.randn(len(held), n, generator=gen).to(dtype) for n in (2 * rows, hidden)]
+    weights = Mxfp4ExpertWeights(
+        *gate_up, biases[0], *down, biases[1], held.start, len(held), swiglu.alpha, swiglu.limit
+    )
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    ids = torch.tensor([[0, 2], [3, 1], [2, 3]], dtype=torch.int32)
+    routing = torch.rand(tokens, 2, generator=gen).softmax(-1)
+
+    def product(rows_in: torch.Tensor, expert: int) -> torch.Tensor:
+        e = expert - held.start
+        w_gate_up = dequantize(gate_up[0][e], gate_up[1][e], torch.float32).t()
+        w_down = dequantize(down[0][e], down[1][e], torch.float32).t()
+        h = rows_in.float() @ w_gate_up + biases[0][e].float()
+        gate, up = h[..., ::2].clamp(max=0.5), h[..., 1::2].clamp(-0.5, 0.5)
+        glu = ((up + 1) * gate * torch.sigmoid(gate * swiglu.alpha)).to(dtype).float()
+        return glu @ w_down + biases[1][e].float()
+
+    want = sum_over_experts(x.float(), routing, ids, experts, product, False, held).to(dtype)
+    got = mxfp4_decode_moe(x, weights, routing, ids)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+    assert want.abs().max() > 1  # the products are not small enough to pass for zeros
 
 
 @pytest.fixture(scope="module")

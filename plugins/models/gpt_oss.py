@@ -17,7 +17,8 @@ Checkpoint layout (the HF one; ``E`` experts of ``I`` rows, ``H`` hidden)::
 
 Experts stored in mxfp4 (``quant_method: mxfp4``, as the published checkpoints are: mxfp4.py)
 are held so, ``{gate_up,down}_proj_blocks`` and ``_scales`` of ``[E, out, in / 32, ...]`` (the
-transpose of the 16-bit layout), and dequantized an expert at a time as its tokens run.
+transpose of the 16-bit layout): on a GPU at decode sizes they run through GEMVs that
+dequantize in registers (moe/mxfp4_gemv.py), else dequantized an expert at a time.
 
 Under tensor parallelism the attention heads (and their sinks) are cut as every family's, and
 the experts are not cut at all: each rank holds ``E / N`` of them whole (expert parallelism),
@@ -25,8 +26,9 @@ runs the tokens routed to those (the router runs whole on every rank), and the r
 are summed as a row-parallel layer's output is. So no mxfp4 block is ever split, whatever
 the intermediate size (gpt-oss's 2,880 rows are 90 blocks: no four equal shares).
 
-Not yet: a fused kernel for these experts (they run through ``moe/reference.py``'s sum, as
-the 16-bit reference of the other families does).
+Not yet: a grouped kernel for mxfp4 experts at prefill sizes, nor any kernel for the 16-bit
+ones (they run through ``moe/reference.py``'s sum, as the 16-bit reference of the other
+families does).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from outrider.plugins.graph_build import in_graph_build
 from outrider.plugins.models.kernels import UsesKernels
 from outrider.plugins.models.layers import DecoderForCausalLM
 from outrider.plugins.models.moe.block import Routing
+from outrider.plugins.models.moe.mxfp4_gemv import MAX_PAIRS, Mxfp4ExpertWeights, mxfp4_decode_moe
 from outrider.plugins.models.moe.reference import sum_over_experts
 from outrider.plugins.models.mxfp4 import BLOCK, SCALE_BIAS, dequantize
 from outrider.plugins.models.parallel import SINGLE, Sharded, Split, TPGroup
@@ -143,6 +146,20 @@ class GptOssMxfp4Experts(GptOssExperts, SelfDrawn):
         self.down_proj_scales = _packed(*down)
         self.gate_up_proj_bias = nn.Parameter(torch.empty(local, 2 * rows))
         self.down_proj_bias = nn.Parameter(torch.empty(local, hidden_size))
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """On a GPU at decode sizes, the mxfp4 GEMVs (moe/mxfp4_gemv.py: only the chosen
+        experts' rows read, dequantized in registers); else the reference sum."""
+        if x.is_cuda and routing.ids.numel() <= MAX_PAIRS:
+            return mxfp4_decode_moe(x, self._stored(), routing.weights, routing.ids)
+        return super().forward(x, routing)
+
+    def _stored(self) -> Mxfp4ExpertWeights:
+        return Mxfp4ExpertWeights(
+            self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias,
+            self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias,
+            self.held.start, len(self.held), self.swiglu.alpha, self.swiglu.limit,
+        )  # fmt: skip
 
     def _product(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         local = expert - self.held.start
