@@ -5,7 +5,7 @@ against the speculative algorithm's, and the step shape resolved from the flags.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import msgspec
@@ -73,19 +73,25 @@ def head_dim_problems(
     for prompts, decode and verify; the draft for its steps) with a head dim ``why_not`` refuses
     (it says why, or None)."""
     option = f"{attention_option(ctx, spec.name)} {spec.name}"
-    models = (
-        ("--model", ctx.model, TARGET_PHASES),
-        ("--draft-model", ctx.draft_model, DRAFT_PHASES),
-    )
     problems = []
-    for flag, path, phases in models:
-        if not any(ctx.attention_routes.get(phase) == spec.name for phase in phases):
-            continue
+    for flag, path in routed_models(spec, ctx):
         head_dim = model_head_dim(path)
         why = why_not(head_dim) if head_dim is not None else None
         if why is not None:
             problems.append(Problem(option, f"{spec.name} {why} ({flag} {path})"))
     return problems
+
+
+def routed_models(spec: PluginSpec, ctx: CheckContext) -> Iterator[tuple[str, str]]:
+    """``(flag, path)`` of each model whose attention ``ctx`` routes to backend ``spec``
+    in some phase: the target for prompts, decode and verify, the draft for its steps."""
+    models = (
+        ("--model", ctx.model, TARGET_PHASES),
+        ("--draft-model", ctx.draft_model, DRAFT_PHASES),
+    )
+    for flag, path, phases in models:
+        if any(ctx.attention_routes.get(phase) == spec.name for phase in phases):
+            yield flag, path
 
 
 # The attention a model's config.json asks for beyond causal: what each needs of a backend.
@@ -116,14 +122,8 @@ def model_attention_problems(
     """A problem for each model whose attention ``ctx`` routes to backend ``spec`` and asks
     for what ``caps`` lacks (``model_attention_needs``)."""
     option = f"{attention_option(ctx, spec.name)} {spec.name}"
-    models = (
-        ("--model", ctx.model, TARGET_PHASES),
-        ("--draft-model", ctx.draft_model, DRAFT_PHASES),
-    )
     problems = []
-    for flag, path, phases in models:
-        if not any(ctx.attention_routes.get(phase) == spec.name for phase in phases):
-            continue
+    for flag, path in routed_models(spec, ctx):
         for need in model_attention_needs(path):
             if not getattr(caps, need):
                 why = f"{spec.name} has no {MODEL_ATTENTION_WORDS[need]}, which {flag} {path} has"

@@ -224,42 +224,45 @@ def test_sliding_windows_and_sinks_match_dense(sinks: bool) -> None:
 
 def test_backends_without_windows_or_sinks_refuse_such_shapes() -> None:
     """A backend that does not declare them refuses a shape holding them at once."""
-    from outrider.plugins.attention.triton_backend import TritonOptions
-    from outrider.plugins.attention.triton_impl import TritonAttention
+    from outrider.plugins.api import NoOptions
+    from outrider.plugins.attention.fa4_impl import FA4Attention
 
     for shape in (
-        AttentionShape(4, 2, 16, 0.25, torch.float32, windows=(0, 8)),
-        AttentionShape(4, 2, 16, 0.25, torch.float32, sinks=True),
+        AttentionShape(4, 2, 64, 0.125, torch.bfloat16, windows=(0, 8)),
+        AttentionShape(4, 2, 64, 0.125, torch.bfloat16, sinks=True),
     ):
-        with pytest.raises(ValueError, match="serves no sliding windows or attention sinks"):
-            TritonAttention(shape, TritonOptions(), torch.device("cpu"))
+        with pytest.raises(ValueError, match="FA4Attention serves no sliding windows or"):
+            FA4Attention(shape, NoOptions(), torch.device("cpu"))
 
 
 def test_backends_without_windows_or_sinks_are_refused_for_a_model_with_them(
     tmp_path: Path,
 ) -> None:
     """The capability check names each thing a model's attention asks for that the backend
-    routed to its phases lacks, with the flags that route it; torch serves both."""
+    routed to its phases lacks, with the flags that route it; torch and triton serve both."""
     config = {"model_type": "gpt_oss", "layer_types": ["sliding_attention", "full_attention"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    routes: dict[Phase, str] = {phase: "triton" for phase in PHASES} | {"extend": "torch"}
+    routes: dict[Phase, str] = {phase: "flashinfer" for phase in PHASES} | {"extend": "triton"}
     ctx = CheckContext(
         device="cuda", dtype="bfloat16", page_size=16, overlap=True, attention_routes=routes,
         speculative_algorithm="none", model=str(tmp_path),
     )  # fmt: skip
     option = (
-        "--decode-attention-backend / --verify-attention-backend / --draft-attention-backend triton"
+        "--decode-attention-backend / --verify-attention-backend / --draft-attention-backend "
+        "flashinfer"
     )
-    triton = named_spec("attention", "triton")
-    assert triton.attention is not None
-    assert attention_problems(triton, triton.attention, ctx) == [
-        Problem(option, f"triton has no sliding-window layers (layer_types), which --model "
+    lacking = named_spec("attention", "flashinfer")
+    assert lacking.attention is not None
+    assert attention_problems(lacking, lacking.attention, ctx) == [
+        Problem(option, "flashinfer has no sliding-window layers (layer_types), which --model "
                 f"{tmp_path} has"),
-        Problem(option, f"triton has no attention sinks (gpt_oss), which --model {tmp_path} has"),
+        Problem(option, f"flashinfer has no attention sinks (gpt_oss), which --model {tmp_path} "
+                "has"),
     ]  # fmt: skip
-    reference = named_spec("attention", "torch")
-    assert reference.attention is not None
-    assert attention_problems(reference, reference.attention, ctx) == []
+    for serving in ("torch", "triton"):
+        spec = named_spec("attention", serving)
+        assert spec.attention is not None
+        assert attention_problems(spec, spec.attention, ctx) == [], serving
 
 
 def test_checkpoint_names_match_hf(checkpoints: Checkpoints) -> None:

@@ -78,6 +78,15 @@ def _row_dot(blocks_at, scales_at, rows_ok, x_at, features,
 
 
 @triton.jit
+def _held_expert(ids_ptr, pair, first, held):
+    """The pair's expert among the rank's (0 where another rank holds it), and whether the
+    rank holds it."""
+    local = tl.load(ids_ptr + pair) - first
+    mine = (local >= 0) & (local < held)
+    return tl.where(mine, local, 0), mine
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, h_ptr,
     width, hidden, first, held, alpha, limit,
@@ -87,9 +96,7 @@ def _gate_up_kernel(
 ):  # fmt: skip
     wait_for_previous(PDL)
     pair = tl.program_id(0)
-    local = tl.load(ids_ptr + pair) - first
-    mine = (local >= 0) & (local < held)
-    local = tl.where(mine, local, 0)
+    local, mine = _held_expert(ids_ptr, pair, first, held)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # intermediate rows j
     rows_ok = rows < tl.where(mine, width, 0)  # a pair of another rank's expert: none
     x_at = x_ptr + (pair // TOPK) * stride_x
@@ -124,9 +131,7 @@ def _down_kernel(
     total = tl.zeros([ROWS], dtype=tl.float32)
     for slot in tl.static_range(TOPK):
         pair = token * TOPK + slot
-        local = tl.load(ids_ptr + pair) - first
-        mine = (local >= 0) & (local < held)
-        local = tl.where(mine, local, 0)
+        local, mine = _held_expert(ids_ptr, pair, first, held)
         rows_ok = rows < tl.where(mine, hidden, 0)
         blocks_at = blocks_ptr + local.to(tl.int64) * stride_be + rows[:, None] * stride_br
         scales_at = scales_ptr + local.to(tl.int64) * stride_se + rows[:, None] * stride_sr
