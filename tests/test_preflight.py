@@ -86,14 +86,14 @@ def test_an_unsupported_target_names_what_is_supported(tmp_path: Path) -> None:
     (model / "config.json").write_text(json.dumps(config))
     assert preflight(ServeConfig(model=str(model))) == [
         f"--model {model}: model_type 'deepseek_v3' is not supported "
-        "(supported: llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)"
+        "(supported: gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)"
     ]
     config = {"model_type": "qwen3", "architectures": ["Qwen3ForSequenceClassification"]}
     (model / "config.json").write_text(json.dumps(config))
     assert preflight(ServeConfig(model=str(model))) == [
         f"--model {model}: architecture 'Qwen3ForSequenceClassification' is not supported "
         "(supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-        "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM)"
+        "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM)"
     ]
 
 

@@ -610,7 +610,7 @@ def test_plugins_check_refuses_what_serve_refuses_naming_the_flag(
     assert code == EXIT_CONFIG
     assert capsys.readouterr().err == (
         f"outrider plugins --check: --model {tmp_path}: model_type 'gpt2' is not supported "
-        "(supported: llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)\n"
+        "(supported: gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)\n"
     )
 
 
