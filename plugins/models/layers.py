@@ -200,7 +200,8 @@ class Attention(nn.Module, Sharded, UsesKernels):
         self.sinks = nn.Parameter(torch.empty(self.num_q_heads)) if config.sinks else None
 
     def param_split(self, name: str) -> Split | None:
-        return self.tp.split(0)  # its own parameter: the sinks, one a head
+        assert name == "sinks", f"{name}: Attention's own parameters are its sinks"
+        return self.tp.split(0)  # one a head
 
     def forward(self, x: torch.Tensor, rotation: Rotation, fb: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden]
