@@ -43,7 +43,6 @@ from outrider.plugins.graph_build import in_graph_build
 from outrider.plugins.models.kernels import UsesKernels
 from outrider.plugins.models.layers import DecoderForCausalLM
 from outrider.plugins.models.moe.block import Routing
-from outrider.plugins.models.moe.mxfp4_gemv import MAX_PAIRS, Mxfp4ExpertWeights, mxfp4_decode_moe
 from outrider.plugins.models.moe.reference import sum_over_experts
 from outrider.plugins.models.mxfp4 import BLOCK, SCALE_BIAS, dequantize
 from outrider.plugins.models.parallel import SINGLE, Sharded, Split, TPGroup
@@ -51,6 +50,7 @@ from outrider.plugins.models.weights import SelfDrawn
 
 if TYPE_CHECKING:
     from outrider.plugins.models.config import ClampedSwiglu, ModelConfig, MoeConfig
+    from outrider.plugins.models.moe.mxfp4_gemv import Mxfp4ExpertWeights
 
 
 def _experts_of(config: ModelConfig) -> tuple[MoeConfig, ClampedSwiglu]:
@@ -150,11 +150,16 @@ class GptOssMxfp4Experts(GptOssExperts, SelfDrawn):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """On a GPU at decode sizes, the mxfp4 GEMVs (moe/mxfp4_gemv.py: only the chosen
         experts' rows read, dequantized in registers); else the reference sum."""
-        if x.is_cuda and routing.ids.numel() <= MAX_PAIRS:
-            return mxfp4_decode_moe(x, self._stored(), routing.weights, routing.ids)
+        if x.is_cuda:  # Triton is imported on a GPU only (an optional dependency)
+            from outrider.plugins.models.moe.mxfp4_gemv import MAX_PAIRS, mxfp4_decode_moe
+
+            if routing.ids.numel() <= MAX_PAIRS:
+                return mxfp4_decode_moe(x, self._stored(), routing.weights, routing.ids)
         return super().forward(x, routing)
 
     def _stored(self) -> Mxfp4ExpertWeights:
+        from outrider.plugins.models.moe.mxfp4_gemv import Mxfp4ExpertWeights
+
         return Mxfp4ExpertWeights(
             self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias,
             self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias,
