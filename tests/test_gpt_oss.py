@@ -256,16 +256,23 @@ def test_mxfp4_dequantizes_as_transformers() -> None:
     assert torch.equal(dequantize(*_quantize(grid), torch.float32), grid)
 
 
+# The interpreter's numpy warns where a large negative gate's sigmoid overflows exp to
+# infinity (the sigmoid is 0 then, as on a GPU).
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("held", [range(4), range(2, 4)], ids=["all experts", "experts 2, 3"])
-def test_mxfp4_gemvs_are_the_reference_sum(held: range, dtype: torch.dtype) -> None:
-    """The decode GEMVs (Triton's interpreter on the CPU): the reference sum over a token's
-    experts, those a rank holds only (expert parallelism), clamps active."""
+def test_mxfp4_kernels_are_the_reference_sum(held: range, dtype: torch.dtype, path: str) -> None:
+    """The decode GEMVs and the grouped GEMMs (Triton's interpreter on the CPU): the
+    reference sum over a token's experts, those a rank holds only (expert parallelism), clamps
+    active; the grouped path over more tokens than a row block, some experts routed by many."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install 'outrider[triton]')")
-    from outrider.plugins.models.moe.mxfp4_gemv import Mxfp4ExpertWeights, mxfp4_decode_moe
+    from outrider.plugins.models.moe import mxfp4_kernels
+    from outrider.plugins.models.moe.mxfp4_kernels import Mxfp4ExpertWeights
 
     gen = torch.Generator().manual_seed(0)
-    experts, hidden, rows, tokens = 4, 64, 96, 3
+    experts, hidden, rows = 4, 64, 96
+    tokens = 3 if path == "gemv" else 21
     swiglu = ClampedSwiglu(alpha=1.702, limit=0.5)
 
     def stored(out: int, into: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,7 +287,8 @@ def test_mxfp4_gemvs_are_the_reference_sum(held: range, dtype: torch.dtype) -> N
         *gate_up, biases[0], *down, biases[1], held.start, len(held), swiglu.alpha, swiglu.limit
     )
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    ids = torch.tensor([[0, 2], [3, 1], [2, 3]], dtype=torch.int32)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
+    ids = ids.to(torch.int32)
     routing = torch.rand(tokens, 2, generator=gen).softmax(-1)
 
     def product(rows_in: torch.Tensor, expert: int) -> torch.Tensor:
@@ -293,7 +301,8 @@ def test_mxfp4_gemvs_are_the_reference_sum(held: range, dtype: torch.dtype) -> N
         return glu @ w_down + biases[1][e].float()
 
     want = sum_over_experts(x.float(), routing, ids, experts, product, False, held).to(dtype)
-    got = mxfp4_decode_moe(x, weights, routing, ids)
+    kernels = {"gemv": mxfp4_kernels.mxfp4_decode_moe, "grouped": mxfp4_kernels.mxfp4_grouped_moe}
+    got = kernels[path](x, weights, routing, ids)
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=atol, rtol=atol)
     assert want.abs().max() > 1  # the products are not small enough to pass for zeros

@@ -17,8 +17,9 @@ Checkpoint layout (the HF one; ``E`` experts of ``I`` rows, ``H`` hidden)::
 
 Experts stored in mxfp4 (``quant_method: mxfp4``, as the published checkpoints are: mxfp4.py)
 are held so, ``{gate_up,down}_proj_blocks`` and ``_scales`` of ``[E, out, in / 32, ...]`` (the
-transpose of the 16-bit layout): on a GPU at decode sizes they run through GEMVs that
-dequantize in registers (moe/mxfp4_gemv.py), else dequantized an expert at a time.
+transpose of the 16-bit layout): on a GPU they run through Triton kernels that dequantize in
+registers (moe/mxfp4_kernels.py: GEMVs at decode sizes, grouped GEMMs past them), on the CPU
+dequantized an expert at a time.
 
 Under tensor parallelism the attention heads (and their sinks) are cut as every family's, and
 the experts are not cut at all: each rank holds ``E / N`` of them whole (expert parallelism),
@@ -26,9 +27,8 @@ runs the tokens routed to those (the router runs whole on every rank), and the r
 are summed as a row-parallel layer's output is. So no mxfp4 block is ever split, whatever
 the intermediate size (gpt-oss's 2,880 rows are 90 blocks: no four equal shares).
 
-Not yet: a grouped kernel for mxfp4 experts at prefill sizes, nor any kernel for the 16-bit
-ones (they run through ``moe/reference.py``'s sum, as the 16-bit reference of the other
-families does).
+Not yet: a kernel for the 16-bit experts (they run through ``moe/reference.py``'s sum, as
+the 16-bit reference of the other families does).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from outrider.plugins.models.weights import SelfDrawn
 
 if TYPE_CHECKING:
     from outrider.plugins.models.config import ClampedSwiglu, ModelConfig, MoeConfig
-    from outrider.plugins.models.moe.mxfp4_gemv import Mxfp4ExpertWeights
+    from outrider.plugins.models.moe.mxfp4_kernels import Mxfp4ExpertWeights
 
 
 def _experts_of(config: ModelConfig) -> tuple[MoeConfig, ClampedSwiglu]:
@@ -148,17 +148,19 @@ class GptOssMxfp4Experts(GptOssExperts, SelfDrawn):
         self.down_proj_bias = nn.Parameter(torch.empty(local, hidden_size))
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """On a GPU at decode sizes, the mxfp4 GEMVs (moe/mxfp4_gemv.py: only the chosen
-        experts' rows read, dequantized in registers); else the reference sum."""
-        if x.is_cuda:  # Triton is imported on a GPU only (an optional dependency)
-            from outrider.plugins.models.moe.mxfp4_gemv import MAX_PAIRS, mxfp4_decode_moe
+        """On a GPU the mxfp4 kernels (moe/mxfp4_kernels.py, dequantizing in registers): GEMVs
+        at decode sizes, grouped GEMMs past them; on the CPU the reference sum."""
+        if not x.is_cuda:
+            return super().forward(x, routing)
+        # Triton is imported on a GPU only (an optional dependency).
+        from outrider.plugins.models.moe import mxfp4_kernels
 
-            if routing.ids.numel() <= MAX_PAIRS:
-                return mxfp4_decode_moe(x, self._stored(), routing.weights, routing.ids)
-        return super().forward(x, routing)
+        small = routing.ids.numel() <= mxfp4_kernels.MAX_PAIRS
+        run = mxfp4_kernels.mxfp4_decode_moe if small else mxfp4_kernels.mxfp4_grouped_moe
+        return run(x, self._stored(), routing.weights, routing.ids)
 
     def _stored(self) -> Mxfp4ExpertWeights:
-        from outrider.plugins.models.moe.mxfp4_gemv import Mxfp4ExpertWeights
+        from outrider.plugins.models.moe.mxfp4_kernels import Mxfp4ExpertWeights
 
         return Mxfp4ExpertWeights(
             self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias,

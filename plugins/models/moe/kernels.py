@@ -297,15 +297,21 @@ def grouped_moe(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """``fused_moe`` by the grouped-GEMM path with ``config``, into ``out: [T, H]``."""
-    tokens, hidden = x.shape
-    if tokens == 0:
+    if x.shape[0] == 0:
         return out
     aligned = align_pairs(topk_ids, w13.shape[0], config.block_m)
     h = gate_up(x, w13, aligned, config)
     parts = down(h, w2, topk_weights, aligned, config)
+    return sum_slots(parts, out, aligned.topk)
+
+
+def sum_slots(parts: torch.Tensor, out: torch.Tensor, topk: int) -> torch.Tensor:
+    """Each token's ``topk`` rows of ``parts`` (float32 ``[T*k, H]``, row ``t*k + j``) added in
+    slot order into ``out: [T, H]``, rounded once."""
+    tokens, hidden = out.shape
     _sum_slots_kernel[(tokens, triton.cdiv(hidden, _SUM_BLOCK))](
-        parts, out, hidden, parts.stride(0), out.stride(0), TOPK=aligned.topk, BLOCK=_SUM_BLOCK,
-        num_warps=4, **pdl_options(x.device),
+        parts, out, hidden, parts.stride(0), out.stride(0), TOPK=topk, BLOCK=_SUM_BLOCK,
+        num_warps=4, **pdl_options(out.device),
     )  # fmt: skip
     return out
 

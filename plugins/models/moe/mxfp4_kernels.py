@@ -1,0 +1,331 @@
+"""gpt-oss's experts in mxfp4, in Triton: 4.25 bits a weight read, dequantized in registers
+(plugins/models/mxfp4.py's format). Decode sizes (``MAX_PAIRS`` routed pairs at most) take GEMVs
+that read only the chosen experts' rows; larger batches take grouped GEMMs over the pairs
+grouped by expert (moe/align.py), each program reading one expert's weight tiles once for a
+block of pairs.
+
+``_gate_up_kernel``: a program per (routed pair, block of intermediate rows ``j``) reads rows
+``2j`` (gate) and ``2j + 1`` (up) of its expert's interleaved projection, adds the biases and
+applies the clamped SwiGLU (``ClampedSwiglu``); ``_down_kernel``: a program per (token, block
+of hidden rows) runs each of the token's slots through its expert's down projection and bias,
+weights it, and sums the slots in order. A pair whose expert this rank does not hold (expert
+parallelism: ids outside ``[first, first + held)``) adds nothing.
+
+Grouped: ``_gate_up_grouped_kernel`` (a program per (row block of one expert's pairs, block of
+intermediate columns): the gate and up tiles of the interleaved projection dequantized and
+multiplied in float32, biases and the clamped SwiGLU in the epilogue), ``_down_grouped_kernel``
+(the down projection, bias and routing weight in the epilogue, float32 ``[T*k, H]``), then
+moe/kernels.py's sum over each token's slots in order. The ids are aligned as the rank's
+experts, another rank's as one more expert whose blocks exit at once (their rows stay zero).
+
+Numerics: products accumulate in float32 (each weight exact: an e2m1 value times a power of
+two); the SwiGLU's output is rounded to x's dtype once, the weighted sum over slots is float32
+and the output is rounded once. No host synchronisation: a CUDA graph can capture both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from outrider.plugins.models.moe.align import align_pairs
+from outrider.plugins.models.moe.kernels import sum_slots
+from outrider.plugins.models.mxfp4 import BLOCK, SCALE_BIAS
+from outrider.plugins.triton_launch import pdl_options, wait_for_previous
+
+ROWS = 16  # output rows a program
+STEP = 64  # input features a loop iteration (two mxfp4 blocks)
+# Routed pairs up to which a step takes the GEMVs; past it, the grouped GEMMs.
+MAX_PAIRS = 64
+# The grouped GEMMs' tiles: pairs (rows), output columns, input features a step.
+GROUP_ROWS, GROUP_COLS, GROUP_STEP = 16, 32, 64
+
+
+@dataclass(frozen=True)
+class Mxfp4ExpertWeights:
+    """The experts a rank holds (``held`` of them from global id ``first``), as stored."""
+
+    gate_up_blocks: torch.Tensor  # [held, 2I, H / 32, 16] uint8, gate and up rows interleaved
+    gate_up_scales: torch.Tensor  # [held, 2I, H / 32] uint8
+    gate_up_bias: torch.Tensor  # [held, 2I]
+    down_blocks: torch.Tensor  # [held, H, I / 32, 16] uint8
+    down_scales: torch.Tensor  # [held, H, I / 32] uint8
+    down_bias: torch.Tensor  # [held, H]
+    first: int
+    held: int
+    alpha: float  # the clamped SwiGLU's
+    limit: float
+
+
+@triton.jit
+def _e2m1(nibble):
+    """The float32 value of e2m1 codes (sign, 2 exponent bits, 1 mantissa bit)."""
+    exponent = (nibble >> 1) & 3
+    mantissa = (nibble & 1).to(tl.float32)
+    power = tl.exp2((exponent - 1).to(tl.float32))
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * power)
+    return tl.where((nibble & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _row_dot(blocks_at, scales_at, rows_ok, x_at, features,
+             STEP: tl.constexpr, BLOCK: tl.constexpr, SCALE_BIAS: tl.constexpr):  # fmt: skip
+    """``[ROWS]`` float32: each mxfp4 row (``blocks_at``: its bytes, ``[ROWS, 1]`` pointers)
+    times the vector at ``x_at`` of ``features`` values."""
+    half = tl.arange(0, STEP // 2)
+    acc = tl.zeros([blocks_at.shape[0]], dtype=tl.float32)
+    for k0 in range(0, features, STEP):
+        ok = rows_ok[:, None] & (k0 + 2 * half < features)[None, :]
+        packed = tl.load(blocks_at + k0 // 2 + half[None, :], mask=ok, other=0).to(tl.int32)
+        values = tl.join(_e2m1(packed & 15), _e2m1(packed >> 4))  # [R, STEP / 2, 2]
+        values = tl.reshape(values, (blocks_at.shape[0], STEP))  # even index: the low nibble
+        group = (k0 + tl.arange(0, STEP)) // BLOCK
+        scale = tl.load(scales_at + group[None, :], mask=rows_ok[:, None], other=SCALE_BIAS)
+        values = values * tl.exp2((scale.to(tl.int32) - SCALE_BIAS).to(tl.float32))
+        cols = k0 + tl.arange(0, STEP)
+        x = tl.load(x_at + cols, mask=cols < features, other=0.0).to(tl.float32)
+        acc += tl.sum(values * x[None, :], 1)
+    return acc
+
+
+@triton.jit
+def _held_expert(ids_ptr, pair, first, held):
+    """The pair's expert among the rank's (0 where another rank holds it), and whether the
+    rank holds it."""
+    local = tl.load(ids_ptr + pair) - first
+    mine = (local >= 0) & (local < held)
+    return tl.where(mine, local, 0), mine
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, h_ptr,
+    width, hidden, first, held, alpha, limit,
+    stride_x, stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_h,
+    TOPK: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr,
+    SCALE_BIAS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous(PDL)
+    pair = tl.program_id(0)
+    local, mine = _held_expert(ids_ptr, pair, first, held)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # intermediate rows j
+    rows_ok = rows < tl.where(mine, width, 0)  # a pair of another rank's expert: none
+    x_at = x_ptr + (pair // TOPK) * stride_x
+    expert_blocks = blocks_ptr + local.to(tl.int64) * stride_be
+    expert_scales = scales_ptr + local.to(tl.int64) * stride_se
+    gate = _row_dot(expert_blocks + (2 * rows)[:, None] * stride_br,
+                    expert_scales + (2 * rows)[:, None] * stride_sr, rows_ok, x_at, hidden,
+                    STEP, BLOCK, SCALE_BIAS)  # fmt: skip
+    up = _row_dot(expert_blocks + (2 * rows + 1)[:, None] * stride_br,
+                  expert_scales + (2 * rows + 1)[:, None] * stride_sr, rows_ok, x_at, hidden,
+                  STEP, BLOCK, SCALE_BIAS)  # fmt: skip
+    bias_at = bias_ptr + local.to(tl.int64) * stride_bias
+    gate += tl.load(bias_at + 2 * rows, mask=rows_ok, other=0.0).to(tl.float32)
+    up += tl.load(bias_at + 2 * rows + 1, mask=rows_ok, other=0.0).to(tl.float32)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    tl.store(h_ptr + pair * stride_h + rows, h.to(h_ptr.dtype.element_ty), mask=rows < width)
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, weights_ptr, out_ptr,
+    hidden, width, first, held,
+    stride_h, stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_out,
+    TOPK: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr,
+    SCALE_BIAS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous(PDL)
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # hidden rows
+    total = tl.zeros([ROWS], dtype=tl.float32)
+    for slot in tl.static_range(TOPK):
+        pair = token * TOPK + slot
+        local, mine = _held_expert(ids_ptr, pair, first, held)
+        rows_ok = rows < tl.where(mine, hidden, 0)
+        blocks_at = blocks_ptr + local.to(tl.int64) * stride_be + rows[:, None] * stride_br
+        scales_at = scales_ptr + local.to(tl.int64) * stride_se + rows[:, None] * stride_sr
+        h_at = h_ptr + pair * stride_h
+        acc = _row_dot(blocks_at, scales_at, rows_ok, h_at, width, STEP, BLOCK, SCALE_BIAS)
+        bias_at = bias_ptr + local.to(tl.int64) * stride_bias
+        acc += tl.load(bias_at + rows, mask=rows_ok, other=0.0).to(tl.float32)
+        total += tl.where(mine, tl.load(weights_ptr + pair), 0.0) * acc
+    tl.store(out_ptr + token * stride_out + rows, total.to(out_ptr.dtype.element_ty),
+             mask=rows < hidden)  # fmt: skip
+
+
+@triton.jit
+def _weight_tile(blocks_at, scales_at, k0, cols_ok, features,
+                 STEP: tl.constexpr, BLOCK: tl.constexpr, SCALE_BIAS: tl.constexpr):  # fmt: skip
+    """``[STEP, C]`` float32: input features ``k0 ..`` of the mxfp4 rows at ``blocks_at``
+    (``[C, 1]`` pointers to each row's bytes; ``scales_at`` alike), transposed for ``tl.dot``."""
+    half = tl.arange(0, STEP // 2)
+    ok = cols_ok[:, None] & (k0 + 2 * half < features)[None, :]
+    packed = tl.load(blocks_at + k0 // 2 + half[None, :], mask=ok, other=0).to(tl.int32)
+    values = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), (blocks_at.shape[0], STEP))
+    group = (k0 + tl.arange(0, STEP)) // BLOCK
+    scale = tl.load(scales_at + group[None, :], mask=cols_ok[:, None], other=SCALE_BIAS)
+    values = values * tl.exp2((scale.to(tl.int32) - SCALE_BIAS).to(tl.float32))
+    return tl.trans(values)
+
+
+@triton.jit
+def _gate_up_grouped_kernel(
+    x_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr, sorted_ptr, block_experts_ptr,
+    num_pairs, width, hidden, held, alpha, limit,
+    stride_x, stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_h,
+    TOPK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
+    BLOCK: tl.constexpr, SCALE_BIAS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous(PDL)
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if (expert < 0) | (expert >= held):  # past the used blocks, or another rank's experts
+        return
+    pairs = tl.load(sorted_ptr + block * ROWS + tl.arange(0, ROWS))
+    rows_ok = pairs < num_pairs
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)  # intermediate rows j
+    cols_ok = cols < width
+    step = tl.arange(0, STEP)
+    x_at = x_ptr + (pairs // TOPK).to(tl.int64)[:, None] * stride_x + step[None, :]
+    expert_blocks = blocks_ptr + expert.to(tl.int64) * stride_be
+    expert_scales = scales_ptr + expert.to(tl.int64) * stride_se
+    gate = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    up = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    for k0 in range(0, hidden, STEP):
+        a = tl.load(x_at + k0, mask=rows_ok[:, None] & (k0 + step < hidden)[None, :], other=0.0)
+        a = a.to(tl.float32)
+        w_gate = _weight_tile(expert_blocks + (2 * cols)[:, None] * stride_br,
+                              expert_scales + (2 * cols)[:, None] * stride_sr, k0, cols_ok,
+                              hidden, STEP, BLOCK, SCALE_BIAS)  # fmt: skip
+        w_up = _weight_tile(expert_blocks + (2 * cols + 1)[:, None] * stride_br,
+                            expert_scales + (2 * cols + 1)[:, None] * stride_sr, k0, cols_ok,
+                            hidden, STEP, BLOCK, SCALE_BIAS)  # fmt: skip
+        gate = tl.dot(a, w_gate, gate, input_precision="ieee")
+        up = tl.dot(a, w_up, up, input_precision="ieee")
+    bias_at = bias_ptr + expert.to(tl.int64) * stride_bias
+    gate += tl.load(bias_at + 2 * cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
+    up += tl.load(bias_at + 2 * cols + 1, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    h_at = h_ptr + pairs.to(tl.int64)[:, None] * stride_h + cols[None, :]
+    tl.store(h_at, h.to(h_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+@triton.jit
+def _down_grouped_kernel(
+    h_ptr, blocks_ptr, scales_ptr, bias_ptr, weights_ptr, parts_ptr, sorted_ptr,
+    block_experts_ptr, num_pairs, hidden, width, held,
+    stride_h, stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_parts,
+    ROWS: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr,
+    SCALE_BIAS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_previous(PDL)
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if (expert < 0) | (expert >= held):
+        return
+    pairs = tl.load(sorted_ptr + block * ROWS + tl.arange(0, ROWS))
+    rows_ok = pairs < num_pairs
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)  # hidden rows
+    cols_ok = cols < hidden
+    step = tl.arange(0, STEP)
+    h_at = h_ptr + pairs.to(tl.int64)[:, None] * stride_h + step[None, :]
+    expert_blocks = blocks_ptr + expert.to(tl.int64) * stride_be + cols[:, None] * stride_br
+    expert_scales = scales_ptr + expert.to(tl.int64) * stride_se + cols[:, None] * stride_sr
+    acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    for k0 in range(0, width, STEP):
+        a = tl.load(h_at + k0, mask=rows_ok[:, None] & (k0 + step < width)[None, :], other=0.0)
+        w = _weight_tile(expert_blocks, expert_scales, k0, cols_ok, width, STEP, BLOCK,
+                         SCALE_BIAS)  # fmt: skip
+        acc = tl.dot(a.to(tl.float32), w, acc, input_precision="ieee")
+    bias_at = bias_ptr + expert.to(tl.int64) * stride_bias
+    acc += tl.load(bias_at + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
+    acc *= tl.load(weights_ptr + pairs, mask=rows_ok, other=0.0)[:, None]
+    parts_at = parts_ptr + pairs.to(tl.int64)[:, None] * stride_parts + cols[None, :]
+    tl.store(parts_at, acc, mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+def mxfp4_grouped_moe(
+    x: torch.Tensor,
+    experts: Mxfp4ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``mxfp4_decode_moe`` by the grouped GEMMs (any batch size)."""
+    tokens, hidden = x.shape
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    topk, width = topk_ids.shape[1], experts.down_blocks.shape[2] * BLOCK
+    local = topk_ids.to(torch.int32) - experts.first
+    # Another rank's experts: one more expert, ``held``, whose blocks exit at once.
+    local = torch.where((local >= 0) & (local < experts.held), local, experts.held)
+    aligned = align_pairs(local, experts.held + 1, GROUP_ROWS)
+    h = torch.zeros((tokens * topk, width), dtype=x.dtype, device=x.device)
+    parts = torch.zeros((tokens * topk, hidden), dtype=torch.float32, device=x.device)
+    gate_up_blocks = experts.gate_up_blocks.flatten(-2)
+    down_blocks = experts.down_blocks.flatten(-2)
+    consts = {"ROWS": GROUP_ROWS, "COLS": GROUP_COLS, "STEP": GROUP_STEP, "BLOCK": BLOCK,
+              "SCALE_BIAS": SCALE_BIAS}  # fmt: skip
+    _gate_up_grouped_kernel[(aligned.max_blocks, triton.cdiv(width, GROUP_COLS))](
+        x, gate_up_blocks, experts.gate_up_scales, experts.gate_up_bias, h,
+        aligned.sorted_pairs, aligned.block_experts, aligned.num_pairs, width, hidden,
+        experts.held, experts.alpha, experts.limit,
+        x.stride(0), gate_up_blocks.stride(0), gate_up_blocks.stride(1),
+        experts.gate_up_scales.stride(0), experts.gate_up_scales.stride(1),
+        experts.gate_up_bias.stride(0), h.stride(0),
+        TOPK=topk, **consts, **pdl_options(x.device),
+    )  # fmt: skip
+    _down_grouped_kernel[(aligned.max_blocks, triton.cdiv(hidden, GROUP_COLS))](
+        h, down_blocks, experts.down_scales, experts.down_bias, topk_weights.contiguous(),
+        parts, aligned.sorted_pairs, aligned.block_experts, aligned.num_pairs, hidden, width,
+        experts.held,
+        h.stride(0), down_blocks.stride(0), down_blocks.stride(1),
+        experts.down_scales.stride(0), experts.down_scales.stride(1),
+        experts.down_bias.stride(0), parts.stride(0),
+        **consts, **pdl_options(x.device),
+    )  # fmt: skip
+    return sum_slots(parts, out, topk)
+
+
+def mxfp4_decode_moe(
+    x: torch.Tensor,
+    experts: Mxfp4ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The held experts' share of the routed sum for ``x: [T, H]`` (``topk_weights: [T, k]``
+    float32, ``topk_ids: [T, k]`` global expert ids): ``[T, H]`` in x's dtype."""
+    tokens, hidden = x.shape
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    topk, width = topk_ids.shape[1], experts.down_blocks.shape[2] * BLOCK
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+    h = torch.empty((tokens * topk, width), dtype=x.dtype, device=x.device)
+    gate_up_blocks = experts.gate_up_blocks.flatten(-2)  # [E, 2I, in / 2] bytes
+    down_blocks = experts.down_blocks.flatten(-2)
+    consts = {"TOPK": topk, "ROWS": ROWS, "STEP": STEP, "BLOCK": BLOCK, "SCALE_BIAS": SCALE_BIAS}
+    _gate_up_kernel[(tokens * topk, triton.cdiv(width, ROWS))](
+        x, gate_up_blocks, experts.gate_up_scales, experts.gate_up_bias, ids, h,
+        width, hidden, experts.first, experts.held, experts.alpha, experts.limit,
+        x.stride(0), gate_up_blocks.stride(0), gate_up_blocks.stride(1),
+        experts.gate_up_scales.stride(0), experts.gate_up_scales.stride(1),
+        experts.gate_up_bias.stride(0), h.stride(0),
+        **consts, **pdl_options(x.device),
+    )  # fmt: skip
+    _down_kernel[(tokens, triton.cdiv(hidden, ROWS))](
+        h, down_blocks, experts.down_scales, experts.down_bias, ids, weights, out,
+        hidden, width, experts.first, experts.held,
+        h.stride(0), down_blocks.stride(0), down_blocks.stride(1),
+        experts.down_scales.stride(0), experts.down_scales.stride(1),
+        experts.down_bias.stride(0), out.stride(0),
+        **consts, **pdl_options(x.device),
+    )  # fmt: skip
+    return out
