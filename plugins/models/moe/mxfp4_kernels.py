@@ -71,24 +71,41 @@ def _e2m1(nibble):
 
 
 @triton.jit
+def _tile_values(blocks_at, scales_at, k0, rows_ok, features,
+                 STEP: tl.constexpr, BLOCK: tl.constexpr, SCALE_BIAS: tl.constexpr):  # fmt: skip
+    """``[R, STEP]`` float32: input features ``k0 ..`` of the mxfp4 rows at ``blocks_at``
+    (``[R, 1]`` pointers to each row's bytes; ``scales_at`` alike to its scales); zeros past
+    ``features`` and in the rows not ``rows_ok``."""
+    half = tl.arange(0, STEP // 2)
+    ok = rows_ok[:, None] & (k0 + 2 * half < features)[None, :]
+    packed = tl.load(blocks_at + k0 // 2 + half[None, :], mask=ok, other=0).to(tl.int32)
+    values = tl.join(_e2m1(packed & 15), _e2m1(packed >> 4))  # [R, STEP / 2, 2]
+    values = tl.reshape(values, (blocks_at.shape[0], STEP))  # even index: the low nibble
+    group = (k0 + tl.arange(0, STEP)) // BLOCK
+    scale = tl.load(scales_at + group[None, :], mask=rows_ok[:, None], other=SCALE_BIAS)
+    return values * tl.exp2((scale.to(tl.int32) - SCALE_BIAS).to(tl.float32))
+
+
+@triton.jit
 def _row_dot(blocks_at, scales_at, rows_ok, x_at, features,
              STEP: tl.constexpr, BLOCK: tl.constexpr, SCALE_BIAS: tl.constexpr):  # fmt: skip
-    """``[ROWS]`` float32: each mxfp4 row (``blocks_at``: its bytes, ``[ROWS, 1]`` pointers)
-    times the vector at ``x_at`` of ``features`` values."""
-    half = tl.arange(0, STEP // 2)
+    """``[ROWS]`` float32: each mxfp4 row (``_tile_values``'s) times the vector at ``x_at``
+    of ``features`` values."""
     acc = tl.zeros([blocks_at.shape[0]], dtype=tl.float32)
     for k0 in range(0, features, STEP):
-        ok = rows_ok[:, None] & (k0 + 2 * half < features)[None, :]
-        packed = tl.load(blocks_at + k0 // 2 + half[None, :], mask=ok, other=0).to(tl.int32)
-        values = tl.join(_e2m1(packed & 15), _e2m1(packed >> 4))  # [R, STEP / 2, 2]
-        values = tl.reshape(values, (blocks_at.shape[0], STEP))  # even index: the low nibble
-        group = (k0 + tl.arange(0, STEP)) // BLOCK
-        scale = tl.load(scales_at + group[None, :], mask=rows_ok[:, None], other=SCALE_BIAS)
-        values = values * tl.exp2((scale.to(tl.int32) - SCALE_BIAS).to(tl.float32))
+        values = _tile_values(blocks_at, scales_at, k0, rows_ok, features, STEP, BLOCK, SCALE_BIAS)
         cols = k0 + tl.arange(0, STEP)
         x = tl.load(x_at + cols, mask=cols < features, other=0.0).to(tl.float32)
         acc += tl.sum(values * x[None, :], 1)
     return acc
+
+
+@triton.jit
+def _clamped_swiglu(gate, up, alpha, limit):
+    """gpt-oss's activation (``ClampedSwiglu``) of float32 ``gate`` and ``up``."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
 
 
 @triton.jit
@@ -125,9 +142,7 @@ def _gate_up_kernel(
     bias_at = bias_ptr + local.to(tl.int64) * stride_bias
     gate += tl.load(bias_at + 2 * rows, mask=rows_ok, other=0.0).to(tl.float32)
     up += tl.load(bias_at + 2 * rows + 1, mask=rows_ok, other=0.0).to(tl.float32)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    h = _clamped_swiglu(gate, up, alpha, limit)
     tl.store(h_ptr + pair * stride_h + rows, h.to(h_ptr.dtype.element_ty), mask=rows < width)
 
 
@@ -159,21 +174,6 @@ def _down_kernel(
 
 
 @triton.jit
-def _weight_tile(blocks_at, scales_at, k0, cols_ok, features,
-                 STEP: tl.constexpr, BLOCK: tl.constexpr, SCALE_BIAS: tl.constexpr):  # fmt: skip
-    """``[STEP, C]`` float32: input features ``k0 ..`` of the mxfp4 rows at ``blocks_at``
-    (``[C, 1]`` pointers to each row's bytes; ``scales_at`` alike), transposed for ``tl.dot``."""
-    half = tl.arange(0, STEP // 2)
-    ok = cols_ok[:, None] & (k0 + 2 * half < features)[None, :]
-    packed = tl.load(blocks_at + k0 // 2 + half[None, :], mask=ok, other=0).to(tl.int32)
-    values = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), (blocks_at.shape[0], STEP))
-    group = (k0 + tl.arange(0, STEP)) // BLOCK
-    scale = tl.load(scales_at + group[None, :], mask=cols_ok[:, None], other=SCALE_BIAS)
-    values = values * tl.exp2((scale.to(tl.int32) - SCALE_BIAS).to(tl.float32))
-    return tl.trans(values)
-
-
-@triton.jit
 def _gate_up_grouped_kernel(
     x_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr, sorted_ptr, block_experts_ptr,
     num_pairs, width, hidden, held, alpha, limit,
@@ -199,20 +199,18 @@ def _gate_up_grouped_kernel(
     for k0 in range(0, hidden, STEP):
         a = tl.load(x_at + k0, mask=rows_ok[:, None] & (k0 + step < hidden)[None, :], other=0.0)
         a = a.to(tl.float32)
-        w_gate = _weight_tile(expert_blocks + (2 * cols)[:, None] * stride_br,
-                              expert_scales + (2 * cols)[:, None] * stride_sr, k0, cols_ok,
-                              hidden, STEP, BLOCK, SCALE_BIAS)  # fmt: skip
-        w_up = _weight_tile(expert_blocks + (2 * cols + 1)[:, None] * stride_br,
-                            expert_scales + (2 * cols + 1)[:, None] * stride_sr, k0, cols_ok,
-                            hidden, STEP, BLOCK, SCALE_BIAS)  # fmt: skip
+        w_gate = tl.trans(_tile_values(expert_blocks + (2 * cols)[:, None] * stride_br,
+                                       expert_scales + (2 * cols)[:, None] * stride_sr, k0,
+                                       cols_ok, hidden, STEP, BLOCK, SCALE_BIAS))  # fmt: skip
+        w_up = tl.trans(_tile_values(expert_blocks + (2 * cols + 1)[:, None] * stride_br,
+                                     expert_scales + (2 * cols + 1)[:, None] * stride_sr, k0,
+                                     cols_ok, hidden, STEP, BLOCK, SCALE_BIAS))  # fmt: skip
         gate = tl.dot(a, w_gate, gate, input_precision="ieee")
         up = tl.dot(a, w_up, up, input_precision="ieee")
     bias_at = bias_ptr + expert.to(tl.int64) * stride_bias
     gate += tl.load(bias_at + 2 * cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
     up += tl.load(bias_at + 2 * cols + 1, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    h = _clamped_swiglu(gate, up, alpha, limit)
     h_at = h_ptr + pairs.to(tl.int64)[:, None] * stride_h + cols[None, :]
     tl.store(h_at, h.to(h_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
@@ -241,8 +239,8 @@ def _down_grouped_kernel(
     acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
     for k0 in range(0, width, STEP):
         a = tl.load(h_at + k0, mask=rows_ok[:, None] & (k0 + step < width)[None, :], other=0.0)
-        w = _weight_tile(expert_blocks, expert_scales, k0, cols_ok, width, STEP, BLOCK,
-                         SCALE_BIAS)  # fmt: skip
+        w = tl.trans(_tile_values(expert_blocks, expert_scales, k0, cols_ok, width, STEP,
+                                  BLOCK, SCALE_BIAS))  # fmt: skip
         acc = tl.dot(a.to(tl.float32), w, acc, input_precision="ieee")
     bias_at = bias_ptr + expert.to(tl.int64) * stride_bias
     acc += tl.load(bias_at + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
