@@ -19,17 +19,17 @@ from outrider.plugins.checks import attention_problems
 from outrider.plugins.device import AttentionShape, ForwardBatch
 from outrider.plugins.models.config import (
     ModelConfig,
-    RopeConfig,
     config_is_complete,
     load_eos_ids,
 )
-from outrider.plugins.models.layers import DecoderForCausalLM, rope_inv_freq
+from outrider.plugins.models.layers import DecoderForCausalLM
 from outrider.plugins.models.loader import (
     check_checkpoint_layout,
     expected_checkpoint_shapes,
     load_model,
 )
 from outrider.plugins.models.registry import model_class
+from outrider.plugins.models.rope import RopeConfig, rope_inv_freq
 from outrider.plugins.registry import named_spec
 
 REFERENCE = Path(__file__).parent / "fixtures" / "configs"

@@ -420,7 +420,7 @@ class GrammarGuide:
     ) -> None:
         prepared, self._prepared = self._prepared, None
         marked = prepared is not None and prepared[0] is paths
-        host = prepared[1] if prepared is not None and marked else self.masks.paths_to_host(paths)
+        host = prepared[1] if marked else self.masks.paths_to_host(paths)
 
         def fill() -> None:
             turn = self.turn()

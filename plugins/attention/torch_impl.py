@@ -73,10 +73,12 @@ class TorchAttention(AttentionBackend):
             return torch.where(is_query, cells, kv_pos == 0).unsqueeze(1)
 
         windowed = {}
-        for window in sorted({w for w in self.shape.windows if w}):
+        windows = sorted({w for w in self.shape.windows if w})
+        if windows:
             assert layout.causal, "sliding windows are causal"
-            recent = self._key_positions(layout, kv_pos, q_pos).unsqueeze(1) > q_pos - window
-            windowed[window] = finite(mask & recent)
+            key_pos = self._key_positions(layout, kv_pos, q_pos).unsqueeze(1)  # [bs, 1, max_kv]
+        for window in windows:
+            windowed[window] = finite(mask & (key_pos > q_pos - window))
         return TorchAttentionMetadata(kv_index=kv_index, mask=finite(mask), windowed=windowed)
 
     @staticmethod

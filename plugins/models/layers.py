@@ -13,7 +13,6 @@ runs its share of the heads and of the MLP's rows, and its modules' sizes are th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,10 +32,12 @@ from outrider.plugins.models.parallel import (
     gather_vocab,
     vocab_argmax,
 )
+from outrider.plugins.models.rope import rope_inv_freq
 
 if TYPE_CHECKING:
     from outrider.plugins.device import ForwardBatch
-    from outrider.plugins.models.config import ModelConfig, RopeConfig, YarnScaling
+    from outrider.plugins.models.config import ModelConfig
+    from outrider.plugins.models.rope import RopeConfig
 
 
 class RMSNorm(nn.Module, UsesKernels):
@@ -52,52 +53,6 @@ class RMSNorm(nn.Module, UsesKernels):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(residual + x), residual + x)``; may overwrite both inputs."""
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` float32, with llama3 or YaRN scaling when
-    configured."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    if rope.yarn is not None:
-        return _yarn_inv_freq(head_dim, rope.theta**exponents, rope.theta, rope.yarn)
-    inv_freq = 1.0 / (rope.theta**exponents)
-    scaling = rope.llama3
-    if scaling is None:
-        return inv_freq
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are divided by `factor`, short ones kept, the band between blended.
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(in_band, blended, scaled)
-
-
-def _yarn_inv_freq(
-    head_dim: int, wavelength_base: torch.Tensor, theta: float, yarn: YarnScaling
-) -> torch.Tensor:
-    """YaRN's frequencies (``YarnScaling``) from ``theta ** (2i / head_dim)``."""
-
-    def dim_of(rotations: float) -> float:
-        # The dimension pair that turns ``rotations`` times over the original context.
-        turns = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
-        return head_dim * math.log(turns) / (2 * math.log(theta))
-
-    low, high = dim_of(yarn.beta_fast), dim_of(yarn.beta_slow)
-    if yarn.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001  # a ramp of one step
-    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)
-    kept = 1 - ramp.clamp(0, 1)  # 1: the original frequency, 0: divided by the factor
-    interpolated = 1.0 / (yarn.factor * wavelength_base)
-    return interpolated * (1 - kept) + (1.0 / wavelength_base) * kept
 
 
 class RotaryEmbedding(nn.Module, UsesKernels):

@@ -265,7 +265,8 @@ def mxfp4_grouped_moe(
     # Another rank's experts: one more expert, ``held``, whose blocks exit at once.
     local = torch.where((local >= 0) & (local < experts.held), local, experts.held)
     aligned = align_pairs(local, experts.held + 1, GROUP_ROWS)
-    h = torch.zeros((tokens * topk, width), dtype=x.dtype, device=x.device)
+    # Rows of another rank's pairs: never written nor read in h, zeros in parts (summed).
+    h = torch.empty((tokens * topk, width), dtype=x.dtype, device=x.device)
     parts = torch.zeros((tokens * topk, hidden), dtype=torch.float32, device=x.device)
     gate_up_blocks = experts.gate_up_blocks.flatten(-2)
     down_blocks = experts.down_blocks.flatten(-2)
