@@ -419,8 +419,10 @@ class GrammarGuide:
         self, logits: torch.Tensor, paths: torch.Tensor, columns: torch.Tensor | None = None
     ) -> None:
         prepared, self._prepared = self._prepared, None
-        marked = prepared is not None and prepared[0] is paths
-        host = prepared[1] if marked else self.masks.paths_to_host(paths)
+        if prepared is not None and prepared[0] is paths:
+            marked, host = True, prepared[1]
+        else:
+            marked, host = False, self.masks.paths_to_host(paths)
 
         def fill() -> None:
             turn = self.turn()
