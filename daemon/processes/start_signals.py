@@ -7,8 +7,11 @@ import signal
 import sys
 
 
-class StopWhileStarting(Exception):
-    """SIGTERM or SIGINT arrived before the event loop took the signals over."""
+class StopWhileStarting(BaseException):
+    """SIGTERM or SIGINT arrived before the event loop took the signals over. A
+    ``BaseException``, as ``KeyboardInterrupt`` is: raised wherever the start happens to be
+    (inside the warm-up's step too), it must pass the handlers of ordinary failures (the
+    loop's, which would end the step's requests and go on) up to ``start.py``."""
 
 
 class StartSignals:
