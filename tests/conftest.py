@@ -1,5 +1,6 @@
 """Shared test setup: one torch thread per process, GPU tests skipped without a GPU (and Triton's
-kernels run in its interpreter there), the front door tests' tokenizer, the tiny llama target
+kernels run in its interpreter there, each distinct launch recorded for test_hopper_compile.py,
+which runs last), the front door tests' tokenizer, the tiny llama target
 and its random EAGLE-3 draft."""
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ if not CUDA:
     # NOTE: Triton reads this when a kernel is defined, so before any kernel module is imported:
     # without a GPU every Triton kernel runs in its interpreter, on CPU tensors.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        from hopper_compile import install_recorder
+
+        install_recorder()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -36,6 +41,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not CUDA:
             item.add_marker(skip)
+    # The compile check takes the launches of every other test: it runs last.
+    items.sort(key=lambda item: "compiles_launches" in item.keywords)
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,9 @@ def attend_kernel(
     if MODE == MODE_CAUSAL:
         kv_hi = tl.minimum(seq_len, tl.max(position, 0) + 1)
     kv_hi = tl.where(tl.program_id(1) * BLOCK_M < q_len * GROUP, kv_hi, 0)  # a tile past the row
-    kv_base = 0
+    # NOTE: a runtime branch (the window's) must keep every value's type and shape: kv_base
+    # takes kv_hi's integer type, the mask its full tile, a node's position the keys' type.
+    kv_base = tl.zeros_like(kv_hi)
     if MODE == MODE_CAUSAL and window > 0:  # from the tile's first visible key
         first = tl.min(tl.where(q_ok, position, 2147483647))
         kv_base = tl.minimum(tl.maximum(first - window + 1, 0), kv_hi)
@@ -112,7 +114,7 @@ def attend_kernel(
         )  # [N, D]
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
 
-        seen = kv_ok[None, :]
+        seen = tl.broadcast_to(kv_ok[None, :], (BLOCK_M, BLOCK_N))
         key_position = kv
         if MODE == MODE_CAUSAL:
             seen = seen & (kv[None, :] <= position[:, None])
@@ -130,7 +132,7 @@ def attend_kernel(
             seen = seen & ((offset < 0)[None, :] | (opened != 0))
             if window > 0:  # a block cell sits at its node's position
                 node = tl.load(positions_ptr + q_first + offset, mask=in_block & kv_ok, other=0)
-                key_position = tl.where(in_block, node, kv)
+                key_position = tl.where(in_block, node.to(tl.int32), kv)
         if window > 0:
             seen = seen & (key_position[None, :] > position[:, None] - window)
         scores = tl.where(seen, scores, float("-inf"))
