@@ -138,6 +138,11 @@ def save_tiny_model(
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.1)
+    if kind == "gpt_oss":
+        # NOTE: older transformers releases hard-code the experts' SwiGLU limit (7.0) whatever
+        # the config says; the reference takes the config's, as newer releases do.
+        for layer in model.model.layers:
+            layer.mlp.experts.limit = config.swiglu_limit
     model.save_pretrained(directory, max_shard_size=max_shard_size)
     return model
 

@@ -160,6 +160,7 @@ def test_speculation_keeps_greedy(
 def test_cuda_serves_gpt_oss_within_the_numeric_rule(
     reference: tuple[Path, torch.nn.Module],
     mxfp4_reference: tuple[Path, torch.nn.Module],
+    tmp_path_factory: pytest.TempPathFactory,
     backend: str,
 ) -> None:
     """float32 on CUDA, 16-bit and mxfp4 experts, decode batches replayed from CUDA graphs
@@ -169,7 +170,7 @@ def test_cuda_serves_gpt_oss_within_the_numeric_rule(
         with torch.no_grad():
             expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)
             logprobs = hf_logprobs(hf, PROMPTS, expected)
-        drafts = save_drafts(directory.parent / f"{directory.name}-drafts", directory)
+        drafts = save_drafts(tmp_path_factory.mktemp(f"{directory.name}-drafts"), directory)
         tree = dict(DRAFT_ALGORITHMS["eagle3 tree"], draft_model=drafts["eagle3"])
         for graphs, settings in ((True, {}), (False, {}), (True, tree)):
             engine = engine_for(

@@ -221,8 +221,12 @@ _KEYS_OF_FAMILY: dict[str, tuple[str, ...]] = {
     "qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"),
     "mixtral": ("num_local_experts", "num_experts_per_tok"),
     "gpt_oss": ("num_local_experts", "num_experts_per_tok", "head_dim", "attention_bias",
-                "sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit"),
+                "sliding_window", "layer_types", "swiglu_limit"),
 }  # fmt: skip
+
+# gpt-oss's gate scale: the published config.json leaves it out, and transformers hard-codes it
+# (older releases) or defaults to it (newer ones): no config class is needed to know it.
+GPT_OSS_SWIGLU_ALPHA = 1.702
 
 
 def config_is_complete(d: dict[str, Any]) -> bool:
@@ -362,7 +366,9 @@ def _parse_moe(d: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig
         sparse_layers=sparse,
         shared_expert_size=shared if model_type == "qwen2_moe" else 0,
         clamped_swiglu=(
-            ClampedSwiglu(float(d["swiglu_alpha"]), float(d["swiglu_limit"]))
+            ClampedSwiglu(
+                float(d.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)), float(d["swiglu_limit"])
+            )
             if model_type == "gpt_oss"
             else None
         ),
