@@ -239,6 +239,31 @@ def test_a_request_whose_own_mean_does_not_pay_stops_feeding_the_draft() -> None
     assert policy.estimate(weak) == 1.0
 
 
+def test_a_first_wave_stops_feeding_where_its_measured_kind_does_not_pay_at_its_size() -> None:
+    """Drafting pays from 1.3 at one row and from 2.3 at 256: a first wave of 256 greedy
+    requests of a kind never seen drafts once (to learn), measures 2, and stops feeding the
+    draft at the next (plain) batch, its requests then plain for good; the same kind at one
+    row keeps feeding and drafting; a probe keeps feeding until it drafted."""
+    policy = _policy(BreakEven((1, 256), (1.3, 2.3), (1.5, 2.8)), probe_every=2)
+    wave = [_req(i) for i in range(256)]
+    for req in wave:
+        req.fed = policy.feeds(req, 255)  # as the planner admits it
+    assert all(req.fed for req in wave) and policy.drafting(wave)
+    for req in wave:
+        req.spec_drafts, req.spec_accepted_tokens = 1, 1
+        policy.observe(req, 2)
+    assert not policy.drafting(wave)
+    assert all(req.fed is False for req in wave)
+    assert not any(policy.drafting(wave) for _ in range(10))  # no probes of unfed rows
+    alone = _req(300)
+    alone.fed = policy.feeds(alone, 0)
+    assert alone.fed and policy.drafting([alone])
+    probe = _req(301)
+    probe.fed, probe.probe = True, True
+    assert policy.estimate(probe) is None
+    assert policy.drafting([*wave, probe]) is False and probe.fed
+
+
 def test_rows_not_feeding_the_draft_count_one_and_alone_never_draft() -> None:
     policy = _policy(BreakEven((1, 2), (1.5, 2.0), (1.5, 2.0)), probe_every=2)
     unfed = _req(1)

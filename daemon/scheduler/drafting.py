@@ -55,8 +55,11 @@ counted against the target's own plain step (``BreakEven.unfed``: what a fed pla
 over it), plus the resume margin. Every ``probe_requests`` unfed admissions of a kind (doubling
 up to ``max_probe_requests``) one is fed anyway (``Request.probe``): it counts as unobserved,
 so it drafts, and measures its kind again. A fed request stops feeding the draft for good
-where a batch of it runs plain and its own mean over at least ``demote_after`` drafting steps
-does not pay as its kind's would not (what it had buffered is dropped, never caught up). An
+where a batch of it runs plain and its acceptance does not pay for feeding at that batch's
+size: its own mean once it drafted ``demote_after`` times, before that its kind's once the
+kind was observed as often (a probe keeps feeding until it drafted). What it had buffered is
+dropped, never caught up. So a first wave of an unobserved kind, fed to learn, stops feeding
+after the cycle that measured it where its batch is too large for drafting to pay. An
 unfed row counts an acceptance length of 1 in a mixed batch; a batch of unfed rows never
 drafts.
 """
@@ -282,7 +285,7 @@ class AdaptiveDrafting:
             self.probe_every = self.settings.probe_every
             return True
         for req in rows:
-            self._demote(req)
+            self._demote(req, len(rows))
         if all(req.fed is False for req in rows):
             return False
         if self.plain_run >= self.probe_every:
@@ -292,12 +295,21 @@ class AdaptiveDrafting:
         self.plain_run += 1
         return False
 
-    def _demote(self, req: Request) -> None:
-        """``req`` stops feeding the draft where its own mean does not pay (docstring)."""
-        drafted = req.spec_drafts
-        if req.fed and drafted >= self.settings.demote_after:
+    def _demote(self, req: Request, batch: int) -> None:
+        """``req``, in a plain batch of ``batch`` rows, stops feeding the draft where its
+        mean, or its kind's, does not pay for feeding there (docstring)."""
+        if not req.fed:
+            return
+        drafted, kind = req.spec_drafts, self.kind_tau.get(kind_of(req))
+        if drafted >= self.settings.demote_after:
             mean = 1.0 + req.spec_accepted_tokens / drafted
-            req.fed = mean >= self.feeding_pays_from(req, 1)
+        elif kind is None or kind.count < self.settings.demote_after:
+            return
+        elif req.probe and drafted == 0:
+            return  # fed to measure its kind again
+        else:
+            mean = kind.value
+        req.fed = mean >= self.feeding_pays_from(req, batch)
 
     def observe(self, req: Request, commit_len: int) -> None:
         settings, start = self.settings, self.estimate(req)
