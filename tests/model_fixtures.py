@@ -285,10 +285,13 @@ def target_shape(target: Path | None = None) -> dict[str, Any]:
     return TINY | {"vocab_size": VOCAB}
 
 
-def save_random_eagle3(directory: Path, target: Path | None = None) -> Path:
+def save_random_eagle3(
+    directory: Path, target: Path | None = None, heads: dict[str, int] | None = None
+) -> Path:
     """A random EAGLE-3 draft for the checkpoint at ``target`` (default: the tiny targets),
     in the public layout: the target's width and vocabulary, its first, middle and last layers
-    tapped, and a draft vocabulary half the target's: draft id i stands for target id 2i."""
+    tapped, and a draft vocabulary half the target's: draft id i stands for target id 2i.
+    ``heads``: other attention keys (heads, ``head_dim``) than 4 heads over 2 KV heads."""
     from outrider.plugins.speculative.eagle3_model import load_eagle3
     from recipe.export import save_eagle3
 
@@ -302,6 +305,7 @@ def save_random_eagle3(directory: Path, target: Path | None = None) -> Path:
         "num_hidden_layers": 1,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
+        **(heads or {}),
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab,
         "draft_vocab_size": vocab // 2,

@@ -27,6 +27,7 @@ from model_fixtures import (
     hf_logprobs,
     mixed_prompts,
     save_drafts,
+    save_random_eagle3,
     save_tiny_model,
     torch_backend,
 )
@@ -150,6 +151,30 @@ def test_speculation_keeps_greedy(
         drafts = save_drafts(tmp_path_factory.mktemp("gpt_oss_drafts"), directory)
         settings["draft_model"] = drafts[algorithm.split()[0]]
     engine = engine_for(str(directory), page_size=4, **settings)
+    outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
+    assert tokens_of(outcomes) == dict(enumerate(expected))
+    assert engine.scheduler.counters().spec_drafts > 0
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3 chain", "eagle3 tree"])
+def test_an_eagle3_draft_whose_heads_are_wider_than_its_hidden_size_keeps_greedy(
+    reference: tuple[Path, torch.nn.Module],
+    tmp_path_factory: pytest.TempPathFactory,
+    algorithm: str,
+) -> None:
+    """gpt-oss's attention is wider than its hidden size (64 heads of 64 over 2,880), and so
+    are EAGLE-3 drafts shaped after it: here 8 heads of 16 over a hidden size of 64."""
+    directory, hf = reference
+    with torch.no_grad():
+        expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)
+    wide = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16}
+    draft = save_random_eagle3(tmp_path_factory.mktemp("wide_eagle3"), directory, wide)
+    hidden = json.loads((directory / "config.json").read_text())["hidden_size"]
+    weights = {k: v for f in draft.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert weights["midlayer.self_attn.o_proj.weight"].shape == (hidden, 128) != (hidden, hidden)
+    engine = engine_for(
+        str(directory), page_size=4, **DRAFT_ALGORITHMS[algorithm], draft_model=str(draft)
+    )
     outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
     assert tokens_of(outcomes) == dict(enumerate(expected))
     assert engine.scheduler.counters().spec_drafts > 0
