@@ -19,8 +19,11 @@ moe/kernels.py's sum over each token's slots in order. The ids are aligned as th
 experts, another rank's as one more expert whose blocks exit at once (their rows stay zero).
 
 Numerics: products accumulate in float32 (each weight exact: an e2m1 value times a power of
-two); the SwiGLU's output is rounded to x's dtype once, the weighted sum over slots is float32
-and the output is rounded once. No host synchronisation: a CUDA graph can capture both.
+two, both assembled from their bits rather than computed: an exp2 a weight would bound the
+kernels by the special-function units, not by memory); the grouped GEMMs of bfloat16
+activations multiply on the tensor cores (the weights are bfloat16 exactly), other dtypes in
+float32. The SwiGLU's output is rounded to x's dtype once, the weighted sum over slots is
+float32 and the output is rounded once. No host synchronisation: a CUDA graph can capture both.
 """
 
 from __future__ import annotations
@@ -62,12 +65,24 @@ class Mxfp4ExpertWeights:
 
 @triton.jit
 def _e2m1(nibble):
-    """The float32 value of e2m1 codes (sign, 2 exponent bits, 1 mantissa bit)."""
+    """The float32 value of e2m1 codes (sign, 2 exponent bits ``e``, 1 mantissa bit ``m``),
+    assembled from bits: ``(1 + m / 2) * 2^(e - 1)`` is float32 exponent ``e + 126`` with
+    ``m`` as the mantissa's top bit; ``e = 0`` is 0 or 0.5 (exponent 126)."""
     exponent = (nibble >> 1) & 3
-    mantissa = (nibble & 1).to(tl.float32)
-    power = tl.exp2((exponent - 1).to(tl.float32))
-    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * power)
-    return tl.where((nibble & 8) != 0, -magnitude, magnitude)
+    mantissa = nibble & 1
+    normal = ((exponent + 126) << 23) | (mantissa << 22)
+    bits = tl.where(exponent == 0, mantissa * (126 << 23), normal) | ((nibble & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _power_of_two(scale, SCALE_BIAS: tl.constexpr):
+    """``2^(scale - SCALE_BIAS)`` in float32 for E8M0 ``scale`` bytes, assembled from bits:
+    the byte is float32's biased exponent (its bias is float32's, 127); 0 is the subnormal
+    2^-127."""
+    tl.static_assert(SCALE_BIAS == 127)
+    scale = scale.to(tl.int32)
+    return tl.where(scale == 0, 1 << 22, scale << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -83,7 +98,7 @@ def _tile_values(blocks_at, scales_at, k0, rows_ok, features,
     values = tl.reshape(values, (blocks_at.shape[0], STEP))  # even index: the low nibble
     group = (k0 + tl.arange(0, STEP)) // BLOCK
     scale = tl.load(scales_at + group[None, :], mask=rows_ok[:, None], other=SCALE_BIAS)
-    return values * tl.exp2((scale.to(tl.int32) - SCALE_BIAS).to(tl.float32))
+    return values * _power_of_two(scale, SCALE_BIAS)
 
 
 @triton.jit
@@ -98,6 +113,17 @@ def _row_dot(blocks_at, scales_at, rows_ok, x_at, features,
         x = tl.load(x_at + cols, mask=cols < features, other=0.0).to(tl.float32)
         acc += tl.sum(values * x[None, :], 1)
     return acc
+
+
+@triton.jit
+def _exact_dot(a, w, acc, BF16_DOT: tl.constexpr):
+    """``acc + a @ w`` for activations ``a`` in their own dtype and float32 weights ``w``,
+    every product exact: in bfloat16 on the tensor cores where ``a`` is bfloat16 (an mxfp4
+    weight, 2 significant bits times a power of two, is a bfloat16 exactly), else in float32
+    (a float16 weight could leave float16's exponent range)."""
+    if BF16_DOT:
+        return tl.dot(a, w.to(tl.bfloat16), acc)
+    return tl.dot(a.to(tl.float32), w, acc, input_precision="ieee")
 
 
 @triton.jit
@@ -179,7 +205,7 @@ def _gate_up_grouped_kernel(
     num_pairs, width, hidden, held, alpha, limit,
     stride_x, stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_h,
     TOPK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr,
-    BLOCK: tl.constexpr, SCALE_BIAS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, SCALE_BIAS: tl.constexpr, BF16_DOT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(PDL)
     block = tl.program_id(0)
@@ -198,15 +224,14 @@ def _gate_up_grouped_kernel(
     up = tl.zeros([ROWS, COLS], dtype=tl.float32)
     for k0 in range(0, hidden, STEP):
         a = tl.load(x_at + k0, mask=rows_ok[:, None] & (k0 + step < hidden)[None, :], other=0.0)
-        a = a.to(tl.float32)
         w_gate = tl.trans(_tile_values(expert_blocks + (2 * cols)[:, None] * stride_br,
                                        expert_scales + (2 * cols)[:, None] * stride_sr, k0,
                                        cols_ok, hidden, STEP, BLOCK, SCALE_BIAS))  # fmt: skip
         w_up = tl.trans(_tile_values(expert_blocks + (2 * cols + 1)[:, None] * stride_br,
                                      expert_scales + (2 * cols + 1)[:, None] * stride_sr, k0,
                                      cols_ok, hidden, STEP, BLOCK, SCALE_BIAS))  # fmt: skip
-        gate = tl.dot(a, w_gate, gate, input_precision="ieee")
-        up = tl.dot(a, w_up, up, input_precision="ieee")
+        gate = _exact_dot(a, w_gate, gate, BF16_DOT)
+        up = _exact_dot(a, w_up, up, BF16_DOT)
     bias_at = bias_ptr + expert.to(tl.int64) * stride_bias
     gate += tl.load(bias_at + 2 * cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
     up += tl.load(bias_at + 2 * cols + 1, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
@@ -221,7 +246,7 @@ def _down_grouped_kernel(
     block_experts_ptr, num_pairs, hidden, width, held,
     stride_h, stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_parts,
     ROWS: tl.constexpr, COLS: tl.constexpr, STEP: tl.constexpr, BLOCK: tl.constexpr,
-    SCALE_BIAS: tl.constexpr, PDL: tl.constexpr,
+    SCALE_BIAS: tl.constexpr, BF16_DOT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(PDL)
     block = tl.program_id(0)
@@ -241,7 +266,7 @@ def _down_grouped_kernel(
         a = tl.load(h_at + k0, mask=rows_ok[:, None] & (k0 + step < width)[None, :], other=0.0)
         w = tl.trans(_tile_values(expert_blocks, expert_scales, k0, cols_ok, width, STEP,
                                   BLOCK, SCALE_BIAS))  # fmt: skip
-        acc = tl.dot(a.to(tl.float32), w, acc, input_precision="ieee")
+        acc = _exact_dot(a, w, acc, BF16_DOT)
     bias_at = bias_ptr + expert.to(tl.int64) * stride_bias
     acc += tl.load(bias_at + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(weights_ptr + pairs, mask=rows_ok, other=0.0)[:, None]
@@ -271,7 +296,7 @@ def mxfp4_grouped_moe(
     gate_up_blocks = experts.gate_up_blocks.flatten(-2)
     down_blocks = experts.down_blocks.flatten(-2)
     consts = {"ROWS": GROUP_ROWS, "COLS": GROUP_COLS, "STEP": GROUP_STEP, "BLOCK": BLOCK,
-              "SCALE_BIAS": SCALE_BIAS}  # fmt: skip
+              "SCALE_BIAS": SCALE_BIAS, "BF16_DOT": x.dtype == torch.bfloat16}  # fmt: skip
     _gate_up_grouped_kernel[(aligned.max_blocks, triton.cdiv(width, GROUP_COLS))](
         x, gate_up_blocks, experts.gate_up_scales, experts.gate_up_bias, h,
         aligned.sorted_pairs, aligned.block_experts, aligned.num_pairs, width, hidden,
