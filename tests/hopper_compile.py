@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -116,13 +117,24 @@ def _compile_one(launch: str) -> None:
     triton.compile(source, target=GPUTarget(*HOPPER), options=options)
 
 
+def _failure(launch: str) -> str | None:
+    """``launch``'s compile error in one line, None where it compiles."""
+    try:
+        _compile_one(launch)
+    except Exception as error:  # every launch's error is reported
+        message = " ".join(str(error).split())
+        return f"{launch}: {type(error).__name__}: {message}"
+    return None
+
+
 def _main() -> None:
-    for launch in sys.stdin.read().splitlines():
-        try:
-            _compile_one(launch)
-        except Exception as error:  # every launch's error is reported, one a line
-            message = " ".join(str(error).split())
-            print(f"{launch}: {type(error).__name__}: {message}")
+    """Compile the launches read from stdin on every CPU (about a second each, without a
+    cache): print one line per failure."""
+    launches = sys.stdin.read().splitlines()
+    with ProcessPoolExecutor(max_workers=min(len(launches), os.cpu_count() or 1)) as pool:
+        for failure in pool.map(_failure, launches):
+            if failure is not None:
+                print(failure)
 
 
 if __name__ == "__main__":
