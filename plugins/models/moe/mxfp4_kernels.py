@@ -62,6 +62,16 @@ class Mxfp4ExpertWeights:
     alpha: float  # the clamped SwiGLU's
     limit: float
 
+    @property
+    def width(self) -> int:
+        """The intermediate size ``I``: the down projection's input features."""
+        return self.down_blocks.shape[2] * BLOCK
+
+    def row_bytes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate-up and down blocks as each row's bytes, ``[held, out, in / 2]``: the
+        kernels' layout."""
+        return self.gate_up_blocks.flatten(-2), self.down_blocks.flatten(-2)
+
 
 @triton.jit
 def _e2m1(nibble):
@@ -285,7 +295,7 @@ def mxfp4_grouped_moe(
     out = torch.empty_like(x)
     if tokens == 0:
         return out
-    topk, width = topk_ids.shape[1], experts.down_blocks.shape[2] * BLOCK
+    topk, width = topk_ids.shape[1], experts.width
     local = topk_ids.to(torch.int32) - experts.first
     # Another rank's experts: one more expert, ``held``, whose blocks exit at once.
     local = torch.where((local >= 0) & (local < experts.held), local, experts.held)
@@ -293,8 +303,7 @@ def mxfp4_grouped_moe(
     # Rows of another rank's pairs: never written nor read in h, zeros in parts (summed).
     h = torch.empty((tokens * topk, width), dtype=x.dtype, device=x.device)
     parts = torch.zeros((tokens * topk, hidden), dtype=torch.float32, device=x.device)
-    gate_up_blocks = experts.gate_up_blocks.flatten(-2)
-    down_blocks = experts.down_blocks.flatten(-2)
+    gate_up_blocks, down_blocks = experts.row_bytes()
     consts = {"ROWS": GROUP_ROWS, "COLS": GROUP_COLS, "STEP": GROUP_STEP, "BLOCK": BLOCK,
               "SCALE_BIAS": SCALE_BIAS, "BF16_DOT": x.dtype == torch.bfloat16}  # fmt: skip
     _gate_up_grouped_kernel[(aligned.max_blocks, triton.cdiv(width, GROUP_COLS))](
@@ -330,11 +339,10 @@ def mxfp4_decode_moe(
     out = torch.empty_like(x)
     if tokens == 0:
         return out
-    topk, width = topk_ids.shape[1], experts.down_blocks.shape[2] * BLOCK
+    topk, width = topk_ids.shape[1], experts.width
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     h = torch.empty((tokens * topk, width), dtype=x.dtype, device=x.device)
-    gate_up_blocks = experts.gate_up_blocks.flatten(-2)  # [E, 2I, in / 2] bytes
-    down_blocks = experts.down_blocks.flatten(-2)
+    gate_up_blocks, down_blocks = experts.row_bytes()
     consts = {"TOPK": topk, "ROWS": ROWS, "STEP": STEP, "BLOCK": BLOCK, "SCALE_BIAS": SCALE_BIAS}
     _gate_up_kernel[(tokens * topk, triton.cdiv(width, ROWS))](
         x, gate_up_blocks, experts.gate_up_scales, experts.gate_up_bias, ids, h,
