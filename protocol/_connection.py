@@ -300,8 +300,9 @@ class Connection:
         return inbox
 
     def _mark_sent(self, inbox: Inbox, msg: ClientRequest) -> Inbox:
-        """Note that ``msg`` left: from now on a Generate may run on the daemon."""
-        inbox.running = isinstance(msg, Generate)
+        """Note that ``msg`` left, unless the link was lost before it could: from now on a
+        Generate may run on the daemon."""
+        inbox.running = isinstance(msg, Generate) and not inbox.final
         return inbox
 
     def _take(self, inbox: Inbox) -> ClientReply:

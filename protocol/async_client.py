@@ -140,12 +140,26 @@ class AsyncClient(ClientCore):
 
     async def _submit(self, msg: ClientRequest, deadline: float | None) -> Inbox:
         with self._sending(msg) as outgoing:
+            inbox = outgoing.inbox
+            sent = asyncio.ensure_future(self._asock.send(outgoing.frame))
+            # NOTE: as in Client._submit, a link lost while the send waits ends the request:
+            # the reader puts its final connection_lost in the inbox, which wakes this wait.
             try:
                 async with asyncio.timeout_at(deadline):
-                    await self._asock.send(outgoing.frame)
+                    while not (sent.done() or inbox.final):
+                        inbox.waiter = asyncio.get_running_loop().create_future()
+                        await asyncio.wait(
+                            (sent, inbox.waiter), return_when=asyncio.FIRST_COMPLETED
+                        )
+                if sent.done():
+                    sent.result()  # a send that failed raises here
             except TimeoutError:
                 raise self._timeout_error(msg.request_id) from None
-        return outgoing.inbox
+            finally:
+                inbox.waiter = None
+                # A send still waiting is dropped unsent (pyzmq skips cancelled sends).
+                sent.cancel()
+        return inbox
 
     async def _receive(self, inbox: Inbox, deadline: float | None) -> ClientReply:
         """As ``Client._receive``; cancellation releases the request too."""

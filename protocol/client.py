@@ -137,6 +137,9 @@ class Client(ClientCore):
         self._poller = zmq.Poller()
         self._poller.register(dealer, zmq.POLLIN)
         self._poller.register(monitor, zmq.POLLIN)
+        self._send_poller = zmq.Poller()
+        self._send_poller.register(dealer, zmq.POLLOUT)
+        self._send_poller.register(monitor, zmq.POLLIN)
         return dealer, monitor
 
     def _now(self) -> float:
@@ -149,13 +152,16 @@ class Client(ClientCore):
     def _submit(self, msg: ClientRequest, deadline: float | None) -> Inbox:
         with self._sending(msg) as outgoing:
             since = time.monotonic()
-            while True:
+            # NOTE: a send waits only while the DEALER has no room, or no pipe: a handshake
+            # that fails meanwhile removes the pipe for good, and the link events, read here
+            # too, end the request (connection_lost) instead of its deadline.
+            while not outgoing.inbox.final:
                 try:
                     self._sock.send(outgoing.frame, zmq.NOBLOCK)
                     break
                 except zmq.Again:
                     limit = self._wait_limit(deadline, since, msg.request_id)
-                    self._sock.poll(_poll_ms(limit), zmq.POLLOUT)
+                    self._send_poller.poll(_poll_ms(limit))
                     self._service()
         return outgoing.inbox
 

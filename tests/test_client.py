@@ -855,6 +855,90 @@ def test_a_failed_handshake_fails_later_calls_at_once(failure: str) -> None:
         ctx.term()
 
 
+class _HeldRefusal:
+    """A CURVE credentials provider that refuses every client key, but only once ``answer`` is
+    set: until then every handshake waits for it."""
+
+    def __init__(self) -> None:
+        self.answer = threading.Event()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        self.answer.wait(30.0)
+        return False
+
+
+@contextlib.contextmanager
+def held_curve_server() -> Iterator[tuple[str, bytes, _HeldRefusal]]:
+    """A CURVE ROUTER over TCP whose handshakes wait for ``answer`` and then fail (refused
+    key): (endpoint, server public key, the provider)."""
+    ctx = zmq.Context()
+    held = _HeldRefusal()
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=held)
+    server = ctx.socket(zmq.ROUTER)
+    server.curve_server = True
+    server_public, server.curve_secretkey = zmq.curve_keypair()
+    server.curve_publickey = server_public
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield f"tcp://127.0.0.1:{port}", server_public, held
+    finally:
+        held.answer.set()
+        server.close(0)
+        auth.stop()
+        ctx.term()
+
+
+def send_queue_full(client: Client | AsyncClient) -> bool:
+    return not client._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT
+
+
+def test_a_handshake_failing_while_a_send_waits_fails_the_call_at_once() -> None:
+    """Requests queue on the DEALER while its handshake waits; once the queue is full a send
+    waits for room. The handshake then fails (the pipe, and the queue, are gone for good): the
+    waiting call ends with ``connection_lost`` then, not at its deadline."""
+    with (
+        held_curve_server() as (endpoint, server_key, held),
+        Client(endpoint, curve_server_key=server_key) as client,
+    ):
+        queued = [client.stream("q") for _ in range(client._sock.getsockopt(zmq.SNDHWM))]
+        assert send_queue_full(client)
+        threading.Timer(0.5, held.answer.set).start()
+        started = time.monotonic()
+        with pytest.raises(RequestError) as err:
+            client.health(timeout=20.0)
+        assert time.monotonic() - started < 5.0
+        assert err.value.code == "connection_lost"
+        assert (
+            err.value.message == f"connection to {endpoint} lost (handshake failed: authentication)"
+        )
+        for stream in queued:
+            with pytest.raises(RequestError) as err:
+                next(stream)
+            assert err.value.code == "connection_lost"
+
+
+async def test_async_a_handshake_failing_while_a_send_waits_fails_the_call_at_once() -> None:
+    """As for ``Client``: every call, those queued and the one waiting to send, ends with
+    ``connection_lost`` once the handshake fails."""
+    with held_curve_server() as (endpoint, server_key, held):
+        async with AsyncClient(endpoint, curve_server_key=server_key) as client:
+            hwm = client._sock.getsockopt(zmq.SNDHWM)
+            calls = [asyncio.create_task(client.health(timeout=20.0)) for _ in range(hwm + 1)]
+            while not send_queue_full(client):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            assert sum(not call.done() for call in calls) == hwm + 1
+            started = time.monotonic()
+            held.answer.set()
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            assert time.monotonic() - started < 5.0
+            assert {(type(e), getattr(e, "code", None)) for e in outcomes} == {
+                (RequestError, "connection_lost")
+            }
+
+
 class _Dropper:
     """A TCP listener that closes its first ``drops`` connections at once (mid-handshake, as a
     peer that is no daemon would) and forwards later ones to ``target`` (host, port)."""
