@@ -8,9 +8,14 @@ as a chain's worker asks for them), then the verify nodes' masks (``RowGrammars.
 which reuse the places'), then the commit of the drafts and the target's next token
 (``GrammarState.advance``); and, on a state of its own, a plain step's mask at each token
 (``pack_masks``); then steps of ``--rows`` grammar rows, each row at its own place of the
-answer: a plain step's masks, a chain's guide and its verify nodes. Medians in microseconds.
+answer: a plain step's masks, a chain's guide and its verify nodes; and a tree's step of
+``--rows`` rows (``--tree-depth`` draft places deep, ``--tree-topk`` paths a depth past the
+first, the answer's own token first and other tokens of the answer beside it; verify nodes:
+the answer's next ``--tree-depth - 1`` tokens and a sibling of each). Medians in
+microseconds.
 
     python benchmarks/grammar_host.py --model-dir DIR [--width 4] [--rows 32]
+        [--tree-depth 5 --tree-topk 4]
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ def main() -> None:
     parser.add_argument("--schema", type=Path, default=SCHEMA)
     parser.add_argument("--width", type=int, default=4, help="verify nodes of a chain")
     parser.add_argument("--rows", type=int, default=32, help="a step's grammar rows")
+    parser.add_argument("--tree-depth", type=int, default=5, help="a tree's draft places deep")
+    parser.add_argument("--tree-topk", type=int, default=4, help="a tree's paths a depth")
     args = parser.parse_args()
     hf = AutoTokenizer.from_pretrained(args.model_dir)
     vocab = args.vocab_size or len(hf)
@@ -110,6 +117,9 @@ def main() -> None:
             )
         )
         nodes_us.append(timed(partial(batch.node_masks, step_out, firsts, chains, None)))
+    tree_guide_us, tree_nodes_us = tree_step(
+        rows_states, tokens, offsets, args.tree_depth, args.tree_topk, vocab
+    )
     report = {
         "model_dir": args.model_dir,
         "vocab": vocab,
@@ -124,9 +134,78 @@ def main() -> None:
         "plain_step_masks_us": round(statistics.median(plain_us), 1),
         "step_guide_us": round(statistics.median(guide_us), 1),
         "step_verify_nodes_us": round(statistics.median(nodes_us), 1),
+        "tree_step_guide_us": round(statistics.median(tree_guide_us), 1),
+        "tree_step_verify_nodes_us": round(statistics.median(tree_nodes_us), 1),
         "torch_threads": torch.get_num_threads(),
     }
     print(json.dumps(report))
+
+
+def tree_step(
+    states: list[GrammarState],
+    tokens: list[int],
+    offsets: list[int],
+    depth: int,
+    topk: int,
+    vocab: int,
+) -> tuple[list[float], list[float]]:
+    """Steps of a tree's draft places and verify nodes for ``states`` (row ``i`` committed up
+    to ``tokens[offsets[i]]``), timed: (the guide's masks, depth after depth; the nodes')."""
+    rows = len(states)
+    answer = len(tokens)
+
+    def token(offset: int, at: int, choice: int) -> int:
+        # The answer's own token first, then others of the answer.
+        return tokens[(offset + at + 7 * choice) % answer]
+
+    depths = []
+    for d in range(depth):
+        places = 1 if d == 0 else topk
+        depths.append(
+            torch.tensor(
+                [
+                    [
+                        [token(o, at, 0) for at in range(d - 1)] + [token(o, d - 1, p)] if d else []
+                        for p in range(places)
+                    ]
+                    for o in offsets
+                ]
+            ).view(rows, places, d)
+        )
+    chain = depth - 1
+    # Nodes 1..chain: the answer's tokens (each the child of the one before); chain+1..: a
+    # sibling of each of them.
+    node_tokens = torch.tensor(
+        [
+            [token(o, at, 0) for at in range(chain)] + [token(o, at, 1) for at in range(chain)]
+            for o in offsets
+        ]
+    )
+    parents = torch.tensor([list(range(chain)) + list(range(chain))] * rows)
+    batch = RowGrammars(states)
+    widest = max(places.shape[1] for places in depths)
+    place_out = xgr.allocate_token_bitmask(rows * widest, vocab)
+    node_out = xgr.allocate_token_bitmask(rows * (2 * chain + 1), vocab)
+    guide_us, nodes_us = [], []
+    for _ in range(20):
+        for state in states:
+            state.advance([])  # a new step: no mask of this one known yet
+        guide_us.append(
+            sum(
+                timed(
+                    partial(
+                        batch.path_masks,
+                        place_out,
+                        [row * places.shape[1] for row in range(rows)],
+                        places,
+                    )
+                )
+                for places in depths
+            )
+        )
+        firsts = [row * (2 * chain + 1) for row in range(rows)]
+        nodes_us.append(timed(partial(batch.node_masks, node_out, firsts, node_tokens, parents)))
+    return guide_us, nodes_us
 
 
 if __name__ == "__main__":

@@ -300,6 +300,45 @@ def test_past_free_text_a_steps_later_places_allow_every_token_and_the_nodes_mas
     assert RowGrammars([free, structural]).guides_paths()
 
 
+def test_a_place_below_one_in_free_text_allows_every_token_and_its_siblings_stay_guided(
+    grammars: Grammars, tokenizer: Tokenizer
+) -> None:
+    """From a structural state (the ``note`` key written, its string not opened) a tree's
+    paths: one opens the string (its place's mask is free text), one does not. The places
+    below the open string allow every token, deeper ones too; the other path's place takes
+    its mask; once every place of a depth is in free text (or refused), the next depth is
+    not guided (``guides_paths``) and waits for nothing. The verify nodes mask every path."""
+    schema = GRAMMARS["json_schema"]
+    before = tokenizer.hf.encode(INSIDE_NOTE[:-2], add_special_tokens=False)
+    quote, a, b, space = (tokenizer.hf.convert_tokens_to_ids(t) for t in ['"', "a", "b", "Ġ"])
+    state = _start(grammars, schema)
+    assert state.advance(before)
+    rows = RowGrammars([state])
+    depths = [[[]], [[quote], [space]], [[quote, a], [space, quote]], [[quote, a, b]]]
+    every = torch.full((xgr.allocate_token_bitmask(1, VOCAB).shape[1],), -1, dtype=torch.int32)
+    guided_before = []
+    masks = []
+    for paths in depths:
+        guided_before.append(rows.guides_paths())
+        out = xgr.allocate_token_bitmask(len(paths), VOCAB)
+        out[:] = 0
+        rows.path_masks(out, [0], torch.tensor([paths]))
+        masks.append(out)
+    assert guided_before == [True, True, False, False]
+    assert torch.equal(masks[0][0], _mask(grammars, schema, before))
+    assert torch.equal(masks[1][0], _mask(grammars, schema, [*before, quote]))  # free text
+    assert torch.equal(masks[1][1], every)  # the grammar refuses a space after the key
+    assert torch.equal(masks[2][0], every)  # below free text: unguided
+    assert torch.equal(masks[2][1], every)  # below a refused place
+    assert torch.equal(masks[3][0], every)
+    inside = _mask(grammars, schema, [*before, quote, a])
+    assert not torch.equal(inside, every)
+    nodes = xgr.allocate_token_bitmask(4, VOCAB)
+    state.node_masks(nodes, 0, [quote, a, b], None)
+    for node, path in enumerate([[], [quote], [quote, a], [quote, a, b]]):
+        assert torch.equal(nodes[node], _mask(grammars, schema, [*before, *path])), node
+
+
 def test_free_text_goes_on_unguided_until_a_committed_token_may_leave_it(
     grammars: Grammars, tokenizer: Tokenizer
 ) -> None:

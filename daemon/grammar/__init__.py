@@ -28,12 +28,13 @@ Invariants:
 - drafts are proposed under the grammar too: a worker that drafts from logits masks each
   draft place by the state its path reaches (``DraftGuide``, ``GrammarState.place_masks``;
   the host waits for each place's path, copied before the forward of the place's logits
-  where the worker runs one: ``DraftGuide.prepare``), but a row whose committed state is
-  free text (inside a string: its mask allows most of the vocabulary) masks only its first
-  place in a step, and no place while free text goes on (nothing committed since that may
-  leave it: a quotation mark or a backslash, ``Grammars.text_exits``;
-  ``GrammarState.guides_paths``): there a mask costs the most and the draft's own choice is
-  almost always allowed. n-gram drafts, copied from the context, are not guided. A draft the
+  where the worker runs one: ``DraftGuide.prepare``), but not inside free text (a string:
+  the mask allows most of the vocabulary), where a mask costs the most and the draft's own
+  choice is almost always allowed: a place below one whose mask is free text takes none, a
+  row whose committed state is free text masks only its first place in a step, and no
+  place while free text goes on (nothing committed since that may leave it: a quotation
+  mark or a backslash, ``Grammars.text_exits``; ``GrammarState.guides_paths``); a depth
+  whose places no row guides waits for nothing. n-gram drafts, copied from the context, are not guided. A draft the
   grammar refuses is rejected by the verify, which costs acceptance, never correctness;
 - a step waits for the host only at ``MaskHoles`` waits (engine/token_masks.py), where a
   replayed graph is cut into segments;

@@ -22,11 +22,13 @@ class GrammarState:
     ceil(V / 32)]`` on the CPU; rows are copied, and bits read, through a numpy view
     (``_word_view``): torch's indexing costs microseconds a call.
 
-    Free text: where the committed state's mask allows more than ``FREE_TEXT`` of the
-    vocabulary (inside a string), a draft's own choice is almost always allowed and a mask
-    costs the most (against a 128k vocabulary 100-300 us, against 1-15 us at a structural
-    place): a step's draft places past the first then take no mask (``guides_paths``), and
-    the verify nodes, whose masks fill while the verify's forward runs, mask those paths.
+    Free text: where a mask allows more than ``FREE_TEXT`` of the vocabulary (inside a
+    string), a draft's own choice is almost always allowed and a mask costs the most
+    (against a 128k vocabulary 100-300 us, against 1-15 us at a structural place): a draft
+    place below one whose mask is free text takes no mask, nor do the places below it in
+    that step (where the committed state's is, every place past the first:
+    ``guides_paths``), and the verify nodes, whose masks fill while the verify's forward
+    runs, mask those paths.
     Free text goes on while the tokens committed hold none of ``exits`` (a JSON string
     ends at a quotation mark, an escape starts at a backslash): such a step's first place
     takes no mask either, and its root's mask is filled with the verify nodes'; that mask
@@ -46,8 +48,12 @@ class GrammarState:
         self._exits = exits
         self._ahead: list[int] = []
         self._masks: dict[tuple[int, ...], np.ndarray | None] = {}
-        self._free: bool | None = None  # whether the root's mask is free text, once read
         self._still_free = False  # free text at the last root, no exit committed since
+        # This step's paths whose masks were judged (free text or not), once asked; the
+        # draft places left unguided, and the last depth's masked ones (None: no place yet).
+        self._free: dict[tuple[int, ...], bool] = {}
+        self._unguided: set[tuple[int, ...]] = set()
+        self._depth: list[tuple[int, ...]] | None = None
 
     def fill(self, masks: torch.Tensor, row: int) -> None:
         """Row ``row`` of ``masks`` (int32 ``[rows, ceil(V / 32)]``, on the CPU): bit ``t``
@@ -64,12 +70,14 @@ class GrammarState:
         self._still_free = (
             self._exits is not None
             and () in self._masks
-            and not self.guides_paths()
+            and self._free_at(())
             and not any(self._exits[token] for token in tokens)
         )
         self._ahead.clear()
         self._masks.clear()
-        self._free = None
+        self._free.clear()
+        self._unguided.clear()
+        self._depth = None
         return all(self._matcher.accept_token(token) for token in tokens[kept:])
 
     def node_masks(
@@ -102,27 +110,56 @@ class GrammarState:
         """Rows ``first ..`` of ``masks``: the masks of a step's draft places at one depth,
         place ``p`` after ``paths[p]`` (tokens from the committed state); every token
         allowed where the grammar refuses a token of the path or ends on it (such a place is
-        never committed), and where the paths are not guided (``guides_paths``): past the
-        first place, and at the first while the root's mask is not known."""
+        never committed), and where the place is not guided: below a place of this step
+        whose mask is free text, past the first place where the committed state's is, and at
+        the first while the root's mask is not known and free text goes on (class
+        docstring)."""
         words = _word_view(masks)
-        guided = self.guides_paths()  # the first depth has one place: it holds for the call
+        root_guided = self._root_guided()  # the first depth has one place: holds for the call
+        self._depth = []
         for place, path in enumerate(paths):
             key = tuple(path)
-            unguided = not guided and (bool(key) or () not in self._masks)
-            if unguided or not self._mask_after(key, masks, words, first + place):
-                words[first + place] = _EVERY
+            if (not root_guided and (bool(key) or () not in self._masks)) or (
+                bool(key) and (key[:-1] in self._unguided or self._free_at(key[:-1]))
+            ):
+                self._unguided.add(key)
+            elif self._mask_after(key, masks, words, first + place):
+                self._depth.append(key)
+                continue
+            words[first + place] = _EVERY
 
     def guides_paths(self) -> bool:
-        """Whether this step's draft places take masks (past the first; the first while the
-        root's mask is not known): not where the committed state's mask, once known (the
-        first place's, or the root node's), is free text, nor, while it is not known, where
-        free text goes on (class docstring)."""
-        root = self._masks.get(())
-        if root is None:
+        """Whether this step's next draft places take masks: not where the committed state's
+        mask, once known (the first place's, or the root node's), is free text, nor, while it
+        is not known, where free text goes on, nor below a depth whose places all went
+        unguided, were refused or reached free text (class docstring)."""
+        if not self._root_guided():
+            return False
+        return self._depth is None or not all(self._free_at(key) for key in self._depth)
+
+    def _root_guided(self) -> bool:
+        if () not in self._masks:
             return not self._still_free
-        if self._free is None:
-            self._free = int(np.bitwise_count(root).sum()) > FREE_TEXT * self.vocab_size
-        return not self._free
+        return not self._free_at(())
+
+    def _free_at(self, path: tuple[int, ...]) -> bool:
+        """Whether the mask after ``path`` is free text (not where it is not known or the
+        grammar refuses the path): it allows more than ``FREE_TEXT`` of the vocabulary,
+        judged from ``_FREE_SAMPLE_WORDS`` words or so spread over it (a structural mask
+        allows a handful of tokens, free text nearly all: against a 128k vocabulary the
+        sample tells them apart at a third of a full count's cost); judged once a step,
+        when first asked."""
+        free = self._free.get(path)
+        if free is None:
+            if path not in self._masks:
+                return False
+            mask = self._masks[path]
+            free = False
+            if mask is not None:
+                sample = mask[:: max(1, mask.shape[0] // _FREE_SAMPLE_WORDS)]
+                free = int(np.bitwise_count(sample).sum()) > FREE_TEXT * 32 * sample.shape[0]
+            self._free[path] = free
+        return free
 
     def _mask_after(
         self, path: tuple[int, ...], masks: torch.Tensor, words: np.ndarray, row: int
@@ -177,6 +214,7 @@ _EVERY = 0xFFFFFFFF  # a mask word allowing every token
 # The share of the vocabulary a mask allows past which its state is free text (GrammarState):
 # a string's inside allows nearly every token, a structural place a few.
 FREE_TEXT = 0.5
+_FREE_SAMPLE_WORDS = 256  # mask words that judge free text (GrammarState._free_at)
 
 
 def _word_view(masks: torch.Tensor) -> np.ndarray:
