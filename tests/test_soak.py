@@ -1,5 +1,5 @@
 """Fault soak: the real daemon (three processes, real sockets) under mixed traffic and faults at
-once, for OUTRIDER_SOAK_SECONDS (default 60; a longer soak sets more), then checks that nothing
+once, for OUTRIDER_SOAK_SECONDS (default 30; a longer soak sets more), then checks that nothing
 was lost, leaked or changed. Concurrently (tests/soak_workers.py):
 
 - async and blocking clients send generate / stream requests from a seeded pool (greedy and
@@ -51,7 +51,7 @@ from soak_workers import WAIT_S, Soak, run_soak, send_async, send_fixed
 from outrider.protocol import AsyncClient, GenerateResult, ServerInfo
 from outrider.protocol.messages import Ack, Error, Health
 
-SOAK_SECONDS = float(os.environ.get("OUTRIDER_SOAK_SECONDS", "60"))
+SOAK_SECONDS = float(os.environ.get("OUTRIDER_SOAK_SECONDS", "30"))
 CONTEXT = 1024
 PAGE_SIZE = 4  # daemon_harness.Daemon's --page-size
 MAX_MESSAGE_BYTES = 65536
