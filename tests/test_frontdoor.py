@@ -34,7 +34,7 @@ from frontdoor_harness import (
 )
 
 from outrider.daemon.frontdoor.clients import PROBE_FIRST_S
-from outrider.daemon.frontdoor.config import FrontDoorConfig
+from outrider.daemon.frontdoor.config import BACKLOG_MESSAGES, FrontDoorConfig
 from outrider.daemon.frontdoor.process import HEARTBEAT_FRESH_S, run_frontdoor
 from outrider.daemon.internal import ErrorInfo, RequestUpdate, StateChange
 from outrider.daemon.sampling_defaults import SamplingDefaults
@@ -48,6 +48,7 @@ from outrider.protocol import (
     TokenChunk,
     TokenStream,
 )
+from outrider.protocol.frames import reply_codec
 from outrider.protocol.messages import (
     Abort,
     Ack,
@@ -565,7 +566,10 @@ async def test_a_client_without_a_reply_limit_is_never_behind(
 
 
 async def test_a_client_that_floods_without_reading_is_cut_off(tokenizer_dir: Path) -> None:
-    # Cut off once the finals queued for it are over BACKLOG_MESSAGES x 4096 bytes.
+    # Cut off once the finals queued for it are over BACKLOG_MESSAGES x 4096 bytes: it sends
+    # twice as many requests as the smallest finals take to pass that.
+    limit = BACKLOG_MESSAGES * 4096
+    smallest_final = len(reply_codec().encode(Finished("f0", [], "", "length")))
     s = start_stack(
         tokenizer_dir, [7] * 40, slow_consumer_timeout=0.2, max_message_bytes=4096, client_hwm=4
     )
@@ -574,7 +578,7 @@ async def test_a_client_that_floods_without_reading_is_cut_off(tokenizer_dir: Pa
         await s.daemon.start_serving(model_facts(tokenizer_dir, 1000))
         assert (await s.status("frontdoor")).state == "serving"
         flooder = s.raw(rcvhwm=1)  # it sends and never reads
-        for i in range(600):
+        for i in range(2 * limit // smallest_final):
             await flooder.send(Generate(f"f{i}", input_ids=[5], max_new_tokens=40, stream=True))
         seen = -1
         while seen != len(s.daemon.requests):  # until no more of them reach the daemon
