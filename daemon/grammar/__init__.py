@@ -34,8 +34,9 @@ Invariants:
   row whose committed state is free text masks only its first place in a step, and no
   place while free text goes on (nothing committed since that may leave it: a quotation
   mark or a backslash, ``Grammars.text_exits``; ``GrammarState.guides_paths``); a depth
-  whose places no row guides waits for nothing. n-gram drafts, copied from the context, are not guided. A draft the
-  grammar refuses is rejected by the verify, which costs acceptance, never correctness;
+  whose places no row guides waits for nothing. n-gram drafts, copied from the context,
+  are not guided. A draft the grammar refuses is rejected by the verify, which costs
+  acceptance, never correctness;
 - a step waits for the host only at ``MaskHoles`` waits (engine/token_masks.py), where a
   replayed graph is cut into segments;
 - the mask lets a stop token (the model's end of sequence and the request's stop token ids)
