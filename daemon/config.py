@@ -72,6 +72,7 @@ class ServeConfig:
     # Debug (benchmarks with dummy weights): force this mean acceptance length; 0: off.
     speculative_simulate_acceptance: float = 0.0
     no_overlap: bool = False
+    no_mixed_batches: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64  # the largest decode batch replayed from a CUDA graph
     chunked_prefill_tokens: int = 2048

@@ -105,9 +105,15 @@ _HELP: dict[str, str] = {
         "whatever the drafts are; outputs are meaningless; 0: off"
     ),
     "no_overlap": "run the serial loop (the same tokens, no CPU/GPU overlap)",
+    "no_mixed_batches": (
+        "decoding rows never ride prompt batches: a prompt batch runs alone and decoding "
+        "waits for it (the same tokens; without speculation they ride by default)"
+    ),
     "disable_cuda_graph": "run every decode batch eagerly (CUDA graphs are on by default)",
     "cuda_graph_max_bs": "the largest decode batch replayed from a CUDA graph (larger: eager)",
-    "chunked_prefill_tokens": "most prompt tokens in one EXTEND batch",
+    "chunked_prefill_tokens": (
+        "most tokens in one EXTEND batch: prompt chunks and the decoding rows riding it"
+    ),
     "drain_timeout": "seconds running requests may finish after SIGTERM or a first SIGINT",
     "step_timeout": "seconds a step may run before the systemd watchdog pings stop",
     "log_level": "log level of the daemon and its children",

@@ -36,9 +36,13 @@ def make(
     shape: StepShape = NO_DRAFT,
     margin: int = 0,
     retract_every: int = 0,
+    mixed: bool = False,
 ) -> Scheduler:
-    """A scheduler over ``pages`` usable pages of ``PAGE`` tokens."""
-    limits = SchedulerLimits(running, MAX_PAGES, chunk, 32, prefix_margin_pages=margin)
+    """A scheduler over ``pages`` usable pages of ``PAGE`` tokens (``mixed``: decoding rows
+    ride prompt batches)."""
+    limits = SchedulerLimits(
+        running, MAX_PAGES, chunk, 32, prefix_margin_pages=margin, mixed_batches=mixed
+    )
     finish = FinishChecker(frozenset({EOS}), 32, None)
     drill = RetractDrill(retract_every) if retract_every else None
     return Scheduler(limits, shape, PrefixCache(pages + 1, PAGE), finish, drill=drill)
@@ -155,6 +159,43 @@ def test_chunked_prefill_shares_the_token_budget() -> None:
     p = step(s, [40])
     assert rows(p) == ("extend", [1], [6], [3]) and p.plan.next_ids == [0]
     assert rows(step(s, [21], [41])) == ("decode", [0, 1], [10, 9], [1, 1])
+
+
+def test_decoding_rows_ride_prompt_chunks_within_the_token_budget() -> None:
+    """With mixed batches, a decoding row rides each prompt batch: one token (a placeholder
+    for the relay's root) at its exact position, sampled at its next output index, taking a
+    token of the budget; once no prompt is left, decode batches as before."""
+    s = make(chunk=8, mixed=True)
+    s.add(request(1, ids(10, 6), max_new=4))
+    s.add(request(2, ids(30, 13), max_new=2))
+    p = step(s, [20])
+    assert rows(p) == ("extend", [0, 1], [0, 0], [6, 2]) and p.plan.relay_rows == []
+    p = step(s, [21])
+    assert rows(p) == ("extend", [1, 0], [2, 6], [7, 1])
+    assert p.plan.input_ids == [*ids(32, 7), 0] and p.plan.relay_rows == [1]
+    assert (p.plan.sample_rows, p.plan.sample_positions, p.plan.next_ids) == ([1], [1], [39, 0])
+    p = step(s, [40], [22])
+    assert rows(p) == ("extend", [1, 0], [9, 7], [4, 1]) and p.plan.relay_rows == [1]
+    assert (p.plan.sample_rows, p.plan.sample_positions) == ([0, 1], [0, 2])
+    assert rows(step(s, [23], [41])) == ("decode", [0, 1], [8, 13], [1, 1])
+    assert updates(s) == [
+        final(1, [20, 21, 22, 23], "length", prompt=6),
+        final(2, [40, 41], "length", prompt=13),
+    ]
+
+
+def test_decoding_rows_do_not_ride_without_mixed_batches_or_past_the_budget() -> None:
+    """Without mixed batches a prompt batch runs alone; with them, rows that would fill the
+    whole budget do not ride (the prompt keeps its batch)."""
+    for mixed in (False, True):
+        s = make(chunk=2, mixed=mixed, running=4)
+        s.add(request(1, ids(10, 1), max_new=4))
+        s.add(request(2, ids(30, 1), max_new=4))
+        assert rows(step(s, [20], [21])) == ("extend", [0, 1], [0, 0], [1, 1])
+        s.add(request(3, ids(50, 2)))
+        p = step(s, [40])
+        assert rows(p) == ("extend", [2], [0], [2]) and p.plan.relay_rows == []
+        assert rows(step(s, [22], [23], [41])) == ("decode", [0, 1, 2], [1, 1, 2], [1, 1, 1])
 
 
 # --- admission -----------------------------------------------------------------------------

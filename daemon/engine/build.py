@@ -129,6 +129,7 @@ def build_engine(
                 draft_state=shape.speculative and runner.worker.draft_state,
                 grammar_drafts=one_rank,
                 late_masks=one_rank,
+                mixed_batches=not shape.speculative and not config.no_mixed_batches,
             ),
             shape,
             PrefixCache(plan.num_pages, page_size),

@@ -59,6 +59,9 @@ class StepInputs(Generic[T]):
     sample_positions: T = field(metadata=_ROW)  # [n] output index drawn
     # [bs] EXTEND: the token after each row's chunk (sampled rows: written on the device).
     next_tokens: T = field(metadata=_ROW)
+    # EXTEND rows that take their one token from the relay (decoding rows riding the batch):
+    relay_index: T = field(metadata=_ROW)  # [n] flat index of the row's token
+    relay_slots: T = field(metadata=_ROW)  # [n]
     # Sampling parameters of the slots admitted by this step.
     admit_slots: T = field(metadata=_ROW)
     admit_temperature: T = field(metadata=_ROW_F32)
@@ -105,6 +108,7 @@ def host_values(plan: StepPlan, *, poison_released: bool) -> StepInputs[np.ndarr
     offset = np.arange(n_tok, dtype=np.int64) - q_start[row_of_token]
     slots = np.asarray(plan.slots, dtype=np.int64)
     sample_rows = np.asarray(plan.sample_rows, dtype=np.int64)
+    relay_rows = np.asarray(plan.relay_rows, dtype=np.int64)
     admitted = plan.slot_params
     bias_ids = np.zeros((len(admitted), MAX_LOGIT_BIAS), dtype=np.int64)
     bias_values = np.zeros((len(admitted), MAX_LOGIT_BIAS), dtype=np.float32)
@@ -126,6 +130,8 @@ def host_values(plan: StepPlan, *, poison_released: bool) -> StepInputs[np.ndarr
         sample_rows=sample_rows if extend else empty,
         sample_positions=np.asarray(plan.sample_positions, dtype=np.int64),
         next_tokens=np.asarray(plan.next_ids, dtype=np.int64),
+        relay_index=q_start[relay_rows],
+        relay_slots=slots[relay_rows],
         admit_slots=np.asarray([p.slot for p in admitted], dtype=np.int64),
         admit_temperature=np.asarray([p.sampling.temperature for p in admitted], np.float32),
         admit_top_p=np.asarray([p.sampling.top_p for p in admitted], dtype=np.float32),

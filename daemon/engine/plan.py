@@ -45,6 +45,9 @@ class StepPlan(Struct, array_like=True, frozen=True):
     # EXTEND: per row, the token after its chunk when the host knows it (0 where the chunk
     # ends the prompt: that token is sampled on the device).
     next_ids: list[int] = []
+    # EXTEND: decoding rows riding the batch (``SchedulerLimits.mixed_batches``): one query
+    # token each, the slot's relay root (its ``input_ids`` entry a placeholder), sampled.
+    relay_rows: list[int] = []
     # Slots of rows whose requests do not feed the draft (scheduler/drafting.py): their
     # draft's state is never caught up.
     unfed: list[int] = []

@@ -253,7 +253,13 @@ class ModelRunner:
         self, plan: StepPlan, inputs: StepInputs[torch.Tensor], max_kv: int
     ) -> StepResults | None:
         """Prompt chunks: the forward, then one sampled token per row whose chunk ends its
-        prompt, which seeds the row's relay (next input, KV length, output count)."""
+        prompt, which seeds the row's relay (next input, KV length, output count). A decoding
+        row riding the batch (``plan.relay_rows``) takes its relay's root at the position the
+        host planned (exact: it commits one token a step) and advances its relay as a plain
+        step would."""
+        if plan.relay_rows:
+            roots = self.slots.read(inputs.relay_slots).roots
+            inputs.input_ids.index_copy_(0, inputs.relay_index, roots)
         fb = self._forward_batch(
             plan, inputs, "extend", inputs.positions, max_kv, self.starts.of_plan(plan)
         )

@@ -1,7 +1,11 @@
 """Plans: extend batches (prompt chunks, prefix-hit remainders, re-admissions; rows of any
 length) and decode batches (every decoding row verifies the step's ``width`` tokens, its input
-read from the relay buffer). They are never mixed, and an extend batch goes first when there
-is extend work.
+read from the relay buffer). An extend batch goes first when there is extend work; where
+``SchedulerLimits.mixed_batches`` says (no speculation), the decoding rows ride it, a token
+each within its token budget, so that decoding never stalls behind a prompt: their input is
+the relay's root, their positions the host's (exact: one token a step), and their token is
+sampled as a prompt's last. Rows that draw under a grammar or adjust their logits do not
+ride (their masks and adjustments are a decode step's).
 
 A speculative decode step commits between 1 and ``max_commit`` tokens per row, and the host
 learns how many one step late. So for a decoding row ``scheduled_len`` and
@@ -52,6 +56,7 @@ class Planned:
 class ExtendRow:
     req: Request
     chunk: int  # tokens this step computes, from the request's scheduled_len
+    rides: bool = False  # a decoding row: its one token is the relay's root, sampled
 
 
 class Planner:
@@ -82,13 +87,17 @@ class Planner:
         running = self.admission.running
         if self.drill is not None and self.drill.due(self._plans) and len(running) > 1:
             self.admission.retract(running[-1])
-        return self._extend() or self._decode()
+        delta = PageDelta()  # pages a rider grew go with the decode batch if no extend runs
+        return self._extend(delta) or self._decode(delta)
 
     # --- extend ------------------------------------------------------------------------
 
-    def _extend(self) -> Planned | None:
-        """Running requests' next prompt chunks, then admissions, within the token budget."""
+    def _extend(self, delta: PageDelta) -> Planned | None:
+        """The decoding rows that ride (``_riders``), then running requests' next prompt
+        chunks, then admissions, within the token budget."""
         budget = self.limits.chunked_prefill_tokens
+        riders = self._riders(delta, budget)
+        budget -= len(riders)
         rows: list[ExtendRow] = []
         for req in self.admission.running:
             if budget == 0:
@@ -96,13 +105,36 @@ class Planner:
             if not req.decoding:
                 rows.append(ExtendRow(req, min(budget, req.extend_end - req.scheduled_len)))
                 budget -= rows[-1].chunk
-        delta = PageDelta()
         admitted: list[SlotParams] = []
         while budget > 0 and (new := self.admission.admit_next(delta, self._feeds)) is not None:
             admitted.append(SlotParams(new.slot, new.sampling, new.max_drafts))
             rows.append(ExtendRow(new, min(budget, new.extend_end - new.scheduled_len)))
             budget -= rows[-1].chunk
-        return self._extend_plan(rows, delta, admitted) if rows else None
+        if not rows:
+            return None
+        rows.extend(ExtendRow(req, 1, rides=True) for req in riders if req.decoding)
+        return self._extend_plan(rows, delta, admitted)
+
+    def _riders(self, delta: PageDelta, budget: int) -> list[Request]:
+        """The decoding rows that ride an extend batch, with pages for their token (a rider
+        retracted meanwhile is no longer decoding): none unless mixed batches are on, extend
+        work may be waiting, and the rows leave room for a prompt in ``budget``."""
+        running = self.admission.running
+        if not self.limits.mixed_batches or not (
+            self.admission.waiting or any(not r.decoding for r in running)
+        ):
+            return []
+        riders = [
+            r
+            for r in running
+            if r.decoding
+            and not self._scheduled_to_end(r)
+            and r.grammar is None
+            and not _adjusts([r])
+        ]
+        if len(riders) >= budget:
+            return []
+        return [r for r in riders if r.decoding and self._grow(r, r.scheduled_len + 1, delta)]
 
     def _extend_plan(
         self, rows: list[ExtendRow], delta: PageDelta, admitted: list[SlotParams]
@@ -113,12 +145,18 @@ class Planner:
         sample_positions: list[int] = []
         # Per row, the token after the chunk (0 where the chunk ends the prompt: sampled).
         next_ids: list[int] = []
+        relay_rows: list[int] = []
         for i, row in enumerate(rows):
-            req, start, known = row.req, row.req.scheduled_len, row.req.known_ids()
+            req, start = row.req, row.req.scheduled_len
+            known = [] if row.rides else req.known_ids()
             starts.append(start)
-            input_ids.extend(known[start : start + row.chunk])
+            if row.rides:
+                relay_rows.append(i)
+                input_ids.append(0)  # the relay's root, on the device
+            else:
+                input_ids.extend(known[start : start + row.chunk])
             req.scheduled_len += row.chunk
-            if req.scheduled_len == req.extend_end:
+            if row.rides or req.scheduled_len == req.extend_end:
                 sample_rows.append(i)
                 sample_positions.append(req.scheduled_outputs)
                 req.scheduled_outputs += 1
@@ -131,8 +169,9 @@ class Planner:
         # NOTE: after this plan's admissions, which must not read pages this plan writes. A
         # draft that keeps KV may write the prompt's later (a deferred catch-up): the pages
         # are then published as holding the target's KV alone.
-        for req in sampled:
-            self.pages.share_prompt(req, drafted=not self.limits.draft_state)
+        for row in rows:
+            if not row.rides and row.req.scheduled_len == row.req.extend_end:
+                self.pages.share_prompt(row.req, drafted=not self.limits.draft_state)
         plan = StepPlan(
             kind="extend",
             slots=[r.slot for r in requests],
@@ -148,6 +187,7 @@ class Planner:
             all_greedy=_all_greedy(sampled),
             released_slots=self.slots.take_released(),
             next_ids=next_ids,
+            relay_rows=relay_rows,
             unfed=_unfed(requests),
             adjusts=_adjusts(sampled),
             masked_rows=masked_rows,
@@ -168,9 +208,8 @@ class Planner:
 
     # --- decode ------------------------------------------------------------------------
 
-    def _decode(self) -> Planned | None:
+    def _decode(self, delta: PageDelta) -> Planned | None:
         """Every decoding request not yet scheduled to its end, with pages for one more step."""
-        delta = PageDelta()
         ready = [r for r in self.admission.running if r.decoding and not self._scheduled_to_end(r)]
         settled = [r for r in ready if not _mask_pending(r)]
         late, grammar_drafts = self.limits.late_masks, self.limits.grammar_drafts
