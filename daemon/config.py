@@ -72,7 +72,7 @@ class ServeConfig:
     # Debug (benchmarks with dummy weights): force this mean acceptance length; 0: off.
     speculative_simulate_acceptance: float = 0.0
     no_overlap: bool = False
-    no_mixed_batches: bool = False
+    mixed_batches: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64  # the largest decode batch replayed from a CUDA graph
     chunked_prefill_tokens: int = 2048
@@ -184,6 +184,12 @@ class ServeConfig:
 
 class ConfigError(ValueError):
     """A serve setting that cannot be used; the message names the flag."""
+
+
+MIXED_NEEDS_NO_SPECULATION = (
+    "--mixed-batches needs --speculative-algorithm none: a speculative engine's decoding rows "
+    "do not ride prompt batches yet"
+)
 
 
 # EX_CONFIG: the unit's RestartPreventExitStatus, so a bad setting does not restart-loop.

@@ -17,7 +17,12 @@ from collections.abc import Collection, Mapping
 from dataclasses import fields
 from typing import Any
 
-from outrider.daemon.config import CHOSEN_BACKEND, ConfigError, ServeConfig
+from outrider.daemon.config import (
+    CHOSEN_BACKEND,
+    MIXED_NEEDS_NO_SPECULATION,
+    ConfigError,
+    ServeConfig,
+)
 from outrider.daemon.family import family_defaults
 from outrider.daemon.frontdoor.flags import (
     FRONT_DOOR_HELP,
@@ -105,9 +110,10 @@ _HELP: dict[str, str] = {
         "whatever the drafts are; outputs are meaningless; 0: off"
     ),
     "no_overlap": "run the serial loop (the same tokens, no CPU/GPU overlap)",
-    "no_mixed_batches": (
-        "decoding rows never ride prompt batches: a prompt batch runs alone and decoding "
-        "waits for it (the same tokens; without speculation they ride by default)"
+    "mixed_batches": (
+        "decoding rows ride prompt batches, a token each within --chunked-prefill-tokens, so "
+        "that decoding never waits for a prompt (the same tokens; engines without "
+        "speculation; the torch attention backend pads every row to the longest chunk)"
     ),
     "disable_cuda_graph": "run every decode batch eagerly (CUDA graphs are on by default)",
     "cuda_graph_max_bs": "the largest decode batch replayed from a CUDA graph (larger: eager)",
@@ -332,6 +338,8 @@ def validate(config: ServeConfig) -> list[str]:
         problems.append("--cuda-graph-max-bs must be at least 1")
     if config.chunked_prefill_tokens < config.page_size:
         problems.append("--chunked-prefill-tokens must be at least --page-size")
+    if config.mixed_batches and config.speculative_algorithm != "none":
+        problems.append(MIXED_NEEDS_NO_SPECULATION)
     if not 0.0 < config.gpu_memory_fraction <= 1.0:
         problems.append("--gpu-memory-fraction must be in (0, 1]")
     draft_counts = (config.speculative_num_draft_tokens, config.speculative_num_steps)

@@ -2,10 +2,11 @@
 in-process engine (float32 on CPU): the same tokens and logprobs as with the batches apart,
 greedy and seeded sampling, through the overlap loop and the serial one, with prompts
 chunked and arriving while others decode; rows that adjust their logits or draw under a
-grammar keep to decode batches; a speculative engine never mixes."""
+grammar keep to decode batches; a speculative engine refuses them."""
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,10 @@ import torch
 from engine_harness import debug_checks_fixture, engine_for, request, run
 from model_fixtures import VOCAB, save_random_eagle3, save_tiny_model
 
+from outrider.daemon.config import MIXED_NEEDS_NO_SPECULATION, ConfigError
 from outrider.daemon.engine.build import Engine
 from outrider.daemon.engine.plan import StepPlan
+from outrider.daemon.flags import add_serve_arguments, resolve
 from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.scheduler.request import Request
 from outrider.plugins.sampling_spec import SamplingSpec
@@ -96,10 +99,8 @@ def test_decoding_rows_ride_prompt_chunks_and_the_outputs_do_not_change(
     model_dir: str, overlap: bool
 ) -> None:
     settings = {"chunked_prefill_tokens": 24, "page_size": 4, "no_overlap": not overlap}
-    apart, apart_plans = served(
-        engine_for(model_dir, no_mixed_batches=True, **settings), workload()
-    )
-    mixed, mixed_plans = served(engine_for(model_dir, **settings), workload())
+    apart, apart_plans = served(engine_for(model_dir, **settings), workload())
+    mixed, mixed_plans = served(engine_for(model_dir, mixed_batches=True, **settings), workload())
     assert_same(mixed, apart)
     assert not any(p.relay_rows for p in apart_plans)
     riding = [p for p in mixed_plans if p.relay_rows]
@@ -122,8 +123,8 @@ def test_a_row_that_adjusts_its_logits_keeps_to_decode_batches(model_dir: str) -
         penalised, sampling=SamplingSpec(0.0, 1.0, 0, 0, 0, presence_penalty=1.5)
     )
     settings = {"chunked_prefill_tokens": 24, "page_size": 4}
-    apart, _ = served(engine_for(model_dir, no_mixed_batches=True, **settings), list(reqs))
-    engine = engine_for(model_dir, **settings)
+    apart, _ = served(engine_for(model_dir, **settings), list(reqs))
+    engine = engine_for(model_dir, mixed_batches=True, **settings)
     planner = engine.loop.scheduler.planner
     chosen = planner._riders
     rode: set[int] = set()
@@ -139,16 +140,22 @@ def test_a_row_that_adjusts_its_logits_keeps_to_decode_batches(model_dir: str) -
     assert penalised.rid not in rode and len(rode) >= 3, rode
 
 
-def test_a_speculative_engine_never_mixes(model_dir: str, tmp_path: Path) -> None:
+def test_a_speculative_engine_refuses_mixed_batches(model_dir: str, tmp_path: Path) -> None:
+    """Its decoding rows' positions are known on the host a step late and its draft keeps
+    state: the flag is refused at start, by the CLI and by the engine's builder."""
     draft = save_random_eagle3(tmp_path / "eagle3", Path(model_dir))
-    engine = engine_for(
-        model_dir,
-        speculative_algorithm="eagle3",
-        draft_model=str(draft),
-        speculative_num_steps=2,
-        chunked_prefill_tokens=24,
-        page_size=4,
-    )
-    assert not engine.loop.scheduler.planner.limits.mixed_batches
-    _, plans = served(engine, workload()[:4])
-    assert not any(p.relay_rows for p in plans)
+    with pytest.raises(ConfigError) as refused:
+        engine_for(
+            model_dir,
+            speculative_algorithm="eagle3",
+            draft_model=str(draft),
+            mixed_batches=True,
+        )
+    assert str(refused.value) == MIXED_NEEDS_NO_SPECULATION
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    argv = ["--model", model_dir, "--speculative-algorithm", "ngram", "--mixed-batches"]
+    with pytest.raises(ConfigError) as refused:
+        resolve(parser.parse_args(argv), environ={})
+    assert str(refused.value) == MIXED_NEEDS_NO_SPECULATION
+    assert resolve(parser.parse_args(argv[:2] + argv[4:]), environ={}).mixed_batches

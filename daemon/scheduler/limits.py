@@ -23,6 +23,7 @@ class SchedulerLimits:
     # computes their masks once the loop has processed that step, in the middle of the new
     # one (scheduler/loop.py). On one rank (the masks do not travel to the other ranks).
     late_masks: bool = False
-    # Decoding rows ride prompt batches (planner.py): without speculation, where a row's
-    # positions are exact on the host (one token a step) and its draft keeps no state.
+    # Decoding rows ride prompt batches (planner.py; --mixed-batches): without speculation,
+    # where a row's positions are exact on the host (one token a step) and no draft keeps
+    # state.
     mixed_batches: bool = False
