@@ -158,20 +158,15 @@ def tree_step(
         # The answer's own token first, then others of the answer.
         return tokens[(offset + at + 7 * choice) % answer]
 
-    depths = []
-    for d in range(depth):
-        places = 1 if d == 0 else topk
-        depths.append(
-            torch.tensor(
-                [
-                    [
-                        [token(o, at, 0) for at in range(d - 1)] + [token(o, d - 1, p)] if d else []
-                        for p in range(places)
-                    ]
-                    for o in offsets
-                ]
-            ).view(rows, places, d)
-        )
+    def path(offset: int, d: int, choice: int) -> list[int]:
+        # The answer's first d - 1 tokens, then its d-th or another of the answer's.
+        return [token(offset, at, 0) for at in range(d - 1)] + [token(offset, d - 1, choice)]
+
+    # Depth 0: one place, the empty path; each depth past it: ``topk`` paths a row.
+    depths = [torch.zeros(rows, 1, 0, dtype=torch.int64)]
+    for d in range(1, depth):
+        paths = [[path(o, d, p) for p in range(topk)] for o in offsets]
+        depths.append(torch.tensor(paths).view(rows, topk, d))
     chain = depth - 1
     # Nodes 1..chain: the answer's tokens (each the child of the one before); chain+1..: a
     # sibling of each of them.

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import argparse
 import random
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-import torch
 from engine_harness import debug_checks_fixture, engine_for, request, run
-from model_fixtures import VOCAB, save_random_eagle3, save_tiny_model
+from model_fixtures import VOCAB
 
 from outrider.daemon.config import MIXED_NEEDS_NO_SPECULATION, ConfigError
 from outrider.daemon.engine.build import Engine
@@ -26,14 +24,6 @@ from outrider.daemon.scheduler.request import Request
 from outrider.plugins.sampling_spec import SamplingSpec
 
 debug_checks = debug_checks_fixture()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = tmp_path_factory.mktemp("mixed-llama")
-    with torch.no_grad():
-        save_tiny_model("llama", directory)
-    return str(directory)
 
 
 def workload() -> list[TokenizedRequest]:
@@ -96,11 +86,11 @@ def assert_same(mixed: dict[int, Any], apart: dict[int, Any]) -> None:
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 def test_decoding_rows_ride_prompt_chunks_and_the_outputs_do_not_change(
-    model_dir: str, overlap: bool
+    llama_dir: str, overlap: bool
 ) -> None:
     settings = {"chunked_prefill_tokens": 24, "page_size": 4, "no_overlap": not overlap}
-    apart, apart_plans = served(engine_for(model_dir, **settings), workload())
-    mixed, mixed_plans = served(engine_for(model_dir, mixed_batches=True, **settings), workload())
+    apart, apart_plans = served(engine_for(llama_dir, **settings), workload())
+    mixed, mixed_plans = served(engine_for(llama_dir, mixed_batches=True, **settings), workload())
     assert_same(mixed, apart)
     assert not any(p.relay_rows for p in apart_plans)
     riding = [p for p in mixed_plans if p.relay_rows]
@@ -113,7 +103,7 @@ def test_decoding_rows_ride_prompt_chunks_and_the_outputs_do_not_change(
     assert len(mixed_plans) < len(apart_plans)
 
 
-def test_a_row_that_adjusts_its_logits_keeps_to_decode_batches(model_dir: str) -> None:
+def test_a_row_that_adjusts_its_logits_keeps_to_decode_batches(llama_dir: str) -> None:
     """A row with a penalty waits for a decode batch while its neighbours ride, and every
     row's tokens are those it gets with the batches apart (grammar rows are held out by the
     same rule: planner.py)."""
@@ -123,8 +113,8 @@ def test_a_row_that_adjusts_its_logits_keeps_to_decode_batches(model_dir: str) -
         penalised, sampling=SamplingSpec(0.0, 1.0, 0, 0, 0, presence_penalty=1.5)
     )
     settings = {"chunked_prefill_tokens": 24, "page_size": 4}
-    apart, _ = served(engine_for(model_dir, **settings), list(reqs))
-    engine = engine_for(model_dir, mixed_batches=True, **settings)
+    apart, _ = served(engine_for(llama_dir, **settings), list(reqs))
+    engine = engine_for(llama_dir, mixed_batches=True, **settings)
     planner = engine.loop.scheduler.planner
     chosen = planner._riders
     rode: set[int] = set()
@@ -140,21 +130,17 @@ def test_a_row_that_adjusts_its_logits_keeps_to_decode_batches(model_dir: str) -
     assert penalised.rid not in rode and len(rode) >= 3, rode
 
 
-def test_a_speculative_engine_refuses_mixed_batches(model_dir: str, tmp_path: Path) -> None:
+def test_a_speculative_engine_refuses_mixed_batches(llama_dir: str, eagle3_dir: str) -> None:
     """Its decoding rows' positions are known on the host a step late and its draft keeps
     state: the flag is refused at start, by the CLI and by the engine's builder."""
-    draft = save_random_eagle3(tmp_path / "eagle3", Path(model_dir))
     with pytest.raises(ConfigError) as refused:
         engine_for(
-            model_dir,
-            speculative_algorithm="eagle3",
-            draft_model=str(draft),
-            mixed_batches=True,
+            llama_dir, speculative_algorithm="eagle3", draft_model=eagle3_dir, mixed_batches=True
         )
     assert str(refused.value) == MIXED_NEEDS_NO_SPECULATION
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    argv = ["--model", model_dir, "--speculative-algorithm", "ngram", "--mixed-batches"]
+    argv = ["--model", llama_dir, "--speculative-algorithm", "ngram", "--mixed-batches"]
     with pytest.raises(ConfigError) as refused:
         resolve(parser.parse_args(argv), environ={})
     assert str(refused.value) == MIXED_NEEDS_NO_SPECULATION

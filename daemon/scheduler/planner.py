@@ -130,7 +130,7 @@ class Planner:
             if r.decoding
             and not self._scheduled_to_end(r)
             and r.grammar is None
-            and not _adjusts([r])
+            and not _adjusting(r)
         ]
         if len(riders) >= budget:
             return []
@@ -305,8 +305,13 @@ def _all_greedy(requests: list[Request]) -> bool:
 
 
 def _adjusts(requests: list[Request]) -> bool:
-    """Whether a sampled row changes its logits: a bias, a penalty, or a min_p cut."""
-    return any(r.sampling.adjusts or r.sampling.min_p > 0 for r in requests)
+    """Whether a sampled row changes its logits (``_adjusting``)."""
+    return any(_adjusting(r) for r in requests)
+
+
+def _adjusting(req: Request) -> bool:
+    """Whether ``req`` changes its logits: a bias, a penalty, or a min_p cut."""
+    return req.sampling.adjusts or req.sampling.min_p > 0
 
 
 def _mask_pending(req: Request) -> bool:
