@@ -1,6 +1,7 @@
 """``GrammarState``: one request's place in its grammar; ``RowGrammars``: the states of a
 decode plan's grammar rows, which give the host's masks in the middle of the step (the
-engine's ``GrammarRows``, engine/token_masks.py)."""
+engine's ``GrammarRows``, engine/token_masks.py), a plain step's and the verify nodes' filled
+side by side (fills.py)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from outrider.daemon.grammar.fills import Fill, MaskFills
+
 
 class GrammarState:
     """One request's matcher. Invariant: the matcher stands at the committed tokens plus
     ``_ahead``, tokens a walk took past them (a draft path, kept so that the next walk, or
     the commit, starts from the longest prefix they share); ``_masks`` holds the masks after
     the paths walked since the last commit (None: the path is refused or ends the grammar),
-    so that a verify node reuses its draft place's mask. Masks are int32 words ``[rows,
-    ceil(V / 32)]`` on the CPU; rows are copied, and bits read, through a numpy view
-    (``_word_view``): torch's indexing costs microseconds a call.
+    so that a verify node reuses its draft place's mask, and the root's once the verify
+    nodes filled it (they walk matchers of their own: ``_Nodes``). Masks are int32 words
+    ``[rows, ceil(V / 32)]`` on the CPU; rows are copied, and bits read, through a numpy
+    view (``_word_view``): torch's indexing costs microseconds a call.
 
     Free text: where a mask allows more than ``FREE_TEXT`` of the vocabulary (inside a
     string), a draft's own choice is almost always allowed and a mask costs the most
@@ -40,9 +44,13 @@ class GrammarState:
         compiled: xgr.CompiledGrammar,
         stop_ids: Sequence[int],
         exits: np.ndarray | None = None,
+        fills: MaskFills | None = None,
     ) -> None:
         """``exits``: per token id, whether its text may leave free text
-        (``Grammars.text_exits``); None: every step's first place takes its mask."""
+        (``Grammars.text_exits``); None: every step's first place takes its mask.
+        ``fills``: where the masks of the rows it shares a step with fill (one engine's
+        states share their ``Grammars``' fills; None: on the caller's thread)."""
+        self.fills = fills if fills is not None else MaskFills()
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids))
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
         self._exits = exits
@@ -55,11 +63,11 @@ class GrammarState:
         self._unguided: set[tuple[int, ...]] = set()
         self._depth: list[tuple[int, ...]] | None = None
 
-    def fill(self, masks: torch.Tensor, row: int) -> None:
-        """Row ``row`` of ``masks`` (int32 ``[rows, ceil(V / 32)]``, on the CPU): bit ``t``
-        set where token ``t`` may come next."""
+    def next_fill(self, row: int) -> Fill:
+        """The fill of row ``row`` of a step's masks (int32 ``[rows, ceil(V / 32)]``, on the
+        CPU) with this state's next mask: bit ``t`` set where token ``t`` may come next."""
         self._walk(())  # a request whose grammar ended has finished: its mask is not read
-        self._matcher.fill_next_token_bitmask(masks, row)
+        return self._matcher, row
 
     def advance(self, tokens: Sequence[int]) -> bool:
         """Take the request's newly committed ``tokens``; False when the grammar refuses one
@@ -90,21 +98,7 @@ class GrammarState:
         its token; one that is not, or that follows the grammar's end, is never committed
         and takes its parent's mask, so that no row is all masked. Returns how many nodes
         the grammar refused (reached parents whose masks refuse their tokens)."""
-        words = _word_view(masks)
-        self._mask_after((), masks, words, first)  # the root: always reached
-        paths: list[tuple[int, ...]] = [()]
-        live = [True]  # per node: reached, and the grammar not ended there
-        refused = 0
-        for node in range(1, len(tokens) + 1):
-            parent = node - 1 if parents is None else parents[node - 1]
-            token = tokens[node - 1]
-            paths.append((*paths[parent], token))
-            allowed = live[parent] and _allows(words[first + parent], token)
-            refused += live[parent] and not allowed
-            live.append(allowed and self._mask_after(paths[node], masks, words, first + node))
-            if not live[node]:
-                words[first + node] = words[first + parent]
-        return refused
+        return _mask_nodes([_Nodes(self, first, tokens, parents)], masks, self.fills)
 
     def place_masks(self, masks: torch.Tensor, first: int, paths: Sequence[Sequence[int]]) -> None:
         """Rows ``first ..`` of ``masks``: the masks of a step's draft places at one depth,
@@ -113,7 +107,8 @@ class GrammarState:
         never committed), and where the place is not guided: below a place of this step
         whose mask is free text, past the first place where the committed state's is, and at
         the first while the root's mask is not known and free text goes on (class
-        docstring)."""
+        docstring). Filled at once: a place that takes its mask is mostly structural,
+        whose fill (a few microseconds) costs less than a fork of the matcher."""
         words = _word_view(masks)
         root_guided = self._root_guided()  # the first depth has one place: holds for the call
         self._depth = []
@@ -162,17 +157,26 @@ class GrammarState:
         return free
 
     def _mask_after(
-        self, path: tuple[int, ...], masks: torch.Tensor, words: np.ndarray, row: int
+        self,
+        path: tuple[int, ...],
+        masks: torch.Tensor,
+        words: np.ndarray,
+        row: int,
+        later: list[_Later] | None = None,
     ) -> bool:
         """Row ``row`` of ``masks`` (``words``: its numpy view): the mask after ``path``,
         walked once a commit; False, and the row untouched, where the grammar refuses a
-        token of it or ends on the way."""
+        token of it or ends on the way. ``later``: where a mask not known yet is left to
+        fill, by a fork of the matcher (``_Later``), instead of now."""
         if path in self._masks:
             known = self._masks[path]
             if known is not None:
                 words[row] = known
             return known is not None
         reached = self._walk(path)
+        if reached and later is not None:
+            later.append(_Later(self, path, (self._matcher.fork(), row)))
+            return True
         if reached:
             self._matcher.fill_next_token_bitmask(masks, row)
         self._masks[path] = words[row].copy() if reached else None
@@ -191,6 +195,86 @@ class GrammarState:
                 return False
             self._ahead.append(token)
         return not path or not self._matcher.is_terminated()
+
+
+@dataclass(frozen=True)
+class _Later:
+    """A mask left to fill (``GrammarState._mask_after``): its state, its path, and the
+    fill, by a fork of the state's matcher standing after the path."""
+
+    state: GrammarState
+    path: tuple[int, ...]
+    fill: Fill
+
+    def keep(self, words: np.ndarray) -> None:
+        """Once filled: the mask kept as a walked path's (``GrammarState._masks``)."""
+        self.state._masks[self.path] = words[self.fill[1]].copy()
+
+
+class _Nodes:
+    """One row's verify nodes (``GrammarState.node_masks``), masked depth by depth, so that
+    one depth's fills of every row can run together (``_mask_nodes``)."""
+
+    def __init__(
+        self, state: GrammarState, first: int, tokens: list[int], parents: list[int] | None
+    ) -> None:
+        self.state = state
+        self.first = first
+        self.tokens = tokens
+        width = len(tokens) + 1
+        self.parents = [0, *(range(width - 1) if parents is None else parents)]
+        self.paths: list[tuple[int, ...]] = [()]
+        self.by_depth: list[list[int]] = [[0]]
+        depths = [0]
+        for node in range(1, width):
+            parent = self.parents[node]
+            self.paths.append((*self.paths[parent], tokens[node - 1]))
+            depths.append(depths[parent] + 1)
+            if depths[node] == len(self.by_depth):
+                self.by_depth.append([])
+            self.by_depth[depths[node]].append(node)
+        self.live = [False] * width  # per node: reached, and the grammar not ended there
+        self.refused = 0
+
+    def reach(
+        self, depth: int, masks: torch.Tensor, words: np.ndarray, later: list[_Later] | None
+    ) -> None:
+        """The masks of the nodes at ``depth``, their parents' in ``masks`` (``words``: its
+        numpy view); those not known yet filled now, or left in ``later``. A node not
+        reached takes its parent's mask."""
+        for node in self.by_depth[depth]:
+            row = self.first + node
+            if node == 0:  # the root: always reached
+                self.live[0] = self.state._mask_after((), masks, words, row, later)
+                continue
+            parent = self.parents[node]
+            above = self.live[parent]
+            allowed = above and _allows(words[row - node + parent], self.tokens[node - 1])
+            self.refused += above and not allowed
+            self.live[node] = allowed and self.state._mask_after(
+                self.paths[node], masks, words, row, later
+            )
+            if not self.live[node]:
+                words[row] = words[row - node + parent]
+
+
+def _mask_nodes(rows: Sequence[_Nodes], masks: torch.Tensor, fills: MaskFills) -> int:
+    """The verify nodes' masks of ``rows`` (``GrammarState.node_masks``), depth by depth,
+    each depth's fills of every row together on ``fills``; how many nodes the grammar
+    refused."""
+    words = _word_view(masks)
+    for depth in range(max((len(row.by_depth) for row in rows), default=0)):
+        # Where ``fills`` has no threads to share, each mask fills at once by its state's own
+        # matcher (no fork).
+        later: list[_Later] | None = [] if fills.threads > 1 else None
+        for row in rows:
+            if depth < len(row.by_depth):
+                row.reach(depth, masks, words, later)
+        if later:
+            fills.run([job.fill for job in later], masks)
+            for job in later:
+                job.keep(words)
+    return sum(row.refused for row in rows)
 
 
 def pack_masks(states: Sequence[GrammarState]) -> bytes:
@@ -247,8 +331,8 @@ class RowGrammars:
     def masks(self, out: torch.Tensor, rows: Sequence[int]) -> None:
         """Row ``rows[i]`` of ``out`` (int32 words ``[n, ceil(V / 32)]``, on the CPU):
         grammar row ``i``'s next mask from its state now."""
-        for i, row in self._live(out, rows, 1):
-            self.states[i].fill(out, row)
+        fills = [self.states[i].next_fill(row) for i, row in self._live(out, rows, 1)]
+        self._fills.run(fills, out)
 
     def node_masks(
         self,
@@ -256,15 +340,17 @@ class RowGrammars:
         firsts: Sequence[int],
         tokens: torch.Tensor,
         parents: torch.Tensor | None,
-    ) -> None:
+    ) -> int:
         """Rows ``firsts[i] ..`` of ``out``: the masks of grammar row ``i``'s verify nodes,
         node after node (its drafts ``tokens[i]``, a tree's ``parents[i]``: host tensors
-        ``[rows, width - 1]``)."""
+        ``[rows, width - 1]``); how many nodes the grammar refused."""
         drafts = tokens.tolist()
         shapes = None if parents is None else parents.tolist()
-        for i, first in self._live(out, firsts, tokens.shape[1] + 1):
-            shape = None if shapes is None else shapes[i]
-            self.states[i].node_masks(out, first, drafts[i], shape)
+        rows = [
+            _Nodes(self.states[i], first, drafts[i], None if shapes is None else shapes[i])
+            for i, first in self._live(out, firsts, tokens.shape[1] + 1)
+        ]
+        return _mask_nodes(rows, out, self._fills)
 
     def guides_paths(self) -> bool:
         """Whether some row whose request goes on guides its draft places
@@ -281,6 +367,10 @@ class RowGrammars:
         places = paths.tolist()
         for i, first in self._live(out, firsts, paths.shape[1]):
             self.states[i].place_masks(out, first, places[i])
+
+    @property
+    def _fills(self) -> MaskFills:
+        return self.states[0].fills
 
     def _live(
         self, out: torch.Tensor, firsts: Sequence[int], span: int
