@@ -502,10 +502,10 @@ def test_a_steps_masks_filled_on_threads_are_those_filled_one_by_one(
 ) -> None:
     """Twelve rows of the JSON schema, each at its own place of one answer (structural places
     and inside the free ``note``), drafting a tree whose nodes the grammar partly refuses,
-    after a draft place filled at each row's first depth: their verify nodes' masks and a
-    plain step's, filled on four threads (``MaskFills``), are exactly those filled one by
-    one, the same nodes refused, the states left where they were and judging free text
-    alike; more than one thread filled."""
+    after draft places at two depths: the places', the verify nodes' and a plain step's
+    masks, filled on four threads (``MaskFills``), are exactly those filled one by one,
+    the same nodes refused, the states left where they were and judging free text alike;
+    more than one thread filled."""
     assert tokenizer.eos_token_id is not None
     threaded = Grammars(str(model_dir), VOCAB, [tokenizer.eos_token_id], fill_threads=4)
     answer = tokenizer.hf.encode(INSIDE_NOTE + 'bcd"}', add_special_tokens=False)
@@ -539,6 +539,10 @@ def test_a_steps_masks_filled_on_threads_are_those_filled_one_by_one(
             assert state.advance([answer[at - 1]])
         places = xgr.allocate_token_bitmask(n, VOCAB)
         rows.path_masks(places, list(range(n)), torch.zeros(n, 1, 0).long())
+        # The next depth: the answer's token, a quotation mark and an ``x`` (three places).
+        below = [[[answer[at]], [quote], [x]] for at in offsets]
+        deeper = xgr.allocate_token_bitmask(3 * n, VOCAB)
+        rows.path_masks(deeper, [3 * row for row in range(n)], torch.tensor(below))
         nodes = xgr.allocate_token_bitmask(7 * n, VOCAB)
         refused = rows.node_masks(nodes, firsts, torch.tensor(drafts), torch.tensor([parents] * n))
         plain = xgr.allocate_token_bitmask(n, VOCAB)
@@ -549,10 +553,12 @@ def test_a_steps_masks_filled_on_threads_are_those_filled_one_by_one(
         guides = [RowGrammars([state]).guides_paths() for state in states]
         # A first place inside free text that went on allows every token.
         unguided = [bool((row == -1).all()) for row in places]
-        results.append((refused, guides, unguided, nodes, plain))
+        results.append((refused, guides, unguided, nodes, plain, deeper))
     assert len(threads) > 1, threads
-    (refused, guides, unguided, nodes, plain), threaded_results = results
+    (refused, guides, unguided, nodes, plain, deeper), threaded_results = results
     assert (refused, guides, unguided) == threaded_results[:3]
+    assert torch.equal(deeper, threaded_results[5])
+    assert 0 < int((deeper == -1).all(dim=1).sum()) < 3 * len(offsets)  # some guided, some not
     assert refused > 0 and True in guides and False in guides, (refused, guides)
     assert True in unguided and False in unguided, unguided
     assert torch.equal(nodes, threaded_results[3])

@@ -107,21 +107,37 @@ class GrammarState:
         never committed), and where the place is not guided: below a place of this step
         whose mask is free text, past the first place where the committed state's is, and at
         the first while the root's mask is not known and free text goes on (class
-        docstring). Filled at once: a place that takes its mask is mostly structural,
-        whose fill (a few microseconds) costs less than a fork of the matcher."""
-        words = _word_view(masks)
-        root_guided = self._root_guided()  # the first depth has one place: holds for the call
-        self._depth = []
+        docstring)."""
+        words, root_guided = _word_view(masks), self.start_depth()
         for place, path in enumerate(paths):
-            key = tuple(path)
-            if (not root_guided and (bool(key) or () not in self._masks)) or (
-                bool(key) and (key[:-1] in self._unguided or self._free_at(key[:-1]))
-            ):
-                self._unguided.add(key)
-            elif self._mask_after(key, masks, words, first + place):
-                self._depth.append(key)
-                continue
-            words[first + place] = _EVERY
+            self.place_mask(masks, words, first + place, tuple(path), root_guided)
+
+    def start_depth(self) -> bool:
+        """A depth of draft places begins (``place_mask`` each); whether the committed
+        state's mask guides them (judged once: the first depth has one place)."""
+        self._depth = []
+        return self._root_guided()
+
+    def place_mask(
+        self,
+        masks: torch.Tensor,
+        words: np.ndarray,
+        row: int,
+        key: tuple[int, ...],
+        root_guided: bool,
+        later: list[_Later] | None = None,
+    ) -> None:
+        """Row ``row`` of ``masks`` (``words``: its numpy view): the mask of the place after
+        ``key`` (``place_masks``), filled now or left in ``later`` (``_mask_after``)."""
+        if (not root_guided and (bool(key) or () not in self._masks)) or (
+            bool(key) and (key[:-1] in self._unguided or self._free_at(key[:-1]))
+        ):
+            self._unguided.add(key)
+        elif self._mask_after(key, masks, words, row, later):
+            assert self._depth is not None  # start_depth ran
+            self._depth.append(key)
+            return
+        words[row] = _EVERY
 
     def guides_paths(self) -> bool:
         """Whether this step's next draft places take masks: not where the committed state's
@@ -166,8 +182,9 @@ class GrammarState:
     ) -> bool:
         """Row ``row`` of ``masks`` (``words``: its numpy view): the mask after ``path``,
         walked once a commit; False, and the row untouched, where the grammar refuses a
-        token of it or ends on the way. ``later``: where a mask not known yet is left to
-        fill, by a fork of the matcher (``_Later``), instead of now."""
+        token of it or ends on the way. ``later``: a round of fills (``_Later``) where a mask
+        not known yet is left instead of filled now; the matcher stands after ``path`` until
+        the round is filled, so a round holds one fill of a state at most."""
         if path in self._masks:
             known = self._masks[path]
             if known is not None:
@@ -175,7 +192,7 @@ class GrammarState:
             return known is not None
         reached = self._walk(path)
         if reached and later is not None:
-            later.append(_Later(self, path, (self._matcher.fork(), row)))
+            later.append(_Later(self, path, row))
             return True
         if reached:
             self._matcher.fill_next_token_bitmask(masks, row)
@@ -199,21 +216,34 @@ class GrammarState:
 
 @dataclass(frozen=True)
 class _Later:
-    """A mask left to fill (``GrammarState._mask_after``): its state, its path, and the
-    fill, by a fork of the state's matcher standing after the path."""
+    """A mask left to fill in a round (``GrammarState._mask_after``): the state whose
+    matcher stands after ``path``, and its row."""
 
     state: GrammarState
     path: tuple[int, ...]
-    fill: Fill
+    row: int
 
-    def keep(self, words: np.ndarray) -> None:
-        """Once filled: the mask kept as a walked path's (``GrammarState._masks``)."""
-        self.state._masks[self.path] = words[self.fill[1]].copy()
+
+def _fill_round(later: list[_Later] | None, fills: MaskFills, masks: torch.Tensor) -> None:
+    """The masks left in a round, filled together on ``fills``'s threads and kept as their
+    paths' (``GrammarState._masks``)."""
+    if later:
+        fills.run([(job.state._matcher, job.row) for job in later], masks)
+        words = _word_view(masks)
+        for job in later:
+            job.state._masks[job.path] = words[job.row].copy()
+
+
+def _round(fills: MaskFills) -> list[_Later] | None:
+    """A round of fills to gather, where ``fills`` has threads to share (else None: each
+    mask fills at once)."""
+    return [] if fills.threads > 1 else None
 
 
 class _Nodes:
-    """One row's verify nodes (``GrammarState.node_masks``), masked depth by depth, so that
-    one depth's fills of every row can run together (``_mask_nodes``)."""
+    """One row's verify nodes (``GrammarState.node_masks``), masked depth by depth, the
+    ``j``-th node of a depth in round ``j``, so that a round's fills of every row run
+    together (``_mask_nodes``)."""
 
     def __init__(
         self, state: GrammarState, first: int, tokens: list[int], parents: list[int] | None
@@ -237,43 +267,37 @@ class _Nodes:
         self.refused = 0
 
     def reach(
-        self, depth: int, masks: torch.Tensor, words: np.ndarray, later: list[_Later] | None
+        self, node: int, masks: torch.Tensor, words: np.ndarray, later: list[_Later] | None
     ) -> None:
-        """The masks of the nodes at ``depth``, their parents' in ``masks`` (``words``: its
-        numpy view); those not known yet filled now, or left in ``later``. A node not
-        reached takes its parent's mask."""
-        for node in self.by_depth[depth]:
-            row = self.first + node
-            if node == 0:  # the root: always reached
-                self.live[0] = self.state._mask_after((), masks, words, row, later)
-                continue
-            parent = self.parents[node]
-            above = self.live[parent]
-            allowed = above and _allows(words[row - node + parent], self.tokens[node - 1])
-            self.refused += above and not allowed
-            self.live[node] = allowed and self.state._mask_after(
-                self.paths[node], masks, words, row, later
-            )
-            if not self.live[node]:
-                words[row] = words[row - node + parent]
+        """The mask of ``node``, its parent's in ``masks`` (``words``: its numpy view):
+        filled now, or left in ``later``; a node not reached takes its parent's."""
+        row = self.first + node
+        if node == 0:  # the root: always reached
+            self.live[0] = self.state._mask_after((), masks, words, row, later)
+            return
+        parent = self.parents[node]
+        above = self.live[parent]
+        allowed = above and _allows(words[row - node + parent], self.tokens[node - 1])
+        self.refused += above and not allowed
+        self.live[node] = allowed and self.state._mask_after(
+            self.paths[node], masks, words, row, later
+        )
+        if not self.live[node]:
+            words[row] = words[row - node + parent]
 
 
 def _mask_nodes(rows: Sequence[_Nodes], masks: torch.Tensor, fills: MaskFills) -> int:
-    """The verify nodes' masks of ``rows`` (``GrammarState.node_masks``), depth by depth,
-    each depth's fills of every row together on ``fills``; how many nodes the grammar
-    refused."""
+    """The verify nodes' masks of ``rows`` (``GrammarState.node_masks``), depth by depth
+    and round by round (``_Nodes``); how many nodes the grammar refused."""
     words = _word_view(masks)
     for depth in range(max((len(row.by_depth) for row in rows), default=0)):
-        # Where ``fills`` has no threads to share, each mask fills at once by its state's own
-        # matcher (no fork).
-        later: list[_Later] | None = [] if fills.threads > 1 else None
-        for row in rows:
-            if depth < len(row.by_depth):
-                row.reach(depth, masks, words, later)
-        if later:
-            fills.run([job.fill for job in later], masks)
-            for job in later:
-                job.keep(words)
+        at_depth = [row.by_depth[depth] if depth < len(row.by_depth) else [] for row in rows]
+        for turn in range(max(len(nodes) for nodes in at_depth)):
+            later = _round(fills)
+            for row, nodes in zip(rows, at_depth, strict=True):
+                if turn < len(nodes):
+                    row.reach(nodes[turn], masks, words, later)
+            _fill_round(later, fills, masks)
     return sum(row.refused for row in rows)
 
 
@@ -364,9 +388,19 @@ class RowGrammars:
         """Rows ``firsts[i] ..`` of ``out``: the mask at each draft place of grammar row
         ``i``, place after place (``paths[i, p]``: the tokens drafted before place ``p``; a
         host tensor ``[rows, n, d]``)."""
-        places = paths.tolist()
-        for i, first in self._live(out, firsts, paths.shape[1]):
-            self.states[i].place_masks(out, first, places[i])
+        places, words = paths.tolist(), _word_view(out)
+        rows = [
+            (self.states[i], first, places[i])
+            for i, first in self._live(out, firsts, paths.shape[1])
+        ]
+        guided = [state.start_depth() for state, _, _ in rows]
+        for place in range(paths.shape[1]):  # a round a place: one fill of each state
+            later = _round(self._fills)
+            for (state, first, paths_of), root_guided in zip(rows, guided, strict=True):
+                state.place_mask(
+                    out, words, first + place, tuple(paths_of[place]), root_guided, later
+                )
+            _fill_round(later, self._fills, out)
 
     @property
     def _fills(self) -> MaskFills:
