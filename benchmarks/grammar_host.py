@@ -15,7 +15,7 @@ the answer's next ``--tree-depth - 1`` tokens and a sibling of each). Medians in
 microseconds.
 
     python benchmarks/grammar_host.py --model-dir DIR [--width 4] [--rows 32]
-        [--tree-depth 5 --tree-topk 4] [--fill-threads 1]
+        [--tree-depth 5 --tree-topk 4]
 """
 
 from __future__ import annotations
@@ -62,24 +62,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32, help="a step's grammar rows")
     parser.add_argument("--tree-depth", type=int, default=5, help="a tree's draft places deep")
     parser.add_argument("--tree-topk", type=int, default=4, help="a tree's paths a depth")
-    parser.add_argument(
-        "--fill-threads", type=int, default=1, help="threads a step's masks fill on (MaskFills)"
-    )
     args = parser.parse_args()
     hf = AutoTokenizer.from_pretrained(args.model_dir)
     vocab = args.vocab_size or len(hf)
-    grammars = Grammars(args.model_dir, vocab, [hf.eos_token_id], args.fill_threads)
+    grammars = Grammars(args.model_dir, vocab, [hf.eos_token_id])
     grammar = Grammar("json_schema", args.schema.read_text())
     fill: list[float] = []
     accepted: list[bool] = []
     start = time.perf_counter()
-    state = GrammarState(
-        grammars.compile(grammar), [hf.eos_token_id], grammars.text_exits, grammars.fills
-    )
+    state = GrammarState(grammars.compile(grammar), [hf.eos_token_id], grammars.text_exits)
     compile_ms = (time.perf_counter() - start) * 1e3
-    plain = GrammarState(
-        grammars.compile(grammar), [hf.eos_token_id], grammars.text_exits, grammars.fills
-    )
+    plain = GrammarState(grammars.compile(grammar), [hf.eos_token_id], grammars.text_exits)
     # The schema's form: its properties in order, ", " and ": " between (any_whitespace off).
     tokens = hf.encode(json.dumps(ANSWER), add_special_tokens=False)
     tokens.append(hf.eos_token_id)
@@ -101,9 +94,7 @@ def main() -> None:
     # Steps of ``--rows`` grammar rows, each at its own place of the answer: a plain step's
     # masks, a chain's guide (place after place) and its verify nodes.
     rows_states = [
-        GrammarState(
-            grammars.compile(grammar), [hf.eos_token_id], grammars.text_exits, grammars.fills
-        )
+        GrammarState(grammars.compile(grammar), [hf.eos_token_id], grammars.text_exits)
         for _ in range(args.rows)
     ]
     offsets = [row % (len(tokens) - args.width) for row in range(args.rows)]
@@ -146,7 +137,6 @@ def main() -> None:
         "tree_step_guide_us": round(statistics.median(tree_guide_us), 1),
         "tree_step_verify_nodes_us": round(statistics.median(tree_nodes_us), 1),
         "torch_threads": torch.get_num_threads(),
-        "fill_threads": grammars.fills.threads,
     }
     print(json.dumps(report))
 

@@ -79,15 +79,10 @@ def _engine(args: argparse.Namespace, algorithm: str, batch: int) -> Engine:
 class Constraint:
     """Every row's grammar: an array of at least ``items`` documents of a JSON schema."""
 
-    def __init__(
-        self, schema: Path, tokenizer: str, items: int, engine: Engine, fill_threads: int
-    ) -> None:
-        """``fill_threads``: ``MaskFills``' (0: the torch threads, as the daemon's)."""
+    def __init__(self, schema: Path, tokenizer: str, items: int, engine: Engine) -> None:
         array = {"type": "array", "items": json.loads(schema.read_text()), "minItems": items}
         self.grammar = Grammar(kind="json_schema", text=json.dumps(array))
-        facts = engine.facts
-        threads = fill_threads or torch.get_num_threads()
-        self.grammars = Grammars(tokenizer, facts.vocab_size, facts.eos_token_ids, threads)
+        self.grammars = Grammars(tokenizer, engine.facts.vocab_size, engine.facts.eos_token_ids)
 
 
 def _add(engine: Engine, batch: int, prompt: int, rid0: int, rows: Constraint | None) -> None:
@@ -213,9 +208,6 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="with --schema: the grammar's tokenizer directory")
     parser.add_argument("--items", type=int, default=4, help="with --schema: documents a row")
     parser.add_argument("--trace", type=Path, help="with --schema: a directory for traces")
-    parser.add_argument(
-        "--fill-threads", type=int, default=0, help="with --schema: mask threads (0: torch's)"
-    )
     args = parser.parse_args()
     if args.schema is not None and args.tokenizer is None:
         parser.error("--schema needs --tokenizer")
@@ -226,9 +218,7 @@ def main() -> None:
             rows.append(measure(engine, algorithm, batch, args.steps, args.prompt, args.profile))
             print(json.dumps(asdict(rows[-1])), flush=True)
             if args.schema is not None:
-                constraint = Constraint(
-                    args.schema, args.tokenizer, args.items, engine, args.fill_threads
-                )
+                constraint = Constraint(args.schema, args.tokenizer, args.items, engine)
                 rows.append(
                     measure(
                         engine, algorithm, batch, args.steps, args.prompt, args.profile,

@@ -9,11 +9,9 @@ handling of constrained steps: test_grammar_steps.py."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -31,7 +29,6 @@ from grammar_cases import (
 
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.token_masks import DeviceMark, GrammarGuide, HostMasks, TokenMasks
-from outrider.daemon.grammar import fills as fills_module
 from outrider.daemon.grammar import state as state_module
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
@@ -48,23 +45,13 @@ def _start(grammars: Grammars, grammar: Grammar) -> GrammarState:
     return grammars.start(request(0, [1], grammar=grammar, ignore_eos=False))
 
 
-def _next_mask(state: GrammarState) -> torch.Tensor:
-    """``state``'s next mask, as a plain step fills it."""
-    row = xgr.allocate_token_bitmask(1, VOCAB)
-    RowGrammars([state]).masks(row, [0])
-    return row[0]
-
-
-def _mask(grammars: Grammars, grammar: Grammar, path: list[int]) -> torch.Tensor:
-    """``grammar``'s next mask after ``path``, from a fresh state."""
-    state = _start(grammars, grammar)
-    assert state.advance(path)
-    return _next_mask(state)
-
-
 def _regex_mask(grammars: Grammars, path: list[int]) -> torch.Tensor:
     """The regex grammar's next mask after ``path``, from a fresh state."""
-    return _mask(grammars, GRAMMARS["regex"], path)
+    state = _start(grammars, GRAMMARS["regex"])
+    assert state.advance(path)
+    row = xgr.allocate_token_bitmask(1, VOCAB)
+    state.fill(row, 0)
+    return row[0]
 
 
 def test_every_output_matches_its_grammar_and_ends_there(
@@ -182,7 +169,9 @@ def test_each_verify_node_is_masked_by_the_state_its_own_path_reaches(
     for node, row in enumerate(expected):
         assert torch.equal(masks[2 + node], row), node
     # The state is where it was: its next mask is the root's.
-    assert torch.equal(_next_mask(state), expected[0])
+    again = xgr.allocate_token_bitmask(1, VOCAB)
+    state.fill(again, 0)
+    assert torch.equal(again[0], expected[0])
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3 chain", "eagle3 tree", "dflash", "standalone"])
@@ -200,15 +189,15 @@ def test_drafts_are_proposed_under_the_grammar(
     even ids only, so some places have no allowed token in it)."""
     settings = dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts[algorithm.split()[0]])
     refused = 0
-    node_masks = RowGrammars.node_masks
+    node_masks = GrammarState.node_masks
 
-    def counted(rows: RowGrammars, *args: object) -> int:
+    def counted(state: GrammarState, *args: object) -> int:
         nonlocal refused
-        count = node_masks(rows, *args)  # type: ignore[arg-type]  # passed through
+        count = node_masks(state, *args)  # type: ignore[arg-type]  # passed through
         refused += count
         return count
 
-    monkeypatch.setattr(RowGrammars, "node_masks", counted)
+    monkeypatch.setattr(GrammarState, "node_masks", counted)
 
     def accepted_and_refused(temperature: float) -> tuple[int, int]:
         nonlocal refused
@@ -258,11 +247,22 @@ def test_each_draft_place_is_masked_by_the_state_its_path_reaches(
     ]  # fmt: skip
     for place, row in enumerate(expected):
         assert torch.equal(masks[place], row), place
-    assert torch.equal(_next_mask(states[1]), _regex_mask(grammars, [a, b, a, dash, one]))
+    again = xgr.allocate_token_bitmask(1, VOCAB)
+    states[1].fill(again, 0)
+    assert torch.equal(again[0], _regex_mask(grammars, [a, b, a, dash, one]))
 
 
 # The schema's answer inside its free-text string (``note``): most of the vocabulary allowed.
 INSIDE_NOTE = '{"answer": "yes", "digit": 3, "flag": true, "note": "a'
+
+
+def _mask(grammars: Grammars, grammar: Grammar, path: list[int]) -> torch.Tensor:
+    """``grammar``'s next mask after ``path``, from a fresh state."""
+    state = _start(grammars, grammar)
+    assert state.advance(path)
+    row = xgr.allocate_token_bitmask(1, VOCAB)
+    state.fill(row, 0)
+    return row[0]
 
 
 def test_past_free_text_a_steps_later_places_allow_every_token_and_the_nodes_mask_them(
@@ -448,7 +448,9 @@ def test_a_chain_walks_each_draft_once_and_its_commit_starts_from_the_walk(
     taken.clear()
     assert state.advance([a, b, a])  # two drafts accepted, then the target's own token
     assert taken == [a]
-    assert torch.equal(_next_mask(state), _regex_mask(grammars, [a, b, a]))
+    after = xgr.allocate_token_bitmask(1, VOCAB)
+    state.fill(after, 0)
+    assert torch.equal(after[0], _regex_mask(grammars, [a, b, a]))
 
 
 def test_a_draft_vocabulary_is_masked_through_its_columns() -> None:
@@ -495,72 +497,3 @@ def test_a_simulated_acceptance_commits_only_what_the_grammar_allows(
     check_outputs(outcomes, tokenizer)
     accepted = [o.finish.usage.spec_accepted_tokens for o in outcomes.values()]
     assert sum(accepted) > len(accepted), accepted
-
-
-def test_a_steps_masks_filled_on_threads_are_those_filled_one_by_one(
-    model_dir: Path, grammars: Grammars, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Twelve rows of the JSON schema, each at its own place of one answer (structural places
-    and inside the free ``note``), drafting a tree whose nodes the grammar partly refuses,
-    after draft places at two depths: the places', the verify nodes' and a plain step's
-    masks, filled on four threads (``MaskFills``), are exactly those filled one by one,
-    the same nodes refused, the states left where they were and judging free text alike;
-    more than one thread filled."""
-    assert tokenizer.eos_token_id is not None
-    threaded = Grammars(str(model_dir), VOCAB, [tokenizer.eos_token_id], fill_threads=4)
-    answer = tokenizer.hf.encode(INSIDE_NOTE + 'bcd"}', add_special_tokens=False)
-    quote, x = (tokenizer.hf.convert_tokens_to_ids(t) for t in '"x')
-    offsets = [len(answer) - 1 - 2 * row for row in range(12)]
-    # Nodes 1..6: the answer's next two tokens (a chain), a quotation mark and an ``x`` as
-    # siblings of each, and the answer's next token again below the refused ``x``.
-    parents = [0, 1, 0, 1, 0, 5]
-    drafts = [
-        [answer[at], answer[at + 1] if at + 1 < len(answer) else x, quote, quote, x, answer[at]]
-        for at in offsets
-    ]
-    threads: set[str] = set()
-    fill = fills_module._fill
-
-    def recorded(*args: Any) -> None:
-        threads.add(threading.current_thread().name)
-        fill(*args)
-
-    monkeypatch.setattr(fills_module, "_fill", recorded)
-    results = []
-    for source in (grammars, threaded):
-        states = [_start(source, GRAMMARS["json_schema"]) for _ in offsets]
-        rows, n = RowGrammars(states), len(states)
-        firsts = [7 * row for row in range(n)]
-        for state, at in zip(states, offsets, strict=True):
-            assert state.advance(answer[: at - 1])
-        # A step that committed one token: its root's mask judges free text for the next.
-        rows.node_masks(xgr.allocate_token_bitmask(7 * n, VOCAB), firsts, torch.zeros(n, 0), None)
-        for state, at in zip(states, offsets, strict=True):
-            assert state.advance([answer[at - 1]])
-        places = xgr.allocate_token_bitmask(n, VOCAB)
-        rows.path_masks(places, list(range(n)), torch.zeros(n, 1, 0).long())
-        # The next depth: the answer's token, a quotation mark and an ``x`` (three places).
-        below = [[[answer[at]], [quote], [x]] for at in offsets]
-        deeper = xgr.allocate_token_bitmask(3 * n, VOCAB)
-        rows.path_masks(deeper, [3 * row for row in range(n)], torch.tensor(below))
-        nodes = xgr.allocate_token_bitmask(7 * n, VOCAB)
-        refused = rows.node_masks(nodes, firsts, torch.tensor(drafts), torch.tensor([parents] * n))
-        plain = xgr.allocate_token_bitmask(n, VOCAB)
-        rows.masks(plain, list(range(n)))
-        for state, at in zip(states, offsets, strict=True):
-            assert state.advance([answer[at]])
-        # Whether each row guides its next places: free text judged from the root's mask.
-        guides = [RowGrammars([state]).guides_paths() for state in states]
-        # A first place inside free text that went on allows every token.
-        unguided = [bool((row == -1).all()) for row in places]
-        results.append((refused, guides, unguided, nodes, plain, deeper))
-    assert len(threads) > 1, threads
-    (refused, guides, unguided, nodes, plain, deeper), threaded_results = results
-    assert (refused, guides, unguided) == threaded_results[:3]
-    assert torch.equal(deeper, threaded_results[5])
-    assert 0 < int((deeper == -1).all(dim=1).sum()) < 3 * len(offsets)  # some guided, some not
-    assert refused > 0 and True in guides and False in guides, (refused, guides)
-    assert True in unguided and False in unguided, unguided
-    assert torch.equal(nodes, threaded_results[3])
-    assert torch.equal(plain, nodes[::7])  # the states stand where they were: at the roots
-    assert torch.equal(plain, threaded_results[4])

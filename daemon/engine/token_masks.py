@@ -88,10 +88,10 @@ class GrammarRows(Protocol):
         firsts: Sequence[int],
         tokens: torch.Tensor,
         parents: torch.Tensor | None,
-    ) -> int:
+    ) -> None:
         """Given their drafts on the host (``[rows, W - 1]``) and a tree's parents (or
         None), rows ``firsts[i] ..``: grammar row ``i``'s verify nodes' masks, node after
-        node; how many nodes the grammar refused."""
+        node."""
         ...
 
     def path_masks(self, out: torch.Tensor, firsts: Sequence[int], paths: torch.Tensor) -> None:

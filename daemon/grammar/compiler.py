@@ -13,7 +13,6 @@ from typing import Any, Literal
 import numpy as np
 import xgrammar as xgr
 
-from outrider.daemon.grammar.fills import MaskFills
 from outrider.daemon.grammar.schemas import strict_json
 from outrider.daemon.grammar.state import GrammarState
 from outrider.daemon.grammar.tool_calls import function_schema
@@ -36,16 +35,12 @@ def _refused(what: str, exc: Exception) -> GrammarRefused:
 
 
 class Grammars:
-    def __init__(
-        self, tokenizer_dir: str, vocab_size: int, stop_ids: Sequence[int], fill_threads: int = 1
-    ) -> None:
+    def __init__(self, tokenizer_dir: str, vocab_size: int, stop_ids: Sequence[int]) -> None:
         """``vocab_size``: the model's (the width of its logits, which the masks cover);
-        ``stop_ids``: the model's end-of-sequence ids; ``fill_threads``: the threads a step's
-        masks may fill on (``MaskFills``; the host's torch threads, idle then)."""
+        ``stop_ids``: the model's end-of-sequence ids."""
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.stop_ids = list(stop_ids)
-        self.fills = MaskFills(fill_threads)
 
     @cached_property
     def _info(self) -> xgr.TokenizerInfo:
@@ -109,9 +104,9 @@ class Grammars:
         of sequence does."""
         stops = sorted({*self.stop_ids, *msg.stop_token_ids})
         if msg.grammar is not None:
-            return GrammarState(self.compile(msg.grammar), stops, self.text_exits, self.fills)
+            return GrammarState(self.compile(msg.grammar), stops, self.text_exits)
         assert msg.tools is not None
-        return GrammarState(self.compile_tools(msg.tools), stops, self.text_exits, self.fills)
+        return GrammarState(self.compile_tools(msg.tools), stops, self.text_exits)
 
     @cached_property
     def text_exits(self) -> np.ndarray:

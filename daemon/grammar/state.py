@@ -1,7 +1,6 @@
 """``GrammarState``: one request's place in its grammar; ``RowGrammars``: the states of a
 decode plan's grammar rows, which give the host's masks in the middle of the step (the
-engine's ``GrammarRows``, engine/token_masks.py), a plain step's and the verify nodes' filled
-side by side (fills.py)."""
+engine's ``GrammarRows``, engine/token_masks.py)."""
 
 from __future__ import annotations
 
@@ -13,18 +12,15 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from outrider.daemon.grammar.fills import Fill, MaskFills
-
 
 class GrammarState:
     """One request's matcher. Invariant: the matcher stands at the committed tokens plus
     ``_ahead``, tokens a walk took past them (a draft path, kept so that the next walk, or
     the commit, starts from the longest prefix they share); ``_masks`` holds the masks after
     the paths walked since the last commit (None: the path is refused or ends the grammar),
-    so that a verify node reuses its draft place's mask, and the root's once the verify
-    nodes filled it (they walk matchers of their own: ``_Nodes``). Masks are int32 words
-    ``[rows, ceil(V / 32)]`` on the CPU; rows are copied, and bits read, through a numpy
-    view (``_word_view``): torch's indexing costs microseconds a call.
+    so that a verify node reuses its draft place's mask. Masks are int32 words ``[rows,
+    ceil(V / 32)]`` on the CPU; rows are copied, and bits read, through a numpy view
+    (``_word_view``): torch's indexing costs microseconds a call.
 
     Free text: where a mask allows more than ``FREE_TEXT`` of the vocabulary (inside a
     string), a draft's own choice is almost always allowed and a mask costs the most
@@ -44,13 +40,9 @@ class GrammarState:
         compiled: xgr.CompiledGrammar,
         stop_ids: Sequence[int],
         exits: np.ndarray | None = None,
-        fills: MaskFills | None = None,
     ) -> None:
         """``exits``: per token id, whether its text may leave free text
-        (``Grammars.text_exits``); None: every step's first place takes its mask.
-        ``fills``: where the masks of the rows it shares a step with fill (one engine's
-        states share their ``Grammars``' fills; None: on the caller's thread)."""
-        self.fills = fills if fills is not None else MaskFills()
+        (``Grammars.text_exits``); None: every step's first place takes its mask."""
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids))
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
         self._exits = exits
@@ -63,11 +55,11 @@ class GrammarState:
         self._unguided: set[tuple[int, ...]] = set()
         self._depth: list[tuple[int, ...]] | None = None
 
-    def next_fill(self, row: int) -> Fill:
-        """The fill of row ``row`` of a step's masks (int32 ``[rows, ceil(V / 32)]``, on the
-        CPU) with this state's next mask: bit ``t`` set where token ``t`` may come next."""
+    def fill(self, masks: torch.Tensor, row: int) -> None:
+        """Row ``row`` of ``masks`` (int32 ``[rows, ceil(V / 32)]``, on the CPU): bit ``t``
+        set where token ``t`` may come next."""
         self._walk(())  # a request whose grammar ended has finished: its mask is not read
-        return self._matcher, row
+        self._matcher.fill_next_token_bitmask(masks, row)
 
     def advance(self, tokens: Sequence[int]) -> bool:
         """Take the request's newly committed ``tokens``; False when the grammar refuses one
@@ -98,7 +90,21 @@ class GrammarState:
         its token; one that is not, or that follows the grammar's end, is never committed
         and takes its parent's mask, so that no row is all masked. Returns how many nodes
         the grammar refused (reached parents whose masks refuse their tokens)."""
-        return _mask_nodes([_Nodes(self, first, tokens, parents)], masks, self.fills)
+        words = _word_view(masks)
+        self._mask_after((), masks, words, first)  # the root: always reached
+        paths: list[tuple[int, ...]] = [()]
+        live = [True]  # per node: reached, and the grammar not ended there
+        refused = 0
+        for node in range(1, len(tokens) + 1):
+            parent = node - 1 if parents is None else parents[node - 1]
+            token = tokens[node - 1]
+            paths.append((*paths[parent], token))
+            allowed = live[parent] and _allows(words[first + parent], token)
+            refused += live[parent] and not allowed
+            live.append(allowed and self._mask_after(paths[node], masks, words, first + node))
+            if not live[node]:
+                words[first + node] = words[first + parent]
+        return refused
 
     def place_masks(self, masks: torch.Tensor, first: int, paths: Sequence[Sequence[int]]) -> None:
         """Rows ``first ..`` of ``masks``: the masks of a step's draft places at one depth,
@@ -108,36 +114,19 @@ class GrammarState:
         whose mask is free text, past the first place where the committed state's is, and at
         the first while the root's mask is not known and free text goes on (class
         docstring)."""
-        words, root_guided = _word_view(masks), self.start_depth()
-        for place, path in enumerate(paths):
-            self.place_mask(masks, words, first + place, tuple(path), root_guided)
-
-    def start_depth(self) -> bool:
-        """A depth of draft places begins (``place_mask`` each); whether the committed
-        state's mask guides them (judged once: the first depth has one place)."""
+        words = _word_view(masks)
+        root_guided = self._root_guided()  # the first depth has one place: holds for the call
         self._depth = []
-        return self._root_guided()
-
-    def place_mask(
-        self,
-        masks: torch.Tensor,
-        words: np.ndarray,
-        row: int,
-        key: tuple[int, ...],
-        root_guided: bool,
-        later: list[_Later] | None = None,
-    ) -> None:
-        """Row ``row`` of ``masks`` (``words``: its numpy view): the mask of the place after
-        ``key`` (``place_masks``), filled now or left in ``later`` (``_mask_after``)."""
-        if (not root_guided and (bool(key) or () not in self._masks)) or (
-            bool(key) and (key[:-1] in self._unguided or self._free_at(key[:-1]))
-        ):
-            self._unguided.add(key)
-        elif self._mask_after(key, masks, words, row, later):
-            assert self._depth is not None  # start_depth ran
-            self._depth.append(key)
-            return
-        words[row] = _EVERY
+        for place, path in enumerate(paths):
+            key = tuple(path)
+            if (not root_guided and (bool(key) or () not in self._masks)) or (
+                bool(key) and (key[:-1] in self._unguided or self._free_at(key[:-1]))
+            ):
+                self._unguided.add(key)
+            elif self._mask_after(key, masks, words, first + place):
+                self._depth.append(key)
+                continue
+            words[first + place] = _EVERY
 
     def guides_paths(self) -> bool:
         """Whether this step's next draft places take masks: not where the committed state's
@@ -173,27 +162,17 @@ class GrammarState:
         return free
 
     def _mask_after(
-        self,
-        path: tuple[int, ...],
-        masks: torch.Tensor,
-        words: np.ndarray,
-        row: int,
-        later: list[_Later] | None = None,
+        self, path: tuple[int, ...], masks: torch.Tensor, words: np.ndarray, row: int
     ) -> bool:
         """Row ``row`` of ``masks`` (``words``: its numpy view): the mask after ``path``,
         walked once a commit; False, and the row untouched, where the grammar refuses a
-        token of it or ends on the way. ``later``: a round of fills (``_Later``) where a mask
-        not known yet is left instead of filled now; the matcher stands after ``path`` until
-        the round is filled, so a round holds one fill of a state at most."""
+        token of it or ends on the way."""
         if path in self._masks:
             known = self._masks[path]
             if known is not None:
                 words[row] = known
             return known is not None
         reached = self._walk(path)
-        if reached and later is not None:
-            later.append(_Later(self, path, row))
-            return True
         if reached:
             self._matcher.fill_next_token_bitmask(masks, row)
         self._masks[path] = words[row].copy() if reached else None
@@ -212,93 +191,6 @@ class GrammarState:
                 return False
             self._ahead.append(token)
         return not path or not self._matcher.is_terminated()
-
-
-@dataclass(frozen=True)
-class _Later:
-    """A mask left to fill in a round (``GrammarState._mask_after``): the state whose
-    matcher stands after ``path``, and its row."""
-
-    state: GrammarState
-    path: tuple[int, ...]
-    row: int
-
-
-def _fill_round(later: list[_Later] | None, fills: MaskFills, masks: torch.Tensor) -> None:
-    """The masks left in a round, filled together on ``fills``'s threads and kept as their
-    paths' (``GrammarState._masks``)."""
-    if later:
-        fills.run([(job.state._matcher, job.row) for job in later], masks)
-        words = _word_view(masks)
-        for job in later:
-            job.state._masks[job.path] = words[job.row].copy()
-
-
-def _round(fills: MaskFills) -> list[_Later] | None:
-    """A round of fills to gather, where ``fills`` has threads to share (else None: each
-    mask fills at once)."""
-    return [] if fills.threads > 1 else None
-
-
-class _Nodes:
-    """One row's verify nodes (``GrammarState.node_masks``), masked depth by depth, the
-    ``j``-th node of a depth in round ``j``, so that a round's fills of every row run
-    together (``_mask_nodes``)."""
-
-    def __init__(
-        self, state: GrammarState, first: int, tokens: list[int], parents: list[int] | None
-    ) -> None:
-        self.state = state
-        self.first = first
-        self.tokens = tokens
-        width = len(tokens) + 1
-        self.parents = [0, *(range(width - 1) if parents is None else parents)]
-        self.paths: list[tuple[int, ...]] = [()]
-        self.by_depth: list[list[int]] = [[0]]
-        depths = [0]
-        for node in range(1, width):
-            parent = self.parents[node]
-            self.paths.append((*self.paths[parent], tokens[node - 1]))
-            depths.append(depths[parent] + 1)
-            if depths[node] == len(self.by_depth):
-                self.by_depth.append([])
-            self.by_depth[depths[node]].append(node)
-        self.live = [False] * width  # per node: reached, and the grammar not ended there
-        self.refused = 0
-
-    def reach(
-        self, node: int, masks: torch.Tensor, words: np.ndarray, later: list[_Later] | None
-    ) -> None:
-        """The mask of ``node``, its parent's in ``masks`` (``words``: its numpy view):
-        filled now, or left in ``later``; a node not reached takes its parent's."""
-        row = self.first + node
-        if node == 0:  # the root: always reached
-            self.live[0] = self.state._mask_after((), masks, words, row, later)
-            return
-        parent = self.parents[node]
-        above = self.live[parent]
-        allowed = above and _allows(words[row - node + parent], self.tokens[node - 1])
-        self.refused += above and not allowed
-        self.live[node] = allowed and self.state._mask_after(
-            self.paths[node], masks, words, row, later
-        )
-        if not self.live[node]:
-            words[row] = words[row - node + parent]
-
-
-def _mask_nodes(rows: Sequence[_Nodes], masks: torch.Tensor, fills: MaskFills) -> int:
-    """The verify nodes' masks of ``rows`` (``GrammarState.node_masks``), depth by depth
-    and round by round (``_Nodes``); how many nodes the grammar refused."""
-    words = _word_view(masks)
-    for depth in range(max((len(row.by_depth) for row in rows), default=0)):
-        at_depth = [row.by_depth[depth] if depth < len(row.by_depth) else [] for row in rows]
-        for turn in range(max(len(nodes) for nodes in at_depth)):
-            later = _round(fills)
-            for row, nodes in zip(rows, at_depth, strict=True):
-                if turn < len(nodes):
-                    row.reach(nodes[turn], masks, words, later)
-            _fill_round(later, fills, masks)
-    return sum(row.refused for row in rows)
 
 
 def pack_masks(states: Sequence[GrammarState]) -> bytes:
@@ -355,8 +247,8 @@ class RowGrammars:
     def masks(self, out: torch.Tensor, rows: Sequence[int]) -> None:
         """Row ``rows[i]`` of ``out`` (int32 words ``[n, ceil(V / 32)]``, on the CPU):
         grammar row ``i``'s next mask from its state now."""
-        fills = [self.states[i].next_fill(row) for i, row in self._live(out, rows, 1)]
-        self._fills.run(fills, out)
+        for i, row in self._live(out, rows, 1):
+            self.states[i].fill(out, row)
 
     def node_masks(
         self,
@@ -364,17 +256,15 @@ class RowGrammars:
         firsts: Sequence[int],
         tokens: torch.Tensor,
         parents: torch.Tensor | None,
-    ) -> int:
+    ) -> None:
         """Rows ``firsts[i] ..`` of ``out``: the masks of grammar row ``i``'s verify nodes,
         node after node (its drafts ``tokens[i]``, a tree's ``parents[i]``: host tensors
-        ``[rows, width - 1]``); how many nodes the grammar refused."""
+        ``[rows, width - 1]``)."""
         drafts = tokens.tolist()
         shapes = None if parents is None else parents.tolist()
-        rows = [
-            _Nodes(self.states[i], first, drafts[i], None if shapes is None else shapes[i])
-            for i, first in self._live(out, firsts, tokens.shape[1] + 1)
-        ]
-        return _mask_nodes(rows, out, self._fills)
+        for i, first in self._live(out, firsts, tokens.shape[1] + 1):
+            shape = None if shapes is None else shapes[i]
+            self.states[i].node_masks(out, first, drafts[i], shape)
 
     def guides_paths(self) -> bool:
         """Whether some row whose request goes on guides its draft places
@@ -388,23 +278,9 @@ class RowGrammars:
         """Rows ``firsts[i] ..`` of ``out``: the mask at each draft place of grammar row
         ``i``, place after place (``paths[i, p]``: the tokens drafted before place ``p``; a
         host tensor ``[rows, n, d]``)."""
-        places, words = paths.tolist(), _word_view(out)
-        rows = [
-            (self.states[i], first, places[i])
-            for i, first in self._live(out, firsts, paths.shape[1])
-        ]
-        guided = [state.start_depth() for state, _, _ in rows]
-        for place in range(paths.shape[1]):  # a round a place: one fill of each state
-            later = _round(self._fills)
-            for (state, first, paths_of), root_guided in zip(rows, guided, strict=True):
-                state.place_mask(
-                    out, words, first + place, tuple(paths_of[place]), root_guided, later
-                )
-            _fill_round(later, self._fills, out)
-
-    @property
-    def _fills(self) -> MaskFills:
-        return self.states[0].fills
+        places = paths.tolist()
+        for i, first in self._live(out, firsts, paths.shape[1]):
+            self.states[i].place_masks(out, first, places[i])
 
     def _live(
         self, out: torch.Tensor, firsts: Sequence[int], span: int

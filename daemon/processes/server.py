@@ -39,7 +39,6 @@ from outrider.daemon.internal import (
     to_daemon_codec,
 )
 from outrider.daemon.processes.children import Children
-from outrider.daemon.processes.placement import torch_threads
 from outrider.daemon.processes.ranks import LocalRanks
 from outrider.daemon.processes.sdnotify import Notifier
 from outrider.daemon.processes.start_signals import StartSignals
@@ -84,12 +83,7 @@ class Daemon:
         self._unhealthy = ""
         facts = engine.facts
         self.grammars = GrammarQueue(
-            Grammars(
-                facts.tokenizer_dir,
-                facts.vocab_size,
-                facts.eos_token_ids,
-                fill_threads=torch_threads(config),  # idle while the host fills masks
-            )
+            Grammars(facts.tokenizer_dir, facts.vocab_size, facts.eos_token_ids)
             if facts.tokenizer_dir is not None
             else None
         )
