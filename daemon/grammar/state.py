@@ -81,7 +81,12 @@ class GrammarState:
         return all(self._matcher.accept_token(token) for token in tokens[kept:])
 
     def node_masks(
-        self, masks: torch.Tensor, first: int, tokens: list[int], parents: list[int] | None
+        self,
+        masks: torch.Tensor,
+        first: int,
+        tokens: list[int],
+        parents: list[int] | None,
+        words: np.ndarray | None = None,
     ) -> int:
         """Rows ``first ..`` of ``masks``: the mask of each verify node of a draft, node 0
         the root (this state), node ``i`` after the path root -> ``i`` (``tokens[i - 1]``
@@ -89,8 +94,9 @@ class GrammarState:
         the node before). A node is reached when its parent is and its parent's mask allows
         its token; one that is not, or that follows the grammar's end, is never committed
         and takes its parent's mask, so that no row is all masked. Returns how many nodes
-        the grammar refused (reached parents whose masks refuse their tokens)."""
-        words = _word_view(masks)
+        the grammar refused (reached parents whose masks refuse their tokens). ``words``:
+        ``masks``' numpy view, where the caller has it (a view costs microseconds)."""
+        words = _word_view(masks) if words is None else words
         self._mask_after((), masks, words, first)  # the root: always reached
         paths: list[tuple[int, ...]] = [()]
         live = [True]  # per node: reached, and the grammar not ended there
@@ -106,15 +112,21 @@ class GrammarState:
                 words[first + node] = words[first + parent]
         return refused
 
-    def place_masks(self, masks: torch.Tensor, first: int, paths: Sequence[Sequence[int]]) -> None:
+    def place_masks(
+        self,
+        masks: torch.Tensor,
+        first: int,
+        paths: Sequence[Sequence[int]],
+        words: np.ndarray | None = None,
+    ) -> None:
         """Rows ``first ..`` of ``masks``: the masks of a step's draft places at one depth,
         place ``p`` after ``paths[p]`` (tokens from the committed state); every token
         allowed where the grammar refuses a token of the path or ends on it (such a place is
         never committed), and where the place is not guided: below a place of this step
         whose mask is free text, past the first place where the committed state's is, and at
         the first while the root's mask is not known and free text goes on (class
-        docstring)."""
-        words = _word_view(masks)
+        docstring). ``words``: as ``node_masks``'."""
+        words = _word_view(masks) if words is None else words
         root_guided = self._root_guided()  # the first depth has one place: holds for the call
         self._depth = []
         for place, path in enumerate(paths):
@@ -260,11 +272,11 @@ class RowGrammars:
         """Rows ``firsts[i] ..`` of ``out``: the masks of grammar row ``i``'s verify nodes,
         node after node (its drafts ``tokens[i]``, a tree's ``parents[i]``: host tensors
         ``[rows, width - 1]``)."""
-        drafts = tokens.tolist()
+        drafts, words = tokens.tolist(), _word_view(out)
         shapes = None if parents is None else parents.tolist()
         for i, first in self._live(out, firsts, tokens.shape[1] + 1):
             shape = None if shapes is None else shapes[i]
-            self.states[i].node_masks(out, first, drafts[i], shape)
+            self.states[i].node_masks(out, first, drafts[i], shape, words)
 
     def guides_paths(self) -> bool:
         """Whether some row whose request goes on guides its draft places
@@ -278,9 +290,9 @@ class RowGrammars:
         """Rows ``firsts[i] ..`` of ``out``: the mask at each draft place of grammar row
         ``i``, place after place (``paths[i, p]``: the tokens drafted before place ``p``; a
         host tensor ``[rows, n, d]``)."""
-        places = paths.tolist()
+        places, words = paths.tolist(), _word_view(out)
         for i, first in self._live(out, firsts, paths.shape[1]):
-            self.states[i].place_masks(out, first, places[i])
+            self.states[i].place_masks(out, first, places[i], words)
 
     def _live(
         self, out: torch.Tensor, firsts: Sequence[int], span: int
