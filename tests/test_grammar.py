@@ -339,6 +339,39 @@ def test_a_place_below_one_in_free_text_allows_every_token_and_its_siblings_stay
         assert torch.equal(nodes[node], _mask(grammars, schema, [*before, *path])), node
 
 
+def test_a_trees_best_places_of_a_depth_take_masks_and_the_rest_with_their_children_none(
+    grammars: Grammars, tokenizer: Tokenizer
+) -> None:
+    """Under ``[a-c]{3}-[0-9]{2}``, a tree's depth of four places (best first): the
+    ``GUIDED_PLACES`` best take their masks, the others allow every token, and so does a
+    place of the next depth below one of those, even as that depth's best; the verify
+    nodes mask every path."""
+    assert state_module.GUIDED_PLACES == 2
+    a, b, c, dash = (tokenizer.hf.convert_tokens_to_ids(t) for t in "abc-")
+    state = _start(grammars, GRAMMARS["regex"])
+    rows = RowGrammars([state])
+    depths = [[[]], [[a], [b], [c], [dash]], [[c, a], [a, b], [b, c]]]
+    every = torch.full((xgr.allocate_token_bitmask(1, VOCAB).shape[1],), -1, dtype=torch.int32)
+    masks = []
+    for paths in depths:
+        out = xgr.allocate_token_bitmask(len(paths), VOCAB)
+        out[:] = 0
+        rows.path_masks(out, [0], torch.tensor([paths]))
+        masks.append(out)
+    assert torch.equal(masks[0][0], _regex_mask(grammars, []))
+    assert torch.equal(masks[1][0], _regex_mask(grammars, [a]))
+    assert torch.equal(masks[1][1], _regex_mask(grammars, [b]))
+    assert torch.equal(masks[1][2], every)
+    assert torch.equal(masks[1][3], every)
+    assert torch.equal(masks[2][0], every)  # below the third place of the depth before
+    assert torch.equal(masks[2][1], _regex_mask(grammars, [a, b]))
+    assert torch.equal(masks[2][2], every)
+    nodes = xgr.allocate_token_bitmask(4, VOCAB)
+    assert state.node_masks(nodes, 0, [a, c, c], [0, 0, 2]) == 0
+    for node, path in enumerate([[], [a], [c], [c, c]]):
+        assert torch.equal(nodes[node], _regex_mask(grammars, path)), node
+
+
 def test_free_text_goes_on_unguided_until_a_committed_token_may_leave_it(
     grammars: Grammars, tokenizer: Tokenizer
 ) -> None:

@@ -33,7 +33,8 @@ Invariants:
   choice is almost always allowed: a place below one whose mask is free text takes none, a
   row whose committed state is free text masks only its first place in a step, and no
   place while free text goes on (nothing committed since that may leave it: a quotation
-  mark or a backslash, ``Grammars.text_exits``; ``GrammarState.guides_paths``); a depth
+  mark or a backslash, ``Grammars.text_exits``; ``GrammarState.guides_paths``); a tree's
+  depth masks its best places only (``GUIDED_PLACES``), none below the others; a depth
   whose places no row guides waits for nothing. n-gram drafts, copied from the context,
   are not guided. A draft the grammar refuses is rejected by the verify, which costs
   acceptance, never correctness;

@@ -29,6 +29,8 @@ class GrammarState:
     that step (where the committed state's is, every place past the first:
     ``guides_paths``), and the verify nodes, whose masks fill while the verify's forward
     runs, mask those paths.
+    A tree's depth has several places, best first: those past its ``GUIDED_PLACES`` best
+    take no mask, nor do the places below them (the verify nodes mask them).
     Free text goes on while the tokens committed hold none of ``exits`` (a JSON string
     ends at a quotation mark, an escape starts at a backslash): such a step's first place
     takes no mask either, and its root's mask is filled with the verify nodes'; that mask
@@ -122,7 +124,8 @@ class GrammarState:
         """Rows ``first ..`` of ``masks``: the masks of a step's draft places at one depth,
         place ``p`` after ``paths[p]`` (tokens from the committed state); every token
         allowed where the grammar refuses a token of the path or ends on it (such a place is
-        never committed), and where the place is not guided: below a place of this step
+        never committed), and where the place is not guided: past the depth's
+        ``GUIDED_PLACES`` best (``paths`` best first), below a place of this step left so or
         whose mask is free text, past the first place where the committed state's is, and at
         the first while the root's mask is not known and free text goes on (class
         docstring). ``words``: as ``node_masks``'."""
@@ -131,8 +134,10 @@ class GrammarState:
         self._depth = []
         for place, path in enumerate(paths):
             key = tuple(path)
-            if (not root_guided and (bool(key) or () not in self._masks)) or (
-                bool(key) and (key[:-1] in self._unguided or self._free_at(key[:-1]))
+            if (
+                place >= GUIDED_PLACES
+                or (not root_guided and (bool(key) or () not in self._masks))
+                or (bool(key) and (key[:-1] in self._unguided or self._free_at(key[:-1])))
             ):
                 self._unguided.add(key)
             elif self._mask_after(key, masks, words, first + place):
@@ -223,6 +228,11 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 _EVERY = 0xFFFFFFFF  # a mask word allowing every token
+# The places of a tree's depth that take masks, best first (GrammarState.place_masks): on the
+# embedded family's trained EAGLE-3 tree (top-4, 8 nodes; 3, 4 and 5 steps deep) guiding the
+# two best gave the acceptance of guiding all four, the best alone 1.5-8 % less
+# (BENCHMARKS.md); the guide's fills wait between the draft's forwards.
+GUIDED_PLACES = 2
 # The share of the vocabulary a mask allows past which its state is free text (GrammarState):
 # a string's inside allows nearly every token, a structural place a few.
 FREE_TEXT = 0.5

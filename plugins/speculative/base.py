@@ -112,7 +112,8 @@ class DraftGuide(Protocol):
         self, logits: torch.Tensor, paths: torch.Tensor, columns: torch.Tensor | None = None
     ) -> None:
         """Set to -inf, in place, the logits each grammar row's grammar refuses after its
-        place's path. ``logits: [bs * n, C]``: ``n`` draft places a batch row, row-major;
+        place's path. ``logits: [bs * n, C]``: ``n`` draft places a batch row, row-major,
+        a row's best first (a tree's frontier: a guide may leave all but its best unmasked);
         ``paths: [bs * n, d]``: the target ids drafted before each place after the root
         (``d`` 0 at the first draft); ``columns: [C]``: the target id of each logits column
         (None: column ``c`` is id ``c``). A place whose path the grammar refused, or ended,
