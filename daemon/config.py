@@ -76,6 +76,8 @@ class ServeConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64  # the largest decode batch replayed from a CUDA graph
     chunked_prefill_tokens: int = 2048
+    # A constrained request whose grammar's masks take longer than this ends (0: no limit).
+    grammar_mask_limit_ms: float = 20.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # a 128k-token prompt is about 1 MiB
     max_inflight_per_client: int = 1024
     max_inflight: int = 4096

@@ -120,6 +120,11 @@ _HELP: dict[str, str] = {
     "chunked_prefill_tokens": (
         "most tokens in one EXTEND batch: prompt chunks and the decoding rows riding it"
     ),
+    "grammar_mask_limit_ms": (
+        "a constrained request whose grammar's masks take longer than MS each, on the mean of "
+        "each of three steps in a row, ends with invalid_request (such a grammar, a long "
+        "bounded pattern say, would slow every step of its batch); 0: no limit"
+    ),
     "drain_timeout": "seconds running requests may finish after SIGTERM or a first SIGINT",
     "step_timeout": "seconds a step may run before the systemd watchdog pings stop",
     "log_level": "log level of the daemon and its children",
@@ -130,10 +135,18 @@ _HELP: dict[str, str] = {
 }
 
 # The flags only a serving daemon uses: its client socket and access control (the front door),
-# the HTTP front, the drain, the step watchdog and the sampling defaults of client requests.
+# the HTTP front, the drain, the step watchdog, the sampling defaults of client requests and
+# the grammars' mask limit.
 # ``bench latency`` runs the engine in process and takes every other flag.
 SERVING_ONLY: frozenset[str] = frozenset(
-    {*FRONT_DOOR_HELP, *HTTP_HELP, "drain_timeout", "step_timeout", "generation_config"}
+    {
+        *FRONT_DOOR_HELP,
+        *HTTP_HELP,
+        "drain_timeout",
+        "step_timeout",
+        "generation_config",
+        "grammar_mask_limit_ms",
+    }
 )
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -162,6 +175,7 @@ _METAVAR: dict[str, str] = {
     "gpu_memory_fraction": "F",
     "drain_timeout": "S",
     "step_timeout": "S",
+    "grammar_mask_limit_ms": "MS",
     **FRONT_DOOR_METAVARS,
     **HTTP_METAVARS,
 }
@@ -352,6 +366,8 @@ def validate(config: ServeConfig) -> list[str]:
             "--speculative-simulate-acceptance must be at least 1 (or 0: off) and needs a "
             "speculative algorithm"
         )
+    if config.grammar_mask_limit_ms < 0:
+        problems.append("--grammar-mask-limit-ms must be >= 0 (0: no limit)")
     if config.kv_cache_tokens < 0 or config.context_length < 0:
         problems.append("--kv-cache-tokens and --context-length must be >= 0")
     for item in config.attention_config:

@@ -530,3 +530,74 @@ def test_a_simulated_acceptance_commits_only_what_the_grammar_allows(
     check_outputs(outcomes, tokenizer)
     accepted = [o.finish.usage.spec_accepted_tokens for o in outcomes.values()]
     assert sum(accepted) > len(accepted), accepted
+
+
+class _Clock:
+    """A ``perf_counter`` whose every reading is ``tick`` seconds after the one before: each
+    mask fill measures ``tick``."""
+
+    def __init__(self, tick: float) -> None:
+        self.tick, self.now = tick, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_a_state_whose_masks_take_longer_than_its_limit_three_steps_in_a_row_is_too_costly(
+    grammars: Grammars, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a clock on which each fill takes 5 ms: with a 4 ms limit a state is too costly
+    after ``COSTLY_STEPS`` committed steps with fills, not before; a step without fills
+    neither counts nor forgives; a step under the limit (a 6 ms one) starts the count again;
+    without a limit never."""
+    assert state_module.COSTLY_STEPS == 3
+    monkeypatch.setattr(state_module, "perf_counter", _Clock(0.005))
+    a, b = (tokenizer.hf.convert_tokens_to_ids(t) for t in "ab")
+    compiled = grammars.compile(Grammar("regex", "[ab]*"))
+    stops = [tokenizer.eos_token_id]
+    limited = GrammarState(compiled, stops, mask_limit_ms=4.0)
+    unlimited = GrammarState(compiled, stops)
+    mask = xgr.allocate_token_bitmask(1, VOCAB)
+    seen: list[float | None] = []
+    for step, token in enumerate([a, b, a, b]):
+        for state in (limited, unlimited):
+            if step != 1:  # step 1 fills no mask
+                RowGrammars([state]).masks(mask, [0])
+            assert state.advance([token])
+        seen.append(limited.too_costly())
+        assert unlimited.too_costly() is None
+    assert seen[:3] == [None, None, None] and seen[3] == pytest.approx(5.0)
+    limited.mask_limit_ms = 6.0
+    RowGrammars([limited]).masks(mask, [0])
+    assert limited.advance([a]) and limited.too_costly() is None
+    limited.mask_limit_ms = 4.0
+    for _ in range(2):
+        RowGrammars([limited]).masks(mask, [0])
+        assert limited.advance([b]) and limited.too_costly() is None
+
+
+def test_a_request_whose_grammar_is_too_costly_ends_with_invalid_request_and_others_go_on(
+    model_dir: Path,
+    tokenizer: Tokenizer,
+    drafts: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each fill measuring 20 ms against a 10 ms limit, under speculation and the overlap:
+    the constrained request ends with ``invalid_request`` naming the flag, after three
+    committed steps, its pages released; the unconstrained one beside it gets the tokens it
+    gets alone."""
+    assert tokenizer.eos_token_id is not None
+    limited = Grammars(str(model_dir), VOCAB, [tokenizer.eos_token_id], mask_limit_ms=10.0)
+    monkeypatch.setattr(state_module, "perf_counter", _Clock(0.02))
+    constrained = request(1, PROMPTS[0], max_new_tokens=40, grammar=GRAMMARS["regex"],
+                          ignore_eos=False)  # fmt: skip
+    plain = request(2, PROMPTS[1], max_new_tokens=40)
+    settings = dict(DRAFT_ALGORITHMS["eagle3 chain"], draft_model=drafts["eagle3"])
+    alone = run(engine_for(str(model_dir)), [plain])
+    outcomes = run(engine_for(str(model_dir), **settings), [constrained, plain], grammars=limited)
+    error = outcomes[1].final.error
+    assert error is not None and error.code == "invalid_request", outcomes[1].final
+    assert "--grammar-mask-limit-ms 10" in error.message and "20.0 ms each" in error.message
+    assert outcomes[2].finish.reason == "length"
+    assert outcomes[2].final.token_ids == alone[2].final.token_ids

@@ -35,12 +35,20 @@ def _refused(what: str, exc: Exception) -> GrammarRefused:
 
 
 class Grammars:
-    def __init__(self, tokenizer_dir: str, vocab_size: int, stop_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer_dir: str,
+        vocab_size: int,
+        stop_ids: Sequence[int],
+        mask_limit_ms: float = 0.0,
+    ) -> None:
         """``vocab_size``: the model's (the width of its logits, which the masks cover);
-        ``stop_ids``: the model's end-of-sequence ids."""
+        ``stop_ids``: the model's end-of-sequence ids; ``mask_limit_ms``: the time a mask
+        of a state started here may take (``GrammarState.too_costly``; 0: no limit)."""
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.stop_ids = list(stop_ids)
+        self.mask_limit_ms = mask_limit_ms
 
     @cached_property
     def _info(self) -> xgr.TokenizerInfo:
@@ -104,9 +112,11 @@ class Grammars:
         of sequence does."""
         stops = sorted({*self.stop_ids, *msg.stop_token_ids})
         if msg.grammar is not None:
-            return GrammarState(self.compile(msg.grammar), stops, self.text_exits)
-        assert msg.tools is not None
-        return GrammarState(self.compile_tools(msg.tools), stops, self.text_exits)
+            compiled = self.compile(msg.grammar)
+        else:
+            assert msg.tools is not None
+            compiled = self.compile_tools(msg.tools)
+        return GrammarState(compiled, stops, self.text_exits, self.mask_limit_ms)
 
     @cached_property
     def text_exits(self) -> np.ndarray:

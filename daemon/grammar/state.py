@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Protocol
 
 import numpy as np
@@ -35,17 +36,28 @@ class GrammarState:
     ends at a quotation mark, an escape starts at a backslash): such a step's first place
     takes no mask either, and its root's mask is filled with the verify nodes'; that mask
     decides the step after, so free text that ended otherwise (another grammar's) costs one
-    step's guidance at most."""
+    step's guidance at most.
+
+    Cost: each fill is timed; a state whose fills took longer than its limit on the mean of
+    each of ``COSTLY_STEPS`` committed steps in a row is ``too_costly`` (its request ends:
+    the step of every row waits for its masks)."""
 
     def __init__(
         self,
         compiled: xgr.CompiledGrammar,
         stop_ids: Sequence[int],
         exits: np.ndarray | None = None,
+        mask_limit_ms: float = 0.0,
     ) -> None:
         """``exits``: per token id, whether its text may leave free text
-        (``Grammars.text_exits``); None: every step's first place takes its mask."""
+        (``Grammars.text_exits``); None: every step's first place takes its mask.
+        ``mask_limit_ms``: the mean time a step's fills may take (``too_costly``; 0: any)."""
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids))
+        self.mask_limit_ms = mask_limit_ms
+        self._fill_seconds = 0.0  # the fills since the last commit, and their time
+        self._fills = 0
+        self._costly = 0  # committed steps in a row whose fills were over the limit
+        self._cost_ms = 0.0  # the last such step's mean fill
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
         self._exits = exits
         self._ahead: list[int] = []
@@ -61,7 +73,7 @@ class GrammarState:
         """Row ``row`` of ``masks`` (int32 ``[rows, ceil(V / 32)]``, on the CPU): bit ``t``
         set where token ``t`` may come next."""
         self._walk(())  # a request whose grammar ended has finished: its mask is not read
-        self._matcher.fill_next_token_bitmask(masks, row)
+        self._fill(masks, row)
 
     def advance(self, tokens: Sequence[int]) -> bool:
         """Take the request's newly committed ``tokens``; False when the grammar refuses one
@@ -80,7 +92,29 @@ class GrammarState:
         self._free.clear()
         self._unguided.clear()
         self._depth = None
+        self._judge_cost()
         return all(self._matcher.accept_token(token) for token in tokens[kept:])
+
+    def too_costly(self) -> float | None:
+        """The mean time of a fill (ms) over the last of ``COSTLY_STEPS`` committed steps in
+        a row whose fills took longer than ``mask_limit_ms`` on their mean; None while not
+        so (or without a limit)."""
+        return self._cost_ms if self._costly >= COSTLY_STEPS else None
+
+    def _judge_cost(self) -> None:
+        """At a commit: the step's fills against the limit (a step without fills changes
+        nothing)."""
+        if self._fills and self.mask_limit_ms:
+            self._cost_ms = 1e3 * self._fill_seconds / self._fills
+            self._costly = self._costly + 1 if self._cost_ms > self.mask_limit_ms else 0
+        self._fill_seconds, self._fills = 0.0, 0
+
+    def _fill(self, masks: torch.Tensor, row: int) -> None:
+        """Row ``row`` of ``masks``: the matcher's next mask, timed."""
+        start = perf_counter()
+        self._matcher.fill_next_token_bitmask(masks, row)
+        self._fill_seconds += perf_counter() - start
+        self._fills += 1
 
     def node_masks(
         self,
@@ -191,7 +225,7 @@ class GrammarState:
             return known is not None
         reached = self._walk(path)
         if reached:
-            self._matcher.fill_next_token_bitmask(masks, row)
+            self._fill(masks, row)
         self._masks[path] = words[row].copy() if reached else None
         return reached
 
@@ -228,6 +262,9 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 _EVERY = 0xFFFFFFFF  # a mask word allowing every token
+# Committed steps in a row over a state's mask limit before it is too costly: a single slow
+# step (the host busy elsewhere) is forgiven.
+COSTLY_STEPS = 3
 # The places of a tree's depth that take masks, best first (GrammarState.place_masks): on the
 # embedded family's trained EAGLE-3 tree (top-4, 8 nodes; 3, 4 and 5 steps deep) guiding the
 # two best gave the acceptance of guiding all four, the best alone 1.5-8 % less

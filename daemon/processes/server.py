@@ -83,7 +83,12 @@ class Daemon:
         self._unhealthy = ""
         facts = engine.facts
         self.grammars = GrammarQueue(
-            Grammars(facts.tokenizer_dir, facts.vocab_size, facts.eos_token_ids)
+            Grammars(
+                facts.tokenizer_dir,
+                facts.vocab_size,
+                facts.eos_token_ids,
+                mask_limit_ms=config.grammar_mask_limit_ms,
+            )
             if facts.tokenizer_dir is not None
             else None
         )

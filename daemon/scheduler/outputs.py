@@ -18,6 +18,7 @@ import logging
 import time
 
 from outrider.daemon.engine.plan import StepOutput
+from outrider.daemon.grammar.state import COSTLY_STEPS, GrammarState
 from outrider.daemon.internal import ErrorInfo, FinishInfo, RequestUpdate
 from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.counters import SchedulerStats
@@ -76,6 +77,9 @@ class OutputProcessor:
         kept, finish = self.finish.append(req, tokens)
         if req.grammar is not None and not req.grammar.advance(tokens[:kept]):
             self.fail(req, f"the grammar refused a committed token of {tokens[:kept]}")
+            return
+        if req.grammar is not None and (cost := req.grammar.too_costly()) is not None:
+            self._end(req, RequestUpdate(req.rid, [], error=_too_costly(cost, req.grammar)))
             return
         if req.want_logprobs:
             # NOTE: the batch computes the largest top-n any row asked for; trim to ours. No
@@ -158,3 +162,15 @@ class OutputProcessor:
             now - req.arrival,
             finish.reason,
         )
+
+
+def _too_costly(cost_ms: float, grammar: GrammarState) -> ErrorInfo:
+    """The error that ends a request whose grammar's masks cost too much
+    (``GrammarState.too_costly``)."""
+    return ErrorInfo(
+        "invalid_request",
+        f"the grammar's masks took {cost_ms:.1f} ms each, on the mean of each of "
+        f"{COSTLY_STEPS} steps in a row, over --grammar-mask-limit-ms "
+        f"{grammar.mask_limit_ms:g}: every step of the batch waits for them (a long bounded "
+        "pattern is the usual cause); simplify the grammar, or raise the limit",
+    )
