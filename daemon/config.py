@@ -78,6 +78,9 @@ class ServeConfig:
     chunked_prefill_tokens: int = 2048
     # A constrained request whose grammar's masks take longer than this ends (0: no limit).
     grammar_mask_limit_ms: float = 20.0
+    # Grammars compile in a process of their own within these limits (0 s: in the daemon's).
+    grammar_compile_timeout: float = 30.0
+    grammar_compile_memory_mb: int = 4096
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # a 128k-token prompt is about 1 MiB
     max_inflight_per_client: int = 1024
     max_inflight: int = 4096

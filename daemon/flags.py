@@ -125,6 +125,14 @@ _HELP: dict[str, str] = {
         "each of three steps in a row, ends with invalid_request (such a grammar, a long "
         "bounded pattern say, would slow every step of its batch); 0: no limit"
     ),
+    "grammar_compile_timeout": (
+        "seconds a grammar may take to compile, in a process of its own, before its request "
+        "is refused (invalid_request); 0: compile in the daemon's process, without limits"
+    ),
+    "grammar_compile_memory_mb": (
+        "memory a grammar's compile may take (its process's data segment) before its request "
+        "is refused"
+    ),
     "drain_timeout": "seconds running requests may finish after SIGTERM or a first SIGINT",
     "step_timeout": "seconds a step may run before the systemd watchdog pings stop",
     "log_level": "log level of the daemon and its children",
@@ -136,7 +144,7 @@ _HELP: dict[str, str] = {
 
 # The flags only a serving daemon uses: its client socket and access control (the front door),
 # the HTTP front, the drain, the step watchdog, the sampling defaults of client requests and
-# the grammars' mask limit.
+# the grammars' limits.
 # ``bench latency`` runs the engine in process and takes every other flag.
 SERVING_ONLY: frozenset[str] = frozenset(
     {
@@ -146,6 +154,8 @@ SERVING_ONLY: frozenset[str] = frozenset(
         "step_timeout",
         "generation_config",
         "grammar_mask_limit_ms",
+        "grammar_compile_timeout",
+        "grammar_compile_memory_mb",
     }
 )
 
@@ -176,6 +186,8 @@ _METAVAR: dict[str, str] = {
     "drain_timeout": "S",
     "step_timeout": "S",
     "grammar_mask_limit_ms": "MS",
+    "grammar_compile_timeout": "S",
+    "grammar_compile_memory_mb": "MB",
     **FRONT_DOOR_METAVARS,
     **HTTP_METAVARS,
 }
@@ -366,8 +378,10 @@ def validate(config: ServeConfig) -> list[str]:
             "--speculative-simulate-acceptance must be at least 1 (or 0: off) and needs a "
             "speculative algorithm"
         )
-    if config.grammar_mask_limit_ms < 0:
-        problems.append("--grammar-mask-limit-ms must be >= 0 (0: no limit)")
+    if config.grammar_mask_limit_ms < 0 or config.grammar_compile_timeout < 0:
+        problems.append("--grammar-mask-limit-ms and --grammar-compile-timeout must be >= 0")
+    if config.grammar_compile_memory_mb < 1:
+        problems.append("--grammar-compile-memory-mb must be at least 1")
     if config.kv_cache_tokens < 0 or config.context_length < 0:
         problems.append("--kv-cache-tokens and --context-length must be >= 0")
     for item in config.attention_config:

@@ -4,7 +4,8 @@ vocabulary, and per request the tokens its grammar allows next.
 
 Built on xgrammar: ``compiler.Grammars`` turns a grammar into xgrammar's compiled form (the
 compiler caches by content; ``schemas`` keeps the strings of its JSON schemas' grammars
-strict JSON), ``queue.GrammarQueue`` compiles off the daemon's loop,
+strict JSON), ``queue.GrammarQueue`` compiles off the daemon's loop, ``child.CompileChild``
+in a process of its own within time and memory limits (the daemon's),
 ``state.GrammarState`` holds one request's matcher; ``tool_calls`` knows a model's tool-call
 format (detected from its chat template; its answers are parsed by the client library's
 outrider/protocol/tool_calls.py). The scheduler owns the
@@ -15,6 +16,9 @@ NOTE: this package's ``__init__`` and ``tool_calls`` import neither torch nor xg
 HTTP front, a child process that must not import torch, reads ``tool_calls``.
 
 Invariants:
+- a grammar that compiles past its limits, or whose masks take longer than
+  ``--grammar-mask-limit-ms``, ends its request with ``invalid_request``: neither holds the
+  other requests;
 - a state is advanced by exactly the tokens its request commits, in order, once each;
 - a constrained row's mask is computed from every token it has committed: on one rank a
   decode step takes the row with its previous step in flight, and the host computes the mask

@@ -1,18 +1,23 @@
 """``Grammars``: one model's grammar compiler. Loaded on the first constrained request (the
 tokenizer's vocabulary is read then: about a second for 150,000 tokens); every compile after
-that goes through xgrammar's cache, keyed by the grammar's content."""
+that goes through xgrammar's cache, keyed by the grammar's content. With a ``CompileChild``
+(the daemon's) the compiles run in that child process, within its time and memory limits
+(child.py), and the last ``CACHED_GRAMMARS`` compiled come from a cache of their own."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any, Literal
 
+import msgspec
 import numpy as np
 import xgrammar as xgr
 
+from outrider.daemon.grammar.child import CompileChild, CompileRefused
 from outrider.daemon.grammar.schemas import strict_json
 from outrider.daemon.grammar.state import GrammarState
 from outrider.daemon.grammar.tool_calls import function_schema
@@ -22,6 +27,7 @@ from outrider.protocol.messages import Grammar
 
 _SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 NO_TOKENIZER = "a grammar needs the model's tokenizer and this model has none"
+CACHED_GRAMMARS = 64  # grammars compiled by a child, kept for requests that repeat them
 
 
 class GrammarRefused(ValueError):
@@ -41,14 +47,18 @@ class Grammars:
         vocab_size: int,
         stop_ids: Sequence[int],
         mask_limit_ms: float = 0.0,
+        child: CompileChild | None = None,
     ) -> None:
         """``vocab_size``: the model's (the width of its logits, which the masks cover);
         ``stop_ids``: the model's end-of-sequence ids; ``mask_limit_ms``: the time a mask
-        of a state started here may take (``GrammarState.too_costly``; 0: no limit)."""
+        of a state started here may take (``GrammarState.too_costly``; 0: no limit);
+        ``child``: where grammars compile (None: in this process, without limits)."""
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.stop_ids = list(stop_ids)
         self.mask_limit_ms = mask_limit_ms
+        self.child = child
+        self._cache: OrderedDict[bytes, xgr.CompiledGrammar] = OrderedDict()
 
     @cached_property
     def _info(self) -> xgr.TokenizerInfo:
@@ -65,6 +75,8 @@ class Grammars:
 
     def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
         """``grammar`` compiled; raises ``GrammarRefused``."""
+        if self.child is not None:
+            return self._from_child(grammar)
         compiler = self._compiler
         try:
             if grammar.kind == "json_schema":
@@ -88,6 +100,8 @@ class Grammars:
         """The grammar of ``use``'s calls: xgrammar's structural tag for the model's format,
         which lets text through until a call begins and holds each call to its tool's
         schema; raises ``GrammarRefused``."""
+        if self.child is not None:
+            return self._from_child(use)
         functions: list[Any] = [function_schema(tool) for tool in use.tools]
         choice: Literal["auto", "required"] | dict[str, Any] = use.choice
         if use.name is not None:
@@ -105,6 +119,35 @@ class Grammars:
             return self._compiler.compile_grammar(strict_json(xgr.Grammar.from_structural_tag(tag)))
         except (RuntimeError, ValueError) as exc:
             raise _refused("tools", exc) from None
+
+    def warm(self) -> None:
+        """Read the vocabulary now (the first compile does otherwise); raises
+        ``GrammarRefused`` for a model without a tokenizer."""
+        assert self._compiler is not None
+
+    def close(self) -> None:
+        """Stop the compiling child, if any."""
+        if self.child is not None:
+            self.child.close()
+
+    def _from_child(self, what: Grammar | ToolUse) -> xgr.CompiledGrammar:
+        """``what`` compiled by the child (or taken from the cache), read against this
+        process's vocabulary; raises ``GrammarRefused``."""
+        assert self.child is not None
+        key = type(what).__name__.encode() + msgspec.msgpack.encode(what)
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            return compiled
+        try:
+            text = self.child.compile(what)
+        except CompileRefused as exc:
+            raise GrammarRefused(str(exc)) from None
+        compiled = xgr.CompiledGrammar.deserialize_json(text, self._info)
+        self._cache[key] = compiled
+        if len(self._cache) > CACHED_GRAMMARS:
+            self._cache.popitem(last=False)
+        return compiled
 
     def start(self, msg: TokenizedRequest) -> GrammarState:
         """``msg``'s state at the start of its output (its grammar's, or its tools'); the

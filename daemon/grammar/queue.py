@@ -66,3 +66,5 @@ class GrammarQueue:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.grammars is not None:
+            self.grammars.close()

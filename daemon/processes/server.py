@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine
+from outrider.daemon.grammar.child import CompileChild
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
 from outrider.daemon.internal import (
@@ -81,17 +82,7 @@ class Daemon:
         self._last_watchdog = 0.0
         self._watchdog_interval = notifier.watchdog_interval()
         self._unhealthy = ""
-        facts = engine.facts
-        self.grammars = GrammarQueue(
-            Grammars(
-                facts.tokenizer_dir,
-                facts.vocab_size,
-                facts.eos_token_ids,
-                mask_limit_ms=config.grammar_mask_limit_ms,
-            )
-            if facts.tokenizer_dir is not None
-            else None
-        )
+        self.grammars = GrammarQueue(_grammars(config, engine))
 
     async def run(self) -> int:
         """Serve until drained; the exit status (``EXIT_INTERRUPTED`` after a forced stop)."""
@@ -319,3 +310,27 @@ class DaemonSockets:
 
     def send_control(self, msg: Control) -> None:
         self._control.send(self._control_codec.encode(msg))
+
+
+def _grammars(config: ServeConfig, engine: Engine) -> Grammars | None:
+    """The model's grammars (None without a tokenizer), compiled in a child process within
+    the configured limits unless ``--grammar-compile-timeout`` is 0."""
+    facts = engine.facts
+    if facts.tokenizer_dir is None:
+        return None
+    child = None
+    if config.grammar_compile_timeout:
+        child = CompileChild(
+            facts.tokenizer_dir,
+            facts.vocab_size,
+            facts.eos_token_ids,
+            config.grammar_compile_timeout,
+            config.grammar_compile_memory_mb << 20,
+        )
+    return Grammars(
+        facts.tokenizer_dir,
+        facts.vocab_size,
+        facts.eos_token_ids,
+        mask_limit_ms=config.grammar_mask_limit_ms,
+        child=child,
+    )
