@@ -123,7 +123,7 @@ class Grammars:
     def warm(self) -> None:
         """Read the vocabulary now (the first compile does otherwise); raises
         ``GrammarRefused`` for a model without a tokenizer."""
-        assert self._compiler is not None
+        _ = self._compiler  # a cached property: building it reads the vocabulary
 
     def close(self) -> None:
         """Stop the compiling child, if any."""
