@@ -56,8 +56,8 @@ def test_a_child_compiles_what_this_process_compiles_and_repeats_come_from_the_c
     grammars: Grammars, isolated: Grammars, tokenizer: Tokenizer
 ) -> None:
     """Every kind of grammar: the child's compile gives the masks of this process's along a
-    path it accepts; a refusal carries the same reason; a repeat does not reach the child
-    (nor does the child restart)."""
+    path it accepts; a refusal carries the same reason; a repeat does not reach the child;
+    the child outlives SIGINT and SIGTERM."""
     paths = {
         "json_schema": '{"answer": "yes", "digit": 3',
         "regex": "ab",
@@ -82,6 +82,13 @@ def test_a_child_compiles_what_this_process_compiles_and_repeats_come_from_the_c
     isolated.child.compile = lambda what: calls.append(what) or compile_there(what)  # type: ignore[method-assign]
     isolated.compile(GRAMMARS["regex"])
     assert calls == []
+    # A signal to the process group (Ctrl-C, systemd's stop) is the daemon's to act on.
+    proc = isolated.child._proc
+    assert proc is not None and proc.pid is not None
+    os.kill(proc.pid, signal.SIGINT)
+    os.kill(proc.pid, signal.SIGTERM)
+    isolated.compile(Grammar("regex", "[a-c]+"))
+    assert isolated.child._proc is proc and proc.is_alive() and calls
 
 
 def test_a_compile_past_the_time_limit_is_refused_and_the_next_starts_a_new_child(

@@ -10,13 +10,14 @@ a new one; a start, the vocabulary's read included, is waited for apart, up to
 compile that needs more fails there, and the daemon goes on.
 
 Invariant: one compile at a time (``GrammarQueue``'s one thread calls ``compile``); the child
-exits when the daemon's end of its pipe closes.
+ignores SIGINT and SIGTERM and exits when the daemon's end of its pipe closes.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import resource
+import signal
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -111,6 +112,10 @@ def _serve(
     closes."""
     from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 
+    # As the daemon's other children: a signal to the process group is the daemon's to act on
+    # (it drains, then closes the pipe).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
     grammars = Grammars(tokenizer_dir, vocab_size, stop_ids)
     try:
