@@ -181,6 +181,7 @@ def tree_step(
     widest = max(places.shape[1] for places in depths)
     place_out = xgr.allocate_token_bitmask(rows * widest, vocab)
     node_out = xgr.allocate_token_bitmask(rows * (2 * chain + 1), vocab)
+    firsts = [row * (2 * chain + 1) for row in range(rows)]
     guide_us, nodes_us = [], []
     for _ in range(20):
         for state in states:
@@ -198,7 +199,6 @@ def tree_step(
                 for places in depths
             )
         )
-        firsts = [row * (2 * chain + 1) for row in range(rows)]
         nodes_us.append(timed(partial(batch.node_masks, node_out, firsts, node_tokens, parents)))
     return guide_us, nodes_us
 

@@ -47,11 +47,7 @@ def _start(grammars: Grammars, grammar: Grammar) -> GrammarState:
 
 def _regex_mask(grammars: Grammars, path: list[int]) -> torch.Tensor:
     """The regex grammar's next mask after ``path``, from a fresh state."""
-    state = _start(grammars, GRAMMARS["regex"])
-    assert state.advance(path)
-    row = xgr.allocate_token_bitmask(1, VOCAB)
-    state.fill(row, 0)
-    return row[0]
+    return _mask(grammars, GRAMMARS["regex"], path)
 
 
 def test_every_output_matches_its_grammar_and_ends_there(
@@ -563,17 +559,17 @@ def test_a_state_whose_masks_take_longer_than_its_limit_three_steps_in_a_row_is_
     for step, token in enumerate([a, b, a, b]):
         for state in (limited, unlimited):
             if step != 1:  # step 1 fills no mask
-                RowGrammars([state]).masks(mask, [0])
+                state.fill(mask, 0)
             assert state.advance([token])
         seen.append(limited.too_costly())
         assert unlimited.too_costly() is None
     assert seen[:3] == [None, None, None] and seen[3] == pytest.approx(5.0)
     limited.mask_limit_ms = 6.0
-    RowGrammars([limited]).masks(mask, [0])
+    limited.fill(mask, 0)
     assert limited.advance([a]) and limited.too_costly() is None
     limited.mask_limit_ms = 4.0
     for _ in range(2):
-        RowGrammars([limited]).masks(mask, [0])
+        limited.fill(mask, 0)
         assert limited.advance([b]) and limited.too_costly() is None
 
 

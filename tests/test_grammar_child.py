@@ -16,9 +16,9 @@ import torch
 import xgrammar as xgr
 from grammar_cases import GRAMMARS, VOCAB, grammar_fixtures
 
-from outrider.daemon.grammar.child import ENDED, CompileChild
+from outrider.daemon.grammar.child import ENDED
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
-from outrider.daemon.grammar.state import GrammarState, RowGrammars
+from outrider.daemon.grammar.state import GrammarState
 from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol.messages import Grammar
 
@@ -34,8 +34,13 @@ SLOW = Grammar(
 @pytest.fixture(name="isolated")
 def isolated_fixture(model_dir: Path, tokenizer: Tokenizer) -> Iterator[Grammars]:
     assert tokenizer.eos_token_id is not None
-    child = CompileChild(str(model_dir), VOCAB, [tokenizer.eos_token_id], 60.0, 2048 << 20)
-    isolated = Grammars(str(model_dir), VOCAB, [tokenizer.eos_token_id], child=child)
+    isolated = Grammars(
+        str(model_dir),
+        VOCAB,
+        [tokenizer.eos_token_id],
+        compile_timeout=60.0,
+        compile_memory_bytes=2048 << 20,
+    )
     yield isolated
     isolated.close()
 
@@ -45,7 +50,7 @@ def _masks_along(state: GrammarState, path: list[int]) -> list[torch.Tensor]:
     masks = []
     for token in [*path, None]:
         row = xgr.allocate_token_bitmask(1, VOCAB)
-        RowGrammars([state]).masks(row, [0])
+        state.fill(row, 0)
         masks.append(row[0])
         if token is not None:
             assert state.advance([token])

@@ -1,7 +1,7 @@
 """``Grammars``: one model's grammar compiler. Loaded on the first constrained request (the
 tokenizer's vocabulary is read then: about a second for 150,000 tokens); every compile after
-that goes through xgrammar's cache, keyed by the grammar's content. With a ``CompileChild``
-(the daemon's) the compiles run in that child process, within its time and memory limits
+that goes through xgrammar's cache, keyed by the grammar's content. With a compile timeout
+(the daemon's) the compiles run in a child process within its time and memory limits
 (child.py), and the last ``CACHED_GRAMMARS`` compiled come from a cache of their own."""
 
 from __future__ import annotations
@@ -47,17 +47,24 @@ class Grammars:
         vocab_size: int,
         stop_ids: Sequence[int],
         mask_limit_ms: float = 0.0,
-        child: CompileChild | None = None,
+        compile_timeout: float = 0.0,
+        compile_memory_bytes: int = 0,
     ) -> None:
         """``vocab_size``: the model's (the width of its logits, which the masks cover);
         ``stop_ids``: the model's end-of-sequence ids; ``mask_limit_ms``: the time a mask
         of a state started here may take (``GrammarState.too_costly``; 0: no limit);
-        ``child``: where grammars compile (None: in this process, without limits)."""
+        ``compile_timeout``: the seconds a compile may take in a child process of its own
+        whose data segment is capped at ``compile_memory_bytes`` (0: compiles run in this
+        process, without limits)."""
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.stop_ids = list(stop_ids)
         self.mask_limit_ms = mask_limit_ms
-        self.child = child
+        self.child = (
+            CompileChild(tokenizer_dir, vocab_size, stop_ids, compile_timeout, compile_memory_bytes)
+            if compile_timeout
+            else None
+        )
         self._cache: OrderedDict[bytes, xgr.CompiledGrammar] = OrderedDict()
 
     @cached_property

@@ -19,7 +19,6 @@ import zmq.asyncio
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine
-from outrider.daemon.grammar.child import CompileChild
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
 from outrider.daemon.internal import (
@@ -318,19 +317,11 @@ def _grammars(config: ServeConfig, engine: Engine) -> Grammars | None:
     facts = engine.facts
     if facts.tokenizer_dir is None:
         return None
-    child = None
-    if config.grammar_compile_timeout:
-        child = CompileChild(
-            facts.tokenizer_dir,
-            facts.vocab_size,
-            facts.eos_token_ids,
-            config.grammar_compile_timeout,
-            config.grammar_compile_memory_mb << 20,
-        )
     return Grammars(
         facts.tokenizer_dir,
         facts.vocab_size,
         facts.eos_token_ids,
         mask_limit_ms=config.grammar_mask_limit_ms,
-        child=child,
+        compile_timeout=config.grammar_compile_timeout,
+        compile_memory_bytes=config.grammar_compile_memory_mb << 20,
     )

@@ -146,32 +146,33 @@ class Planner:
         # Per row, the token after the chunk (0 where the chunk ends the prompt: sampled).
         next_ids: list[int] = []
         relay_rows: list[int] = []
+        prompts_done: list[Request] = []  # rows whose chunk ends the prompt
         for i, row in enumerate(rows):
             req, start = row.req, row.req.scheduled_len
-            known = [] if row.rides else req.known_ids()
             starts.append(start)
+            req.scheduled_len += row.chunk
             if row.rides:
                 relay_rows.append(i)
                 input_ids.append(0)  # the relay's root, on the device
             else:
-                input_ids.extend(known[start : start + row.chunk])
-            req.scheduled_len += row.chunk
-            if row.rides or req.scheduled_len == req.extend_end:
-                sample_rows.append(i)
-                sample_positions.append(req.scheduled_outputs)
-                req.scheduled_outputs += 1
-                next_ids.append(0)
-            else:
-                next_ids.append(known[req.scheduled_len])
+                known = req.known_ids()
+                input_ids.extend(known[start : req.scheduled_len])
+                if req.scheduled_len < req.extend_end:
+                    next_ids.append(known[req.scheduled_len])
+                    continue
+                prompts_done.append(req)
+            sample_rows.append(i)
+            sample_positions.append(req.scheduled_outputs)
+            req.scheduled_outputs += 1
+            next_ids.append(0)
         requests = [row.req for row in rows]
         sampled = [requests[i] for i in sample_rows]
         masked_rows, masks = _masks(sampled)
         # NOTE: after this plan's admissions, which must not read pages this plan writes. A
         # draft that keeps KV may write the prompt's later (a deferred catch-up): the pages
         # are then published as holding the target's KV alone.
-        for row in rows:
-            if not row.rides and row.req.scheduled_len == row.req.extend_end:
-                self.pages.share_prompt(row.req, drafted=not self.limits.draft_state)
+        for req in prompts_done:
+            self.pages.share_prompt(req, drafted=not self.limits.draft_state)
         plan = StepPlan(
             kind="extend",
             slots=[r.slot for r in requests],
