@@ -47,6 +47,7 @@ class ServeConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str = ""  # HOST:PORT of rank 0's rendezvous; "": a loopback port
+    disable_peer_all_reduce: bool = False
     threads: int = 0  # 0: automatic, see processes/placement.py torch_threads
     page_size: int = 16
     max_running: int = 64

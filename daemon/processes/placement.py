@@ -1,8 +1,8 @@
 """Where the tensor-parallel ranks run and with how many torch threads: the placement serve
 flags (``--tensor-parallel-size``, ``--nnodes``, ``--node-rank``, ``--dist-init-addr``,
-``--threads``), their help and their checks, and the values derived from them. The fields stay
-in the one flag table (daemon/config.py's ``ServeConfig``); daemon/flags.py gathers this help
-and runs these checks.
+``--disable-peer-all-reduce``, ``--threads``), their help and their checks, and the values
+derived from them. The fields stay in the one flag table (daemon/config.py's
+``ServeConfig``); daemon/flags.py gathers this help and runs these checks.
 
 Invariant (once checked): ``--nnodes`` divides ``--tensor-parallel-size``, every host runs
 ``ranks_per_node`` ranks, and more than one host needs a rendezvous address.
@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from outrider.plugins.models.peer_reduce import ONE_SHOT_MAX_BYTES
 
 if TYPE_CHECKING:
     from outrider.daemon.config import ServeConfig
@@ -35,6 +37,11 @@ PLACEMENT_HELP: dict[str, str] = {
     "dist_init_addr": (
         "HOST:PORT where rank 0 (on node 0) listens for the other ranks to join "
         "(torch.distributed's TCP rendezvous); needed with --nnodes > 1"
+    ),
+    "disable_peer_all_reduce": (
+        "sum every tensor-parallel all-reduce through NCCL; by default one host's ranks sum "
+        f"messages up to {ONE_SHOT_MAX_BYTES // 1024} KiB with one kernel over their GPUs' "
+        "peer memory"
     ),
     "threads": (
         "torch CPU threads of the daemon (of each rank with --tensor-parallel-size); 0: the "

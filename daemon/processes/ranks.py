@@ -73,6 +73,7 @@ class Placement:
     init_method: str  # tcp://HOST:PORT, rank 0's rendezvous
     backend: str  # "nccl" on CUDA, "gloo" on CPU
     device: str
+    peer_all_reduce: bool  # small all-reduces over peer memory (one host's GPUs)
 
     def rank(self, local: int) -> int:
         return self.node_rank * self.per_node + local
@@ -81,7 +82,10 @@ class Placement:
         """Join the world as this host's rank ``local`` (blocks until every rank joined)."""
         if self.device == "cuda":
             torch.cuda.set_device(local)
-        return init_tensor_parallel(self.rank(local), self.world, self.init_method, self.backend)
+        peers = range(self.per_node) if self.peer_all_reduce else None
+        return init_tensor_parallel(
+            self.rank(local), self.world, self.init_method, self.backend, peers
+        )
 
 
 def placement(config: ServeConfig) -> Placement:
@@ -102,6 +106,9 @@ def placement(config: ServeConfig) -> Placement:
         init_method=f"tcp://{address}",
         backend="nccl" if config.device == "cuda" else "gloo",
         device=config.device,
+        peer_all_reduce=(
+            config.device == "cuda" and config.nnodes == 1 and not config.disable_peer_all_reduce
+        ),
     )
 
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from outrider.plugins.models.config import TENSOR_PARALLEL_FLAG
 from outrider.plugins.models.kernels import UsesKernels
+from outrider.plugins.models.peer_reduce import PeerAllReduce, join_peer_all_reduce
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -68,11 +69,14 @@ class Split:
 class TPGroup:
     """This process's place in the tensor-parallel group. ``group`` None with ``size`` 1: no
     communication at all. (A size > 1 without a group builds sharded shapes only, e.g. on
-    the meta device for checks; any collective then needs the default group initialised.)"""
+    the meta device for checks; any collective then needs the default group initialised.)
+    ``peer`` sums the small messages of one host's GPUs (peer_reduce.py); the rest, and
+    everything without it, goes through ``torch.distributed``."""
 
     rank: int = 0
     size: int = 1
     group: ProcessGroup | None = None
+    peer: PeerAllReduce | None = None
 
     def part(self, total: int, what: str) -> int:
         """This rank's share of ``total`` (ValueError naming the flag unless it divides)."""
@@ -86,6 +90,8 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the ranks, in place."""
+        if self.peer is not None and self.peer.takes(x):
+            return self.peer(x)
         if self.size > 1:
             torch.distributed.all_reduce(x, group=self.group)
         return x
@@ -102,16 +108,25 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -> TPGroup:
+def init_tensor_parallel(
+    rank: int, size: int, init_method: str, backend: str, peer_devices: range | None = None
+) -> TPGroup:
     """Join the default process group (``backend``: "nccl" on GPUs, "gloo" on CPU) through
     ``init_method`` (``tcp://HOST:PORT``, torch.distributed's rendezvous) and return this
-    rank's handle. A world of one joins nothing."""
+    rank's handle. A world of one joins nothing. ``peer_devices``: the GPUs of a world on
+    one host, whose small all-reduces then go over their peer memory (every rank passes the
+    same)."""
     if size == 1:
         return SINGLE
     import torch.distributed as dist
 
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-    return TPGroup(rank, size, dist.group.WORLD)
+    group = dist.group.WORLD
+    assert group is not None
+    if peer_devices is None:
+        return TPGroup(rank, size, group)
+    device = torch.device("cuda", torch.cuda.current_device())
+    return TPGroup(rank, size, group, join_peer_all_reduce(group, device, peer_devices))
 
 
 class Sharded:
