@@ -94,3 +94,18 @@ def test_collect_cuts_each_row_to_its_commit_length() -> None:
     out = copies.collect(copies.copy(_plan(max_logprobs=2), _results(2, 2, 3)))
     assert out.top_ids == [[[0, 1], [3, 4]], [[6, 7]]]
     assert out.top_logprobs == [[[-1.0, -1.0], [-1.0, -1.0]], [[-1.0, -1.0]]]
+
+
+def test_results_land_contiguous_in_the_shape_sampled() -> None:
+    # A plain step of a speculative engine samples one column into buffers of max_commit:
+    # a strided destination would make the device -> host copy wait for the step.
+    copies = ResultCopies(max_rows=4, max_commit=3, device=CPU)
+    launched = copies.copy(_plan(max_logprobs=2), _results(2, 1, 3))
+    landed = launched.results
+    for value in (landed.tokens, landed.logprob, landed.top_ids, landed.top_logprobs):
+        assert value.is_contiguous() and value.shape[:2] == (2, 1)
+    assert landed.commit_lens is not None and landed.commit_lens.shape == (2,)
+    out = copies.collect(launched)
+    assert out.tokens == [[0], [1]] and out.top_ids == [[[0, 1]], [[3, 4]]]
+    nothing = _plan(kind="extend", sample_rows=[], max_logprobs=2)
+    assert copies.collect(copies.copy(nothing, None)).top_ids == []

@@ -3,6 +3,12 @@
 Only these copies run on a side stream, gated by an event; everything else of a step runs on
 the compute stream. Host buffers are double-buffered like the input staging: step n's results
 are read before step n + 2 is launched.
+
+Hazard: a copy to the host overlaps the device's work only when its destination is pinned and
+contiguous; into a strided view torch copies through a pageable temporary and waits for the
+stream, that is for the whole step just queued (the overlap lost). So each result lands at
+the start of a flat pinned buffer, viewed in the shape of what the step sampled (one column a
+row for a plain step of a speculative engine, whose buffers hold ``max_commit`` columns).
 """
 
 from __future__ import annotations
@@ -57,13 +63,14 @@ class ResultCopies:
             return torch.zeros(shape, dtype=dtype, pin_memory=cuda)
 
         rows, m, k = max_rows, max_commit, MAX_LOGPROBS
+        # Flat buffers: every copy lands contiguous at a buffer's start (module docstring).
         self._host = [
             StepResults(
-                tokens=host(rows, m),
+                tokens=host(rows * m),
                 commit_lens=host(rows),
-                logprob=host(rows, m, dtype=torch.float32),
-                top_ids=host(rows, m, k),
-                top_logprobs=host(rows, m, k, dtype=torch.float32),
+                logprob=host(rows * m, dtype=torch.float32),
+                top_ids=host(rows * m * k),
+                top_logprobs=host(rows * m * k, dtype=torch.float32),
             )
             for _ in range(2)
         ]
@@ -73,9 +80,10 @@ class ResultCopies:
 
     def copy(self, plan: StepPlan, values: StepResults | None) -> Launched:
         """Queue the copy of ``values`` (None: nothing sampled) to the next host set."""
-        host, self._parity = self._host[self._parity], self._parity ^ 1
+        flat, self._parity = self._host[self._parity], self._parity ^ 1
         if values is None:
-            return Launched(plan, host, None)
+            return Launched(plan, _landings(flat, _NOTHING), None)
+        host = _landings(flat, values)
         pairs = self._pairs(host, values, top=plan.max_logprobs > 0)
         stream = self._stream
         if stream is None:
@@ -129,7 +137,38 @@ class ResultCopies:
     @staticmethod
     def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for src, dst in pairs:
-            dst[tuple(map(slice, src.shape))].copy_(src, non_blocking=True)
+            dst.copy_(src, non_blocking=True)
+
+
+# What a step that samples nothing leaves to read: no rows.
+_NOTHING = StepResults.one_a_row(
+    SampleResult(
+        tokens=torch.empty(0, dtype=torch.int64),
+        logprob=torch.empty(0),
+        top_ids=torch.empty(0, MAX_LOGPROBS, dtype=torch.int64),
+        top_logprobs=torch.empty(0, MAX_LOGPROBS),
+    ),
+    None,
+)
+
+
+def _landings(flat: StepResults, values: StepResults) -> StepResults:
+    """Where ``values`` land in the host set ``flat``: each buffer's start, viewed
+    contiguous in the shape of its value (module docstring)."""
+
+    def land(buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return buffer[: value.numel()].view(value.shape)
+
+    lens = values.commit_lens
+    return StepResults(
+        tokens=land(flat.tokens, values.tokens),
+        commit_lens=None
+        if lens is None or flat.commit_lens is None
+        else land(flat.commit_lens, lens),
+        logprob=land(flat.logprob, values.logprob),
+        top_ids=land(flat.top_ids, values.top_ids),
+        top_logprobs=land(flat.top_logprobs, values.top_logprobs),
+    )
 
 
 def _cut(rows: list[list[Any]], counts: list[int]) -> list[list[Any]]:
