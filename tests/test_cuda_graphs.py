@@ -8,8 +8,10 @@ against the eager engine."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from functools import partial
+from pathlib import Path
 
 import pytest
 from engine_harness import (
@@ -188,6 +190,30 @@ def test_graph_settings_count_the_drafts_vocabulary_rows(
     assert settings is not None and settings.draft_rows == draft_rows
 
 
+def test_an_eagle3_drafts_own_vocabulary_sizes_its_rows(
+    speculative_dirs: dict[str, str], tmp_path: Path
+) -> None:
+    """An EAGLE-3 draft scoring a vocabulary of its own: the graph pool budgets its rows at
+    that width, not the target's (a quarter of the target's here, the fixture's own after)."""
+    config_json = json.loads((Path(speculative_dirs["eagle3"]) / "config.json").read_text())
+    draft_vocab = config_json["draft_vocab_size"]
+    config_json["draft_vocab_size"] = VOCAB // 4
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    settings: dict[str, object] = dict(ALGORITHMS["eagle3 chain"], draft_model=str(tmp_path))
+    config = ServeConfig(model=speculative_dirs["target"], device="cuda", **settings)  # type: ignore[arg-type]
+    plugins = discover().resolve(config.check_context("bfloat16", (9, 0)))
+    graph = graph_settings(config, plugins, speculative_plugin(plugins))
+    assert graph is not None and (graph.draft_rows, graph.draft_vocab) == (3, VOCAB // 4)
+    target = ModelConfig.from_pretrained(speculative_dirs["target"])
+    assert graph.draft_logits(target) == 3 * (VOCAB // 4)
+    full = graph_settings(
+        dataclasses.replace(config, draft_model=speculative_dirs["eagle3"]),
+        plugins,
+        speculative_plugin(plugins),
+    )
+    assert full is not None and full.draft_logits(target) == 3 * draft_vocab
+
+
 def test_start_keys_are_every_bucket_largest_first() -> None:
     graphs = DecodeGraphs(3, 200, 20, 3)
     keys = [(k.bs, k.max_kv, k.all_greedy, k.max_logprobs) for k in graphs.start_keys()]
@@ -277,7 +303,7 @@ def test_graph_pool_estimate_of_a_tiny_model() -> None:
     assert graph_pool_bytes(model, 2, bs=1, width=4, kv_bound=None) == layer + logits
     # A drafting step's vocabulary rows: 3 a row, 256 logits each.
     draft = 1 * 3 * 256 * DRAFT_BYTES_PER_LOGIT
-    assert graph_pool_bytes(model, 2, 1, 4, None, draft_rows=3) == layer + logits + draft
+    assert graph_pool_bytes(model, 2, 1, 4, None, draft_logits=3 * 256) == layer + logits + draft
     # The fit check budgets the largest step and the captures' workspace.
     settings = GraphSettings(max_bs=4, kv_bounded=True)
     budgeted = _graph_pool_estimate(settings, model, 2, 1, 128, 1)

@@ -53,10 +53,12 @@ def graph_settings(
     if lacking:
         log.info("decode batches run eagerly: %s declares no CUDA graphs", ", ".join(lacking))
         return None
+    worker = speculative.worker_class if speculative is not None else None
     return GraphSettings(
         max_bs=min(config.cuda_graph_max_bs, config.max_running),
         kv_bounded=any(cap.graph_kv_bound for cap in caps),
-        draft_rows=(speculative.worker_class.draft_logit_rows(plugins.shape) if speculative else 0),
+        draft_rows=worker.draft_logit_rows(plugins.shape) if worker else 0,
+        draft_vocab=worker.draft_vocab_size(config.draft_model) if worker else None,
     )
 
 

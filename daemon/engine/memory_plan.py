@@ -87,6 +87,11 @@ class GraphSettings:
     max_bs: int  # the largest decode batch replayed from a graph
     kv_bounded: bool  # some backend of a decode batch declares graph_kv_bound
     draft_rows: int = 0  # vocabulary rows a drafting step scores per batch row
+    draft_vocab: int | None = None  # logits in each of them; None: the target's vocabulary
+
+    def draft_logits(self, model: ModelConfig) -> int:
+        """Vocabulary logits a drafting step scores per batch row."""
+        return self.draft_rows * (self.draft_vocab or model.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,7 @@ def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
         graph_max_kv=min(graph_kv, max_positions) if graphs is not None else 0,
         graph_estimate=estimate,
         graph_draft_bytes=(
-            _draft_bytes(model, graphs.max_bs, graphs.draft_rows) if graphs is not None else 0
+            _draft_bytes(graphs.max_bs, graphs.draft_logits(model)) if graphs is not None else 0
         ),
         activation_bytes=activation,
         headroom_bytes=(
@@ -223,7 +228,7 @@ def graph_pool_bytes(
     width: int,
     kv_bound: int | None,
     tensor_parallel_size: int = 1,
-    draft_rows: int = 0,
+    draft_logits: int = 0,
 ) -> int:
     """Estimated peak working set of the largest captured step, which the shared graph pool
     holds: ``bs`` rows of ``width`` tokens, all sampled, through the target model (one rank's
@@ -231,8 +236,8 @@ def graph_pool_bytes(
     gathered logits). ``kv_bound``: the largest KV bucket when a backend declares
     ``graph_kv_bound`` (budgeted as gathering each row's K and V over the bound at query-head
     width, with a boolean mask), None when the backends' work does not grow with it.
-    ``draft_rows``: vocabulary rows a drafting step scores per batch row
-    (``SpeculativeWorker.draft_logit_rows``), budgeted beside the target's at
+    ``draft_logits``: vocabulary logits a drafting step scores per batch row
+    (``GraphSettings.draft_logits``), budgeted beside the target's at
     ``DRAFT_BYTES_PER_LOGIT``; the draft's layers are small next to them."""
     tokens, tp = bs * width, tensor_parallel_size
     q_width = model.num_q_heads // tp * model.head_dim
@@ -253,12 +258,12 @@ def graph_pool_bytes(
     if kv_bound is not None:
         gathered = 2 * (kv_width + q_width) * itemsize  # K and V, as stored and per q head
         attention = bs * kv_bound * (gathered + 8) + tokens * kv_bound  # + indices, mask
-    return layer + logits + attention + _draft_bytes(model, bs, draft_rows)
+    return layer + logits + attention + _draft_bytes(bs, draft_logits)
 
 
-def _draft_bytes(model: ModelConfig, bs: int, draft_rows: int) -> int:
-    """A drafting step's vocabulary rows in the graph pool: ``draft_rows`` per batch row."""
-    return bs * draft_rows * model.vocab_size * DRAFT_BYTES_PER_LOGIT
+def _draft_bytes(bs: int, draft_logits: int) -> int:
+    """A drafting step's vocabulary rows in the graph pool: ``draft_logits`` a batch row."""
+    return bs * draft_logits * DRAFT_BYTES_PER_LOGIT
 
 
 def _graph_kv_limit(
@@ -279,7 +284,13 @@ def _graph_kv_limit(
         kv
         for kv in buckets
         if graph_pool_bytes(
-            model, itemsize, settings.max_bs, width, kv, tensor_parallel_size, settings.draft_rows
+            model,
+            itemsize,
+            settings.max_bs,
+            width,
+            kv,
+            tensor_parallel_size,
+            settings.draft_logits(model),
         )
         <= budget
     ]
@@ -314,7 +325,7 @@ def _graph_pool_estimate(
         width,
         kv_bound,
         tensor_parallel_size,
-        settings.draft_rows,
+        settings.draft_logits(model),
     )
     return step + CAPTURE_WORKSPACE_BYTES + SMALL_SEGMENTS_BYTES
 

@@ -210,6 +210,12 @@ class SpeculativeWorker(ABC):
         memory plan budgets their sampling in the CUDA graph pool (memory_plan.py)."""
         return shape.depth * shape.topk if shape.tree else shape.width - 1
 
+    @classmethod
+    def draft_vocab_size(cls, draft_model: str) -> int | None:
+        """Logits in each of those rows when the draft at ``draft_model`` scores a vocabulary
+        of its own; None: the target's."""
+        return None
+
     def allocate_kv(self, num_layers: int, shape: AttentionShape) -> KVCache:
         """A draft's own paged KV: the target's pages and page size, the draft's heads."""
         ctx = self.ctx

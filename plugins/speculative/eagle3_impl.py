@@ -98,6 +98,10 @@ class Eagle3Worker(SpeculativeWorker):
 
     # --- EXTEND --------------------------------------------------------------------------
 
+    @classmethod
+    def draft_vocab_size(cls, draft_model: str) -> int | None:
+        return Eagle3Config.from_pretrained(draft_model).draft_vocab_size
+
     def after_extend(self, view: ExtendView) -> None:
         fb = view.fb
         feats = self._features(fb)  # [T, H]
