@@ -337,7 +337,12 @@ def _check_mxfp4_kernels(held: range, dtype: torch.dtype, path: str, device: str
         blocks = torch.randint(0, 256, (experts, out, into // BLOCK, 16), generator=gen)
         scales = torch.randint(118, 128, (experts, out, into // BLOCK), generator=gen)
         mine = slice(held.start, held.stop)
-        return blocks.to(torch.uint8)[mine], scales.to(torch.uint8)[mine]
+        held_scales = scales.to(torch.uint8)[mine].contiguous()
+        # Bytes of 255 (infinity) past the scales: a kernel reading a row's scales past its
+        # features turns the masked zeros there into NaN.
+        padded = torch.full((held_scales.numel() + 64,), 255, dtype=torch.uint8)
+        padded[: held_scales.numel()] = held_scales.flatten()
+        return blocks.to(torch.uint8)[mine], padded[: held_scales.numel()].view_as(held_scales)
 
     gate_up, down = stored(2 * rows, hidden), stored(hidden, rows)
     biases = [0.1 * torch.randn(len(held), n, generator=gen).to(dtype) for n in (2 * rows, hidden)]

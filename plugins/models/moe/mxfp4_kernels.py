@@ -106,8 +106,11 @@ def _tile_values(blocks_at, scales_at, k0, rows_ok, features,
     packed = tl.load(blocks_at + k0 // 2 + half[None, :], mask=ok, other=0).to(tl.int32)
     values = tl.join(_e2m1(packed & 15), _e2m1(packed >> 4))  # [R, STEP / 2, 2]
     values = tl.reshape(values, (blocks_at.shape[0], STEP))  # even index: the low nibble
-    group = (k0 + tl.arange(0, STEP)) // BLOCK
-    scale = tl.load(scales_at + group[None, :], mask=rows_ok[:, None], other=SCALE_BIAS)
+    features_at = k0 + tl.arange(0, STEP)
+    # NOTE: past ``features`` the groups are another row's scales, or past the tensor's end
+    # (any byte: 255 is infinity, and infinity times a masked zero is NaN).
+    ok = rows_ok[:, None] & (features_at < features)[None, :]
+    scale = tl.load(scales_at + (features_at // BLOCK)[None, :], mask=ok, other=SCALE_BIAS)
     return values * _power_of_two(scale, SCALE_BIAS)
 
 
