@@ -12,24 +12,25 @@ import torch.multiprocessing as mp
 from daemon_harness import free_port
 
 from outrider.plugins.models.parallel import init_tensor_parallel
-from outrider.plugins.models.peer_reduce import ONE_SHOT_MAX_BYTES, PeerAllReduce
+from outrider.plugins.models.peer_reduce import PeerAllReduce, one_shot_max_bytes
 
 WORLD = 2
+LIMIT = one_shot_max_bytes(WORLD)
 DTYPES = (torch.bfloat16, torch.float32)
-# Element counts: the smallest message, a decode step's at batch 1 and 64 (hidden 4096, bf16),
-# one that is not a multiple of the kernel's vector, and past the limit.
-NUMELS = (8, 4096, 64 * 4096, 4100, ONE_SHOT_MAX_BYTES)
+# Element counts: the smallest message, a decode step's at batch 1 and 256 (hidden 4096,
+# bf16), one that is not a multiple of the kernel's vector, and past the limit.
+NUMELS = (8, 4096, 256 * 4096, 4100, LIMIT)
 
 
 def _peer(device: str = "cpu") -> PeerAllReduce:
-    return PeerAllReduce(torch.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device), "0")
+    return PeerAllReduce(torch.empty(LIMIT, dtype=torch.uint8, device=device), "0")
 
 
 def test_takes_small_aligned_contiguous_messages_only() -> None:
     peer = _peer()
     assert peer.takes(torch.zeros(4, dtype=torch.float32))
-    assert peer.takes(torch.zeros(ONE_SHOT_MAX_BYTES // 2, dtype=torch.bfloat16))
-    assert not peer.takes(torch.zeros(ONE_SHOT_MAX_BYTES // 2 + 8, dtype=torch.bfloat16))
+    assert peer.takes(torch.zeros(LIMIT // 2, dtype=torch.bfloat16))
+    assert not peer.takes(torch.zeros(LIMIT // 2 + 8, dtype=torch.bfloat16))
     assert not peer.takes(torch.zeros(3, dtype=torch.float32))  # 12 bytes: not a vector
     assert not peer.takes(torch.zeros(0, dtype=torch.float32))
     assert not peer.takes(torch.zeros(8, 4, dtype=torch.float32).t())  # not contiguous
@@ -106,9 +107,7 @@ def test_two_gpus_sum_as_nccl_does(tmp_path: Path) -> None:
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     taken = ranks[0]["taken"]
     assert taken == {
-        (d, n): n * d.itemsize <= ONE_SHOT_MAX_BYTES and n * d.itemsize % 16 == 0
-        for d in DTYPES
-        for n in NUMELS
+        (d, n): n * d.itemsize <= LIMIT and n * d.itemsize % 16 == 0 for d in DTYPES for n in NUMELS
     }
     assert sum(taken.values()) == 6  # of 10: past the limit, or not whole vectors
     for seen in ranks:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from outrider.plugins.models.peer_reduce import ONE_SHOT_MAX_BYTES
+from outrider.plugins.models.peer_reduce import ONE_SHOT_UNMEASURED_BYTES, one_shot_max_bytes
 
 if TYPE_CHECKING:
     from outrider.daemon.config import ServeConfig
@@ -40,8 +40,9 @@ PLACEMENT_HELP: dict[str, str] = {
     ),
     "disable_peer_all_reduce": (
         "sum every tensor-parallel all-reduce through NCCL; by default one host's ranks sum "
-        f"messages up to {ONE_SHOT_MAX_BYTES // 1024} KiB with one kernel over their GPUs' "
-        "peer memory"
+        f"messages up to {one_shot_max_bytes(2) // 2**20} MiB "
+        f"({ONE_SHOT_UNMEASURED_BYTES // 2**10} KiB past two ranks) with one kernel over "
+        "their GPUs' peer memory"
     ),
     "threads": (
         "torch CPU threads of the daemon (of each rank with --tensor-parallel-size); 0: the "

@@ -19,7 +19,7 @@ Invariants:
   captured; graphs replay the same buffer and signal pads.
 - One host only: with ``--nnodes`` > 1 every call goes through NCCL.
 
-Messages above ``ONE_SHOT_MAX_BYTES`` (prompt chunks, big batches) go through NCCL, whose
+Messages above ``one_shot_max_bytes`` (prompt chunks) go through NCCL, whose
 bandwidth-optimal algorithms win there.
 """
 
@@ -35,10 +35,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("outrider.models")
 
-# The largest message summed over peer memory: every rank reads every peer's whole message,
-# so the one-shot kernel's traffic grows with the ranks; measured against NCCL on H200s in
-# BENCHMARKS.md ("A one-shot all-reduce over peer memory").
-ONE_SHOT_MAX_BYTES = 512 * 1024
+# The largest message summed over peer memory, by the ranks: every rank reads every peer's
+# whole message, so the one-shot kernel's traffic grows with the ranks. On two H200s it beats
+# NCCL at every size to 4 MiB, by 1.5x at 2 MiB (a decode step of 256 rows at hidden 4,096;
+# BENCHMARKS.md, "One-shot all-reduce over peer memory"); more ranks are not measured yet.
+ONE_SHOT_MAX_BYTES = {2: 2 * 2**20}
+ONE_SHOT_UNMEASURED_BYTES = 512 * 2**10
+
+
+def one_shot_max_bytes(world: int) -> int:
+    """The largest message ``world`` ranks sum over peer memory."""
+    return ONE_SHOT_MAX_BYTES.get(world, ONE_SHOT_UNMEASURED_BYTES)
+
+
 DISABLE_FLAG = "--disable-peer-all-reduce"
 # The kernel's vector width: messages and buffer offsets are multiples of it.
 _ALIGN_BYTES = 16
@@ -75,9 +84,10 @@ class PeerAllReduce:
 
 
 def join_peer_all_reduce(
-    group: ProcessGroup, device: torch.device, devices: range, max_bytes: int = ONE_SHOT_MAX_BYTES
+    group: ProcessGroup, device: torch.device, devices: range, max_bytes: int | None = None
 ) -> PeerAllReduce | None:
-    """Every rank's buffer of ``max_bytes`` allocated and exchanged, a collective over
+    """Every rank's buffer of ``max_bytes`` (None: ``one_shot_max_bytes`` of the group's
+    ranks) allocated and exchanged, a collective over
     ``group`` (NCCL, the ranks on ``devices`` of one host); None on every rank when some GPU
     of them cannot reach another's memory (the calls then go through NCCL). Raises
     RuntimeError naming ``DISABLE_FLAG`` when the buffers cannot be mapped or do not sum."""
@@ -90,6 +100,8 @@ def join_peer_all_reduce(
         return None
     from torch.distributed import _symmetric_memory as symm_mem
 
+    if max_bytes is None:
+        max_bytes = one_shot_max_bytes(dist.get_world_size(group))
     try:
         buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(buffer, group.group_name)
