@@ -160,11 +160,12 @@ def _landings(flat: StepResults, values: StepResults) -> StepResults:
         return buffer[: value.numel()].view(value.shape)
 
     lens = values.commit_lens
+    if lens is not None:
+        assert flat.commit_lens is not None, "every host set holds commit lengths"
+        lens = land(flat.commit_lens, lens)
     return StepResults(
         tokens=land(flat.tokens, values.tokens),
-        commit_lens=None
-        if lens is None or flat.commit_lens is None
-        else land(flat.commit_lens, lens),
+        commit_lens=lens,
         logprob=land(flat.logprob, values.logprob),
         top_ids=land(flat.top_ids, values.top_ids),
         top_logprobs=land(flat.top_logprobs, values.top_logprobs),

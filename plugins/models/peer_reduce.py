@@ -11,8 +11,10 @@ meet the peers at a signal, read every peer's buffer and sum, meet again.
 Invariants:
 
 - Every rank takes the same path for the same call: the choice (``PeerAllReduce.takes``)
-  reads only the message's byte size, which the ranks share (they run the same shapes), and
-  the buffer exists on every rank or on none (``join_peer_all_reduce`` agrees on it).
+  reads the message's byte size, layout and alignment, which the ranks share (they run the
+  same shapes, and the caching allocator starts every block 512-byte aligned, so an
+  address's alignment is its offset's), and the buffer exists on every rank or on none
+  (``join_peer_all_reduce`` agrees on it).
 - Every rank sums the parts in rank order, so every rank gets the same bits, as with NCCL:
   the ranks' samplers then agree without exchanging tokens.
 - The buffer is allocated and exchanged once, when the ranks join, before any graph is
