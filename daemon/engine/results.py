@@ -82,7 +82,7 @@ class ResultCopies:
         """Queue the copy of ``values`` (None: nothing sampled) to the next host set."""
         flat, self._parity = self._host[self._parity], self._parity ^ 1
         if values is None:
-            return Launched(plan, _landings(flat, _NOTHING), None)
+            return Launched(plan, flat, None)
         host = _landings(flat, values)
         pairs = self._pairs(host, values, top=plan.max_logprobs > 0)
         stream = self._stream
@@ -107,6 +107,8 @@ class ResultCopies:
             launched.done.synchronize()
         plan, host = launched.plan, launched.results
         n, k = len(plan.sample_rows), plan.max_logprobs
+        if n == 0:  # nothing sampled: ``host`` holds the flat buffers, unread
+            return StepOutput(tokens=[], logprobs=[], top_ids=[], top_logprobs=[])
         lens = host.commit_lens
         counts = [1] * n if plan.kind == "extend" or lens is None else lens[:n].tolist()
         top_ids: list[list[list[int]]] = []
@@ -138,18 +140,6 @@ class ResultCopies:
     def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for src, dst in pairs:
             dst.copy_(src, non_blocking=True)
-
-
-# What a step that samples nothing leaves to read: no rows.
-_NOTHING = StepResults.one_a_row(
-    SampleResult(
-        tokens=torch.empty(0, dtype=torch.int64),
-        logprob=torch.empty(0),
-        top_ids=torch.empty(0, MAX_LOGPROBS, dtype=torch.int64),
-        top_logprobs=torch.empty(0, MAX_LOGPROBS),
-    ),
-    None,
-)
 
 
 def _landings(flat: StepResults, values: StepResults) -> StepResults:

@@ -46,8 +46,8 @@ class CompileChild:
         memory_bytes: int,
     ) -> None:
         """The child's ``Grammars(tokenizer_dir, vocab_size, stop_ids)``; ``timeout``: the
-        seconds a compile may take; ``memory_bytes``: its data segment's cap. Nothing starts
-        until the first compile."""
+        seconds a compile may take; ``memory_bytes``: its data segment's cap (0: none).
+        Nothing starts until the first compile."""
         self._args = (tokenizer_dir, vocab_size, list(stop_ids), memory_bytes)
         self.timeout = timeout
         self._proc: BaseProcess | None = None
@@ -116,7 +116,8 @@ def _serve(
     # (it drains, then closes the pipe).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
+    if memory_bytes:
+        resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
     grammars = Grammars(tokenizer_dir, vocab_size, stop_ids)
     try:
         grammars.warm()

@@ -54,8 +54,8 @@ class Grammars:
         ``stop_ids``: the model's end-of-sequence ids; ``mask_limit_ms``: the time a mask
         of a state started here may take (``GrammarState.too_costly``; 0: no limit);
         ``compile_timeout``: the seconds a compile may take in a child process of its own
-        whose data segment is capped at ``compile_memory_bytes`` (0: compiles run in this
-        process, without limits)."""
+        whose data segment is capped at ``compile_memory_bytes`` (0: no cap); 0 s: compiles
+        run in this process, without limits."""
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.stop_ids = list(stop_ids)
