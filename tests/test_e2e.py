@@ -403,7 +403,9 @@ async def test_bad_inputs_get_typed_errors_while_others_are_served(
         await _raw_frames(shared.endpoint)
 
         # Request ids are each client's own: another client's "long" is no obstacle.
-        mine = await other.generate(input_ids=[5], request_id="long", max_new_tokens=2)
+        mine = await other.generate(
+            input_ids=[5], request_id="long", max_new_tokens=2, ignore_eos=True
+        )
         assert mine.request_id == "long" and len(mine.output_ids) == 2
         for target in ("never-sent", "long"):  # only the owner may abort its request
             with pytest.raises(RequestError) as caught:
