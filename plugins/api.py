@@ -146,6 +146,22 @@ class StepShape:
         drafter's ``K`` node slots for each of its ``S - 1`` forward steps."""
         return max(self.width, (self.depth - 1) * self.topk) if self.tree else self.width
 
+    def cut(self, width: int) -> StepShape:
+        """The shape of a step whose rows verify ``width`` tokens: this one, plain decoding
+        (1), or this chain cut to ``width - 1`` drafts (only a chain is ever cut)."""
+        if width == self.width:
+            return self
+        if width == 1:
+            return NO_DRAFT
+        assert 1 < width < self.width and not self.tree, (self, width)
+        return StepShape(width=width, depth=width - 1, topk=1)
+
+    def chains(self) -> tuple[StepShape, ...]:
+        """This chain at every depth, deepest first (a tree or a block: itself alone)."""
+        if self.tree or not self.speculative:
+            return (self,)
+        return tuple(self.cut(width) for width in range(self.width, 1, -1))
+
 
 # Plain decoding: one token per row, nothing drafted.
 NO_DRAFT = StepShape(width=1, depth=0, topk=1)

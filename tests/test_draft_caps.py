@@ -92,6 +92,39 @@ def test_every_algorithm_keeps_the_target_only_tokens_under_caps(
         assert off == [0] * len(PROMPTS), off
 
 
+# The algorithms whose worker drafts a chain of any depth (``shorter_chains``); a tree and
+# DFlash's block keep their shape.
+CUT_SHORT = {"ngram", "eagle3 chain", "standalone"}
+
+
+@pytest.mark.parametrize("algorithm", list(DRAFT_ALGORITHMS))
+def test_a_batch_capped_below_the_depth_verifies_a_chain_cut_to_its_largest_cap(
+    target: tuple[str, dict[str, str]], algorithm: str
+) -> None:
+    """Requests capped at 0 and 1 drafts: a chain's drafting steps draft and verify one
+    draft a row (the counters count one drafted token per verify row), a tree or a block its
+    whole shape; the tokens stay the target-only ones, greedy and seeded."""
+    directory, drafts = target
+    settings = dict(DRAFT_ALGORITHMS[algorithm])
+    name = str(settings["speculative_algorithm"])
+    if name in drafts:
+        settings["draft_model"] = drafts[name]
+    for temperature in (0.0, 1.0):
+        requests = _requests(temperature, caps=[0, 1])
+        plain = run(engine_for(directory), requests)
+        engine = engine_for(directory, **settings)
+        outcomes = run(engine, _requests(temperature, caps=[0, 1]))
+        for rid, outcome in plain.items():
+            assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
+        counters = engine.scheduler.counters()
+        drafted = 1 if algorithm in CUT_SHORT else engine.loop.runner.shape.width - 1
+        assert engine.loop.runner.shape.width - 1 > 1  # the cut is a cut
+        assert counters.spec_drafts > 0
+        assert counters.spec_draft_tokens == drafted * counters.spec_drafts, temperature
+        assert len(counters.spec_accepted_per_position) == engine.loop.runner.shape.max_commit - 1
+        assert sum(counters.spec_accepted_per_position[1:]) == 0  # no cap passes 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("algorithm", list(DRAFT_ALGORITHMS))
 def test_capped_rows_in_replayed_graphs_keep_the_eager_tokens(

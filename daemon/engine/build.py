@@ -17,7 +17,12 @@ import torch
 
 from outrider.daemon.config import MIXED_NEEDS_NO_SPECULATION, ConfigError, ServeConfig
 from outrider.daemon.engine.accept import step_reservation
-from outrider.daemon.engine.drafting_setup import adapts, drafting_policy, speculative_plugin
+from outrider.daemon.engine.drafting_setup import (
+    adapts,
+    cuts_chains,
+    drafting_policy,
+    speculative_plugin,
+)
 from outrider.daemon.engine.follower import Follower
 from outrider.daemon.engine.graph_settings import (
     CYCLE_PHASES,
@@ -132,6 +137,7 @@ def build_engine(
                 grammar_drafts=one_rank,
                 late_masks=one_rank,
                 mixed_batches=config.mixed_batches,
+                shorter_chains=cuts_chains(shape, runner.worker),
             ),
             shape,
             PrefixCache(plan.num_pages, page_size),

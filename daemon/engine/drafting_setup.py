@@ -46,6 +46,12 @@ def speculative_plugin(plugins: ResolvedPlugins) -> SpeculativePlugin | None:
     return SpeculativePlugin(worker_class, plugins.speculative.options)
 
 
+def cuts_chains(shape: StepShape, worker: SpeculativeWorker) -> bool:
+    """Whether a drafting batch may run ``shape`` cut short (``StepShape.cut``): a chain whose
+    worker drafts any depth up to it (``SpeculativeWorker.shorter_chains``)."""
+    return shape.speculative and not shape.tree and worker.shorter_chains
+
+
 def adapts(config: ServeConfig, shape: StepShape) -> bool:
     """Whether the drafting policy chooses per batch (``--speculative-min-acceptance`` not 0
     on a speculative engine): decode batches then run plain steps too."""

@@ -33,7 +33,9 @@ draws), so seeded outputs do not depend on which steps draft. The worker's catch
 as a verify of the root alone that accepted nothing (``Accepted`` one column wide), so its
 state stays current without drafting; a worker that defers it (``deferred_positions``)
 buffers the step's inputs instead, and catches up in one batch before the slot drafts again
-(engine/deferred.py).
+(engine/deferred.py). A drafting batch of a chain may be narrower than the engine's shape:
+the chain cut short (``StepShape.cut`` of the plan's width; the worker drafts
+``DecodeView.drafts``), which verifies, commits and counts as a chain of that depth.
 
 Rows whose requests do not feed the draft (``StepPlan.unfed``, scheduler/drafting.py) take
 part in a batch as any other, but a batch of such rows alone is the target's: its forward
@@ -306,7 +308,8 @@ class ModelRunner:
         every layout of the step."""
         if not plan.drafting:
             return self._plain(plan, inputs, max_kv)
-        bs, width, max_commit = plan.bs, self.shape.width, self.shape.max_commit
+        step = self.shape.cut(plan.q_lens[0])  # a chain may be cut short (drafting.py)
+        bs, width, max_commit = plan.bs, step.width, step.max_commit
         relay = self.slots.read(inputs.slots)
         tokens = inputs.input_ids.view(bs, width)
         tokens[:, 0] = relay.roots
@@ -316,7 +319,7 @@ class ModelRunner:
             guide = self.host_masks.guide()
         view = DecodeView(
             inputs.slots, relay.roots, relay.starts, relay.out_lens, sampling, max_kv,
-            self.starts.of_plan(plan), guide,
+            self.starts.of_plan(plan), guide, width - 1,
         )  # fmt: skip
         self.timer.mark("draft")
         drafts = self.worker.draft(view)
@@ -325,7 +328,7 @@ class ModelRunner:
         on_host = None
         if plan.masked_rows:  # their nodes' masks come from the host once the drafts are known
             on_host = self.host_masks.drafts_to_host(drafts)
-        offsets = self.offsets.expand(bs, width)  # [bs, W]
+        offsets = self.offsets[:width].expand(bs, width)  # [bs, W]
         depth, visible = offsets, None
         if drafts.parents is not None:
             if self.slots.relay_check:
@@ -343,7 +346,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [bs * W, V]
         choose = None
         if plan.adjusts:
-            nodes = visible if visible is not None else self.chain_visible.expand(bs, -1, -1)
+            chain = self.chain_visible[:width, :width]
+            nodes = visible if visible is not None else chain.expand(bs, -1, -1)
             choose = self.adjuster.decode_logits(
                 logits, inputs.slots, relay, max_kv, (tokens, nodes)
             )
@@ -351,7 +355,7 @@ class ModelRunner:
             self.host_masks.wait_nodes(bs * width, on_host)
             choose = masked_copy(logits, choose)
             self.token_masks.apply_staged(choose)
-        verified = self.verifier.verify(plan, inputs, relay, drafts, depth, logits, choose)
+        verified = self.verifier.verify(plan, step, inputs, relay, drafts, depth, logits, choose)
         committed, lens, path = verified.committed(), verified.commit_lens, verified.path
         bonus = committed.gather(1, (lens - 1).unsqueeze(1)).squeeze(1)
         self.adjuster.committed(inputs.slots, relay.starts, relay.roots, committed)
@@ -428,4 +432,4 @@ class ModelRunner:
         bounds on the committed lengths."""
         if plan.kind == "extend":
             return max(s + q for s, q in zip(plan.starts, plan.q_lens, strict=True))
-        return max(plan.starts) + (self.shape.kv_span if plan.drafting else 1)
+        return max(plan.starts) + self.shape.cut(plan.q_lens[0]).kv_span

@@ -73,6 +73,7 @@ class Verifier:
     def verify(
         self,
         plan: StepPlan,
+        step: StepShape,
         inputs: StepInputs[torch.Tensor],
         relay: RelayRows,
         drafts: Drafts,
@@ -80,13 +81,14 @@ class Verifier:
         logits: torch.Tensor,
         choose_from: torch.Tensor | None = None,
     ) -> Verified:
-        """``inputs.input_ids`` holds each row's verified tokens (root, drafts), ``depth:
-        [bs, W]`` each node's depth and ``logits: [bs * W, V]`` the target's at every node
-        (``choose_from``: as the requests adjusted them, penalties.py; None: unadjusted). A
-        tree's accepted KV is moved to the front here."""
-        bs, width, limit = plan.bs, self.shape.width, self.vocab_limit
+        """``step``: the step's shape (the engine's, or its chain cut short); ``inputs.input_ids``
+        holds each row's verified tokens (root, drafts), ``depth: [bs, W]`` each node's depth
+        and ``logits: [bs * W, V]`` the target's at every node (``choose_from``: as the
+        requests adjusted them, penalties.py; None: unadjusted). A tree's accepted KV is moved
+        to the front here."""
+        bs, width, limit = plan.bs, step.width, self.vocab_limit
         batch = self.slots.sampling(inputs.token_slots, plan)  # per token
-        path = self.offsets[: self.shape.max_commit].expand(bs, -1)  # a chain: 0, 1, ..
+        path = self.offsets[: step.max_commit].expand(bs, -1)  # a chain: 0, 1, ..
         # A request's draft cap cuts its commit after the token at the cap: the target's own
         # there (its draw, or under the sampled rule the accepted draft or the residual's,
         # distributed as the target's), so every rule stays lossless.
@@ -108,14 +110,14 @@ class Verifier:
             seed = self.slots.seed[inputs.slots]
             nodes = inputs.input_ids.view(bs, width)
             allowed = None if choose_from is None else allowed_drafts(choose_from, nodes, drafts)
-            commit_lens, path = self.simulated.accept(drafts, seed, relay.out_lens, allowed)
+            commit_lens, path = self.simulated.accept(drafts, step, seed, relay.out_lens, allowed)
             commit_lens = torch.minimum(commit_lens, max_commit)
             choices = self.simulated.commit_drafts(choices, nodes, path, commit_lens)
             if drafts.parents is not None:
                 self._compact(inputs.slots, relay.starts, path)
         elif drafts.parents is not None:
             commit_lens, path = accept_tree(
-                drafts.tokens, drafts.parents, choices, self.shape.max_commit - 1
+                drafts.tokens, drafts.parents, choices, step.max_commit - 1
             )
             self._compact(inputs.slots, relay.starts, path)
         else:
@@ -147,26 +149,28 @@ class SimulatedAcceptance:
     def __init__(self, mean: float, shape: StepShape, device: torch.device) -> None:
         extra = min(mean, shape.max_commit) - 1
         self.whole, self.fraction = int(extra), extra - int(extra)
-        self.max_depth = shape.max_commit - 1
         self.nodes = torch.arange(shape.width, device=device)  # [W]
         self.no_ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
 
     def accept(
         self,
         drafts: Drafts,
+        step: StepShape,
         seed: torch.Tensor,
         out_lens: torch.Tensor,
         allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``commit_len`` [bs], ``path`` [bs, max_commit]), as accept.py's rules return;
+        """(``commit_len`` [bs], ``path`` [bs, max_commit]), as accept.py's rules return, for
+        a step of shape ``step`` (a chain cut short accepts no more than its drafts);
         ``allowed: [bs, W]`` (``allowed_drafts``; None: every node) bounds the path."""
-        bs = seed.shape[0]
+        bs, max_depth = seed.shape[0], step.max_commit - 1
         u = uniform_at(seed, out_lens, DRAW_SIMULATE, self.no_ids.expand(bs, 1)).squeeze(1)
         accepted = self.whole + (u < self.fraction).to(torch.int64)  # [bs]
         if drafts.parents is None:
+            accepted = accepted.clamp(max=max_depth)
             if allowed is not None:  # the drafts before the first refused one
                 accepted = torch.minimum(accepted, allowed[:, 1:].cumprod(dim=1).sum(dim=1))
-            return accepted + 1, self.nodes[: self.max_depth + 1].expand(bs, -1)
+            return accepted + 1, self.nodes[: max_depth + 1].expand(bs, -1)
         width = self.nodes.shape[0]
         # Each node's first child (the lowest index whose parent it is); a leaf: itself.
         first = torch.full((bs, width), width, dtype=torch.int64, device=seed.device)
@@ -175,7 +179,7 @@ class SimulatedAcceptance:
         node = torch.zeros(bs, dtype=torch.int64, device=seed.device)
         path = [node]
         depth = torch.zeros_like(node)
-        for d in range(self.max_depth):
+        for d in range(max_depth):
             child = first.gather(1, node.unsqueeze(1)).squeeze(1)
             moves = (d < accepted) & (child != node)
             if allowed is not None:

@@ -33,7 +33,6 @@ class SpecCounters:
 
 class SchedulerStats:
     def __init__(self, shape: StepShape) -> None:
-        self.shape = shape
         self.finished_by_reason: dict[str, int] = {}
         # Without speculation nothing is drafted: no positions, never recorded.
         self.spec = SpecCounters(shape.max_commit - 1)
@@ -41,9 +40,9 @@ class SchedulerStats:
     def finished(self, reason: str) -> None:
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
 
-    def verified(self, accepted: int) -> None:
-        """One speculative row's verify result applied: ``accepted`` of its drafts."""
-        self.spec.record(self.shape.width - 1, accepted)
+    def verified(self, drafted: int, accepted: int) -> None:
+        """One speculative row's verify result applied: ``accepted`` of its ``drafted``."""
+        self.spec.record(drafted, accepted)
 
     def snapshot(self, running: int, waiting: int, cache: PrefixCache) -> Counters:
         spec = self.spec

@@ -68,7 +68,7 @@ class OutputProcessor:
             req.scheduled_len -= unused
             req.scheduled_outputs -= unused
         if planned.plan.drafting:
-            self.stats.verified(len(tokens) - 1)
+            self.stats.verified(planned.plan.q_lens[0] - 1, len(tokens) - 1)
             self.policy.observe(req, len(tokens))
             req.spec_drafts += 1
             req.spec_accepted_tokens += len(tokens) - 1

@@ -14,6 +14,9 @@ processing it takes back what was not committed (outputs.py). Pages cover the bo
 step's ``kv_span``; the device reads the exact lengths from its relay. A plain step (the
 drafting policy's choice on a speculative engine, drafting.py; every step without
 speculation) has width 1 and commits exactly one token a row: it adds 1 and pages cover 1.
+A drafting batch of a chain whose rows all cap their drafts (``Request.max_drafts``) below the
+engine's depth runs the chain cut to the largest cap (``SchedulerLimits.shorter_chains``):
+drafts no row may commit are neither drafted nor verified.
 
 A row that draws under a grammar (daemon/grammar/) needs the state its committed tokens
 reach. Where ``SchedulerLimits.late_masks`` says (one rank) a decode batch takes it even with
@@ -39,7 +42,7 @@ from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.pages import PageDelta, PageManager
 from outrider.daemon.scheduler.request import Request
 from outrider.daemon.scheduler.slots import SlotTable
-from outrider.plugins.api import StepShape
+from outrider.plugins.api import NO_DRAFT, StepShape
 
 
 @dataclass
@@ -228,9 +231,8 @@ class Planner:
         candidates = pool if drafting or not late else ready
         if not candidates:
             return None
-        width, span, max_commit = (
-            (shape.width, shape.kv_span, shape.max_commit) if drafting else (1, 1, 1)
-        )
+        step = self._drafting_shape(candidates) if drafting else NO_DRAFT
+        width, span, max_commit = step.width, step.kv_span, step.max_commit
         rows: list[Request] = []
         for req in candidates:
             # NOTE: growing a row may retract requests later in this list: they have no slot
@@ -271,6 +273,15 @@ class Planner:
             masks=masks,
         )
         return Planned(plan, rows, max_commit, grammar)
+
+    def _drafting_shape(self, rows: list[Request]) -> StepShape:
+        """The engine's shape, or its chain cut to the largest draft cap of ``rows`` where
+        every row caps its drafts below the engine's depth."""
+        shape = self.shape
+        if not self.limits.shorter_chains:
+            return shape
+        caps = [shape.depth if r.max_drafts is None else r.max_drafts for r in rows]
+        return shape.cut(min(max(caps), shape.depth) + 1)
 
     def _scheduled_to_end(self, req: Request) -> bool:
         """Launched steps already produce this request's last possible token."""

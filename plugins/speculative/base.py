@@ -140,6 +140,9 @@ class DecodeView:
     # under a graph's capture.
     host_starts: tuple[int, ...] | None = None
     guide: DraftGuide | None = None  # where rows draw under a grammar (module docstring)
+    # The drafts each row takes this step: its shape's ``width - 1``, fewer where the engine
+    # cuts a chain short (a worker with ``shorter_chains``), 0 in a plain step.
+    drafts: int = 0
 
     @property
     def bs(self) -> int:
@@ -194,6 +197,10 @@ class SpeculativeWorker(ABC):
     # ``after_extend`` nor a plain step's catch-up runs for it; a batch of such rows calls no
     # worker hook at all.
     draft_state: bool = True
+    # The worker drafts a chain of any depth up to its shape's, as each step asks
+    # (``DecodeView.drafts``): the engine may then choose a chain's depth per batch. False:
+    # every drafting step takes the shape's drafts. A tree or a block is never cut.
+    shorter_chains: bool = False
 
     def __init__(self, ctx: WorkerContext, options: Any) -> None:
         self.ctx = ctx

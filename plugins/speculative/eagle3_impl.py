@@ -64,6 +64,7 @@ from outrider.plugins.speculative.tree import best, select_tree
 
 class Eagle3Worker(SpeculativeWorker):
     prefix_margin_pages = 1
+    shorter_chains = True  # a chain's (K = 1); a tree keeps its shape
 
     def __init__(self, ctx: WorkerContext, options: DraftOptions) -> None:
         super().__init__(ctx, options)
@@ -125,6 +126,7 @@ class Eagle3Worker(SpeculativeWorker):
 
     def draft(self, view: DecodeView) -> Drafts:
         bs, k = view.bs, self.topk
+        depth = self.depth if k > 1 else view.drafts  # a chain may be cut short
         y = self.feat[view.slots].unsqueeze(1)  # [bs, 1, H]: the root's row
         # Under a grammar: the drafts on each frontier node's path, itself included.
         paths = view.roots.new_empty(bs, 1, 0) if view.guide is not None else None
@@ -133,8 +135,8 @@ class Eagle3Worker(SpeculativeWorker):
         cand_tokens, cand_scores, probs = [token], [score], [q]
         cand_parents = [torch.full_like(token, -1)]
         node = self.node_offsets.expand(bs, k)  # [bs, K]: the frontier's candidate indices
-        ancestors = torch.zeros(bs, k, (self.depth - 1) * k, dtype=torch.bool, device=y.device)
-        for step in range(1, self.depth):
+        ancestors = torch.zeros(bs, k, (depth - 1) * k, dtype=torch.bool, device=y.device)
+        for step in range(1, depth):
             first = (step - 1) * k  # this step's node slots: seq + first ..
             ancestors[:, :, first : first + k] |= torch.eye(k, dtype=torch.bool, device=y.device)
             if paths is not None:  # the next places' paths, on the host while the forward runs

@@ -30,6 +30,8 @@ from outrider.plugins.speculative.ngram import NgramOptions
 
 
 class NgramWorker(SpeculativeWorker):
+    shorter_chains = True
+
     @classmethod
     def draft_logit_rows(cls, shape: StepShape) -> int:
         return 0  # drafts are read from the history: no logits
@@ -55,7 +57,8 @@ class NgramWorker(SpeculativeWorker):
         end, found = self._latest_longest_match(history)  # [bs], [bs]
         last = history.shape[1] - 1
         # The tokens after the match; past the root the history ends: repeat the root.
-        index = (end.unsqueeze(1) + self.draft_offsets).clamp_(max=last)  # [bs, W - 1]
+        offsets = self.draft_offsets[: view.drafts]
+        index = (end.unsqueeze(1) + offsets).clamp_(max=last)  # [bs, W - 1]
         drafts = history.gather(1, index)
         # NOTE: the table of a row that does not feed it (the drafting policy's unfed rows,
         # which a mixed batch drafts for) holds -1 or stale tokens: never draft a -1.

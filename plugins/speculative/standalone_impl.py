@@ -38,6 +38,8 @@ from outrider.plugins.speculative.sampled import coupled_scores
 
 
 class StandaloneWorker(SpeculativeWorker):
+    shorter_chains = True
+
     def __init__(self, ctx: WorkerContext, options: DraftOptions) -> None:
         super().__init__(ctx, options)
         draft = ModelConfig.from_pretrained(ctx.draft_model)
@@ -82,7 +84,7 @@ class StandaloneWorker(SpeculativeWorker):
         if sampling.all_greedy:
             mode = "argmax"
         token, drafts, probs = view.roots, list[torch.Tensor](), list[torch.Tensor]()
-        for k in range(self.shape.width - 1):
+        for k in range(view.drafts):
             path = _path(view, drafts)
             if path is not None and k:  # on the host while the forward runs
                 assert view.guide is not None
