@@ -34,6 +34,9 @@ from outrider.plugins.sampling_spec import SamplingSpec
 
 debug_checks = debug_checks_fixture()
 
+WIDTH = 4  # the policy's engine verifies a root and 3 drafts a row
+CUT = {"ngram", "eagle3 chain", "standalone"}  # the engine may cut their chains short
+
 # --- the policy ---------------------------------------------------------------------------
 
 
@@ -56,7 +59,7 @@ def _req(rid: int, temperature: float = 0.0) -> Request:
 
 
 def _policy(break_even: BreakEven, **settings: int | float) -> AdaptiveDrafting:
-    return AdaptiveDrafting(AdaptiveSettings(break_even, **settings))
+    return AdaptiveDrafting(AdaptiveSettings(break_even, **settings), WIDTH)
 
 
 def _mean(policy: AdaptiveDrafting, kind: int) -> tuple[float, int]:
@@ -122,7 +125,7 @@ def test_the_probe_cap_keeps_probes_near_one_percent_of_plain_time() -> None:
     assert probe_cap(BreakEven((1, 4), (1.5, 2.0), (2.5, 3.0), resume=0.5)) == 250
     assert probe_cap(BreakEven.fixed(1.2)) == 64  # 20, the least cap
     assert probe_cap(BreakEven.fixed(20.0)) == 1024  # 1,900, the most
-    assert AdaptiveDrafting(AdaptiveSettings(BreakEven.fixed(3.0))).max_probe_every == 200
+    assert AdaptiveDrafting(AdaptiveSettings(BreakEven.fixed(3.0)), WIDTH).max_probe_every == 200
     assert _policy(BreakEven.fixed(3.0), max_probe_every=8).max_probe_every == 8
 
 
@@ -289,6 +292,58 @@ def test_the_break_even_depends_on_the_batch_size_and_kind() -> None:
     assert not policy.drafting([sampled]) and not policy.drafting([rows[0], sampled])
 
 
+def _cut_policy() -> tuple[AdaptiveDrafting, Request]:
+    """A chain of 3 drafts measured cut at 1 and 2; greedy steps of the whole chain accepted
+    position by position at 8 / 10, 4 / 8 and 2 / 4 (accepted drafts 1.4 a step on average:
+    0.8 at one draft, 1.2 at two). Returns it, and a fresh greedy request."""
+    break_even = BreakEven(
+        (1, 256), (1.5, 2.6), (1.5, 2.6), cut_greedy=((1.2, 1.5), (1.35, 2.0)),
+        cut_sampled=((1.2, 1.5), (1.35, 2.0)),
+    )  # fmt: skip
+    policy = _policy(break_even)
+    first = _req(0)
+    for commit_len in (1, 1, 2, 2, 2, 2, 3, 3, 4, 4):
+        policy.observe(first, commit_len, 3)
+    assert _mean(policy, 0) == (pytest.approx(2.4), 10)
+    return policy, _req(1)
+
+
+def test_a_batch_drafts_at_the_depth_that_gains_most_over_its_break_even() -> None:
+    """At one row, 2.4 at 3 drafts over 1.5 (1.6) loses to 2.2 at 2 over 1.35 (1.63); at 256
+    rows the whole chain does not pay (2.4 < 2.6), one draft pays most (1.8 / 1.5); a row
+    capped at one draft counts what one draft commits at every depth."""
+    policy, row = _cut_policy()
+    assert policy.widths == (4, 3, 2)
+    row.tau_estimate = 2.4
+    assert policy.commits(row, 2.4, 2) == pytest.approx(2.2)
+    assert policy.width([row]) == 3
+    assert policy.width([row] * 256) == 2
+    capped = _req(2)
+    capped.tau_estimate, capped.max_drafts = 2.4, 1
+    assert [policy.commits(capped, 2.4, d) for d in (3, 2, 1)] == [pytest.approx(1.8)] * 3
+    assert policy.width([capped]) == 2  # 1.8 / 1.2 beats 1.8 / 1.35 and 1.8 / 1.5
+    row.tau_estimate = 1.3  # 1.17 at one draft: no depth pays
+    assert policy.width([row] * 256) == 1
+    # Feeding pays from the depth that needs the least: 1 + 0.5 / (0.8 / 1.4) at one draft.
+    assert policy.feeding_pays_from(row, 256) == pytest.approx(1.875)
+    assert policy.feeding_pays_from(row, 1) == pytest.approx(1 + 0.2 / (0.8 / 1.4))
+
+
+def test_a_shorter_chains_commits_count_at_the_whole_depth() -> None:
+    """A step of one draft that accepted it counts as 1 + 1 / (0.8 / 1.4) = 2.75 at three
+    drafts (the share one draft keeps of the kind's accepted drafts); a row whose cap turned
+    speculation off counts nothing."""
+    policy, row = _cut_policy()
+    policy.observe(row, 2, 1)
+    assert policy.positions[0].tried == [11, 8, 4] and policy.positions[0].kept == [9, 4, 2]
+    assert row.tau_estimate == pytest.approx(0.7 * 2.4 + 0.3 * 2.75)
+    assert _mean(policy, 0) == (pytest.approx(2.4 + 0.35 / 11), 11)
+    off = _req(3)
+    off.max_drafts = 0
+    policy.observe(off, 1, 0)
+    assert off.tau_estimate == 0.0 and _mean(policy, 0)[1] == 11
+
+
 def test_start_keys_hold_plain_graphs_beside_the_cycles() -> None:
     graphs = DecodeGraphs(2, 64, 20, 2, widths=(1, 4))
     keys = graphs.start_keys()
@@ -338,11 +393,16 @@ def test_alternating_plain_and_drafting_steps_keep_every_token(
     engine = engine_for(
         speculative_dirs["target"], no_overlap=not overlap, **_settings(speculative_dirs, algorithm)
     )
-    policy = AlternateDrafting()
+    # A chain the engine cuts drafts at every depth in turn: each step's own verify and
+    # catch-up, and the same tokens.
+    shape = engine.loop.runner.shape
+    widths = tuple(chain.width for chain in shape.chains()) if algorithm in CUT else (shape.width,)
+    policy = AlternateDrafting(widths)
     engine.scheduler.use_policy(policy)
     outcomes = run(engine, _workload(), stagger=2)
     assert tokens_of(outcomes) == expected
-    assert True in policy.decisions and False in policy.decisions
+    assert set(policy.decisions) == {1, *widths}
+    assert len(widths) == (shape.width - 1 if algorithm in CUT else 1)
     # Only drafting steps count as verifies.
     drafting_rows = engine.scheduler.counters().spec_drafts
     usage = [o.finish.usage for o in outcomes.values()]
@@ -350,16 +410,42 @@ def test_alternating_plain_and_drafting_steps_keep_every_token(
     assert all(u.spec_drafts < u.completion_tokens - 1 for u in usage)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_a_policy_that_cuts_the_chain_keeps_every_token(
+    speculative_dirs: dict[str, str], expected: dict[int, list[int]], overlap: bool
+) -> None:
+    """Where only one draft pays (the whole chain and two drafts break even at 10), batches
+    of observed rows draft one token a row: the first cycles (nothing observed: every depth
+    ties, the deepest wins) draft three, the rest one; the tokens stay the target's."""
+    engine = engine_for(
+        speculative_dirs["target"], no_overlap=not overlap,
+        **_settings(speculative_dirs, "eagle3 chain"),
+    )  # fmt: skip
+    never = (10.0,)
+    break_even = BreakEven(
+        (1,), never, never, cut_greedy=((1.0,), never), cut_sampled=((1.0,), never)
+    )
+    policy = _policy(break_even)
+    engine.scheduler.use_policy(policy)
+    outcomes = run(engine, _workload(), stagger=2)
+    assert tokens_of(outcomes) == expected
+    counters = engine.scheduler.counters()
+    extra = counters.spec_draft_tokens - counters.spec_drafts  # past one draft a row
+    assert extra % 2 == 0  # every row drafted 1 or 3 (two never pays)
+    whole = extra // 2  # rows of 3 drafts
+    assert 0 < whole < counters.spec_drafts - whole  # some rows drafted 3, more drafted 1
+
+
 class FeedingNothing:
     """No request feeds the draft, and no batch drafts."""
 
-    def drafting(self, rows: list[Request]) -> bool:
-        return False
+    def width(self, rows: list[Request]) -> int:
+        return 1
 
     def feeds(self, req: Request, others: int) -> bool:
         return False
 
-    def observe(self, req: Request, commit_len: int) -> None:
+    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
         pass
 
 
@@ -367,8 +453,8 @@ class RecordingFeeds(FixedDrafting):
     """Every batch drafts and every request feeds the draft; the batch each request was
     admitted into is recorded (``others``)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
         self.others: list[int] = []
 
     def feeds(self, req: Request, others: int) -> bool:
@@ -385,7 +471,7 @@ def test_a_request_feeds_the_draft_by_the_batch_it_joins(
     (five others, not 0, 1, .. 5), at most a full batch beside it."""
     settings = _settings(speculative_dirs, "eagle3 chain")
     engine = engine_for(speculative_dirs["target"], max_running=max_running, **settings)
-    policy = RecordingFeeds()
+    policy = RecordingFeeds(engine.loop.runner.shape.width)
     engine.scheduler.use_policy(policy)
     run(engine, _workload())
     assert policy.others == others
@@ -412,7 +498,7 @@ def test_requests_not_feeding_the_draft_run_the_targets_steps_alone(
     assert runner.deferred is None or not any(runner.deferred.pending)
     assert cache.nodes and not any(node.drafted for node in cache.nodes.values())
     hits = cache.hits
-    engine.scheduler.use_policy(FixedDrafting())
+    engine.scheduler.use_policy(FixedDrafting(runner.shape.width))
     fed = run(engine, _workload(first_rid=100), stagger=2)
     assert {rid - 100: tokens for rid, tokens in tokens_of(fed).items()} == expected
     assert cache.hits == hits and calls["draft"] > 0
@@ -472,14 +558,23 @@ def test_the_break_even_is_measured_at_start_by_default(
     assert "batch 1, 4, 164-token prompts" in caplog.text
     assert break_even.resume >= 0.0 and "resuming it after plain steps costs" in caplog.text
     assert break_even.unfed >= 1.0 and "a plain step costs" in caplog.text
-    ngram = engine_for(
-        speculative_dirs["target"],
-        speculative_min_acceptance=-1.0,
-        **_settings(speculative_dirs, "ngram"),
-    )
+    assert break_even.cut_greedy == () and policy.widths == (engine.loop.runner.shape.width,)
+    with caplog.at_level(logging.INFO, "outrider.engine"):
+        ngram = engine_for(
+            speculative_dirs["target"],
+            speculative_min_acceptance=-1.0,
+            **_settings(speculative_dirs, "ngram"),
+        )
     assert isinstance(ngram.scheduler.policy, AdaptiveDrafting)
     assert ngram.scheduler.policy.settings.break_even.resume == 0.0
     assert ngram.scheduler.policy.settings.break_even.unfed >= 1.0
+    # n-gram's chain is cut: every depth below its own is timed too.
+    depth, cut = ngram.loop.runner.shape.depth, ngram.scheduler.policy.settings.break_even
+    assert len(cut.cut_greedy) == len(cut.cut_sampled) == depth - 1 > 1
+    assert all(len(taus) == 2 and min(taus) >= 1.0 for taus in cut.cut_greedy + cut.cut_sampled)
+    assert ngram.scheduler.policy.widths == tuple(range(depth + 1, 1, -1))
+    for drafts in range(1, depth + 1):
+        assert f"drafting {drafts} tokens a row pays from" in caplog.text
     counters = engine.scheduler.counters()  # the timing left nothing behind
     assert (counters.running, counters.waiting, counters.spec_drafts) == (0, 0, 0)
     plain = engine_for(speculative_dirs["target"], speculative_min_acceptance=-1.0)

@@ -358,7 +358,7 @@ def test_graphs_of_requests_not_feeding_the_draft_give_the_eager_tokens(
         widths = (runner.shape.width, 1)
         runner.graphs = EagerGraphs(MAX_RUNNING, 256, 20, runner.slots.scratch_slot, widths=widths)
     for built in (graphed, eager):
-        built.scheduler.use_policy(FeedingBelow(4))
+        built.scheduler.use_policy(FeedingBelow(4, runner.shape.width))
     assert_same_outputs(graphed, eager)
     graphs = runner.graphs
     assert graphs is not None
@@ -370,19 +370,19 @@ class FeedingBelow:
     """Requests below rid ``end`` feed the draft; a batch with a fed row drafts every other
     time, one without never."""
 
-    def __init__(self, end: int) -> None:
-        self.end, self.batches = end, 0
+    def __init__(self, end: int, width: int) -> None:
+        self.end, self.full, self.batches = end, width, 0
 
-    def drafting(self, rows: list[Request]) -> bool:
+    def width(self, rows: list[Request]) -> int:
         if all(req.fed is False for req in rows):
-            return False
+            return 1
         self.batches += 1
-        return self.batches % 2 == 0
+        return self.full if self.batches % 2 == 0 else 1
 
     def feeds(self, req: Request, others: int) -> bool:
         return req.rid < self.end
 
-    def observe(self, req: Request, commit_len: int) -> None:
+    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
         pass
 
 

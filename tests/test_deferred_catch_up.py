@@ -204,17 +204,17 @@ ALGORITHMS = {name: flags for name, flags in DRAFT_ALGORITHMS.items() if name !=
 class EveryNth:
     """Every ``n``-th decode batch drafts: plain stretches longer than a small buffer."""
 
-    def __init__(self, n: int) -> None:
-        self.n, self.batches = n, 0
+    def __init__(self, n: int, width: int) -> None:
+        self.n, self.full, self.batches = n, width, 0
 
-    def drafting(self, rows: list[Request]) -> bool:
+    def width(self, rows: list[Request]) -> int:
         self.batches += 1
-        return self.batches % self.n == 0
+        return self.full if self.batches % self.n == 0 else 1
 
     def feeds(self, req: Request, others: int) -> bool:
         return True
 
-    def observe(self, req: Request, commit_len: int) -> None:
+    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
         pass
 
 
@@ -324,7 +324,7 @@ def test_deferred_catch_up_leaves_the_draft_where_catching_up_at_once_does(
         if device.startswith("cpu-") and runner.deferred is not None:
             runner.graphs = EagerCatchUpGraphs(8, capacity)
             _record_splits(runner.deferred, split_counts)
-        engine.scheduler.use_policy(EveryNth(7))
+        engine.scheduler.use_policy(EveryNth(7, runner.shape.width))
         drafts.append(_recorded(engine))
         tokens.append(tokens_of(run(engine, _workload(shortest=shortest), stagger=2)))
         tokens[-1] |= tokens_of(run(engine, _workload(10, shortest)[:2]))
@@ -364,7 +364,7 @@ def test_plain_steps_buffer_instead_of_running_the_draft(speculative_dirs: dict[
         speculative_config=json.dumps({"deferred_catch_up": 32}),
         **settings,
     )
-    engine.scheduler.use_policy(EveryNth(10**9))
+    engine.scheduler.use_policy(EveryNth(10**9, engine.loop.runner.shape.width))
     worker = engine.loop.runner.worker
     calls: list[int] = []
     run_draft = worker._run  # type: ignore[attr-defined]

@@ -93,19 +93,20 @@ def _count_rows(engine: Engine) -> tuple[Counter[str], Counter[str]]:
 
 
 class EveryOtherBatchDrafts:
-    """A drafting policy: every other decode batch drafts; every request feeds the draft."""
+    """A drafting policy: every other decode batch drafts ``width`` tokens a row; every
+    request feeds the draft."""
 
-    def __init__(self) -> None:
-        self.batches = 0
+    def __init__(self, width: int) -> None:
+        self.full, self.batches = width, 0
 
-    def drafting(self, rows: list[Request]) -> bool:
+    def width(self, rows: list[Request]) -> int:
         self.batches += 1
-        return self.batches % 2 == 0
+        return self.full if self.batches % 2 == 0 else 1
 
     def feeds(self, req: Request, others: int) -> bool:
         return True
 
-    def observe(self, req: Request, commit_len: int) -> None:
+    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
         pass
 
 
@@ -148,7 +149,7 @@ def test_steps_with_grammar_rows_replay_graphs_in_segments(
     assert runner.graphs is not None and eager.loop.runner.graphs is None
     if algorithm != "none":
         for built in (graphed, eager):
-            built.scheduler.use_policy(EveryOtherBatchDrafts())
+            built.scheduler.use_policy(EveryOtherBatchDrafts(runner.shape.width))
     for temperature in (0.0, 1.0):
         expected = run(eager, grammar_requests(temperature), grammars=grammars)
         outcomes = run(graphed, grammar_requests(temperature), grammars=grammars)

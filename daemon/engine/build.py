@@ -21,6 +21,7 @@ from outrider.daemon.engine.drafting_setup import (
     adapts,
     cuts_chains,
     drafting_policy,
+    drafting_widths,
     speculative_plugin,
 )
 from outrider.daemon.engine.follower import Follower
@@ -152,10 +153,11 @@ def build_engine(
         overlap=config.overlap,
         check_kv=bool(debug_knob("OUTRIDER_DEBUG_KV_CHECK")),
     )
-    if adapts(config, shape):  # plain steps too, before READY
-        loop.scheduler.use_policy(AlternateDrafting())
+    widths = drafting_widths(config, shape, runner.worker)
+    if adapts(config, shape):  # plain steps and every chain depth too, before READY
+        loop.scheduler.use_policy(AlternateDrafting(widths[:-1]))
     _warm_up(loop)
-    policy = drafting_policy(config, shape, loop, plan.pool_tokens)
+    policy = drafting_policy(config, shape, widths, loop, plan.pool_tokens)
     _enable_debug_checks(runner)
     # Forget the warm-up's cache entries and counters.
     loop.scheduler = new_scheduler(policy)
@@ -315,7 +317,7 @@ def _build_runner(
         plan,
         vocab_limit,
         config.max_running,
-        (shape.width, 1) if adaptive else (shape.width,),
+        drafting_widths(config, shape, worker),
         worker.deferred_positions,
         unfed_plain=adaptive and worker.draft_state,
     )

@@ -2,8 +2,10 @@
 at which drafting pays (``BreakEven``, scheduler/drafting.py), per batch size, for greedy and
 for sampled batches.
 
-At each size a batch of requests decodes through the loop, first drafting every step, then
-plain; the ratio of their turns' times is the break-even acceptance length.
+At each size a batch of requests decodes through the loop, first drafting every step (at each
+drafting width: the engine's, then its chain cut to every depth below where it cuts one), then
+plain; the ratio of a width's turns' times to the plain ones' is its break-even acceptance
+length.
 
 - On the CPU a turn is the fastest one's time in the loop thread's CPU time: other work on the
   host only ever slows a turn down, and an oversubscribed host stretches wall time in a way no
@@ -68,14 +70,18 @@ PLAIN_BEFORE_RESUME = 2  # plain turns before each: a plain step in flight, posi
 SAMPLED_TEMPERATURE = 1.0
 
 
-def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> BreakEven:
-    """The break-even acceptance length at each measurable size (``loop`` is left idle, its
+def measure_break_even(
+    loop: EngineLoop, shape: StepShape, widths: tuple[int, ...], pool_tokens: int
+) -> BreakEven:
+    """The break-even acceptance length at each measurable size, for each drafting width of
+    ``widths`` (the engine's first, then its chain cut short; ``loop`` is left idle, its
     prefix cache holding the timing's prompt)."""
     started = time.perf_counter()
     limits, page_size = loop.scheduler.planner.limits, loop.scheduler.pages.page_size
-    # Per mode: one turn that runs the other mode's step in flight, then the timed turns; then
-    # the resumes, each after its plain turns.
-    turns = 2 * (_timed_turns(loop) + 2) + RESUMES * (PLAIN_BEFORE_RESUME + 1)
+    # Per mode (each width, plain): one turn that runs the mode before's step in flight, then
+    # the timed turns; then the resumes, each after its plain turns.
+    modes = len(widths) + 1
+    turns = modes * (_timed_turns(loop) + 2) + RESUMES * (PLAIN_BEFORE_RESUME + 1)
     new_tokens = turns * shape.max_commit
     step_room = 2 * shape.kv_span
     length = max(min(PROMPT, limits.context_length - new_tokens - step_room), 1)
@@ -88,11 +94,14 @@ def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> 
     prompts = timing_prompts(max(sizes), length, loop.runner.limits.vocab_limit)
     # The resume's cost, once: at the smallest size, greedy, where the runner defers catch-ups.
     resume_at = sizes[0] if loop.runner.deferred is not None else 0
-    timed = [_cycle_cost(loop, prompts[:bs], new_tokens, 0.0, bs == resume_at) for bs in sizes]
-    greedy = tuple(ratio for ratio, _ in timed)
-    sampled = tuple(
-        _cycle_cost(loop, prompts[:bs], new_tokens, SAMPLED_TEMPERATURE, False)[0] for bs in sizes
-    )
+    timed = [
+        _cycle_costs(loop, prompts[:bs], new_tokens, 0.0, widths, bs == resume_at) for bs in sizes
+    ]
+    greedy = [ratios for ratios, _ in timed]  # [size][width]
+    sampled = [
+        _cycle_costs(loop, prompts[:bs], new_tokens, SAMPLED_TEMPERATURE, widths, False)[0]
+        for bs in sizes
+    ]
     resume = timed[0][1]
     extras = ""
     if resume_at:
@@ -104,17 +113,29 @@ def measure_break_even(loop: EngineLoop, shape: StepShape, pool_tokens: int) -> 
     if limits.draft_state:  # last: its requests publish pages as lacking the draft's state
         unfed = _unfed_cost(loop, prompts[: sizes[0]], new_tokens)
         extras += f"; a plain step costs {unfed:.2f} of the target's own"
-    log.info(
-        "drafting pays from an acceptance length of %s greedy, %s sampled (batch %s, "
-        "%d-token prompts; the cycle's time over a plain step's)%s; timed in %.1f s",
-        _listed(greedy), _listed(sampled), ", ".join(map(str, sizes)), length, extras,
-        time.perf_counter() - started,
-    )  # fmt: skip
-    return BreakEven(tuple(sizes), greedy, sampled, resume, unfed)
+    for w, width in enumerate(widths):
+        log.info(
+            "drafting %d tokens a row pays from an acceptance length of %s greedy, %s sampled "
+            "(batch %s, %d-token prompts; the cycle's time over a plain step's)%s",
+            width - 1, _listed(greedy, w), _listed(sampled, w), ", ".join(map(str, sizes)),
+            length, extras if w == 0 else "",
+        )  # fmt: skip
+    log.info("drafting timed in %.1f s", time.perf_counter() - started)
+    # A chain of d drafts (below the engine's) is widths[-d]: the deepest come first.
+    cuts = range(len(widths) - 1, 0, -1)
+    return BreakEven(
+        tuple(sizes),
+        tuple(ratios[0] for ratios in greedy),
+        tuple(ratios[0] for ratios in sampled),
+        resume,
+        unfed,
+        cut_greedy=tuple(tuple(ratios[w] for ratios in greedy) for w in cuts),
+        cut_sampled=tuple(tuple(ratios[w] for ratios in sampled) for w in cuts),
+    )
 
 
-def _listed(taus: tuple[float, ...]) -> str:
-    return ", ".join(f"{tau:.2f}" for tau in taus)
+def _listed(taus: list[tuple[float, ...]], w: int) -> str:
+    return ", ".join(f"{ratios[w]:.2f}" for ratios in taus)
 
 
 def timing_prompts(rows: int, length: int, vocab: int) -> list[list[int]]:
@@ -130,9 +151,10 @@ def _timing_batch(
     loop: EngineLoop, prompts: list[list[int]], new_tokens: int, temperature: float
 ) -> Iterator[FixedDrafting]:
     """A row per prompt at ``temperature`` (row ``i`` seeded ``i``) decoding under the yielded
-    policy (drafting); aborted and drained afterwards, the loop's policy restored."""
+    policy (the engine's width first); aborted and drained afterwards, the loop's policy
+    restored."""
     scheduler = loop.scheduler
-    policy = FixedDrafting(on=True)
+    policy = FixedDrafting(loop.runner.shape.width)
     previous = scheduler.policy
     scheduler.use_policy(policy)
     bs = len(prompts)
@@ -153,33 +175,35 @@ def _timing_batch(
         scheduler.use_policy(previous)
 
 
-def _cycle_cost(
+def _cycle_costs(
     loop: EngineLoop,
     prompts: list[list[int]],
     new_tokens: int,
     temperature: float,
+    widths: tuple[int, ...],
     resume: bool,
-) -> tuple[float, float]:
-    """A drafting turn's time over a plain turn's (``_turn_time``), for a row per prompt at
-    ``temperature``; and with ``resume``, what a drafting turn right after plain ones costs
-    beyond a drafting turn, in plain turns (``_resume_time``), else 0."""
+) -> tuple[tuple[float, ...], float]:
+    """A drafting turn's time over a plain turn's (``_turn_time``) at each of ``widths``, for
+    a row per prompt at ``temperature``; and with ``resume``, what a drafting turn of the
+    first width right after plain ones costs beyond one, in plain turns (``_resume_time``),
+    else 0."""
     with _timing_batch(loop, prompts, new_tokens, temperature) as policy:
         turn = {}
-        for drafting in (True, False):
-            policy.on = drafting
+        for width in (*widths, 1):
+            policy.fixed = width
             loop.iterate()
-            turn[drafting] = _turn_time(loop)
+            turn[width] = _turn_time(loop)
         extra = 0.0
         if resume:
-            extra = max(_resume_time(loop, policy) - turn[True], 0.0) / turn[False]
-    return max(turn[True] / turn[False], 1.0), extra
+            extra = max(_resume_time(loop, policy, widths[0]) - turn[widths[0]], 0.0) / turn[1]
+    return tuple(max(turn[width] / turn[1], 1.0) for width in widths), extra
 
 
 def _unfed_cost(loop: EngineLoop, prompts: list[list[int]], new_tokens: int) -> float:
     """A plain turn's time over that of the same greedy rows (a row per prompt) once they stop
     feeding the draft (``Request.fed``; their buffered positions are dropped)."""
     with _timing_batch(loop, prompts, new_tokens, 0.0) as policy:
-        policy.on = False
+        policy.fixed = 1
         loop.iterate()
         plain = _turn_time(loop)
         for req in loop.scheduler.running:
@@ -188,18 +212,18 @@ def _unfed_cost(loop: EngineLoop, prompts: list[list[int]], new_tokens: int) -> 
         return max(plain / _turn_time(loop), 1.0)
 
 
-def _resume_time(loop: EngineLoop, policy: FixedDrafting) -> float:
-    """A drafting turn right after plain turns (their positions buffered), timed as
-    ``_turn_time`` times one turn: the fastest of ``RESUMES`` in thread CPU time on the CPU
+def _resume_time(loop: EngineLoop, policy: FixedDrafting, width: int) -> float:
+    """A drafting turn of ``width`` right after plain turns (their positions buffered), timed
+    as ``_turn_time`` times one turn: the fastest of ``RESUMES`` in thread CPU time on the CPU
     device, else their mean wall time from the end of the plain turn before."""
     cpu = loop.runner.device.type == "cpu"
     clock = time.thread_time if cpu else time.perf_counter
     times = []
     for _ in range(RESUMES):
-        policy.on = False
+        policy.fixed = 1
         for _ in range(PLAIN_BEFORE_RESUME):
             loop.iterate()
-        policy.on = True
+        policy.fixed = width
         started = clock()
         loop.iterate()
         times.append(clock() - started)

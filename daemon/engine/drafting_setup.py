@@ -58,13 +58,36 @@ def adapts(config: ServeConfig, shape: StepShape) -> bool:
     return shape.speculative and config.speculative_min_acceptance != 0
 
 
-def drafting_policy(
-    config: ServeConfig, shape: StepShape, loop: EngineLoop, pool_tokens: int
-) -> DraftPolicy:
-    """Whether decode batches draft (``--speculative-min-acceptance``; scheduler/drafting.py);
-    a negative value measures the break-even with ``loop`` (cycle_cost.py)."""
+def drafting_widths(
+    config: ServeConfig, shape: StepShape, worker: SpeculativeWorker
+) -> tuple[int, ...]:
+    """The widths the drafting policy may give a decode batch, deepest first: the engine's;
+    where the policy measures the break-even (``--speculative-min-acceptance`` below 0) and
+    the engine cuts its chain, that chain at every depth below; and 1 (plain steps) where the
+    policy chooses at all."""
     if not adapts(config, shape):
-        return FixedDrafting()
+        return (shape.width,)
+    measured = config.speculative_min_acceptance < 0 and cuts_chains(shape, worker)
+    chains = shape.chains() if measured else (shape,)
+    return (*(chain.width for chain in chains), 1)
+
+
+def drafting_policy(
+    config: ServeConfig,
+    shape: StepShape,
+    widths: tuple[int, ...],
+    loop: EngineLoop,
+    pool_tokens: int,
+) -> DraftPolicy:
+    """Whether decode batches draft, and how deep (``--speculative-min-acceptance``;
+    scheduler/drafting.py; ``widths``: ``drafting_widths``); a negative value measures the
+    break-even with ``loop`` at each drafting width (cycle_cost.py)."""
+    if not adapts(config, shape):
+        return FixedDrafting(shape.width)
     tau = config.speculative_min_acceptance
-    break_even = BreakEven.fixed(tau) if tau > 0 else measure_break_even(loop, shape, pool_tokens)
-    return AdaptiveDrafting(AdaptiveSettings(break_even))
+    break_even = (
+        BreakEven.fixed(tau)
+        if tau > 0
+        else measure_break_even(loop, shape, widths[:-1], pool_tokens)
+    )
+    return AdaptiveDrafting(AdaptiveSettings(break_even), shape.width)

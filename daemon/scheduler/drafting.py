@@ -8,6 +8,17 @@ kind (greedy, or sampled when any row samples: sampling costs a cycle more, cycl
 measured at start (cycle_cost.py's ``measure_break_even``) or set with
 ``--speculative-min-acceptance`` (0: always draft, the policy off).
 
+How deep: where the engine cuts its chain short (``StepShape.cut``: EAGLE-3 chains, n-gram,
+standalone drafts) and the break-even is measured at every depth, a batch takes the width
+whose expected commit length gains most over its own break-even (a tie: the deeper), and
+drafts where that gain reaches 1. A row's commit length at ``d`` drafts is its estimate at the
+engine's depth scaled by the share of accepted drafts its kind's first ``d`` positions hold
+(``Positions``: per position, the steps that reached it and those that accepted it); a row
+capped lower (``Request.max_drafts``) counts at its cap. A cut chain's commits count back at
+the engine's depth by the same share, so every estimate below is at the engine's depth. Probes
+draft the whole chain (every position measured); a kind drafting cut short measures its
+deeper positions only then.
+
 Estimates, all updated from the commit counts the host sees (outputs.py), per kind of request
 (``kind_of``: greedy, or a temperature band; acceptance differs several-fold between them):
 
@@ -77,8 +88,10 @@ log = logging.getLogger("outrider.scheduler")
 
 
 class DraftPolicy(Protocol):
-    def drafting(self, rows: list[Request]) -> bool:
-        """Whether the decode batch of ``rows`` drafts."""
+    def width(self, rows: list[Request]) -> int:
+        """The tokens each row of the decode batch of ``rows`` verifies: 1, a plain step; the
+        engine's width, a drafting step; or, where the engine cuts its chain short, a
+        chain's of fewer drafts."""
         ...
 
     def feeds(self, req: Request, others: int) -> bool:
@@ -86,45 +99,50 @@ class DraftPolicy(Protocol):
         the draft."""
         ...
 
-    def observe(self, req: Request, commit_len: int) -> None:
-        """A drafting step of ``req`` committed ``commit_len`` tokens (1 + accepted drafts)."""
+    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
+        """A drafting step that offered ``req`` ``drafts`` drafts (its chain's, or its cap)
+        committed ``commit_len`` tokens (1 + accepted drafts)."""
         ...
 
 
 class FixedDrafting:
-    """Every decode batch drafts (``on``: the policy off), or none does (start-up timing)."""
+    """Every decode batch verifies ``width`` tokens a row: the engine's (the policy off),
+    1 (start-up timing: plain steps), or a chain's cut short (timing it)."""
 
-    def __init__(self, on: bool = True) -> None:
-        self.on = on
+    def __init__(self, width: int) -> None:
+        self.fixed = width
 
-    def drafting(self, rows: list[Request]) -> bool:
-        return self.on
+    def width(self, rows: list[Request]) -> int:
+        return self.fixed
 
     def feeds(self, req: Request, others: int) -> bool:
         return True
 
-    def observe(self, req: Request, commit_len: int) -> None:
+    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
         pass
 
 
 class AlternateDrafting:
-    """Every other decode batch drafts and every other request feeds the draft, whatever was
+    """Every other decode batch drafts, through each of ``widths`` in turn (the engine's, and
+    its chain cut short where it cuts), and every other request feeds the draft, whatever was
     accepted: the warm-up before READY runs every kind of step, and tests check that outputs
     do not depend on the choices."""
 
-    def __init__(self) -> None:
-        self.decisions: list[bool] = []
+    def __init__(self, widths: tuple[int, ...]) -> None:
+        self.widths = widths
+        self.decisions: list[int] = []  # the widths chosen
         self.fed: list[bool] = []
 
-    def drafting(self, rows: list[Request]) -> bool:
-        self.decisions.append(len(self.decisions) % 2 == 0)
+    def width(self, rows: list[Request]) -> int:
+        turn = len(self.decisions)
+        self.decisions.append(self.widths[turn // 2 % len(self.widths)] if turn % 2 == 0 else 1)
         return self.decisions[-1]
 
     def feeds(self, req: Request, others: int) -> bool:
         self.fed.append(len(self.fed) % 2 == 0)
         return self.fed[-1]
 
-    def observe(self, req: Request, commit_len: int) -> None:
+    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
         pass
 
 
@@ -154,20 +172,28 @@ def kind_name(kind: int) -> str:
 class BreakEven:
     """The acceptance length at which a cycle pays, by batch size and kind: ``greedy[i]`` and
     ``sampled[i]`` measured at ``sizes[i]`` (ascending); a batch takes the value of the largest
-    size it reaches (the smallest size's below it), ``sampled`` when any row samples."""
+    size it reaches (the smallest size's below it), ``sampled`` when any row samples. Where the
+    engine cuts its chain short, ``cut_greedy[d - 1]`` and ``cut_sampled[d - 1]`` are the same
+    for a chain of ``d`` drafts, each ``d`` below the engine's depth."""
 
     sizes: tuple[int, ...]
     greedy: tuple[float, ...]
     sampled: tuple[float, ...]
     resume: float = 0.0  # what resuming after plain steps costs beyond a cycle, in plain steps
     unfed: float = 1.0  # a plain step's time over the target's own (no row feeding the draft)
+    cut_greedy: tuple[tuple[float, ...], ...] = ()
+    cut_sampled: tuple[tuple[float, ...], ...] = ()
 
     @classmethod
     def fixed(cls, tau: float) -> BreakEven:
         return cls((1,), (tau,), (tau,))
 
-    def at(self, bs: int, all_greedy: bool) -> float:
+    def at(self, bs: int, all_greedy: bool, drafts: int | None = None) -> float:
+        """At a batch of ``bs``, for a chain cut to ``drafts`` where it is measured cut
+        (``cut_greedy``), else (None, or the engine's depth) for the engine's shape."""
         i = max(bisect.bisect_right(self.sizes, bs) - 1, 0)
+        if drafts is not None and drafts <= len(self.cut_greedy):
+            return (self.cut_greedy if all_greedy else self.cut_sampled)[drafts - 1][i]
         return (self.greedy if all_greedy else self.sampled)[i]
 
 
@@ -207,17 +233,56 @@ class KindMean:
     value: float = 0.0
     count: int = 0
 
-    def add(self, commit_len: int, weight: float) -> None:
+    def add(self, commit_len: float, weight: float) -> None:
         self.count += 1
         self.value = _moved(self.value, commit_len, max(weight, 1.0 / self.count))
 
 
-class AdaptiveDrafting:
-    """The policy of the module docstring."""
+@dataclass
+class Positions:
+    """One kind's drafts by position over its drafting steps: ``tried[j]`` counts the steps
+    that verified draft ``j + 1`` with every draft before it accepted, ``kept[j]`` those that
+    accepted it too; their ratio is the position's acceptance rate."""
 
-    def __init__(self, settings: AdaptiveSettings) -> None:
+    tried: list[int]
+    kept: list[int]
+
+    @classmethod
+    def empty(cls, depth: int) -> Positions:
+        return cls([0] * depth, [0] * depth)
+
+    def add(self, accepted: int, drafts: int) -> None:
+        """A step offered ``drafts`` drafts and accepted the first ``accepted``."""
+        for j in range(min(accepted + 1, drafts)):
+            self.tried[j] += 1
+            self.kept[j] += j < accepted
+
+    def reach(self, drafts: int) -> float:
+        """The drafts a chain of ``drafts`` accepts on average: the sum over its positions
+        of the product of the rates up to each (a position never tried: the rate before it,
+        the first's 1)."""
+        total, survive, rate = 0.0, 1.0, 1.0
+        for tried, kept in zip(self.tried[:drafts], self.kept[:drafts], strict=True):
+            if tried:
+                rate = kept / tried
+            survive *= rate
+            total += survive
+        return total
+
+
+class AdaptiveDrafting:
+    """The policy of the module docstring, for an engine whose drafting steps verify
+    ``width`` tokens a row (its chain cut short too where the break-even is measured cut)."""
+
+    def __init__(self, settings: AdaptiveSettings, width: int) -> None:
         self.settings = settings
+        self.depth = width - 1  # the engine's drafts a row
+        cuts = len(settings.break_even.cut_greedy)
+        assert cuts in (0, self.depth - 1), "a cut chain is measured at every depth below"
+        # The widths a drafting step may take, deepest first: a tie keeps the deeper chain.
+        self.widths = (width, *range(cuts + 1, 1, -1))
         self.kind_tau: dict[int, KindMean] = {}  # kinds observed so far
+        self.positions: dict[int, Positions] = {}  # the same kinds, by draft position
         self.probe_every = settings.probe_every
         self.max_probe_every = settings.max_probe_every or probe_cap(settings.break_even)
         self.plain_run = 0  # plain steps in a row
@@ -228,8 +293,8 @@ class AdaptiveDrafting:
         self.kind_feeds: dict[int, bool] = {}  # the last feeding choice of each kind
 
     def estimate(self, req: Request) -> float | None:
-        """``req``'s estimated acceptance length; None while its kind was never observed,
-        and for a probe that has not drafted yet."""
+        """``req``'s estimated acceptance length at the engine's depth; None while its kind
+        was never observed, and for a probe that has not drafted yet."""
         if req.fed is False:
             return 1.0  # its drafts have no context
         if req.tau_estimate > 0.0:
@@ -237,12 +302,37 @@ class AdaptiveDrafting:
         kind = self.kind_tau.get(kind_of(req))
         return kind.value if kind is not None and not req.probe else None
 
+    def share(self, req: Request, drafts: int) -> float:
+        """The part of ``req``'s accepted drafts at the engine's depth that a chain of
+        ``drafts`` keeps (its cap's at most), by its kind's acceptance by position."""
+        if req.max_drafts is not None:
+            drafts = min(drafts, req.max_drafts)
+        if drafts >= self.depth:
+            return 1.0
+        positions = self.positions.get(kind_of(req))
+        whole = 0.0 if positions is None else positions.reach(self.depth)
+        if positions is None or whole <= 0.0:
+            return drafts / self.depth
+        return positions.reach(drafts) / whole
+
+    def commits(self, req: Request, estimate: float, drafts: int) -> float:
+        """``req``'s expected commit length in a chain of ``drafts``, from its ``estimate``
+        at the engine's depth."""
+        return 1.0 + (estimate - 1.0) * self.share(req, drafts)
+
     def feeding_pays_from(self, req: Request, batch: int) -> float:
-        """The acceptance length from which drafting for ``req`` in a batch of ``batch`` pays
-        for feeding the draft: the break-even against the target's own plain step, resumed."""
+        """The acceptance length (at the engine's depth) from which drafting for ``req`` in a
+        batch of ``batch`` pays for feeding the draft, at the width where it pays first: the
+        break-even against the target's own plain step, resumed."""
         break_even = self.settings.break_even
-        pays_from = break_even.at(batch, req.sampling.temperature == 0.0) * break_even.unfed
-        return pays_from + break_even.resume / self.settings.resume_horizon
+        margin = break_even.resume / self.settings.resume_horizon
+        greedy, lowest = req.sampling.temperature == 0.0, float("inf")
+        for width in self.widths:
+            needed = break_even.at(batch, greedy, width - 1) * break_even.unfed + margin
+            share = self.share(req, width - 1)
+            if share > 0.0:
+                lowest = min(lowest, 1.0 + (needed - 1.0) / share)
+        return lowest
 
     def feeds(self, req: Request, others: int) -> bool:
         settings, kind = self.settings, kind_of(req)
@@ -270,30 +360,40 @@ class AdaptiveDrafting:
         return True
 
     def drafting(self, rows: list[Request]) -> bool:
+        """Whether the batch of ``rows`` drafts (``width`` above 1)."""
+        return self.width(rows) > 1
+
+    def width(self, rows: list[Request]) -> int:
         if all(req.fed is False for req in rows):
-            return False
+            return 1
         all_greedy = all(req.sampling.temperature == 0.0 for req in rows)
-        break_even = self.settings.break_even.at(len(rows), all_greedy)
+        break_even = self.settings.break_even
+        margin = 0.0 if self.drafting_run else break_even.resume / self.settings.resume_horizon
         estimates = [self.estimate(req) for req in rows]
-        threshold = break_even
-        if not self.drafting_run:
-            threshold += self.settings.break_even.resume / self.settings.resume_horizon
-        mean = sum(threshold if e is None else e for e in estimates) / len(rows)
-        self.drafting_run = mean >= threshold
+        chosen, gain = self.widths[0], 0.0
+        for width in self.widths:
+            threshold = break_even.at(len(rows), all_greedy, width - 1) + margin
+            mean = sum(
+                threshold if e is None else self.commits(req, e, width - 1)
+                for req, e in zip(rows, estimates, strict=True)
+            ) / len(rows)
+            if mean / threshold > gain:
+                chosen, gain = width, mean / threshold
+        self.drafting_run = gain >= 1.0
         if self.drafting_run:
             self.plain_run = 0
             self.probe_every = self.settings.probe_every
-            return True
+            return chosen
         for req in rows:
             self._demote(req, len(rows))
         if all(req.fed is False for req in rows):
-            return False
-        if self.plain_run >= self.probe_every:
+            return 1
+        if self.plain_run >= self.probe_every:  # a probe: the whole chain, every position
             self.plain_run = 0
             self.probe_every = min(2 * self.probe_every, self.max_probe_every)
-            return True
+            return self.widths[0]
         self.plain_run += 1
-        return False
+        return 1
 
     def _demote(self, req: Request, batch: int) -> None:
         """``req``, in a plain batch of ``batch`` rows, stops feeding the draft where its
@@ -311,14 +411,24 @@ class AdaptiveDrafting:
             mean = kind.value
         req.fed = mean >= self.feeding_pays_from(req, batch)
 
-    def observe(self, req: Request, commit_len: int) -> None:
+    def observe(self, req: Request, commit_len: int, drafts: int | None = None) -> None:
+        """As ``DraftPolicy.observe``; ``drafts`` None: the engine's depth. A shorter chain's
+        commits count at the engine's depth, scaled by the kind's acceptance by position."""
+        drafts = self.depth if drafts is None else drafts
+        if drafts == 0:
+            return  # nothing offered: its cap turned speculation off
+        positions = self.positions.setdefault(kind_of(req), Positions.empty(self.depth))
+        positions.add(commit_len - 1, drafts)
+        value, share = float(commit_len), self.share(req, drafts)
+        if share > 0.0:
+            value = min(1.0 + (commit_len - 1) / share, self.depth + 1.0)
         settings, start = self.settings, self.estimate(req)
         if start is None:
-            req.tau_estimate = float(commit_len)
+            req.tau_estimate = value
         else:
-            req.tau_estimate = _moved(start, commit_len, settings.smoothing)
+            req.tau_estimate = _moved(start, value, settings.smoothing)
         kind = self.kind_tau.setdefault(kind_of(req), KindMean())
-        kind.add(commit_len, settings.engine_smoothing)
+        kind.add(value, settings.engine_smoothing)
 
 
 def _moved(average: float, value: float, weight: float) -> float:

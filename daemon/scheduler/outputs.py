@@ -68,8 +68,10 @@ class OutputProcessor:
             req.scheduled_len -= unused
             req.scheduled_outputs -= unused
         if planned.plan.drafting:
-            self.stats.verified(planned.plan.q_lens[0] - 1, len(tokens) - 1)
-            self.policy.observe(req, len(tokens))
+            drafts = planned.plan.q_lens[0] - 1
+            self.stats.verified(drafts, len(tokens) - 1)
+            offered = drafts if req.max_drafts is None else min(drafts, req.max_drafts)
+            self.policy.observe(req, len(tokens), offered)
             req.spec_drafts += 1
             req.spec_accepted_tokens += len(tokens) - 1
         if not req.output_ids:

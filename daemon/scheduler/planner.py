@@ -222,16 +222,17 @@ class Planner:
         pool = ready if late and grammar_drafts else settled
         shape = self.shape
         constrained = any(r.grammar is not None for r in pool)
-        drafting = (
+        may_draft = (
             shape.speculative
             and any(r.max_drafts != 0 for r in pool)  # not all turned speculation off
             and (grammar_drafts or not constrained)
-            and self.policy.drafting(pool)
         )
+        policy_width = self.policy.width(pool) if may_draft else 1
+        drafting = policy_width > 1
         candidates = pool if drafting or not late else ready
         if not candidates:
             return None
-        step = self._drafting_shape(candidates) if drafting else NO_DRAFT
+        step = self._drafting_shape(candidates, policy_width) if drafting else NO_DRAFT
         width, span, max_commit = step.width, step.kv_span, step.max_commit
         rows: list[Request] = []
         for req in candidates:
@@ -274,14 +275,14 @@ class Planner:
         )
         return Planned(plan, rows, max_commit, grammar)
 
-    def _drafting_shape(self, rows: list[Request]) -> StepShape:
-        """The engine's shape, or its chain cut to the largest draft cap of ``rows`` where
-        every row caps its drafts below the engine's depth."""
+    def _drafting_shape(self, rows: list[Request], width: int) -> StepShape:
+        """The shape of ``width`` the policy chose, cut to the largest draft cap of ``rows``
+        where every row caps its drafts lower and the engine cuts its chain."""
         shape = self.shape
         if not self.limits.shorter_chains:
-            return shape
+            return shape.cut(width)
         caps = [shape.depth if r.max_drafts is None else r.max_drafts for r in rows]
-        return shape.cut(min(max(caps), shape.depth) + 1)
+        return shape.cut(min(max(caps) + 1, width))
 
     def _scheduled_to_end(self, req: Request) -> bool:
         """Launched steps already produce this request's last possible token."""

@@ -54,7 +54,7 @@ class Scheduler:
         ``policy``: whether a decode batch drafts (default: always, when speculative);
         ``drill`` (debug): retractions on a schedule (drill.py)."""
         self.cache = cache
-        self.policy = policy if policy is not None else FixedDrafting()
+        self.policy = policy if policy is not None else FixedDrafting(shape.width)
         self.slots = SlotTable(limits.max_running)
         self.pages = PageManager(cache, limits.max_pages_per_request, limits.prefix_margin_pages)
         self.admission = Admission(self.slots, self.pages, shape)
