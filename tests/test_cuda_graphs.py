@@ -48,6 +48,7 @@ from outrider.daemon.engine.memory_plan import (
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.daemon.internal import TokenizedRequest
+from outrider.daemon.scheduler.drafting import AlternateDrafting
 from outrider.daemon.scheduler.request import Request
 from outrider.plugins.models.config import ModelConfig
 from outrider.plugins.registry import ResolvedPlugins, discover
@@ -364,6 +365,31 @@ def test_graphs_of_requests_not_feeding_the_draft_give_the_eager_tokens(
     assert graphs is not None
     assert {key.fed for key in graphs.graphs if key.width == 1} == {True, False}
     assert all(key.fed for key in graphs.graphs if key.width > 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("algorithm", ["eagle3 chain", "ngram"])
+def test_graphs_of_a_chain_cut_short_give_the_eager_tokens(
+    speculative_dirs: dict[str, str], algorithm: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafting batches take the chain at each depth in turn (plain steps between): each
+    width replays its own graph; the tokens and counters are the eager engine's (on the CPU
+    through the runner's capture path, replayed eagerly)."""
+    monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
+    graphed = engine(speculative_dirs, algorithm, device=device)
+    eager = engine(speculative_dirs, algorithm, device=device, disable_cuda_graph=True)
+    runner = graphed.loop.runner
+    widths = tuple(chain.width for chain in runner.shape.chains())
+    assert len(widths) == runner.shape.width - 1 > 2
+    if device == "cpu":
+        runner.graphs = EagerGraphs(
+            MAX_RUNNING, 256, 20, runner.slots.scratch_slot, widths=(*widths, 1)
+        )
+    for built in (graphed, eager):
+        built.scheduler.use_policy(AlternateDrafting(widths))
+    assert_same_outputs(graphed, eager)
+    assert runner.graphs is not None
+    assert {key.width for key in runner.graphs.graphs} == {*widths, 1}
 
 
 class FeedingBelow:
