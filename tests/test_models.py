@@ -29,7 +29,8 @@ from outrider.plugins.models.loader import (
     load_model,
 )
 from outrider.plugins.models.registry import model_class
-from outrider.plugins.models.rope import RopeConfig, rope_inv_freq
+from outrider.plugins.models.rope import rope_inv_freq
+from outrider.plugins.models.rope_config import RopeConfig
 from outrider.plugins.registry import named_spec
 
 REFERENCE = Path(__file__).parent / "fixtures" / "configs"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from outrider.plugins.models.fp8.config import FP8_EXPERTS_REFUSAL, Fp8Config, parse_quantization
-from outrider.plugins.models.rope import RopeConfig, parse_rope
+from outrider.plugins.models.rope_config import RopeConfig, parse_rope
 
 log = logging.getLogger(__name__)
 

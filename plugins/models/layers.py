@@ -37,7 +37,7 @@ from outrider.plugins.models.rope import rope_inv_freq
 if TYPE_CHECKING:
     from outrider.plugins.device import ForwardBatch
     from outrider.plugins.models.config import ModelConfig
-    from outrider.plugins.models.rope import RopeConfig
+    from outrider.plugins.models.rope_config import RopeConfig
 
 
 class RMSNorm(nn.Module, UsesKernels):
