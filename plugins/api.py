@@ -157,7 +157,7 @@ class StepShape:
         return StepShape(width=width, depth=width - 1, topk=1)
 
     def chains(self) -> tuple[StepShape, ...]:
-        """This chain at every depth, deepest first (a tree or a block: itself alone)."""
+        """This chain at every depth, deepest first (a tree: itself alone)."""
         if self.tree or not self.speculative:
             return (self,)
         return tuple(self.cut(width) for width in range(self.width, 1, -1))

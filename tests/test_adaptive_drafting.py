@@ -35,7 +35,7 @@ from outrider.plugins.sampling_spec import SamplingSpec
 debug_checks = debug_checks_fixture()
 
 WIDTH = 4  # the policy's engine verifies a root and 3 drafts a row
-CUT = {"ngram", "eagle3 chain", "standalone"}  # the engine may cut their chains short
+CUT = {"ngram", "eagle3 chain", "standalone", "dflash"}  # the engine may cut their chains short
 
 # --- the policy ---------------------------------------------------------------------------
 
@@ -539,10 +539,10 @@ def test_the_policy_stops_drafting_where_acceptance_does_not_pay(
 def test_the_break_even_is_measured_at_start_by_default(
     speculative_dirs: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Greedy and sampled, at a prompt of 164 tokens: the tiny target's context of 256 less
-    the timing's own tokens (DFlash block 4: (2 x (4 + 2) + 3 resumes x 3) turns x 4) and two
-    steps' span; the resume's cost where plain steps defer the catch-up (not n-gram's, which
-    has no draft to catch up), and the unfed plain step's."""
+    """Greedy and sampled, at a prompt of 116 tokens: the tiny target's context of 256 less
+    the timing's own tokens (DFlash block 4, cut to 2 and 1 drafts too: (4 modes x (4 + 2)
+    + 3 resumes x 3) turns x 4) and two steps' span; the resume's cost where plain steps defer
+    the catch-up (not n-gram's, which has no draft to catch up), and the unfed plain step's."""
     with caplog.at_level(logging.INFO, "outrider.engine"):
         engine = engine_for(
             speculative_dirs["target"],
@@ -555,10 +555,10 @@ def test_the_break_even_is_measured_at_start_by_default(
     assert break_even.sizes == (1, 4)
     for taus in (break_even.greedy, break_even.sampled):
         assert len(taus) == 2 and all(tau >= 1.0 for tau in taus)
-    assert "batch 1, 4, 164-token prompts" in caplog.text
+    assert "batch 1, 4, 116-token prompts" in caplog.text
     assert break_even.resume >= 0.0 and "resuming it after plain steps costs" in caplog.text
     assert break_even.unfed >= 1.0 and "a plain step costs" in caplog.text
-    assert break_even.cut_greedy == () and policy.widths == (engine.loop.runner.shape.width,)
+    assert len(break_even.cut_greedy) == 2 and policy.widths == (4, 3, 2)
     with caplog.at_level(logging.INFO, "outrider.engine"):
         ngram = engine_for(
             speculative_dirs["target"],

@@ -368,7 +368,7 @@ def test_graphs_of_requests_not_feeding_the_draft_give_the_eager_tokens(
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("algorithm", ["eagle3 chain", "ngram"])
+@pytest.mark.parametrize("algorithm", ["eagle3 chain", "ngram", "dflash"])
 def test_graphs_of_a_chain_cut_short_give_the_eager_tokens(
     speculative_dirs: dict[str, str], algorithm: str, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -92,9 +92,9 @@ def test_every_algorithm_keeps_the_target_only_tokens_under_caps(
         assert off == [0] * len(PROMPTS), off
 
 
-# The algorithms whose worker drafts a chain of any depth (``shorter_chains``); a tree and
-# DFlash's block keep their shape.
-CUT_SHORT = {"ngram", "eagle3 chain", "standalone"}
+# The algorithms whose worker drafts a chain of any depth (``shorter_chains``; DFlash a
+# shorter block); a tree keeps its shape.
+CUT_SHORT = {"ngram", "eagle3 chain", "standalone", "dflash"}
 
 
 @pytest.mark.parametrize("algorithm", list(DRAFT_ALGORITHMS))
@@ -102,8 +102,8 @@ def test_a_batch_capped_below_the_depth_verifies_a_chain_cut_to_its_largest_cap(
     target: tuple[str, dict[str, str]], algorithm: str
 ) -> None:
     """Requests capped at 0 and 1 drafts: a chain's drafting steps draft and verify one
-    draft a row (the counters count one drafted token per verify row), a tree or a block its
-    whole shape; the tokens stay the target-only ones, greedy and seeded."""
+    draft a row (the counters count one drafted token per verify row), a tree its whole
+    shape; the tokens stay the target-only ones, greedy and seeded."""
     directory, drafts = target
     settings = dict(DRAFT_ALGORITHMS[algorithm])
     name = str(settings["speculative_algorithm"])

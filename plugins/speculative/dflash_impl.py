@@ -8,7 +8,9 @@ the root's position onwards in one non-causal forward: each block query sees the
 context and the whole block. The target's LM head turns slots 1 .. B - 1 into the B - 1
 drafts: the argmax for greedy rows; for sampled rows one draw per slot from that slot's own
 processed distribution (``DraftOptions.sample``, sampled.py). Context K/V depend on target
-features only, so prefix-cache pages carry valid draft KV.
+features only, so prefix-cache pages carry valid draft KV. A step the engine cuts to ``d``
+drafts (``DecodeView.drafts``) runs the block ``[root, MASK x d]``: shorter than the draft
+was trained with, so its drafts may be accepted less often, and cheaper to draft and verify.
 
 Under tensor parallelism the draft's layers are sharded as the target's (each rank holds its
 heads' KV) and the head is the target's vocabulary-parallel one: greedy drafts are the
@@ -50,6 +52,8 @@ from outrider.plugins.speculative.sampled import coupled_drafts, rejection_draft
 
 
 class DFlashWorker(SpeculativeWorker):
+    shorter_chains = True
+
     def __init__(self, ctx: WorkerContext, options: DraftOptions) -> None:
         super().__init__(ctx, options)
         config = DFlashConfig.from_pretrained(ctx.draft_model)
@@ -88,10 +92,12 @@ class DFlashWorker(SpeculativeWorker):
         self._deferred().fill(view.fb.layout, taps=self._taps(view.fb))
 
     def draft(self, view: DecodeView) -> Drafts:
-        bs, width = view.bs, self.shape.width
-        block = self.block[:bs]
+        # A chain cut short runs a shorter block: its mask tokens see fewer places after
+        # them than the draft was trained with, which may lower acceptance, never the tokens.
+        bs, width = view.bs, view.drafts + 1
+        block = self.block[:bs, :width]
         block[:, 0] = view.roots
-        positions = view.starts.unsqueeze(1) + self.block_offsets  # [bs, B]
+        positions = view.starts.unsqueeze(1) + self.block_offsets[:width]  # [bs, B]
         layout = self.row_layout(view, positions, kv_end=width, causal=False)
         fb = ForwardBatch.bind(layout, self.backend, self.kv)
         hidden = self.model(self.ctx.embed(block.reshape(-1)), fb)  # [bs * B, H]
