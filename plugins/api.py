@@ -157,10 +157,14 @@ class StepShape:
         return StepShape(width=width, depth=width - 1, topk=1)
 
     def chains(self) -> tuple[StepShape, ...]:
-        """This chain at every depth, deepest first (a tree: itself alone)."""
+        """This chain at the depths a step may be cut to, deepest first: its own, then halved
+        (rounded up) down to one draft, so that 7 gives 7, 4, 2, 1 (a tree: itself alone)."""
         if self.tree or not self.speculative:
             return (self,)
-        return tuple(self.cut(width) for width in range(self.width, 1, -1))
+        depths = [self.depth]
+        while depths[-1] > 1:
+            depths.append((depths[-1] + 1) // 2)
+        return tuple(self.cut(depth + 1) for depth in depths)
 
 
 # Plain decoding: one token per row, nothing drafted.

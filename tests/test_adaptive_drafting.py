@@ -297,8 +297,8 @@ def _cut_policy() -> tuple[AdaptiveDrafting, Request]:
     position by position at 8 / 10, 4 / 8 and 2 / 4 (accepted drafts 1.4 a step on average:
     0.8 at one draft, 1.2 at two). Returns it, and a fresh greedy request."""
     break_even = BreakEven(
-        (1, 256), (1.5, 2.6), (1.5, 2.6), cut_greedy=((1.2, 1.5), (1.35, 2.0)),
-        cut_sampled=((1.2, 1.5), (1.35, 2.0)),
+        (1, 256), (1.5, 2.6), (1.5, 2.6), cut_drafts=(2, 1),
+        cut_greedy=((1.35, 2.0), (1.2, 1.5)), cut_sampled=((1.35, 2.0), (1.2, 1.5)),
     )  # fmt: skip
     policy = _policy(break_even)
     first = _req(0)
@@ -393,7 +393,7 @@ def test_alternating_plain_and_drafting_steps_keep_every_token(
     engine = engine_for(
         speculative_dirs["target"], no_overlap=not overlap, **_settings(speculative_dirs, algorithm)
     )
-    # A chain the engine cuts drafts at every depth in turn: each step's own verify and
+    # A chain the engine cuts drafts at each of its depths in turn: each step's own verify and
     # catch-up, and the same tokens.
     shape = engine.loop.runner.shape
     widths = tuple(chain.width for chain in shape.chains()) if algorithm in CUT else (shape.width,)
@@ -402,7 +402,7 @@ def test_alternating_plain_and_drafting_steps_keep_every_token(
     outcomes = run(engine, _workload(), stagger=2)
     assert tokens_of(outcomes) == expected
     assert set(policy.decisions) == {1, *widths}
-    assert len(widths) == (shape.width - 1 if algorithm in CUT else 1)
+    assert widths == {"ngram": (8, 5, 3, 2), "eagle3 tree": (6,)}.get(algorithm, (4, 3, 2))
     # Only drafting steps count as verifies.
     drafting_rows = engine.scheduler.counters().spec_drafts
     usage = [o.finish.usage for o in outcomes.values()]
@@ -423,7 +423,12 @@ def test_a_policy_that_cuts_the_chain_keeps_every_token(
     )  # fmt: skip
     never = (10.0,)
     break_even = BreakEven(
-        (1,), never, never, cut_greedy=((1.0,), never), cut_sampled=((1.0,), never)
+        (1,),
+        never,
+        never,
+        cut_drafts=(2, 1),
+        cut_greedy=(never, (1.0,)),
+        cut_sampled=(never, (1.0,)),
     )
     policy = _policy(break_even)
     engine.scheduler.use_policy(policy)
@@ -558,7 +563,8 @@ def test_the_break_even_is_measured_at_start_by_default(
     assert "batch 1, 4, 116-token prompts" in caplog.text
     assert break_even.resume >= 0.0 and "resuming it after plain steps costs" in caplog.text
     assert break_even.unfed >= 1.0 and "a plain step costs" in caplog.text
-    assert len(break_even.cut_greedy) == 2 and policy.widths == (4, 3, 2)
+    assert break_even.cut_drafts == (2, 1) and len(break_even.cut_greedy) == 2
+    assert policy.widths == (4, 3, 2)
     with caplog.at_level(logging.INFO, "outrider.engine"):
         ngram = engine_for(
             speculative_dirs["target"],
@@ -568,12 +574,13 @@ def test_the_break_even_is_measured_at_start_by_default(
     assert isinstance(ngram.scheduler.policy, AdaptiveDrafting)
     assert ngram.scheduler.policy.settings.break_even.resume == 0.0
     assert ngram.scheduler.policy.settings.break_even.unfed >= 1.0
-    # n-gram's chain is cut: every depth below its own is timed too.
+    # n-gram's chain is cut: its halved depths are timed too.
     depth, cut = ngram.loop.runner.shape.depth, ngram.scheduler.policy.settings.break_even
-    assert len(cut.cut_greedy) == len(cut.cut_sampled) == depth - 1 > 1
+    assert (depth, cut.cut_drafts) == (7, (4, 2, 1))  # halved, rounded up
+    assert len(cut.cut_greedy) == len(cut.cut_sampled) == 3
     assert all(len(taus) == 2 and min(taus) >= 1.0 for taus in cut.cut_greedy + cut.cut_sampled)
-    assert ngram.scheduler.policy.widths == tuple(range(depth + 1, 1, -1))
-    for drafts in range(1, depth + 1):
+    assert ngram.scheduler.policy.widths == (8, 5, 3, 2)
+    for drafts in (7, 4, 2, 1):
         assert f"drafting {drafts} tokens a row pays from" in caplog.text
     counters = engine.scheduler.counters()  # the timing left nothing behind
     assert (counters.running, counters.waiting, counters.spec_drafts) == (0, 0, 0)

@@ -380,7 +380,7 @@ def test_graphs_of_a_chain_cut_short_give_the_eager_tokens(
     eager = engine(speculative_dirs, algorithm, device=device, disable_cuda_graph=True)
     runner = graphed.loop.runner
     widths = tuple(chain.width for chain in runner.shape.chains())
-    assert len(widths) == runner.shape.width - 1 > 2
+    assert len(widths) > 2
     if device == "cpu":
         runner.graphs = EagerGraphs(
             MAX_RUNNING, 256, 20, runner.slots.scratch_slot, widths=(*widths, 1)

@@ -3,7 +3,7 @@ at which drafting pays (``BreakEven``, scheduler/drafting.py), per batch size, f
 for sampled batches.
 
 At each size a batch of requests decodes through the loop, first drafting every step (at each
-drafting width: the engine's, then its chain cut to every depth below where it cuts one), then
+drafting width: the engine's, then its chain cut to halved depths where it cuts one), then
 plain; the ratio of a width's turns' times to the plain ones' is its break-even acceptance
 length.
 
@@ -121,14 +121,14 @@ def measure_break_even(
             length, extras if w == 0 else "",
         )  # fmt: skip
     log.info("drafting timed in %.1f s", time.perf_counter() - started)
-    # A chain of d drafts (below the engine's) is widths[-d]: the deepest come first.
-    cuts = range(len(widths) - 1, 0, -1)
+    cuts = range(1, len(widths))  # the chain cut short, deepest first
     return BreakEven(
         tuple(sizes),
         tuple(ratios[0] for ratios in greedy),
         tuple(ratios[0] for ratios in sampled),
         resume,
         unfed,
+        cut_drafts=tuple(widths[w] - 1 for w in cuts),
         cut_greedy=tuple(tuple(ratios[w] for ratios in greedy) for w in cuts),
         cut_sampled=tuple(tuple(ratios[w] for ratios in sampled) for w in cuts),
     )

@@ -63,8 +63,8 @@ def drafting_widths(
 ) -> tuple[int, ...]:
     """The widths the drafting policy may give a decode batch, deepest first: the engine's;
     where the policy measures the break-even (``--speculative-min-acceptance`` below 0) and
-    the engine cuts its chain, that chain at every depth below; and 1 (plain steps) where the
-    policy chooses at all."""
+    the engine cuts its chain, that chain at halved depths (``StepShape.chains``); and 1
+    (plain steps) where the policy chooses at all."""
     if not adapts(config, shape):
         return (shape.width,)
     measured = config.speculative_min_acceptance < 0 and cuts_chains(shape, worker)

@@ -9,7 +9,8 @@ measured at start (cycle_cost.py's ``measure_break_even``) or set with
 ``--speculative-min-acceptance`` (0: always draft, the policy off).
 
 How deep: where the engine cuts its chain short (``StepShape.cut``: EAGLE-3 chains, n-gram,
-standalone drafts) and the break-even is measured at every depth, a batch takes the width
+standalone drafts, DFlash's block) and the break-even is measured at the depths it cuts to
+(``StepShape.chains``: its own, then halved down to one draft), a batch takes the width
 whose expected commit length gains most over its own break-even (a tie: the deeper), and
 drafts where that gain reaches 1. A row's commit length at ``d`` drafts is its estimate at the
 engine's depth scaled by the share of accepted drafts its kind's first ``d`` positions hold
@@ -173,14 +174,15 @@ class BreakEven:
     """The acceptance length at which a cycle pays, by batch size and kind: ``greedy[i]`` and
     ``sampled[i]`` measured at ``sizes[i]`` (ascending); a batch takes the value of the largest
     size it reaches (the smallest size's below it), ``sampled`` when any row samples. Where the
-    engine cuts its chain short, ``cut_greedy[d - 1]`` and ``cut_sampled[d - 1]`` are the same
-    for a chain of ``d`` drafts, each ``d`` below the engine's depth."""
+    engine cuts its chain short, ``cut_greedy[j]`` and ``cut_sampled[j]`` are the same for a
+    chain of ``cut_drafts[j]`` drafts (``StepShape.chains``, below the engine's depth)."""
 
     sizes: tuple[int, ...]
     greedy: tuple[float, ...]
     sampled: tuple[float, ...]
     resume: float = 0.0  # what resuming after plain steps costs beyond a cycle, in plain steps
     unfed: float = 1.0  # a plain step's time over the target's own (no row feeding the draft)
+    cut_drafts: tuple[int, ...] = ()
     cut_greedy: tuple[tuple[float, ...], ...] = ()
     cut_sampled: tuple[tuple[float, ...], ...] = ()
 
@@ -190,10 +192,11 @@ class BreakEven:
 
     def at(self, bs: int, all_greedy: bool, drafts: int | None = None) -> float:
         """At a batch of ``bs``, for a chain cut to ``drafts`` where it is measured cut
-        (``cut_greedy``), else (None, or the engine's depth) for the engine's shape."""
+        (``cut_drafts``), else (None, or the engine's depth) for the engine's shape."""
         i = max(bisect.bisect_right(self.sizes, bs) - 1, 0)
-        if drafts is not None and drafts <= len(self.cut_greedy):
-            return (self.cut_greedy if all_greedy else self.cut_sampled)[drafts - 1][i]
+        if drafts in self.cut_drafts:
+            j = self.cut_drafts.index(drafts)
+            return (self.cut_greedy if all_greedy else self.cut_sampled)[j][i]
         return (self.greedy if all_greedy else self.sampled)[i]
 
 
@@ -277,10 +280,9 @@ class AdaptiveDrafting:
     def __init__(self, settings: AdaptiveSettings, width: int) -> None:
         self.settings = settings
         self.depth = width - 1  # the engine's drafts a row
-        cuts = len(settings.break_even.cut_greedy)
-        assert cuts in (0, self.depth - 1), "a cut chain is measured at every depth below"
         # The widths a drafting step may take, deepest first: a tie keeps the deeper chain.
-        self.widths = (width, *range(cuts + 1, 1, -1))
+        self.widths = (width, *(drafts + 1 for drafts in settings.break_even.cut_drafts))
+        assert list(self.widths) == sorted(self.widths, reverse=True), self.widths
         self.kind_tau: dict[int, KindMean] = {}  # kinds observed so far
         self.positions: dict[int, Positions] = {}  # the same kinds, by draft position
         self.probe_every = settings.probe_every
