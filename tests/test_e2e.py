@@ -268,7 +268,10 @@ async def test_speculative_daemon_serves_the_workload_losslessly(
     assert after.spec_accepted_tokens == sum(u.spec_accepted_tokens for u in usages)
     if algorithm == "ngram":  # the random drafts may never agree with the target
         assert after.spec_accepted_tokens > 0
-    assert after.spec_draft_tokens == 4 * after.spec_drafts
+    # Each verify row drafted 4, 2 or 1 tokens (the drafting policy cuts the chain where the
+    # random drafts' acceptance makes a shorter one pay); the first cycles, of kinds not yet
+    # measured, the whole chain.
+    assert after.spec_drafts < after.spec_draft_tokens <= 4 * after.spec_drafts
     assert sum(after.spec_accepted_per_position) == after.spec_accepted_tokens
     assert daemon.stop() == 0
     assert "Traceback" not in daemon.log()
