@@ -107,7 +107,8 @@ _HELP: dict[str, str] = {
     ),
     "speculative_simulate_acceptance": (
         "debug, for dummy weights: commit a mean of A tokens per verify (1 + accepted drafts) "
-        "whatever the drafts are; outputs are meaningless; 0: off"
+        "whatever the drafts are, each draft position accepted with one probability until the "
+        "first refused; outputs are meaningless; 0: off"
     ),
     "no_overlap": "run the serial loop (the same tokens, no CPU/GPU overlap)",
     "mixed_batches": (

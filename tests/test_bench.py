@@ -15,7 +15,10 @@ from model_fixtures import VOCAB
 from outrider.daemon.bench.latency_io import add_latency_arguments, resolve_latency
 from outrider.daemon.cli.main import main
 from outrider.daemon.config import EXIT_CONFIG
+from outrider.daemon.engine.verify import SimulatedAcceptance, position_rate
 from outrider.daemon.flags import SERVING_ONLY, add_serve_arguments, env_name, flag_name
+from outrider.plugins.api import StepShape
+from outrider.plugins.speculative.base import Drafts
 
 debug_checks = debug_checks_fixture()
 
@@ -85,6 +88,29 @@ def test_simulated_acceptance_has_the_asked_mean(
     counters = engine.scheduler.counters()
     assert counters.spec_drafts > 100
     assert tau_of(counters) == pytest.approx(mean, abs=0.15)
+
+
+def test_a_simulated_chain_cut_short_accepts_what_the_whole_chain_accepts_of_it() -> None:
+    """Each position is accepted with one probability until the first refused (2.5 at three
+    drafts: 1 + p + p^2 + p^3 = 2.5); the same rows and steps cut to one or two drafts
+    accept the whole chain's count capped at their depth."""
+    shape = StepShape(width=4, depth=3, topk=1)
+    p = position_rate(2.5, 3)
+    assert 1 + p + p**2 + p**3 == pytest.approx(2.5)
+    assert (position_rate(4.0, 3), position_rate(1.0, 3)) == (1.0, 0.0)
+    simulated = SimulatedAcceptance(2.5, shape, torch.device("cpu"))
+    rows = 4000
+    seed, out_lens = torch.arange(rows), torch.arange(rows) % 7
+    chain = Drafts(torch.zeros(rows, 3, dtype=torch.int64))
+    whole, _ = simulated.accept(chain, shape, seed, out_lens)
+    assert whole.float().mean().item() == pytest.approx(2.5, abs=0.05)
+    for drafts in (1, 2):
+        cut = shape.cut(drafts + 1)
+        lens, path = simulated.accept(
+            Drafts(torch.zeros(rows, drafts, dtype=torch.int64)), cut, seed, out_lens
+        )
+        assert torch.equal(lens, whole.clamp(max=drafts + 1))
+        assert path.shape == (rows, drafts + 1)
 
 
 def test_simulated_acceptance_needs_a_speculative_algorithm(

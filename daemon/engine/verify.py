@@ -138,19 +138,22 @@ class Verifier:
 
 class SimulatedAcceptance:
     """Debug, for benchmarks with dummy weights: each row accepts ``a`` drafts whatever the
-    target says, ``a`` drawn per row and step (counter-based, from the row's seed and output
-    count) so that the mean commit length is ``mean`` (at most ``max_commit``). A chain
-    accepts its first ``a`` drafts, a tree the first child at each depth, but never past a
-    draft its row's adjusted logits refuse (a grammar's mask). The committed tokens are the
-    accepted drafts and the target's choice after them, so every step's work is the real
-    one, a constrained output stays within its grammar, and only the outputs are
-    meaningless."""
+    target says, drawn per row and step (counter-based uniforms from the row's seed and output
+    count) so that the engine's whole shape commits ``mean`` tokens a verify on average (at
+    most ``max_commit``). A chain accepts its first ``a`` drafts, each position in turn with
+    one probability ``p`` until the first it refuses, so that a chain cut short accepts what
+    the whole chain accepts of its positions, as drafts do; a tree (never cut) accepts the
+    first child at each depth, ``a`` the mean's whole part or one more. Never past a draft
+    its row's adjusted logits refuse (a grammar's mask). The committed tokens are the accepted
+    drafts and the target's choice after them, so every step's work is the real one, a
+    constrained output stays within its grammar, and only the outputs are meaningless."""
 
     def __init__(self, mean: float, shape: StepShape, device: torch.device) -> None:
+        self.rate = position_rate(mean, shape.max_commit - 1)
         extra = min(mean, shape.max_commit) - 1
         self.whole, self.fraction = int(extra), extra - int(extra)
         self.nodes = torch.arange(shape.width, device=device)  # [W]
-        self.no_ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
+        self.positions = torch.arange(shape.max_commit - 1, device=device).unsqueeze(0)  # [1, D]
 
     def accept(
         self,
@@ -164,13 +167,13 @@ class SimulatedAcceptance:
         a step of shape ``step`` (a chain cut short accepts no more than its drafts);
         ``allowed: [bs, W]`` (``allowed_drafts``; None: every node) bounds the path."""
         bs, max_depth = seed.shape[0], step.max_commit - 1
-        u = uniform_at(seed, out_lens, DRAW_SIMULATE, self.no_ids.expand(bs, 1)).squeeze(1)
-        accepted = self.whole + (u < self.fraction).to(torch.int64)  # [bs]
+        u = uniform_at(seed, out_lens, DRAW_SIMULATE, self.positions[:, :max_depth].expand(bs, -1))
         if drafts.parents is None:
-            accepted = accepted.clamp(max=max_depth)
+            accepted = (u < self.rate).to(torch.int64).cumprod(dim=1).sum(dim=1)  # [bs]
             if allowed is not None:  # the drafts before the first refused one
                 accepted = torch.minimum(accepted, allowed[:, 1:].cumprod(dim=1).sum(dim=1))
             return accepted + 1, self.nodes[: max_depth + 1].expand(bs, -1)
+        accepted = self.whole + (u[:, 0] < self.fraction).to(torch.int64)  # [bs]
         width = self.nodes.shape[0]
         # Each node's first child (the lowest index whose parent it is); a leaf: itself.
         first = torch.full((bs, width), width, dtype=torch.int64, device=seed.device)
@@ -199,6 +202,24 @@ class SimulatedAcceptance:
         accepted = self.nodes[1 : path.shape[1]] < lens.unsqueeze(1)  # j + 1 < commit_len
         kept = choices.gather(1, path[:, :-1])
         return choices.scatter(1, path[:, :-1], torch.where(accepted, following, kept))
+
+
+def position_rate(mean: float, depth: int) -> float:
+    """The probability ``p`` with which ``depth`` draft positions, each accepted with ``p``
+    until the first refused, give a mean commit length of ``mean``: ``1 + p + .. + p^depth``
+    (bisection; ``mean`` from 1 to ``depth + 1``, beyond: 1)."""
+    if mean >= depth + 1:
+        return 1.0
+    if mean <= 1.0:
+        return 0.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        p = (low + high) / 2
+        if sum(p**j for j in range(depth + 1)) < mean:
+            low = p
+        else:
+            high = p
+    return (low + high) / 2
 
 
 def allowed_drafts(choose: torch.Tensor, nodes: torch.Tensor, drafts: Drafts) -> torch.Tensor:
