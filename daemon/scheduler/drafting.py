@@ -285,6 +285,7 @@ class AdaptiveDrafting:
         assert list(self.widths) == sorted(self.widths, reverse=True), self.widths
         self.kind_tau: dict[int, KindMean] = {}  # kinds observed so far
         self.positions: dict[int, Positions] = {}  # the same kinds, by draft position
+        self._shares: dict[tuple[int, int], float] = {}  # ``share`` by kind and depth
         self.probe_every = settings.probe_every
         self.max_probe_every = settings.max_probe_every or probe_cap(settings.break_even)
         self.plain_run = 0  # plain steps in a row
@@ -311,11 +312,17 @@ class AdaptiveDrafting:
             drafts = min(drafts, req.max_drafts)
         if drafts >= self.depth:
             return 1.0
-        positions = self.positions.get(kind_of(req))
-        whole = 0.0 if positions is None else positions.reach(self.depth)
-        if positions is None or whole <= 0.0:
-            return drafts / self.depth
-        return positions.reach(drafts) / whole
+        key = (kind_of(req), drafts)
+        share = self._shares.get(key)
+        if share is None:  # once per kind and depth between observations
+            positions = self.positions.get(key[0])
+            whole = 0.0 if positions is None else positions.reach(self.depth)
+            if positions is None or whole <= 0.0:
+                share = drafts / self.depth
+            else:
+                share = positions.reach(drafts) / whole
+            self._shares[key] = share
+        return share
 
     def commits(self, req: Request, estimate: float, drafts: int) -> float:
         """``req``'s expected commit length in a chain of ``drafts``, from its ``estimate``
@@ -421,6 +428,7 @@ class AdaptiveDrafting:
             return  # nothing offered: its cap turned speculation off
         positions = self.positions.setdefault(kind_of(req), Positions.empty(self.depth))
         positions.add(commit_len - 1, drafts)
+        self._shares.clear()
         value, share = float(commit_len), self.share(req, drafts)
         if share > 0.0:
             value = min(1.0 + (commit_len - 1) / share, self.depth + 1.0)
