@@ -42,6 +42,15 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str
     return str(root / "target"), save_drafts(root / "drafts", root / "target")
 
 
+def _settings(algorithm: str, drafts: dict[str, str]) -> dict[str, object]:
+    """``DRAFT_ALGORITHMS[algorithm]``'s flags, with its saved draft where it needs one."""
+    settings = dict(DRAFT_ALGORITHMS[algorithm])
+    name = str(settings["speculative_algorithm"])
+    if name in drafts:
+        settings["draft_model"] = drafts[name]
+    return settings
+
+
 def _itself(directory: str) -> dict[str, object]:
     """The target as its own standalone draft: every draft is the target's greedy choice."""
     return {
@@ -78,10 +87,7 @@ def test_every_algorithm_keeps_the_target_only_tokens_under_caps(
     target: tuple[str, dict[str, str]], algorithm: str, overlap: bool
 ) -> None:
     directory, drafts = target
-    settings = dict(DRAFT_ALGORITHMS[algorithm])
-    name = str(settings["speculative_algorithm"])
-    if name in drafts:
-        settings["draft_model"] = drafts[name]
+    settings = _settings(algorithm, drafts)
     for temperature in (0.0, 1.0):
         plain = run(engine_for(directory), _requests(temperature))
         engine = engine_for(directory, no_overlap=not overlap, **settings)
@@ -105,10 +111,7 @@ def test_a_batch_capped_below_the_depth_verifies_a_chain_cut_to_its_largest_cap(
     draft a row (the counters count one drafted token per verify row), a tree its whole
     shape; the tokens stay the target-only ones, greedy and seeded."""
     directory, drafts = target
-    settings = dict(DRAFT_ALGORITHMS[algorithm])
-    name = str(settings["speculative_algorithm"])
-    if name in drafts:
-        settings["draft_model"] = drafts[name]
+    settings = _settings(algorithm, drafts)
     for temperature in (0.0, 1.0):
         requests = _requests(temperature, caps=[0, 1])
         plain = run(engine_for(directory), requests)
@@ -136,10 +139,7 @@ def test_capped_rows_in_replayed_graphs_keep_the_eager_tokens(
     monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
     monkeypatch.delenv("OUTRIDER_DEBUG_RELAY_CHECK")  # graphs are off under it (build.py)
     directory, drafts = target
-    settings: dict[str, object] = {"device": "cuda", **DRAFT_ALGORITHMS[algorithm]}
-    name = str(settings["speculative_algorithm"])
-    if name in drafts:
-        settings["draft_model"] = drafts[name]
+    settings = {"device": "cuda", **_settings(algorithm, drafts)}
     for temperature in (0.0, 1.0):
         eager = engine_for(directory, disable_cuda_graph=True, **settings)
         expected = run(eager, _requests(temperature))
