@@ -285,7 +285,9 @@ class AdaptiveDrafting:
         assert list(self.widths) == sorted(self.widths, reverse=True), self.widths
         self.kind_tau: dict[int, KindMean] = {}  # kinds observed so far
         self.positions: dict[int, Positions] = {}  # the same kinds, by draft position
-        self._shares: dict[tuple[int, int], float] = {}  # ``share`` by kind and depth
+        # ``share`` by kind and depth, as of the last decision (``width``): an observation
+        # moves it little, and one step's observations would recompute it once a row.
+        self._shares: dict[tuple[int, int], float] = {}
         self.probe_every = settings.probe_every
         self.max_probe_every = settings.max_probe_every or probe_cap(settings.break_even)
         self.plain_run = 0  # plain steps in a row
@@ -314,7 +316,7 @@ class AdaptiveDrafting:
             return 1.0
         key = (kind_of(req), drafts)
         share = self._shares.get(key)
-        if share is None:  # once per kind and depth between observations
+        if share is None:  # once per kind and depth a decision
             positions = self.positions.get(key[0])
             whole = 0.0 if positions is None else positions.reach(self.depth)
             if positions is None or whole <= 0.0:
@@ -373,6 +375,7 @@ class AdaptiveDrafting:
         return self.width(rows) > 1
 
     def width(self, rows: list[Request]) -> int:
+        self._shares.clear()
         if all(req.fed is False for req in rows):
             return 1
         all_greedy = all(req.sampling.temperature == 0.0 for req in rows)
@@ -428,7 +431,6 @@ class AdaptiveDrafting:
             return  # nothing offered: its cap turned speculation off
         positions = self.positions.setdefault(kind_of(req), Positions.empty(self.depth))
         positions.add(commit_len - 1, drafts)
-        self._shares.clear()
         value, share = float(commit_len), self.share(req, drafts)
         if share > 0.0:
             value = min(1.0 + (commit_len - 1) / share, self.depth + 1.0)
