@@ -235,7 +235,7 @@ def test_a_request_whose_own_mean_does_not_pay_stops_feeding_the_draft() -> None
     policy = _policy(BreakEven.fixed(2.0), probe_every=100)
     weak, good, young = _req(1), _req(2), _req(3)
     for req, drafts, accepted in ((weak, 8, 4), (good, 8, 12), (young, 7, 0)):
-        req.fed, req.spec_drafts, req.spec_accepted_tokens = True, drafts, accepted
+        req.fed, req.spec_drafts, req.accepted_at_depth = True, drafts, accepted
         req.tau_estimate = 1.2  # its batch runs plain
         assert not policy.drafting([req])
     assert (weak.fed, good.fed, young.fed) == (False, True, True)
@@ -342,6 +342,23 @@ def test_a_shorter_chains_commits_count_at_the_whole_depth() -> None:
     off.max_drafts = 0
     policy.observe(off, 1, 0)
     assert off.tau_estimate == 0.0 and _mean(policy, 0)[1] == 11
+
+
+def test_a_request_drafting_cut_short_stops_feeding_by_its_mean_at_the_whole_depth() -> None:
+    """At 256 rows feeding pays from 1.875 (one draft: 1.5 / (0.8 / 1.4) share). A request
+    whose 8 one-draft steps accepted 6 commits 1.75 a step, but counts 1 + 6 x 1.75 / 8 =
+    2.31 at three drafts and keeps feeding; one that accepted 2 (1.44) stops."""
+    policy, _ = _cut_policy()
+    good, weak = _req(1), _req(2)
+    for req, accepted in ((good, 6), (weak, 2)):
+        req.fed = True
+        for step in range(8):
+            policy.observe(req, 2 if step < accepted else 1, 1)
+            req.spec_drafts += 1
+        req.tau_estimate = 1.3  # no depth pays: its batch runs plain
+        assert policy.width([req] * 256) == 1
+    assert good.accepted_at_depth == pytest.approx(6 * 1.75)
+    assert (good.fed, weak.fed) == (True, False)
 
 
 def test_start_keys_hold_plain_graphs_beside_the_cycles() -> None:

@@ -68,7 +68,8 @@ over it), plus the resume margin. Every ``probe_requests`` unfed admissions of a
 up to ``max_probe_requests``) one is fed anyway (``Request.probe``): it counts as unobserved,
 so it drafts, and measures its kind again. A fed request stops feeding the draft for good
 where a batch of it runs plain and its acceptance does not pay for feeding at that batch's
-size: its own mean once it drafted ``demote_after`` times, before that its kind's once the
+size: its own mean (``Request.accepted_at_depth``) once it drafted ``demote_after`` times,
+before that its kind's once the
 kind was observed as often (a probe keeps feeding until it drafted). What it had buffered is
 dropped, never caught up. So a first wave of an unobserved kind, fed to learn, stops feeding
 after the cycle that measured it where its batch is too large for drafting to pay. An
@@ -414,7 +415,7 @@ class AdaptiveDrafting:
             return
         drafted, kind = req.spec_drafts, self.kind_tau.get(kind_of(req))
         if drafted >= self.settings.demote_after:
-            mean = 1.0 + req.spec_accepted_tokens / drafted
+            mean = 1.0 + req.accepted_at_depth / drafted
         elif kind is None or kind.count < self.settings.demote_after:
             return
         elif req.probe and drafted == 0:
@@ -434,6 +435,7 @@ class AdaptiveDrafting:
         value, share = float(commit_len), self.share(req, drafts)
         if share > 0.0:
             value = min(1.0 + (commit_len - 1) / share, self.depth + 1.0)
+        req.accepted_at_depth += value - 1.0
         settings, start = self.settings, self.estimate(req)
         if start is None:
             req.tau_estimate = value

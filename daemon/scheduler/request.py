@@ -64,6 +64,9 @@ class Request:
     spec_accepted_tokens: int = 0
     # Moving average of the commit lengths of its drafting steps; 0: none yet (drafting.py).
     tau_estimate: float = 0.0
+    # Its drafting steps' accepted drafts, a chain cut short's counted at the engine's depth
+    # (drafting.py): over ``spec_drafts``, its own mean.
+    accepted_at_depth: float = 0.0
     # Whether it feeds a draft that keeps state over the context (drafting.py): decided at its
     # first admission (None before); False for good once it stops.
     fed: bool | None = None
