@@ -67,11 +67,12 @@ def _mean(policy: AdaptiveDrafting, kind: int) -> tuple[float, int]:
     return mean.value, mean.count
 
 
-def test_break_even_takes_the_largest_measured_size_below_and_the_batch_kind() -> None:
+def test_break_even_is_read_between_the_measured_sizes_and_by_the_batch_kind() -> None:
     break_even = BreakEven((1, 4, 16), (2.0, 2.5, 3.5), (3.0, 3.5, 4.5))
     sizes = (1, 3, 4, 15, 16, 64)
-    assert [break_even.at(bs, True) for bs in sizes] == [2.0, 2.0, 2.5, 2.5, 3.5, 3.5]
-    assert [break_even.at(bs, False) for bs in sizes] == [3.0, 3.0, 3.5, 3.5, 4.5, 4.5]
+    greedy = [2.0, 2.0 + 0.5 * 2 / 3, 2.5, 2.5 + 11 / 12, 3.5, 3.5]
+    assert [break_even.at(bs, True) for bs in sizes] == pytest.approx(greedy)
+    assert [break_even.at(bs, False) for bs in sizes] == pytest.approx([g + 1 for g in greedy])
     assert BreakEven.fixed(1.7).at(9, True) == BreakEven.fixed(1.7).at(9, False) == 1.7
 
 
@@ -285,8 +286,8 @@ def test_the_break_even_depends_on_the_batch_size_and_kind() -> None:
     rows = [_req(i) for i in range(4)]
     for req in rows:
         req.tau_estimate = 2.0
-    assert policy.drafting(rows[:1]) and policy.drafting(rows[:3])
-    assert not policy.drafting(rows)
+    assert policy.drafting(rows[:1]) and policy.drafting(rows[:2])  # 1.5, then 2.0
+    assert not policy.drafting(rows[:3])  # 2.5 at 3 rows
     sampled = _req(9, temperature=0.7)
     sampled.tau_estimate = 2.0
     assert not policy.drafting([sampled]) and not policy.drafting([rows[0], sampled])

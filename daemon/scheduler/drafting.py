@@ -173,8 +173,9 @@ def kind_name(kind: int) -> str:
 @dataclass(frozen=True)
 class BreakEven:
     """The acceptance length at which a cycle pays, by batch size and kind: ``greedy[i]`` and
-    ``sampled[i]`` measured at ``sizes[i]`` (ascending); a batch takes the value of the largest
-    size it reaches (the smallest size's below it), ``sampled`` when any row samples. Where the
+    ``sampled[i]`` measured at ``sizes[i]`` (ascending); a batch between two sizes takes the
+    value on the line between theirs (past either end, the end's), ``sampled`` when any row
+    samples. Where the
     engine cuts its chain short, ``cut_greedy[j]`` and ``cut_sampled[j]`` are the same for a
     chain of ``cut_drafts[j]`` drafts (``StepShape.chains``, below the engine's depth)."""
 
@@ -194,11 +195,12 @@ class BreakEven:
     def at(self, bs: int, all_greedy: bool, drafts: int | None = None) -> float:
         """At a batch of ``bs``, for a chain cut to ``drafts`` where it is measured cut
         (``cut_drafts``), else (None, or the engine's depth) for the engine's shape."""
-        i = max(bisect.bisect_right(self.sizes, bs) - 1, 0)
         if drafts in self.cut_drafts:
             j = self.cut_drafts.index(drafts)
-            return (self.cut_greedy if all_greedy else self.cut_sampled)[j][i]
-        return (self.greedy if all_greedy else self.sampled)[i]
+            values = (self.cut_greedy if all_greedy else self.cut_sampled)[j]
+        else:
+            values = self.greedy if all_greedy else self.sampled
+        return _between(self.sizes, values, bs)
 
 
 @dataclass(frozen=True)
@@ -443,6 +445,18 @@ class AdaptiveDrafting:
             req.tau_estimate = _moved(start, value, settings.smoothing)
         kind = self.kind_tau.setdefault(kind_of(req), KindMean())
         kind.add(value, settings.engine_smoothing)
+
+
+def _between(sizes: tuple[int, ...], values: tuple[float, ...], bs: int) -> float:
+    """``values`` measured at ``sizes`` (ascending), read at ``bs`` on the line between the
+    two sizes around it; past either end, the end's value."""
+    i = bisect.bisect_right(sizes, bs)
+    if i == 0:
+        return values[0]
+    if i == len(sizes):
+        return values[-1]
+    low, high = sizes[i - 1], sizes[i]
+    return values[i - 1] + (values[i] - values[i - 1]) * (bs - low) / (high - low)
 
 
 def _moved(average: float, value: float, weight: float) -> float:
