@@ -13,8 +13,6 @@ import asyncio
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -113,19 +111,6 @@ def drain(stream: TokenStream) -> tuple[list[TokenChunk], GenerateResult]:
     result = stream.result
     assert result is not None
     return chunks, result
-
-
-def test_the_childrens_entry_modules_load_without_torch() -> None:
-    """A spawned child imports its entry module before anything of its own runs: the front
-    door's, the detokenizer's and the HTTP front's never load torch (over a second of every
-    daemon's start on a small host)."""
-    entries = ", ".join(
-        f"outrider.daemon.{name}" for name in ("frontdoor.process", "detokenizer", "http.process")
-    )
-    torch = "sorted(m for m in sys.modules if m.split('.')[0] == 'torch')"
-    code = f"import sys, {entries}; print({torch})"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]"
 
 
 async def test_children_report_their_state_and_never_import_torch(stack: Stack) -> None:
