@@ -432,7 +432,10 @@ class AdaptiveDrafting:
         drafts = self.depth if drafts is None else drafts
         if drafts == 0:
             return  # nothing offered: its cap turned speculation off
-        positions = self.positions.setdefault(kind_of(req), Positions.empty(self.depth))
+        kind = kind_of(req)
+        positions = self.positions.get(kind)
+        if positions is None:
+            positions = self.positions[kind] = Positions.empty(self.depth)
         positions.add(commit_len - 1, drafts)
         value, share = float(commit_len), self.share(req, drafts)
         if share > 0.0:
@@ -443,8 +446,10 @@ class AdaptiveDrafting:
             req.tau_estimate = value
         else:
             req.tau_estimate = _moved(start, value, settings.smoothing)
-        kind = self.kind_tau.setdefault(kind_of(req), KindMean())
-        kind.add(value, settings.engine_smoothing)
+        mean = self.kind_tau.get(kind)
+        if mean is None:
+            mean = self.kind_tau[kind] = KindMean()
+        mean.add(value, settings.engine_smoothing)
 
 
 def _between(sizes: tuple[int, ...], values: tuple[float, ...], bs: int) -> float:
