@@ -330,7 +330,7 @@ def test_a_batch_drafts_at_the_depth_that_gains_most_over_its_break_even() -> No
     assert policy.feeding_pays_from(row, 1) == pytest.approx(1 + 0.2 / (0.8 / 1.4))
 
 
-def test_a_shorter_chains_commits_count_at_the_whole_depth() -> None:
+def test_a_shorter_chain_counts_its_commits_at_the_whole_depth() -> None:
     """A step of one draft that accepted it counts as 1 + 1 / (0.8 / 1.4) = 2.75 at three
     drafts (the share one draft keeps of the kind's accepted drafts); a row whose cap turned
     speculation off counts nothing."""
