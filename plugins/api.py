@@ -148,23 +148,27 @@ class StepShape:
 
     def cut(self, width: int) -> StepShape:
         """The shape of a step whose rows verify ``width`` tokens: this one, plain decoding
-        (1), or this chain cut to ``width - 1`` drafts (only a chain is ever cut)."""
+        (1), this chain cut to ``width - 1`` drafts, or this tree cut to its best ``width - 1``
+        nodes (its draft steps unchanged)."""
         if width == self.width:
             return self
         if width == 1:
             return NO_DRAFT
-        assert 1 < width < self.width and not self.tree, (self, width)
+        assert 1 < width < self.width, (self, width)
+        if self.tree:
+            return StepShape(width=width, depth=self.depth, topk=self.topk)
         return StepShape(width=width, depth=width - 1, topk=1)
 
-    def chains(self) -> tuple[StepShape, ...]:
-        """This chain at the depths a step may be cut to, deepest first: its own, then halved
-        (rounded up) down to one draft, so that 7 gives 7, 4, 2, 1 (a tree: itself alone)."""
-        if self.tree or not self.speculative:
+    def cuts(self) -> tuple[StepShape, ...]:
+        """This shape at the sizes a step may be cut to, widest first: its own drafts (a
+        chain's depth, a tree's nodes), then halved (rounded up) down to one, so that 7 gives
+        7, 4, 2, 1."""
+        if not self.speculative:
             return (self,)
-        depths = [self.depth]
-        while depths[-1] > 1:
-            depths.append((depths[-1] + 1) // 2)
-        return tuple(self.cut(depth + 1) for depth in depths)
+        drafts = [self.width - 1]
+        while drafts[-1] > 1:
+            drafts.append((drafts[-1] + 1) // 2)
+        return tuple(self.cut(count + 1) for count in drafts)
 
 
 # Plain decoding: one token per row, nothing drafted.

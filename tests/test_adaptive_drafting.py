@@ -35,7 +35,8 @@ from outrider.plugins.sampling_spec import SamplingSpec
 debug_checks = debug_checks_fixture()
 
 WIDTH = 4  # the policy's engine verifies a root and 3 drafts a row
-CUT = {"ngram", "eagle3 chain", "standalone", "dflash"}  # the engine may cut their chains short
+# The engine may cut their steps short: every algorithm's (a tree to its best nodes).
+CUT = {"ngram", "eagle3 chain", "eagle3 tree", "standalone", "dflash"}
 
 # --- the policy ---------------------------------------------------------------------------
 
@@ -362,6 +363,32 @@ def test_a_request_drafting_cut_short_stops_feeding_by_its_mean_at_the_whole_dep
     assert (good.fed, weak.fed) == (True, False)
 
 
+def test_a_tree_counts_each_smaller_size_from_its_whole_steps() -> None:
+    """A tree of 5 nodes measured cut to 3, 2 and 1: four whole steps whose accepted paths
+    reached worst ranks [0, 1], [0, 3], [2] and none accepted 5, 4, 3 and 2 drafts at the
+    sizes 5, 3, 2, 1 would have (a path's drafts count while its worst rank stays below the
+    size): shares 0.8, 0.6, 0.4; a step cut to 2 nodes that accepted one counts 1 + 1 / 0.6
+    at the whole tree and adds no size's count."""
+    cut = ((2.0,), (2.0,), (2.0,))
+    break_even = BreakEven(
+        (1,), (2.0,), (2.0,), cut_drafts=(3, 2, 1), cut_greedy=cut, cut_sampled=cut
+    )
+    policy = AdaptiveDrafting(AdaptiveSettings(break_even), 6, tree=True)
+    assert policy.widths == (6, 4, 3, 2)
+    first = _req(0)
+    for ranks in ([0, 1], [0, 3], [2], []):
+        policy.observe(first, len(ranks) + 1, 5, ranks)
+    sizes = policy.sizes[0]
+    assert (sizes.steps, sizes.accepted) == (4, [5, 4, 3, 2])
+    row = _req(1)
+    assert [policy.share(row, n) for n in (5, 3, 2, 1)] == pytest.approx([1.0, 0.8, 0.6, 0.4])
+    policy.observe(row, 2, 2, [1])  # from its kind's mean, (3 + 3 + 2 + 1) / 4
+    assert row.tau_estimate == pytest.approx(0.7 * 2.25 + 0.3 * (1 + 1 / 0.6))
+    assert sizes.steps == 4  # a cut step measures no size
+    policy.observe(row, 3, 5, [0])  # ranks that do not match the commit: not counted
+    assert sizes.steps == 4
+
+
 def test_start_keys_hold_plain_graphs_beside_the_cycles() -> None:
     graphs = DecodeGraphs(2, 64, 20, 2, widths=(1, 4))
     keys = graphs.start_keys()
@@ -414,13 +441,13 @@ def test_alternating_plain_and_drafting_steps_keep_every_token(
     # A chain the engine cuts drafts at each of its depths in turn: each step's own verify and
     # catch-up, and the same tokens.
     shape = engine.loop.runner.shape
-    widths = tuple(chain.width for chain in shape.chains()) if algorithm in CUT else (shape.width,)
+    widths = tuple(chain.width for chain in shape.cuts()) if algorithm in CUT else (shape.width,)
     policy = AlternateDrafting(widths)
     engine.scheduler.use_policy(policy)
     outcomes = run(engine, _workload(), stagger=2)
     assert tokens_of(outcomes) == expected
     assert set(policy.decisions) == {1, *widths}
-    assert widths == {"ngram": (8, 5, 3, 2), "eagle3 tree": (6,)}.get(algorithm, (4, 3, 2))
+    assert widths == {"ngram": (8, 5, 3, 2), "eagle3 tree": (6, 4, 3, 2)}.get(algorithm, (4, 3, 2))
     # Only drafting steps count as verifies.
     drafting_rows = engine.scheduler.counters().spec_drafts
     usage = [o.finish.usage for o in outcomes.values()]
@@ -459,6 +486,37 @@ def test_a_policy_that_cuts_the_chain_keeps_every_token(
     assert 0 < whole < counters.spec_drafts - whole  # some rows drafted 3, more drafted 1
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_a_tree_cut_to_one_node_where_only_that_pays_keeps_every_token(
+    speculative_dirs: dict[str, str], expected: dict[int, list[int]], overlap: bool
+) -> None:
+    """An EAGLE-3 tree of 5 nodes where only its best node pays: the first cycles (nothing
+    observed) verify the whole tree and each reports its path's ranks, which count every
+    size (one count a whole row, over both kinds); the rest verify one node a row; the
+    tokens stay the target's."""
+    engine = engine_for(
+        speculative_dirs["target"], no_overlap=not overlap,
+        **_settings(speculative_dirs, "eagle3 tree"),
+    )  # fmt: skip
+    never = (10.0,)
+    cut = (never, never, (1.0,))
+    break_even = BreakEven(
+        (1,), never, never, cut_drafts=(3, 2, 1), cut_greedy=cut, cut_sampled=cut
+    )
+    policy = AdaptiveDrafting(AdaptiveSettings(break_even), 6, tree=True)
+    engine.scheduler.use_policy(policy)
+    outcomes = run(engine, _workload(), stagger=2)
+    assert tokens_of(outcomes) == expected
+    counters = engine.scheduler.counters()
+    extra = counters.spec_draft_tokens - counters.spec_drafts  # past one node a row
+    assert extra % 4 == 0  # every row verified 5 nodes or 1
+    whole = extra // 4
+    assert 0 < whole < counters.spec_drafts - whole
+    assert sum(sizes.steps for sizes in policy.sizes.values()) == whole
+    for sizes in policy.sizes.values():
+        assert sizes.accepted == sorted(sizes.accepted, reverse=True)
+
+
 class FeedingNothing:
     """No request feeds the draft, and no batch drafts."""
 
@@ -468,7 +526,7 @@ class FeedingNothing:
     def feeds(self, req: Request, others: int) -> bool:
         return False
 
-    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
+    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
         pass
 
 
@@ -600,6 +658,14 @@ def test_the_break_even_is_measured_at_start_by_default(
     assert ngram.scheduler.policy.widths == (8, 5, 3, 2)
     for drafts in (7, 4, 2, 1):
         assert f"drafting {drafts} tokens a row pays from" in caplog.text
+    # A tree is cut to its best nodes: 5 nodes, then 3, 2 and 1.
+    tree = engine_for(
+        speculative_dirs["target"],
+        speculative_min_acceptance=-1.0,
+        **_settings(speculative_dirs, "eagle3 tree"),
+    ).scheduler.policy
+    assert isinstance(tree, AdaptiveDrafting) and tree.tree
+    assert tree.settings.break_even.cut_drafts == (3, 2, 1) and tree.widths == (6, 4, 3, 2)
     counters = engine.scheduler.counters()  # the timing left nothing behind
     assert (counters.running, counters.waiting, counters.spec_drafts) == (0, 0, 0)
     plain = engine_for(speculative_dirs["target"], speculative_min_acceptance=-1.0)

@@ -368,18 +368,19 @@ def test_graphs_of_requests_not_feeding_the_draft_give_the_eager_tokens(
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("algorithm", ["eagle3 chain", "ngram", "dflash"])
-def test_graphs_of_a_chain_cut_short_give_the_eager_tokens(
+@pytest.mark.parametrize("algorithm", ["eagle3 chain", "ngram", "dflash", "eagle3 tree"])
+def test_graphs_of_a_step_cut_short_give_the_eager_tokens(
     speculative_dirs: dict[str, str], algorithm: str, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Drafting batches take the chain at each depth in turn (plain steps between): each
-    width replays its own graph; the tokens and counters are the eager engine's (on the CPU
-    through the runner's capture path, replayed eagerly)."""
+    """Drafting batches take the shape at each size in turn (a chain's depths, a tree's best
+    nodes; plain steps between): each width replays its own graph; the tokens and counters
+    are the eager engine's (on the CPU through the runner's capture path, replayed
+    eagerly)."""
     monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
     graphed = engine(speculative_dirs, algorithm, device=device)
     eager = engine(speculative_dirs, algorithm, device=device, disable_cuda_graph=True)
     runner = graphed.loop.runner
-    widths = tuple(chain.width for chain in runner.shape.chains())
+    widths = tuple(chain.width for chain in runner.shape.cuts())
     assert len(widths) > 2
     if device == "cpu":
         runner.graphs = EagerGraphs(
@@ -408,7 +409,7 @@ class FeedingBelow:
     def feeds(self, req: Request, others: int) -> bool:
         return req.rid < self.end
 
-    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
+    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
         pass
 
 

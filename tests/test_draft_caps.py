@@ -98,8 +98,8 @@ def test_every_algorithm_keeps_the_target_only_tokens_under_caps(
         assert off == [0] * len(PROMPTS), off
 
 
-# The algorithms whose worker drafts a chain of any depth (``shorter_chains``; DFlash a
-# shorter block); a tree keeps its shape.
+# The algorithms whose chain a batch's caps cut (``SchedulerLimits.shorter_chains``; DFlash a
+# shorter block); caps never cut a tree.
 CUT_SHORT = {"ngram", "eagle3 chain", "standalone", "dflash"}
 
 

@@ -11,7 +11,7 @@ import torch
 from outrider.daemon.engine.accept import accept_chain, accept_tree, check_tree, tree_geometry
 from outrider.plugins.attention.torch_impl import TorchAttention
 from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, KVCache
-from outrider.plugins.speculative.tree import best, select_tree
+from outrider.plugins.speculative.tree import best, path_ranks, select_tree
 
 # One row: the root 0; nodes 1 and 2 under it, 3 under 1, 4 under 2, 5 under 3.
 #        0
@@ -80,8 +80,9 @@ def test_selected_trees_are_ancestor_closed_under_ties() -> None:
     scores = torch.tensor([[-1.0, -1.0, -1.0, -1.0, -1.0, -1.0]])
     parents = torch.tensor([[-1, -1, 0, 0, 1, 1]])
     for size in range(1, 7):
-        drafts, node_parents = select_tree(tokens, scores, parents, size)
+        drafts, node_parents, ranks = select_tree(tokens, scores, parents, size)
         assert drafts.tolist() == [tokens[0, :size].tolist()]
+        assert ranks.tolist() == [list(range(size))]  # ties: by candidate index
         chosen = drafts[0].tolist()
         for node, parent in enumerate(node_parents[0].tolist(), start=1):
             assert parent < node
@@ -89,9 +90,19 @@ def test_selected_trees_are_ancestor_closed_under_ties() -> None:
             assert parent == (0 if expected < 0 else chosen.index(10 + expected) + 1)
     # Distinct scores: the best three are 1, its child 4, then 0; nodes in generation order.
     scores = torch.tensor([[-0.2, -0.1, -0.9, -0.8, -0.15, -0.7]])
-    drafts, node_parents = select_tree(tokens, scores, parents, 3)
+    drafts, node_parents, ranks = select_tree(tokens, scores, parents, 3)
     assert drafts.tolist() == [[10, 11, 14]]
     assert node_parents.tolist() == [[0, 0, 2]]
+    assert ranks.tolist() == [[2, 0, 1]]  # 10 third, 11 best, 14 second
+
+
+def test_path_ranks_are_the_worst_rank_so_far_along_the_path() -> None:
+    """Nodes ranked 2, 0, 1, 3 by score; a path root -> 2 -> 3 -> 4 meets ranks 0, 1, 3, and
+    root -> 1 -> 2 ranks 2, 0: worst so far 2, 2 (a tree of the best two nodes lacks node 1,
+    so it accepts nothing of that path)."""
+    ranks = torch.tensor([[2, 0, 1, 3], [2, 0, 1, 3]])
+    path = torch.tensor([[0, 2, 3, 4], [0, 1, 2, 2]])
+    assert path_ranks(ranks, path).tolist() == [[0, 1, 3], [2, 2, 2]]
 
 
 def test_kv_move_reads_every_source_before_writing() -> None:

@@ -19,7 +19,7 @@ from outrider.daemon.config import MIXED_NEEDS_NO_SPECULATION, ConfigError, Serv
 from outrider.daemon.engine.accept import step_reservation
 from outrider.daemon.engine.drafting_setup import (
     adapts,
-    cuts_chains,
+    cuts_steps,
     drafting_policy,
     drafting_widths,
     speculative_plugin,
@@ -138,7 +138,7 @@ def build_engine(
                 grammar_drafts=one_rank,
                 late_masks=one_rank,
                 mixed_batches=config.mixed_batches,
-                shorter_chains=cuts_chains(shape, runner.worker),
+                shorter_chains=cuts_steps(shape, runner.worker) and not shape.tree,
             ),
             shape,
             PrefixCache(plan.num_pages, page_size),

@@ -3,7 +3,7 @@ at which drafting pays (``BreakEven``, scheduler/drafting.py), per batch size, f
 for sampled batches.
 
 At each size a batch of requests decodes through the loop, first drafting every step (at each
-drafting width: the engine's, then its chain cut to halved depths where it cuts one), then
+drafting width: the engine's, then its shape cut to halved sizes where it cuts one), then
 plain; the ratio of a width's turns' times to the plain ones' is its break-even acceptance
 length.
 

@@ -46,10 +46,10 @@ def speculative_plugin(plugins: ResolvedPlugins) -> SpeculativePlugin | None:
     return SpeculativePlugin(worker_class, plugins.speculative.options)
 
 
-def cuts_chains(shape: StepShape, worker: SpeculativeWorker) -> bool:
-    """Whether a drafting batch may run ``shape`` cut short (``StepShape.cut``): a chain whose
-    worker drafts any depth up to it (``SpeculativeWorker.shorter_chains``)."""
-    return shape.speculative and not shape.tree and worker.shorter_chains
+def cuts_steps(shape: StepShape, worker: SpeculativeWorker) -> bool:
+    """Whether a drafting batch may run ``shape`` cut short (``StepShape.cut``): its worker
+    drafts fewer tokens as a step asks (``SpeculativeWorker.cut_steps``)."""
+    return shape.speculative and worker.cut_steps
 
 
 def adapts(config: ServeConfig, shape: StepShape) -> bool:
@@ -61,15 +61,15 @@ def adapts(config: ServeConfig, shape: StepShape) -> bool:
 def drafting_widths(
     config: ServeConfig, shape: StepShape, worker: SpeculativeWorker
 ) -> tuple[int, ...]:
-    """The widths the drafting policy may give a decode batch, deepest first: the engine's;
+    """The widths the drafting policy may give a decode batch, widest first: the engine's;
     where the policy measures the break-even (``--speculative-min-acceptance`` below 0) and
-    the engine cuts its chain, that chain at halved depths (``StepShape.chains``); and 1
-    (plain steps) where the policy chooses at all."""
+    the engine cuts its steps, its shape at halved sizes (``StepShape.cuts``); and 1 (plain
+    steps) where the policy chooses at all."""
     if not adapts(config, shape):
         return (shape.width,)
-    measured = config.speculative_min_acceptance < 0 and cuts_chains(shape, worker)
-    chains = shape.chains() if measured else (shape,)
-    return (*(chain.width for chain in chains), 1)
+    measured = config.speculative_min_acceptance < 0 and cuts_steps(shape, worker)
+    shapes = shape.cuts() if measured else (shape,)
+    return (*(cut.width for cut in shapes), 1)
 
 
 def drafting_policy(
@@ -90,4 +90,4 @@ def drafting_policy(
         if tau > 0
         else measure_break_even(loop, shape, widths[:-1], pool_tokens)
     )
-    return AdaptiveDrafting(AdaptiveSettings(break_even), shape.width)
+    return AdaptiveDrafting(AdaptiveSettings(break_even), shape.width, tree=shape.tree)

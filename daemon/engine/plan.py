@@ -93,3 +93,6 @@ class StepOutput(Struct, frozen=True):
     logprobs: list[list[float]]
     top_ids: list[list[list[int]]]
     top_logprobs: list[list[list[float]]]
+    # A ranked tree's step: per row, the worst rank by score on its accepted path up to each
+    # accepted draft (verify.py's ``Verified.path_ranks``); empty for any other step.
+    path_ranks: list[list[int]] = []

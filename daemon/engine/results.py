@@ -33,6 +33,9 @@ class StepResults:
     logprob: torch.Tensor  # [n, m] float32
     top_ids: torch.Tensor  # [n, m, k] int64
     top_logprobs: torch.Tensor  # [n, m, k] float32
+    # A ranked tree's worst rank on the accepted path up to each draft (verify.py's
+    # ``Verified.path_ranks``): [n, m - 1] int64; None for any other step.
+    path_ranks: torch.Tensor | None = None
 
     @classmethod
     def one_a_row(cls, out: SampleResult, commit_lens: torch.Tensor | None) -> StepResults:
@@ -71,6 +74,7 @@ class ResultCopies:
                 logprob=host(rows * m, dtype=torch.float32),
                 top_ids=host(rows * m * k),
                 top_logprobs=host(rows * m * k, dtype=torch.float32),
+                path_ranks=host(rows * m),
             )
             for _ in range(2)
         ]
@@ -116,11 +120,15 @@ class ResultCopies:
         if k:
             top_ids = _cut(host.top_ids[:n, :, :k].tolist(), counts)
             top_logprobs = _cut(host.top_logprobs[:n, :, :k].tolist(), counts)
+        path_ranks: list[list[int]] = []
+        if host.path_ranks is not None:
+            path_ranks = _cut(host.path_ranks[:n].tolist(), [c - 1 for c in counts])
         return StepOutput(
             tokens=_cut(host.tokens[:n].tolist(), counts),
             logprobs=_cut(host.logprob[:n].tolist(), counts),
             top_ids=top_ids,
             top_logprobs=top_logprobs,
+            path_ranks=path_ranks,
         )
 
     @staticmethod
@@ -132,6 +140,8 @@ class ResultCopies:
         pairs = [(values.tokens, host.tokens), (values.logprob, host.logprob)]
         if values.commit_lens is not None and host.commit_lens is not None:
             pairs.append((values.commit_lens, host.commit_lens))
+        if values.path_ranks is not None and host.path_ranks is not None:
+            pairs.append((values.path_ranks, host.path_ranks))
         if top:
             pairs += [(values.top_ids, host.top_ids), (values.top_logprobs, host.top_logprobs)]
         return pairs
@@ -149,16 +159,20 @@ def _landings(flat: StepResults, values: StepResults) -> StepResults:
     def land(buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return buffer[: value.numel()].view(value.shape)
 
-    lens = values.commit_lens
+    lens, ranks = values.commit_lens, values.path_ranks
     if lens is not None:
         assert flat.commit_lens is not None, "every host set holds commit lengths"
         lens = land(flat.commit_lens, lens)
+    if ranks is not None:
+        assert flat.path_ranks is not None, "every host set holds path ranks"
+        ranks = land(flat.path_ranks, ranks)
     return StepResults(
         tokens=land(flat.tokens, values.tokens),
         commit_lens=lens,
         logprob=land(flat.logprob, values.logprob),
         top_ids=land(flat.top_ids, values.top_ids),
         top_logprobs=land(flat.top_logprobs, values.top_logprobs),
+        path_ranks=ranks,
     )
 
 

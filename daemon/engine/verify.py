@@ -24,6 +24,7 @@ from outrider.plugins.sampling import (
     uniform_at,
 )
 from outrider.plugins.speculative.base import Drafts
+from outrider.plugins.speculative.tree import path_ranks
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class Verified:
     choices: torch.Tensor  # [bs, W] int64: the same choices per row
     commit_lens: torch.Tensor  # [bs] int64: 1 .. max_commit
     path: torch.Tensor  # [bs, max_commit] int64: the node of each committed token
+    # A ranked tree's (``Drafts.ranks``): the worst rank by score on the accepted path up to
+    # each accepted draft, [bs, max_commit - 1]; a tree cut to its best ``m`` nodes would
+    # have accepted the drafts whose entry is below ``m``. None: a chain, or unranked.
+    path_ranks: torch.Tensor | None = None
 
     def committed(self) -> torch.Tensor:
         """[bs, max_commit]: committed token ``j`` is the choice at node ``path[:, j]``."""
@@ -49,6 +54,7 @@ class Verified:
             logprob=out.logprob.view(bs, width).gather(1, path),
             top_ids=out.top_ids.view(bs, width, k).gather(1, node),
             top_logprobs=out.top_logprobs.view(bs, width, k).gather(1, node),
+            path_ranks=self.path_ranks,
         )
 
 
@@ -115,11 +121,16 @@ class Verifier:
             choices = self.simulated.commit_drafts(choices, nodes, path, commit_lens)
             if drafts.parents is not None:
                 self._compact(inputs.slots, relay.starts, path)
+                ranks = None if drafts.ranks is None else path_ranks(drafts.ranks, path)
+                return Verified(out, choices, commit_lens, path, ranks)
         elif drafts.parents is not None:
             commit_lens, path = accept_tree(
                 drafts.tokens, drafts.parents, choices, step.max_commit - 1
             )
             self._compact(inputs.slots, relay.starts, path)
+            commit_lens = torch.minimum(commit_lens, max_commit)
+            ranks = None if drafts.ranks is None else path_ranks(drafts.ranks, path)
+            return Verified(out, choices, commit_lens, path, ranks)
         else:
             tokens = inputs.input_ids.view(bs, width)
             commit_lens = accept_chain(tokens[:, 1:], choices)  # [bs]; 1 without drafts

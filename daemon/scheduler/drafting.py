@@ -8,17 +8,19 @@ kind (greedy, or sampled when any row samples: sampling costs a cycle more, cycl
 measured at start (cycle_cost.py's ``measure_break_even``) or set with
 ``--speculative-min-acceptance`` (0: always draft, the policy off).
 
-How deep: where the engine cuts its chain short (``StepShape.cut``: EAGLE-3 chains, n-gram,
-standalone drafts, DFlash's block) and the break-even is measured at the depths it cuts to
-(``StepShape.chains``: its own, then halved down to one draft), a batch takes the width
-whose expected commit length gains most over its own break-even (a tie: the deeper), and
-drafts where that gain reaches 1. A row's commit length at ``d`` drafts is its estimate at the
-engine's depth scaled by the share of accepted drafts its kind's first ``d`` positions hold
-(``Positions``: per position, the steps that reached it and those that accepted it); a row
-capped lower (``Request.max_drafts``) counts at its cap. A cut chain's commits count back at
-the engine's depth by the same share, so every estimate below is at the engine's depth. Probes
-draft the whole chain (every position measured); a kind drafting cut short measures its
-deeper positions only then.
+How deep: where the engine cuts its steps short (``StepShape.cut``: a chain to its first
+drafts, EAGLE-3's, n-gram's, a standalone draft's, DFlash's block; a tree to its best nodes)
+and the break-even is measured at the sizes it cuts to (``StepShape.cuts``: its own, then
+halved down to one draft), a batch takes the width whose expected commit length gains most
+over its own break-even (a tie: the wider), and drafts where that gain reaches 1. A row's
+commit length at ``d`` drafts is its estimate at the engine's shape scaled by the share of
+accepted drafts its kind keeps at ``d``: a chain's from its first ``d`` positions
+(``Positions``: per position, the steps that reached it and those that accepted it; a row
+capped lower, ``Request.max_drafts``, counts at its cap), a tree's from what its whole steps
+would have accepted cut to ``d`` nodes (``Sizes``, from each step's path ranks). A step cut
+short counts back at the engine's shape by the same share, so every estimate below is at the
+engine's shape. Probes draft the whole shape (every position and size measured); a kind
+drafting cut short measures the rest only then.
 
 Estimates, all updated from the commit counts the host sees (outputs.py), per kind of request
 (``kind_of``: greedy, or a temperature band; acceptance differs several-fold between them):
@@ -81,6 +83,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -101,9 +104,10 @@ class DraftPolicy(Protocol):
         the draft."""
         ...
 
-    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
-        """A drafting step that offered ``req`` ``drafts`` drafts (its chain's, or its cap)
-        committed ``commit_len`` tokens (1 + accepted drafts)."""
+    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
+        """A drafting step that offered ``req`` ``drafts`` drafts (its chain's, or its cap;
+        a tree's nodes) committed ``commit_len`` tokens (1 + accepted drafts); ``ranks``: a
+        ranked tree's worst rank on the accepted path up to each accepted draft, else empty."""
         ...
 
 
@@ -120,7 +124,7 @@ class FixedDrafting:
     def feeds(self, req: Request, others: int) -> bool:
         return True
 
-    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
+    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
         pass
 
 
@@ -144,7 +148,7 @@ class AlternateDrafting:
         self.fed.append(len(self.fed) % 2 == 0)
         return self.fed[-1]
 
-    def observe(self, req: Request, commit_len: int, drafts: int) -> None:
+    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
         pass
 
 
@@ -276,18 +280,48 @@ class Positions:
         return total
 
 
+@dataclass
+class Sizes:
+    """One kind's whole-tree steps, each counted as the same tree cut to each of ``counts``
+    best nodes would have committed: ``accepted[j]`` sums the drafts a tree of ``counts[j]``
+    nodes would have accepted (those on the accepted path whose worst rank so far is below
+    ``counts[j]``: the target chose the same tokens), over ``steps``."""
+
+    counts: tuple[int, ...]
+    accepted: list[int]
+    steps: int = 0
+
+    @classmethod
+    def empty(cls, counts: tuple[int, ...]) -> Sizes:
+        return cls(counts, [0] * len(counts))
+
+    def add(self, ranks: Sequence[int]) -> None:
+        """A whole tree's step that accepted ``len(ranks)`` drafts (``ranks``: the path's
+        worst rank so far at each, never decreasing)."""
+        self.steps += 1
+        for j, count in enumerate(self.counts):
+            self.accepted[j] += bisect.bisect_left(ranks, count)
+
+    def reach(self, drafts: int) -> float:
+        """The drafts a tree of ``drafts`` nodes (one of ``counts``) accepts on average."""
+        return self.accepted[self.counts.index(drafts)] / self.steps if self.steps else 0.0
+
+
 class AdaptiveDrafting:
     """The policy of the module docstring, for an engine whose drafting steps verify
-    ``width`` tokens a row (its chain cut short too where the break-even is measured cut)."""
+    ``width`` tokens a row (its chain or ``tree`` cut short too where the break-even is
+    measured cut)."""
 
-    def __init__(self, settings: AdaptiveSettings, width: int) -> None:
+    def __init__(self, settings: AdaptiveSettings, width: int, tree: bool = False) -> None:
         self.settings = settings
-        self.depth = width - 1  # the engine's drafts a row
+        self.depth = width - 1  # the engine's drafts a row (a tree's nodes)
+        self.tree = tree
         # The widths a drafting step may take, deepest first: a tie keeps the deeper chain.
         self.widths = (width, *(drafts + 1 for drafts in settings.break_even.cut_drafts))
         assert list(self.widths) == sorted(self.widths, reverse=True), self.widths
         self.kind_tau: dict[int, KindMean] = {}  # kinds observed so far
         self.positions: dict[int, Positions] = {}  # the same kinds, by draft position
+        self.sizes: dict[int, Sizes] = {}  # a tree's: the same kinds, by the tree's size
         # ``share`` by kind and depth, as of the last decision (``width``): an observation
         # moves it little, and one step's observations would recompute it once a row.
         self._shares: dict[tuple[int, int], float] = {}
@@ -313,19 +347,19 @@ class AdaptiveDrafting:
     def share(self, req: Request, drafts: int) -> float:
         """The part of ``req``'s accepted drafts at the engine's depth that a chain of
         ``drafts`` keeps (its cap's at most), by its kind's acceptance by position."""
-        if req.max_drafts is not None:
+        if req.max_drafts is not None and not self.tree:
             drafts = min(drafts, req.max_drafts)
         if drafts >= self.depth:
             return 1.0
         key = (kind_of(req), drafts)
         share = self._shares.get(key)
         if share is None:  # once per kind and depth a decision
-            positions = self.positions.get(key[0])
-            whole = 0.0 if positions is None else positions.reach(self.depth)
-            if positions is None or whole <= 0.0:
+            profile = (self.sizes if self.tree else self.positions).get(key[0])
+            whole = 0.0 if profile is None else profile.reach(self.depth)
+            if profile is None or whole <= 0.0:
                 share = drafts / self.depth
             else:
-                share = positions.reach(drafts) / whole
+                share = profile.reach(drafts) / whole
             self._shares[key] = share
         return share
 
@@ -426,17 +460,27 @@ class AdaptiveDrafting:
             mean = kind.value
         req.fed = mean >= self.feeding_pays_from(req, batch)
 
-    def observe(self, req: Request, commit_len: int, drafts: int | None = None) -> None:
-        """As ``DraftPolicy.observe``; ``drafts`` None: the engine's depth. A shorter chain's
-        commits count at the engine's depth, scaled by the kind's acceptance by position."""
+    def observe(
+        self, req: Request, commit_len: int, drafts: int | None = None, ranks: Sequence[int] = ()
+    ) -> None:
+        """As ``DraftPolicy.observe``; ``drafts`` None: the engine's depth. A step cut short
+        counts at the engine's depth, scaled by its kind's acceptance by position (a chain)
+        or by size (a tree, from its whole steps' ``ranks``)."""
         drafts = self.depth if drafts is None else drafts
         if drafts == 0:
             return  # nothing offered: its cap turned speculation off
         kind = kind_of(req)
-        positions = self.positions.get(kind)
-        if positions is None:
-            positions = self.positions[kind] = Positions.empty(self.depth)
-        positions.add(commit_len - 1, drafts)
+        if not self.tree:
+            positions = self.positions.get(kind)
+            if positions is None:
+                positions = self.positions[kind] = Positions.empty(self.depth)
+            positions.add(commit_len - 1, drafts)
+        elif drafts == self.depth and len(ranks) == commit_len - 1:
+            sizes = self.sizes.get(kind)
+            if sizes is None:
+                counts = (self.depth, *self.settings.break_even.cut_drafts)
+                sizes = self.sizes[kind] = Sizes.empty(counts)
+            sizes.add(ranks)
         value, share = float(commit_len), self.share(req, drafts)
         if share > 0.0:
             value = min(1.0 + (commit_len - 1) / share, self.depth + 1.0)

@@ -27,7 +27,6 @@ class SchedulerLimits:
     # where a row's positions are exact on the host (one token a step) and no draft keeps
     # state.
     mixed_batches: bool = False
-    # The worker drafts a chain of any depth up to the engine's (``shorter_chains``): a
-    # drafting batch whose rows all cap their drafts lower runs the chain cut to the largest
-    # cap (planner.py).
+    # The engine's chain may be cut (its worker's ``cut_steps``): a drafting batch whose rows
+    # all cap their drafts lower runs the chain cut to the largest cap (planner.py).
     shorter_chains: bool = False

@@ -71,7 +71,8 @@ class OutputProcessor:
             drafts = planned.plan.q_lens[0] - 1
             self.stats.verified(drafts, len(tokens) - 1)
             offered = drafts if req.max_drafts is None else min(drafts, req.max_drafts)
-            self.policy.observe(req, len(tokens), offered)
+            ranks = out.path_ranks[i] if out.path_ranks else []
+            self.policy.observe(req, len(tokens), offered, ranks)
             req.spec_drafts += 1
             req.spec_accepted_tokens += len(tokens) - 1
         if not req.output_ids:

@@ -141,7 +141,7 @@ class DecodeView:
     host_starts: tuple[int, ...] | None = None
     guide: DraftGuide | None = None  # where rows draw under a grammar (module docstring)
     # The drafts each row takes this step: its shape's ``width - 1``, fewer where the engine
-    # cuts a chain short (a worker with ``shorter_chains``), 0 in a plain step.
+    # cuts the step short (a worker with ``cut_steps``), 0 in a plain step.
     drafts: int = 0
 
     @property
@@ -161,6 +161,9 @@ class Drafts:
     tokens: torch.Tensor  # [bs, width - 1] int64
     probs: torch.Tensor | None = None  # [bs, width - 1, V] float32, V the target's logits width
     parents: torch.Tensor | None = None  # [bs, width - 1] int64
+    # A tree's nodes by score, 0 the best (``tree.select_tree``): the best ``m`` are the tree
+    # cut to ``m`` nodes. None: the sizes are not ranked (the engine then never cuts it).
+    ranks: torch.Tensor | None = None  # [bs, width - 1] int64
 
 
 @dataclass(frozen=True)
@@ -197,10 +200,10 @@ class SpeculativeWorker(ABC):
     # ``after_extend`` nor a plain step's catch-up runs for it; a batch of such rows calls no
     # worker hook at all.
     draft_state: bool = True
-    # The worker drafts a chain of any depth up to its shape's, as each step asks
-    # (``DecodeView.drafts``): the engine may then choose a chain's depth per batch. False:
-    # every drafting step takes the shape's drafts. A tree or a block is never cut.
-    shorter_chains: bool = False
+    # The worker drafts fewer tokens than its shape's as each step asks (``DecodeView.drafts``):
+    # a chain's first drafts, a tree's best nodes (``Drafts.ranks`` set), so that the engine
+    # may choose the size per batch. False: every drafting step takes the shape's drafts.
+    cut_steps: bool = False
 
     def __init__(self, ctx: WorkerContext, options: Any) -> None:
         self.ctx = ctx

@@ -52,7 +52,7 @@ from outrider.plugins.speculative.sampled import coupled_drafts, rejection_draft
 
 
 class DFlashWorker(SpeculativeWorker):
-    shorter_chains = True
+    cut_steps = True
 
     def __init__(self, ctx: WorkerContext, options: DraftOptions) -> None:
         super().__init__(ctx, options)

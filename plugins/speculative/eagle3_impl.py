@@ -64,7 +64,7 @@ from outrider.plugins.speculative.tree import best, select_tree
 
 class Eagle3Worker(SpeculativeWorker):
     prefix_margin_pages = 1
-    shorter_chains = True  # a chain's (K = 1); a tree keeps its shape
+    cut_steps = True  # a chain's first drafts, a tree's best nodes
 
     def __init__(self, ctx: WorkerContext, options: DraftOptions) -> None:
         super().__init__(ctx, options)
@@ -164,13 +164,10 @@ class Eagle3Worker(SpeculativeWorker):
         if k == 1:  # a chain: every candidate, in depth order
             sampled = [q for q in probs if q is not None]
             return Drafts(tokens, torch.stack(sampled, dim=1) if sampled else None)
-        drafts, parents = select_tree(
-            tokens,
-            torch.cat(cand_scores, dim=1),
-            torch.cat(cand_parents, dim=1),
-            self.shape.width - 1,
+        drafts, parents, ranks = select_tree(
+            tokens, torch.cat(cand_scores, dim=1), torch.cat(cand_parents, dim=1), view.drafts
         )
-        return Drafts(drafts, parents=parents)
+        return Drafts(drafts, parents=parents, ranks=ranks)
 
     def after_accept(self, view: DecodeView, verify: ForwardBatch, accepted: Accepted) -> None:
         # Row j (position seq + j) takes committed token j, the token at seq + 1 + j, and the

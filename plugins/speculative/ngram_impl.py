@@ -30,7 +30,7 @@ from outrider.plugins.speculative.ngram import NgramOptions
 
 
 class NgramWorker(SpeculativeWorker):
-    shorter_chains = True
+    cut_steps = True
 
     @classmethod
     def draft_logit_rows(cls, shape: StepShape) -> int:

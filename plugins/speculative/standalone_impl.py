@@ -38,7 +38,7 @@ from outrider.plugins.speculative.sampled import coupled_scores
 
 
 class StandaloneWorker(SpeculativeWorker):
-    shorter_chains = True
+    cut_steps = True
 
     def __init__(self, ctx: WorkerContext, options: DraftOptions) -> None:
         super().__init__(ctx, options)
