@@ -19,6 +19,7 @@ from grammar_cases import (
 
 from outrider.daemon.engine.build import Engine
 from outrider.daemon.grammar.compiler import Grammars
+from outrider.daemon.scheduler.drafting import AlternateDrafting
 from outrider.daemon.scheduler.planner import Planned
 from outrider.daemon.scheduler.request import Request
 from outrider.daemon.tokenizer import Tokenizer
@@ -90,6 +91,37 @@ def _count_rows(engine: Engine) -> tuple[Counter[str], Counter[str]]:
 
     engine.scheduler.schedule = counted  # type: ignore[method-assign]
     return late, drafting
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3 chain", "eagle3 tree", "dflash"])
+def test_grammar_rows_in_steps_cut_short_keep_the_target_only_tokens(
+    model_dir: Path,
+    tokenizer: Tokenizer,
+    grammars: Grammars,
+    drafts: dict[str, str],
+    algorithm: str,
+) -> None:
+    """Drafting batches take the shape at each of its sizes in turn (a chain's depths, a
+    tree's best nodes, a shorter DFlash block; plain steps between), grammar rows among them
+    through the overlap loop: greedy and seeded tokens are the target-only serial loop's and
+    every output stays within its grammar."""
+    settings = dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts[algorithm.split()[0]])
+    for temperature in (0.0, 1.0):
+        reference = run(
+            engine_for(str(model_dir), no_overlap=True),
+            grammar_requests(temperature),
+            grammars=grammars,
+        )
+        engine = engine_for(str(model_dir), **settings)
+        widths = tuple(cut.width for cut in engine.loop.runner.shape.cuts())
+        assert len(widths) > 2
+        policy = AlternateDrafting(widths)
+        engine.scheduler.use_policy(policy)
+        outcomes = run(engine, grammar_requests(temperature), grammars=grammars)
+        for rid, outcome in reference.items():
+            assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
+        check_outputs(outcomes, tokenizer)
+        assert set(policy.decisions) == {1, *widths}
 
 
 class EveryOtherBatchDrafts:
