@@ -12,7 +12,8 @@ import json
 import time
 
 from outrider.daemon.internal import TokenizedRequest
-from outrider.daemon.scheduler.drafting import AdaptiveDrafting, AdaptiveSettings, BreakEven
+from outrider.daemon.scheduler.acceptance import BreakEven
+from outrider.daemon.scheduler.drafting import AdaptiveDrafting, AdaptiveSettings
 from outrider.daemon.scheduler.request import Request
 from outrider.plugins.sampling_spec import SamplingSpec
 

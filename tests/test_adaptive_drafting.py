@@ -20,13 +20,12 @@ from model_fixtures import VOCAB
 
 from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
 from outrider.daemon.internal import TokenizedRequest
+from outrider.daemon.scheduler.acceptance import BreakEven, kind_of
 from outrider.daemon.scheduler.drafting import (
     AdaptiveDrafting,
     AdaptiveSettings,
     AlternateDrafting,
-    BreakEven,
     FixedDrafting,
-    kind_of,
     probe_cap,
 )
 from outrider.daemon.scheduler.request import Request

@@ -50,7 +50,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from outrider.daemon.internal import own_request
-from outrider.daemon.scheduler.drafting import BreakEven, FixedDrafting
+from outrider.daemon.scheduler.acceptance import BreakEven
+from outrider.daemon.scheduler.drafting import FixedDrafting
 from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.plugins.api import StepShape
 from outrider.plugins.sampling_spec import SamplingSpec

@@ -11,10 +11,10 @@ import msgspec
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine.cycle_cost import measure_break_even
+from outrider.daemon.scheduler.acceptance import BreakEven
 from outrider.daemon.scheduler.drafting import (
     AdaptiveDrafting,
     AdaptiveSettings,
-    BreakEven,
     DraftPolicy,
     FixedDrafting,
 )
