@@ -10,7 +10,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from engine_harness import DRAFT_ALGORITHMS, EagerGraphs, debug_checks_fixture, engine_for, run
+from engine_harness import (
+    DRAFT_ALGORITHMS,
+    EagerGraphs,
+    Outcome,
+    debug_checks_fixture,
+    engine_for,
+    run,
+)
 from grammar_cases import (
     check_outputs,
     grammar_fixtures,
@@ -50,11 +57,7 @@ def test_a_batch_takes_grammar_rows_whose_step_is_in_flight(
     if algorithm != "none":
         settings |= dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts["eagle3"])
     for temperature in (0.0, 1.0):
-        reference = run(
-            engine_for(str(model_dir), no_overlap=True),
-            grammar_requests(temperature),
-            grammars=grammars,
-        )
+        reference = _target_only(model_dir, grammars, temperature)
         engine = engine_for(str(model_dir), **settings)
         planner = engine.scheduler.planner
         assert planner.limits.late_masks and engine.loop.overlap
@@ -71,6 +74,12 @@ def test_a_batch_takes_grammar_rows_whose_step_is_in_flight(
         assert late_rows["grammar"] > steps // 2, (late_rows, steps)
         assert (drafting_rows["grammar"] > 0) == grammar_drafts, drafting_rows
         assert (drafting_rows["free"] > 0) == (algorithm != "none")
+
+
+def _target_only(model_dir: Path, grammars: Grammars, temperature: float) -> dict[int, Outcome]:
+    """``grammar_requests(temperature)`` through the target alone, the serial loop."""
+    engine = engine_for(str(model_dir), no_overlap=True)
+    return run(engine, grammar_requests(temperature), grammars=grammars)
 
 
 def _count_rows(engine: Engine) -> tuple[Counter[str], Counter[str]]:
@@ -107,11 +116,7 @@ def test_grammar_rows_in_steps_cut_short_keep_the_target_only_tokens(
     every output stays within its grammar."""
     settings = dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts[algorithm.split()[0]])
     for temperature in (0.0, 1.0):
-        reference = run(
-            engine_for(str(model_dir), no_overlap=True),
-            grammar_requests(temperature),
-            grammars=grammars,
-        )
+        reference = _target_only(model_dir, grammars, temperature)
         engine = engine_for(str(model_dir), **settings)
         widths = tuple(cut.width for cut in engine.loop.runner.shape.cuts())
         assert len(widths) > 2

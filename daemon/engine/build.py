@@ -100,6 +100,7 @@ class _Built:
     tokenizer: Tokenizer | None
     speculative: bool
     attention_routes: Mapping[Phase, str]  # as chosen (attention_choice.py)
+    widths: tuple[int, ...]  # a decode batch's, widest first (``drafting_widths``)
 
 
 def build_engine(
@@ -153,7 +154,7 @@ def build_engine(
         overlap=config.overlap,
         check_kv=bool(debug_knob("OUTRIDER_DEBUG_KV_CHECK")),
     )
-    widths = drafting_widths(config, shape, runner.worker)
+    widths = built.widths
     if adapts(config, shape):  # plain steps and every chain depth too, before READY
         loop.scheduler.use_policy(AlternateDrafting(widths[:-1]))
     _warm_up(loop)
@@ -312,12 +313,13 @@ def _build_runner(
     )
     backends = _backends(plugins, target_phases(shape), attention_shape, device)
     adaptive = adapts(config, shape)
+    widths = drafting_widths(config, shape, worker)
     graphs = decode_graphs(
         graphing,
         plan,
         vocab_limit,
         config.max_running,
-        drafting_widths(config, shape, worker),
+        widths,
         worker.deferred_positions,
         unfed_plain=adaptive and worker.draft_state,
     )
@@ -348,6 +350,7 @@ def _build_runner(
         tokenizer=tokenizer,
         speculative=speculative is not None,
         attention_routes=served.attention.phase_routes,
+        widths=widths,
     )
 
 

@@ -2,12 +2,11 @@
 speculative cycle: draft, verify, accept, catch-up, relay writes) replayed from one graph per
 key, with nothing but writes into fixed buffers in between.
 
-A key is the padded batch size (a bucket), the row width (a speculative engine whose drafting
-policy may run plain steps has width-1 graphs beside its cycles: the plain-decode graphs, no
-new shape; one that cuts its chain short, a cycle of each depth; a width no start key holds,
-such as a chain cut to a batch's draft caps, is captured on first use), the KV bound every
-layout of the graph is built with, and the sampling variant (all greedy or not; no logprobs or
-the most any request may ask, trimmed on the host). The KV bound
+A key is the padded batch size (a bucket), the row width (a speculative engine whose policy
+may run plain steps has width-1 graphs beside its cycles; one that cuts its steps, a cycle of
+each size; a width no start key holds, as a chain cut to a batch's caps, is captured on first
+use), the KV bound every layout of the graph is built with, and the sampling variant (all
+greedy or not; no logprobs or the most any request may ask, trimmed on the host). The KV bound
 is bucketed only where a decode batch's attention backend declares ``graph_kv_bound`` (its work
 grows with the bound: the ``torch`` backend's grows within twice the eager bound); otherwise
 every graph is built with the largest bound. Padding rows run on the scratch slot, whose
