@@ -192,11 +192,5 @@ class ConfigError(ValueError):
     """A serve setting that cannot be used; the message names the flag."""
 
 
-MIXED_NEEDS_NO_SPECULATION = (
-    "--mixed-batches needs --speculative-algorithm none: a speculative engine's decoding rows "
-    "do not ride prompt batches yet"
-)
-
-
 # EX_CONFIG: the unit's RestartPreventExitStatus, so a bad setting does not restart-loop.
 EXIT_CONFIG = 78

@@ -19,7 +19,6 @@ from typing import Any
 
 from outrider.daemon.config import (
     CHOSEN_BACKEND,
-    MIXED_NEEDS_NO_SPECULATION,
     ConfigError,
     ServeConfig,
 )
@@ -113,8 +112,9 @@ _HELP: dict[str, str] = {
     "no_overlap": "run the serial loop (the same tokens, no CPU/GPU overlap)",
     "mixed_batches": (
         "decoding rows ride prompt batches, a token each within --chunked-prefill-tokens, so "
-        "that decoding never waits for a prompt (the same tokens; engines without "
-        "speculation; the torch attention backend pads every row to the longest chunk)"
+        "that decoding never waits for a prompt (the same tokens; under speculation a row "
+        "that drafted in the step before sits out one prompt batch; the torch attention "
+        "backend pads every row to the longest chunk)"
     ),
     "disable_cuda_graph": "run every decode batch eagerly (CUDA graphs are on by default)",
     "cuda_graph_max_bs": "the largest decode batch replayed from a CUDA graph (larger: eager)",
@@ -365,8 +365,6 @@ def validate(config: ServeConfig) -> list[str]:
         problems.append("--cuda-graph-max-bs must be at least 1")
     if config.chunked_prefill_tokens < config.page_size:
         problems.append("--chunked-prefill-tokens must be at least --page-size")
-    if config.mixed_batches and config.speculative_algorithm != "none":
-        problems.append(MIXED_NEEDS_NO_SPECULATION)
     if not 0.0 < config.gpu_memory_fraction <= 1.0:
         problems.append("--gpu-memory-fraction must be in (0, 1]")
     draft_counts = (config.speculative_num_draft_tokens, config.speculative_num_steps)

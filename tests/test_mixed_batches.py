@@ -2,24 +2,24 @@
 in-process engine (float32 on CPU): the same tokens and logprobs as with the batches apart,
 greedy and seeded sampling, through the overlap loop and the serial one, with prompts
 chunked and arriving while others decode; rows that adjust their logits or draw under a
-grammar keep to decode batches; a speculative engine refuses them."""
+grammar keep to decode batches; the rows of a speculative engine ride as plain steps under
+every draft algorithm."""
 
 from __future__ import annotations
 
-import argparse
 import random
 from typing import Any
 
 import msgspec
 import pytest
-from engine_harness import debug_checks_fixture, engine_for, request, run
+from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
 from model_fixtures import VOCAB
 
-from outrider.daemon.config import MIXED_NEEDS_NO_SPECULATION, ConfigError
 from outrider.daemon.engine.build import Engine
+from outrider.daemon.engine.deferred import CatchUp
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.flags import add_serve_arguments, resolve
 from outrider.daemon.internal import TokenizedRequest
+from outrider.daemon.scheduler.drafting import AlternateDrafting
 from outrider.daemon.scheduler.request import Request
 from outrider.plugins.sampling_spec import SamplingSpec
 
@@ -130,18 +130,97 @@ def test_a_row_that_adjusts_its_logits_keeps_to_decode_batches(llama_dir: str) -
     assert penalised.rid not in rode and len(rode) >= 3, rode
 
 
-def test_a_speculative_engine_refuses_mixed_batches(llama_dir: str, eagle3_dir: str) -> None:
-    """Its decoding rows' positions are known on the host a step late and its draft keeps
-    state: the flag is refused at start, by the CLI and by the engine's builder."""
-    with pytest.raises(ConfigError) as refused:
-        engine_for(
-            llama_dir, speculative_algorithm="eagle3", draft_model=eagle3_dir, mixed_batches=True
-        )
-    assert str(refused.value) == MIXED_NEEDS_NO_SPECULATION
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    argv = ["--model", llama_dir, "--speculative-algorithm", "ngram", "--mixed-batches"]
-    with pytest.raises(ConfigError) as refused:
-        resolve(parser.parse_args(argv), environ={})
-    assert str(refused.value) == MIXED_NEEDS_NO_SPECULATION
-    assert resolve(parser.parse_args(argv[:2] + argv[4:]), environ={}).mixed_batches
+def _draft_settings(speculative_dirs: dict[str, str], algorithm: str) -> dict[str, object]:
+    settings = dict(DRAFT_ALGORITHMS[algorithm])
+    name = str(settings["speculative_algorithm"])
+    if name in speculative_dirs:
+        settings["draft_model"] = speculative_dirs[name]
+    return settings
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize("algorithm", DRAFT_ALGORITHMS)
+def test_speculative_rows_ride_prompt_chunks_and_keep_the_target_tokens(
+    speculative_dirs: dict[str, str], algorithm: str, overlap: bool
+) -> None:
+    """Decode batches alternate between drafting and plain steps (each of the engine's
+    widths in turn), so riders come with positions their plain steps buffered, which catch
+    up before the prompt batch they ride: every token and finish is the target-only
+    engine's, greedy and seeded. A row rides only when none of its drafting steps is in
+    flight: under overlap never the batch right after its drafting step."""
+    target = speculative_dirs["target"]
+    settings = {"chunked_prefill_tokens": 24, "page_size": 4, "no_overlap": not overlap}
+    expected, _ = served(engine_for(target, **settings), workload())
+    engine = engine_for(
+        target, mixed_batches=True, **settings, **_draft_settings(speculative_dirs, algorithm)
+    )
+    shape = engine.loop.runner.shape
+    widths = tuple(c.width for c in shape.cuts()) if engine.loop.runner.worker.cut_steps else ()
+    engine.scheduler.use_policy(AlternateDrafting(widths or (shape.width,)))
+    deferred = engine.loop.runner.deferred
+    caught_up: list[int] = []  # riders' slots caught up before their prompt batch
+    if deferred is not None:
+        due = deferred.due
+
+        def recorded(plan: StepPlan) -> CatchUp | None:
+            catch_up = due(plan)
+            if catch_up is not None and plan.kind == "extend":
+                riders = {plan.slots[row] for row in plan.relay_rows}
+                caught_up.extend(s for s in catch_up.slots if s in riders)
+            return catch_up
+
+        deferred.due = recorded  # type: ignore[method-assign]
+    mixed, plans = served(engine, workload())
+    assert {rid: m[:3] for rid, m in mixed.items()} == {rid: e[:3] for rid, e in expected.items()}
+    riding = [i for i, p in enumerate(plans) if p.relay_rows]
+    assert len(riding) >= 5, [p.kind for p in plans]
+    # The plan before is still in flight when a plan is made under overlap: processed first
+    # when serial.
+    in_flight = 1 if overlap else 0
+    after_drafting = 0
+    for i in riding:
+        riders = {plans[i].slots[row] for row in plans[i].relay_rows}
+        if in_flight and plans[i - 1].drafting:
+            assert not riders & set(plans[i - 1].slots), i
+        before = plans[i - 1 - in_flight]
+        after_drafting += before.drafting and bool(riders & set(before.slots))
+    assert after_drafting >= 1
+    assert (deferred is None) == (algorithm == "ngram")
+    assert len(caught_up) >= (0 if deferred is None else 1)
+
+
+class _EveryoneFeeds(AlternateDrafting):
+    """Drafting every other batch, and every request feeds the draft."""
+
+    def feeds(self, req: Request, others: int) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_a_rider_leaves_the_draft_current(llama_dir: str, overlap: bool) -> None:
+    """The target as its own standalone draft, greedy: with the draft's KV current at every
+    drafting step (riders' buffered positions caught up, the rider's own token run through
+    the draft as a chunk of one), each draft is the target's own choice and is accepted, but
+    in a request's last step, which its length may cut."""
+    steps = 3
+    reqs = [msgspec.structs.replace(r, sampling=SamplingSpec(0.0, 1.0, 0, 0)) for r in workload()]
+    engine = engine_for(
+        llama_dir, mixed_batches=True, speculative_algorithm="standalone", draft_model=llama_dir,
+        speculative_num_steps=steps, chunked_prefill_tokens=24, page_size=4,
+        no_overlap=not overlap,
+    )  # fmt: skip
+    engine.scheduler.use_policy(_EveryoneFeeds((steps + 1,)))
+    rode: list[int] = []
+    launch = engine.loop.runner.launch
+
+    def recorded(plan: StepPlan, *args: object, **kwargs: object) -> object:
+        rode.extend(plan.slots[row] for row in plan.relay_rows)
+        return launch(plan, *args, **kwargs)  # type: ignore[arg-type]  # passed through
+
+    engine.loop.runner.launch = recorded  # type: ignore[method-assign]
+    outcomes = run(engine, reqs, stagger=3)
+    assert len(rode) >= 10
+    usages = {rid: outcome.finish.usage for rid, outcome in outcomes.items()}
+    assert sum(u.spec_drafts for u in usages.values()) >= len(reqs)
+    for rid, usage in usages.items():
+        assert usage.spec_accepted_tokens >= steps * (usage.spec_drafts - 1), (rid, usage)

@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from outrider.daemon.config import MIXED_NEEDS_NO_SPECULATION, ConfigError, ServeConfig
+from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine.accept import step_reservation
 from outrider.daemon.engine.drafting_setup import (
     adapts,
@@ -110,8 +110,6 @@ def build_engine(
     warmed up. Under tensor parallelism (``tp``) every other rank calls ``build_follower``
     at the same time, and rank 0 ends them with ``Engine.stop_ranks``."""
     assert tp.rank == 0, "the other ranks build followers"
-    if config.mixed_batches and config.speculative_algorithm != "none":
-        raise ConfigError(MIXED_NEEDS_NO_SPECULATION)
     channel = RankChannel(tp) if tp.size > 1 else None
     built = _build_runner(config, progress, tp, channel)
     runner, model_config, shape = built.runner, built.model_config, built.runner.shape

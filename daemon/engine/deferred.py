@@ -6,6 +6,8 @@ A slot catches up, in one batch queued before the plan's own work:
 - when the plan drafts for it (its draft must be current before drafting);
 - when the plan is a plain step and some row's buffer is full: then every row of the plan with
   buffered positions (their buffers fill again together);
+- when its decoding row rides an EXTEND batch (``plan.relay_rows``): the draft takes the
+  rider's token as a prompt chunk of one, which starts the slot afresh;
 - when its request has ended (``plan.released_slots``): its pages may be in the prefix cache,
   and a later hit reads the draft's KV there. The slot's relay and request-table row still hold
   the ended request's: the catch-up runs before the plan writes anything.
@@ -15,10 +17,11 @@ Invariants:
   slot afresh (with its chunk's positions, or none), a catch-up empties it. Tensor-parallel
   ranks make the same decisions from the same plans.
 - An EXTEND drops what its slots still hold, on the host and on the device (the runner clears
-  the slot's buffer). Only slots whose end no plan reported hold any then: the warm-up's and the
-  start-up timing's, whose scheduler (and prefix cache) the engine replaces before READY. An
-  EXTEND batch whose rows all end their prompts within ``capacity`` tokens buffers its positions
-  instead of running the draft over them (``buffers``).
+  the slot's buffer). Its riders caught up first, only slots whose end no plan reported hold
+  any then: the warm-up's and the start-up timing's, whose scheduler (and prefix cache) the
+  engine replaces before READY. An EXTEND batch whose rows all end their prompts (or ride)
+  within ``capacity`` tokens buffers its positions instead of running the draft over them
+  (``buffers``).
 - A slot whose request does not feed the draft (``StepPlan.unfed``) buffers nothing the host
   counts and never catches up (the device's entries stay until its next EXTEND clears them,
   unread).
@@ -107,11 +110,14 @@ class DeferredCatchUp:
     def due(self, plan: StepPlan) -> CatchUp | None:
         """What must catch up before ``plan`` runs (module docstring), or None."""
         slots = [s for s in plan.released_slots if self.pending[s]]
+        unfed = set(plan.unfed)
         if plan.kind == "decode":
-            unfed = set(plan.unfed)
             buffered = [s for s in plan.slots if self.pending[s] and s not in unfed]
             if plan.drafting or any(self.pending[s] >= self.capacity for s in buffered):
                 slots += buffered
+        else:
+            riders = (plan.slots[row] for row in plan.relay_rows)
+            slots += [s for s in riders if self.pending[s] and s not in unfed]
         if not slots:
             return None
         counts = [self.pending[s] for s in slots]

@@ -23,9 +23,8 @@ class SchedulerLimits:
     # computes their masks once the loop has processed that step, in the middle of the new
     # one (scheduler/loop.py). On one rank (the masks do not travel to the other ranks).
     late_masks: bool = False
-    # Decoding rows ride prompt batches (planner.py; --mixed-batches): without speculation,
-    # where a row's positions are exact on the host (one token a step) and no draft keeps
-    # state.
+    # Decoding rows ride prompt batches (planner.py; --mixed-batches), those whose positions
+    # the host knows exactly.
     mixed_batches: bool = False
     # The engine's chain may be cut (its worker's ``cut_steps``): a drafting batch whose rows
     # all cap their drafts lower runs the chain cut to the largest cap (planner.py).

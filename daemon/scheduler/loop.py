@@ -92,8 +92,7 @@ class EngineLoop:
         if self.runner.channel is not None:
             raise StepFailed(f"a step of tensor-parallel ranks failed: {exc}") from exc
         log.exception("step failed; ending its %d requests", len(planned.requests))
-        for req in planned.requests:
-            req.steps_in_flight -= 1
+        self.scheduler.landed(planned)
         self.scheduler.fail_all(planned.requests, f"step failed: {type(exc).__name__}: {exc}")
 
 

@@ -1,11 +1,14 @@
 """Plans: extend batches (prompt chunks, prefix-hit remainders, re-admissions; rows of any
 length) and decode batches (every decoding row verifies the step's ``width`` tokens, its input
 read from the relay buffer). An extend batch goes first when there is extend work; where
-``SchedulerLimits.mixed_batches`` says (no speculation), the decoding rows ride it, a token
-each within its token budget, so that decoding never stalls behind a prompt: their input is
-the relay's root, their positions the host's (exact: one token a step), and their token is
-sampled as a prompt's last. Rows that draw under a grammar or adjust their logits do not
-ride (their masks and adjustments are a decode step's).
+``SchedulerLimits.mixed_batches`` says, the decoding rows ride it, a token each within its
+token budget, so that decoding never stalls behind a prompt: their input is the relay's root,
+their positions the host's, and their token is sampled as a prompt's last. A rider is a plain
+step for its row, and to the draft a prompt chunk of one token (its buffered positions catch
+up first: engine/deferred.py). Only rows whose positions the host knows exactly ride: none of
+their drafting steps in flight (``Request.open_steps``), so under speculation a row that
+drafted in the step before sits out the next extend batch. Rows that draw under a grammar or
+adjust their logits do not ride (their masks and adjustments are a decode step's).
 
 A speculative decode step commits between 1 and ``max_commit`` tokens per row, and the host
 learns how many one step late. So for a decoding row ``scheduled_len`` and
@@ -121,7 +124,8 @@ class Planner:
     def _riders(self, delta: PageDelta, budget: int) -> list[Request]:
         """The decoding rows that ride an extend batch, with pages for their token (a rider
         retracted meanwhile is no longer decoding): none unless mixed batches are on, extend
-        work may be waiting, and the rows leave room for a prompt in ``budget``."""
+        work may be waiting, and the rows leave room for a prompt in ``budget``; a row rides
+        where its positions are exact (module docstring)."""
         running = self.admission.running
         if not self.limits.mixed_batches or not (
             self.admission.waiting or any(not r.decoding for r in running)
@@ -131,6 +135,7 @@ class Planner:
             r
             for r in running
             if r.decoding
+            and not r.open_steps
             and not self._scheduled_to_end(r)
             and r.grammar is None
             and not _adjusting(r)

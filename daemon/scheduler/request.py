@@ -57,6 +57,9 @@ class Request:
     scheduled_outputs: int = 0
     # Steps launched and not yet processed that include this request.
     steps_in_flight: int = 0
+    # Those of them that may commit more than one token (drafting steps): while any, its
+    # scheduled_len and scheduled_outputs are upper bounds, not exact (planner.py).
+    open_steps: int = 0
     finished: bool = False
     admitted_once: bool = False
     streamed: int = 0  # output tokens already sent to the detokenizer

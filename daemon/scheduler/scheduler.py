@@ -115,16 +115,24 @@ class Scheduler:
         """The next step to launch, None when there is nothing to run."""
         planned = self.planner.next_plan()
         if planned is not None:
+            opens = planned.max_commit > 1
             for req in planned.requests:
                 req.steps_in_flight += 1
+                req.open_steps += opens
         return planned
 
     def process(self, planned: Planned, out: StepOutput) -> None:
         """Apply the results of a launched step (in launch order); the updates wait in
         ``take_updates``."""
+        self.landed(planned)
+        self.outputs.process(planned, out)
+
+    def landed(self, planned: Planned) -> None:
+        """A launched step is no longer in flight for its requests (processed or failed)."""
+        opens = planned.max_commit > 1
         for req in planned.requests:
             req.steps_in_flight -= 1
-        self.outputs.process(planned, out)
+            req.open_steps -= opens
 
     # --- state ---------------------------------------------------------------------------
 

@@ -277,7 +277,8 @@ class SpeculativeWorker(ABC):
     @abstractmethod
     def after_extend(self, view: ExtendView) -> None:
         """Draft-side work after any EXTEND batch (prompt chunks, prefix-hit remainders,
-        re-admissions)."""
+        re-admissions, and decoding rows riding the batch: a chunk of one token, the row's
+        root, whose positions before it the draft has caught up on)."""
 
     @abstractmethod
     def draft(self, view: DecodeView) -> Drafts:
