@@ -393,6 +393,40 @@ def test_graphs_of_a_step_cut_short_give_the_eager_tokens(
     assert {key.width for key in runner.graphs.graphs} == {*widths, 1}
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("algorithm", ["eagle3 chain", "dflash"])
+def test_graphs_beside_rows_riding_prompt_batches_give_the_eager_tokens(
+    speculative_dirs: dict[str, str], algorithm: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --mixed-batches and prompts in chunks of 16, decoding rows ride prompt batches
+    between graphed plain and drafting steps (their buffered positions caught up first, from
+    catch-up graphs where they fit): the tokens and counters are the eager engine's."""
+    monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
+    settings: dict[str, object] = {
+        "device": device, "mixed_batches": True, "chunked_prefill_tokens": 16, "page_size": 4,
+    }  # fmt: skip
+    graphed = engine(speculative_dirs, algorithm, **settings)
+    eager = engine(speculative_dirs, algorithm, disable_cuda_graph=True, **settings)
+    runner = graphed.loop.runner
+    if device == "cpu":
+        widths = (runner.shape.width, 1)
+        runner.graphs = EagerGraphs(MAX_RUNNING, 256, 20, runner.slots.scratch_slot, widths=widths)
+    for built in (graphed, eager):
+        built.scheduler.use_policy(AlternateDrafting((runner.shape.width,)))
+    riders: list[int] = []
+    launch = runner.launch
+
+    def recorded(plan: StepPlan, *args: object, **kwargs: object) -> object:
+        riders.extend(plan.slots[row] for row in plan.relay_rows)
+        return launch(plan, *args, **kwargs)  # type: ignore[arg-type]  # passed through
+
+    runner.launch = recorded  # type: ignore[method-assign]
+    assert_same_outputs(graphed, eager)
+    assert len(riders) >= 10
+    assert runner.graphs is not None
+    assert {key.width for key in runner.graphs.graphs} == {runner.shape.width, 1}
+
+
 class FeedingBelow:
     """Requests below rid ``end`` feed the draft; a batch with a fed row drafts every other
     time, one without never."""
