@@ -9,7 +9,8 @@ its plan: ``decode`` (its rows, its width), ``prompt`` (an EXTEND without riders
 per budget, gives each kind's mean milliseconds and prompt tokens, and ``split_ms``: what the
 mixed step's work costs as two steps, a prompt batch of its prompt tokens (the prompt steps'
 time per token) plus one plain decode step of its riders. A mixed step under ``split_ms``
-saves time; its own time is every rider's ITL while prompts wait.
+saves time; its own time is every rider's ITL while prompts wait. ``--profile`` prints the
+top operations of each wave's first turn (untimed): a prompt batch, then a mixed one.
 
     python benchmarks/mixed_step.py --batch 256 --budget 512 1024 2048 --prompt 512 \\
         --arrivals 64 --model tests/fixtures/configs/Llama-3.1-8B-Instruct.config.json
@@ -99,10 +100,30 @@ def turns(engine: Engine, args: argparse.Namespace) -> dict[str, list[tuple[floa
         turn()
     for rid, ids in enumerate(prompts[args.batch :], start=args.batch):
         scheduler.add(benchmark_request(rid, ids, args.outputs))
+    if args.profile:  # the wave's first turn, untimed
+        _profiled(engine, plans)
     while scheduler.waiting or any(not r.decoding for r in scheduler.running):
         turn()
     loop.runner.launch = launch  # type: ignore[method-assign]
     return timed
+
+
+def _profiled(engine: Engine, plans: list[StepPlan]) -> None:
+    """One turn under the profiler: its top operations by device time (CPU: host time)."""
+    cuda = engine.config.device == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        engine.loop.iterate()
+        if cuda:
+            torch.cuda.synchronize()
+    plan = plans.pop()
+    plans.clear()
+    print(f"profile of a {_kind(plan)} turn: {_prompt_tokens(plan)} prompt tokens, "
+          f"{len(plan.relay_rows)} riders", flush=True)  # fmt: skip
+    order = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=order, row_limit=20), flush=True)
 
 
 def _prompt_tokens(plan: StepPlan) -> int:
@@ -153,6 +174,9 @@ def main() -> None:
     parser.add_argument("--num-steps", type=int, default=0)
     parser.add_argument("--simulate-acceptance", type=float, default=0.0)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--profile", action="store_true", help="print a profile of each wave's first turn"
+    )
     args = parser.parse_args()
     for budget in args.budget:
         timed = []
