@@ -55,6 +55,7 @@ def test_generate_chat_then_a_second_sigint_stops_at_once(
     # The children import transformers without torch on purpose: no advisory about it.
     assert "PyTorch was not found" not in daemon.log()
     assert "torch threads: " in daemon.log()
+    assert " start-up objects frozen (a full collection walked them in " in daemon.log()
 
     with Client(daemon.endpoint, timeout=30) as client:
         stream = client.stream(

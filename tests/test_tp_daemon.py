@@ -94,6 +94,8 @@ def test_two_ranks_serve_the_tokens_of_one_and_a_dead_rank_stops_the_daemon(
     assert daemon.wait_exit(30) == 1, daemon.log()
     daemon.wait_group_gone()
     assert "tensor-parallel rank 1 exited with code -9" in daemon.log()
+    # Rank 0 and the spawned rank 1 froze their start-up objects, each once.
+    assert daemon.log().count(" start-up objects frozen ") == 2, daemon.log()
 
 
 @pytest.mark.e2e
@@ -111,6 +113,7 @@ def test_ranks_on_two_hosts_meet_at_the_init_address(
     log = other.log()
     assert "host 1 of 2: ranks 1..1 of 2" in log, log
     assert "rank 0 stopped the ranks after" in log, log
+    assert log.count(" start-up objects frozen ") == 1, log
     assert "Traceback" not in daemon.log() + log
 
 

@@ -43,6 +43,7 @@ import torch
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.processes.children import ChildDied
+from outrider.daemon.processes.collector import freeze_start_up
 from outrider.daemon.processes.logs import configure_logging
 from outrider.daemon.processes.placement import ranks_per_node, torch_threads
 from outrider.plugins.models.parallel import SINGLE, TPGroup, init_tensor_parallel
@@ -143,7 +144,9 @@ def run_rank(spec: RankSpec, parent_conn: Connection) -> None:
     _exit_when_parent_goes(parent_conn)
     torch.set_num_threads(torch_threads(spec.config))
     tp = spec.placement.join(spec.local)
-    steps = build_follower(spec.config, tp).run()
+    follower = build_follower(spec.config, tp)
+    freeze_start_up()
+    steps = follower.run()
     log.info("rank %d stopped after %d steps", rank, steps)
     logging.shutdown()
     os._exit(0)  # no teardown of the group (stop_leader)
@@ -303,6 +306,7 @@ def serve_follower_host(config: ServeConfig) -> NoReturn:
     try:
         tp = where.join(0)
         follower = build_follower(config, tp)
+        freeze_start_up()
         log.info("rank %d ready: running rank 0's plans", tp.rank)
         steps = follower.run()
         ranks.release()

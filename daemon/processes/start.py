@@ -29,6 +29,7 @@ from outrider.daemon.frontdoor.curve_auth import CurveKeyError, load_client_keys
 from outrider.daemon.http.config import HttpFrontConfig, parse_host_port
 from outrider.daemon.internal import Heartbeat, StateChange
 from outrider.daemon.processes.children import ChildDied, Children, ClientBindFailed
+from outrider.daemon.processes.collector import freeze_start_up
 from outrider.daemon.processes.endpoint_checks import endpoint_problems
 from outrider.daemon.processes.placement import (
     CHILDREN_CORES,
@@ -173,6 +174,7 @@ def _serve(
     cleanup.callback(sockets.close)
     notifier.status("loading the model")
     engine = build_engine(config, progress=_load_progress(notifier), tp=tp)
+    freeze_start_up()
     sockets.send_control(engine.facts)
     # health() says "serving" only with a fresh heartbeat: one goes out before "ready".
     sockets.send_control(Heartbeat(engine.scheduler.counters()))
