@@ -87,6 +87,7 @@ class ServeConfig:
     max_inflight: int = 4096
     drain_timeout: float = 60.0
     step_timeout: float = 120.0
+    step_log: str = ""  # a file for a JSON line per loop turn (scheduler/step_log.py); "": none
     insecure_tcp: bool = False
     curve_secret_key_file: str = ""
     curve_client_keys: str = ""  # directory of allowed client public certificates (*.key)

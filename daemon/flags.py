@@ -136,6 +136,10 @@ _HELP: dict[str, str] = {
     ),
     "drain_timeout": "seconds running requests may finish after SIGTERM or a first SIGINT",
     "step_timeout": "seconds a step may run before the systemd watchdog pings stop",
+    "step_log": (
+        "append a JSON line per loop turn to FILE (the step's kind, rows, tokens, width and "
+        "riders; planning and waiting milliseconds): where latency goes"
+    ),
     "log_level": "log level of the daemon and its children",
     "seed": "seed of --load-format dummy weights",
     **PLACEMENT_HELP,
@@ -186,6 +190,7 @@ _METAVAR: dict[str, str] = {
     "gpu_memory_fraction": "F",
     "drain_timeout": "S",
     "step_timeout": "S",
+    "step_log": "FILE",
     "grammar_mask_limit_ms": "MS",
     "grammar_compile_timeout": "S",
     "grammar_compile_memory_mb": "MB",

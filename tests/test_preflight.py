@@ -149,6 +149,7 @@ def test_preflight_reports_every_problem_at_once(tmp_path: Path) -> None:
         draft_model=str(tmp_path),
         curve_secret_key_file=secret,
         curve_client_keys=str(tmp_path / "clients"),
+        step_log=str(tmp_path / "no-such-dir" / "steps.jsonl"),
     )
     assert preflight(config) == [
         f"--model {tmp_path / 'missing'}: no such file or directory",
@@ -156,6 +157,8 @@ def test_preflight_reports_every_problem_at_once(tmp_path: Path) -> None:
         f"--curve-secret-key-file {secret}: mode 0644 lets other users at the secret key; "
         "chmod 600 it",
         f"--curve-client-keys {tmp_path / 'clients'}: no such file or directory",
+        f"--step-log {tmp_path / 'no-such-dir' / 'steps.jsonl'}: cannot append to it: "
+        "No such file or directory",
     ]
 
 

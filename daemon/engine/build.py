@@ -49,6 +49,7 @@ from outrider.daemon.scheduler.limits import SchedulerLimits
 from outrider.daemon.scheduler.loop import EngineLoop
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.scheduler import Scheduler
+from outrider.daemon.scheduler.step_log import StepLog
 from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
 from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend
@@ -160,6 +161,8 @@ def build_engine(
     _enable_debug_checks(runner)
     # Forget the warm-up's cache entries and counters.
     loop.scheduler = new_scheduler(policy)
+    if config.step_log:  # serving turns only
+        loop.step_log = StepLog.open(config.step_log)
     dtype_name = built.dtype_name
     facts = ModelFacts(
         model=config.model,

@@ -1,7 +1,7 @@
 """What a serving configuration needs, checked before anything is spawned or loaded: the
 model and draft directories (their config.json, the target's architecture, whole safetensors
-files) and the CURVE key files (``preflight``), and the plugins it routes, the attention
-slots left to ``auto`` chosen first (``resolve_plugins``).
+files), the CURVE key files and the step log's file (``preflight``), and the plugins it
+routes, the attention slots left to ``auto`` chosen first (``resolve_plugins``).
 
 Each problem is one line naming its flag (and path); every one is reported at once. Nothing
 here imports torch or transformers, so a light install can run it too.
@@ -47,7 +47,18 @@ def preflight(config: ServeConfig) -> list[str]:
         problems += _curve_problem(lambda: load_server_keys(config.curve_secret_key_file))
     if config.curve_client_keys:
         problems += _curve_problem(lambda: load_client_keys(config.curve_client_keys))
+    if config.step_log:
+        problems += _step_log_problem(Path(config.step_log))
     return problems
+
+
+def _step_log_problem(path: Path) -> list[str]:
+    """The step log's file must open for appending (it is created if missing)."""
+    try:
+        with path.open("a", encoding="utf-8"):
+            return []
+    except OSError as exc:
+        return [f"--step-log {path}: cannot append to it: {exc.strerror}"]
 
 
 def model_problems(flag: str, path: str, load_format: str) -> list[str]:

@@ -200,6 +200,7 @@ def _serve(
         sockets.drop_unsent()
         raise
     stop_leader(engine, ranks)
+    engine.loop.close()
     return code
 
 

@@ -22,6 +22,7 @@ from outrider.daemon.engine.runner import Launched, ModelRunner
 from outrider.daemon.internal import RequestUpdate
 from outrider.daemon.scheduler.planner import Planned
 from outrider.daemon.scheduler.scheduler import Scheduler
+from outrider.daemon.scheduler.step_log import StepLog
 
 log = logging.getLogger("outrider.loop")
 
@@ -41,6 +42,8 @@ class EngineLoop:
         self.in_flight: tuple[Planned, Launched] | None = None
         # Launch time of the oldest step not yet processed (watchdog); 0 when none.
         self.oldest_step_started = 0.0
+        self.step_log: StepLog | None = None  # --step-log
+        self._waited = 0.0  # this turn's seconds waiting for step results
 
     @property
     def has_work(self) -> bool:
@@ -48,7 +51,10 @@ class EngineLoop:
 
     def iterate(self) -> list[RequestUpdate]:
         """One turn of the loop; returns the updates to send to the detokenizer."""
+        started = time.perf_counter()
+        self._waited = 0.0
         planned = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         settle = _Settle(self, self.in_flight)
         launched = self._launch(planned, settle) if planned is not None else None
         settle()
@@ -59,7 +65,15 @@ class EngineLoop:
         self.oldest_step_started = time.monotonic() if self.in_flight is not None else 0.0
         if self.check_kv:
             self.scheduler.check_integrity()
+        if self.step_log is not None:
+            ended, waiting = time.perf_counter(), len(self.scheduler.waiting)
+            self.step_log.turn(started, scheduled, ended, self._waited, planned, waiting)
         return self.scheduler.take_updates()
+
+    def close(self) -> None:
+        """Close what the loop holds open (the step log)."""
+        if self.step_log is not None:
+            self.step_log.close()
 
     def idle_check(self) -> None:
         """Run when nothing is in flight: leaks are bugs, not noise."""
@@ -76,11 +90,14 @@ class EngineLoop:
             return None
 
     def _process(self, planned: Planned, launched: Launched) -> None:
+        waiting_since = time.perf_counter()
         try:
             out = self.runner.collect(launched)
         except Exception as exc:
             self._step_failed(planned, exc)
             return
+        finally:
+            self._waited += time.perf_counter() - waiting_since
         self.scheduler.process(planned, out)
 
     def _step_failed(self, planned: Planned, exc: Exception) -> None:

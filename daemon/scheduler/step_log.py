@@ -1,0 +1,72 @@
+"""The step log (``--step-log FILE``): a JSON line per turn of the loop, for finding where
+latency goes (which steps ran, how long, how many rows waited).
+
+A line's fields: ``t``, seconds from the log's opening to the turn's start; ``turn_ms``, the
+whole turn; ``plan_ms``, the scheduling of its step; ``wait_ms``, the time spent waiting for
+step results (the device's share of the turn; under overlap the step before's); and, where the
+turn launched a step, ``kind`` (``extend`` or ``decode``), ``rows``, ``tokens``, ``width`` (a
+decode step's tokens a row: 1 for a plain step), ``riders`` (decoding rows riding a prompt
+batch) and ``waiting`` (requests queued for admission after the plan). A turn that launched
+nothing has only the timings.
+
+Invariant: the log only observes; nothing the loop decides reads it. Lines are written in turn
+order and flushed at least once a second, and when the log closes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TextIO
+
+from outrider.daemon.scheduler.planner import Planned
+
+FLUSH_EVERY_S = 1.0
+
+
+class StepLog:
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.opened = time.perf_counter()
+        self.flushed = self.opened
+
+    @classmethod
+    def open(cls, path: str) -> StepLog:
+        """Append to ``path`` (created if missing)."""
+        return cls(open(path, "a", encoding="utf-8"))  # closed by close()
+
+    def turn(
+        self,
+        started: float,
+        scheduled: float,
+        ended: float,
+        waited: float,
+        planned: Planned | None,
+        waiting: int,
+    ) -> None:
+        """One turn: ``perf_counter`` times of its start, of its plan's return and of its end,
+        the seconds it waited for results, and the step it launched (None: none)."""
+        line: dict[str, object] = {
+            "t": round(started - self.opened, 6),
+            "turn_ms": round((ended - started) * 1e3, 3),
+            "plan_ms": round((scheduled - started) * 1e3, 3),
+            "wait_ms": round(waited * 1e3, 3),
+        }
+        if planned is not None:
+            plan = planned.plan
+            decode = plan.kind == "decode"
+            line |= {
+                "kind": plan.kind,
+                "rows": plan.bs,
+                "tokens": plan.num_tokens,
+                "width": plan.q_lens[0] if decode else 0,
+                "riders": len(plan.relay_rows),
+                "waiting": waiting,
+            }
+        self.out.write(json.dumps(line) + "\n")
+        if ended - self.flushed >= FLUSH_EVERY_S:
+            self.out.flush()
+            self.flushed = ended
+
+    def close(self) -> None:
+        self.out.close()

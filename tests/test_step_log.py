@@ -1,0 +1,60 @@
+"""The step log (``--step-log``, scheduler/step_log.py) of an in-process engine: a line per
+loop turn, in order, each launched step's plan as launched, timings that add up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from engine_harness import engine_for, request, run
+from model_fixtures import VOCAB
+
+from outrider.daemon.engine.plan import StepPlan
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_a_line_per_turn_with_its_step_as_launched(
+    llama_dir: str, tmp_path: Path, overlap: bool
+) -> None:
+    path = tmp_path / "steps.jsonl"
+    path.write_text("earlier\n")  # the log appends
+    engine = engine_for(
+        llama_dir, step_log=str(path), mixed_batches=True, chunked_prefill_tokens=24,
+        page_size=4, max_running=3, no_overlap=not overlap,
+    )  # fmt: skip
+    loop = engine.loop
+    launched: list[StepPlan] = []
+    turns = 0
+    launch, iterate = loop.runner.launch, loop.iterate
+
+    def recorded(plan: StepPlan, *rest: object, **named: object) -> object:
+        launched.append(plan)
+        return launch(plan, *rest, **named)  # type: ignore[arg-type]  # passed through
+
+    def counted() -> object:
+        nonlocal turns
+        turns += 1
+        return iterate()
+
+    loop.runner.launch = recorded  # type: ignore[method-assign]
+    loop.iterate = counted  # type: ignore[method-assign]
+    prompts = [[3 + (5 * i + j) % (VOCAB - 3) for j in range(10 + 7 * i)] for i in range(6)]
+    run(engine, [request(i, p, max_new_tokens=8) for i, p in enumerate(prompts)], stagger=2)
+    loop.close()
+    first, *lines = path.read_text().splitlines()
+    assert first == "earlier" and len(lines) == turns
+    entries = [json.loads(line) for line in lines]
+    steps = [e for e in entries if "kind" in e]
+    assert [(s["kind"], s["rows"], s["tokens"], s["width"], s["riders"]) for s in steps] == [
+        (p.kind, p.bs, p.num_tokens, p.q_lens[0] if p.kind == "decode" else 0, len(p.relay_rows))
+        for p in launched
+    ]
+    assert any(s["riders"] for s in steps) and any(s["kind"] == "decode" for s in steps)
+    # Under overlap the last turn only processes the step before it: no step of its own.
+    assert (len(steps) < len(entries)) == overlap
+    times = [e["t"] for e in entries]
+    assert times == sorted(times)
+    for e in entries:
+        assert 0 <= e["plan_ms"] <= e["turn_ms"] and 0 <= e["wait_ms"] <= e["turn_ms"], e
+    assert all(s["waiting"] >= 0 for s in steps) and any(s["waiting"] for s in steps)
