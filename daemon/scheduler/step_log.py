@@ -1,12 +1,12 @@
 """The step log (``--step-log FILE``): a JSON line per turn of the loop, for finding where
-latency goes (which steps ran, how long, how many rows waited).
+latency goes (which steps ran, how long, how many requests waited).
 
 A line's fields: ``t``, seconds from the log's opening to the turn's start; ``turn_ms``, the
 whole turn; ``plan_ms``, the scheduling of its step; ``wait_ms``, the time spent waiting for
 step results (the device's share of the turn; under overlap the step before's); and, where the
 turn launched a step, ``kind`` (``extend`` or ``decode``), ``rows``, ``tokens``, ``width`` (a
 decode step's tokens a row: 1 for a plain step), ``riders`` (decoding rows riding a prompt
-batch) and ``waiting`` (requests queued for admission after the plan). A turn that launched
+batch) and ``waiting`` (requests queued for admission at the turn's end). A turn that launched
 nothing has only the timings.
 
 Invariant: the log only observes; nothing the loop decides reads it. Lines are written in turn
@@ -45,7 +45,8 @@ class StepLog:
         waiting: int,
     ) -> None:
         """One turn: ``perf_counter`` times of its start, of its plan's return and of its end,
-        the seconds it waited for results, and the step it launched (None: none)."""
+        the seconds it waited for results, the step it launched (None: none) and the queue's
+        length at its end."""
         line: dict[str, object] = {
             "t": round(started - self.opened, 6),
             "turn_ms": round((ended - started) * 1e3, 3),
