@@ -189,6 +189,36 @@ def test_speculative_rows_ride_prompt_chunks_and_keep_the_target_tokens(
     assert len(caught_up) >= (0 if deferred is None else 1)
 
 
+@pytest.mark.parametrize("algorithm", DRAFT_ALGORITHMS)
+def test_riders_retracted_and_readmitted_keep_the_target_tokens(
+    speculative_dirs: dict[str, str], algorithm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every fourth plan retracts the youngest running request (the retraction drill), so
+    rows leave and come back through prompt batches while others ride them, some with
+    drafting steps in flight: the tokens stay the target-only engine's."""
+    target = speculative_dirs["target"]
+    settings = {"chunked_prefill_tokens": 24, "page_size": 4}
+    expected, _ = served(engine_for(target, **settings), workload())
+    monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "4")
+    engine = engine_for(
+        target, mixed_batches=True, **settings, **_draft_settings(speculative_dirs, algorithm)
+    )
+    shape = engine.loop.runner.shape
+    widths = tuple(c.width for c in shape.cuts()) if engine.loop.runner.worker.cut_steps else ()
+    engine.scheduler.use_policy(AlternateDrafting(widths or (shape.width,)))
+    admission = engine.scheduler.admission
+    retract, retracted = admission.retract, []
+
+    def counted(req: Request) -> None:
+        retracted.append(req.rid)
+        retract(req)
+
+    admission.retract = counted  # type: ignore[method-assign]
+    mixed, plans = served(engine, workload())
+    assert {rid: m[:3] for rid, m in mixed.items()} == {rid: e[:3] for rid, e in expected.items()}
+    assert sum(len(p.relay_rows) for p in plans) >= 10 and len(retracted) >= 5
+
+
 class _EveryoneFeeds(AlternateDrafting):
     """Drafting every other batch, and every request feeds the draft."""
 
