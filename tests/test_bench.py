@@ -6,18 +6,22 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tau_of
 from model_fixtures import VOCAB
 
+from outrider.daemon.bench import latency as latency_module
 from outrider.daemon.bench.latency_io import add_latency_arguments, resolve_latency
 from outrider.daemon.cli.main import main
 from outrider.daemon.config import EXIT_CONFIG
 from outrider.daemon.engine.verify import SimulatedAcceptance, position_rate
 from outrider.daemon.flags import SERVING_ONLY, add_serve_arguments, env_name, flag_name
+from outrider.daemon.internal import TokenizedRequest
 from outrider.plugins.api import StepShape
+from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.plugins.speculative.base import Drafts
 
 debug_checks = debug_checks_fixture()
@@ -40,6 +44,7 @@ def test_plain_decoding_takes_one_step_per_token(
     finally:
         torch.set_num_threads(threads)
     assert (facts["speculative"], facts["width"], facts["dtype"]) == ("none", 1, "float32")
+    assert facts["sampling"] == "greedy"
     assert facts["torch_threads"] == threads + 1  # --threads, as serve takes it
     assert float(facts["read_bandwidth_gb_s"]) > 0  # type: ignore[arg-type]
     assert [row["batch"] for row in rows] == [1, 3]
@@ -134,6 +139,49 @@ def test_profile_prints_the_top_operations(
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2  # the facts and one row: the profile stays off stdout
     assert "profile of batch 1 (prefill and decode):" in err and "aten::mm" in err
+
+
+def test_the_rows_sample_as_asked_each_seeded_by_its_id(
+    llama_dir: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[TokenizedRequest] = []
+    make = latency_module.benchmark_request
+
+    def recorded(*args: Any) -> TokenizedRequest:
+        made.append(make(*args))
+        return made[-1]
+
+    monkeypatch.setattr(latency_module, "benchmark_request", recorded)
+    argv = ["--model", llama_dir, "--output-len", "3", "--batch-size", "2"]
+    facts, _ = bench(capsys, *argv)
+    assert facts["sampling"] == "greedy"
+    assert {r.sampling.temperature for r in made} == {0.0}
+    made.clear()
+    facts, _ = bench(capsys, *argv, "--temperature", "1", "--top-p", "0.9", "--top-k", "20")
+    assert facts["sampling"] == "temperature 1, top-p 0.9, top-k 20"
+    assert len(made) == 4  # the untimed run and the timed one, two rows each
+    assert [r.sampling for r in made] == [
+        SamplingSpec(1.0, top_p=0.9, top_k=20, seed=r.rid) for r in made
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--temperature", "1e-6"],
+            "--temperature must be 0 (greedy) or in [1e-05, 100], got 1e-06",
+        ),
+        (["--temperature", "101"], "--temperature must be in [0, 100], got 101.0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--top-k", "-1"], "--top-k must be 0 (off) or more, got -1"),
+    ],
+)
+def test_sampling_flags_out_of_range_are_refused(
+    llama_dir: str, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main(["bench", "latency", "--model", llama_dir, *flags]) == EXIT_CONFIG
+    assert capsys.readouterr().err == f"outrider bench latency: {message}\n"
 
 
 def test_runs_give_a_row_per_batch_and_input_length(

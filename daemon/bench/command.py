@@ -22,7 +22,12 @@ import json
 import sys
 from pathlib import Path
 
-from outrider.daemon.bench.latency_io import LatencyRow, add_latency_arguments, resolve_latency
+from outrider.daemon.bench.latency_io import (
+    LatencyRow,
+    add_latency_arguments,
+    latency_sampling,
+    resolve_latency,
+)
 from outrider.daemon.bench.serve import add_serve_bench_arguments, run_serve_bench
 from outrider.daemon.config import EXIT_CONFIG, ConfigError, ServeConfig
 
@@ -107,6 +112,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     try:
         config = bench_config(resolve_latency(args), args)
+        sampling = latency_sampling(args)
     except ConfigError as exc:
         print(f"outrider bench latency: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -120,6 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
             args.output_len,
             runs=args.runs,
             profile=args.profile,
+            sampling=sampling,
         )
     except ConfigError as exc:
         print(f"outrider bench latency: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+import msgspec
 import torch
 
 from outrider.daemon.bench.latency_io import LatencyRow
@@ -18,10 +19,11 @@ from outrider.daemon.bench.roofline import WeightBytes, read_bandwidth, step_wei
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.timing import PhaseTimer, PhaseTimes
-from outrider.daemon.internal import TokenizedRequest, own_request
+from outrider.daemon.internal import GREEDY, TokenizedRequest, own_request
 from outrider.daemon.processes.placement import torch_threads
 from outrider.daemon.processes.ranks import start_leader, stop_leader
 from outrider.plugins.models.config import kv_bytes_per_token
+from outrider.plugins.sampling_spec import SamplingSpec
 
 
 def measure_latency(
@@ -32,15 +34,19 @@ def measure_latency(
     *,
     runs: int = 1,
     profile: bool = False,
+    sampling: SamplingSpec = GREEDY,
 ) -> tuple[list[LatencyRow], dict[str, object]]:
     """One row per batch size and prompt length (batch-major), each the run of median step
-    time of ``runs`` timed runs, and the facts every row shares (device, versions,
-    bandwidth); with ``profile``, each row's top operations by device time go to stderr."""
+    time of ``runs`` timed runs of requests sampling as ``sampling`` (each seeded by its
+    id), and the facts every row shares (device, versions, bandwidth); with ``profile``, each
+    row's top operations by device time go to stderr."""
     torch.set_num_threads(torch_threads(config))  # as serve does (each rank sets its own)
     ranks, tp = start_leader(config)
     try:
         engine = build_engine(config, tp=tp)
-        measured = _measure(engine, config, batch_sizes, input_lens, output_len, runs, profile)
+        measured = _measure(
+            engine, config, batch_sizes, input_lens, output_len, sampling, runs, profile
+        )
     except BaseException:
         if ranks is not None:
             ranks.stop()  # kills them: they may wait in a step that never completes
@@ -65,6 +71,7 @@ def _measure(
     batch_sizes: list[int],
     input_lens: list[int],
     output_len: int,
+    sampling: SamplingSpec,
     runs: int,
     profile: bool,
 ) -> tuple[list[LatencyRow], dict[str, object]]:
@@ -82,10 +89,10 @@ def _measure(
     for batch, input_len in itertools.product(batch_sizes, input_lens):
         # Untimed first: allocator growth, and the CUDA graphs of every batch and KV bound
         # the timed runs will meet.
-        _run(engine, timer, rids, batch, input_len, output_len)
-        timed = [_run(engine, timer, rids, batch, input_len, output_len) for _ in range(runs)]
+        run = functools.partial(_run, engine, timer, rids, batch, input_len, output_len, sampling)
+        run()
+        timed = [run() for _ in range(runs)]
         if profile:
-            run = functools.partial(_run, engine, timer, rids, batch, input_len, output_len)
             _profile(engine, batch, run)
         rows.append(latency_row(timed, roofline, batch, input_len, output_len))
     device = torch.cuda.get_device_name() if config.device == "cuda" else platform.processor()
@@ -95,6 +102,7 @@ def _measure(
         "model": config.model,
         "dtype": dtype,
         "speculative": config.speculative_algorithm,
+        "sampling": _described(sampling),
         "tensor_parallel_size": config.tensor_parallel_size,
         "torch_threads": torch.get_num_threads(),
         "width": engine.loop.runner.shape.width,
@@ -102,6 +110,12 @@ def _measure(
         "weight_gb": round(roofline.weights.total / 1e9, 3),
     }
     return rows, facts
+
+
+def _described(sampling: SamplingSpec) -> str:
+    if not sampling.temperature:
+        return "greedy"
+    return f"temperature {sampling.temperature:g}, top-p {sampling.top_p:g}, top-k {sampling.top_k}"
 
 
 class Roofline(NamedTuple):
@@ -156,8 +170,9 @@ def _run(
     batch: int,
     input_len: int,
     output_len: int,
+    sampling: SamplingSpec,
 ) -> TimedRun:
-    """``batch`` greedy requests run to the end."""
+    """``batch`` requests sampling as ``sampling`` (each seeded by its id) run to the end."""
     loop, scheduler = engine.loop, engine.scheduler
     batch_rids = [next(rids) for _ in range(batch)]
     # NOTE: fresh prompts every run (seeded by the first rid): the prefix cache would serve
@@ -167,7 +182,8 @@ def _run(
     _synchronize(engine)
     started = time.perf_counter()
     for rid, prompt in zip(batch_rids, prompts, strict=True):
-        scheduler.add(benchmark_request(rid, prompt, output_len))
+        seeded = msgspec.structs.replace(sampling, seed=rid)
+        scheduler.add(benchmark_request(rid, prompt, output_len, seeded))
     # Prefill: until every request has been extended (its first token is sampled there).
     finals = []
     while scheduler.waiting or any(not r.decoding for r in scheduler.running):
@@ -205,9 +221,12 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
 
 
-def benchmark_request(rid: int, prompt: list[int], max_new_tokens: int | None) -> TokenizedRequest:
-    """A greedy request that ignores EOS (None: until the context limit)."""
-    return own_request(rid, f"bench-{rid}", prompt, max_new_tokens)
+def benchmark_request(
+    rid: int, prompt: list[int], max_new_tokens: int | None, sampling: SamplingSpec = GREEDY
+) -> TokenizedRequest:
+    """A request that ignores EOS (None: until the context limit), greedy unless
+    ``sampling`` says otherwise."""
+    return own_request(rid, f"bench-{rid}", prompt, max_new_tokens, sampling)
 
 
 def _synchronize(engine: Engine) -> None:

@@ -7,8 +7,10 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from outrider.daemon.config import ServeConfig
+from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.flags import SERVING_ONLY, add_serve_arguments, resolve
+from outrider.plugins.sampling_spec import SamplingError, SamplingSpec, resolve_sampling
+from outrider.protocol.messages import MAX_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,20 @@ def add_latency_arguments(latency: argparse.ArgumentParser) -> None:
         metavar="R",
         help="timed runs per row; the row is the run of median step time (default: 1)",
     )
+    latency.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="the rows' sampling temperature, each row seeded by its request id (default: 0, "
+        "greedy)",
+    )
+    latency.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P", help="the rows' top-p (default: 1)"
+    )
+    latency.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="the rows' top-k (default: 0, off)"
+    )
     latency.add_argument("--json", action="store_true", help="one JSON object per line")
     latency.add_argument(
         "--profile",
@@ -63,6 +79,24 @@ def add_latency_arguments(latency: argparse.ArgumentParser) -> None:
         help="after each row's timed runs, profile one more and print its top operations "
         "by device time to stderr",
     )
+
+
+def latency_sampling(args: argparse.Namespace) -> SamplingSpec:
+    """The rows' sampling of ``add_latency_arguments``' flags (the seed is each row's)."""
+    if not 0.0 <= args.temperature <= MAX_TEMPERATURE:
+        raise ConfigError(
+            f"--temperature must be in [0, {MAX_TEMPERATURE:g}], got {args.temperature!r}"
+        )
+    if not 0.0 < args.top_p <= 1.0:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p!r}")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k must be 0 (off) or more, got {args.top_k}")
+    try:
+        return resolve_sampling(
+            args.temperature, args.top_p, args.top_k, defaults=SamplingSpec(), seed=0
+        )
+    except SamplingError as exc:
+        raise ConfigError(f"--{exc}") from None
 
 
 def resolve_latency(
