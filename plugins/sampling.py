@@ -27,7 +27,8 @@ Invariants of the hash (statistical quality, not cryptography):
   (0, 1).
 
 Everything runs eagerly: a compiled kernel would recompile for new shapes while serving; CUDA
-graphs remove the launches.
+graphs remove the launches. On a GPU the race is two Triton kernels (race_kernel.py) that read
+a row once where torch's ops pass over it about twenty-five times; they give torch's winner.
 
 NOTE: changing any constant here changes every seeded output; tests pin a few values.
 """
@@ -47,6 +48,7 @@ _MASK32 = 0xFFFFFFFF
 # Multipliers of a low-bias 32-bit mixer (the hash-prospector family); both are below 2^31.
 _MIX_MUL_1 = 0x21F0AAAD
 _MIX_MUL_2 = 0x735A2D97
+MIXERS = (_MIX_MUL_1, _MIX_MUL_2)  # what race_kernel.py hashes with
 _LANE_INITS = (0x6A09E667, 0xBB67AE85)
 _U_SCALE = 2.0**-23
 
@@ -163,8 +165,7 @@ def sample_probs(
 ) -> torch.Tensor:
     """One token per row drawn from ``probs`` [n, V] (rows summing to 1) by the exponential
     race over the counter-based uniforms of ``(seed, position, draw)``: [n] int64."""
-    ids = torch.arange(probs.shape[-1], dtype=torch.int64, device=probs.device)
-    return _race(torch.log(probs), ids, _row_keys(seed, position, draw)).squeeze(-1)
+    return _race(torch.log(probs), None, _row_keys(seed, position, draw)).squeeze(-1)
 
 
 def _check_limits(logits: torch.Tensor, vocab_limit: int, max_logprobs: int = 0) -> None:
@@ -201,9 +202,23 @@ def _filtered_sorted(
     return values.masked_fill(mass_before >= top_p, float("-inf")), ids
 
 
-def _race(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Exponential race: the index along the last dim of ``argmax(values - log E)``, [n, 1]."""
-    # values: [n, V] log-weights (-inf = cut); ids: [n, V] token ids; keys: [n, 2]
+def _race(values: torch.Tensor, ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """Exponential race: the index along the last dim of ``argmax(values - log E)``, [n, 1]
+    (ties to the first); on a GPU in one read of the row (race_kernel.py, the same winner)."""
+    # values: [n, V] log-weights (-inf = cut); ids: [n, V] token ids, None: the index is the
+    # id; keys: [n, 2]
+    if values.is_cuda:
+        from outrider.plugins.race_kernel import race_fits, race_winners
+
+        if race_fits(values, ids):
+            return race_winners(values, ids, keys, MIXERS)
+    return _race_torch(values, ids, keys)
+
+
+def _race_torch(values: torch.Tensor, ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """``_race`` in torch's operations, on any device."""
+    if ids is None:
+        ids = torch.arange(values.shape[-1], dtype=torch.int64, device=values.device)
     log_e = torch.log(-torch.log(_uniform_at(keys, ids)))
     return torch.argmax(values - log_e, dim=-1, keepdim=True)
 

@@ -8,8 +8,9 @@ its compile-time constants); `compile_for_hopper` compiles them for sm_90 as a G
 would, through Triton's own compiler and assembler, in a child process that imports the kernels
 uninterpreted (no device needed).
 
-Invariant: a recorded launch compiles with the constants it was launched with, except ``PDL``,
-which is compiled on (as every launch on a Hopper GPU runs it; the interpreter runs it off).
+Invariant: a recorded launch compiles with the constants it was launched with, except those a
+launch on a Hopper GPU sets otherwise (``GPU_CONSTANTS``): ``PDL`` is compiled on (the
+interpreter runs it off), ``LIBDEVICE`` too (race_kernel.py: the interpreter has no libdevice).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
+GPU_CONSTANTS = {"PDL": True, "LIBDEVICE": True}
 UNRECORDABLE = "not recordable: "
 HOPPER = ("cuda", 90, 32)  # backend, compute capability, warp size
 
@@ -53,7 +55,7 @@ def _record(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         kind = "constexpr" if declared else _argument_type(value)
         signature.append([name, kind])
         if kind == "constexpr":
-            constants[name] = True if name == "PDL" else value
+            constants[name] = GPU_CONSTANTS.get(name, value)
     options = {k: int(kwargs[k]) for k in _LAUNCH_OPTIONS if k in kwargs}
     launch = [kernel.fn.__module__, kernel.fn.__name__, signature, constants, options]
     # Never raises inside the test that launched: a constant JSON cannot carry fails the

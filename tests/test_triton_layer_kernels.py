@@ -1,8 +1,10 @@
 """The Triton kernels that graphs being built run (``plugins/models/triton_kernels.py``,
-``plugins/kv_store.py``, ``plugins/greedy_kernel.py``) against what they replace: the GEMV
-against ``F.linear``, SiLU-and-multiply and Qwen3's q/k norm with the rotation against the
-reference kernels, the down projection with SiLU-and-multiply fused against the two kernels,
-the K/V store against ``index_copy_``, the greedy token and its logprob against torch's.
+``plugins/kv_store.py``, ``plugins/greedy_kernel.py``), and the sampled rows' race that every
+GPU step runs (``plugins/race_kernel.py``), against what they replace: the GEMV against
+``F.linear``, SiLU-and-multiply and Qwen3's q/k norm with the rotation against the reference
+kernels, the down projection with SiLU-and-multiply fused against the two kernels, the K/V
+store against ``index_copy_``, the greedy token and its logprob against torch's, the race's
+winners against torch's.
 Without a GPU they run in Triton's interpreter on CPU tensors (float32: the interpreter has no
 bfloat16); ``test_layer_kernels.py`` covers them compiled, in bf16."""
 
@@ -172,3 +174,31 @@ def test_kernels_on_cpu_tensors_launch_without_pdl() -> None:
 
     # Triton's interpreter has no dependent launch: its kernels take PDL off.
     assert pdl_options(torch.device("cpu")) == {"PDL": False}
+
+
+def test_the_race_kernel_is_torch_race() -> None:
+    """The fused race (``plugins/race_kernel.py``) against torch's operations
+    (``sampling._race_torch``): the same winning place in every row, with the ids a row's
+    places hold (a sorted row's) and without (the place is the id), across several chunks and
+    a partial last one, read through a row stride wider than the vocabulary, with cut tokens
+    (-inf) and a row where one token alone is left."""
+    from outrider.plugins import race_kernel, sampling
+
+    gen = _gen()
+    rows, vocab = 24, 5000
+    padded = torch.randn(rows, vocab + 24, generator=gen, device=DEVICE) * 3.0
+    values = padded[:, :vocab]
+    values[1, :4000] = float("-inf")  # the winner in the partial last chunk's neighbourhood
+    values[2, :] = float("-inf")
+    values[2, 4321] = 0.0  # one token left
+    ids = torch.argsort(torch.rand(rows, vocab, generator=gen, device=DEVICE), dim=-1)
+    seeds = torch.arange(rows, device=DEVICE) * 7919
+    keys = sampling._row_keys(seeds, torch.arange(rows, device=DEVICE), 3)
+    for row_ids in (ids, None):
+        won = race_kernel.race_winners(values, row_ids, keys, sampling.MIXERS)
+        assert won.shape == (rows, 1) and won.dtype == torch.int64
+        assert torch.equal(won, sampling._race_torch(values, row_ids, keys))
+        assert won[2, 0] == 4321  # the one place left
+    assert race_kernel.race_winners(values[:0], None, keys[:0], sampling.MIXERS).shape == (0, 1)
+    assert race_kernel.race_fits(values.to(DEVICE), ids) == CUDA
+    assert not race_kernel.race_fits(values.to(DEVICE), ids[:, :10])
