@@ -130,6 +130,14 @@ def test_a_row_that_adjusts_its_logits_keeps_to_decode_batches(llama_dir: str) -
     assert penalised.rid not in rode and len(rode) >= 3, rode
 
 
+@pytest.fixture(scope="module")
+def target_only(speculative_dirs: dict[str, str]) -> dict[int, Any]:
+    """``workload``'s finals from the target alone, prompts in chunks of 24 (the overlap loop's:
+    the serial one gives the same, test above)."""
+    settings = {"chunked_prefill_tokens": 24, "page_size": 4}
+    return served(engine_for(speculative_dirs["target"], **settings), workload())[0]
+
+
 def _draft_settings(speculative_dirs: dict[str, str], algorithm: str) -> dict[str, object]:
     settings = dict(DRAFT_ALGORITHMS[algorithm])
     name = str(settings["speculative_algorithm"])
@@ -141,7 +149,7 @@ def _draft_settings(speculative_dirs: dict[str, str], algorithm: str) -> dict[st
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 @pytest.mark.parametrize("algorithm", DRAFT_ALGORITHMS)
 def test_speculative_rows_ride_prompt_chunks_and_keep_the_target_tokens(
-    speculative_dirs: dict[str, str], algorithm: str, overlap: bool
+    speculative_dirs: dict[str, str], target_only: dict[int, Any], algorithm: str, overlap: bool
 ) -> None:
     """Decode batches alternate between drafting and plain steps (each of the engine's
     widths in turn), so riders come with positions their plain steps buffered, which catch
@@ -150,7 +158,6 @@ def test_speculative_rows_ride_prompt_chunks_and_keep_the_target_tokens(
     flight: under overlap never the batch right after its drafting step."""
     target = speculative_dirs["target"]
     settings = {"chunked_prefill_tokens": 24, "page_size": 4, "no_overlap": not overlap}
-    expected, _ = served(engine_for(target, **settings), workload())
     engine = engine_for(
         target, mixed_batches=True, **settings, **_draft_settings(speculative_dirs, algorithm)
     )
@@ -171,7 +178,7 @@ def test_speculative_rows_ride_prompt_chunks_and_keep_the_target_tokens(
 
         deferred.due = recorded  # type: ignore[method-assign]
     mixed, plans = served(engine, workload())
-    assert {rid: m[:3] for rid, m in mixed.items()} == {rid: e[:3] for rid, e in expected.items()}
+    assert {rid: m[:3] for rid, m in mixed.items()} == {r: e[:3] for r, e in target_only.items()}
     riding = [i for i, p in enumerate(plans) if p.relay_rows]
     assert len(riding) >= 5, [p.kind for p in plans]
     # The plan before is still in flight when a plan is made under overlap: processed first
@@ -191,14 +198,16 @@ def test_speculative_rows_ride_prompt_chunks_and_keep_the_target_tokens(
 
 @pytest.mark.parametrize("algorithm", DRAFT_ALGORITHMS)
 def test_riders_retracted_and_readmitted_keep_the_target_tokens(
-    speculative_dirs: dict[str, str], algorithm: str, monkeypatch: pytest.MonkeyPatch
+    speculative_dirs: dict[str, str],
+    target_only: dict[int, Any],
+    algorithm: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every fourth plan retracts the youngest running request (the retraction drill), so
     rows leave and come back through prompt batches while others ride them, some with
     drafting steps in flight: the tokens stay the target-only engine's."""
     target = speculative_dirs["target"]
     settings = {"chunked_prefill_tokens": 24, "page_size": 4}
-    expected, _ = served(engine_for(target, **settings), workload())
     monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "4")
     engine = engine_for(
         target, mixed_batches=True, **settings, **_draft_settings(speculative_dirs, algorithm)
@@ -215,7 +224,7 @@ def test_riders_retracted_and_readmitted_keep_the_target_tokens(
 
     admission.retract = counted  # type: ignore[method-assign]
     mixed, plans = served(engine, workload())
-    assert {rid: m[:3] for rid, m in mixed.items()} == {rid: e[:3] for rid, e in expected.items()}
+    assert {rid: m[:3] for rid, m in mixed.items()} == {r: e[:3] for r, e in target_only.items()}
     assert sum(len(p.relay_rows) for p in plans) >= 10 and len(retracted) >= 5
 
 
