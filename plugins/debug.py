@@ -13,7 +13,8 @@ DEBUG_KNOBS: dict[str, str] = {
     "OUTRIDER_DEBUG_SYNC_CHECK": "raise on any host synchronisation inside a step (CUDA)",
     "OUTRIDER_DEBUG_TORCH_KERNELS": (
         "run norms, rotary and activations as plain torch ops where FlashInfer's fused "
-        "kernels would serve (to compare them)"
+        "kernels would serve, and sampled rows' race as torch ops where its Triton kernels "
+        "would (to compare them)"
     ),
     "OUTRIDER_DEBUG_NO_PDL": (
         "launch the Triton kernels without programmatic dependent launch (to compare)"

@@ -41,6 +41,7 @@ from typing import TypeVar
 
 import torch
 
+from outrider.plugins.debug import debug_knob
 from outrider.plugins.graph_build import in_graph_build
 from outrider.plugins.sampling_spec import SamplingSpec
 
@@ -207,7 +208,7 @@ def _race(values: torch.Tensor, ids: torch.Tensor | None, keys: torch.Tensor) ->
     (ties to the first); on a GPU in one read of the row (race_kernel.py, the same winner)."""
     # values: [n, V] log-weights (-inf = cut); ids: [n, V] token ids, None: the index is the
     # id; keys: [n, 2]
-    if values.is_cuda:
+    if values.is_cuda and not debug_knob("OUTRIDER_DEBUG_TORCH_KERNELS"):
         from outrider.plugins.race_kernel import race_fits, race_winners
 
         if race_fits(values, ids):

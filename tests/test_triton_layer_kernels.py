@@ -11,6 +11,7 @@ bfloat16); ``test_layer_kernels.py`` covers them compiled, in bf16."""
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 import torch
@@ -202,3 +203,26 @@ def test_the_race_kernel_is_torch_race() -> None:
     assert race_kernel.race_winners(values[:0], None, keys[:0], sampling.MIXERS).shape == (0, 1)
     assert race_kernel.race_fits(values.to(DEVICE), ids) == CUDA
     assert not race_kernel.race_fits(values.to(DEVICE), ids[:, :10])
+
+
+@pytest.mark.gpu
+def test_a_gpu_races_in_the_kernel_unless_the_debug_knob_says_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from outrider.plugins import race_kernel, sampling
+
+    calls: list[int] = []
+    winners = race_kernel.race_winners
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return winners(*args)
+
+    monkeypatch.setattr(race_kernel, "race_winners", counted)
+    values = torch.randn(3, 3000, device="cuda")
+    rows = torch.arange(3, device="cuda")
+    keys = sampling._row_keys(rows, rows, 0)
+    kernel = sampling._race(values, None, keys)
+    assert calls == [1]
+    monkeypatch.setenv("OUTRIDER_DEBUG_TORCH_KERNELS", "1")
+    assert torch.equal(sampling._race(values, None, keys), kernel) and calls == [1]
