@@ -26,9 +26,10 @@ Invariants of the hash (statistical quality, not cryptography):
 - ``U = ((h >> 9) + 0.5) / 2^23``: odd multiples of 2^-24, exact in float32, strictly inside
   (0, 1).
 
-Everything runs eagerly: a compiled kernel would recompile for new shapes while serving; CUDA
-graphs remove the launches. On a GPU the race is two Triton kernels (race_kernel.py) that read
-a row once where torch's ops pass over it about twenty-five times; they give torch's winner.
+Everything is torch operations, run eagerly (CUDA graphs remove the launches), but the race on
+a GPU: two Triton kernels (race_kernel.py) that read a row once where torch's operations pass
+over it about twenty-five times, and give torch's winner. Their arguments are sizes and
+strides, not shapes, so a new batch size does not compile them again while serving.
 
 NOTE: changing any constant here changes every seeded output; tests pin a few values.
 """
