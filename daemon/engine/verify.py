@@ -119,22 +119,21 @@ class Verifier:
             commit_lens, path = self.simulated.accept(drafts, step, seed, relay.out_lens, allowed)
             commit_lens = torch.minimum(commit_lens, max_commit)
             choices = self.simulated.commit_drafts(choices, nodes, path, commit_lens)
-            if drafts.parents is not None:
-                self._compact(inputs.slots, relay.starts, path)
-                ranks = None if drafts.ranks is None else path_ranks(drafts.ranks, path)
-                return Verified(out, choices, commit_lens, path, ranks)
         elif drafts.parents is not None:
             commit_lens, path = accept_tree(
                 drafts.tokens, drafts.parents, choices, step.max_commit - 1
             )
-            self._compact(inputs.slots, relay.starts, path)
             commit_lens = torch.minimum(commit_lens, max_commit)
-            ranks = None if drafts.ranks is None else path_ranks(drafts.ranks, path)
-            return Verified(out, choices, commit_lens, path, ranks)
         else:
             tokens = inputs.input_ids.view(bs, width)
             commit_lens = accept_chain(tokens[:, 1:], choices)  # [bs]; 1 without drafts
-        return Verified(out, choices, torch.minimum(commit_lens, max_commit), path)
+            commit_lens = torch.minimum(commit_lens, max_commit)
+        ranks = None
+        if drafts.parents is not None:  # a tree
+            self._compact(inputs.slots, relay.starts, path)
+            if drafts.ranks is not None:
+                ranks = path_ranks(drafts.ranks, path)
+        return Verified(out, choices, commit_lens, path, ranks)
 
     def _compact(self, slots: torch.Tensor, starts: torch.Tensor, path: torch.Tensor) -> None:
         """Move the KV of a tree's accepted path (node ``path[:, j]`` at ``start +
