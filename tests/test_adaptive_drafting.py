@@ -391,8 +391,10 @@ def test_a_tree_counts_each_smaller_size_from_its_whole_steps() -> None:
 def test_start_keys_hold_plain_graphs_beside_the_cycles() -> None:
     graphs = DecodeGraphs(2, 64, 20, 2, widths=(1, 4))
     keys = graphs.start_keys()
-    assert [(k.bs, k.width, k.all_greedy) for k in keys] == [
-        (bs, width, greedy) for bs in (2, 1) for width in (4, 1) for greedy in (False, True)
+    assert [(k.bs, k.width, k.all_greedy) for k in keys] == [  # by tokens a step
+        (bs, width, greedy)
+        for bs, width in ((2, 4), (1, 4), (2, 1), (1, 1))
+        for greedy in (False, True)
     ]
     assert {k.max_kv for k in keys} == {64}
     plan = graphs.scratch_plan(GraphKey(2, 64, True, 0, width=1))

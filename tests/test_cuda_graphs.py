@@ -27,21 +27,21 @@ from model_fixtures import VOCAB
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine import graphs as graphs_module
 from outrider.daemon.engine.build import Engine
-from outrider.daemon.engine.drafting_setup import speculative_plugin
+from outrider.daemon.engine.drafting_setup import speculative_plugin, step_widths
 from outrider.daemon.engine.graph_settings import graph_settings
-from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey, batch_buckets
+from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
 from outrider.daemon.engine.memory_plan import (
     CAPTURE_WORKSPACE_BYTES,
     DRAFT_BYTES_PER_LOGIT,
-    GRAPH_MEMORY_SHARE,
     MIB,
     SMALL_SEGMENTS_BYTES,
-    GraphSettings,
     MemoryPlan,
+    StepWidth,
     _activation_bytes,
     _fit_check,
     _graph_kv_limit,
     _graph_pool_estimate,
+    batch_buckets,
     graph_pool_bytes,
     kv_buckets,
 )
@@ -161,58 +161,61 @@ def test_graph_settings_take_the_kv_bound_from_the_capabilities(llama_dir: str) 
     config = ServeConfig(model=llama_dir, device="cuda", max_running=48, cuda_graph_max_bs=32)
     context = config.check_context("bfloat16", (9, 0))
     plugins = discover().resolve(context)
-    torch_settings = graph_settings(config, plugins, speculative_plugin(plugins))
+    torch_settings = graph_settings(config, plugins)
     assert torch_settings is not None  # the torch backend declares graph_kv_bound
     assert (torch_settings.max_bs, torch_settings.kv_bounded) == (32, True)
-    lengths_on_device = graph_settings(config, _with_kv_bound(plugins, False), None)
+    lengths_on_device = graph_settings(config, _with_kv_bound(plugins, False))
     assert lengths_on_device is not None and not lengths_on_device.kv_bounded
     no_graphs = dataclasses.replace(config, disable_cuda_graph=True)
     on_cpu = dataclasses.replace(config, device="cpu")
-    assert graph_settings(no_graphs, plugins, None) is None
-    assert graph_settings(on_cpu, plugins, None) is None
+    assert graph_settings(no_graphs, plugins) is None
+    assert graph_settings(on_cpu, plugins) is None
 
 
 @pytest.mark.parametrize(
-    ("algorithm", "draft_rows"),
-    [("eagle3 chain", 3), ("eagle3 tree", 3 * 2), ("dflash", 3), ("ngram", 0), ("none", 0)],
+    ("algorithm", "widths"),
+    [
+        ("eagle3 chain", [(4, 3), (3, 2), (2, 1)]),
+        ("eagle3 tree", [(6, 3 * 2), (4, 3 * 2), (3, 3 * 2), (2, 3 * 2)]),
+        ("dflash", [(4, 3), (3, 2), (2, 1)]),
+        ("ngram", [(8, 0), (5, 0), (3, 0), (2, 0)]),
+        ("none", []),
+    ],
 )
-def test_graph_settings_count_the_drafts_vocabulary_rows(
-    speculative_dirs: dict[str, str], algorithm: str, draft_rows: int
+def test_step_widths_count_the_drafts_vocabulary_rows(
+    speculative_dirs: dict[str, str], algorithm: str, widths: list[tuple[int, int]]
 ) -> None:
-    """Chains and blocks score one vocabulary row per draft token, trees K at each of S
-    steps, n-gram none (this module's algorithms: width 4; the tree S 3, K 2)."""
+    """Every width a drafting step may take (the shape's own, then cut), with its drafting's
+    vocabulary rows: a chain's or block's one per draft token, a tree's K at each of S steps
+    whatever its nodes, n-gram's none (this module's algorithms: chains and blocks of 3 drafts,
+    the tree 5 nodes of S 3, K 2, n-gram 7 drafts)."""
     settings: dict[str, object] = dict(ALGORITHMS[algorithm])
     name = str(settings.get("speculative_algorithm", ""))
     if name in ("eagle3", "dflash"):
         settings["draft_model"] = speculative_dirs[name]
     config = ServeConfig(model=speculative_dirs["target"], device="cuda", **settings)  # type: ignore[arg-type]
     plugins = discover().resolve(config.check_context("bfloat16", (9, 0)))
-    settings = graph_settings(config, plugins, speculative_plugin(plugins))
-    assert settings is not None and settings.draft_rows == draft_rows
+    draft_vocab = VOCAB
+    if name == "eagle3":
+        draft_config = json.loads((Path(speculative_dirs[name]) / "config.json").read_text())
+        draft_vocab = draft_config["draft_vocab_size"]
+    found = step_widths(plugins.shape, speculative_plugin(plugins), config, VOCAB)
+    assert found == tuple(StepWidth(width, rows * draft_vocab) for width, rows in widths)
 
 
 def test_an_eagle3_drafts_own_vocabulary_sizes_its_rows(
     speculative_dirs: dict[str, str], tmp_path: Path
 ) -> None:
-    """An EAGLE-3 draft scoring a vocabulary of its own: the graph pool budgets its rows at
-    that width, not the target's (a quarter of the target's here, the fixture's own after)."""
+    """An EAGLE-3 draft scoring a vocabulary of its own: the memory plan budgets its rows at
+    that width, not the target's (a quarter of the target's here)."""
     config_json = json.loads((Path(speculative_dirs["eagle3"]) / "config.json").read_text())
-    draft_vocab = config_json["draft_vocab_size"]
     config_json["draft_vocab_size"] = VOCAB // 4
     (tmp_path / "config.json").write_text(json.dumps(config_json))
     settings: dict[str, object] = dict(ALGORITHMS["eagle3 chain"], draft_model=str(tmp_path))
     config = ServeConfig(model=speculative_dirs["target"], device="cuda", **settings)  # type: ignore[arg-type]
     plugins = discover().resolve(config.check_context("bfloat16", (9, 0)))
-    graph = graph_settings(config, plugins, speculative_plugin(plugins))
-    assert graph is not None and (graph.draft_rows, graph.draft_vocab) == (3, VOCAB // 4)
-    target = ModelConfig.from_pretrained(speculative_dirs["target"])
-    assert graph.draft_logits(target) == 3 * (VOCAB // 4)
-    full = graph_settings(
-        dataclasses.replace(config, draft_model=speculative_dirs["eagle3"]),
-        plugins,
-        speculative_plugin(plugins),
-    )
-    assert full is not None and full.draft_logits(target) == 3 * draft_vocab
+    found = step_widths(plugins.shape, speculative_plugin(plugins), config, VOCAB)
+    assert found[0] == StepWidth(4, 3 * (VOCAB // 4))
 
 
 def test_start_keys_are_every_bucket_largest_first() -> None:
@@ -231,7 +234,7 @@ def graph_plan(estimate: int, headroom: int = 0) -> MemoryPlan:
     return MemoryPlan(
         page_size=16, pool_tokens=0, num_pages=1, requested_context_length=0, context_length=0,
         reservation=0, max_pages=0, max_step_tokens=0, graph_max_bs=0, graph_max_kv=0,
-        graph_estimate=estimate, graph_draft_bytes=0, activation_bytes=0, headroom_bytes=headroom,
+        graph_estimate=estimate, drafting_rows=(), activation_bytes=0, headroom_bytes=headroom,
     )  # fmt: skip
 
 
@@ -305,11 +308,10 @@ def test_graph_pool_estimate_of_a_tiny_model() -> None:
     # A drafting step's vocabulary rows: 3 a row, 256 logits each.
     draft = 1 * 3 * 256 * DRAFT_BYTES_PER_LOGIT
     assert graph_pool_bytes(model, 2, 1, 4, None, draft_logits=3 * 256) == layer + logits + draft
-    # The fit check budgets the largest step and the captures' workspace.
-    settings = GraphSettings(max_bs=4, kv_bounded=True)
-    budgeted = _graph_pool_estimate(settings, model, 2, 1, 128, 1)
+    # The fit check budgets the largest graphed step and the captures' workspace.
+    budgeted = _graph_pool_estimate([(4, StepWidth(1)), (1, StepWidth(4))], model, 2, 128, 1)
     assert budgeted == layer + logits + attention + CAPTURE_WORKSPACE_BYTES + SMALL_SEGMENTS_BYTES
-    assert _graph_pool_estimate(None, model, 2, 1, 128, 1) == 0
+    assert _graph_pool_estimate([], model, 2, 128, 1) == 0
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -451,30 +453,37 @@ def test_graphs_growing_with_the_kv_bound_stop_where_their_pool_passes_its_share
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     model = ModelConfig.from_dict(TINY_SHAPE)
-    settings = GraphSettings(max_bs=4, kv_bounded=True)
+    # Plain steps and drafting steps of 2 drafts (3 tokens, 2 x 256 draft logits), 2 rows
+    # each: the drafting step the larger at every bound.
+    steps = [(2, StepWidth(1)), (2, StepWidth(3, 2 * 256))]
 
     def pool(kv: int) -> int:
-        return graph_pool_bytes(model, 2, bs=4, width=1, kv_bound=kv)
+        return graph_pool_bytes(model, 2, bs=2, width=3, kv_bound=kv, draft_logits=2 * 256)
 
+    assert all(pool(kv) > graph_pool_bytes(model, 2, 2, 1, kv) for kv in (64, 256, 600))
     # Exactly the pool of the 256 bucket: 256 is the last that fits, 512 and 600 do not.
-    free = int(pool(256) / GRAPH_MEMORY_SHARE) + 1
     caplog.set_level(logging.INFO, logger="outrider.engine")
-    assert _graph_kv_limit(settings, model, 2, 1, 600, free) == 256
+    assert _graph_kv_limit(steps, model, 2, 600, pool(256)) == 256
     assert "decode graphs cover KV bounds up to 256 of 600" in caplog.text
-    assert _graph_kv_limit(settings, model, 2, 1, 600, 10 * free) == 600
-    assert _graph_kv_limit(settings, model, 2, 1, 600, 0) == 64  # the smallest bucket at least
+    assert _graph_kv_limit(steps, model, 2, 600, pool(256) - 1) == 128
+    assert _graph_kv_limit(steps, model, 2, 600, pool(600)) == 600
+    assert _graph_kv_limit(steps, model, 2, 600, 0) == 64  # the smallest bucket at least
 
 
 def test_the_fit_check_budgets_the_graph_pool_and_names_its_flags() -> None:
     model = ModelConfig.from_dict(TINY_SHAPE)
     config = ServeConfig(model="tiny", device="cuda", max_running=2, page_size=16)
     eager = 512 * MIB + 2 * 256 * 16  # the rough allowance: logits and sampling per row
-    assert _activation_bytes(config, model, 0, 0) == eager
+    plain = [(2, StepWidth(1))]
+    assert _activation_bytes(config, model, 2, plain, 1, 0) == eager
     # The eager share covers the run before each capture: at least the largest graphed step.
-    assert _activation_bytes(config, model, MIB, 0) == eager + MIB
-    assert _activation_bytes(config, model, 1024 * MIB, 0) == 2 * 1024 * MIB
-    # A mixture of experts' grouped path adds to the eager share.
-    assert _activation_bytes(config, model, 0, 3 * MIB) == eager + 3 * MIB
+    assert _activation_bytes(config, model, 2, plain, 1, MIB) == eager + MIB
+    assert _activation_bytes(config, model, 2, plain, 1, 1024 * MIB) == 2 * 1024 * MIB
+    # A drafting step past the graphs, at its most rows, where it passes the allowance.
+    wide = StepWidth(16, 15 * 10**6)
+    drafting = graph_pool_bytes(model, 2, 2, 16, None, draft_logits=wide.draft_logits)
+    assert drafting > eager
+    assert _activation_bytes(config, model, 2, [*plain, (2, wide)], 1, MIB) == drafting + MIB
     with pytest.raises(ConfigError, match=r"--cuda-graph-max-bs .*--disable-cuda-graph"):
         _fit_check(config, 16, 128, 16, graph_estimate=700 * MIB)
     with pytest.raises(ConfigError) as eager_only:

@@ -19,6 +19,7 @@ from outrider.daemon.engine.memory_plan import (
     GraphSettings,
     MemoryRefusal,
     PlanInputs,
+    StepWidth,
     graph_pool_bytes,
     graph_pool_shortfall,
     plan_memory,
@@ -65,7 +66,7 @@ def _inputs(
     free: int,
     graphs: GraphSettings | None = None,
     reservation: int = 16,
-    width: int = 1,
+    widths: tuple[StepWidth, ...] = (),
 ) -> PlanInputs:
     cpu = config.device == "cpu"
     return PlanInputs(
@@ -76,7 +77,7 @@ def _inputs(
         tensor_parallel_size=1,
         context_length=config.context_length or model.max_position_embeddings,
         reservation=reservation,
-        width=width,
+        widths=widths,
         graphs=graphs,
         free_bytes=free,
     )
@@ -185,7 +186,8 @@ def test_the_graph_pool_is_budgeted_before_the_kv_pool() -> None:
     eager = 512 * MIB + 64 * 128256 * 16
     for width in (1, 4):  # the widest step under, then over, the eager allowance
         graphs = GraphSettings(max_bs=64, kv_bounded=False)
-        plan = plan_memory(_inputs(config, free=60 * GIB, graphs=graphs, width=width))
+        widths = (StepWidth(width),) if width > 1 else ()
+        plan = plan_memory(_inputs(config, free=60 * GIB, graphs=graphs, widths=widths))
         step = graph_pool_bytes(LLAMA, 2, bs=64, width=width, kv_bound=None)
         estimate = step + 64 * MIB + 16 * MIB
         assert plan.graph_estimate == estimate
@@ -193,7 +195,8 @@ def test_the_graph_pool_is_budgeted_before_the_kv_pool() -> None:
         assert (estimate > eager) == (width == 4)
         budget = int(60 * GIB * 0.85) - plan.activation_bytes
         assert plan.pool_tokens == budget // LLAMA_KV_BF16 // 16 * 16
-        assert (plan.graph_max_bs, plan.graph_max_kv, plan.graph_draft_bytes) == (64, 8208, 0)
+        assert (plan.graph_max_bs, plan.graph_max_kv) == (64, 8208)
+        assert plan.drafting_rows == ((width, 64),) * (width > 1)
     assert CAPTURE_WORKSPACE_BYTES + SMALL_SEGMENTS_BYTES == 80 * MIB
 
 
@@ -221,12 +224,11 @@ def test_a_drafts_vocabulary_rows_take_their_share_of_the_graph_pool() -> None:
     """A speculative engine of width 4 whose drafting step scores 3 vocabulary rows a batch
     row: 52 B a logit of them join the estimate, and the KV pool gives up twice as much."""
     config = ServeConfig(model="llama", device="cuda", context_length=8192)
-    plain = GraphSettings(max_bs=64, kv_bounded=False)
-    drafting = dataclasses.replace(plain, draft_rows=3)
-    without = plan_memory(_inputs(config, free=60 * GIB, graphs=plain, width=4))
-    drafted = plan_memory(_inputs(config, free=60 * GIB, graphs=drafting, width=4))
+    graphs = GraphSettings(max_bs=64, kv_bounded=False)
+    without = plan_memory(_inputs(config, free=60 * GIB, graphs=graphs, widths=(StepWidth(4),)))
+    drafting = (StepWidth(4, 3 * 128256),)
+    drafted = plan_memory(_inputs(config, free=60 * GIB, graphs=graphs, widths=drafting))
     share = 64 * 3 * 128256 * DRAFT_BYTES_PER_LOGIT
-    assert drafted.graph_draft_bytes == share
     assert drafted.graph_estimate - without.graph_estimate == share
     assert drafted.activation_bytes - without.activation_bytes == 2 * share
     assert drafted.pool_tokens < without.pool_tokens

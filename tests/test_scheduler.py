@@ -37,12 +37,14 @@ def make(
     margin: int = 0,
     retract_every: int = 0,
     mixed: bool = False,
+    drafting_rows: tuple[tuple[int, int], ...] = (),
 ) -> Scheduler:
     """A scheduler over ``pages`` usable pages of ``PAGE`` tokens (``mixed``: decoding rows
-    ride prompt batches)."""
+    ride prompt batches; ``drafting_rows``: ``SchedulerLimits.drafting_rows``)."""
     limits = SchedulerLimits(
-        running, MAX_PAGES, chunk, 32, prefix_margin_pages=margin, mixed_batches=mixed
-    )
+        running, MAX_PAGES, chunk, 32, prefix_margin_pages=margin, mixed_batches=mixed,
+        drafting_rows=drafting_rows,
+    )  # fmt: skip
     finish = FinishChecker(frozenset({EOS}), 32, None)
     drill = RetractDrill(retract_every) if retract_every else None
     return Scheduler(limits, shape, PrefixCache(pages + 1, PAGE), finish, drill=drill)

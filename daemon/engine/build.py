@@ -23,6 +23,7 @@ from outrider.daemon.engine.drafting_setup import (
     drafting_policy,
     drafting_widths,
     speculative_plugin,
+    step_widths,
 )
 from outrider.daemon.engine.follower import Follower
 from outrider.daemon.engine.graph_settings import (
@@ -139,6 +140,11 @@ def build_engine(
                 late_masks=one_rank,
                 mixed_batches=config.mixed_batches,
                 shorter_chains=cuts_steps(shape, runner.worker) and not shape.tree,
+                drafting_rows=tuple(
+                    (width, plan.rows_at(width, config.max_running))
+                    for width in built.widths
+                    if width > 1
+                ),
             ),
             shape,
             PrefixCache(plan.num_pages, page_size),
@@ -247,7 +253,7 @@ def _build_runner(
     def agreed(value: int) -> int:  # sizes from each rank's free memory: the smallest
         return value if channel is None else channel.agree_min(value)
 
-    graphing = graph_settings(config, plugins, speculative)
+    graphing = graph_settings(config, plugins)
     inputs = PlanInputs(
         config=config,
         model=model_config,
@@ -257,7 +263,7 @@ def _build_runner(
         tensor_parallel_size=tp.size,
         context_length=context_length,
         reservation=reservation,
-        width=shape.width,
+        widths=step_widths(shape, speculative, config, model_config.vocab_size),
         graphs=graphing,
         free_bytes=_free_bytes(config.device),
     )

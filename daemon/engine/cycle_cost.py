@@ -18,6 +18,8 @@ length.
   sampled batch sorts the vocabulary at every verified position and draws its drafts from the
   draft's distribution): every size is timed with greedy rows and with sampled ones
   (temperature 1; the filters cost the same whatever their values).
+- A width is timed only at sizes whose rows its step takes (``SchedulerLimits.drafting_rows``,
+  from the memory plan); past them its break-even is infinite (``BreakEven.max_rows``).
 - Every row's prompt is ``PROMPT`` tokens, about a chat turn's context, so that the draft's
   catch-up and the verify read a serving-sized context (shorter where the context length
   leaves no room). The rows share all but their last token through the prefix cache; sizes
@@ -44,11 +46,14 @@ The log line says how long the timing took. Measured costs: BENCHMARKS.md.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
+from outrider.daemon.engine.memory_plan import rows_at
 from outrider.daemon.internal import own_request
 from outrider.daemon.scheduler.acceptance import BreakEven
 from outrider.daemon.scheduler.drafting import FixedDrafting
@@ -93,16 +98,13 @@ def measure_break_even(
         bs for bs in SIZES if bs <= limits.max_running and length + 2 * bs * row <= pool_tokens
     ] or [1]
     prompts = timing_prompts(max(sizes), length, loop.runner.limits.vocab_limit)
+    max_rows = tuple(rows_at(limits.drafting_rows, width, limits.max_running) for width in widths)
     # The resume's cost, once: at the smallest size, greedy, where the runner defers catch-ups.
-    resume_at = sizes[0] if loop.runner.deferred is not None else 0
-    timed = [
-        _cycle_costs(loop, prompts[:bs], new_tokens, 0.0, widths, bs == resume_at) for bs in sizes
-    ]
+    resume_at = sizes[0] if loop.runner.deferred is not None and max_rows[0] else 0
+    costs = partial(_cycle_costs, loop, new_tokens=new_tokens, widths=widths, max_rows=max_rows)
+    timed = [costs(prompts[:bs], temperature=0.0, resume=bs == resume_at) for bs in sizes]
     greedy = [ratios for ratios, _ in timed]  # [size][width]
-    sampled = [
-        _cycle_costs(loop, prompts[:bs], new_tokens, SAMPLED_TEMPERATURE, widths, False)[0]
-        for bs in sizes
-    ]
+    sampled = [costs(prompts[:bs], temperature=SAMPLED_TEMPERATURE)[0] for bs in sizes]
     resume = timed[0][1]
     extras = ""
     if resume_at:
@@ -117,7 +119,8 @@ def measure_break_even(
     for w, width in enumerate(widths):
         log.info(
             "drafting %d tokens a row pays from an acceptance length of %s greedy, %s sampled "
-            "(batch %s, %d-token prompts; the cycle's time over a plain step's)%s",
+            "(batch %s, %d-token prompts; the cycle's time over a plain step's; -: more rows "
+            "than its step takes)%s",
             width - 1, _listed(greedy, w), _listed(sampled, w), ", ".join(map(str, sizes)),
             length, extras if w == 0 else "",
         )  # fmt: skip
@@ -132,11 +135,12 @@ def measure_break_even(
         cut_drafts=tuple(widths[w] - 1 for w in cuts),
         cut_greedy=tuple(tuple(ratios[w] for ratios in greedy) for w in cuts),
         cut_sampled=tuple(tuple(ratios[w] for ratios in sampled) for w in cuts),
+        max_rows=max_rows,
     )
 
 
 def _listed(taus: list[tuple[float, ...]], w: int) -> str:
-    return ", ".join(f"{ratios[w]:.2f}" for ratios in taus)
+    return ", ".join(f"{ratios[w]:.2f}" if ratios[w] < math.inf else "-" for ratios in taus)
 
 
 def timing_prompts(rows: int, length: int, vocab: int) -> list[list[int]]:
@@ -182,15 +186,18 @@ def _cycle_costs(
     new_tokens: int,
     temperature: float,
     widths: tuple[int, ...],
-    resume: bool,
+    max_rows: tuple[int, ...],
+    resume: bool = False,
 ) -> tuple[tuple[float, ...], float]:
-    """A drafting turn's time over a plain turn's (``_turn_time``) at each of ``widths``, for
-    a row per prompt at ``temperature``; and with ``resume``, what a drafting turn of the
-    first width right after plain ones costs beyond one, in plain turns (``_resume_time``),
-    else 0."""
+    """A drafting turn's time over a plain turn's (``_turn_time``) at each of ``widths`` whose
+    step takes a row per prompt (``max_rows``; infinite for the others), the rows at
+    ``temperature``; and with ``resume``, what a drafting turn of the first width right after
+    plain ones costs beyond one, in plain turns (``_resume_time``), else 0."""
     with _timing_batch(loop, prompts, new_tokens, temperature) as policy:
-        turn = {}
-        for width in (*widths, 1):
+        turn = dict.fromkeys(widths, math.inf)
+        for width, most in (*zip(widths, max_rows, strict=True), (1, len(prompts))):
+            if len(prompts) > most:
+                continue
             policy.fixed = width
             loop.iterate()
             turn[width] = _turn_time(loop)

@@ -11,6 +11,7 @@ import msgspec
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine.cycle_cost import measure_break_even
+from outrider.daemon.engine.memory_plan import StepWidth
 from outrider.daemon.scheduler.acceptance import BreakEven
 from outrider.daemon.scheduler.drafting import (
     AdaptiveDrafting,
@@ -44,6 +45,21 @@ def speculative_plugin(plugins: ResolvedPlugins) -> SpeculativePlugin | None:
             f"{SPECULATIVE_FLAG} {spec.name}: {spec.implementation} is not a SpeculativeWorker"
         )
     return SpeculativePlugin(worker_class, plugins.speculative.options)
+
+
+def step_widths(
+    shape: StepShape, speculative: SpeculativePlugin | None, config: ServeConfig, vocab: int
+) -> tuple[StepWidth, ...]:
+    """Every width a drafting step of ``shape`` may take, widest first (its own, then its cuts,
+    ``StepShape.cuts``), with the vocabulary logits its drafting scores a batch row (the
+    draft's own vocabulary, or the target's ``vocab``); none without speculation."""
+    if speculative is None:
+        return ()
+    worker = speculative.worker_class
+    draft_vocab = worker.draft_vocab_size(config.draft_model) or vocab
+    return tuple(
+        StepWidth(cut.width, worker.draft_logit_rows(cut) * draft_vocab) for cut in shape.cuts()
+    )
 
 
 def cuts_steps(shape: StepShape, worker: SpeculativeWorker) -> bool:

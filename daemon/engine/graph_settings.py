@@ -5,7 +5,6 @@ and the ``DecodeGraphs`` built from the settings and the plan."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.graphs import DecodeGraphs
@@ -14,9 +13,6 @@ from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.plugins.api import AttentionCapabilities, Phase
 from outrider.plugins.debug import debug_knob
 from outrider.plugins.registry import ResolvedPlugins
-
-if TYPE_CHECKING:
-    from outrider.daemon.engine.drafting_setup import SpeculativePlugin
 
 log = logging.getLogger("outrider.engine")
 
@@ -31,12 +27,9 @@ def attention_caps(plugins: ResolvedPlugins, phase: Phase) -> AttentionCapabilit
     return caps
 
 
-def graph_settings(
-    config: ServeConfig, plugins: ResolvedPlugins, speculative: SpeculativePlugin | None
-) -> GraphSettings | None:
+def graph_settings(config: ServeConfig, plugins: ResolvedPlugins) -> GraphSettings | None:
     """Whether decode batches replay CUDA graphs (the device, the flags and every backend a
-    decode batch runs allow them) and how they are keyed; None: they run eagerly.
-    ``speculative``: the resolved plugin, loaded (drafting_setup.py)."""
+    decode batch runs allow them) and how they are keyed; None: they run eagerly."""
     if config.device != "cuda" or config.disable_cuda_graph:
         return None
     if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
@@ -53,12 +46,9 @@ def graph_settings(
     if lacking:
         log.info("decode batches run eagerly: %s declares no CUDA graphs", ", ".join(lacking))
         return None
-    worker = speculative.worker_class if speculative is not None else None
     return GraphSettings(
         max_bs=min(config.cuda_graph_max_bs, config.max_running),
         kv_bounded=any(cap.graph_kv_bound for cap in caps),
-        draft_rows=worker.draft_logit_rows(plugins.shape) if worker else 0,
-        draft_vocab=worker.draft_vocab_size(config.draft_model) if worker else None,
     )
 
 
@@ -86,4 +76,5 @@ def decode_graphs(
         widths=widths,
         catch_up_capacity=catch_up_capacity,
         unfed_plain=unfed_plain,
+        drafting_rows=plan.drafting_rows,
     )

@@ -12,10 +12,11 @@ grows with the bound: the ``torch`` backend's grows within twice the eager bound
 every graph is built with the largest bound. Padding rows run on the scratch slot, whose
 request-table row points at the scratch page: they read and write nothing of a live request.
 
-Before READY the engine captures every batch bucket x width x KV bucket, greedy and sampled
-without logprobs (``capture_all``), largest first so that the smaller captures reuse the pool's
-blocks; a logprob variant, and a variant with grammar rows (``GraphKey.masked``),
-is captured the first time its key is needed. A step that waits for the host's masks
+Before READY the engine captures every batch bucket x width x KV bucket (a drafting width up
+to the most rows the memory plan gives it), greedy and sampled without logprobs
+(``capture_all``), largest first so that the smaller captures reuse the pool's blocks; a
+logprob variant, and a variant with grammar rows (``GraphKey.masked``), is captured the first
+time its key is needed. A step that waits for the host's masks
 (``MaskHoles``, engine/token_masks.py) is captured as segments, cut at each wait: a replay
 runs each segment, then the host's fill recorded there, then the next. A tensor a later
 segment reads from an earlier one lives in the shared pool, which is safe because nothing
@@ -48,7 +49,14 @@ import msgspec
 import torch
 
 from outrider.daemon.engine.deferred import CatchUp
-from outrider.daemon.engine.memory_plan import MIB, MemoryPlan, graph_pool_shortfall, kv_buckets
+from outrider.daemon.engine.memory_plan import (
+    MIB,
+    MemoryPlan,
+    batch_buckets,
+    graph_pool_shortfall,
+    kv_buckets,
+    rows_at,
+)
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
 from outrider.daemon.engine.sync_check import syncs_allowed
@@ -91,14 +99,6 @@ class CatchUpKey:
     max_kv: int  # the KV bound of the graph's layout
 
 
-def batch_buckets(max_bs: int) -> list[int]:
-    """Padded batch sizes: every size up to 8, then every 8 (the small ones matter most)."""
-    sizes = list(range(1, min(max_bs, 8) + 1)) + list(range(16, max_bs + 1, 8))
-    if sizes[-1] != max_bs:
-        sizes.append(max_bs)
-    return sizes
-
-
 def catch_up_lengths(capacity: int) -> list[int]:
     """Padded row lengths of captured catch-ups: doubling from ``MIN_CATCH_UP_LEN`` below the
     buffer's ``capacity``, then the capacity itself (none without deferral)."""
@@ -132,13 +132,16 @@ class DecodeGraphs:
         widths: tuple[int, ...] = (1,),
         catch_up_capacity: int = 0,
         unfed_plain: bool = False,
+        drafting_rows: tuple[tuple[int, int], ...] = (),
     ) -> None:
         """``kv_bounded``: some backend of a decode batch declares ``graph_kv_bound``;
         ``widths``: the row widths decode batches run with (the speculative width, and 1
         where plain steps run); ``catch_up_capacity``: the positions a slot's plain steps
         buffer for the draft's catch-up (0: none); ``unfed_plain``: plain steps of rows that
-        do not feed the draft run too (their own graphs: the target's step alone)."""
+        do not feed the draft run too (their own graphs: the target's step alone);
+        ``drafting_rows``: the most rows of each drafting width (``MemoryPlan.rows_at``)."""
         self.buckets = batch_buckets(max_bs)
+        self.drafting_rows = drafting_rows
         self.catch_up_rows = [rows for rows in CATCH_UP_ROWS if rows <= max_bs]
         self.catch_up_lens = catch_up_lengths(catch_up_capacity)
         self.widths = sorted(widths, reverse=True)
@@ -191,16 +194,23 @@ class DecodeGraphs:
 
     def start_keys(self) -> list[GraphKey]:
         """The keys captured before READY: every batch bucket x width x KV bucket (and the
-        unfed plain step), sampled and greedy, without logprobs; largest first (KV bound, then
-        batch, then width), so later captures fit in the blocks the earlier ones freed."""
+        unfed plain step), a drafting width up to its most rows, sampled and greedy, without
+        logprobs; largest first (KV bound, then tokens, then width), so later captures fit in
+        the blocks the earlier ones freed."""
         variants = [(width, True) for width in self.widths]
         if self.unfed_plain:
             variants.append((1, False))
+        steps = [
+            (bs, width, fed)
+            for bs in self.buckets
+            for width, fed in variants
+            if bs <= rows_at(self.drafting_rows, width, bs)
+        ]
+        steps.sort(key=lambda step: (step[0] * step[1], step[1], step[2]), reverse=True)
         return [
             GraphKey(bs, kv, all_greedy, 0, width, fed)
             for kv in reversed(self.kv_buckets)
-            for bs in reversed(self.buckets)
-            for width, fed in variants
+            for bs, width, fed in steps
             for all_greedy in (False, True)
         ]
 

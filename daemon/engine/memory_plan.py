@@ -14,10 +14,19 @@ Invariants of a plan:
 - Sized from memory, the pool never exceeds ``max_running`` such requests, and on CUDA it
   leaves ``activation_bytes`` (the graph pool and the eager steps' working set) out.
 - Under tensor parallelism each rank plans from its own free memory, and the sizes taken from
-  it (the graphs' KV bound, then the pool) are the smallest over the ranks (``agree``), called
-  in that order on every rank.
+  it (each drafting width's rows, the graphs' KV bound, then the pool) are the smallest over
+  the ranks (``agree``), called in that order on every rank.
 
-The graph pool's estimate is the widest captured step's working set (``graph_pool_bytes``)
+A decode step's working set grows with its rows times its width, and a drafting step's with
+its draft's vocabulary rows too: a speculative engine's widest steps at every running row may
+not fit beside any KV pool (a DFlash block of 16 at 256 rows of a 152k vocabulary: about
+59 GB). So each drafting width runs for at most the rows whose step fits in
+``STEP_MEMORY_SHARE`` of the free memory (``MemoryPlan.drafting_rows``, a batch bucket, agreed
+over the ranks), graphs and eager steps alike; plain steps take every running row. The
+scheduler never gives a batch a wider step than its rows allow (scheduler/planner.py).
+
+The graph pool's estimate is the largest captured step's working set (``graph_pool_bytes``:
+plain steps at the graphs' largest batch, each drafting width at the most rows it takes there)
 plus the captures' workspaces and the pool's small-block segments. The width-1 graphs of a
 speculative engine are captured after the wide graph of their batch and KV bucket and reuse its
 blocks; what each keeps for itself (its static results, under a kilobyte a row) is within the
@@ -31,8 +40,8 @@ level (``DecodeGraphs.capture_all``).
 
 NOTE: a draft model's own KV pool has the target's pages (the same page ids, the draft's
 heads); neither it nor the draft's weights are budgeted here: both come out of the memory
-``--gpu-memory-fraction`` leaves. Only the drafting step's vocabulary rows are, in the graph
-pool (``graph_draft_bytes``).
+``--gpu-memory-fraction`` leaves. Only the drafting step's vocabulary rows are, in its
+working set (``StepWidth.draft_logits``).
 """
 
 from __future__ import annotations
@@ -50,10 +59,11 @@ log = logging.getLogger("outrider.engine")
 MIB = 2**20
 # Host memory the CPU KV pool may take by default.
 CPU_KV_FRACTION = 0.25
-# The share of the free device memory (after the weights) the CUDA graph pool may take when an
-# attention backend's graphs grow with the KV bound (the torch backend gathers each row's K/V
-# over it): 64 rows of Llama-3.1-8B at a bound of 8192 would take about 11 GB.
-GRAPH_MEMORY_SHARE = 0.125
+# The share of the free memory (a device's after the weights) one decode step's working set may
+# take where it grows with a setting: a drafting width's rows (module docstring), and the KV
+# bound of graphs whose attention gathers each row's K/V over it (the torch backend: 64 rows of
+# Llama-3.1-8B at a bound of 8192 would take about 11 GB).
+STEP_MEMORY_SHARE = 0.125
 MIN_KV_BUCKET = 64
 KV_BUCKET_GROWTH = 2  # each KV bucket is this many times the previous one
 # Sampling scratch per logit of a sampled row at its peak: the sorted values and their int64
@@ -86,12 +96,18 @@ class MemoryRefusal(ConfigError):
 class GraphSettings:
     max_bs: int  # the largest decode batch replayed from a graph
     kv_bounded: bool  # some backend of a decode batch declares graph_kv_bound
-    draft_rows: int = 0  # vocabulary rows a drafting step scores per batch row
-    draft_vocab: int | None = None  # logits in each of them; None: the target's vocabulary
 
-    def draft_logits(self, model: ModelConfig) -> int:
-        """Vocabulary logits a drafting step scores per batch row."""
-        return self.draft_rows * (self.draft_vocab or model.vocab_size)
+
+@dataclass(frozen=True)
+class StepWidth:
+    """A width a drafting step may take (drafting_setup.py's ``step_widths``)."""
+
+    width: int  # tokens a row verifies, the root included
+    draft_logits: int = 0  # vocabulary logits its drafting scores per batch row
+
+
+# A decode step as the plan sizes it: its rows and its width.
+Step = tuple[int, StepWidth]
 
 
 @dataclass(frozen=True)
@@ -105,7 +121,9 @@ class PlanInputs:
     tensor_parallel_size: int
     context_length: int  # asked for: --context-length, or the model's
     reservation: int  # KV positions one step may write past a row's committed length
-    width: int  # tokens a row of a decode batch (the speculative width, or 1)
+    # The widths a drafting step may take, widest first (none without speculation); plain
+    # steps (width 1) run besides.
+    widths: tuple[StepWidth, ...]
     graphs: GraphSettings | None  # None: decode batches run eagerly
     # The memory the pool may come from: the device's free bytes now that the weights are
     # loaded (CUDA), the host's physical memory (CPU).
@@ -127,7 +145,9 @@ class MemoryPlan:
     graph_max_bs: int  # the largest decode batch replayed from a graph (0: no graphs)
     graph_max_kv: int  # the largest KV bound graphs are built with (0: no graphs)
     graph_estimate: int  # the graph pool budgeted (0: no graphs)
-    graph_draft_bytes: int  # the drafting step's vocabulary rows within the estimate
+    # (width, the most rows a decode step of it takes) of each drafting width, widest first:
+    # the rows whose working set fits in ``STEP_MEMORY_SHARE`` (0: not one), a batch bucket.
+    drafting_rows: tuple[tuple[int, int], ...]
     activation_bytes: int  # kept out of a pool sized from device memory (0: CPU)
     # The free device memory neither the KV pool nor ``activation_bytes`` takes (0: CPU).
     headroom_bytes: int
@@ -141,6 +161,20 @@ class MemoryPlan:
         """Positions a request may reach: the served context plus one step's reservation."""
         return self.context_length + self.reservation
 
+    def rows_at(self, width: int, max_running: int) -> int:
+        """The most rows a decode step of ``width`` takes: those of the narrowest drafting
+        width at least as wide (a chain cut to a request's cap takes its own width's rows or
+        more), ``max_running`` for a plain step."""
+        return rows_at(self.drafting_rows, width, max_running)
+
+
+def rows_at(drafting_rows: tuple[tuple[int, int], ...], width: int, max_running: int) -> int:
+    """``MemoryPlan.rows_at`` of ``drafting_rows``."""
+    if width == 1:
+        return max_running
+    # Rows shrink as widths grow: the narrowest width at least ``width`` has the most.
+    return max((rows for w, rows in drafting_rows if w >= width), default=max_running)
+
 
 def _alone(value: int) -> int:
     return value
@@ -150,17 +184,28 @@ def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
     """The plan for ``inputs``; ``agree``: the smallest over the ranks (one rank: the value).
     Raises ``MemoryRefusal`` where the pool cannot hold one request."""
     config, model, graphs = inputs.config, inputs.model, inputs.graphs
-    itemsize, width, tp = inputs.itemsize, inputs.width, inputs.tensor_parallel_size
+    itemsize, tp, max_running = inputs.itemsize, inputs.tensor_parallel_size, config.max_running
     reservation = inputs.reservation
+    budget = int(inputs.free_bytes * STEP_MEMORY_SHARE)
+    drafting_rows = tuple(
+        (step.width, agree(_rows_fitting(model, itemsize, step, max_running, budget, tp)))
+        for step in inputs.widths
+    )
+    _log_drafting_rows(drafting_rows, max_running)
+    # Every kind of decode step at its most rows: plain, then each drafting width that runs.
+    steps = [(max_running, StepWidth(1))] + [
+        (rows, step) for step, (_, rows) in zip(inputs.widths, drafting_rows, strict=True) if rows
+    ]
     graph_kv = inputs.context_length + reservation  # the largest KV bound a graph is built with
+    graph_steps = [(min(rows, graphs.max_bs), step) for rows, step in steps] if graphs else []
     if graphs is not None and graphs.kv_bounded:
-        graph_kv = agree(
-            _graph_kv_limit(graphs, model, itemsize, width, graph_kv, inputs.free_bytes, tp)
-        )
-    estimate = _graph_pool_estimate(graphs, model, itemsize, width, graph_kv, tp)
-    experts = _experts_bytes(config, model, itemsize, width, tp)
+        graph_kv = agree(_graph_kv_limit(graph_steps, model, itemsize, graph_kv, budget, tp))
+    bounded = graph_kv if graphs is not None and graphs.kv_bounded else None
+    estimate = _graph_pool_estimate(graph_steps, model, itemsize, bounded, tp)
     activation = (
-        _activation_bytes(config, model, estimate, experts) if config.device == "cuda" else 0
+        _activation_bytes(config, model, itemsize, steps, tp, estimate)
+        if config.device == "cuda"
+        else 0
     )
     pool_tokens = agree(
         _pool_tokens(
@@ -182,13 +227,13 @@ def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
         context_length=context_length,
         reservation=reservation,
         max_pages=(max_positions + page_size - 1) // page_size,
-        max_step_tokens=max(config.chunked_prefill_tokens, config.max_running * width),
+        max_step_tokens=max(
+            config.chunked_prefill_tokens, *(rows * step.width for rows, step in steps)
+        ),
         graph_max_bs=graphs.max_bs if graphs is not None else 0,
         graph_max_kv=min(graph_kv, max_positions) if graphs is not None else 0,
         graph_estimate=estimate,
-        graph_draft_bytes=(
-            _draft_bytes(graphs.max_bs, graphs.draft_logits(model)) if graphs is not None else 0
-        ),
+        drafting_rows=drafting_rows,
         activation_bytes=activation,
         headroom_bytes=(
             max(inputs.free_bytes - pool_tokens * inputs.kv_bytes_per_token - activation, 0)
@@ -196,6 +241,28 @@ def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
             else 0
         ),
     )
+
+
+def _rows_fitting(
+    model: ModelConfig, itemsize: int, step: StepWidth, max_running: int, budget: int, tp: int
+) -> int:
+    """The most rows, a batch bucket and ``max_running`` at most, whose decode step of
+    ``step`` has a working set within ``budget`` (0: not one row)."""
+    per_row = graph_pool_bytes(model, itemsize, 1, step.width, None, tp, step.draft_logits)
+    rows = min(budget // per_row, max_running)
+    return max((bs for bs in batch_buckets(max_running) if bs <= rows), default=0)
+
+
+def _log_drafting_rows(drafting_rows: tuple[tuple[int, int], ...], max_running: int) -> None:
+    """One line naming the drafting widths that take fewer than ``max_running`` rows."""
+    limited = [(width, rows) for width, rows in drafting_rows if rows < max_running]
+    if limited:
+        log.info(
+            "drafting steps run for at most %s (their working set at more would pass %g%% "
+            "of the free memory); larger batches draft fewer tokens or take plain steps",
+            ", ".join(f"{rows} rows at {width - 1} drafts" for width, rows in limited),
+            100 * STEP_MEMORY_SHARE,
+        )  # fmt: skip
 
 
 def graph_pool_shortfall(plan: MemoryPlan, pool_bytes: int) -> int:
@@ -207,6 +274,14 @@ def graph_pool_shortfall(plan: MemoryPlan, pool_bytes: int) -> int:
     NOTE: a draft model's KV pool also comes out of the headroom (module docstring), so a
     speculative engine may run short before this says so."""
     return max(pool_bytes - plan.graph_estimate - plan.headroom_bytes, 0)
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """Padded batch sizes: every size up to 8, then every 8 (the small ones matter most)."""
+    sizes = list(range(1, min(max_bs, 8) + 1)) + list(range(16, max_bs + 1, 8))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
 
 
 def kv_buckets(max_kv: int, bounded: bool) -> list[int]:
@@ -230,14 +305,14 @@ def graph_pool_bytes(
     tensor_parallel_size: int = 1,
     draft_logits: int = 0,
 ) -> int:
-    """Estimated peak working set of the largest captured step, which the shared graph pool
-    holds: ``bs`` rows of ``width`` tokens, all sampled, through the target model (one rank's
+    """Estimated peak working set of a decode step (a captured one's is what the shared graph
+    pool holds): ``bs`` rows of ``width`` tokens, all sampled, through the target model (one rank's
     shard of it under tensor parallelism: its heads, MLP rows and vocabulary slice, plus the
     gathered logits). ``kv_bound``: the largest KV bucket when a backend declares
     ``graph_kv_bound`` (budgeted as gathering each row's K and V over the bound at query-head
     width, with a boolean mask), None when the backends' work does not grow with it.
     ``draft_logits``: vocabulary logits a drafting step scores per batch row
-    (``GraphSettings.draft_logits``), budgeted beside the target's at
+    (``StepWidth.draft_logits``), budgeted beside the target's at
     ``DRAFT_BYTES_PER_LOGIT``; the draft's layers are small next to them."""
     tokens, tp = bs * width, tensor_parallel_size
     q_width = model.num_q_heads // tp * model.head_dim
@@ -267,30 +342,25 @@ def _draft_bytes(bs: int, draft_logits: int) -> int:
 
 
 def _graph_kv_limit(
-    settings: GraphSettings,
+    steps: list[Step],
     model: ModelConfig,
     itemsize: int,
-    width: int,
     max_positions: int,
-    free: int,
+    budget: int,
     tensor_parallel_size: int = 1,
 ) -> int:
     """The largest KV bound graphs of a backend whose work grows with it are captured for:
-    the largest bucket whose graph pool stays within ``GRAPH_MEMORY_SHARE`` of the ``free``
-    device memory (the smallest bucket at least). Batches past it run eagerly."""
-    budget = free * GRAPH_MEMORY_SHARE
+    the largest bucket at which every graphed step of ``steps`` stays within ``budget`` (the
+    smallest bucket at least). Batches past it run eagerly."""
     buckets = kv_buckets(max_positions, bounded=True)
     fitting = [
         kv
         for kv in buckets
-        if graph_pool_bytes(
-            model,
-            itemsize,
-            settings.max_bs,
-            width,
-            kv,
-            tensor_parallel_size,
-            settings.draft_logits(model),
+        if max(
+            graph_pool_bytes(
+                model, itemsize, bs, step.width, kv, tensor_parallel_size, step.draft_logits
+            )
+            for bs, step in steps
         )
         <= budget
     ]
@@ -300,32 +370,28 @@ def _graph_kv_limit(
             "decode graphs cover KV bounds up to %d of %d: the attention backend's graphs grow "
             "with the bound, and %d rows at the next bound would take over %d%% of the free "
             "memory; longer decode batches run eagerly",
-            limit, max_positions, settings.max_bs, round(100 * GRAPH_MEMORY_SHARE),
+            limit, max_positions, steps[0][0], round(100 * STEP_MEMORY_SHARE),
         )  # fmt: skip
     return limit
 
 
 def _graph_pool_estimate(
-    settings: GraphSettings | None,
+    steps: list[Step],
     model: ModelConfig,
     itemsize: int,
-    width: int,
-    max_positions: int,
+    kv_bound: int | None,
     tensor_parallel_size: int,
 ) -> int:
-    """The graph pool the fit check budgets: the largest captured step, the captures'
+    """The graph pool the fit check budgets: the largest graphed step of ``steps`` (at
+    ``kv_bound`` where the attention's graphs grow with the bound, else None), the captures'
     workspaces and the pool's small-block segments (0 without graphs)."""
-    if settings is None:
+    if not steps:
         return 0
-    kv_bound = max_positions if settings.kv_bounded else None
-    step = graph_pool_bytes(
-        model,
-        itemsize,
-        settings.max_bs,
-        width,
-        kv_bound,
-        tensor_parallel_size,
-        settings.draft_logits(model),
+    step = max(
+        graph_pool_bytes(
+            model, itemsize, bs, s.width, kv_bound, tensor_parallel_size, s.draft_logits
+        )
+        for bs, s in steps
     )
     return step + CAPTURE_WORKSPACE_BYTES + SMALL_SEGMENTS_BYTES
 
@@ -359,28 +425,43 @@ def _pool_tokens(
 
 
 def _experts_bytes(
-    config: ServeConfig, model: ModelConfig, itemsize: int, width: int, tp: int
+    config: ServeConfig, model: ModelConfig, itemsize: int, steps: list[Step], tp: int
 ) -> int:
-    """A mixture of experts' grouped path (``moe/memory.py``) at the larger eager step: an
-    EXTEND chunk, or every running row's verified tokens; 0 for a dense model."""
+    """A mixture of experts' grouped path (``moe/memory.py``) at the largest eager step: an
+    EXTEND chunk, or a decode step of ``steps`` at its most rows; 0 for a dense model."""
     if model.moe is None:
         return 0
-    tokens = max(config.chunked_prefill_tokens, config.max_running * width)
+    tokens = max(config.chunked_prefill_tokens, *(rows * step.width for rows, step in steps))
     inter = model.moe.intermediate_size // tp
     return grouped_bytes(tokens, model.moe.top_k, model.hidden_size, inter, itemsize)
 
 
 def _activation_bytes(
-    config: ServeConfig, model: ModelConfig, graph_estimate: int, experts: int
+    config: ServeConfig,
+    model: ModelConfig,
+    itemsize: int,
+    steps: list[Step],
+    tp: int,
+    graph_estimate: int,
 ) -> int:
     """Device memory kept out of the KV pool for the steps: the CUDA graph pool, plus the
     working set of the eager steps, which cannot use it. Every graph's step first runs
     eagerly before its capture, so the eager share is at least the largest graphed step;
-    otherwise a rough allowance (EXTEND chunks, decode batches past the graphs: logits and
-    sampling of every running row) and the ``experts``' grouped path."""
+    otherwise a rough allowance (EXTEND chunks, plain decode batches past the graphs: logits
+    and sampling of every running row) or the widest drafting step of ``steps`` at its most
+    rows, whichever is larger, plus a mixture of experts' grouped path."""
     # NOTE: without the eager share, the warm-up run before the largest capture ran out of
     # memory on an H100 (Llama-3.1-8B, torch attention, 64 rows, KV bound 8208).
-    eager = 512 * MIB + config.max_running * model.vocab_size * 4 * 4 + experts
+    drafting = max(
+        (
+            graph_pool_bytes(model, itemsize, rows, step.width, None, tp, step.draft_logits)
+            for rows, step in steps
+            if step.width > 1
+        ),
+        default=0,
+    )
+    eager = max(512 * MIB + config.max_running * model.vocab_size * 4 * 4, drafting)
+    eager += _experts_bytes(config, model, itemsize, steps, tp)
     return max(eager, graph_estimate) + graph_estimate
 
 

@@ -12,6 +12,7 @@ counts that scaling comes from.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,7 +47,9 @@ class BreakEven:
     value on the line between theirs (past either end, the end's), ``sampled`` when any row
     samples. Where the engine cuts its steps short, ``cut_greedy[j]`` and ``cut_sampled[j]``
     are the same for a step of ``cut_drafts[j]`` drafts (``StepShape.cuts``, below the
-    engine's own)."""
+    engine's own). ``max_rows``: the most rows a step of the engine's drafts, then of each of
+    ``cut_drafts``, takes (``SchedulerLimits.drafting_rows``; empty: every batch); a larger
+    batch never pays there, and a size past it is not timed (its value infinite)."""
 
     sizes: tuple[int, ...]
     greedy: tuple[float, ...]
@@ -56,6 +59,7 @@ class BreakEven:
     cut_drafts: tuple[int, ...] = ()
     cut_greedy: tuple[tuple[float, ...], ...] = ()
     cut_sampled: tuple[tuple[float, ...], ...] = ()
+    max_rows: tuple[int, ...] = ()
 
     @classmethod
     def fixed(cls, tau: float) -> BreakEven:
@@ -63,13 +67,23 @@ class BreakEven:
 
     def at(self, bs: int, all_greedy: bool, drafts: int | None = None) -> float:
         """At a batch of ``bs``, for a step cut to ``drafts`` where it is measured cut
-        (``cut_drafts``), else (None, or the engine's own) for the engine's shape."""
+        (``cut_drafts``), else (None, or the engine's own) for the engine's shape; infinite
+        past the step's ``max_rows``."""
+        if not self.fits(bs, drafts):
+            return math.inf
         if drafts in self.cut_drafts:
             j = self.cut_drafts.index(drafts)
             values = (self.cut_greedy if all_greedy else self.cut_sampled)[j]
         else:
             values = self.greedy if all_greedy else self.sampled
         return between(self.sizes, values, bs)
+
+    def fits(self, bs: int, drafts: int | None = None) -> bool:
+        """Whether a step of ``drafts`` (as ``at``) takes a batch of ``bs`` rows."""
+        if not self.max_rows:
+            return True
+        j = self.cut_drafts.index(drafts) + 1 if drafts in self.cut_drafts else 0
+        return bs <= self.max_rows[j]
 
 
 @dataclass
@@ -146,13 +160,16 @@ class Sizes:
 
 def between(sizes: tuple[int, ...], values: tuple[float, ...], bs: int) -> float:
     """``values`` measured at ``sizes`` (ascending), read at ``bs`` on the line between the
-    two sizes around it; past either end, the end's value."""
+    two sizes around it; past either end, the end's value. A line to an infinite value (a
+    size not timed) is infinite but at its finite end."""
     i = bisect.bisect_right(sizes, bs)
     if i == 0:
         return values[0]
     if i == len(sizes):
         return values[-1]
     low, high = sizes[i - 1], sizes[i]
+    if bs == low:
+        return values[i - 1]
     return values[i - 1] + (values[i] - values[i - 1]) * (bs - low) / (high - low)
 
 

@@ -20,7 +20,9 @@ capped lower, ``Request.max_drafts``, counts at its cap), a tree's from what its
 would have accepted cut to ``d`` nodes (``Sizes``, from each step's path ranks). A step cut
 short counts back at the engine's shape by the same share, so every estimate below is at the
 engine's shape. Probes draft the whole shape (every position and size measured); a kind
-drafting cut short measures the rest only then.
+drafting cut short measures the rest only then. A width whose step takes fewer rows than the
+batch has (``BreakEven.max_rows``: the memory plan's) is never chosen, nor probed: the probe
+drafts the widest width the batch fits.
 
 Estimates, all updated from the commit counts the host sees (outputs.py), per kind of request
 (``kind_of``: greedy, or a temperature band; acceptance differs several-fold between them):
@@ -82,6 +84,7 @@ drafts.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -180,10 +183,11 @@ PROBE_CAP_RANGE = (64, 1024)
 
 def probe_cap(break_even: BreakEven) -> int:
     """Plain steps between probes at most: a probe at low acceptance costs its cycle's excess
-    over the one token it commits, ``break_even - 1`` plain steps (the dearest sampled size),
-    and the catch-up before it (``resume``); once every this many plain steps it takes
+    over the one token it commits, ``break_even - 1`` plain steps (the dearest sampled size
+    timed), and the catch-up before it (``resume``); once every this many plain steps it takes
     ``PROBE_SHARE`` of the time, within ``PROBE_CAP_RANGE``."""
-    cost = max(break_even.sampled) - 1.0 + break_even.resume
+    dearest = max((v for v in break_even.sampled if v < math.inf), default=1.0)
+    cost = dearest - 1.0 + break_even.resume
     low, high = PROBE_CAP_RANGE
     return min(max(round(cost / PROBE_SHARE), low), high)
 
@@ -318,10 +322,11 @@ class AdaptiveDrafting:
             self._demote(req, len(rows))
         if all(req.fed is False for req in rows):
             return 1
-        if self.plain_run >= self.probe_every:  # a probe: the whole chain, every position
+        probe = next((w for w in self.widths if break_even.fits(len(rows), w - 1)), 1)
+        if self.plain_run >= self.probe_every and probe > 1:  # the widest step the batch takes
             self.plain_run = 0
             self.probe_every = min(2 * self.probe_every, self.max_probe_every)
-            return self.widths[0]
+            return probe
         self.plain_run += 1
         return 1
 

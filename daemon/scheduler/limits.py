@@ -29,3 +29,7 @@ class SchedulerLimits:
     # The engine's chain may be cut (its worker's ``cut_steps``): a drafting batch whose rows
     # all cap their drafts lower runs the chain cut to the largest cap (planner.py).
     shorter_chains: bool = False
+    # (width, the most rows a decode step of it takes) of each width the engine drafts at,
+    # widest first (engine/memory_plan.py): a larger batch drafts at a narrower one of them
+    # or takes a plain step (planner.py). None listed: every width takes every running row.
+    drafting_rows: tuple[tuple[int, int], ...] = ()

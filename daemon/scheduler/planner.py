@@ -19,7 +19,9 @@ drafting policy's choice on a speculative engine, drafting.py; every step withou
 speculation) has width 1 and commits exactly one token a row: it adds 1 and pages cover 1.
 A drafting batch of a chain whose rows all cap their drafts (``Request.max_drafts``) below the
 engine's depth runs the chain cut to the largest cap (``SchedulerLimits.shorter_chains``):
-drafts no row may commit are neither drafted nor verified.
+drafts no row may commit are neither drafted nor verified. A batch takes a drafting width only
+up to the rows the memory plan gives it (``SchedulerLimits.drafting_rows``): a larger one
+drafts at the widest width whose rows it fits, or takes a plain step, whatever the policy chose.
 
 A row that draws under a grammar (daemon/grammar/) needs the state its committed tokens
 reach. Where ``SchedulerLimits.late_masks`` says (one rank) a decode batch takes it even with
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from outrider.daemon.engine.memory_plan import rows_at
 from outrider.daemon.engine.plan import SlotParams, StepPlan
 from outrider.daemon.grammar.state import RowGrammars, pack_masks
 from outrider.daemon.scheduler.admission import Admission
@@ -232,7 +235,7 @@ class Planner:
             and any(r.max_drafts != 0 for r in pool)  # not all turned speculation off
             and (grammar_drafts or not constrained)
         )
-        policy_width = self.policy.width(pool) if may_draft else 1
+        policy_width = self._fitting(self.policy.width(pool), len(pool)) if may_draft else 1
         drafting = policy_width > 1
         candidates = pool if drafting or not late else ready
         if not candidates:
@@ -279,6 +282,14 @@ class Planner:
             masks=masks,
         )
         return Planned(plan, rows, max_commit, grammar)
+
+    def _fitting(self, width: int, rows: int) -> int:
+        """``width`` where a step of it takes ``rows`` rows, else the widest drafting width
+        below it that does, else 1 (the memory plan's bound on a step's working set)."""
+        limits = self.limits
+        if width == 1 or rows <= rows_at(limits.drafting_rows, width, limits.max_running):
+            return width
+        return next((w for w, most in limits.drafting_rows if w < width and rows <= most), 1)
 
     def _drafting_shape(self, rows: list[Request], width: int) -> StepShape:
         """The shape of ``width`` the policy chose, cut to the largest draft cap of ``rows``
