@@ -70,10 +70,13 @@ def _mean(policy: AdaptiveDrafting, kind: int) -> tuple[float, int]:
 def test_break_even_is_read_between_the_measured_sizes_and_by_the_batch_kind() -> None:
     break_even = BreakEven((1, 4, 16), (2.0, 2.5, 3.5), (3.0, 3.5, 4.5))
     sizes = (1, 3, 4, 15, 16, 64)
-    greedy = [2.0, 2.0 + 0.5 * 2 / 3, 2.5, 2.5 + 11 / 12, 3.5, 3.5]
+    # Past the last size the line through the last two goes on: 1 / 12 a row more.
+    greedy = [2.0, 2.0 + 0.5 * 2 / 3, 2.5, 2.5 + 11 / 12, 3.5, 3.5 + 48 / 12]
     assert [break_even.at(bs, True) for bs in sizes] == pytest.approx(greedy)
     assert [break_even.at(bs, False) for bs in sizes] == pytest.approx([g + 1 for g in greedy])
     assert BreakEven.fixed(1.7).at(9, True) == BreakEven.fixed(1.7).at(9, False) == 1.7
+    # A line that falls at its end is not followed down: the last value.
+    assert BreakEven((1, 4), (2.0, 1.8), (2.0, 1.8)).at(64, True) == 1.8
 
 
 def test_kinds_are_greedy_and_temperature_bands() -> None:
@@ -621,10 +624,11 @@ def test_the_policy_stops_drafting_where_acceptance_does_not_pay(
 def test_the_break_even_is_measured_at_start_by_default(
     speculative_dirs: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Greedy and sampled, at a prompt of 116 tokens: the tiny target's context of 256 less
-    the timing's own tokens (DFlash block 4, cut to 2 and 1 drafts too: (4 modes x (4 + 2)
-    + 3 resumes x 3) turns x 4) and two steps' span; the resume's cost where plain steps defer
-    the catch-up (not n-gram's, which has no draft to catch up), and the unfed plain step's."""
+    """Greedy and sampled, at a prompt of 170 tokens: the tiny target's context of 256 less
+    the timing's own tokens (DFlash block 4, cut to 2 and 1 drafts too: 4 + 2 turns a mode
+    committing 4, 3, 2 and 1 tokens at most, then 3 resumes of 2 plain turns and one of 4)
+    and two steps' span; the resume's cost where plain steps defer the catch-up (not n-gram's,
+    which has no draft to catch up), and the unfed plain step's."""
     with caplog.at_level(logging.INFO, "outrider.engine"):
         engine = engine_for(
             speculative_dirs["target"],
@@ -637,7 +641,7 @@ def test_the_break_even_is_measured_at_start_by_default(
     assert break_even.sizes == (1, 4)
     for taus in (break_even.greedy, break_even.sampled):
         assert len(taus) == 2 and all(tau >= 1.0 for tau in taus)
-    assert "batch 1, 4, 116-token prompts" in caplog.text
+    assert "batch 1, 4, 170-token prompts" in caplog.text
     assert break_even.resume >= 0.0 and "resuming it after plain steps costs" in caplog.text
     assert break_even.unfed >= 1.0 and "a plain step costs" in caplog.text
     assert break_even.cut_drafts == (2, 1) and len(break_even.cut_greedy) == 2

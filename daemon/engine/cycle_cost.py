@@ -23,7 +23,9 @@ length.
 - Every row's prompt is ``PROMPT`` tokens, about a chat turn's context, so that the draft's
   catch-up and the verify read a serving-sized context (shorter where the context length
   leaves no room). The rows share all but their last token through the prefix cache; sizes
-  whose rows the pool could not hold without retracting are skipped.
+  whose rows the pool could not hold without retracting are skipped (a row holds what each
+  mode's turns may commit at most), and a batch past the largest size timed reads the line
+  through the last two sizes on (scheduler/acceptance.py's ``between``).
 - The prompts are random tokens (``timing_prompts``), each row's last one its own, so that
   greedy rows generate different tokens and a mixture of experts routes the timed steps'
   tokens as it routes text: a verify of ``N`` tokens a row reaches up to ``N * top_k`` experts
@@ -84,11 +86,12 @@ def measure_break_even(
     prefix cache holding the timing's prompt)."""
     started = time.perf_counter()
     limits, page_size = loop.scheduler.planner.limits, loop.scheduler.pages.page_size
-    # Per mode (each width, plain): one turn that runs the mode before's step in flight, then
-    # the timed turns; then the resumes, each after its plain turns.
-    modes = len(widths) + 1
-    turns = modes * (_timed_turns(loop) + 2) + RESUMES * (PLAIN_BEFORE_RESUME + 1)
-    new_tokens = turns * shape.max_commit
+    # What a row may commit: per mode (each width, then plain) one turn that runs the mode
+    # before's step in flight, the timed turns and one more, each up to its width's commit;
+    # then the resumes, each after its plain turns.
+    turns = _timed_turns(loop) + 2
+    new_tokens = sum(turns * shape.cut(width).max_commit for width in (*widths, 1))
+    new_tokens += RESUMES * (PLAIN_BEFORE_RESUME + shape.cut(widths[0]).max_commit)
     step_room = 2 * shape.kv_span
     length = max(min(PROMPT, limits.context_length - new_tokens - step_room), 1)
     # A row's own pages: the generated tokens, the step's span, the prefix hit's margin pages

@@ -44,12 +44,12 @@ def kind_name(kind: int) -> str:
 class BreakEven:
     """The acceptance length at which a cycle pays, by batch size and kind: ``greedy[i]`` and
     ``sampled[i]`` measured at ``sizes[i]`` (ascending); a batch between two sizes takes the
-    value on the line between theirs (past either end, the end's), ``sampled`` when any row
-    samples. Where the engine cuts its steps short, ``cut_greedy[j]`` and ``cut_sampled[j]``
-    are the same for a step of ``cut_drafts[j]`` drafts (``StepShape.cuts``, below the
-    engine's own). ``max_rows``: the most rows a step of the engine's drafts, then of each of
-    ``cut_drafts``, takes (``SchedulerLimits.drafting_rows``; empty: every batch); a larger
-    batch never pays there, and a size past it is not timed (its value infinite)."""
+    value on the line between theirs (``between``), ``sampled`` when any row samples. Where
+    the engine cuts its steps short, ``cut_greedy[j]`` and ``cut_sampled[j]`` are the same for
+    a step of ``cut_drafts[j]`` drafts (``StepShape.cuts``, below the engine's own).
+    ``max_rows``: the most rows a step of the engine's drafts, then of each of ``cut_drafts``,
+    takes (``SchedulerLimits.drafting_rows``; empty: every batch); a larger batch never pays
+    there, and a size past it is not timed (its value infinite)."""
 
     sizes: tuple[int, ...]
     greedy: tuple[float, ...]
@@ -160,13 +160,18 @@ class Sizes:
 
 def between(sizes: tuple[int, ...], values: tuple[float, ...], bs: int) -> float:
     """``values`` measured at ``sizes`` (ascending), read at ``bs`` on the line between the
-    two sizes around it; past either end, the end's value. A line to an infinite value (a
-    size not timed) is infinite but at its finite end."""
+    two sizes around it. Below the first size, the first value; past the last, the line
+    through the last two goes on where it rises (a cycle costs more plain steps the larger its
+    batch: the last value would draft where drafting loses), else the last value. A line to an
+    infinite value (a size not timed) is infinite but at its finite end."""
     i = bisect.bisect_right(sizes, bs)
     if i == 0:
         return values[0]
     if i == len(sizes):
-        return values[-1]
+        if len(sizes) < 2 or values[-1] == math.inf or bs == sizes[-1]:
+            return values[-1]
+        rise = (values[-1] - values[-2]) / (sizes[-1] - sizes[-2])
+        return values[-1] + max(rise, 0.0) * (bs - sizes[-1])
     low, high = sizes[i - 1], sizes[i]
     if bs == low:
         return values[i - 1]
