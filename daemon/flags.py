@@ -116,6 +116,11 @@ _HELP: dict[str, str] = {
         "that drafted in the step before sits out one prompt batch; the torch attention "
         "backend pads every row to the longest chunk)"
     ),
+    "max_prompt_run": (
+        "at most N prompt (EXTEND) batches in a row while requests are decoding, then a decode "
+        "batch first, so that a decoding request waits behind N prompt batches at most (the "
+        "same tokens); 0: prompts always first"
+    ),
     "disable_cuda_graph": "run every decode batch eagerly (CUDA graphs are on by default)",
     "cuda_graph_max_bs": "the largest decode batch replayed from a CUDA graph (larger: eager)",
     "chunked_prefill_tokens": (
@@ -368,6 +373,8 @@ def validate(config: ServeConfig) -> list[str]:
     problems += placement_problems(config)
     if config.cuda_graph_max_bs < 1:
         problems.append("--cuda-graph-max-bs must be at least 1")
+    if config.max_prompt_run < 0:
+        problems.append("--max-prompt-run must be at least 0")
     if config.chunked_prefill_tokens < config.page_size:
         problems.append("--chunked-prefill-tokens must be at least --page-size")
     if not 0.0 < config.gpu_memory_fraction <= 1.0:

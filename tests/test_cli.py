@@ -133,6 +133,16 @@ def test_threads_leave_a_core_to_the_children_unless_given() -> None:
         resolve(parser.parse_args(["--model", "/m", "--threads", "-1"]), environ={})
 
 
+def test_the_longest_prompt_run_is_a_count_from_zero() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert resolve(parser.parse_args(["--model", "/m"]), environ={}).max_prompt_run == 0
+    given = resolve(parser.parse_args(["--model", "/m", "--max-prompt-run", "2"]), environ={})
+    assert given.max_prompt_run == 2
+    with pytest.raises(ConfigError, match="--max-prompt-run must be at least 0"):
+        resolve(parser.parse_args(["--model", "/m", "--max-prompt-run", "-1"]), environ={})
+
+
 @pytest.mark.parametrize(
     "listen", ["TCP://0.0.0.0:5555", "Ipc:///tmp/x.sock", "inproc://x", "ws://127.0.0.1:1", "/x"]
 )

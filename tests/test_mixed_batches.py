@@ -103,6 +103,22 @@ def test_decoding_rows_ride_prompt_chunks_and_the_outputs_do_not_change(
     assert len(mixed_plans) < len(apart_plans)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_decode_batches_between_prompt_batches_keep_the_outputs(
+    llama_dir: str, overlap: bool
+) -> None:
+    """``--max-prompt-run 1``: while requests decode, every prompt batch is followed by a decode
+    batch where one can run; the outputs are those of prompts first."""
+    settings = {"chunked_prefill_tokens": 24, "page_size": 4, "no_overlap": not overlap}
+    first, first_plans = served(engine_for(llama_dir, **settings), workload())
+    between, plans = served(engine_for(llama_dir, max_prompt_run=1, **settings), workload())
+    assert_same(between, first)
+    kinds, first_kinds = ("".join(p.kind[0] for p in ps) for ps in (plans, first_plans))
+    # Once a request decodes, never two prompt batches in a row; prompts first ran several.
+    assert "ee" not in kinds[kinds.index("d") :]
+    assert "eee" in first_kinds[first_kinds.index("d") :]
+
+
 def test_a_row_that_adjusts_its_logits_keeps_to_decode_batches(llama_dir: str) -> None:
     """A row with a penalty waits for a decode batch while its neighbours ride, and every
     row's tokens are those it gets with the batches apart (grammar rows are held out by the
@@ -144,6 +160,23 @@ def _draft_settings(speculative_dirs: dict[str, str], algorithm: str) -> dict[st
     if name in speculative_dirs:
         settings["draft_model"] = speculative_dirs[name]
     return settings
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3 chain", "dflash"])
+def test_speculative_decode_batches_between_prompt_batches_keep_the_target_tokens(
+    speculative_dirs: dict[str, str], target_only: dict[int, Any], algorithm: str
+) -> None:
+    """``--max-prompt-run 1`` under speculation and the overlap loop: drafting and plain decode
+    batches between the prompt batches, the target-only engine's tokens and finishes."""
+    settings = {"chunked_prefill_tokens": 24, "page_size": 4, "max_prompt_run": 1}
+    engine = engine_for(
+        speculative_dirs["target"], **settings, **_draft_settings(speculative_dirs, algorithm)
+    )
+    engine.scheduler.use_policy(AlternateDrafting((engine.loop.runner.shape.width,)))
+    between, plans = served(engine, workload())
+    assert {rid: b[:3] for rid, b in between.items()} == {r: e[:3] for r, e in target_only.items()}
+    kinds = "".join(p.kind[0] for p in plans)
+    assert "ee" not in kinds[kinds.index("d") :] and any(p.drafting for p in plans)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])

@@ -38,12 +38,14 @@ def make(
     retract_every: int = 0,
     mixed: bool = False,
     drafting_rows: tuple[tuple[int, int], ...] = (),
+    prompt_run: int = 0,
 ) -> Scheduler:
     """A scheduler over ``pages`` usable pages of ``PAGE`` tokens (``mixed``: decoding rows
-    ride prompt batches; ``drafting_rows``: ``SchedulerLimits.drafting_rows``)."""
+    ride prompt batches; ``drafting_rows``, ``prompt_run``: ``SchedulerLimits``'
+    ``drafting_rows`` and ``max_prompt_run``)."""
     limits = SchedulerLimits(
         running, MAX_PAGES, chunk, 32, prefix_margin_pages=margin, mixed_batches=mixed,
-        drafting_rows=drafting_rows,
+        drafting_rows=drafting_rows, max_prompt_run=prompt_run,
     )  # fmt: skip
     finish = FinishChecker(frozenset({EOS}), 32, None)
     drill = RetractDrill(retract_every) if retract_every else None
@@ -161,6 +163,25 @@ def test_chunked_prefill_shares_the_token_budget() -> None:
     p = step(s, [40])
     assert rows(p) == ("extend", [1], [6], [3]) and p.plan.next_ids == [0]
     assert rows(step(s, [21], [41])) == ("decode", [0, 1], [10, 9], [1, 1])
+
+
+@pytest.mark.parametrize(("prompt_run", "kinds"), [(0, "eeeeedd"), (2, "eedeede"), (1, "ededede")])
+def test_a_decode_batch_goes_first_after_the_longest_prompt_run(
+    prompt_run: int, kinds: str
+) -> None:
+    """A 20-token prompt in chunks of 4 arrives while a request decodes: its five prompt
+    batches run back to back, or ``max_prompt_run`` at a time with a decode batch between."""
+    s = make(chunk=4, prompt_run=prompt_run)
+    s.add(request(1, ids(10, 3), max_new=16))
+    step(s, [20])
+    s.add(request(2, ids(30, 20)))
+    launched = ""
+    for _ in range(7):
+        p = planned(s)
+        s.process(p, out(*([50 + i] for i in range(len(p.plan.sample_rows)))))
+        s.check_integrity()
+        launched += p.plan.kind[0]
+    assert launched == kinds
 
 
 def test_decoding_rows_ride_prompt_chunks_within_the_token_budget() -> None:

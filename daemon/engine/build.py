@@ -139,6 +139,7 @@ def build_engine(
                 grammar_drafts=one_rank,
                 late_masks=one_rank,
                 mixed_batches=config.mixed_batches,
+                max_prompt_run=config.max_prompt_run,
                 shorter_chains=cuts_steps(shape, runner.worker) and not shape.tree,
                 drafting_rows=tuple(
                     (width, plan.rows_at(width, config.max_running))

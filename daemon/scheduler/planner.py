@@ -1,6 +1,8 @@
 """Plans: extend batches (prompt chunks, prefix-hit remainders, re-admissions; rows of any
 length) and decode batches (every decoding row verifies the step's ``width`` tokens, its input
-read from the relay buffer). An extend batch goes first when there is extend work; where
+read from the relay buffer). An extend batch goes first when there is extend work, but after
+``SchedulerLimits.max_prompt_run`` extend batches in a row while requests decode (0: no limit)
+a decode batch goes first, so that a decoding row waits behind that many at most. Where
 ``SchedulerLimits.mixed_batches`` says, the decoding rows ride it, a token each within its
 token budget, so that decoding never stalls behind a prompt: their input is the relay's root,
 their positions the host's, and their token is sampled as a prompt's last. A rider is a plain
@@ -89,15 +91,25 @@ class Planner:
         self.pages = pages
         self.slots = slots
         self._plans = 0
+        self._prompt_run = 0  # extend plans in a row while requests decode
 
     def next_plan(self) -> Planned | None:
-        """The next batch: extend work first, else a decode batch; None when idle."""
+        """The next batch: extend work first, else a decode batch, but a decode batch first
+        after ``max_prompt_run`` extend batches in a row while requests decode; None when
+        idle."""
         self._plans += 1
         running = self.admission.running
         if self.drill is not None and self.drill.due(self._plans) and len(running) > 1:
             self.admission.retract(running[-1])
         delta = PageDelta()  # pages a rider grew go with the decode batch if no extend runs
-        return self._extend(delta) or self._decode(delta)
+        limit, decoding = self.limits.max_prompt_run, any(r.decoding for r in running)
+        if limit and self._prompt_run >= limit:
+            planned = self._decode(delta) or self._extend(delta)
+        else:
+            planned = self._extend(delta) or self._decode(delta)
+        waited = decoding and planned is not None and planned.plan.kind == "extend"
+        self._prompt_run = self._prompt_run + 1 if waited else 0
+        return planned
 
     # --- extend ------------------------------------------------------------------------
 
