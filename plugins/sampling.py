@@ -9,7 +9,10 @@ all), then the smallest set of most likely tokens whose mass reaches ``top_p`` (
 after those cuts and renormalisation; the most likely token is always kept), renormalise, and draw
 with an exponential race: ``argmax_i p_i / E_i`` with ``E_i = -log(U_i)`` i.i.d. Exp(1). The
 race winner is distributed exactly as ``p``; it is computed as ``log p_i - log E_i``, and the
-normalisation constant is dropped because it shifts every score of a row alike.
+normalisation constant is dropped because it shifts every score of a row alike. Every value is
+computed in id order; the vocabulary is sorted only where some sampled row of the batch cuts
+by top-k or top-p (``SamplingBatch.cuts``, known on the host), to find those cuts, so a row's
+result does not depend on whether its batch sorts.
 
 Randomness: ``U`` is a pure function of (request seed, output position, draw index, token id),
 so a request's draws do not depend on which rows share its batch, their order, overlap,
@@ -72,7 +75,8 @@ class SamplingBatch:
 
     ``all_greedy`` must be True only when every row has temperature 0 (it skips the random
     path); ``max_logprobs`` is the largest top-n any row asked for (0 = none); ``min_p`` None
-    when no row asks for one (the cut is skipped).
+    when no row asks for one (the cut is skipped); ``cuts`` False only when no sampled row cuts
+    by top-k or top-p (``SamplingSpec.cuts``: the sort that finds those cuts is skipped).
     """
 
     temperature: torch.Tensor  # [n] float32; 0 = greedy
@@ -82,6 +86,7 @@ class SamplingBatch:
     all_greedy: bool
     max_logprobs: int
     min_p: torch.Tensor | None = None  # [n] float32 in [0, 1]; 0 = no cut
+    cuts: bool = True
 
     @classmethod
     def from_specs(
@@ -101,6 +106,7 @@ class SamplingBatch:
             min_p=torch.tensor([s.min_p for s in specs], dtype=torch.float32, device=device)
             if any(s.min_p > 0 for s in specs)
             else None,
+            cuts=any(s.cuts for s in specs),
         )
 
 
@@ -167,7 +173,7 @@ def sample_probs(
 ) -> torch.Tensor:
     """One token per row drawn from ``probs`` [n, V] (rows summing to 1) by the exponential
     race over the counter-based uniforms of ``(seed, position, draw)``: [n] int64."""
-    return _race(torch.log(probs), None, _row_keys(seed, position, draw)).squeeze(-1)
+    return _race(torch.log(probs), _row_keys(seed, position, draw)).squeeze(-1)
 
 
 def _check_limits(logits: torch.Tensor, vocab_limit: int, max_logprobs: int = 0) -> None:
@@ -177,50 +183,52 @@ def _check_limits(logits: torch.Tensor, vocab_limit: int, max_logprobs: int = 0)
         raise ValueError(f"max_logprobs {max_logprobs} exceeds vocab_limit {vocab_limit}")
 
 
-def _filtered_sorted(
-    logits: torch.Tensor, batch: SamplingBatch
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampled-row rule in descending order: (tempered logits with cut tokens at -inf,
-    their token ids), both [n, V]. Greedy rows get temperature 1 (their result is discarded).
-    """
+def _filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The sampled-row rule in id order: tempered logits with the cut tokens at -inf, [n, V].
+    Greedy rows get temperature 1 (their result is discarded). Only where the batch cuts by
+    top-k or top-p (``batch.cuts``) is the vocabulary sorted, to find those cuts; every value
+    is computed in id order either way, so a row's result does not depend on whether another
+    row of its batch cuts."""
     # logits: [n, V]
     vocab = logits.shape[-1]
     temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
-    # Stable sort: equal logits keep id order, so top-k ties go to the lowest ids everywhere.
-    values, ids = torch.sort(
-        logits / temperature.unsqueeze(-1), dim=-1, descending=True, stable=True
-    )
+    values = logits / temperature.unsqueeze(-1)
     if batch.min_p is not None:
         # p_i < min_p * p_max, in log space; log(0) = -inf cuts nothing.
-        floor = values[:, :1] + torch.log(batch.min_p).unsqueeze(-1)  # [n, 1]
+        floor = values.amax(dim=-1, keepdim=True) + torch.log(batch.min_p).unsqueeze(-1)
         values = values.masked_fill(values < floor, float("-inf"))
+    if not batch.cuts:
+        return values
+    # Stable sort: equal logits keep id order, so top-k ties go to the lowest ids everywhere.
+    ordered, ids = torch.sort(values, dim=-1, descending=True, stable=True)
     top_k = torch.where(batch.top_k > 0, batch.top_k, vocab).unsqueeze(-1)  # [n, 1]
     rank = torch.arange(vocab, device=logits.device)
-    values = values.masked_fill(rank >= top_k, float("-inf"))
-    probs = torch.softmax(values, dim=-1)
+    ordered = ordered.masked_fill(rank >= top_k, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     # NOTE: a float32 cumsum can reach 1.0 before the tail; top_p == 1 must keep every token.
     top_p = torch.where(batch.top_p < 1.0, batch.top_p, float("inf")).unsqueeze(-1)  # [n, 1]
-    return values.masked_fill(mass_before >= top_p, float("-inf")), ids
+    cut_ranks = (rank >= top_k) | (mass_before >= top_p)
+    cut = torch.empty_like(cut_ranks).scatter_(-1, ids, cut_ranks)
+    return values.masked_fill(cut, float("-inf"))
 
 
-def _race(values: torch.Tensor, ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
-    """Exponential race: the index along the last dim of ``argmax(values - log E)``, [n, 1]
-    (ties to the first); on a GPU in one read of the row (race_kernel.py, the same winner)."""
-    # values: [n, V] log-weights (-inf = cut); ids: [n, V] token ids, None: the index is the
-    # id; keys: [n, 2]
+def _race(values: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Exponential race over rows in id order: the token id ``argmax(values - log E)``, [n, 1]
+    (ties to the lowest id); on a GPU in one read of the row (race_kernel.py, the same
+    winner)."""
+    # values: [n, V] log-weights (-inf = cut); keys: [n, 2]
     if values.is_cuda and not debug_knob("OUTRIDER_DEBUG_TORCH_KERNELS"):
         from outrider.plugins.race_kernel import race_fits, race_winners
 
-        if race_fits(values, ids):
-            return race_winners(values, ids, keys, MIXERS)
-    return _race_torch(values, ids, keys)
+        if race_fits(values):
+            return race_winners(values, keys, MIXERS)
+    return _race_torch(values, keys)
 
 
-def _race_torch(values: torch.Tensor, ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+def _race_torch(values: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``_race`` in torch's operations, on any device."""
-    if ids is None:
-        ids = torch.arange(values.shape[-1], dtype=torch.int64, device=values.device)
+    ids = torch.arange(values.shape[-1], dtype=torch.int64, device=values.device)
     log_e = torch.log(-torch.log(_uniform_at(keys, ids)))
     return torch.argmax(values - log_e, dim=-1, keepdim=True)
 
@@ -263,10 +271,8 @@ def sample(
     chosen = logits if choose_from is None else choose_from[:, :vocab_limit].float()
     tokens = _greedy(chosen)
     if not batch.all_greedy:
-        values, ids = _filtered_sorted(chosen, batch)
         keys = _row_keys(batch.seed, position, draw)
-        winner = _race(values, ids, keys)
-        sampled = ids.gather(-1, winner).squeeze(-1)
+        sampled = _race(_filtered(chosen, batch), keys).squeeze(-1)
         tokens = torch.where(batch.temperature > 0, sampled, tokens)
     return token_logprobs(logits, tokens, batch.max_logprobs, vocab_limit=vocab_limit)
 
@@ -307,6 +313,6 @@ def processed_probs(
     one_hot = torch.zeros_like(full).scatter_(-1, greedy_ids, 1.0)
     if batch.all_greedy:
         return one_hot
-    values, ids = _filtered_sorted(logits, batch)
-    probs = torch.zeros_like(full).scatter_(-1, ids, torch.softmax(values, dim=-1))
+    probs = torch.zeros_like(full)
+    probs[:, :vocab_limit] = torch.softmax(_filtered(logits, batch), dim=-1)
     return torch.where((batch.temperature > 0).unsqueeze(-1), probs, one_hot)

@@ -45,6 +45,12 @@ class SamplingSpec(Struct, array_like=True, frozen=True, gc=False):
             or self.repetition_penalty != 1.0
         )
 
+    @property
+    def cuts(self) -> bool:
+        """Whether a row of this spec cuts its vocabulary by top-k or top-p (a greedy row never
+        samples, so never cuts)."""
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
+
 
 class SamplingError(ValueError):
     """A sampling value outside its limits; the message starts with the field's name."""

@@ -191,8 +191,14 @@ def run(
 class EagerGraphs(DecodeGraphs):
     """Captures keep the recorded closure; replays run it; padding and replays are counted."""
 
-    def __init__(self, *args: int, kv_bounded: bool = True, widths: tuple[int, ...] = (1,)) -> None:
-        super().__init__(*args, kv_bounded=kv_bounded, widths=widths)
+    def __init__(
+        self,
+        *args: int,
+        kv_bounded: bool = True,
+        widths: tuple[int, ...] = (1,),
+        sampled_cuts: bool = False,
+    ) -> None:
+        super().__init__(*args, kv_bounded=kv_bounded, widths=widths, sampled_cuts=sampled_cuts)
         self.runs: dict[GraphKey, Callable[[], StepResults]] = {}
         self.padded_rows = 0
         self.replays = 0

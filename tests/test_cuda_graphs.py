@@ -13,6 +13,7 @@ import logging
 from functools import partial
 from pathlib import Path
 
+import msgspec
 import pytest
 from engine_harness import (
     DRAFT_ALGORITHMS,
@@ -116,14 +117,21 @@ def test_buckets_and_keys() -> None:
     plan = StepPlan("decode", [0, 1, 2, 3, 4, 5, 6, 7, 8], [5] * 9, [4] * 9, [], [], [], [], [],
                     [], max_logprobs=2, all_greedy=False)  # fmt: skip
     assert graphs.key(plan, 70) == GraphKey(
-        12, max_kv=128, all_greedy=False, max_logprobs=20, width=4
+        12, max_kv=128, all_greedy=False, max_logprobs=20, width=4, cuts=True
     )
     assert graphs.key(plan, 20) == GraphKey(
-        12, max_kv=64, all_greedy=False, max_logprobs=20, width=4
+        12, max_kv=64, all_greedy=False, max_logprobs=20, width=4, cuts=True
     )
     assert graphs.key(plan, 290).max_kv == 300  # type: ignore[union-attr]  # the cap
+    # Sampled rows that cut nothing take their own variant; greedy ones never sort.
+    uncut = msgspec.structs.replace(plan, cuts=False)
+    assert graphs.key(uncut, 70) == dataclasses.replace(graphs.key(plan, 70), cuts=False)  # type: ignore[arg-type]
+    greedy = msgspec.structs.replace(plan, all_greedy=True)
+    assert graphs.key(greedy, 70).cuts is False  # type: ignore[union-attr]
+    padded = graphs.pad(uncut, GraphKey(12, 128, False, 20, width=4, cuts=True))
+    assert padded.cuts  # the key's variant
     padded = graphs.pad(plan, GraphKey(12, 128, False, 20, width=4))
-    assert padded.slots == [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 12, 12]
+    assert padded.slots == [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 12, 12] and not padded.cuts
     assert (padded.starts[9:], padded.q_lens[9:], padded.sample_rows) == (
         [0, 0, 0], [4, 4, 4], list(range(12)),
     )  # fmt: skip
@@ -507,18 +515,30 @@ def test_start_captures_cover_the_served_batches(
     speculative_dirs: dict[str, str], algorithm: str
 ) -> None:
     """With every start key captured, batches of 3 and 5 capture nothing new (on CPU, eager
-    "graphs" through the runner's own capture path)."""
-    graphed = engine(speculative_dirs, algorithm)
-    runner = graphed.loop.runner
-    widths = (runner.shape.width,)  # the engine drafts every decode batch (engine_for)
-    graphs = EagerGraphs(MAX_RUNNING, 272, 20, runner.slots.scratch_slot, widths=widths)
-    runner.graphs = graphs
-    graphs.capture_all(partial(runner.graph_steps.capture, graphs=graphs), graph_plan(0))
-    assert list(graphs.runs) == graphs.start_keys()
-    assert len(graphs.runs) == 9 * 4 * 2  # buckets 1 .. 8, 12 x KV 64, 128, 256, 272 x 2
-    serve_batches_of_3_and_5(graphed)
-    assert list(graphs.runs) == graphs.start_keys()
-    assert graphs.replays >= 5  # every decode batch replayed
+    "graphs" through the runner's own capture path); where the sampled graphs captured at
+    start cut nothing, the sampled batch (top-p 0.9) captures its cutting variant on first
+    use, and nothing else."""
+    for sampled_cuts in (True, False):
+        graphed = engine(speculative_dirs, algorithm)
+        runner = graphed.loop.runner
+        widths = (runner.shape.width,)  # the engine drafts every decode batch (engine_for)
+        graphs = EagerGraphs(
+            MAX_RUNNING, 272, 20, runner.slots.scratch_slot, widths=widths,
+            sampled_cuts=sampled_cuts,
+        )  # fmt: skip
+        runner.graphs = graphs
+        graphs.capture_all(partial(runner.graph_steps.capture, graphs=graphs), graph_plan(0))
+        start = graphs.start_keys()
+        assert list(graphs.runs) == start
+        assert len(graphs.runs) == 9 * 4 * 2  # buckets 1 .. 8, 12 x KV 64, 128, 256, 272 x 2
+        assert {k.cuts for k in start if not k.all_greedy} == {sampled_cuts}
+        serve_batches_of_3_and_5(graphed)
+        new = [key for key in graphs.runs if key not in start]
+        assert graphs.replays >= 5  # every decode batch replayed
+        if sampled_cuts:
+            assert new == []
+        else:
+            assert new and all(k.cuts and not k.all_greedy for k in new)
 
 
 @pytest.mark.gpu

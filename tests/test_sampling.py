@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -37,13 +38,15 @@ def make_batch(
     device: str = "cpu",
 ) -> SamplingBatch:
     n = len(temperature)
+    top_p, top_k = top_p or [1.0] * n, top_k or [0] * n
     return SamplingBatch(
         temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-        top_p=torch.tensor(top_p or [1.0] * n, dtype=torch.float32, device=device),
-        top_k=torch.tensor(top_k or [0] * n, dtype=torch.int64, device=device),
+        top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
         seed=torch.tensor(seed or [0] * n, dtype=torch.int64, device=device),
         all_greedy=all(t == 0 for t in temperature),
         max_logprobs=max_logprobs,
+        cuts=any(SamplingSpec(*row).cuts for row in zip(temperature, top_p, top_k, strict=True)),
     )
 
 
@@ -194,6 +197,39 @@ def test_draws_do_not_depend_on_batch_composition() -> None:
     assert run([2, 0, 4, 1, 3], extra=17) == expected
     assert run([1], extra=3) == {1: expected[1]}
     assert run([4, 2], extra=0) == {i: expected[i] for i in (4, 2)}
+    # A batch of rows that cut nothing skips the sort (SamplingBatch.cuts) with the same draws.
+    assert run([0, 3], extra=5) == {i: expected[i] for i in (0, 3)}
+
+
+def test_rows_that_cut_nothing_skip_the_sort_with_the_same_results(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch where no sampled row cuts by top-k or top-p (``SamplingBatch.cuts`` False)
+    sorts nothing, and its rows get the tokens and probabilities they get, bit for bit, in a
+    batch whose other rows cut (every value is computed in id order either way)."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 1000) * 2
+    temperature = [1.0, 0.7, 0.0, 1.3, 0.9, 0.5]
+    top_p, top_k = [1.0, 1.0, 1.0, 1.0, 0.9, 1.0], [0, 0, 0, 0, 0, 20]
+    seed, position = list(range(40, 46)), torch.arange(6) * 3
+    cutting = make_batch(temperature, top_p, top_k, seed)
+    plain = make_batch(temperature[:4], top_p[:4], top_k[:4], seed[:4])
+    assert cutting.cuts and not plain.cuts
+    expected = sample(logits, cutting, position, vocab_limit=1000).tokens
+    expected_probs = processed_probs(logits, cutting, vocab_limit=1000)
+    sorts: list[int] = []
+    torch_sort = torch.sort
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        sorts.append(1)
+        return torch_sort(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", counted)
+    tokens = sample(logits[:4], plain, position[:4], vocab_limit=1000).tokens
+    probs = processed_probs(logits[:4], plain, vocab_limit=1000)
+    assert sorts == []
+    assert torch.equal(tokens, expected[:4])
+    assert torch.equal(probs, expected_probs[:4])
 
 
 def test_different_positions_seeds_and_draws_differ() -> None:

@@ -184,6 +184,26 @@ def test_a_decode_batch_goes_first_after_the_longest_prompt_run(
     assert launched == kinds
 
 
+@pytest.mark.parametrize(
+    ("sampling", "cuts"),
+    [
+        (SamplingSpec(), False),
+        (SamplingSpec(0.0, top_p=0.5, top_k=3), False),  # greedy: never sorts
+        (SamplingSpec(0.8), False),
+        (SamplingSpec(0.8, top_p=0.9), True),
+        (SamplingSpec(0.8, top_k=40), True),
+    ],
+)
+def test_a_plan_cuts_where_a_sampled_row_cuts(sampling: SamplingSpec, cuts: bool) -> None:
+    """``StepPlan.cuts``: a sampled row of the batch cuts by top-k or top-p (the step sorts
+    its rows' vocabularies only then), in the prompt batch and the decode batch alike."""
+    s = make()
+    s.add(msgspec.structs.replace(request(1, ids(10, 5)), sampling=sampling))
+    s.add(request(2, ids(30, 5)))  # greedy beside it
+    assert step(s, [20], [40]).plan.cuts == cuts
+    assert step(s, [21], [41]).plan.cuts == cuts
+
+
 def test_decoding_rows_ride_prompt_chunks_within_the_token_budget() -> None:
     """With mixed batches, a decoding row rides each prompt batch: one token (a placeholder
     for the relay's root) at its exact position, sampled at its next output index, taking a

@@ -179,9 +179,8 @@ def test_kernels_on_cpu_tensors_launch_without_pdl() -> None:
 
 def test_the_race_kernel_is_torch_race() -> None:
     """The fused race (``plugins/race_kernel.py``) against torch's operations
-    (``sampling._race_torch``): the same winning place in every row, with the ids a row's
-    places hold (a sorted row's) and without (the place is the id), across several chunks and
-    a partial last one, read through a row stride wider than the vocabulary, with cut tokens
+    (``sampling._race_torch``): the same winning id in every row, across several chunks and a
+    partial last one, read through a row stride wider than the vocabulary, with cut tokens
     (-inf) and a row where one token alone is left."""
     from outrider.plugins import race_kernel, sampling
 
@@ -192,17 +191,15 @@ def test_the_race_kernel_is_torch_race() -> None:
     values[1, :4000] = float("-inf")  # the winner in the partial last chunk's neighbourhood
     values[2, :] = float("-inf")
     values[2, 4321] = 0.0  # one token left
-    ids = torch.argsort(torch.rand(rows, vocab, generator=gen, device=DEVICE), dim=-1)
     seeds = torch.arange(rows, device=DEVICE) * 7919
     keys = sampling._row_keys(seeds, torch.arange(rows, device=DEVICE), 3)
-    for row_ids in (ids, None):
-        won = race_kernel.race_winners(values, row_ids, keys, sampling.MIXERS)
-        assert won.shape == (rows, 1) and won.dtype == torch.int64
-        assert torch.equal(won, sampling._race_torch(values, row_ids, keys))
-        assert won[2, 0] == 4321  # the one place left
-    assert race_kernel.race_winners(values[:0], None, keys[:0], sampling.MIXERS).shape == (0, 1)
-    assert race_kernel.race_fits(values.to(DEVICE), ids) == CUDA
-    assert not race_kernel.race_fits(values.to(DEVICE), ids[:, :10])
+    won = race_kernel.race_winners(values, keys, sampling.MIXERS)
+    assert won.shape == (rows, 1) and won.dtype == torch.int64
+    assert torch.equal(won, sampling._race_torch(values, keys))
+    assert won[2, 0] == 4321  # the one token left
+    assert race_kernel.race_winners(values[:0], keys[:0], sampling.MIXERS).shape == (0, 1)
+    assert race_kernel.race_fits(values.to(DEVICE)) == CUDA
+    assert not race_kernel.race_fits(values.to(DEVICE).t())
 
 
 @pytest.mark.gpu
@@ -222,7 +219,7 @@ def test_a_gpu_races_in_the_kernel_unless_the_debug_knob_says_torch(
     values = torch.randn(3, 3000, device="cuda")
     rows = torch.arange(3, device="cuda")
     keys = sampling._row_keys(rows, rows, 0)
-    kernel = sampling._race(values, None, keys)
+    kernel = sampling._race(values, keys)
     assert calls == [1]
     monkeypatch.setenv("OUTRIDER_DEBUG_TORCH_KERNELS", "1")
-    assert torch.equal(sampling._race(values, None, keys), kernel) and calls == [1]
+    assert torch.equal(sampling._race(values, keys), kernel) and calls == [1]

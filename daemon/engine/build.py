@@ -43,6 +43,7 @@ from outrider.daemon.grammar.tool_calls import tool_call_format
 from outrider.daemon.internal import ModelFacts, own_request
 from outrider.daemon.processes.attention_choice import AttentionChoice
 from outrider.daemon.processes.preflight import resolve_plugins
+from outrider.daemon.sampling_defaults import resolve_sampling_defaults
 from outrider.daemon.scheduler.drafting import AlternateDrafting, DraftPolicy
 from outrider.daemon.scheduler.drill import retract_drill
 from outrider.daemon.scheduler.finish import FinishChecker, TextDecoder
@@ -330,6 +331,7 @@ def _build_runner(
         widths,
         worker.deferred_positions,
         unfed_plain=adaptive and worker.draft_state,
+        sampled_cuts=resolve_sampling_defaults(config).sampling.cuts,
     )
     mean = config.speculative_simulate_acceptance  # benchmarks: dummy weights
     simulated = SimulatedAcceptance(mean, shape, device) if mean else None

@@ -15,9 +15,11 @@ length.
   between the ends of consecutive turns, each of which waits for the step before it, so it
   costs the slower of the two.
 - A cycle's cost does not depend on what its drafts are, but on whether the batch samples (a
-  sampled batch sorts the vocabulary at every verified position and draws its drafts from the
-  draft's distribution): every size is timed with greedy rows and with sampled ones
-  (temperature 1; the filters cost the same whatever their values).
+  sampled batch races over the vocabulary at every verified position and draws its drafts
+  from the draft's distribution) and whether a sampled row cuts by top-k or top-p (the batch
+  then sorts every sampled row's vocabulary): every size is timed with greedy rows and with
+  sampled ones that cut (temperature 1, top-p ``SAMPLED_TOP_P``; the cuts cost the same
+  whatever their values), the dearer sampled kind.
 - A width is timed only at sizes whose rows its step takes (``SchedulerLimits.drafting_rows``,
   from the memory plan); past them its break-even is infinite (``BreakEven.max_rows``).
 - Every row's prompt is ``PROMPT`` tokens, about a chat turn's context, so that the draft's
@@ -76,6 +78,7 @@ PROMPT_SEED = 0  # timing_prompts draws the same prompts at every start
 RESUMES = 3  # resumes timed at the smallest size (greedy)
 PLAIN_BEFORE_RESUME = 2  # plain turns before each: a plain step in flight, positions buffered
 SAMPLED_TEMPERATURE = 1.0
+SAMPLED_TOP_P = 0.95
 
 
 def measure_break_even(
@@ -168,7 +171,8 @@ def _timing_batch(
     bs = len(prompts)
     rids = [-100 - i for i in range(bs)]
     for i, (rid, prompt) in enumerate(zip(rids, prompts, strict=True)):
-        sampling = SamplingSpec(temperature, seed=i)
+        top_p = SAMPLED_TOP_P if temperature else 1.0
+        sampling = SamplingSpec(temperature, top_p, seed=i)
         scheduler.add(own_request(rid, "cycle-cost", prompt, new_tokens, sampling))
     while not all(req.decoding for req in scheduler.running) or len(scheduler.running) < bs:
         loop.iterate()

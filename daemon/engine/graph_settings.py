@@ -61,10 +61,12 @@ def decode_graphs(
     catch_up_capacity: int,
     *,
     unfed_plain: bool,
+    sampled_cuts: bool,
 ) -> DecodeGraphs | None:
     """CUDA graphs for decode batches (``max_running`` is the scratch slot) of each row width
-    (and plain steps of unfed rows: ``unfed_plain``), and for catch-ups of
-    ``catch_up_capacity`` positions a slot (0: none); None: eager."""
+    (and plain steps of unfed rows: ``unfed_plain``; sampled rows cutting by top-k or top-p at
+    start: ``sampled_cuts``), and for catch-ups of ``catch_up_capacity`` positions a slot (0:
+    none); None: eager."""
     if settings is None:
         return None
     return DecodeGraphs(
@@ -77,4 +79,5 @@ def decode_graphs(
         catch_up_capacity=catch_up_capacity,
         unfed_plain=unfed_plain,
         drafting_rows=plan.drafting_rows,
+        sampled_cuts=sampled_cuts,
     )

@@ -12,19 +12,20 @@ grows with the bound: the ``torch`` backend's grows within twice the eager bound
 every graph is built with the largest bound. Padding rows run on the scratch slot, whose
 request-table row points at the scratch page: they read and write nothing of a live request.
 
-Before READY the engine captures every batch bucket x width x KV bucket (a drafting width up
-to the most rows the memory plan gives it), greedy and sampled without logprobs
-(``capture_all``), largest first so that the smaller captures reuse the pool's blocks; a
-logprob variant, and a variant with grammar rows (``GraphKey.masked``), is captured the first
-time its key is needed. A step that waits for the host's masks
-(``MaskHoles``, engine/token_masks.py) is captured as segments, cut at each wait: a replay
-runs each segment, then the host's fill recorded there, then the next. A tensor a later
-segment reads from an earlier one lives in the shared pool, which is safe because nothing
-else replays between the segments of one step. A capture runs from a batch of scratch rows
-only: its warm-up run and the capture touch no live state. Graphs share one memory pool; every
-replay waits (on the device) for the previous step's result copy, whose source the next
-replay overwrites. The start-up memory plan (engine/memory_plan.py) sizes that pool before
-any graph exists, and the KV bound graphs are built with.
+Before READY the engine captures every batch bucket x width x KV bucket (a drafting width up to
+the most rows the memory plan gives it), greedy and sampled without logprobs, the sampled ones
+cutting by top-k or top-p or not as a request that leaves its sampling out does
+(``capture_all``), largest first so that the smaller captures reuse the pool's blocks; a logprob
+variant, a variant with grammar rows (``GraphKey.masked``) and the sampled variant cutting the
+other way (``GraphKey.cuts``) are captured the first time their key is needed. A step that waits
+for the host's masks (``MaskHoles``, engine/token_masks.py) is captured as segments, cut at each
+wait: a replay runs each segment, then the host's fill recorded there, then the next. A tensor a
+later segment reads from an earlier one lives in the shared pool, which is safe because nothing
+else replays between the segments of one step. A capture runs from a batch of scratch rows only:
+its warm-up run and the capture touch no live state. Graphs share one memory pool; every replay
+waits (on the device) for the previous step's result copy, whose source the next replay
+overwrites. The start-up memory plan (engine/memory_plan.py) sizes that pool before any graph
+exists, and the KV bound graphs are built with.
 
 A speculative engine that defers its draft's catch-up (engine/deferred.py) also replays small
 catch-up batches: up to ``CATCH_UP_ROWS[-1]`` rows, each padded to a bucket of lengths (from
@@ -90,6 +91,7 @@ class GraphKey:
     width: int = 1  # tokens a row: the speculative width, or 1 for a plain step
     fed: bool = True  # False: a plain step of rows that do not feed the draft (the target's)
     masked: bool = False  # a step with grammar rows: its host's masks (token_masks.py)
+    cuts: bool = False  # a sampled row cuts by top-k or top-p (``StepPlan.cuts``); greedy: no
 
 
 @dataclass(frozen=True)
@@ -133,15 +135,20 @@ class DecodeGraphs:
         catch_up_capacity: int = 0,
         unfed_plain: bool = False,
         drafting_rows: tuple[tuple[int, int], ...] = (),
+        sampled_cuts: bool = False,
     ) -> None:
         """``kv_bounded``: some backend of a decode batch declares ``graph_kv_bound``;
         ``widths``: the row widths decode batches run with (the speculative width, and 1
         where plain steps run); ``catch_up_capacity``: the positions a slot's plain steps
         buffer for the draft's catch-up (0: none); ``unfed_plain``: plain steps of rows that
         do not feed the draft run too (their own graphs: the target's step alone);
-        ``drafting_rows``: the most rows of each drafting width (``MemoryPlan.rows_at``)."""
+        ``drafting_rows``: the most rows of each drafting width (``MemoryPlan.rows_at``);
+        ``sampled_cuts``: whether the sampled graphs captured at start cut by top-k or top-p
+        (what requests that leave the sampling fields out do), the other kind's captured on
+        first use."""
         self.buckets = batch_buckets(max_bs)
         self.drafting_rows = drafting_rows
+        self.sampled_cuts = sampled_cuts
         self.catch_up_rows = [rows for rows in CATCH_UP_ROWS if rows <= max_bs]
         self.catch_up_lens = catch_up_lengths(catch_up_capacity)
         self.widths = sorted(widths, reverse=True)
@@ -179,6 +186,7 @@ class DecodeGraphs:
             width=plan.q_lens[0],
             fed=not plan.target_only,
             masked=masked,
+            cuts=plan.cuts and not plan.all_greedy,
         )
 
     def catch_up_key(self, catch_up: CatchUp) -> CatchUpKey | None:
@@ -208,7 +216,7 @@ class DecodeGraphs:
         ]
         steps.sort(key=lambda step: (step[0] * step[1], step[1], step[2]), reverse=True)
         return [
-            GraphKey(bs, kv, all_greedy, 0, width, fed)
+            GraphKey(bs, kv, all_greedy, 0, width, fed, cuts=self.sampled_cuts and not all_greedy)
             for kv in reversed(self.kv_buckets)
             for bs, width, fed in steps
             for all_greedy in (False, True)
@@ -292,6 +300,7 @@ class DecodeGraphs:
             all_greedy=key.all_greedy,
             max_logprobs=key.max_logprobs,
             unfed=plan.unfed if key.fed else plan.unfed + scratch,
+            cuts=key.cuts,
         )
 
     def scratch_plan(self, key: GraphKey) -> StepPlan:
@@ -311,6 +320,7 @@ class DecodeGraphs:
             all_greedy=key.all_greedy,
             unfed=[] if key.fed else [self.scratch_slot] * key.bs,
             masked_rows=list(range(key.bs)) if key.masked else [],
+            cuts=key.cuts,
         )
 
     def capture(
@@ -328,7 +338,8 @@ class DecodeGraphs:
             logging.INFO if self.started else logging.DEBUG,
             "captured a decode graph%s: batch %d, width %d%s, KV bound %d, %s%s%s in %.2f s",
             " on first use" if self.started else "", key.bs, key.width,
-            "" if key.fed else " (unfed)", key.max_kv, "greedy" if key.all_greedy else "sampling",
+            "" if key.fed else " (unfed)", key.max_kv,
+            "greedy" if key.all_greedy else "sampling" + (" with cuts" if key.cuts else ""),
             ", logprobs" if key.max_logprobs else "", ", grammar masks" if key.masked else "",
             time.monotonic() - started,
         )  # fmt: skip

@@ -39,6 +39,9 @@ class StepPlan(Struct, array_like=True, frozen=True):
     slot_params: list[SlotParams]
     max_logprobs: int
     all_greedy: bool
+    # A sampled row cuts its vocabulary by top-k or top-p: the step sorts each sampled row to
+    # find the cuts (plugins/sampling.py); False: no row does, and nothing is sorted.
+    cuts: bool = True
     # Slots released since the previous plan: their deferred catch-ups run before this plan
     # (engine/deferred.py); under the relay check (debug) their relay rows are poisoned.
     released_slots: list[int] = []

@@ -129,6 +129,7 @@ class SlotState:
             all_greedy=plan.all_greedy,
             max_logprobs=plan.max_logprobs,
             min_p=self.min_p[row_slots] if plan.adjusts else None,
+            cuts=plan.cuts,
         )
 
     def adjust(self, row_slots: torch.Tensor) -> LogitAdjust:

@@ -209,6 +209,7 @@ class Planner:
             slot_params=admitted,
             max_logprobs=_max_logprobs(sampled),
             all_greedy=_all_greedy(sampled),
+            cuts=_cuts(sampled),
             released_slots=self.slots.take_released(),
             next_ids=next_ids,
             relay_rows=relay_rows,
@@ -287,6 +288,7 @@ class Planner:
             slot_params=[],
             max_logprobs=_max_logprobs(rows),
             all_greedy=_all_greedy(rows),
+            cuts=_cuts(rows),
             released_slots=self.slots.take_released(),
             unfed=_unfed(rows),
             adjusts=_adjusts(rows),
@@ -343,6 +345,11 @@ def _unfed(requests: list[Request]) -> list[int]:
 
 def _all_greedy(requests: list[Request]) -> bool:
     return all(r.sampling.temperature == 0.0 for r in requests)
+
+
+def _cuts(requests: list[Request]) -> bool:
+    """Whether a sampled row cuts its vocabulary by top-k or top-p (``StepPlan.cuts``)."""
+    return any(r.sampling.cuts for r in requests)
 
 
 def _adjusts(requests: list[Request]) -> bool:
