@@ -43,6 +43,7 @@ def repeat_rows(batch: SamplingBatch, times: int) -> SamplingBatch:
         all_greedy=batch.all_greedy,
         max_logprobs=0,
         min_p=None if batch.min_p is None else batch.min_p.repeat_interleave(times),
+        cuts=batch.cuts,
     )
 
 
