@@ -499,12 +499,12 @@ def test_the_fit_check_budgets_the_graph_pool_and_names_its_flags() -> None:
     assert "graph" not in str(eager_only.value)
 
 
-def serve_batches_of_3_and_5(engine: Engine) -> None:
-    """A greedy batch of 3, then a sampled batch of 5 (no logprobs)."""
+def serve_batches_of_3_and_5(engine: Engine, top_p: float = 0.9) -> None:
+    """A greedy batch of 3, then a sampled batch of 5 (no logprobs; top-p 1 cuts nothing)."""
     prompts = [[3 + (7 * i + 2 * j) % (VOCAB - 3) for j in range(5 + i)] for i in range(8)]
     run(engine, [request(i, prompts[i], max_new_tokens=6) for i in range(3)])
     sampled = [
-        request(i, prompts[i], max_new_tokens=6, temperature=0.8, top_p=0.9, seed=i)
+        request(i, prompts[i], max_new_tokens=6, temperature=0.8, top_p=top_p, seed=i)
         for i in range(3, 8)
     ]
     run(engine, sampled)
@@ -547,8 +547,9 @@ def test_cuda_graphs_are_captured_before_ready(
     speculative_dirs: dict[str, str], algorithm: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A CUDA engine holds every start key when built (the warm-up adds the logprob variants
-    of its batches of 1 and 2) within the pool the fit check budgeted, and serving batches of 3
-    and 5 captures nothing new."""
+    of its batches of 1 and 2, which cut by top-p and top-k) within the pool the fit check
+    budgeted; serving batches of 3 and 5 as the test models' defaults sample (no cut) captures
+    nothing new, and a sampled batch that cuts captures its own variant on first use."""
     with caplog.at_level(logging.INFO, logger="outrider.graphs"):
         graphed = engine(speculative_dirs, algorithm, device="cuda")
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
@@ -558,9 +559,15 @@ def test_cuda_graphs_are_captured_before_ready(
     assert graphs.kv_buckets == [64, 128, 256, graphed.context_length + reservation]
     at_ready = set(graphs.graphs)
     assert set(graphs.start_keys()) <= at_ready
+    assert not graphs.sampled_cuts  # the test models have no generation config
     lazy = {k for k in at_ready if k.max_logprobs}
     assert lazy and lazy <= {
-        GraphKey(bs, 64, False, MAX_LOGPROBS, width) for bs in (1, 2) for width in graphs.widths
+        GraphKey(bs, 64, False, MAX_LOGPROBS, width, cuts=True)
+        for bs in (1, 2)
+        for width in graphs.widths
     }
-    serve_batches_of_3_and_5(graphed)
+    serve_batches_of_3_and_5(graphed, top_p=1.0)
     assert set(graphs.graphs) == at_ready
+    serve_batches_of_3_and_5(graphed)
+    new = set(graphs.graphs) - at_ready
+    assert new and all(k.cuts and not k.all_greedy for k in new)
