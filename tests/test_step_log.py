@@ -40,16 +40,29 @@ def test_a_line_per_turn_with_its_step_as_launched(
     loop.runner.launch = recorded  # type: ignore[method-assign]
     loop.iterate = counted  # type: ignore[method-assign]
     prompts = [[3 + (5 * i + j) % (VOCAB - 3) for j in range(10 + 7 * i)] for i in range(6)]
-    run(engine, [request(i, p, max_new_tokens=8) for i, p in enumerate(prompts)], stagger=2)
+    samplings = [{}, {"temperature": 0.8}, {"temperature": 0.8, "top_p": 0.9}]
+    requests = [
+        request(i, p, max_new_tokens=8, seed=i, **samplings[i % 3])  # type: ignore[arg-type]
+        for i, p in enumerate(prompts)
+    ]
+    run(engine, requests, stagger=2)
     loop.close()
     first, *lines = path.read_text().splitlines()
     assert first == "earlier" and len(lines) == turns
     entries = [json.loads(line) for line in lines]
     steps = [e for e in entries if "kind" in e]
-    assert [(s["kind"], s["rows"], s["tokens"], s["width"], s["riders"]) for s in steps] == [
-        (p.kind, p.bs, p.num_tokens, p.q_lens[0] if p.kind == "decode" else 0, len(p.relay_rows))
+    kinds = {(True, True): "greedy", (True, False): "greedy", (False, True): "cut"}
+    assert [
+        (s["kind"], s["rows"], s["tokens"], s["width"], s["riders"], s["unfed"], s["sampling"])
+        for s in steps
+    ] == [
+        (
+            p.kind, p.bs, p.num_tokens, p.q_lens[0] if p.kind == "decode" else 0,
+            len(p.relay_rows), len(p.unfed), kinds.get((p.all_greedy, p.cuts), "sampled"),
+        )
         for p in launched
-    ]
+    ]  # fmt: skip
+    assert {s["sampling"] for s in steps} == {"greedy", "sampled", "cut"}
     assert any(s["riders"] for s in steps) and any(s["kind"] == "decode" for s in steps)
     # Under overlap the last turn only processes the step before it: no step of its own.
     assert (len(steps) < len(entries)) == overlap

@@ -6,8 +6,9 @@ whole turn; ``plan_ms``, the scheduling of its step; ``wait_ms``, the time spent
 step results (the device's share of the turn; under overlap the step before's); and, where the
 turn launched a step, ``kind`` (``extend`` or ``decode``), ``rows``, ``tokens``, ``width`` (a
 decode step's tokens a row: 1 for a plain step), ``riders`` (decoding rows riding a prompt
-batch) and ``waiting`` (requests queued for admission at the turn's end). A turn that launched
-nothing has only the timings.
+batch), ``unfed`` (rows that do not feed the draft), ``sampling`` (``greedy``; ``sampled``;
+``cut``: a sampled row cuts by top-k or top-p, so the step sorts) and ``waiting`` (requests
+queued for admission at the turn's end). A turn that launched nothing has only the timings.
 
 Invariant: the log only observes; nothing the loop decides reads it. Lines are written in turn
 order and flushed at least once a second, and when the log closes.
@@ -19,6 +20,7 @@ import json
 import time
 from typing import TextIO
 
+from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.scheduler.planner import Planned
 
 FLUSH_EVERY_S = 1.0
@@ -62,6 +64,8 @@ class StepLog:
                 "tokens": plan.num_tokens,
                 "width": plan.q_lens[0] if decode else 0,
                 "riders": len(plan.relay_rows),
+                "unfed": len(plan.unfed),
+                "sampling": _sampling(plan),
                 "waiting": waiting,
             }
         self.out.write(json.dumps(line) + "\n")
@@ -71,3 +75,10 @@ class StepLog:
 
     def close(self) -> None:
         self.out.close()
+
+
+def _sampling(plan: StepPlan) -> str:
+    """The step's sampling kind (module docstring)."""
+    if plan.all_greedy:
+        return "greedy"
+    return "cut" if plan.cuts else "sampled"
