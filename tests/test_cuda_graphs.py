@@ -33,21 +33,23 @@ from outrider.daemon.engine.graph_settings import graph_settings
 from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
 from outrider.daemon.engine.memory_plan import (
     CAPTURE_WORKSPACE_BYTES,
-    DRAFT_BYTES_PER_LOGIT,
     MIB,
     SMALL_SEGMENTS_BYTES,
     MemoryPlan,
-    StepWidth,
     _activation_bytes,
     _fit_check,
     _graph_kv_limit,
     _graph_pool_estimate,
+)
+from outrider.daemon.engine.plan import StepPlan
+from outrider.daemon.engine.results import MAX_LOGPROBS
+from outrider.daemon.engine.step_memory import (
+    DRAFT_BYTES_PER_LOGIT,
+    StepWidth,
     batch_buckets,
     graph_pool_bytes,
     kv_buckets,
 )
-from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.engine.results import MAX_LOGPROBS
 from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.scheduler.drafting import AlternateDrafting
 from outrider.daemon.scheduler.request import Request

@@ -18,14 +18,8 @@ from test_scheduler import make, planned, step
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine import build, memory_plan
 from outrider.daemon.engine.graphs import DecodeGraphs
-from outrider.daemon.engine.memory_plan import (
-    GraphSettings,
-    PlanInputs,
-    StepWidth,
-    batch_buckets,
-    graph_pool_bytes,
-    plan_memory,
-)
+from outrider.daemon.engine.memory_plan import GraphSettings, PlanInputs, plan_memory
+from outrider.daemon.engine.step_memory import StepWidth, batch_buckets, graph_pool_bytes
 from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.scheduler.acceptance import BreakEven
 from outrider.daemon.scheduler.drafting import AdaptiveDrafting, AdaptiveSettings, probe_cap

@@ -13,17 +13,15 @@ import pytest
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine.memory_plan import (
     CAPTURE_WORKSPACE_BYTES,
-    DRAFT_BYTES_PER_LOGIT,
     MIB,
     SMALL_SEGMENTS_BYTES,
     GraphSettings,
     MemoryRefusal,
     PlanInputs,
-    StepWidth,
-    graph_pool_bytes,
     graph_pool_shortfall,
     plan_memory,
 )
+from outrider.daemon.engine.step_memory import DRAFT_BYTES_PER_LOGIT, StepWidth, graph_pool_bytes
 from outrider.plugins.models.config import ModelConfig
 
 GIB = 2**30

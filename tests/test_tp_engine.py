@@ -28,10 +28,10 @@ from model_fixtures import TINY, VOCAB, save_random_dflash, save_tiny_model
 from outrider.daemon.cli.main import main
 from outrider.daemon.config import EXIT_CONFIG, ServeConfig
 from outrider.daemon.engine.build import build_engine, build_follower
-from outrider.daemon.engine.memory_plan import SAMPLING_BYTES_PER_LOGIT, graph_pool_bytes
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.ranks import RankChannel
 from outrider.daemon.engine.runner import ModelRunner
+from outrider.daemon.engine.step_memory import SAMPLING_BYTES_PER_LOGIT, graph_pool_bytes
 from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.processes.preflight import preflight
 from outrider.daemon.scheduler.loop import StepFailed

@@ -57,7 +57,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 
-from outrider.daemon.engine.memory_plan import rows_at
+from outrider.daemon.engine.step_memory import rows_at
 from outrider.daemon.internal import own_request
 from outrider.daemon.scheduler.acceptance import BreakEven
 from outrider.daemon.scheduler.drafting import FixedDrafting

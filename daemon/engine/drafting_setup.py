@@ -11,7 +11,7 @@ import msgspec
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine.cycle_cost import measure_break_even
-from outrider.daemon.engine.memory_plan import StepWidth
+from outrider.daemon.engine.step_memory import StepWidth
 from outrider.daemon.scheduler.acceptance import BreakEven
 from outrider.daemon.scheduler.drafting import (
     AdaptiveDrafting,

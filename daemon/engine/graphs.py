@@ -50,16 +50,10 @@ import msgspec
 import torch
 
 from outrider.daemon.engine.deferred import CatchUp
-from outrider.daemon.engine.memory_plan import (
-    MIB,
-    MemoryPlan,
-    batch_buckets,
-    graph_pool_shortfall,
-    kv_buckets,
-    rows_at,
-)
+from outrider.daemon.engine.memory_plan import MIB, MemoryPlan, graph_pool_shortfall
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
+from outrider.daemon.engine.step_memory import batch_buckets, kv_buckets, rows_at
 from outrider.daemon.engine.sync_check import syncs_allowed
 from outrider.daemon.engine.token_masks import MaskHoles
 from outrider.plugins.device import building_graph
@@ -212,7 +206,7 @@ class DecodeGraphs:
             (bs, width, fed)
             for bs in self.buckets
             for width, fed in variants
-            if bs <= rows_at(self.drafting_rows, width, bs)
+            if bs <= rows_at(self.drafting_rows, width, self.buckets[-1])
         ]
         steps.sort(key=lambda step: (step[0] * step[1], step[1], step[2]), reverse=True)
         return [

@@ -227,7 +227,7 @@ class Adjuster:
 
 # Logit rows (batch rows times nodes) adjusted in one pass: the rules' temporaries, a few
 # logits-sized tensors each, stay this small whatever the batch; the adjusted logits are one
-# float32 copy of the batch's (memory_plan.py budgets it).
+# float32 copy of the batch's (step_memory.py budgets it).
 ROWS_PER_PASS = 64
 
 

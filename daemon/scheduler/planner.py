@@ -40,8 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from outrider.daemon.engine.memory_plan import rows_at
 from outrider.daemon.engine.plan import SlotParams, StepPlan
+from outrider.daemon.engine.step_memory import rows_at
 from outrider.daemon.grammar.state import RowGrammars, pack_masks
 from outrider.daemon.scheduler.admission import Admission
 from outrider.daemon.scheduler.drafting import DraftPolicy
@@ -102,7 +102,8 @@ class Planner:
         if self.drill is not None and self.drill.due(self._plans) and len(running) > 1:
             self.admission.retract(running[-1])
         delta = PageDelta()  # pages a rider grew go with the decode batch if no extend runs
-        limit, decoding = self.limits.max_prompt_run, any(r.decoding for r in running)
+        limit = self.limits.max_prompt_run
+        decoding = bool(limit) and any(r.decoding for r in running)  # counted where limited
         if limit and self._prompt_run >= limit:
             planned = self._decode(delta) or self._extend(delta)
         else:
