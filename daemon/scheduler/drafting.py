@@ -32,12 +32,15 @@ Estimates, all updated from the commit counts the host sees (outputs.py), per ki
 - per request, a moving average of its commit lengths (``smoothing``), started at its kind's
   mean; a request with no drafting step yet is estimated at its kind's mean.
 
-A kind never observed has no estimate: its rows count at the break-even (after a plain step,
-at the resume threshold below), so a batch of them drafts (to learn) and a mixed batch decides
-by the others. There is no optimistic start: once one cycle of a kind has been seen, its
-requests start where that kind's acceptance was measured, so a weak draft at T = 1.0 stops
-after its first cycle whose commits fall short (and a later request of the kind starts
-plain), while a good draft at T = 0 drafts from the first step of every request.
+A kind learns until its ``evidence``-th observation: before, it has no estimate, its rows
+count at the break-even (after a plain step, at the resume threshold below), so a batch of
+them drafts (to learn) and a mixed batch decides by the others; its requests feed the draft,
+and keep no estimate of their own. Commit lengths vary widely from step to step (a draft
+accepted position by position with probability 0.5 commits 1 half the time and averages 2),
+so a mean of a few steps would stop a draft that pays after an unlucky start, and with it
+every later request of the kind, which then learns again only from probes that come ever
+more rarely; over 20 steps the mean of such a draft has a standard deviation of about 0.3. The
+learning costs a weak draft those cycles once per kind (one step at 20 rows or more).
 
 Resuming drafting after plain steps costs more than a cycle: the draft first catches up on the
 positions the plain steps buffered (engine/deferred.py), one batch whose cost hardly depends on
@@ -166,7 +169,9 @@ class AlternateDrafting:
 @dataclass(frozen=True)
 class AdaptiveSettings:
     break_even: BreakEven
-    smoothing: float = 0.3  # weight of a request's newest commit length in its average
+    # Weight of a request's newest commit length in its average: low, since at one row its
+    # estimate alone decides each step, and a commit length's spread is about its mean.
+    smoothing: float = 0.1
     engine_smoothing: float = 0.05  # the same in its kind's mean, once past 1 / count
     resume_horizon: int = 8  # cycles a resumed run must last to gain its catch-up back
     probe_every: int = 8  # plain steps before the first probe
@@ -174,6 +179,7 @@ class AdaptiveSettings:
     max_probe_every: int | None = None
     probe_requests: int = 4  # unfed admissions of a kind before its first fed probe
     max_probe_requests: int = 64
+    evidence: int = 20  # a kind's observations before its mean decides (before: it learns)
     demote_after: int = 8  # drafting steps of a request before its own mean may stop feeding
 
 
@@ -219,14 +225,20 @@ class AdaptiveDrafting:
         self.probe_requests: dict[int, int] = {}
         self.kind_feeds: dict[int, bool] = {}  # the last feeding choice of each kind
 
+    def settled(self, req: Request) -> KindMean | None:
+        """``req``'s kind's mean once it holds ``evidence`` observations; None before."""
+        kind = self.kind_tau.get(kind_of(req))
+        return kind if kind is not None and kind.count >= self.settings.evidence else None
+
     def estimate(self, req: Request) -> float | None:
         """``req``'s estimated acceptance length at the engine's depth; None while its kind
-        was never observed, and for a probe that has not drafted yet."""
+        is learning (fewer than ``evidence`` observations), and for a probe that has not
+        drafted yet."""
         if req.fed is False:
             return 1.0  # its drafts have no context
-        if req.tau_estimate > 0.0:
+        if req.tau_estimate > 0.0:  # kept from its kind's settling on (``observe``)
             return req.tau_estimate
-        kind = self.kind_tau.get(kind_of(req))
+        kind = self.settled(req)
         return kind.value if kind is not None and not req.probe else None
 
     def share(self, req: Request, drafts: int) -> float:
@@ -269,7 +281,7 @@ class AdaptiveDrafting:
 
     def feeds(self, req: Request, others: int) -> bool:
         settings, kind = self.settings, kind_of(req)
-        mean = self.kind_tau.get(kind)
+        mean = self.settled(req)
         pays_from = self.feeding_pays_from(req, others + 1)
         pays = mean is None or mean.value >= pays_from
         if mean is not None and pays != self.kind_feeds.get(kind, True):
@@ -335,10 +347,10 @@ class AdaptiveDrafting:
         mean, or its kind's, does not pay for feeding there (docstring)."""
         if not req.fed:
             return
-        drafted, kind = req.spec_drafts, self.kind_tau.get(kind_of(req))
+        drafted, kind = req.spec_drafts, self.settled(req)
         if drafted >= self.settings.demote_after:
             mean = 1.0 + req.accepted_at_depth / drafted
-        elif kind is None or kind.count < self.settings.demote_after:
+        elif kind is None:
             return
         elif req.probe and drafted == 0:
             return  # fed to measure its kind again
@@ -371,12 +383,11 @@ class AdaptiveDrafting:
         if share > 0.0:
             value = min(1.0 + (commit_len - 1) / share, self.depth + 1.0)
         req.accepted_at_depth += value - 1.0
-        settings, start = self.settings, self.estimate(req)
-        if start is None:
-            req.tau_estimate = value
-        else:
-            req.tau_estimate = moved(start, value, settings.smoothing)
+        settled = self.settled(req)
+        if settled is not None:  # while its kind learns, a request keeps no estimate
+            start = req.tau_estimate if req.tau_estimate > 0.0 else settled.value
+            req.tau_estimate = moved(start, value, self.settings.smoothing)
         mean = self.kind_tau.get(kind)
         if mean is None:
             mean = self.kind_tau[kind] = KindMean()
-        mean.add(value, settings.engine_smoothing)
+        mean.add(value, self.settings.engine_smoothing)
