@@ -257,7 +257,7 @@ def test_capture_all_logs_one_line_per_set_and_warns_only_past_the_headroom(
     graphs = DecodeGraphs(2, 100, 20, 2)
     graphs.graphs[GraphKey(1, 64, True, 0)] = (None, None)  # type: ignore[assignment]  # captured
     reserved = iter([10 * MIB, 13 * MIB])
-    monkeypatch.setattr(graphs_module, "_reserved_after_release", lambda: next(reserved))
+    monkeypatch.setattr(graphs_module, "reserved_after_release", lambda: next(reserved))
     captured: list[GraphKey] = []
     progress: list[tuple[int, int]] = []
     caplog.set_level(logging.DEBUG, logger="outrider.graphs")

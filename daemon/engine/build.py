@@ -26,13 +26,13 @@ from outrider.daemon.engine.drafting_setup import (
     step_widths,
 )
 from outrider.daemon.engine.follower import Follower
+from outrider.daemon.engine.graph_capture import capture_progress
 from outrider.daemon.engine.graph_settings import (
     CYCLE_PHASES,
     attention_caps,
     decode_graphs,
     graph_settings,
 )
-from outrider.daemon.engine.graphs import capture_progress
 from outrider.daemon.engine.memory_plan import MemoryPlan, PlanInputs, plan_memory
 from outrider.daemon.engine.penalties import TokenHistory
 from outrider.daemon.engine.ranks import RankChannel

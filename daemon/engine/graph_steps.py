@@ -1,7 +1,7 @@
 """Decode batches through captured graphs (graphs.py): a plan padded to its key's batch, staged,
 its host-scheduled backends planned, then replayed; a key's graph captured first, from scratch
 rows, when it is new. The step a graph records is the runner's own eager decode step; where
-it waits for the host's masks (``MaskHoles``) the capture is cut into segments (graphs.py).
+it waits for the host's masks (``MaskHoles``) the capture is cut into segments (graph_capture.py).
 
 The padding rows run on the scratch slot, whose relay is reset after every recorded step
 (slots.py). Every replay waits on the device for the previous replay's result copy, whose

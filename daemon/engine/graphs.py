@@ -19,13 +19,11 @@ cutting by top-k or top-p or not as a request that leaves its sampling out does
 variant, a variant with grammar rows (``GraphKey.masked``) and the sampled variant cutting the
 other way (``GraphKey.cuts``) are captured the first time their key is needed. A step that waits
 for the host's masks (``MaskHoles``, engine/token_masks.py) is captured as segments, cut at each
-wait: a replay runs each segment, then the host's fill recorded there, then the next. A tensor a
-later segment reads from an earlier one lives in the shared pool, which is safe because nothing
-else replays between the segments of one step. A capture runs from a batch of scratch rows only:
-its warm-up run and the capture touch no live state. Graphs share one memory pool; every replay
+wait (engine/graph_capture.py: how one capture runs in the shared pool). A capture runs from a
+batch of scratch rows only: its warm-up run and the capture touch no live state. Every replay
 waits (on the device) for the previous step's result copy, whose source the next replay
-overwrites. The start-up memory plan (engine/memory_plan.py) sizes that pool before any graph
-exists, and the KV bound graphs are built with.
+overwrites. The start-up memory plan (engine/memory_plan.py) sizes the graphs' pool before any
+graph exists, and the KV bound graphs are built with.
 
 A speculative engine that defers its draft's catch-up (engine/deferred.py) also replays small
 catch-up batches: up to ``CATCH_UP_ROWS[-1]`` rows, each padded to a bucket of lengths (from
@@ -36,30 +34,27 @@ scratch rows, and share their pool.
 
 from __future__ import annotations
 
-import gc
 import logging
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 import torch
 
 from outrider.daemon.engine.deferred import CatchUp
+from outrider.daemon.engine.graph_capture import (
+    CaptureProgress,
+    GraphPool,
+    Segment,
+    reserved_after_release,
+)
 from outrider.daemon.engine.memory_plan import MIB, MemoryPlan, graph_pool_shortfall
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
 from outrider.daemon.engine.step_memory import batch_buckets, kv_buckets, rows_at
-from outrider.daemon.engine.sync_check import syncs_allowed
 from outrider.daemon.engine.token_masks import MaskHoles
-from outrider.plugins.device import building_graph
-
-if TYPE_CHECKING:
-    from torch.cuda import _POOL_HANDLE
 
 log = logging.getLogger("outrider.graphs")
 
@@ -67,13 +62,6 @@ log = logging.getLogger("outrider.graphs")
 # rows of a small batch resuming drafting; larger batches spread an eager one over more rows.
 CATCH_UP_ROWS = (1, 2, 4, 8)
 MIN_CATCH_UP_LEN = 16  # the shortest padded row of a captured catch-up
-
-_Out = TypeVar("_Out")  # what a captured run returns
-# A graph before a host wait, and the host's fill to run after it.
-Segment = tuple[torch.cuda.CUDAGraph, Callable[[], None]]
-
-# (graphs captured so far, graphs of the set): a progress bar's update.
-CaptureProgress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -151,11 +139,7 @@ class DecodeGraphs:
         self.max_kv = max_kv
         self.max_logprobs = max_logprobs
         self.scratch_slot = scratch_slot
-        self.pool: _POOL_HANDLE | None = None  # shared by every graph, made at the first
-        # Every capture's warm-up runs on this one stream: cuBLAS keeps a workspace for each
-        # stream it ran on, for good (outside the graph pool), and torch hands out up to 32
-        # different streams to ``torch.cuda.Stream()`` calls.
-        self.warm_stream: torch.cuda.Stream | None = None
+        self.pool = GraphPool()  # every graph's memory and warm-up stream
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, StepResults]] = {}
         # The segments before a key's last graph, where its step waits for the host.
         self.segments: dict[GraphKey, list[Segment]] = {}
@@ -244,15 +228,13 @@ class DecodeGraphs:
             new = [key for key in self.catch_up_start_keys() if key not in self.catch_ups]
             runs += [partial(capture_catch_up, key) for key in new]
             catch_ups = len(new)
-        reserved = _reserved_after_release()
+        reserved = reserved_after_release()
         started = time.monotonic()
         for done, run in enumerate(runs, 1):
             run()
             if progress is not None:
                 progress(done, len(runs))
-        captured = CaptureSet(
-            keys, time.monotonic() - started, _reserved_after_release() - reserved
-        )
+        captured = CaptureSet(keys, time.monotonic() - started, reserved_after_release() - reserved)
         self.started = True
         estimate = plan.graph_estimate
         log.info(
@@ -323,7 +305,7 @@ class DecodeGraphs:
         """Capture ``run`` (a decode step over staged scratch rows) for ``key``, cut into
         segments at each of ``holes``' waits."""
         started = time.monotonic()
-        graph, outputs, segments = self._captured(run, holes)
+        graph, outputs, segments = self.pool.capture(run, holes)
         self.graphs[key] = (graph, outputs)
         if segments:
             self.segments[key] = segments
@@ -340,7 +322,7 @@ class DecodeGraphs:
 
     def capture_catch_up(self, key: CatchUpKey, run: Callable[[], None]) -> None:
         """Capture ``run`` (a catch-up over staged scratch rows) for ``key``."""
-        self.catch_ups[key] = self._captured(run)[0]
+        self.catch_ups[key] = self.pool.capture(run)[0]
         log.debug("captured a catch-up graph: %s", key)
 
     def replay_catch_up(self, key: CatchUpKey) -> None:
@@ -356,33 +338,6 @@ class DecodeGraphs:
             f"{_span(self.catch_up_lens)})"
         )
 
-    def _captured(
-        self, run: Callable[[], _Out], holes: MaskHoles | None = None
-    ) -> tuple[torch.cuda.CUDAGraph, _Out, list[Segment]]:
-        """``run``'s graph in the shared pool, after a warm-up run on the warm-up stream, what
-        the captured run returned (its static outputs), and the segments before the graph
-        where ``run`` waited at one of ``holes``."""
-        # NOTE: capture synchronises; a launch under the sync check must not raise for it.
-        with syncs_allowed(torch.device("cuda")), _collector_paused():
-            # NOTE: a capture stages one extra step, so the next staging reuses the host set of
-            # the step still in flight out of turn: let every copy in flight finish first.
-            torch.cuda.synchronize()
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            if self.warm_stream is None:
-                self.warm_stream = torch.cuda.Stream()
-            side = self.warm_stream
-            side.wait_stream(torch.cuda.current_stream())
-            with building_graph():
-                with torch.cuda.stream(side):
-                    run()  # warm-up: lazy initialisations happen outside the graph
-                torch.cuda.current_stream().wait_stream(side)
-                capture = _SegmentedCapture(self.pool)
-                with capture, holes.cutting(capture.cut) if holes else nullcontext():
-                    outputs = run()
-            torch.cuda.synchronize()
-        return capture.graph, outputs, capture.segments
-
     def replay(self, key: GraphKey) -> StepResults:
         """Replay ``key``'s graph over the inputs staged now (its segments first, each
         followed by its host fill); its static results."""
@@ -394,71 +349,6 @@ class DecodeGraphs:
             fill()
         graph.replay()
         return outputs
-
-
-class _SegmentedCapture:
-    """One capture in a pool, cut into segments where the step waits for the host."""
-
-    def __init__(self, pool: _POOL_HANDLE) -> None:
-        self.pool = pool
-        self.segments: list[Segment] = []
-        self.graph = torch.cuda.CUDAGraph()
-        self._context = torch.cuda.graph(self.graph, pool=pool)
-
-    def __enter__(self) -> None:
-        self._context.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self._context.__exit__(*exc)
-
-    def cut(self, fill: Callable[[], None]) -> None:
-        """End the graph being captured (a segment, ``fill`` after it) and begin the next."""
-        self._context.__exit__(None, None, None)
-        self.segments.append((self.graph, fill))
-        self.graph = torch.cuda.CUDAGraph()
-        self._context = torch.cuda.graph(self.graph, pool=self.pool)
-        self._context.__enter__()
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off: a collection inside a capture may free an
-    older engine's graphs, and destroying a graph while a stream captures (in the default,
-    process-wide capture mode) invalidates that capture."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def capture_progress() -> CaptureProgress | None:
-    """A tqdm bar when stderr is a TTY, else None (``capture_all`` logs the set)."""
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    bar = tqdm(desc="Capturing CUDA graphs", unit="graph", total=None)
-
-    def update_bar(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(1)
-        if done == total:
-            bar.close()
-
-    return update_bar
-
-
-def _reserved_after_release() -> int:
-    """Device memory the caching allocator holds once its unused cached blocks are released
-    (0 without CUDA): what graph pools and live tensors keep."""
-    if not torch.cuda.is_initialized():
-        return 0
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved()
 
 
 def _span(sizes: list[int]) -> str:

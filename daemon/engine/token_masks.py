@@ -13,7 +13,7 @@ marked, ``DeviceMark``, so that the nodes' masks wait for the copy alone while t
 forward runs). A worker that runs a forward between two draft places hands the next place's
 paths over before that forward (``GrammarGuide.prepare``): their copy is marked alike, and
 the place's masks fill while the forward runs. Eagerly the host's
-fill runs at the wait; while a graph is captured the graph is cut there (graphs.py) and each
+fill runs at the wait; while a graph is captured the graph is cut there (graph_capture.py) and each
 replay runs the recorded fill between the two segments. A fill reads the launch's
 ``HostTurn``: the plan's masks, or its grammar rows' states, which it first brings up to date
 with the turn's ``settle`` (the loop's processing of the step before, scheduler/loop.py).
