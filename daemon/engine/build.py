@@ -2,7 +2,8 @@
 memory plan and the KV pool it sizes, attention backends per phase, runner, scheduler, loop,
 graph captures, warm-up. It wires; what is decided from the flags and the plugins is decided
 beside it: the memory plan (memory_plan.py), whether and how decode batches replay graphs
-(graph_settings.py), how the engine drafts (drafting_setup.py)."""
+(graph_settings.py), how the engine drafts (drafting_setup.py), which attention backend
+instances it makes (attention_setup.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ import torch
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine.accept import step_reservation
+from outrider.daemon.engine.attention_setup import (
+    log_choices,
+    new_backend,
+    remembered,
+    target_backends,
+)
 from outrider.daemon.engine.drafting_setup import (
     adapts,
     cuts_steps,
@@ -41,7 +48,6 @@ from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.engine.verify import SimulatedAcceptance, Verifier
 from outrider.daemon.grammar.tool_calls import tool_call_format
 from outrider.daemon.internal import ModelFacts, own_request
-from outrider.daemon.processes.attention_choice import AttentionChoice
 from outrider.daemon.processes.preflight import resolve_plugins
 from outrider.daemon.sampling_defaults import resolve_sampling_defaults
 from outrider.daemon.scheduler.drafting import AlternateDrafting, DraftPolicy
@@ -56,12 +62,11 @@ from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
 from outrider.plugins.api import Phase
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.debug import debug_knob
-from outrider.plugins.device import AttentionShape, KVCache
+from outrider.plugins.device import KVCache
 from outrider.plugins.models.config import ModelConfig, kv_bytes_per_token, load_eos_ids, model_dir
 from outrider.plugins.models.loader import load_model
 from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.models.weights import LoadProgress
-from outrider.plugins.registry import ResolvedPlugins
 from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.plugins.speculative.base import NoDraft, WorkerContext
 
@@ -235,7 +240,7 @@ def _build_runner(
     capability = torch.cuda.get_device_capability() if config.device == "cuda" else None
     served = resolve_plugins(config, dtype_name, capability)  # what plugins --check resolves
     if tp.rank == 0:
-        _log_choices(config, model_config.dtype, dtype_name, capability, served.attention)
+        log_choices(config, model_config.dtype, dtype_name, capability, served.attention)
     plugins = served.plugins
     device = torch.device(config.device)
     context_length = config.context_length or model_config.max_position_embeddings
@@ -310,8 +315,8 @@ def _build_runner(
         model=config.model,
         draft_model=config.draft_model,
         load_format=config.load_format,
-        make_backend=lambda phase, shape: _remembered(
-            draft_backends, _backend(plugins, phase, shape, device)
+        make_backend=lambda phase, shape: remembered(
+            draft_backends, new_backend(plugins, phase, shape, device)
         ),
         tp=tp,
     )
@@ -320,7 +325,7 @@ def _build_runner(
         if speculative is not None
         else NoDraft(worker_context)
     )
-    backends = _backends(plugins, target_phases(shape), attention_shape, device)
+    backends = target_backends(plugins, target_phases(shape), attention_shape, device)
     adaptive = adapts(config, shape)
     widths = drafting_widths(config, shape, worker)
     graphs = decode_graphs(
@@ -364,68 +369,11 @@ def _build_runner(
     )
 
 
-def _log_choices(
-    config: ServeConfig,
-    checkpoint_dtype: str | None,
-    dtype_name: str,
-    capability: tuple[int, int] | None,
-    attention: AttentionChoice,
-) -> None:
-    """What the device, dtype and attention routes are, and what decided each (one line; a
-    second one when a preferred attention backend could not run)."""
-    gpu = ""
-    if capability is not None:
-        major, minor = capability
-        gpu = f" ({torch.cuda.get_device_name()}, compute capability {major}.{minor})"
-    log.info(
-        "device %s%s, dtype %s (%s); attention: %s",
-        config.device, gpu, dtype_name, config.dtype_reason(checkpoint_dtype),
-        attention.describe(),
-    )  # fmt: skip
-    fallbacks = attention.fallbacks()
-    if fallbacks is not None:
-        log.warning("%s", fallbacks)
-
-
 def _enable_debug_checks(runner: ModelRunner) -> None:
     """The debug knobs' checks, from the first served step on."""
     runner.enable_sync_check(bool(debug_knob("OUTRIDER_DEBUG_SYNC_CHECK")))
     if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
         runner.slots.enable_relay_check()
-
-
-def _backends(
-    plugins: ResolvedPlugins,
-    phases: tuple[Phase, ...],
-    shape: AttentionShape,
-    device: torch.device,
-) -> dict[Phase, AttentionBackend]:
-    """The target's backends for ``phases``: one instance per distinct name, shared by the
-    phases routed to it (a slot no model runs builds nothing: its route was never checked
-    against a model's head dim)."""
-    instances: dict[str, AttentionBackend] = {}
-    routes: dict[Phase, AttentionBackend] = {}
-    for phase in phases:
-        resolved = plugins.attention[phase]
-        name = resolved.spec.name
-        if name not in instances:
-            instances[name] = _backend(plugins, phase, shape, device)
-        routes[phase] = instances[name]
-    return routes
-
-
-def _remembered(made: list[AttentionBackend], backend: AttentionBackend) -> AttentionBackend:
-    made.append(backend)
-    return backend
-
-
-def _backend(
-    plugins: ResolvedPlugins, phase: Phase, shape: AttentionShape, device: torch.device
-) -> AttentionBackend:
-    """A new instance of the backend routed to ``phase``, with its options."""
-    resolved = plugins.attention[phase]
-    backend: AttentionBackend = resolved.spec.load()(shape, resolved.options, device)
-    return backend
 
 
 def _free_bytes(device: str) -> int:
