@@ -1,0 +1,241 @@
+"""Every draft algorithm against ``none`` through the real daemon, at each concurrency: the
+sweep behind "a speculative engine never serves less than ``none``" (BENCHMARKS.md).
+
+For each target it starts ``outrider serve`` for ``none``, then for each algorithm at each
+``--acceptance`` (simulated: ``--speculative-simulate-acceptance``; the drafting policy
+measured at start, as served), and runs ``outrider bench serve`` at each ``--concurrency``
+(random prompts of ``--input-len`` tokens, ``--output-len`` new ones, greedy, ``max(2C, 16)``
+requests). The targets, with dummy weights: Llama-3.1-8B's config for the EAGLE-3 chain (3
+drafts) and tree (5 steps x top-4, 16 nodes), Qwen3-8B's for n-gram and DFlash (block of 16);
+each algorithm is compared with ``none`` on its own target, at the same concurrency, in the
+same run. ``--shape family`` serves the embedded family with its trained drafts instead (no
+simulation: ``--acceptance`` is ignored), on any device: a smoke run on a CPU.
+
+Every result goes to ``--out`` (JSON) as it comes, and a table to stdout: output tok/s, the
+ratio to ``none``, the acceptance length, and the P99 ITL and TPOT.
+
+    python benchmarks/speculation_sweep.py --tokenizer D --out sweep.json
+    python benchmarks/speculation_sweep.py --tokenizer D --algorithms dflash --acceptance 2 \\
+        --concurrency 1 256 --out sweep.json -- --max-prompt-run 2
+
+D: a tokenizer of the targets' vocabulary size or less (the prompts' ids are drawn from it;
+``benchmarks/wide_tokenizer.py``). Flags after ``--`` go to every daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from decode import wait_ready  # benchmarks/ is sys.path[0] when run as a script
+
+from outrider.daemon.family import embedded_family
+
+CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "configs"
+DUMMY = ("--load-format", "dummy", "--dtype", "bfloat16")
+KEPT = (
+    "output_throughput", "completed", "failed", "duration", "spec_decode_acceptance_length",
+    "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
+    "p99_itl_ms",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    target: str  # the key of its target in the shape's targets
+    flags: tuple[str, ...]
+    simulated: bool  # its acceptance is simulated (dummy drafts)
+
+
+def dummy_shape() -> tuple[dict[str, tuple[str, ...]], dict[str, Algorithm]]:
+    """The 8B targets with dummy weights and their algorithms (module docstring)."""
+    eagle3 = ("--speculative-algorithm", "eagle3", "--draft-model",
+              str(CONFIGS / "Llama-3.1-8B-EAGLE3.config.json"))  # fmt: skip
+    targets = {
+        "llama": ("--model", str(CONFIGS / "Llama-3.1-8B-Instruct.config.json"), *DUMMY),
+        "qwen3": ("--model", str(CONFIGS / "Qwen3-8B.config.json"), *DUMMY),
+    }
+    algorithms = {
+        "chain": Algorithm("llama", (*eagle3, "--speculative-num-steps", "3"), True),
+        "tree": Algorithm("llama", (*eagle3, "--speculative-num-steps", "5", "--speculative-topk",
+                                    "4", "--speculative-num-draft-tokens", "16"), True),
+        "ngram": Algorithm("qwen3", ("--speculative-algorithm", "ngram"), True),
+        "dflash": Algorithm("qwen3", ("--speculative-algorithm", "dflash", "--draft-model",
+                                      str(CONFIGS / "Qwen3-8B-DFlash-b16.config.json")), True),
+    }  # fmt: skip
+    return targets, algorithms
+
+
+def family_shape() -> tuple[dict[str, tuple[str, ...]], dict[str, Algorithm]]:
+    """The embedded family's target with its trained drafts."""
+    family = embedded_family()
+    if family is None:
+        raise SystemExit("the outrider-family package is not installed (pip install ./family)")
+    eagle3 = ("--speculative-algorithm", "eagle3", "--draft-model",
+              str(family.target.parent / "eagle3"))  # fmt: skip
+    algorithms = {
+        "chain": Algorithm("family", (*eagle3, "--speculative-num-steps", "3"), False),
+        "tree": Algorithm("family", (*eagle3, "--speculative-num-steps", "3", "--speculative-topk",
+                                     "4", "--speculative-num-draft-tokens", "8"), False),
+        "ngram": Algorithm("family", ("--speculative-algorithm", "ngram"), False),
+        "dflash": Algorithm("family", ("--speculative-algorithm", "dflash", "--draft-model",
+                                       str(family.target.parent / "dflash")), False),
+    }  # fmt: skip
+    return {"family": ("--model", str(family.target))}, algorithms
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One daemon of the sweep: ``none`` or an algorithm at one acceptance."""
+
+    target: str
+    algorithm: str  # "none" or a key of the shape's algorithms
+    acceptance: float | None  # simulated; None: the drafts' own
+
+    @property
+    def name(self) -> str:
+        accepted = "" if self.acceptance is None else f"@{self.acceptance:g}"
+        return f"{self.target}-{self.algorithm}{accepted}"
+
+
+def modes(
+    algorithms: dict[str, Algorithm], chosen: list[str], acceptances: list[float]
+) -> list[Mode]:
+    """``none`` first on each target the chosen algorithms use, then each algorithm at each
+    acceptance (once, unsimulated, where its drafts are real)."""
+    order: list[Mode] = []
+    for name in chosen:
+        algorithm = algorithms[name]
+        if all(mode.target != algorithm.target for mode in order):
+            order.append(Mode(algorithm.target, "none", None))
+        for acceptance in acceptances if algorithm.simulated else [None]:
+            order.append(Mode(algorithm.target, name, acceptance))
+    return sorted(order, key=lambda mode: (mode.target, mode.algorithm != "none"))
+
+
+def serve_command(
+    mode: Mode,
+    targets: dict[str, tuple[str, ...]],
+    algorithms: dict[str, Algorithm],
+    endpoint: str,
+    args: argparse.Namespace,
+) -> list[str]:
+    rows = str(max(args.concurrency))
+    command = [sys.executable, "-m", "outrider.daemon.cli", "serve", "--listen", endpoint,
+               "--device", args.device, *targets[mode.target], "--max-running", rows,
+               "--cuda-graph-max-bs", rows]  # fmt: skip
+    if mode.algorithm == "none":
+        command += ["--speculative-algorithm", "none"]
+    else:
+        command += algorithms[mode.algorithm].flags
+    if mode.acceptance is not None:
+        command += ["--speculative-simulate-acceptance", f"{mode.acceptance:g}"]
+    if args.step_logs:
+        command += ["--step-log", str(args.step_logs / f"{mode.name}.jsonl")]
+    return [*command, *args.serve_args]
+
+
+@contextmanager
+def serving(command: list[str], endpoint: str) -> Iterator[None]:
+    """A daemon started with ``command``, ready at ``endpoint``; stopped after."""
+    print("daemon:", " ".join(command), flush=True)
+    proc = subprocess.Popen(command, env={**os.environ, "OUTRIDER_LOG_LEVEL": "warning"})
+    try:
+        wait_ready(endpoint, proc, 900)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(120)
+
+
+def bench(endpoint: str, concurrency: int, args: argparse.Namespace) -> dict[str, float]:
+    """One ``outrider bench serve`` run at ``concurrency``: its result's ``KEPT`` figures."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [
+            sys.executable, "-m", "outrider.daemon.cli", "bench", "serve", "--endpoint",
+            endpoint, "--dataset", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--num-prompts",
+            str(max(2 * concurrency, 16)), "--max-concurrency", str(concurrency),
+            "--result-json", out.name,
+        ]  # fmt: skip
+        if args.tokenizer:
+            command += ["--tokenizer", str(args.tokenizer)]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        result = json.loads(Path(out.name).read_text())
+    return {key: result[key] for key in KEPT if key in result}
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """``rows`` (mode, target, algorithm, acceptance, concurrency and the figures), each with
+    ``ratio``: its output tok/s over that of ``none`` on its target at its concurrency
+    (None where that run is missing)."""
+    reference = {
+        (row["target"], row["concurrency"]): row["output_throughput"]
+        for row in rows
+        if row["algorithm"] == "none"
+    }
+    out = []
+    for row in rows:
+        base = reference.get((row["target"], row["concurrency"]))
+        out.append({**row, "ratio": row["output_throughput"] / base if base else None})
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'mode':<22} {'C':>4} {'tok/s':>10} {'ratio':>6} {'accept':>6} "
+             f"{'P99 ITL ms':>10} {'P99 TPOT ms':>11}"]  # fmt: skip
+    for row in ratios(rows):
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
+        lines.append(
+            f"{row['mode']:<22} {row['concurrency']:>4} {row['output_throughput']:>10.1f} "
+            f"{ratio:>6} {row.get('spec_decode_acceptance_length', 1.0):>6.2f} "
+            f"{row['p99_itl_ms']:>10.2f} {row['p99_tpot_ms']:>11.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=("dummy", "family"), default="dummy")
+    parser.add_argument("--algorithms", nargs="+", choices=("chain", "tree", "ngram", "dflash"),
+                        default=["chain", "tree", "ngram", "dflash"])  # fmt: skip
+    parser.add_argument("--acceptance", type=float, nargs="+", default=[2.0, 4.0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--tokenizer", type=Path, help="required with --shape dummy")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--step-logs", type=Path, help="a folder: each daemon's --step-log")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("serve_args", nargs="*", help="extra `outrider serve` flags (after --)")
+    args = parser.parse_args()
+    if args.shape == "dummy" and args.tokenizer is None:
+        parser.error("--shape dummy needs --tokenizer (the config.json files have none)")
+    targets, algorithms = dummy_shape() if args.shape == "dummy" else family_shape()
+    if args.step_logs:
+        args.step_logs.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for mode in modes(algorithms, args.algorithms, args.acceptance):
+        endpoint = f"ipc://{tempfile.mkdtemp()}/bench.sock"
+        with serving(serve_command(mode, targets, algorithms, endpoint, args), endpoint):
+            for concurrency in args.concurrency:
+                figures = bench(endpoint, concurrency, args)
+                rows.append({
+                    "mode": mode.name, "target": mode.target, "algorithm": mode.algorithm,
+                    "acceptance": mode.acceptance, "concurrency": concurrency, **figures,
+                })  # fmt: skip
+                args.out.write_text(json.dumps(ratios(rows), indent=1) + "\n")
+                print(json.dumps(rows[-1]), flush=True)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""benchmarks/speculation_sweep.py: which daemons the sweep starts, with which flags, and each
+run's ratio to ``none`` on its own target at its concurrency."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def sweep() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(BENCHMARKS))  # the script imports decode.py beside it
+    try:
+        script = BENCHMARKS / "speculation_sweep.py"
+        spec = importlib.util.spec_from_file_location("speculation_sweep", script)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("speculation_sweep", None)
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_none_first_on_each_target_then_each_algorithm_at_each_acceptance(
+    sweep: ModuleType,
+) -> None:
+    _, algorithms = sweep.dummy_shape()
+    names = [mode.name for mode in sweep.modes(algorithms, ["dflash", "chain"], [2.0, 4.0])]
+    assert names == [
+        "llama-none", "llama-chain@2", "llama-chain@4",
+        "qwen3-none", "qwen3-dflash@2", "qwen3-dflash@4",
+    ]  # fmt: skip
+    _, family = sweep.family_shape()
+    names = [mode.name for mode in sweep.modes(family, ["tree", "ngram"], [2.0, 4.0])]
+    assert names == ["family-none", "family-tree", "family-ngram"]  # real drafts: no simulation
+
+
+def test_a_daemons_flags_hold_its_algorithm_acceptance_and_sizes(
+    sweep: ModuleType, tmp_path: Path
+) -> None:
+    targets, algorithms = sweep.dummy_shape()
+    args = argparse.Namespace(
+        device="cuda", concurrency=[1, 64], step_logs=tmp_path, serve_args=["--max-prompt-run", "2"]
+    )
+    mode = sweep.Mode("qwen3", "dflash", 2.0)
+    command = sweep.serve_command(mode, targets, algorithms, "ipc:///x", args)
+    flags = " ".join(command[command.index("serve") + 1 :])
+    assert flags == (
+        f"--listen ipc:///x --device cuda --model {sweep.CONFIGS}/Qwen3-8B.config.json "
+        "--load-format dummy --dtype bfloat16 --max-running 64 --cuda-graph-max-bs 64 "
+        "--speculative-algorithm dflash --draft-model "
+        f"{sweep.CONFIGS}/Qwen3-8B-DFlash-b16.config.json --speculative-simulate-acceptance 2 "
+        f"--step-log {tmp_path}/qwen3-dflash@2.jsonl --max-prompt-run 2"
+    )
+    none = sweep.serve_command(sweep.Mode("qwen3", "none", None), targets, algorithms, "e", args)
+    assert "--speculative-algorithm none" in " ".join(none)
+    assert "--speculative-simulate-acceptance" not in none
+
+
+def test_each_run_is_compared_with_none_on_its_target_at_its_concurrency(sweep: ModuleType) -> None:
+    def row(target: str, algorithm: str, concurrency: int, tok_s: float) -> dict:
+        return {"mode": f"{target}-{algorithm}", "target": target, "algorithm": algorithm,
+                "concurrency": concurrency, "output_throughput": tok_s,
+                "p99_itl_ms": 1.0, "p99_tpot_ms": 1.0}  # fmt: skip
+
+    rows = [
+        row("llama", "none", 1, 100.0), row("llama", "none", 8, 400.0),
+        row("qwen3", "none", 1, 50.0), row("llama", "chain", 1, 150.0),
+        row("llama", "chain", 8, 392.0), row("qwen3", "dflash", 1, 75.0),
+        row("qwen3", "dflash", 8, 300.0),
+    ]  # fmt: skip
+    assert [r["ratio"] for r in sweep.ratios(rows)] == [1.0, 1.0, 1.0, 1.5, 0.98, 1.5, None]
+    lines = sweep.table(rows).splitlines()
+    assert len(lines) == 8 and lines[-1].split()[:4] == ["qwen3-dflash", "8", "300.0", "-"]
