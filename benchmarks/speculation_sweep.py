@@ -55,40 +55,49 @@ class Algorithm:
     simulated: bool  # its acceptance is simulated (dummy drafts)
 
 
-def dummy_shape() -> tuple[dict[str, tuple[str, ...]], dict[str, Algorithm]]:
+Shape = tuple[dict[str, tuple[str, ...]], dict[str, Algorithm]]  # targets, algorithms
+
+
+def _algorithms(
+    chained: str, blocked: str, eagle3: str, dflash: str, tree: tuple[str, ...], simulated: bool
+) -> dict[str, Algorithm]:
+    """The four algorithms: EAGLE-3's chain and ``tree`` (its shape flags) with the ``eagle3``
+    draft on target ``chained``, n-gram and DFlash with the ``dflash`` draft on ``blocked``."""
+    drafts = ("--speculative-algorithm", "eagle3", "--draft-model", eagle3)
+    return {
+        "chain": Algorithm(chained, (*drafts, "--speculative-num-steps", "3"), simulated),
+        "tree": Algorithm(chained, (*drafts, *tree), simulated),
+        "ngram": Algorithm(blocked, ("--speculative-algorithm", "ngram"), simulated),
+        "dflash": Algorithm(
+            blocked, ("--speculative-algorithm", "dflash", "--draft-model", dflash), simulated
+        ),
+    }
+
+
+def dummy_shape() -> Shape:
     """The 8B targets with dummy weights and their algorithms (module docstring)."""
-    eagle3 = ("--speculative-algorithm", "eagle3", "--draft-model",
-              str(CONFIGS / "Llama-3.1-8B-EAGLE3.config.json"))  # fmt: skip
     targets = {
         "llama": ("--model", str(CONFIGS / "Llama-3.1-8B-Instruct.config.json"), *DUMMY),
         "qwen3": ("--model", str(CONFIGS / "Qwen3-8B.config.json"), *DUMMY),
     }
-    algorithms = {
-        "chain": Algorithm("llama", (*eagle3, "--speculative-num-steps", "3"), True),
-        "tree": Algorithm("llama", (*eagle3, "--speculative-num-steps", "5", "--speculative-topk",
-                                    "4", "--speculative-num-draft-tokens", "16"), True),
-        "ngram": Algorithm("qwen3", ("--speculative-algorithm", "ngram"), True),
-        "dflash": Algorithm("qwen3", ("--speculative-algorithm", "dflash", "--draft-model",
-                                      str(CONFIGS / "Qwen3-8B-DFlash-b16.config.json")), True),
-    }  # fmt: skip
-    return targets, algorithms
+    tree = ("--speculative-num-steps", "5", "--speculative-topk", "4",
+            "--speculative-num-draft-tokens", "16")  # fmt: skip
+    eagle3 = str(CONFIGS / "Llama-3.1-8B-EAGLE3.config.json")
+    dflash = str(CONFIGS / "Qwen3-8B-DFlash-b16.config.json")
+    return targets, _algorithms("llama", "qwen3", eagle3, dflash, tree, simulated=True)
 
 
-def family_shape() -> tuple[dict[str, tuple[str, ...]], dict[str, Algorithm]]:
+def family_shape() -> Shape:
     """The embedded family's target with its trained drafts."""
     family = embedded_family()
     if family is None:
         raise SystemExit("the outrider-family package is not installed (pip install ./family)")
-    eagle3 = ("--speculative-algorithm", "eagle3", "--draft-model",
-              str(family.target.parent / "eagle3"))  # fmt: skip
-    algorithms = {
-        "chain": Algorithm("family", (*eagle3, "--speculative-num-steps", "3"), False),
-        "tree": Algorithm("family", (*eagle3, "--speculative-num-steps", "3", "--speculative-topk",
-                                     "4", "--speculative-num-draft-tokens", "8"), False),
-        "ngram": Algorithm("family", ("--speculative-algorithm", "ngram"), False),
-        "dflash": Algorithm("family", ("--speculative-algorithm", "dflash", "--draft-model",
-                                       str(family.target.parent / "dflash")), False),
-    }  # fmt: skip
+    tree = ("--speculative-num-steps", "3", "--speculative-topk", "4",
+            "--speculative-num-draft-tokens", "8")  # fmt: skip
+    drafts = family.target.parent
+    algorithms = _algorithms(
+        "family", "family", str(drafts / "eagle3"), str(drafts / "dflash"), tree, simulated=False
+    )
     return {"family": ("--model", str(family.target))}, algorithms
 
 
