@@ -85,10 +85,10 @@ up to ``max_probe_requests``) one is fed anyway (``Request.probe``): it counts a
 so it drafts, and measures its kind again. A fed request stops feeding the draft for good
 where a batch of it runs plain and its acceptance does not pay for feeding at that batch's
 size: its own mean (``Request.accepted_at_depth``) once it drafted ``demote_after`` times,
-before that its kind's once the
-kind was observed as often (a probe keeps feeding until it drafted). What it had buffered is
-dropped, never caught up. So a first wave of an unobserved kind, fed to learn, stops feeding
-after the cycle that measured it where its batch is too large for drafting to pay. An
+before that its kind's once the kind learned (a probe keeps feeding until it drafted). What it
+had buffered is dropped, never caught up. So a first wave of an unobserved kind, fed to learn,
+stops feeding after the cycle that measured it where its batch is too large for drafting to
+pay (a wave of ``evidence`` rows or more learns in one cycle). An
 unfed row counts an acceptance length of 1 in a mixed batch; a batch of unfed rows never
 drafts.
 """
