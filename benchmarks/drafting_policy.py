@@ -33,8 +33,8 @@ def _row(rid: int) -> Request:
 def _policy() -> AdaptiveDrafting:
     taus = (1.5, 2.6)
     break_even = BreakEven(
-        (1, 256), taus, taus, catch_up=(0.0, 0.3), cut_drafts=(2, 1),
-        cut_greedy=((1.35, 2.0), (1.2, 1.5)), cut_sampled=((1.35, 2.0), (1.2, 1.5)),
+        (1, 256), taus, taus, cut_drafts=(2, 1), cut_greedy=((1.35, 2.0), (1.2, 1.5)),
+        cut_sampled=((1.35, 2.0), (1.2, 1.5)),
     )  # fmt: skip
     return AdaptiveDrafting(AdaptiveSettings(break_even), WIDTH)
 

@@ -38,14 +38,6 @@ length.
   step right after plain ones runs the catch-up first. At the smallest size, greedy, drafting
   resumes after two plain turns three times; what such a turn takes beyond a drafting turn,
   over a plain turn, is ``BreakEven.resume``.
-- The deferred catch-up: every position a fed row's plain step buffers is caught up later (at
-  a resume, a full buffer or the request's end), a batch over the draft whose cost grows with
-  the positions: at a large batch after many plain steps it costs dozens of plain steps at
-  once. At the largest size a drafting step measures, greedy, drafting resumes after
-  ``CATCH_UP_PLAIN`` plain turns (fewer where a row's buffer holds less), once untimed, then
-  ``RESUMES`` times; what such a turn takes beyond a drafting turn, over the positions caught
-  up, is a position's catch-up. A plain step's deferred cost at each size
-  (``BreakEven.catch_up``) is that times its rows over its plain turn's time.
 - The unfed plain step: where the draft keeps state over the context, a last batch at the
   smallest size runs plain turns, then its rows stop feeding the draft (``Request.fed``) and
   plain turns are timed again: the first turn's time over the second's is
@@ -63,7 +55,6 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 
 from outrider.daemon.engine.step_memory import rows_at
@@ -86,7 +77,6 @@ PROMPT = 256  # tokens of each request's prompt, where the context allows
 PROMPT_SEED = 0  # timing_prompts draws the same prompts at every start
 RESUMES = 3  # resumes timed at the smallest size (greedy)
 PLAIN_BEFORE_RESUME = 2  # plain turns before each: a plain step in flight, positions buffered
-CATCH_UP_PLAIN = 16  # plain turns before each resume timing the catch-up at the largest size
 SAMPLED_TEMPERATURE = 1.0
 SAMPLED_TOP_P = 0.95
 
@@ -105,7 +95,6 @@ def measure_break_even(
     turns = _timed_turns(loop) + 2
     new_tokens = sum(turns * shape.cut(width).max_commit for width in (*widths, 1))
     new_tokens += RESUMES * (PLAIN_BEFORE_RESUME + shape.cut(widths[0]).max_commit)
-    new_tokens += (RESUMES + 1) * (CATCH_UP_PLAIN + shape.cut(widths[0]).max_commit)
     step_room = 2 * shape.kv_span
     length = max(min(PROMPT, limits.context_length - new_tokens - step_room), 1)
     # A row's own pages: the generated tokens, the step's span, the prefix hit's margin pages
@@ -116,35 +105,18 @@ def measure_break_even(
     ] or [1]
     prompts = timing_prompts(max(sizes), length, loop.runner.limits.vocab_limit)
     max_rows = tuple(rows_at(limits.drafting_rows, width, limits.max_running) for width in widths)
-    # The resume's cost at the smallest size and a position's catch-up at the largest drafting
-    # one, greedy, where the runner defers catch-ups.
-    deferred = loop.runner.deferred
-    resume_at = sizes[0] if deferred is not None and max_rows[0] else 0
-    # Positions a row buffers before the timed catch-up: below its capacity (a full buffer
-    # catches up in the plain step itself).
-    buffered = min(CATCH_UP_PLAIN, deferred.capacity - 1) if deferred is not None else 0
-    catch_up_at = max((bs for bs in sizes if bs <= max_rows[0]), default=0) if buffered else 0
+    # The resume's cost, once: at the smallest size, greedy, where the runner defers catch-ups.
+    resume_at = sizes[0] if loop.runner.deferred is not None and max_rows[0] else 0
     costs = partial(_cycle_costs, loop, new_tokens=new_tokens, widths=widths, max_rows=max_rows)
-    timed = [
-        costs(
-            prompts[:bs],
-            temperature=0.0,
-            resume=bs == resume_at,
-            catch_up=buffered if bs == catch_up_at else 0,
-        )
-        for bs in sizes
-    ]
-    greedy = [cost.ratios for cost in timed]  # [size][width]
-    sampled = [costs(prompts[:bs], temperature=SAMPLED_TEMPERATURE).ratios for bs in sizes]
-    resume = timed[0].resume
-    position = max((cost.catch_up for cost in timed), default=0.0)  # seconds a position
-    catch_up = tuple(bs * position / cost.plain for bs, cost in zip(sizes, timed, strict=True))
+    timed = [costs(prompts[:bs], temperature=0.0, resume=bs == resume_at) for bs in sizes]
+    greedy = [ratios for ratios, _ in timed]  # [size][width]
+    sampled = [costs(prompts[:bs], temperature=SAMPLED_TEMPERATURE)[0] for bs in sizes]
+    resume = timed[0][1]
     extras = ""
     if resume_at:
         extras += (
             f"; resuming it after plain steps costs {resume:.2f} plain steps more (the draft's "
-            f"catch-up); a plain step's positions cost {_listed([catch_up], 0, len(sizes))} "
-            "plain steps more when the draft catches up on them"
+            "catch-up)"
         )
     unfed = 1.0
     if limits.draft_state:  # last: its requests publish pages as lacking the draft's state
@@ -166,7 +138,6 @@ def measure_break_even(
         tuple(ratios[0] for ratios in sampled),
         resume,
         unfed,
-        catch_up if catch_up_at else (),
         cut_drafts=tuple(widths[w] - 1 for w in cuts),
         cut_greedy=tuple(tuple(ratios[w] for ratios in greedy) for w in cuts),
         cut_sampled=tuple(tuple(ratios[w] for ratios in sampled) for w in cuts),
@@ -174,10 +145,8 @@ def measure_break_even(
     )
 
 
-def _listed(taus: list[tuple[float, ...]], w: int, count: int | None = None) -> str:
-    """Column ``w`` of ``taus`` (or, with ``count``, the first ``count`` values of row ``w``)."""
-    values = [ratios[w] for ratios in taus] if count is None else list(taus[w][:count])
-    return ", ".join(f"{value:.2f}" if value < math.inf else "-" for value in values)
+def _listed(taus: list[tuple[float, ...]], w: int) -> str:
+    return ", ".join(f"{ratios[w]:.2f}" if ratios[w] < math.inf else "-" for ratios in taus)
 
 
 def timing_prompts(rows: int, length: int, vocab: int) -> list[list[int]]:
@@ -218,16 +187,6 @@ def _timing_batch(
         scheduler.use_policy(previous)
 
 
-@dataclass(frozen=True)
-class CycleCosts:
-    """One size's timing (``_cycle_costs``)."""
-
-    ratios: tuple[float, ...]  # each width's turn over a plain turn (at least 1)
-    plain: float  # a plain turn's time, seconds
-    resume: float = 0.0  # a resume's cost beyond a drafting turn, in plain turns
-    catch_up: float = 0.0  # a buffered position's catch-up, seconds
-
-
 def _cycle_costs(
     loop: EngineLoop,
     prompts: list[list[int]],
@@ -236,13 +195,11 @@ def _cycle_costs(
     widths: tuple[int, ...],
     max_rows: tuple[int, ...],
     resume: bool = False,
-    catch_up: int = 0,
-) -> CycleCosts:
+) -> tuple[tuple[float, ...], float]:
     """A drafting turn's time over a plain turn's (``_turn_time``) at each of ``widths`` whose
     step takes a row per prompt (``max_rows``; infinite for the others), the rows at
-    ``temperature``; with ``resume``, what a drafting turn of the first width right after
-    plain ones costs beyond one, in plain turns (``_resume_time``); with ``catch_up`` above 0,
-    that after ``catch_up`` plain turns, in seconds a position caught up."""
+    ``temperature``; and with ``resume``, what a drafting turn of the first width right after
+    plain ones costs beyond one, in plain turns (``_resume_time``), else 0."""
     with _timing_batch(loop, prompts, new_tokens, temperature) as policy:
         turn = dict.fromkeys(widths, math.inf)
         for width, most in (*zip(widths, max_rows, strict=True), (1, len(prompts))):
@@ -251,17 +208,10 @@ def _cycle_costs(
             policy.fixed = width
             loop.iterate()
             turn[width] = _turn_time(loop)
-        drafting = turn[widths[0]]
-        extra = position = 0.0
+        extra = 0.0
         if resume:
-            resumed = _resume_time(loop, policy, widths[0], PLAIN_BEFORE_RESUME)
-            extra = max(resumed - drafting, 0.0) / turn[1]
-        if catch_up:
-            _resume_time(loop, policy, widths[0], catch_up, repeats=1)  # untimed: first use
-            resumed = _resume_time(loop, policy, widths[0], catch_up)
-            position = max(resumed - drafting, 0.0) / (len(prompts) * catch_up)
-    ratios = tuple(max(turn[width] / turn[1], 1.0) for width in widths)
-    return CycleCosts(ratios, turn[1], extra, position)
+            extra = max(_resume_time(loop, policy, widths[0]) - turn[widths[0]], 0.0) / turn[1]
+    return tuple(max(turn[width] / turn[1], 1.0) for width in widths), extra
 
 
 def _unfed_cost(loop: EngineLoop, prompts: list[list[int]], new_tokens: int) -> float:
@@ -277,18 +227,16 @@ def _unfed_cost(loop: EngineLoop, prompts: list[list[int]], new_tokens: int) -> 
         return max(plain / _turn_time(loop), 1.0)
 
 
-def _resume_time(
-    loop: EngineLoop, policy: FixedDrafting, width: int, plain: int, repeats: int = RESUMES
-) -> float:
-    """A drafting turn of ``width`` right after ``plain`` plain turns (their positions
-    buffered), timed as ``_turn_time`` times one turn: the fastest of ``repeats`` in thread CPU
-    time on the CPU device, else their mean wall time from the end of the plain turn before."""
+def _resume_time(loop: EngineLoop, policy: FixedDrafting, width: int) -> float:
+    """A drafting turn of ``width`` right after plain turns (their positions buffered), timed
+    as ``_turn_time`` times one turn: the fastest of ``RESUMES`` in thread CPU time on the CPU
+    device, else their mean wall time from the end of the plain turn before."""
     cpu = loop.runner.device.type == "cpu"
     clock = time.thread_time if cpu else time.perf_counter
     times = []
-    for _ in range(repeats):
+    for _ in range(RESUMES):
         policy.fixed = 1
-        for _ in range(plain):
+        for _ in range(PLAIN_BEFORE_RESUME):
             loop.iterate()
         policy.fixed = width
         started = clock()

@@ -49,16 +49,13 @@ class BreakEven:
     a step of ``cut_drafts[j]`` drafts (``StepShape.cuts``, below the engine's own).
     ``max_rows``: the most rows a step of the engine's drafts, then of each of ``cut_drafts``,
     takes (``SchedulerLimits.drafting_rows``; empty: every batch); a larger batch never pays
-    there, and a size past it is not timed (its value infinite). ``catch_up[i]``: what the
-    positions a plain step of ``sizes[i]`` fed rows buffers cost when the draft catches up on
-    them later, in plain steps (empty: nothing, where no catch-up is deferred)."""
+    there, and a size past it is not timed (its value infinite)."""
 
     sizes: tuple[int, ...]
     greedy: tuple[float, ...]
     sampled: tuple[float, ...]
     resume: float = 0.0  # what resuming after plain steps costs beyond a cycle, in plain steps
     unfed: float = 1.0  # a plain step's time over the target's own (no row feeding the draft)
-    catch_up: tuple[float, ...] = ()
     cut_drafts: tuple[int, ...] = ()
     cut_greedy: tuple[tuple[float, ...], ...] = ()
     cut_sampled: tuple[tuple[float, ...], ...] = ()
@@ -80,11 +77,6 @@ class BreakEven:
         else:
             values = self.greedy if all_greedy else self.sampled
         return between(self.sizes, values, bs)
-
-    def deferred(self, bs: int) -> float:
-        """A plain step of ``bs`` fed rows counted with its positions' later catch-up, in
-        plain steps: 1 and what ``catch_up`` reads at ``bs``."""
-        return 1.0 + (between(self.sizes, self.catch_up, bs) if self.catch_up else 0.0)
 
     def fits(self, bs: int, drafts: int | None = None) -> bool:
         """Whether a step of ``drafts`` (as ``at``) takes a batch of ``bs`` rows."""

@@ -50,15 +50,6 @@ cycles at the batch's mean would gain the catch-up back: from ``break_even + res
 resume_horizon``. A run, once resumed, goes on at the break-even itself; a probe's result
 resumes one only past that threshold too.
 
-A plain step of rows that feed the draft costs more than its own time: the positions it
-buffers are caught up later, in one batch over the draft (at a resume, a full buffer or the
-request's end; ``BreakEven.catch_up``, measured at start), which at a large batch after a run
-of plain steps is as long as dozens of steps. So a batch compares a cycle with a plain step
-counted with that catch-up for its rows that would keep feeding (``_plain_cost``: those whose
-estimate pays for feeding, below, or that learn; a plain step stops the others feeding). It
-decides a batch where unfed rows, counted at 1, hold the mean below the cycle's cost while
-its fed rows' acceptance pays: plain steps would leave those rows buffering.
-
 A batch that stays plain learns nothing, so after ``probe_every`` plain steps in a row the
 batch drafts once (a probe); each probe that does not bring drafting back doubles the wait, up
 to ``max_probe_every`` (``probe_cap``: where probes take 1 % of the time), so that a batch whose
@@ -325,10 +316,9 @@ class AdaptiveDrafting:
         break_even = self.settings.break_even
         margin = 0.0 if self.drafting_run else break_even.resume / self.settings.resume_horizon
         estimates = [self.estimate(req) for req in rows]
-        plain = self._plain_cost(rows, estimates)
         chosen, gain = self.widths[0], 0.0
         for width in self.widths:
-            threshold = break_even.at(len(rows), all_greedy, width - 1) / plain + margin
+            threshold = break_even.at(len(rows), all_greedy, width - 1) + margin
             mean = sum(
                 threshold if e is None else self.commits(req, e, width - 1)
                 for req, e in zip(rows, estimates, strict=True)
@@ -351,25 +341,6 @@ class AdaptiveDrafting:
             return probe
         self.plain_run += 1
         return 1
-
-    def _plain_cost(self, rows: list[Request], estimates: list[float | None]) -> float:
-        """A plain step of ``rows`` in measured plain steps, counting the later catch-up of
-        the positions its rows that keep feeding the draft buffer (``BreakEven.deferred``):
-        those fed whose estimate pays for feeding at this size, or that learn; a plain step
-        stops the others feeding (``_demote``), and unfed rows buffer nothing."""
-        deferred = self.settings.break_even.deferred(len(rows))
-        if deferred == 1.0:
-            return 1.0
-        pays_from: dict[tuple[int, int | None], float] = {}  # by kind and cap: the same
-        keeping = 0
-        for req, estimate in zip(rows, estimates, strict=True):
-            if req.fed is False:
-                continue
-            key = (kind_of(req), req.max_drafts)
-            if key not in pays_from:
-                pays_from[key] = self.feeding_pays_from(req, len(rows))
-            keeping += estimate is None or estimate >= pays_from[key]
-        return 1.0 + keeping / len(rows) * (deferred - 1.0)
 
     def _demote(self, req: Request, batch: int) -> None:
         """``req``, in a plain batch of ``batch`` rows, stops feeding the draft where its
