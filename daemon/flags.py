@@ -117,9 +117,11 @@ _HELP: dict[str, str] = {
         "backend pads every row to the longest chunk)"
     ),
     "max_prompt_run": (
-        "at most N prompt (EXTEND) batches in a row while requests are decoding, then a decode "
-        "batch first, so that a decoding request waits behind N prompt batches at most (the "
-        "same tokens); 0: prompts always first"
+        "at most N prompt (EXTEND) batches in a row while requests are part-way through "
+        "decoding (a decode step taken), then a decode batch first, so that such a request "
+        "waits behind N prompt batches at most (the same tokens; a request that has not "
+        "decoded yet waits for the run, as a wave of new requests fills the batch); 0: "
+        "prompts always first"
     ),
     "disable_cuda_graph": "run every decode batch eagerly (CUDA graphs are on by default)",
     "cuda_graph_max_bs": "the largest decode batch replayed from a CUDA graph (larger: eager)",

@@ -165,15 +165,23 @@ def test_chunked_prefill_shares_the_token_budget() -> None:
     assert rows(step(s, [21], [41])) == ("decode", [0, 1], [10, 9], [1, 1])
 
 
-@pytest.mark.parametrize(("prompt_run", "kinds"), [(0, "eeeeedd"), (2, "eedeede"), (1, "ededede")])
+@pytest.mark.parametrize(
+    ("prompt_run", "decoded", "kinds"),
+    [(0, 1, "eeeeedd"), (2, 1, "eedeede"), (1, 1, "ededede"), (1, 0, "eeeeedd")],
+)
 def test_a_decode_batch_goes_first_after_the_longest_prompt_run(
-    prompt_run: int, kinds: str
+    prompt_run: int, decoded: int, kinds: str
 ) -> None:
-    """A 20-token prompt in chunks of 4 arrives while a request decodes: its five prompt
-    batches run back to back, or ``max_prompt_run`` at a time with a decode batch between."""
+    """A 20-token prompt in chunks of 4 arrives while a request is part-way through decoding
+    (``decoded`` decode steps taken): its five prompt batches run back to back, or
+    ``max_prompt_run`` at a time with a decode batch between. Arriving right after the first
+    request's prompt (no decode step yet: as a wave of requests admitted together), they run
+    back to back whatever the limit."""
     s = make(chunk=4, prompt_run=prompt_run)
     s.add(request(1, ids(10, 3), max_new=16))
     step(s, [20])
+    for token in range(decoded):
+        step(s, [21 + token])
     s.add(request(2, ids(30, 20)))
     launched = ""
     for _ in range(7):

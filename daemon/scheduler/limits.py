@@ -26,8 +26,8 @@ class SchedulerLimits:
     # Decoding rows ride prompt batches (planner.py; --mixed-batches), those whose positions
     # the host knows exactly.
     mixed_batches: bool = False
-    # Prompt batches in a row while requests decode, then a decode batch first (planner.py;
-    # --max-prompt-run); 0: prompts always first.
+    # Prompt batches in a row while requests are part-way through decoding, then a decode
+    # batch first (planner.py; --max-prompt-run); 0: prompts always first.
     max_prompt_run: int = 0
     # The engine's chain may be cut (its worker's ``cut_steps``): a drafting batch whose rows
     # all cap their drafts lower runs the chain cut to the largest cap (planner.py).

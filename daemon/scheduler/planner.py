@@ -1,8 +1,13 @@
 """Plans: extend batches (prompt chunks, prefix-hit remainders, re-admissions; rows of any
 length) and decode batches (every decoding row verifies the step's ``width`` tokens, its input
 read from the relay buffer). An extend batch goes first when there is extend work, but after
-``SchedulerLimits.max_prompt_run`` extend batches in a row while requests decode (0: no limit)
-a decode batch goes first, so that a decoding row waits behind that many at most. Where
+``SchedulerLimits.max_prompt_run`` extend batches in a row while requests are part-way through
+decoding (0: no limit) a decode batch goes first, so that such a row waits behind that many
+at most. Part-way: a decode step (or a ride) of the row launched, its outputs past the first
+its prompt drew. A row whose prompt just ended is not: a wave of new requests (every one at
+once, as without speculation all finish together) fills the batch before any decodes, as
+with no limit, where counting its own rows would interleave the wave's prompts with its first
+decode steps and stretch every one of them. Where
 ``SchedulerLimits.mixed_batches`` says, the decoding rows ride it, a token each within its
 token budget, so that decoding never stalls behind a prompt: their input is the relay's root,
 their positions the host's, and their token is sampled as a prompt's last. A rider is a plain
@@ -91,19 +96,20 @@ class Planner:
         self.pages = pages
         self.slots = slots
         self._plans = 0
-        self._prompt_run = 0  # extend plans in a row while requests decode
+        self._prompt_run = 0  # extend plans in a row while requests are part-way decoding
 
     def next_plan(self) -> Planned | None:
         """The next batch: extend work first, else a decode batch, but a decode batch first
-        after ``max_prompt_run`` extend batches in a row while requests decode; None when
-        idle."""
+        after ``max_prompt_run`` extend batches in a row while requests are part-way through
+        decoding; None when idle."""
         self._plans += 1
         running = self.admission.running
         if self.drill is not None and self.drill.due(self._plans) and len(running) > 1:
             self.admission.retract(running[-1])
         delta = PageDelta()  # pages a rider grew go with the decode batch if no extend runs
         limit = self.limits.max_prompt_run
-        decoding = bool(limit) and any(r.decoding for r in running)  # counted where limited
+        # Counted where limited: a row part-way through decoding (module docstring).
+        decoding = bool(limit) and any(r.decoding and r.scheduled_outputs > 1 for r in running)
         if limit and self._prompt_run >= limit:
             planned = self._decode(delta) or self._extend(delta)
         else:
