@@ -111,7 +111,7 @@ class Mode:
 
     @property
     def name(self) -> str:
-        accepted = "" if self.acceptance is None else f"@{self.acceptance:g}"
+        accepted = "" if self.acceptance is None else f"-a{self.acceptance:g}"
         return f"{self.target}-{self.algorithm}{accepted}"
 
 

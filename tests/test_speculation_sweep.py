@@ -37,8 +37,8 @@ def test_none_first_on_each_target_then_each_algorithm_at_each_acceptance(
     _, algorithms = sweep.dummy_shape()
     names = [mode.name for mode in sweep.modes(algorithms, ["dflash", "chain"], [2.0, 4.0])]
     assert names == [
-        "llama-none", "llama-chain@2", "llama-chain@4",
-        "qwen3-none", "qwen3-dflash@2", "qwen3-dflash@4",
+        "llama-none", "llama-chain-a2", "llama-chain-a4",
+        "qwen3-none", "qwen3-dflash-a2", "qwen3-dflash-a4",
     ]  # fmt: skip
     _, family = sweep.family_shape()
     names = [mode.name for mode in sweep.modes(family, ["tree", "ngram"], [2.0, 4.0])]
@@ -60,7 +60,7 @@ def test_a_daemons_flags_hold_its_algorithm_acceptance_and_sizes(
         "--load-format dummy --dtype bfloat16 --max-running 64 --cuda-graph-max-bs 64 "
         "--speculative-algorithm dflash --draft-model "
         f"{sweep.CONFIGS}/Qwen3-8B-DFlash-b16.config.json --speculative-simulate-acceptance 2 "
-        f"--step-log {tmp_path}/qwen3-dflash@2.jsonl --max-prompt-run 2"
+        f"--step-log {tmp_path}/qwen3-dflash-a2.jsonl --max-prompt-run 2"
     )
     none = sweep.serve_command(sweep.Mode("qwen3", "none", None), targets, algorithms, "e", args)
     assert "--speculative-algorithm none" in " ".join(none)
