@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tau_of
+from engine_harness import (
+    debug_checks_fixture,
+    engine_for,
+    request,
+    requests_for,
+    run,
+    tau_of,
+)
 from model_fixtures import VOCAB
 
 from outrider.daemon.bench import latency as latency_module
@@ -93,6 +100,25 @@ def test_simulated_acceptance_has_the_asked_mean(
     counters = engine.scheduler.counters()
     assert counters.spec_drafts > 100
     assert tau_of(counters) == pytest.approx(mean, abs=0.15)
+
+
+def test_simulated_acceptance_holds_for_rejection_sampled_drafts(
+    llama_dir: str, eagle3_dir: str
+) -> None:
+    """Sampled rows whose drafts carry their probabilities (``"sample": "rejection"``) commit
+    what the simulation says too, not what the dummy drafts would earn: at 4 every verify of
+    a chain of 3 commits all four tokens."""
+    engine = engine_for(
+        llama_dir, speculative_algorithm="eagle3", draft_model=eagle3_dir,
+        speculative_num_steps=3, speculative_config='{"sample": "rejection"}',
+        speculative_simulate_acceptance=4.0,
+    )  # fmt: skip
+    requests = [
+        request(i, [3 + i, 7, 9 + i], max_new_tokens=33, temperature=1.0, seed=i) for i in range(4)
+    ]
+    run(engine, requests)
+    counters = engine.scheduler.counters()
+    assert counters.spec_drafts == 4 * 8 and tau_of(counters) == 4.0
 
 
 def test_a_simulated_chain_cut_short_accepts_what_the_whole_chain_accepts_of_it() -> None:

@@ -99,7 +99,8 @@ class Verifier:
         # there (its draw, or under the sampled rule the accepted draft or the residual's,
         # distributed as the target's), so every rule stays lossless.
         max_commit = self.slots.max_commit[inputs.slots]
-        if drafts.probs is not None:
+        # Simulated commit lengths (benchmarks) decide rejection-sampled drafts' rows too.
+        if drafts.probs is not None and self.simulated is None:
             chosen = logits if choose_from is None else choose_from
             target = processed_probs(chosen, batch, vocab_limit=limit).view(bs, width, -1)
             seed = self.slots.seed[inputs.slots]
