@@ -3,11 +3,11 @@ length) and decode batches (every decoding row verifies the step's ``width`` tok
 read from the relay buffer). An extend batch goes first when there is extend work, but after
 ``SchedulerLimits.max_prompt_run`` extend batches in a row while requests are part-way through
 decoding (0: no limit) a decode batch goes first, so that such a row waits behind that many
-at most. Part-way: a decode step (or a ride) of the row launched, its outputs past the first
-its prompt drew. A row whose prompt just ended is not: a wave of new requests (every one at
-once, as without speculation all finish together) fills the batch before any decodes, as
-with no limit, where counting its own rows would interleave the wave's prompts with its first
-decode steps and stretch every one of them. Where
+at most. Part-way: a decode step (or a ride) of the row has launched. A row whose prompt has
+just ended does not count, so a wave of new requests (without speculation a batch's requests
+finish together and the next ones arrive together) fills the batch before any of them
+decodes, as with no limit: counting the wave's own rows would interleave its prompts with its
+first decode steps and stretch every one of those. Where
 ``SchedulerLimits.mixed_batches`` says, the decoding rows ride it, a token each within its
 token budget, so that decoding never stalls behind a prompt: their input is the relay's root,
 their positions the host's, and their token is sampled as a prompt's last. A rider is a plain
