@@ -74,8 +74,8 @@ class ServeConfig:
     speculative_simulate_acceptance: float = 0.0
     no_overlap: bool = False
     mixed_batches: bool = False
-    # Prompt batches in a row while requests decode, past which a decode batch goes first
-    # (0: no limit).
+    # Prompt batches in a row while requests are part-way through decoding, past which a
+    # decode batch goes first (0: no limit).
     max_prompt_run: int = 0
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64  # the largest decode batch replayed from a CUDA graph

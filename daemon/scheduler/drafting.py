@@ -227,8 +227,11 @@ class AdaptiveDrafting:
 
     def settled(self, req: Request) -> KindMean | None:
         """``req``'s kind's mean once it holds ``evidence`` observations; None before."""
-        kind = self.kind_tau.get(kind_of(req))
-        return kind if kind is not None and kind.count >= self.settings.evidence else None
+        return self._learned(self.kind_tau.get(kind_of(req)))
+
+    def _learned(self, mean: KindMean | None) -> KindMean | None:
+        """``mean`` where it holds ``evidence`` observations, else None."""
+        return mean if mean is not None and mean.count >= self.settings.evidence else None
 
     def estimate(self, req: Request) -> float | None:
         """``req``'s estimated acceptance length at the engine's depth; None while its kind
@@ -383,11 +386,11 @@ class AdaptiveDrafting:
         if share > 0.0:
             value = min(1.0 + (commit_len - 1) / share, self.depth + 1.0)
         req.accepted_at_depth += value - 1.0
-        settled = self.settled(req)
+        mean = self.kind_tau.get(kind)
+        settled = self._learned(mean)
         if settled is not None:  # while its kind learns, a request keeps no estimate
             start = req.tau_estimate if req.tau_estimate > 0.0 else settled.value
             req.tau_estimate = moved(start, value, self.settings.smoothing)
-        mean = self.kind_tau.get(kind)
         if mean is None:
             mean = self.kind_tau[kind] = KindMean()
         mean.add(value, self.settings.engine_smoothing)
