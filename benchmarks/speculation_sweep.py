@@ -4,8 +4,8 @@ sweep behind "a speculative engine never serves less than ``none``" (BENCHMARKS.
 For each target it starts ``outrider serve`` for ``none``, then for each algorithm at each
 ``--acceptance`` (simulated: ``--speculative-simulate-acceptance``; the drafting policy
 measured at start, as served), and runs ``outrider bench serve`` at each ``--concurrency``
-(random prompts of ``--input-len`` tokens, ``--output-len`` new ones, greedy, ``max(2C, 16)``
-requests). The targets, with dummy weights: Llama-3.1-8B's config for the EAGLE-3 chain (3
+(random prompts of ``--input-len`` tokens drawn with the seed ``C``, ``--output-len`` new
+ones, greedy, ``max(2C, 16)`` requests). The targets, with dummy weights: Llama-3.1-8B's config for the EAGLE-3 chain (3
 drafts) and tree (5 steps x top-4, 16 nodes), Qwen3-8B's for n-gram and DFlash (block of 16);
 each algorithm is compared with ``none`` on its own target, at the same concurrency, in the
 same run. ``--shape family`` serves the embedded family with its trained drafts instead (no
@@ -165,18 +165,29 @@ def serving(command: list[str], endpoint: str) -> Iterator[None]:
         proc.wait(120)
 
 
+def bench_command(
+    endpoint: str, concurrency: int, result: str, args: argparse.Namespace
+) -> list[str]:
+    """The ``outrider bench serve`` run at ``concurrency``, its result written to ``result``.
+    Its prompts are seeded by the concurrency: a daemon's prefix cache holds the earlier runs'
+    prompts, and the same seed would serve a run's first requests from it (how much, set by
+    which concurrencies ran before), so that a cell's figures would depend on the list."""
+    command = [
+        sys.executable, "-m", "outrider.daemon.cli", "bench", "serve", "--endpoint", endpoint,
+        "--dataset", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--num-prompts",
+        str(max(2 * concurrency, 16)), "--max-concurrency", str(concurrency),
+        "--seed", str(concurrency), "--result-json", result,
+    ]  # fmt: skip
+    if args.tokenizer:
+        command += ["--tokenizer", str(args.tokenizer)]
+    return command
+
+
 def bench(endpoint: str, concurrency: int, args: argparse.Namespace) -> dict[str, float]:
     """One ``outrider bench serve`` run at ``concurrency``: its result's ``KEPT`` figures."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [
-            sys.executable, "-m", "outrider.daemon.cli", "bench", "serve", "--endpoint",
-            endpoint, "--dataset", "random", "--random-input-len", str(args.input_len),
-            "--random-output-len", str(args.output_len), "--num-prompts",
-            str(max(2 * concurrency, 16)), "--max-concurrency", str(concurrency),
-            "--result-json", out.name,
-        ]  # fmt: skip
-        if args.tokenizer:
-            command += ["--tokenizer", str(args.tokenizer)]
+        command = bench_command(endpoint, concurrency, out.name, args)
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         result = json.loads(Path(out.name).read_text())
     return {key: result[key] for key in KEPT if key in result}

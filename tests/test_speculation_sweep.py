@@ -82,3 +82,14 @@ def test_each_run_is_compared_with_none_on_its_target_at_its_concurrency(sweep: 
     assert [r["ratio"] for r in sweep.ratios(rows)] == [1.0, 1.0, 1.0, 1.5, 0.98, 1.5, None]
     lines = sweep.table(rows).splitlines()
     assert len(lines) == 8 and lines[-1].split()[:4] == ["qwen3-dflash", "8", "300.0", "-"]
+
+
+def test_each_concurrency_draws_its_own_prompts(sweep: ModuleType) -> None:
+    args = argparse.Namespace(input_len=512, output_len=128, tokenizer=Path("/tok"))
+    runs = {c: sweep.bench_command("ipc:///x", c, "/r.json", args) for c in (1, 8)}
+    flags = " ".join(runs[8][runs[8].index("serve") + 1 :])
+    assert flags == (
+        "--endpoint ipc:///x --dataset random --random-input-len 512 --random-output-len 128 "
+        "--num-prompts 16 --max-concurrency 8 --seed 8 --result-json /r.json --tokenizer /tok"
+    )
+    assert runs[1][runs[1].index("--seed") + 1] == "1"  # not the prompts (or cache) of 8
