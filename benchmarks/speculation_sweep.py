@@ -5,8 +5,9 @@ For each target it starts ``outrider serve`` for ``none``, then for each algorit
 ``--acceptance`` (simulated: ``--speculative-simulate-acceptance``; the drafting policy
 measured at start, as served), and runs ``outrider bench serve`` at each ``--concurrency``
 (random prompts of ``--input-len`` tokens drawn with the seed ``C``, ``--output-len`` new
-ones, greedy, ``max(2C, 16)`` requests). The targets, with dummy weights: Llama-3.1-8B's config for the EAGLE-3 chain (3
-drafts) and tree (5 steps x top-4, 16 nodes), Qwen3-8B's for n-gram and DFlash (block of 16);
+ones, greedy, ``max(2C, 16)`` requests). The targets, with dummy weights: Llama-3.1-8B's
+config for the EAGLE-3 chain (3 drafts) and tree (5 steps x top-4, 16 nodes), Qwen3-8B's for
+n-gram and DFlash (block of 16);
 each algorithm is compared with ``none`` on its own target, at the same concurrency, in the
 same run. ``--shape family`` serves the embedded family with its trained drafts instead (no
 simulation: ``--acceptance`` is ignored), on any device: a smoke run on a CPU.

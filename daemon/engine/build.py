@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -46,8 +45,9 @@ from outrider.daemon.engine.ranks import RankChannel
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits, target_phases
 from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.engine.verify import SimulatedAcceptance, Verifier
+from outrider.daemon.engine.warm_up import warm_up
 from outrider.daemon.grammar.tool_calls import tool_call_format
-from outrider.daemon.internal import ModelFacts, own_request
+from outrider.daemon.internal import ModelFacts
 from outrider.daemon.processes.preflight import resolve_plugins
 from outrider.daemon.sampling_defaults import resolve_sampling_defaults
 from outrider.daemon.scheduler.drafting import AlternateDrafting, DraftPolicy
@@ -67,7 +67,6 @@ from outrider.plugins.models.config import ModelConfig, kv_bytes_per_token, load
 from outrider.plugins.models.loader import load_model
 from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.models.weights import LoadProgress
-from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.plugins.speculative.base import NoDraft, WorkerContext
 
 log = logging.getLogger("outrider.engine")
@@ -169,7 +168,7 @@ def build_engine(
     widths = built.widths
     if adapts(config, shape):  # plain steps and every chain depth too, before READY
         loop.scheduler.use_policy(AlternateDrafting(widths[:-1]))
-    _warm_up(loop)
+    warm_up(loop, ladder=runner.device.type == "cuda")  # JIT kernels compile there
     policy = drafting_policy(config, shape, widths, loop, plan.pool_tokens)
     _enable_debug_checks(runner)
     # Forget the warm-up's cache entries and counters.
@@ -383,17 +382,3 @@ def _free_bytes(device: str) -> int:
         free, _total = torch.cuda.mem_get_info()
         return free
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _warm_up(loop: EngineLoop) -> None:
-    """EXTEND and decode batches of one and of two sampled rows through every routed phase
-    before READY, so that no kernel compiles while serving (drafting and plain decode batches
-    both, where the drafting policy may choose either)."""
-    started = time.monotonic()
-    for rid in (-1, -2):
-        sampling = SamplingSpec(temperature=1.0, top_p=0.9, top_k=4, seed=1, logprobs=2)
-        loop.scheduler.add(own_request(rid, "warm-up", [0] * 4, 2 - rid, sampling))
-    while loop.has_work:
-        loop.iterate()
-    loop.idle_check()
-    log.info("warm-up done in %.2f s", time.monotonic() - started)

@@ -39,9 +39,14 @@ MODE_NON_CAUSAL = tl.constexpr(plan.MODE_NON_CAUSAL)
 MODE_TREE = tl.constexpr(plan.MODE_TREE)
 SPLIT_GRAIN = tl.constexpr(plan.SPLIT_GRAIN)
 LOG2_E = tl.constexpr(plan.LOG2_E)
+# Integers that vary from batch to batch, which Triton would otherwise specialize on (equal to
+# 1, a multiple of 16): each class a compile of its own at its first batch, while serving. The
+# split count and the strides it sets (a row's log-sum-exps: ``S`` apart; a token's: ``Hq x
+# S``) and a tree's width; every other integer is fixed per engine and layer.
+SPLIT_COUNTED = ("num_splits", "stride_lt", "stride_lh")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=(*SPLIT_COUNTED, "tree_block"))
 def attend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     page_table_ptr, slots_ptr, seq_lens_ptr, q_start_ptr, positions_ptr, tree_ptr, sinks_ptr,
@@ -170,7 +175,7 @@ def attend_kernel(
         tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SPLIT_COUNTED)
 def merge_kernel(
     part_ptr, lse_ptr, out_ptr, sinks_ptr,
     stride_pt, stride_ph, stride_ps,  # partials: [T, Hq, S, D] float32
