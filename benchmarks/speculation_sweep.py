@@ -7,10 +7,13 @@ measured at start, as served), and runs ``outrider bench serve`` at each ``--con
 (random prompts of ``--input-len`` tokens drawn with the seed ``C``, ``--output-len`` new
 ones, greedy, ``max(2C, 16)`` requests). The targets, with dummy weights: Llama-3.1-8B's
 config for the EAGLE-3 chain (3 drafts) and tree (5 steps x top-4, 16 nodes), Qwen3-8B's for
-n-gram and DFlash (block of 16);
-each algorithm is compared with ``none`` on its own target, at the same concurrency, in the
-same run. ``--shape family`` serves the embedded family with its trained drafts instead (no
-simulation: ``--acceptance`` is ignored), on any device: a smoke run on a CPU.
+n-gram and DFlash (block of 16); each algorithm is compared with ``none`` on its own target,
+at the same concurrency, in the same run. ``--fixed N ...`` adds, for each algorithm and
+acceptance, a daemon that drafts every decode batch at verify width N
+(``--speculative-min-acceptance 0``; DFlash at its block, its only width): the fixed lengths
+the drafting policy's choice is measured against. ``--shape family`` serves the embedded
+family with its trained drafts instead (no simulation: ``--acceptance`` is ignored), on any
+device: a smoke run on a CPU.
 
 Every result goes to ``--out`` (JSON) as it comes, and a table to stdout: output tok/s, the
 ratio to ``none``, the acceptance length, and the P99 ITL and TPOT.
@@ -31,7 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +45,7 @@ from outrider.daemon.family import embedded_family
 
 CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "configs"
 DUMMY = ("--load-format", "dummy", "--dtype", "bfloat16")
+STEPS, TOKENS = "--speculative-num-steps", "--speculative-num-draft-tokens"
 KEPT = (
     "output_throughput", "completed", "failed", "duration", "spec_decode_acceptance_length",
     "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
@@ -54,6 +58,9 @@ class Algorithm:
     target: str  # the key of its target in the shape's targets
     flags: tuple[str, ...]
     simulated: bool  # its acceptance is simulated (dummy drafts)
+    # The flag that fixes its verify width N, and what it takes: N + offset ("": its width
+    # is the draft's own, DFlash's block).
+    width_flag: tuple[str, int] = ("", 0)
 
 
 Shape = tuple[dict[str, tuple[str, ...]], dict[str, Algorithm]]  # targets, algorithms
@@ -66,9 +73,11 @@ def _algorithms(
     draft on target ``chained``, n-gram and DFlash with the ``dflash`` draft on ``blocked``."""
     drafts = ("--speculative-algorithm", "eagle3", "--draft-model", eagle3)
     return {
-        "chain": Algorithm(chained, (*drafts, "--speculative-num-steps", "3"), simulated),
-        "tree": Algorithm(chained, (*drafts, *tree), simulated),
-        "ngram": Algorithm(blocked, ("--speculative-algorithm", "ngram"), simulated),
+        "chain": Algorithm(
+            chained, (*drafts, "--speculative-num-steps", "3"), simulated, (STEPS, -1)
+        ),
+        "tree": Algorithm(chained, (*drafts, *tree), simulated, (TOKENS, 0)),
+        "ngram": Algorithm(blocked, ("--speculative-algorithm", "ngram"), simulated, (TOKENS, 0)),
         "dflash": Algorithm(
             blocked, ("--speculative-algorithm", "dflash", "--draft-model", dflash), simulated
         ),
@@ -109,25 +118,35 @@ class Mode:
     target: str
     algorithm: str  # "none" or a key of the shape's algorithms
     acceptance: float | None  # simulated; None: the drafts' own
+    # None: the drafting policy chooses; else every decode batch drafts (the policy off) at
+    # this verify width N, 0: at the algorithm's own.
+    fixed: int | None = None
 
     @property
     def name(self) -> str:
         accepted = "" if self.acceptance is None else f"-a{self.acceptance:g}"
-        return f"{self.target}-{self.algorithm}{accepted}"
+        width = "" if self.fixed is None else f"-n{self.fixed}" if self.fixed else "-whole"
+        return f"{self.target}-{self.algorithm}{accepted}{width}"
 
 
 def modes(
-    algorithms: dict[str, Algorithm], chosen: list[str], acceptances: list[float]
+    algorithms: dict[str, Algorithm],
+    chosen: list[str],
+    acceptances: list[float],
+    fixed: Sequence[int] = (),
 ) -> list[Mode]:
     """``none`` first on each target the chosen algorithms use, then each algorithm at each
-    acceptance (once, unsimulated, where its drafts are real)."""
+    acceptance (once, unsimulated, where its drafts are real): as its policy chooses, then at
+    each ``fixed`` verify width (once at its own where the draft fixes it)."""
     order: list[Mode] = []
     for name in chosen:
         algorithm = algorithms[name]
         if all(mode.target != algorithm.target for mode in order):
             order.append(Mode(algorithm.target, "none", None))
+        widths = fixed if algorithm.width_flag[0] else [0] if fixed else []
         for acceptance in acceptances if algorithm.simulated else [None]:
             order.append(Mode(algorithm.target, name, acceptance))
+            order += [Mode(algorithm.target, name, acceptance, width) for width in widths]
     return sorted(order, key=lambda mode: (mode.target, mode.algorithm != "none"))
 
 
@@ -148,6 +167,11 @@ def serve_command(
         command += algorithms[mode.algorithm].flags
     if mode.acceptance is not None:
         command += ["--speculative-simulate-acceptance", f"{mode.acceptance:g}"]
+    if mode.fixed is not None:  # after the algorithm's flags: the last of a flag counts
+        command += ["--speculative-min-acceptance", "0"]
+        flag, offset = algorithms[mode.algorithm].width_flag
+        if mode.fixed:
+            command += [flag, str(mode.fixed + offset)]
     if args.step_logs:
         command += ["--step-log", str(args.step_logs / f"{mode.name}.jsonl")]
     return [*command, *args.serve_args]
@@ -230,6 +254,9 @@ def main() -> None:
                         default=["chain", "tree", "ngram", "dflash"])  # fmt: skip
     parser.add_argument("--acceptance", type=float, nargs="+", default=[2.0, 4.0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    parser.add_argument("--fixed", type=int, nargs="*", default=[], metavar="N",
+                        help="also each algorithm drafting every batch at verify width N "
+                        "(DFlash: its block)")  # fmt: skip
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--tokenizer", type=Path, help="required with --shape dummy")
@@ -244,7 +271,7 @@ def main() -> None:
     if args.step_logs:
         args.step_logs.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    for mode in modes(algorithms, args.algorithms, args.acceptance):
+    for mode in modes(algorithms, args.algorithms, args.acceptance, args.fixed):
         endpoint = f"ipc://{tempfile.mkdtemp()}/bench.sock"
         with serving(serve_command(mode, targets, algorithms, endpoint, args), endpoint):
             for concurrency in args.concurrency:

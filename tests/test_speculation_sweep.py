@@ -93,3 +93,30 @@ def test_each_concurrency_draws_its_own_prompts(sweep: ModuleType) -> None:
         "--num-prompts 16 --max-concurrency 8 --seed 8 --result-json /r.json --tokenizer /tok"
     )
     assert runs[1][runs[1].index("--seed") + 1] == "1"  # not the prompts (or cache) of 8
+
+
+def test_fixed_widths_draft_every_batch_at_each_width(sweep: ModuleType, tmp_path: Path) -> None:
+    targets, algorithms = sweep.dummy_shape()
+    chosen = sweep.modes(algorithms, ["chain", "dflash"], [2.0], fixed=[2, 4])
+    assert [mode.name for mode in chosen] == [
+        "llama-none", "llama-chain-a2", "llama-chain-a2-n2", "llama-chain-a2-n4",
+        "qwen3-none", "qwen3-dflash-a2", "qwen3-dflash-a2-whole",  # its block, once
+    ]  # fmt: skip
+    args = argparse.Namespace(device="cuda", concurrency=[1], step_logs=None, serve_args=[])
+
+    def tail(mode: object) -> list[str]:
+        command = sweep.serve_command(mode, targets, algorithms, "e", args)
+        return command[command.index("--speculative-simulate-acceptance") :]
+
+    # The chain's steps are N - 1, after its own 3 (the last of a flag counts); a tree's and
+    # n-gram's width is N itself.
+    assert tail(chosen[3]) == [
+        "--speculative-simulate-acceptance", "2", "--speculative-min-acceptance", "0",
+        "--speculative-num-steps", "3",
+    ]  # fmt: skip
+    assert tail(chosen[6]) == [
+        "--speculative-simulate-acceptance", "2", "--speculative-min-acceptance", "0"
+    ]  # fmt: skip
+    tree = sweep.Mode("llama", "tree", 4.0, 9)
+    assert tail(tree)[-2:] == ["--speculative-num-draft-tokens", "9"]
+    assert tail(chosen[1]) == ["--speculative-simulate-acceptance", "2"]  # the policy chooses
