@@ -95,12 +95,17 @@ def test_triton_checks_its_install(monkeypatch: pytest.MonkeyPatch) -> None:
     assert SPEC.check(SPEC, ctx) == []
 
 
-def test_triton_options_fix_the_split_count_within_bounds() -> None:
+def test_triton_options_fix_the_split_count_and_launch_settings_within_bounds() -> None:
     assert SPEC.parse_options(None) == TritonOptions(kv_splits=0)
     assert SPEC.parse_options('{"kv_splits": 8}') == TritonOptions(kv_splits=8)
+    tuned = '{"block_n": 32, "num_warps": 8, "num_stages": 3, "programs_per_sm": 4}'
+    assert SPEC.parse_options(tuned) == TritonOptions(
+        block_n=32, num_warps=8, num_stages=3, programs_per_sm=4
+    )
     caps = SPEC.attention
     assert caps is not None
-    for bad in ('{"kv_splits": 65}', '{"kv_splits": -1}', '{"splits": 2}'):
+    for bad in ('{"kv_splits": 65}', '{"kv_splits": -1}', '{"splits": 2}', '{"block_n": 8}',
+                '{"block_n": 48}', '{"num_warps": 3}', '{"num_stages": 9}'):  # fmt: skip
         [problem] = attention_problems(
             SPEC, caps, _ctx(EVERYWHERE, attention_config={"triton": bad})
         )
@@ -125,6 +130,10 @@ def test_launches_fill_the_device_from_the_batch_size_and_width_alone() -> None:
     assert plan(1, 2048) == (64, 64, 128, 1)  # a prompt chunk: query tiles fill the device
     assert plan(1, 1, head_dim=256)[1] == 32
     assert plan(1, 1, kv_splits=3)[3] == 3
+    assert launch_plan(
+        num_q_heads=32, num_kv_heads=8, head_dim=128, bs=1, max_q=1, mode=MODE_CAUSAL,
+        programs_wanted=264, block_n=128,
+    ).block_n == 128  # fmt: skip
     assert not launch_plan(
         num_q_heads=4, num_kv_heads=4, head_dim=64, bs=300, max_q=1, mode=MODE_TREE,
         programs_wanted=264,
@@ -134,8 +143,9 @@ def test_launches_fill_the_device_from_the_batch_size_and_width_alone() -> None:
 # --- kernels against the torch backend -------------------------------------------------------
 
 
-def triton_backend(shape: AttentionShape, kv_splits: int = 0) -> AttentionBackend:
-    built: AttentionBackend = SPEC.load()(shape, TritonOptions(kv_splits=kv_splits), DEVICE)
+def triton_backend(shape: AttentionShape, kv_splits: int = 0, **tuning: int) -> AttentionBackend:
+    options = TritonOptions(kv_splits=kv_splits, **tuning)
+    built: AttentionBackend = SPEC.load()(shape, options, DEVICE)
     return built
 
 
@@ -159,12 +169,18 @@ def _sinks(shape: AttentionShape, gen: torch.Generator) -> torch.Tensor | None:
 
 
 def _prompts_then_decode(
-    shape: AttentionShape, page_size: int, kv_splits: int, atol: float, max_len: int = 64
+    shape: AttentionShape,
+    page_size: int,
+    kv_splits: int,
+    atol: float,
+    max_len: int = 64,
+    **tuning: int,
 ) -> None:
     """Ragged prompt chunks over a cached prefix, then decode steps (a row joining with its
-    first token, of length 1), page boundaries crossed on the way."""
+    first token, of length 1), page boundaries crossed on the way; ``tuning``: the backend's
+    launch settings (``TritonOptions``)."""
     reference = torch_backend(shape, DEVICE)
-    fused = triton_backend(shape, kv_splits)
+    fused = triton_backend(shape, kv_splits, **tuning)
     rows = PagedRows(
         num_layers=1, shape=shape, page_size=page_size, max_len=max_len, dtype=shape.dtype,
         device=DEVICE,
@@ -218,6 +234,16 @@ def test_verify_layouts_under_a_window_and_sinks_match_torch(kind: Kind) -> None
         got = ForwardBatch.bind(batch, fused, rows.kv).attend(0, q, k, v, sinks)
         want = ForwardBatch.bind(batch, reference, rows.kv).attend(0, q, k, v, sinks)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+def test_launch_settings_leave_the_attention_unchanged() -> None:
+    """KV steps of 16 (the default: 64), two warps and stages, one program an SM (so one split
+    where the device is one SM, the interpreter's)."""
+    _prompts_then_decode(
+        SHAPE, page_size=16, kv_splits=0, atol=1e-4, max_len=96,
+        block_n=16, num_warps=2, num_stages=2, programs_per_sm=1,
+    )  # fmt: skip
 
 
 @needs_triton

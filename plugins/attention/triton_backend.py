@@ -21,8 +21,22 @@ from outrider.plugins.checks import attention_option, head_dim_problems
 
 
 class TritonOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Launch settings; 0 leaves each to the plan (triton_plan.py) or to Triton."""
+
     # KV splits per (row, kv head, query tile); 0: enough to fill the GPU at the batch size.
     kv_splits: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    # KV positions a program reads per loop step (a power of two from 16 to 256).
+    block_n: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0
+    num_warps: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0  # a power of two
+    num_stages: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0  # the KV loop's pipeline depth
+    # Programs per SM the split count aims at (``PROGRAMS_PER_SM``).
+    programs_per_sm: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
+
+    def __post_init__(self) -> None:
+        if self.block_n and (self.block_n < MIN_BLOCK or self.block_n & (self.block_n - 1)):
+            raise ValueError(f"block_n is a power of two from {MIN_BLOCK}, not {self.block_n}")
+        if self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps is a power of two, not {self.num_warps}")
 
 
 def head_dim_problem(head_dim: int) -> str | None:

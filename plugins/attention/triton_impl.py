@@ -57,8 +57,9 @@ class TritonAttention(AttentionBackend):
         sms = 1  # the CPU interpreter
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.programs_wanted = PROGRAMS_PER_SM * sms
-        self.kv_splits: int = options.kv_splits
+        self.programs_wanted = (options.programs_per_sm or PROGRAMS_PER_SM) * sms
+        # Triton's own pipeline depth unless the options set one.
+        self.stages = {"num_stages": options.num_stages} if options.num_stages else {}
 
     def build(self, layout: BatchLayout) -> TritonMetadata:
         plan = launch_plan(
@@ -69,7 +70,8 @@ class TritonAttention(AttentionBackend):
             max_q=layout.max_q,
             mode=_mode(layout),
             programs_wanted=self.programs_wanted,
-            kv_splits=self.kv_splits,
+            kv_splits=self.options.kv_splits,
+            block_n=self.options.block_n,
         )
         tree = layout.tree_mask.view(torch.uint8) if layout.tree_mask is not None else None
         if not plan.merged:
@@ -169,6 +171,7 @@ class TritonAttention(AttentionBackend):
             SINKS=has_sinks,
             # fp32 as fp32 (no TF32 rounding); the default for half types.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-            num_warps=4 if shape.head_dim <= 128 else 8,
+            num_warps=self.options.num_warps or (4 if shape.head_dim <= 128 else 8),
+            **self.stages,
             **pdl_options(q.device),
         )  # fmt: skip

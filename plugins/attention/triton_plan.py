@@ -58,13 +58,15 @@ def launch_plan(
     mode: int,
     programs_wanted: int,
     kv_splits: int = 0,
+    block_n: int = 0,
 ) -> LaunchPlan:
     """The launch for ``bs`` rows of at most ``max_q`` queries. ``programs_wanted``: programs
-    that fill the device; ``kv_splits`` > 0 fixes the split count instead."""
+    that fill the device; ``kv_splits`` > 0 fixes the split count instead, ``block_n`` > 0 the
+    KV positions a loop step."""
     pairs = max_q * (num_q_heads // num_kv_heads)
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK, 1 << (pairs - 1).bit_length()))
     query_tiles = -(-pairs // block_m)
     programs = bs * num_kv_heads * query_tiles
     splits = kv_splits or max(1, min(MAX_KV_SPLITS, programs_wanted // programs))
-    block_n = 64 if head_dim <= 128 else 32
+    block_n = block_n or (64 if head_dim <= 128 else 32)
     return LaunchPlan(mode, block_m, block_n, query_tiles, splits)
