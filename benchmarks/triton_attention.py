@@ -7,20 +7,22 @@ reaches, against the device's read rate measured on the spot.
 
 0 in a list is the backend's default (``TritonOptions``). Each case: random paged K/V of one
 layer (32 q heads, 8 KV heads, head dim 128, bfloat16, pages of 16 handed out shuffled, as a
-long-running pool hands them), each row ``context`` long after the step; a graph of 20
-forwards (the new K/V's store included, as in a layer) replayed 10 times, the median of 5
-such replays. The rate counts each row's K and V once.
+long-running pool hands them), each row ``context`` long after the step. Timed as
+``fp8_gemv.py`` times: a CUDA graph of 24 forwards (the new K/V's store included, as in a
+layer), cycling over enough copies of the batch's KV that none is read from L2. The rate
+counts each row's K and V once.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 from collections.abc import Callable
+from functools import partial
 from importlib.metadata import version
 
 import torch
+from fp8_gemv import copies, device_us  # benchmarks/ is sys.path[0] when run as a script
 
 from outrider.plugins.attention.triton_backend import SPEC, TritonOptions
 from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, KVCache
@@ -32,11 +34,15 @@ CASES = [(1, 1024, 1), (1, 8192, 1), (32, 1024, 1), (256, 640, 1), (256, 2048, 1
 
 
 def layout(
-    rows: int, context: int, queries: int, gen: torch.Generator, device: torch.device
+    rows: int,
+    context: int,
+    queries: int,
+    pages: torch.Tensor,
+    device: torch.device,
 ) -> BatchLayout:
-    """Each row's last ``queries`` positions are this step's queries, over shuffled pages."""
+    """Each row's last ``queries`` positions are this step's queries, over ``pages`` (as many
+    as the rows' contexts take, in the order they are handed out)."""
     per_row = -(-context // PAGE)
-    pages = 1 + torch.randperm(rows * per_row, generator=gen)  # page 0: the scratch page
     table = pages.view(rows, per_row).to(device, torch.int32)
     positions = torch.arange(context - queries, context).repeat(rows)  # [T]
     row_of = torch.arange(rows).repeat_interleave(queries)
@@ -60,80 +66,61 @@ def layout(
     )
 
 
-def device_ms(run: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
-    """A call's device time: a graph of ``calls`` calls replayed ``replays`` times, median of 5."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        run()  # compiles and warms outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            run()
+def attend(fb: ForwardBatch, qkv: tuple[torch.Tensor, ...]) -> None:
+    fb.attend(0, *qkv)
+
+
+def case_us(rows: int, context: int, queries: int, options: list[TritonOptions]) -> list[float]:
+    """One layer's attention over the case's batch with each of ``options``: microseconds."""
+    device = torch.device("cuda")
+    per_copy = rows * -(-context // PAGE)
+    n = copies(rows * context * KV_HEADS * HEAD_DIM * 2 * 2)
+    kv = KVCache.allocate(1, 1 + n * per_copy, PAGE, SHAPE, SHAPE.dtype, device)
+    for cache in (*kv.k, *kv.v):
+        cache.normal_()
+    shuffled = 1 + torch.randperm(n * per_copy, generator=torch.Generator().manual_seed(0))
+    batches = [
+        layout(rows, context, queries, shuffled[i * per_copy : (i + 1) * per_copy], device)
+        for i in range(n)
+    ]
+    tokens = rows * queries
+    q = torch.randn(tokens, Q_HEADS, HEAD_DIM, device=device, dtype=SHAPE.dtype)
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=device, dtype=SHAPE.dtype)
+    qkv = (q, k, torch.randn_like(k))  # page 0 (scratch) is never read
     times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / (calls * replays))
-    return statistics.median(times)
-
-
-def attention_ms(
-    batch: BatchLayout,
-    kv: KVCache,
-    options: TritonOptions,
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> float:
-    """One layer's attention over ``batch`` (its K/V stored first) with ``options``."""
-    backend = SPEC.load()(SHAPE, options, batch.positions.device)
-    fb = ForwardBatch.bind(batch, backend, kv)
-    return device_ms(lambda: fb.attend(0, *qkv))
-
-
-def read_rate_gbs() -> float:
-    """The device's read rate: a 4 GiB sum."""
-    data = torch.ones(1 << 31, dtype=torch.bfloat16, device="cuda")
-    return data.numel() * 2 / device_ms(lambda: data.sum(), calls=5, replays=4) / 1e6
+    for setting in options:
+        backend = SPEC.load()(SHAPE, setting, device)
+        calls: list[Callable[[], object]] = [
+            partial(attend, ForwardBatch.bind(batch, backend, kv), qkv) for batch in batches
+        ]
+        times.append(device_us(calls))
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in (("block-n", [0]), ("num-warps", [0]), ("num-stages", [0]),
-                          ("programs-per-sm", [0])):  # fmt: skip
-        parser.add_argument(f"--{flag}", type=int, nargs="+", default=default)
+    for flag in ("block-n", "num-warps", "num-stages", "programs-per-sm"):
+        parser.add_argument(f"--{flag}", type=int, nargs="+", default=[0])
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {version('triton')}")
-    peak = read_rate_gbs()
-    print(f"read rate (4 GiB sum): {peak:,.0f} GB/s")
-    settings = [
+    data = torch.ones(1 << 31, dtype=torch.bfloat16, device="cuda")
+    peak = data.numel() * 2 / device_us([data.sum]) / 1e3  # GB/s
+    print(f"read rate (a 4 GiB sum): {peak:,.0f} GB/s")
+    del data
+    options = [
         TritonOptions(block_n=n, num_warps=w, num_stages=s, programs_per_sm=p)
         for n, w, s, p in itertools.product(
             args.block_n, args.num_warps, args.num_stages, args.programs_per_sm
         )
     ]
-    gen = torch.Generator().manual_seed(0)
-    print("rows context queries | block_n warps stages programs/SM | us | GB/s | % of read rate")
+    print("rows context queries | block_n warps stages programs/SM | us | GB/s | % of read")
     for rows, context, queries in CASES:
-        batch = layout(rows, context, queries, gen, torch.device("cuda"))
-        kv = KVCache.allocate(1, rows * -(-context // PAGE) + 1, PAGE, SHAPE, SHAPE.dtype,
-                              torch.device("cuda"))  # fmt: skip
-        for cache in (*kv.k, *kv.v):
-            cache.normal_()
-        tokens = rows * queries
-        q = torch.randn(tokens, Q_HEADS, HEAD_DIM, device="cuda", dtype=SHAPE.dtype)
-        k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=SHAPE.dtype)
-        v = torch.randn_like(k)
         read = rows * context * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bfloat16
-        for options in settings:
-            ms = attention_ms(batch, kv, options, (q, k, v))
-            rate = read / ms / 1e6
+        for setting, us in zip(options, case_us(rows, context, queries, options), strict=True):
+            rate = read / us / 1e3
             print(
-                f"{rows:4} {context:7} {queries:7} | {options.block_n:7} {options.num_warps:5} "
-                f"{options.num_stages:6} {options.programs_per_sm:12} | {ms * 1e3:8.1f} | "
+                f"{rows:4} {context:7} {queries:7} | {setting.block_n:7} {setting.num_warps:5} "
+                f"{setting.num_stages:6} {setting.programs_per_sm:12} | {us:8.1f} | "
                 f"{rate:7,.0f} | {100 * rate / peak:5.1f}"
             )
 
