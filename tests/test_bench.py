@@ -144,6 +144,24 @@ def test_a_simulated_chain_cut_short_accepts_what_the_whole_chain_accepts_of_it(
         assert path.shape == (rows, drafts + 1)
 
 
+def test_a_simulated_tree_accepts_along_its_deepest_path() -> None:
+    """Node 1 (the first child) is a leaf; node 2's branch goes three deep: at 4.0 (three
+    drafts) the path is 0, 2, 3, 5 whatever the order of the siblings, and a tree cut to the
+    first four nodes (two deep) commits what its own deepest path holds."""
+    shape = StepShape(width=7, depth=4, topk=2)
+    simulated = SimulatedAcceptance(4.0, shape, torch.device("cpu"))
+    #          node: 1  2  3  4  5  6
+    parents = torch.tensor([[0, 0, 2, 2, 3, 1], [0, 0, 2, 2, 4, 1]])
+    drafts = Drafts(torch.zeros(2, 6, dtype=torch.int64), parents=parents)
+    seed, out_lens = torch.arange(2), torch.zeros(2, dtype=torch.int64)
+    lens, path = simulated.accept(drafts, shape, seed, out_lens)
+    assert lens.tolist() == [4, 4]
+    assert path.tolist() == [[0, 2, 3, 5, 5], [0, 2, 4, 5, 5]]
+    cut = Drafts(torch.zeros(2, 3, dtype=torch.int64), parents=parents[:, :3])
+    lens, path = simulated.accept(cut, shape.cut(4), seed, out_lens)
+    assert lens.tolist() == [3, 3] and path[:, :3].tolist() == [[0, 2, 3], [0, 2, 3]]
+
+
 def test_simulated_acceptance_needs_a_speculative_algorithm(
     llama_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -153,11 +153,12 @@ class SimulatedAcceptance:
     count) so that the engine's whole shape commits ``mean`` tokens a verify on average (at
     most ``max_commit``). A chain accepts its first ``a`` drafts, each position in turn with
     one probability ``p`` until the first it refuses, so that a chain cut short accepts what
-    the whole chain accepts of its positions, as drafts do; a tree (never cut) accepts the
-    first child at each depth, ``a`` the mean's whole part or one more. Never past a draft
-    its row's adjusted logits refuse (a grammar's mask). The committed tokens are the accepted
-    drafts and the target's choice after them, so every step's work is the real one, a
-    constrained output stays within its grammar, and only the outputs are meaningless."""
+    the whole chain accepts of its positions, as drafts do; a tree accepts ``a`` (the mean's
+    whole part or one more) along its deepest path (at each node the child with the deepest
+    subtree), so that a tree as deep as the mean commits it whatever its shape. Never past a
+    draft its row's adjusted logits refuse (a grammar's mask). The committed tokens are the
+    accepted drafts and the target's choice after them, so every step's work is the real one,
+    a constrained output stays within its grammar, and only the outputs are meaningless."""
 
     def __init__(self, mean: float, shape: StepShape, device: torch.device) -> None:
         self.rate = position_rate(mean, shape.max_commit - 1)
@@ -185,16 +186,12 @@ class SimulatedAcceptance:
                 accepted = torch.minimum(accepted, allowed[:, 1:].cumprod(dim=1).sum(dim=1))
             return accepted + 1, self.nodes[: max_depth + 1].expand(bs, -1)
         accepted = self.whole + (u[:, 0] < self.fraction).to(torch.int64)  # [bs]
-        width = self.nodes.shape[0]
-        # Each node's first child (the lowest index whose parent it is); a leaf: itself.
-        first = torch.full((bs, width), width, dtype=torch.int64, device=seed.device)
-        first.scatter_reduce_(1, drafts.parents, self.nodes[1:].expand(bs, -1), "amin")
-        first = torch.where(first < width, first, self.nodes)
+        deepest = self._deepest_child(drafts.parents)
         node = torch.zeros(bs, dtype=torch.int64, device=seed.device)
         path = [node]
         depth = torch.zeros_like(node)
         for d in range(max_depth):
-            child = first.gather(1, node.unsqueeze(1)).squeeze(1)
+            child = deepest.gather(1, node.unsqueeze(1)).squeeze(1)
             moves = (d < accepted) & (child != node)
             if allowed is not None:
                 moves &= allowed.gather(1, child.unsqueeze(1)).squeeze(1)
@@ -202,6 +199,21 @@ class SimulatedAcceptance:
             depth += moves
             path.append(node)
         return depth + 1, torch.stack(path, dim=1)
+
+    def _deepest_child(self, parents: torch.Tensor) -> torch.Tensor:
+        """``[bs, W]``: each node's child on its deepest path down (the lowest index among
+        the deepest), a leaf itself. Parents come before children (``Drafts``), so one pass
+        from the last node up gives every node its height."""
+        bs, width = parents.shape[0], parents.shape[1] + 1
+        height = torch.zeros(bs, width, dtype=torch.int64, device=parents.device)
+        for child in range(width - 1, 0, -1):
+            parent = parents[:, child - 1 : child]
+            height.scatter_reduce_(1, parent, height[:, child : child + 1] + 1, "amax")
+        # A child's key: its height, then the lower index; a node's best key names its child.
+        key = height[:, 1:] * width + (width - 1 - self.nodes[1:width])
+        best = torch.full((bs, width), -1, dtype=torch.int64, device=parents.device)
+        best.scatter_reduce_(1, parents, key, "amax")
+        return torch.where(best >= 0, width - 1 - best % width, self.nodes[:width])
 
     def commit_drafts(
         self, choices: torch.Tensor, nodes: torch.Tensor, path: torch.Tensor, lens: torch.Tensor
