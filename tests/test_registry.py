@@ -629,6 +629,13 @@ def test_the_listing_checks_drafting_plugins_with_the_drafts_serve_would_use(
 
 # --- the option types as the listing prints them ----------------------------------------
 
+TRITON_OPTIONS = [
+    "kv_splits: int (0 to 64) = 0",
+    "block_n: int (0 to 256) = 0",
+    "num_warps: int (0 to 16) = 0",
+    "num_stages: int (0 to 8) = 0",
+    "programs_per_sm: int (0 to 16) = 0",
+]
 DRAFT_OPTIONS = [
     "sample: one of: argmax, coupled, rejection = 'coupled'",
     "deferred_catch_up: int (0 to 1024) = 128",
@@ -662,7 +669,7 @@ def test_the_listing_names_the_builtin_option_types_in_words(
         "fa4": [],
         "flashinfer": [],
         "torch": [],
-        "triton": ["kv_splits: int (0 to 64) = 0"],
+        "triton": TRITON_OPTIONS,
         "dflash": DRAFT_OPTIONS,
         "eagle3": DRAFT_OPTIONS,
         "ngram": ["max_match: int = 8", "min_match: int = 1", "window: int = 1024"],
