@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_harness import engine_for, request, run
+from engine_harness import ENGINE_ALGORITHMS, engine_for, request, run
 
 from outrider.daemon.engine.warm_up import prompt_ladder, warm_up
 from outrider.daemon.internal import TokenizedRequest
@@ -94,7 +94,7 @@ def test_the_ladder_runs_as_the_batches_it_names(llama_dir: str, tmp_path: Path)
 # kernel compiled by an earlier test counts as warmed up): a long prompt, prompts served from
 # its prefix, short prompts together, sampled rows with logprobs, arrivals staggered so that
 # decode batches of every size run.
-def _serve_and_report_compiles(model: str) -> None:
+def _serve_and_report_compiles(model: str, settings: dict[str, object]) -> None:
     import triton
 
     compiled: list[str] = []
@@ -103,7 +103,7 @@ def _serve_and_report_compiles(model: str) -> None:
         compiled.append(repr)
 
     engine = engine_for(model, device="cuda", dtype="bfloat16", attention_backend="triton",
-                        max_running=8, chunked_prefill_tokens=256)  # fmt: skip
+                        max_running=8, chunked_prefill_tokens=256, **settings)  # fmt: skip
     triton.knobs.runtime.jit_cache_hook = hook
     long = [3 + i % 290 for i in range(200)]
 
@@ -124,11 +124,16 @@ def _serve_and_report_compiles(model: str) -> None:
 
 
 @pytest.mark.gpu
-def test_no_kernel_compiles_while_serving(llama_dir: str) -> None:
+@pytest.mark.parametrize("algorithm", ENGINE_ALGORITHMS)
+def test_no_kernel_compiles_while_serving(speculative_dirs: dict[str, str], algorithm: str) -> None:
+    settings = dict(ENGINE_ALGORITHMS[algorithm])
+    name = settings["speculative_algorithm"]
+    if name in speculative_dirs:
+        settings["draft_model"] = speculative_dirs[str(name)]
     tests = Path(__file__).parent
     code = (
         f"import sys; sys.path.insert(0, {str(tests)!r}); import test_warm_up; "
-        f"test_warm_up._serve_and_report_compiles({llama_dir!r})"
+        f"test_warm_up._serve_and_report_compiles({speculative_dirs['target']!r}, {settings!r})"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
