@@ -323,10 +323,24 @@ def test_cuda_runs_the_mxfp4_kernels_in_bfloat16(path: str) -> None:
     _check_mxfp4_kernels(range(2, 4), torch.bfloat16, path, "cuda")
 
 
-def _check_mxfp4_kernels(held: range, dtype: torch.dtype, path: str, device: str) -> None:
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize(
+    "tiles", [(2, 128, 2, 2), (4, 32, 8, 4)], ids=["2 rows, a step past the features", "4 rows"]
+)
+def test_mxfp4_gemvs_of_other_tiles_are_the_reference_sum(tiles: tuple[int, ...]) -> None:
+    """Rows a program, a loop's features (128: past the 64 and 96 features, masked), warps
+    and stages, as a tuned table may set them."""
+    _check_mxfp4_kernels(range(4), torch.float32, "gemv", "cpu", tiles)
+
+
+def _check_mxfp4_kernels(
+    held: range, dtype: torch.dtype, path: str, device: str, tiles: tuple[int, ...] = ()
+) -> None:
+    """``tiles``: the GEMVs' (``GemvTiles``' fields); none: the default."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install 'outrider[triton]')")
     from outrider.plugins.models.moe import mxfp4_kernels
     from outrider.plugins.models.moe.mxfp4_kernels import Mxfp4ExpertWeights
+    from outrider.plugins.models.moe.tiles import GemvTiles
 
     gen = torch.Generator().manual_seed(0)
     experts, hidden, rows = 4, 64, 96
@@ -365,8 +379,12 @@ def _check_mxfp4_kernels(held: range, dtype: torch.dtype, path: str, device: str
         return glu @ w_down + biases[1][e].float()
 
     want = sum_over_experts(x.float(), routing, ids, experts, product, False, held).to(dtype)
-    kernels = {"gemv": mxfp4_kernels.mxfp4_decode_moe, "grouped": mxfp4_kernels.mxfp4_grouped_moe}
-    got = kernels[path](x.to(device), weights, routing.to(device), ids.to(device)).cpu()
+    inputs = (x.to(device), weights, routing.to(device), ids.to(device))
+    if path == "gemv":
+        gemv_tiles = GemvTiles(*tiles) if tiles else mxfp4_kernels.DECODE_TILES
+        got = mxfp4_kernels.mxfp4_decode_moe(*inputs, gemv_tiles).cpu()
+    else:
+        got = mxfp4_kernels.mxfp4_grouped_moe(*inputs).cpu()
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=atol, rtol=atol)
     assert want.abs().max() > 1  # the products are not small enough to pass for zeros

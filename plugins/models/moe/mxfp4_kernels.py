@@ -36,11 +36,13 @@ import triton.language as tl
 
 from outrider.plugins.models.moe.align import align_pairs
 from outrider.plugins.models.moe.kernels import sum_slots
+from outrider.plugins.models.moe.tiles import GemvTiles
 from outrider.plugins.models.mxfp4 import BLOCK, SCALE_BIAS
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 
-ROWS = 16  # output rows a program
-STEP = 64  # input features a loop iteration (two mxfp4 blocks)
+# The GEMVs' tiles: output rows a program, input features a loop iteration (two mxfp4 blocks
+# of 32), warps, pipeline stages (Triton's defaults: what these kernels ran with untimed).
+DECODE_TILES = GemvTiles(block_n=16, block_k=64, num_warps=4, num_stages=3)
 # Routed pairs up to which a step takes the GEMVs; past it, the grouped GEMMs.
 MAX_PAIRS = 64
 # The grouped GEMMs' tiles: pairs (rows), output columns, input features a step.
@@ -335,9 +337,11 @@ def mxfp4_decode_moe(
     experts: Mxfp4ExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    tiles: GemvTiles = DECODE_TILES,
 ) -> torch.Tensor:
     """The held experts' share of the routed sum for ``x: [T, H]`` (``topk_weights: [T, k]``
-    float32, ``topk_ids: [T, k]`` global expert ids): ``[T, H]`` in x's dtype."""
+    float32, ``topk_ids: [T, k]`` global expert ids): ``[T, H]`` in x's dtype, by the GEMVs
+    with ``tiles`` (its step at most the reduced length's power of two)."""
     tokens, hidden = x.shape
     out = torch.empty_like(x)
     if tokens == 0:
@@ -346,21 +350,23 @@ def mxfp4_decode_moe(
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     h = torch.empty((tokens * topk, width), dtype=x.dtype, device=x.device)
     gate_up_blocks, down_blocks = experts.row_bytes()
-    consts = {"TOPK": topk, "ROWS": ROWS, "STEP": STEP, "BLOCK": BLOCK, "SCALE_BIAS": SCALE_BIAS}
-    _gate_up_kernel[(tokens * topk, triton.cdiv(width, ROWS))](
+    rows = tiles.block_n
+    consts = {"TOPK": topk, "ROWS": rows, "BLOCK": BLOCK, "SCALE_BIAS": SCALE_BIAS,
+              "num_warps": tiles.num_warps, "num_stages": tiles.num_stages}  # fmt: skip
+    _gate_up_kernel[(tokens * topk, triton.cdiv(width, rows))](
         x, gate_up_blocks, experts.gate_up_scales, experts.gate_up_bias, ids, h,
         width, hidden, experts.first, experts.held, experts.alpha, experts.limit,
         x.stride(0), gate_up_blocks.stride(0), gate_up_blocks.stride(1),
         experts.gate_up_scales.stride(0), experts.gate_up_scales.stride(1),
         experts.gate_up_bias.stride(0), h.stride(0),
-        **consts, **pdl_options(x.device),
+        STEP=tiles.step(hidden), **consts, **pdl_options(x.device),
     )  # fmt: skip
-    _down_kernel[(tokens, triton.cdiv(hidden, ROWS))](
+    _down_kernel[(tokens, triton.cdiv(hidden, rows))](
         h, down_blocks, experts.down_scales, experts.down_bias, ids, weights, out,
         hidden, width, experts.first, experts.held,
         h.stride(0), down_blocks.stride(0), down_blocks.stride(1),
         experts.down_scales.stride(0), experts.down_scales.stride(1),
         experts.down_bias.stride(0), out.stride(0),
-        **consts, **pdl_options(x.device),
+        STEP=tiles.step(width), **consts, **pdl_options(x.device),
     )  # fmt: skip
     return out
