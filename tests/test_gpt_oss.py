@@ -324,13 +324,10 @@ def test_cuda_runs_the_mxfp4_kernels_in_bfloat16(path: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-@pytest.mark.parametrize(
-    "tiles", [(2, 128, 2, 2), (4, 32, 8, 4)], ids=["2 rows, a step past the features", "4 rows"]
-)
-def test_mxfp4_gemvs_of_other_tiles_are_the_reference_sum(tiles: tuple[int, ...]) -> None:
-    """Rows a program, a loop's features (128: past the 64 and 96 features, masked), warps
-    and stages, as a tuned table may set them."""
-    _check_mxfp4_kernels(range(4), torch.float32, "gemv", "cpu", tiles)
+def test_mxfp4_gemvs_of_other_tiles_are_the_reference_sum() -> None:
+    """Another tile (4 rows a program, 128 features a step: past the 64 and 96 features,
+    masked; 2 warps, 2 stages), as a tuned table may set it."""
+    _check_mxfp4_kernels(range(4), torch.float32, "gemv", "cpu", (4, 128, 2, 2))
 
 
 def _check_mxfp4_kernels(

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_harness import ENGINE_ALGORITHMS, engine_for, request, run
+from engine_harness import DRAFT_ALGORITHMS, ENGINE_ALGORITHMS, engine_for, request, run
 
 from outrider.daemon.engine.warm_up import prompt_ladder, warm_up
 from outrider.daemon.internal import TokenizedRequest
@@ -139,3 +139,25 @@ def test_no_kernel_compiles_while_serving(speculative_dirs: dict[str, str], algo
     assert done.returncode == 0, done.stderr[-4000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
     assert compiled == [], "\n".join(compiled)
+
+
+@pytest.mark.parametrize("algorithm", ["none", *DRAFT_ALGORITHMS])
+def test_the_ladder_serves_under_every_algorithm(
+    speculative_dirs: dict[str, str], algorithm: str
+) -> None:
+    """Each drafting algorithm's engine (its draft's prefill over every ladder batch) serves
+    the ladder, and greedy outputs after it are those of an engine that never ran it."""
+    settings = dict(DRAFT_ALGORITHMS.get(algorithm, {}))
+    name = str(settings.get("speculative_algorithm", ""))
+    if name in speculative_dirs:
+        settings["draft_model"] = speculative_dirs[name]
+    prompts = [[5 + i, 6, 7, 8, 9] * (1 + i % 5) for i in range(12)]
+
+    def served(ladder: bool) -> list[list[int]]:
+        engine = engine_for(speculative_dirs["target"], max_running=16, **settings)
+        if ladder:
+            warm_up(engine.loop, ladder=True)
+        requests = [request(i, p, max_new_tokens=10) for i, p in enumerate(prompts)]
+        return [o.token_ids for o in run(engine, requests).values()]
+
+    assert served(ladder=True) == served(ladder=False)
