@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -179,11 +180,14 @@ def serve_command(
 
 @contextmanager
 def serving(command: list[str], endpoint: str) -> Iterator[None]:
-    """A daemon started with ``command``, ready at ``endpoint``; stopped after."""
+    """A daemon started with ``command``, ready at ``endpoint`` (the seconds it took
+    printed: the start-up's model load, graphs, warm-up and timing); stopped after."""
     print("daemon:", " ".join(command), flush=True)
+    started = time.monotonic()
     proc = subprocess.Popen(command, env={**os.environ, "OUTRIDER_LOG_LEVEL": "warning"})
     try:
         wait_ready(endpoint, proc, 900)
+        print(f"ready in {time.monotonic() - started:.1f} s", flush=True)
         yield
     finally:
         proc.terminate()
