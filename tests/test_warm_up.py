@@ -26,6 +26,7 @@ def test_the_ladder_doubles_the_longest_prompt_alone_and_beside_the_most_rows() 
     # The context bounds the longest prompt; the budget, the rows beside it.
     assert prompt_ladder(256, 2048, 100)[-2:] == [(1, 100), (256, 100)]
     assert prompt_ladder(256, 300, 1000)[-3:] == [(1, 256), (45, 256), (1, 300)]
+    assert prompt_ladder(8, 32, 0) == []  # a context of one token holds no prompt
 
 
 def _launch_class(plan_args: dict[str, int], bs: int, max_q: int) -> tuple[int, bool]:

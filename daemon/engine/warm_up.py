@@ -57,6 +57,8 @@ def prompt_ladder(max_rows: int, budget: int, longest_limit: int) -> list[tuple[
     largest that fits (``budget`` tokens a step, ``longest_limit`` a prompt), each alone and
     with as many one-token rows beside it as fit (``max_rows`` rows, ``budget`` tokens)."""
     top = min(budget, longest_limit)
+    if top < 1:  # no prompt fits with a token after it
+        return []
     lengths = [1 << i for i in range(top.bit_length()) if 1 << i < top] + [top]
     batches = []
     for longest in lengths:
