@@ -154,11 +154,11 @@ class SimulatedAcceptance:
     most ``max_commit``). A chain accepts its first ``a`` drafts, each position in turn with
     one probability ``p`` until the first it refuses, so that a chain cut short accepts what
     the whole chain accepts of its positions, as drafts do; a tree accepts ``a`` (the mean's
-    whole part or one more) along its deepest path (at each node the child with the deepest
-    subtree), so that a tree as deep as the mean commits it whatever its shape. Never past a
-    draft its row's adjusted logits refuse (a grammar's mask). The committed tokens are the
-    accepted drafts and the target's choice after them, so every step's work is the real one,
-    a constrained output stays within its grammar, and only the outputs are meaningless."""
+    whole part or one more) along the path to its deepest node, so that a tree as deep as the
+    mean commits it whatever its shape. Never past a draft its row's adjusted logits refuse (a
+    grammar's mask). The committed tokens are the accepted drafts and the target's choice
+    after them, so every step's work is the real one, a constrained output stays within its
+    grammar, and only the outputs are meaningless."""
 
     def __init__(self, mean: float, shape: StepShape, device: torch.device) -> None:
         self.rate = position_rate(mean, shape.max_commit - 1)
@@ -186,12 +186,12 @@ class SimulatedAcceptance:
                 accepted = torch.minimum(accepted, allowed[:, 1:].cumprod(dim=1).sum(dim=1))
             return accepted + 1, self.nodes[: max_depth + 1].expand(bs, -1)
         accepted = self.whole + (u[:, 0] < self.fraction).to(torch.int64)  # [bs]
-        deepest = self._deepest_child(drafts.parents)
+        next_on_path = self._path_to_deepest(drafts.parents, max_depth)
         node = torch.zeros(bs, dtype=torch.int64, device=seed.device)
         path = [node]
         depth = torch.zeros_like(node)
         for d in range(max_depth):
-            child = deepest.gather(1, node.unsqueeze(1)).squeeze(1)
+            child = next_on_path.gather(1, node.unsqueeze(1)).squeeze(1)
             moves = (d < accepted) & (child != node)
             if allowed is not None:
                 moves &= allowed.gather(1, child.unsqueeze(1)).squeeze(1)
@@ -200,20 +200,25 @@ class SimulatedAcceptance:
             path.append(node)
         return depth + 1, torch.stack(path, dim=1)
 
-    def _deepest_child(self, parents: torch.Tensor) -> torch.Tensor:
-        """``[bs, W]``: each node's child on its deepest path down (the lowest index among
-        the deepest), a leaf itself. Parents come before children (``Drafts``), so one pass
-        from the last node up gives every node its height."""
+    def _path_to_deepest(self, parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+        """``[bs, W]``: each node's next on the path to the tree's deepest node (the lowest
+        index among the deepest), the others themselves. Depths and the path in ``max_depth``
+        steps of gathers over all nodes at once (a graph step's launches grow with the
+        depth, not the size)."""
         bs, width = parents.shape[0], parents.shape[1] + 1
-        height = torch.zeros(bs, width, dtype=torch.int64, device=parents.device)
-        for child in range(width - 1, 0, -1):
-            parent = parents[:, child - 1 : child]
-            height.scatter_reduce_(1, parent, height[:, child : child + 1] + 1, "amax")
-        # A child's key: its height, then the lower index; a node's best key names its child.
-        key = height[:, 1:] * width + (width - 1 - self.nodes[1:width])
-        best = torch.full((bs, width), -1, dtype=torch.int64, device=parents.device)
-        best.scatter_reduce_(1, parents, key, "amax")
-        return torch.where(best >= 0, width - 1 - best % width, self.nodes[:width])
+        nodes = self.nodes[:width].expand(bs, -1)
+        parent = torch.cat([nodes[:, :1], parents], dim=1)  # [bs, W], the root its own
+        depth = torch.zeros_like(parent)
+        for _ in range(max_depth):
+            depth = torch.where(nodes > 0, depth.gather(1, parent) + 1, 0)
+        deepest = (depth * width + (width - 1 - nodes)).argmax(dim=1, keepdim=True)  # [bs, 1]
+        next_of = nodes.clone()
+        for _ in range(max_depth):  # up from the deepest node, each parent its child
+            above = parent.gather(1, deepest)
+            child = torch.where(deepest > 0, deepest, next_of.gather(1, above))
+            next_of.scatter_(1, above, child)
+            deepest = above
+        return next_of
 
     def commit_drafts(
         self, choices: torch.Tensor, nodes: torch.Tensor, path: torch.Tensor, lens: torch.Tensor

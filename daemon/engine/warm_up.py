@@ -33,7 +33,7 @@ def warm_up(loop: EngineLoop, ladder: bool) -> None:
     for rid in (-1, -2):
         sampling = SamplingSpec(temperature=1.0, top_p=0.9, top_k=4, seed=1, logprobs=2)
         loop.scheduler.add(own_request(rid, "warm-up", [0] * 4, 2 - rid, sampling))
-    _serve(loop)
+    _drain(loop)
     if ladder:
         limits = loop.scheduler.planner.limits
         batches = prompt_ladder(
@@ -48,7 +48,8 @@ def warm_up(loop: EngineLoop, ladder: bool) -> None:
             for row in range(1, rows):
                 loop.scheduler.add(own_request(rid - row, "warm-up", [row % vocab], 1))
             rid -= rows
-            _serve(loop)
+            _drain(loop)
+    loop.idle_check()  # once: it walks every page
     log.info("warm-up done in %.2f s", time.monotonic() - started)
 
 
@@ -69,7 +70,6 @@ def prompt_ladder(max_rows: int, budget: int, longest_limit: int) -> list[tuple[
     return batches
 
 
-def _serve(loop: EngineLoop) -> None:
+def _drain(loop: EngineLoop) -> None:
     while loop.has_work:
         loop.iterate()
-    loop.idle_check()
