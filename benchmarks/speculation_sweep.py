@@ -11,7 +11,12 @@ n-gram and DFlash (block of 16); each algorithm is compared with ``none`` on its
 at the same concurrency, in the same run. ``--fixed N ...`` adds, for each algorithm and
 acceptance, a daemon that drafts every decode batch at verify width N
 (``--speculative-min-acceptance 0``; DFlash at its block, its only width): the fixed lengths
-the drafting policy's choice is measured against. ``--shape family`` serves the embedded
+the drafting policy's choice is measured against. A simulated chain (EAGLE-3's, n-gram's)
+accepts each position with one probability, set from the acceptance at the policy daemon's
+chain (the engine's ``position_rate``); a fixed daemon's shorter chain gets the acceptance that
+same probability gives at its length, so that every width is the policy daemon's draft cut
+short, as the policy's own cut steps are (a fixed chain of one draft at acceptance 2 would
+otherwise accept every draft). ``--shape family`` serves the embedded
 family with its trained drafts instead (no simulation: ``--acceptance`` is ignored), on any
 device: a smoke run on a CPU.
 
@@ -42,11 +47,15 @@ from pathlib import Path
 
 from decode import wait_ready  # benchmarks/ is sys.path[0] when run as a script
 
+from outrider.daemon.engine.verify import position_rate
 from outrider.daemon.family import embedded_family
+from outrider.plugins.speculative.ngram import SPEC as NGRAM
 
 CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "configs"
 DUMMY = ("--load-format", "dummy", "--dtype", "bfloat16")
 STEPS, TOKENS = "--speculative-num-steps", "--speculative-num-draft-tokens"
+CHAIN_STEPS = 3  # the EAGLE-3 chain's drafts
+NGRAM_WIDTH = NGRAM.speculative.default_width if NGRAM.speculative else 0
 KEPT = (
     "output_throughput", "completed", "failed", "duration", "spec_decode_acceptance_length",
     "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
@@ -62,6 +71,7 @@ class Algorithm:
     # The flag that fixes its verify width N, and what it takes: N + offset ("": its width
     # is the draft's own, DFlash's block).
     width_flag: tuple[str, int] = ("", 0)
+    chain: int = 0  # the drafts of its chain as the policy daemon runs it (0: not a chain)
 
 
 Shape = tuple[dict[str, tuple[str, ...]], dict[str, Algorithm]]  # targets, algorithms
@@ -73,12 +83,13 @@ def _algorithms(
     """The four algorithms: EAGLE-3's chain and ``tree`` (its shape flags) with the ``eagle3``
     draft on target ``chained``, n-gram and DFlash with the ``dflash`` draft on ``blocked``."""
     drafts = ("--speculative-algorithm", "eagle3", "--draft-model", eagle3)
+    ngram = ("--speculative-algorithm", "ngram")
     return {
         "chain": Algorithm(
-            chained, (*drafts, "--speculative-num-steps", "3"), simulated, (STEPS, -1)
+            chained, (*drafts, STEPS, str(CHAIN_STEPS)), simulated, (STEPS, -1), CHAIN_STEPS
         ),
         "tree": Algorithm(chained, (*drafts, *tree), simulated, (TOKENS, 0)),
-        "ngram": Algorithm(blocked, ("--speculative-algorithm", "ngram"), simulated, (TOKENS, 0)),
+        "ngram": Algorithm(blocked, ngram, simulated, (TOKENS, 0), NGRAM_WIDTH - 1),
         "dflash": Algorithm(
             blocked, ("--speculative-algorithm", "dflash", "--draft-model", dflash), simulated
         ),
@@ -151,6 +162,17 @@ def modes(
     return sorted(order, key=lambda mode: (mode.target, mode.algorithm != "none"))
 
 
+def simulated_acceptance(mode: Mode, chain: int) -> float:
+    """The acceptance ``mode``'s daemon simulates: its own, or for a fixed width N of a
+    ``chain`` of that many drafts, what the chain's per-position probability gives at N - 1
+    drafts (module docstring)."""
+    assert mode.acceptance is not None
+    if not (chain and mode.fixed):
+        return mode.acceptance
+    rate = position_rate(mode.acceptance, chain)
+    return sum(rate**position for position in range(mode.fixed))
+
+
 def serve_command(
     mode: Mode,
     targets: dict[str, tuple[str, ...]],
@@ -167,7 +189,8 @@ def serve_command(
     else:
         command += algorithms[mode.algorithm].flags
     if mode.acceptance is not None:
-        command += ["--speculative-simulate-acceptance", f"{mode.acceptance:g}"]
+        accepted = simulated_acceptance(mode, algorithms[mode.algorithm].chain)
+        command += ["--speculative-simulate-acceptance", f"{accepted:.6g}"]
     if mode.fixed is not None:  # after the algorithm's flags: the last of a flag counts
         command += ["--speculative-min-acceptance", "0"]
         flag, offset = algorithms[mode.algorithm].width_flag

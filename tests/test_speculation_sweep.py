@@ -119,4 +119,22 @@ def test_fixed_widths_draft_every_batch_at_each_width(sweep: ModuleType, tmp_pat
     ]  # fmt: skip
     tree = sweep.Mode("llama", "tree", 4.0, 9)
     assert tail(tree)[-2:] == ["--speculative-num-draft-tokens", "9"]
+    assert tail(tree)[:2] == ["--speculative-simulate-acceptance", "4"]  # not a chain
     assert tail(chosen[1]) == ["--speculative-simulate-acceptance", "2"]  # the policy chooses
+
+
+def test_a_fixed_chain_is_the_policy_daemons_draft_cut_short(sweep: ModuleType) -> None:
+    """At acceptance 2 the chain of 3 drafts accepts each position with p = 0.54369 (1 + p +
+    p^2 + p^3 = 2): cut to one draft it commits 1 + p, to two 1 + p + p^2; n-gram's chain of
+    7 drafts (its default width of 8) has p = 0.50202."""
+    targets, algorithms = sweep.dummy_shape()
+    args = argparse.Namespace(device="cuda", concurrency=[1], step_logs=None, serve_args=[])
+
+    def simulated(algorithm: str, fixed: int | None) -> str:
+        mode = sweep.Mode("llama", algorithm, 2.0, fixed)
+        command = sweep.serve_command(mode, targets, algorithms, "e", args)
+        return command[command.index("--speculative-simulate-acceptance") + 1]
+
+    assert [simulated("chain", n) for n in (None, 2, 3, 4)] == ["2", "1.54369", "1.83929", "2"]
+    assert [simulated("ngram", n) for n in (None, 2, 8)] == ["2", "1.50202", "2"]
+    assert simulated("chain", 5) == "2.08738"  # p^4 past the policy's chain: the same draft
