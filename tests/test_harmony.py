@@ -1,0 +1,178 @@
+"""daemon/harmony.py: the harmony encoding loaded from a gpt-oss tokenizer without a download,
+and outputs split into answer, reasoning and tool calls, whatever their tokens' grouping."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from o200k_fixture import O200K_SHA256, o200k_vocab_dir, save_gpt_oss_tokenizer
+
+from outrider.daemon.harmony import (
+    ChannelDelta,
+    ChannelSplit,
+    HarmonyRefused,
+    harmony_encoding,
+    load_encoding_from,
+    tiktoken_vocab,
+)
+from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
+from outrider.protocol.tool_calls import ParsedCall
+
+
+@pytest.fixture(scope="module")
+def vocab_dir() -> Path:
+    return o200k_vocab_dir()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_tokenizer(vocab_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    out = save_gpt_oss_tokenizer(vocab_dir, tmp_path_factory.mktemp("gpt-oss-tokenizer"))
+    tokenizer = load_tokenizer(out)
+    assert tokenizer is not None
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def encoding(vocab_dir: Path) -> Any:
+    return load_encoding_from(vocab_dir)
+
+
+def test_the_vocabulary_written_from_the_tokenizer_is_o200k_byte_for_byte(
+    gpt_oss_tokenizer: Tokenizer,
+) -> None:
+    vocab = tiktoken_vocab(gpt_oss_tokenizer)
+    assert hashlib.sha256(vocab).hexdigest() == O200K_SHA256
+    assert vocab.count(b"\n") == 199_998
+
+
+def test_the_encoding_loads_from_the_tokenizer_alone(
+    gpt_oss_tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
+    cache = tmp_path / "harmony"
+    encoding = harmony_encoding(gpt_oss_tokenizer, cache)
+    assert encoding.encode("<|start|>assistant<|channel|>", allowed_special="all") == [
+        200006, 173781, 200005,
+    ]  # fmt: skip
+    written = (cache / "o200k_base.tiktoken").stat().st_mtime_ns
+    harmony_encoding(gpt_oss_tokenizer, cache)  # the cached file is kept
+    assert (cache / "o200k_base.tiktoken").stat().st_mtime_ns == written
+
+
+def test_a_tokenizer_that_is_not_o200k_is_refused(tmp_path: Path) -> None:
+    """A byte-level tokenizer of 256 tokens: its file is well formed, but not o200k's."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = sorted(bytes_to_unicode().items())
+    backend = BackendTokenizer(models.BPE({char: byte for byte, char in chars}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(tmp_path / "tok")
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    assert tokenizer is not None
+    vocab = tiktoken_vocab(tokenizer)
+    assert vocab.splitlines()[65] == base64.b64encode(b"A") + b" 65"
+    with pytest.raises(HarmonyRefused, match=r"vocabulary is not o200k's: .*hash mismatch"):
+        harmony_encoding(tokenizer, tmp_path / "harmony")
+
+
+def tokens(encoding: Any, text: str) -> list[int]:
+    return list(encoding.encode(text, allowed_special="all"))
+
+
+def split_whole(encoding: Any, ids: list[int]) -> ChannelDelta:
+    split = ChannelSplit(encoding)
+    fed, end = split.feed(ids), split.finish()
+    return ChannelDelta(
+        fed.content + end.content, fed.reasoning + end.reasoning, fed.calls + end.calls
+    )
+
+
+def split_one_by_one(encoding: Any, ids: list[int]) -> tuple[ChannelDelta, list[ChannelDelta]]:
+    split = ChannelSplit(encoding)
+    deltas = [split.feed([token]) for token in ids] + [split.finish()]
+    whole = ChannelDelta(
+        "".join(d.content for d in deltas),
+        "".join(d.reasoning for d in deltas),
+        [call for d in deltas for call in d.calls],
+    )
+    return whole, deltas
+
+
+REASONED = (
+    "<|channel|>analysis<|message|>The user greets; answer briefly.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Hello! 日本語 ✓<|return|>"
+)
+CALLED = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city": "Paris", "days": 2}<|call|>'
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "reasoning", "calls"),
+    [
+        (REASONED, "Hello! 日本語 ✓", "The user greets; answer briefly.", []),
+        (CALLED, "Checking.", "Need the weather.",
+         [ParsedCall("get_weather", {"city": "Paris", "days": 2})]),
+        # Arguments that are not a JSON object are no call: their text is the answer's.
+        ('<|channel|>commentary to=functions.f <|constrain|>json<|message|>[1, 2]<|call|>',
+         "[1, 2]", "", []),
+        # Cut short: a call's partial arguments go to the answer; a header after a message
+        # holds no text.
+        ('<|channel|>commentary to=functions.f<|message|>{"a": ', '{"a": ', "", []),
+        ("<|channel|>analysis<|message|>Hmm<|end|><|start|>assistant<|channel|>fin", "", "Hmm", []),
+        # Never in the format, or leaving it: plain text (special tokens skipped).
+        ("Hello there, no channels.", "Hello there, no channels.", "", []),
+        ("<|channel|>final<|message|>Hi<|end|> and then plain <|end|>text",
+         "Hi and then plain text", "", []),
+    ],
+    ids=["reasoned", "called", "arguments-not-an-object", "call-cut", "header-cut", "plain",
+         "leaves-the-format"],
+)  # fmt: skip
+def test_outputs_split_into_answer_reasoning_and_calls(
+    encoding: Any, text: str, content: str, reasoning: str, calls: list[ParsedCall]
+) -> None:
+    ids = tokens(encoding, text)
+    whole = split_whole(encoding, ids)
+    assert (whole.content, whole.reasoning, whole.calls) == (content, reasoning, calls)
+    one_by_one, _ = split_one_by_one(encoding, ids)
+    assert one_by_one == whole
+
+
+def test_deltas_come_as_their_tokens_do(encoding: Any) -> None:
+    ids = tokens(encoding, REASONED)
+    _, deltas = split_one_by_one(encoding, ids)
+    message = ids.index(200008)  # the first <|message|>: the reasoning starts after it
+    assert all(d == ChannelDelta() for d in deltas[: message + 1])
+    assert deltas[message + 1].reasoning == encoding.decode([ids[message + 1]])
+    assert deltas[-1] == ChannelDelta()  # nothing held back for the end
+
+
+def test_a_character_split_over_tokens_waits_for_its_last_byte(encoding: Any) -> None:
+    """Past the format (plain text), "é" as its two byte tokens: nothing after the first."""
+    vocab = {
+        base64.b64decode(line.split()[0]): int(line.split()[1])
+        for line in (o200k_vocab_dir() / "o200k_base.tiktoken").read_bytes().splitlines()
+        if len(base64.b64decode(line.split()[0])) == 1
+    }
+    split = ChannelSplit(encoding)
+    assert split.feed(tokens(encoding, "Hi <|end|>")).content == ""  # a header, so far
+    first = split.feed([vocab[b"\xc3"]])
+    assert first.content == ""
+    assert split.feed([vocab[b"\xa9"]]).content == ""
+    assert split.finish().content == "Hi é"
+    split = ChannelSplit(encoding)
+    split.feed(tokens(encoding, "<|channel|>final<|message|>a<|end|>b"))  # past the format
+    assert split.feed([vocab[b"\xc3"]]).content == ""
+    assert split.feed([vocab[b"\xa9"]]).content == "é"
+    assert split.finish() == ChannelDelta()
