@@ -1,11 +1,13 @@
 """The harmony format gpt-oss models speak: its encoding, loaded from the model's own tokenizer
 without a download, and one request's output split into its channels.
 
-- ``harmony_encoding(tokenizer, cache_dir)``: the ``openai-harmony`` package's gpt-oss encoding.
-  The package reads the o200k vocabulary file from the folder ``TIKTOKEN_ENCODINGS_BASE`` names
-  (else downloads it) and checks the file's hash. A gpt-oss checkpoint's tokenizer holds the same
-  vocabulary, so the file is written from it (``tiktoken_vocab``) into ``cache_dir``: no host
-  needs the network, and a tokenizer whose vocabulary is not o200k's is refused by that hash
+- ``output_format(model_type, tokenizer)``: whether a model's chat outputs are split, as the
+  daemon reports it (``ServerInfo.configuration["output_format"]``).
+- ``harmony_encoding(tokenizer)``: the ``openai-harmony`` package's gpt-oss encoding. The
+  package reads the o200k vocabulary file from the folder ``TIKTOKEN_ENCODINGS_BASE`` names
+  (else downloads it) and checks the file's hash. A gpt-oss checkpoint's tokenizer holds the
+  same vocabulary, so the file is written from it (``tiktoken_vocab``): no host needs the
+  network, and a tokenizer whose vocabulary is not o200k's is refused by that hash
   (``HarmonyRefused``).
 - ``ChannelSplit``: one request's output tokens, fed as they come, split into the answer (the
   ``final`` channel, and ``commentary`` messages addressed to no tool: the format's preambles,
@@ -26,11 +28,13 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from outrider.protocol.tool_calls import ParsedCall
 
@@ -39,9 +43,33 @@ if TYPE_CHECKING:
 
     from outrider.daemon.tokenizer import Tokenizer
 
+log = logging.getLogger("outrider.harmony")
+
 VOCAB_FILE = "o200k_base.tiktoken"  # the name the package looks for
 TOOL_PREFIX = "functions."  # a call's recipient: the tool's name after it
 MAX_SPLIT = 3  # tokens a UTF-8 character may end in past its first (a byte a token)
+
+
+HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
+
+
+def output_format(model_type: str, tokenizer: Tokenizer | None) -> Literal["harmony", "text"]:
+    """How chat outputs of a model of ``model_type`` (config.json's) are served: "harmony"
+    (split into channels, ``ChannelSplit``) where the family speaks it and ``tokenizer`` gives
+    its encoding; else "text", the decoded tokens (a warning says why, where the family speaks
+    harmony)."""
+    if model_type not in HARMONY_MODEL_TYPES:
+        return "text"
+    if tokenizer is None:
+        log.warning("%s outputs are served as token ids: no tokenizer to split them", model_type)
+        return "text"
+    try:
+        harmony_encoding(tokenizer)
+    except HarmonyRefused as exc:
+        log.warning("%s chat outputs are served as plain text, not split into channels: %s",
+                    model_type, exc)  # fmt: skip
+        return "text"
+    return "harmony"
 
 
 class HarmonyRefused(ValueError):
@@ -69,17 +97,12 @@ def tiktoken_vocab(tokenizer: Tokenizer) -> bytes:
     return b"".join(lines)
 
 
-def harmony_encoding(tokenizer: Tokenizer, cache_dir: Path) -> HarmonyEncoding:
+def harmony_encoding(tokenizer: Tokenizer) -> HarmonyEncoding:
     """The gpt-oss harmony encoding over ``tokenizer``'s vocabulary (module docstring); the
-    vocabulary file is written into ``cache_dir`` unless it holds it already."""
-    vocab = tiktoken_vocab(tokenizer)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    path = cache_dir / VOCAB_FILE
-    if not path.is_file() or path.read_bytes() != vocab:
-        part = path.with_suffix(f".{os.getpid()}.part")
-        part.write_bytes(vocab)
-        part.replace(path)  # whole or absent: another process may read it meanwhile
-    return load_encoding_from(cache_dir)
+    vocabulary file lives in a temporary folder while the package reads it."""
+    with tempfile.TemporaryDirectory(prefix="outrider-harmony-") as folder:
+        (Path(folder) / VOCAB_FILE).write_bytes(tiktoken_vocab(tokenizer))
+        return load_encoding_from(Path(folder))
 
 
 def load_encoding_from(vocab_dir: Path) -> HarmonyEncoding:
@@ -102,6 +125,12 @@ class ChannelDelta:
     content: str = ""
     reasoning: str = ""
     calls: list[ParsedCall] = field(default_factory=list)
+
+    def __add__(self, later: ChannelDelta) -> ChannelDelta:
+        """This delta followed by ``later``."""
+        return ChannelDelta(
+            self.content + later.content, self.reasoning + later.reasoning, self.calls + later.calls
+        )
 
 
 class ChannelSplit:

@@ -31,6 +31,7 @@ from outrider.protocol.messages import (
     ServerInfoQuery,
     TokenLogprob,
     Tool,
+    ToolCall,
     ToolChoice,
     Usage,
 )
@@ -53,6 +54,9 @@ class GenerateResult(msgspec.Struct, frozen=True):
     matched_stop: str | int | None
     usage: Usage
     logprobs: list[TokenLogprob] | None
+    # A chat answer of a model whose output has channels (``Chunk``): its reasoning and calls.
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = []
 
 
 class TokenChunk(msgspec.Struct, frozen=True):
@@ -62,6 +66,8 @@ class TokenChunk(msgspec.Struct, frozen=True):
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = []
 
 
 def new_id() -> str:
@@ -217,6 +223,8 @@ def to_result(reply: ClientReply) -> GenerateResult:
         matched_stop=done.matched_stop,
         usage=done.usage,
         logprobs=done.logprobs,
+        reasoning=done.reasoning,
+        tool_calls=done.tool_calls,
     )
 
 
@@ -226,4 +234,6 @@ def to_chunk(reply: Chunk) -> TokenChunk:
         token_ids=reply.token_ids,
         text=reply.text,
         logprobs=reply.logprobs,
+        reasoning=reply.reasoning,
+        tool_calls=reply.tool_calls,
     )

@@ -18,7 +18,8 @@ PROTOCOL_VERSION = 1
 # A client sends the oldest revision that carries
 # its request (``request_revision``): an older daemon serves every request it can honour and
 # refuses the rest (unsupported_version) instead of ignoring fields it does not know.
-# Replies are unchanged (revision 1).
+# Replies keep revision 1: a field is only ever added at a reply's end, which a client that
+# does not know it ignores (Chunk's and Finished's ``reasoning`` and ``tool_calls``).
 REQUEST_REVISIONS = (1, 2, 3, 4)
 PROTOCOL_MINOR = len(REQUEST_REVISIONS) - 1
 
@@ -243,16 +244,25 @@ class Usage(Struct, array_like=True, frozen=True, gc=False):
 
 
 class Chunk(Struct, array_like=True, tag=1, frozen=True):
-    """Tokens committed since the last chunk of a streamed request."""
+    """Tokens committed since the last chunk of a streamed request.
+
+    For a chat request to a model whose output has channels
+    (``ServerInfo.configuration["output_format"]`` "harmony": gpt-oss), ``text`` is the
+    answer's, ``reasoning`` the reasoning's and ``tool_calls`` the calls the tokens
+    completed, each call once whole; for every other request ``text`` is the tokens' text and
+    the two stay empty."""
 
     request_id: str
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = []
 
 
 class Finished(Struct, array_like=True, tag=2, frozen=True):
-    """The final frame of a request that ran (``stop``, ``length`` or ``abort``)."""
+    """The final frame of a request that ran (``stop``, ``length`` or ``abort``); its
+    ``text``, ``reasoning`` and ``tool_calls`` are the whole output's (``Chunk``)."""
 
     request_id: str
     output_ids: list[int]
@@ -261,6 +271,8 @@ class Finished(Struct, array_like=True, tag=2, frozen=True):
     matched_stop: str | int | None = None
     usage: Usage = Usage()
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = []
 
 
 class Error(Struct, array_like=True, tag=3, frozen=True):

@@ -58,7 +58,7 @@ def o200k_vocab_dir() -> Path:
     pytest.skip(f"litellm {LITELLM}'s wheel holds no o200k vocabulary file")
 
 
-def save_gpt_oss_tokenizer(vocab_dir: Path, out: Path) -> Path:
+def save_gpt_oss_tokenizer(vocab_dir: Path, out: Path, chat_template: str | None = None) -> Path:
     """A gpt-oss tokenizer (o200k and the harmony special tokens) saved into ``out``."""
     if importlib.util.find_spec("tiktoken") is None:
         pytest.skip("converting the o200k vocabulary needs tiktoken")
@@ -75,5 +75,52 @@ def save_gpt_oss_tokenizer(vocab_dir: Path, out: Path) -> Path:
         extra_special_tokens=specials,
     ).converted()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=converted)
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(out)
     return out
+
+
+# Each message as harmony renders it, then the assistant's turn (without the system message
+# and tools a gpt-oss template adds: the scripted model below reads only the last token).
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>"
+    "{% endfor %}<|start|>assistant"
+)
+HARMONY_EOS = [200002, 200012]  # <|return|>, <|call|>
+
+
+def save_scripted_gpt_oss(vocab_dir: Path, out: Path, output: list[int]) -> Path:
+    """A tiny gpt-oss with the o200k tokenizer and ``HARMONY_TEMPLATE`` whose greedy output
+    for any chat is ``output`` (its last token an end of turn, ``HARMONY_EOS``).
+
+    Its layers add nothing to the residual stream (attention's and the experts' output
+    projections and biases zero), so the logits read the current token's embedding alone: the
+    prompt's last token ("assistant") and each output token but the last embed as distinct
+    unit vectors, and the LM head maps each to its successor. Its tokens must be distinct
+    (no more than the hidden size)."""
+    import torch
+    from model_fixtures import save_tiny_model
+    from transformers import GenerationConfig
+
+    assert output[-1] in HARMONY_EOS
+    inputs = [173_781, *output[:-1]]  # "assistant", then each output token feeds the next
+    assert len(set(inputs)) == len(inputs)
+    model = save_tiny_model("gpt_oss", out, vocab_size=VOCAB_SIZE)
+    hidden = model.config.hidden_size
+    assert len(inputs) <= hidden
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.self_attn.o_proj.bias.zero_()
+            layer.mlp.experts.down_proj.zero_()
+            layer.mlp.experts.down_proj_bias.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        for position, (token, successor) in enumerate(zip(inputs, output, strict=True)):
+            model.model.embed_tokens.weight[token] = torch.nn.functional.one_hot(
+                torch.tensor(position), hidden
+            ).float()
+            model.lm_head.weight[successor, position] = 4.0  # logit 32 after the norm
+    model.save_pretrained(out)
+    GenerationConfig(eos_token_id=HARMONY_EOS).save_pretrained(out)
+    return save_gpt_oss_tokenizer(vocab_dir, out, HARMONY_TEMPLATE)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from o200k_fixture import O200K_SHA256, o200k_vocab_dir, save_gpt_oss_tokenizer
 
+from outrider.daemon.frontdoor.requests import LiveRequest
 from outrider.daemon.harmony import (
     ChannelDelta,
     ChannelSplit,
@@ -19,7 +22,11 @@ from outrider.daemon.harmony import (
     load_encoding_from,
     tiktoken_vocab,
 )
+from outrider.daemon.http.responses import Shape, TokenTexts
+from outrider.daemon.internal import FinishInfo, RequestUpdate
 from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
+from outrider.protocol import GenerateResult, TokenChunk
+from outrider.protocol.messages import Chunk, Finished, ToolCall, Usage
 from outrider.protocol.tool_calls import ParsedCall
 
 
@@ -50,17 +57,14 @@ def test_the_vocabulary_written_from_the_tokenizer_is_o200k_byte_for_byte(
 
 
 def test_the_encoding_loads_from_the_tokenizer_alone(
-    gpt_oss_tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gpt_oss_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
-    cache = tmp_path / "harmony"
-    encoding = harmony_encoding(gpt_oss_tokenizer, cache)
+    encoding = harmony_encoding(gpt_oss_tokenizer)
     assert encoding.encode("<|start|>assistant<|channel|>", allowed_special="all") == [
         200006, 173781, 200005,
     ]  # fmt: skip
-    written = (cache / "o200k_base.tiktoken").stat().st_mtime_ns
-    harmony_encoding(gpt_oss_tokenizer, cache)  # the cached file is kept
-    assert (cache / "o200k_base.tiktoken").stat().st_mtime_ns == written
+    assert encoding.decode_utf8([200002, 200012]) == "<|return|><|call|>"
 
 
 def test_a_tokenizer_that_is_not_o200k_is_refused(tmp_path: Path) -> None:
@@ -80,7 +84,7 @@ def test_a_tokenizer_that_is_not_o200k_is_refused(tmp_path: Path) -> None:
     vocab = tiktoken_vocab(tokenizer)
     assert vocab.splitlines()[65] == base64.b64encode(b"A") + b" 65"
     with pytest.raises(HarmonyRefused, match=r"vocabulary is not o200k's: .*hash mismatch"):
-        harmony_encoding(tokenizer, tmp_path / "harmony")
+        harmony_encoding(tokenizer)
 
 
 def tokens(encoding: Any, text: str) -> list[int]:
@@ -89,21 +93,13 @@ def tokens(encoding: Any, text: str) -> list[int]:
 
 def split_whole(encoding: Any, ids: list[int]) -> ChannelDelta:
     split = ChannelSplit(encoding)
-    fed, end = split.feed(ids), split.finish()
-    return ChannelDelta(
-        fed.content + end.content, fed.reasoning + end.reasoning, fed.calls + end.calls
-    )
+    return split.feed(ids) + split.finish()
 
 
 def split_one_by_one(encoding: Any, ids: list[int]) -> tuple[ChannelDelta, list[ChannelDelta]]:
     split = ChannelSplit(encoding)
     deltas = [split.feed([token]) for token in ids] + [split.finish()]
-    whole = ChannelDelta(
-        "".join(d.content for d in deltas),
-        "".join(d.reasoning for d in deltas),
-        [call for d in deltas for call in d.calls],
-    )
-    return whole, deltas
+    return sum(deltas, ChannelDelta()), deltas
 
 
 REASONED = (
@@ -176,3 +172,60 @@ def test_a_character_split_over_tokens_waits_for_its_last_byte(encoding: Any) ->
     assert split.feed([vocab[b"\xc3"]]).content == ""
     assert split.feed([vocab[b"\xa9"]]).content == "é"
     assert split.finish() == ChannelDelta()
+
+
+def live_frames(encoding: Any, ids: list[int], cuts: list[int]) -> list[Any]:
+    """The client frames of a streamed chat request whose output ``ids`` come in updates
+    cut at ``cuts``, the last one final."""
+    req = LiveRequest(1, "r", b"client", stream=True, want_logprobs=False)
+    req.split = ChannelSplit(encoding)
+    bounds = [0, *cuts, len(ids)]
+    frames: list[Any] = []
+    for start, end in itertools.pairwise(bounds):
+        final = end == len(ids)
+        finish = FinishInfo("stop", ids[-1], Usage(3, len(ids))) if final else None
+        frames += req.replies(RequestUpdate(1, ids[start:end], "ignored", finish=finish))
+    return frames
+
+
+@pytest.mark.parametrize("cuts", [[1, 4, 9], [len(REASONED) // 3]], ids=["small", "large"])
+def test_the_front_door_sends_each_channel_apart(encoding: Any, cuts: list[int]) -> None:
+    ids = tokens(encoding, REASONED.replace("<|return|>", "<|end|><|start|>assistant") + CALLED)
+    *chunks, finished = live_frames(encoding, ids, cuts)
+    assert all(isinstance(chunk, Chunk) for chunk in chunks) and isinstance(finished, Finished)
+    assert finished.text == "".join(c.text for c in chunks) == "Hello! 日本語 ✓Checking."
+    assert finished.reasoning == "".join(c.reasoning for c in chunks)
+    assert finished.reasoning == "The user greets; answer briefly.Need the weather."
+    (call,) = finished.tool_calls
+    assert [c for chunk in chunks for c in chunk.tool_calls] == [call]  # sent once, whole
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
+    assert finished.output_ids == ids
+
+
+def test_the_openai_shapes_carry_reasoning_and_calls() -> None:
+    shape = Shape(True, "chatcmpl-1", "m", 0, 0, TokenTexts(None))
+    call = ToolCall("call_1", "f", '{"a": 1}')
+    usage = Usage(3, 4)
+    answered = GenerateResult("r", [1], "Hi", "stop", None, usage, None, reasoning="Think")
+    called = GenerateResult("r", [1], "", "stop", None, usage, None, tool_calls=[call])
+    plain = GenerateResult("r", [1], "Hi", "length", None, usage, None)
+    messages = [c["message"] | {"why": c["finish_reason"]} for c in
+                shape.full([answered, called, plain])["choices"]]  # fmt: skip
+    assert messages == [
+        {"role": "assistant", "content": "Hi", "reasoning_content": "Think", "why": "stop"},
+        {"role": "assistant", "content": None, "why": "tool_calls",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "assistant", "content": "Hi", "why": "length"},
+    ]  # fmt: skip
+    deltas = [
+        shape.token_chunk(TokenChunk("r", [1], *parts), first_call=2)["choices"][0]["delta"]
+        for parts in [("", None, "Think"), ("", None, "", [call]), ("Hi", None), ("", None)]
+    ]
+    assert deltas == [
+        {"reasoning_content": "Think"},
+        {"tool_calls": [{"index": 2, "id": "call_1", "type": "function",
+                         "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"content": "Hi"},
+        {"content": ""},  # a token without text yet, as before
+    ]  # fmt: skip

@@ -47,6 +47,7 @@ from outrider.daemon.engine.slots import SlotState
 from outrider.daemon.engine.verify import SimulatedAcceptance, Verifier
 from outrider.daemon.engine.warm_up import warm_up
 from outrider.daemon.grammar.tool_calls import tool_call_format
+from outrider.daemon.harmony import output_format
 from outrider.daemon.internal import ModelFacts
 from outrider.daemon.processes.preflight import resolve_plugins
 from outrider.daemon.sampling_defaults import resolve_sampling_defaults
@@ -197,6 +198,8 @@ def build_engine(
             "speculative_num_draft_tokens": shape.width if built.speculative else 0,
             # The format a request's tools are called in (daemon/grammar/tool_calls.py); None: none.
             "tool_call_format": tool_call_format(tokenizer.chat_template if tokenizer else None),
+            # "harmony": chat outputs split into answer, reasoning and calls (daemon/harmony.py).
+            "output_format": output_format(model_config.model_type, tokenizer),
         },
         plugins={f"attention.{phase}": name for phase, name in built.attention_routes.items()}
         | {"speculative": config.speculative_algorithm},

@@ -34,7 +34,7 @@ import math
 import time
 from collections import Counter
 from multiprocessing.connection import Connection
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import zmq
 import zmq.asyncio
@@ -51,6 +51,7 @@ from outrider.daemon.frontdoor.validation import (
     Validator,
     speculative_request_check,
 )
+from outrider.daemon.harmony import ChannelSplit, harmony_encoding
 from outrider.daemon.internal import (
     AbortRid,
     Control,
@@ -94,6 +95,9 @@ from outrider.protocol.messages import (
     is_final,
 )
 
+if TYPE_CHECKING:
+    from openai_harmony import HarmonyEncoding
+
 log = logging.getLogger("outrider.frontdoor")
 
 HEARTBEAT_FRESH_S = 5.0  # health() says "serving" only with heartbeats younger than this
@@ -126,6 +130,8 @@ class FrontDoor:
         self._facts: ModelFacts | None = None
         self._validator: Validator | None = None
         self._prompts: PromptTokenizer | None = None
+        # The harmony encoding where chat outputs are split into channels (daemon/harmony.py).
+        self._harmony: HarmonyEncoding | None = None
         self._state: Literal["loading", "ready", "draining"] = "loading"
         self._heartbeat_at = -math.inf  # the daemon's last Heartbeat
         self._detokenizer_at = -math.inf  # the detokenizer's last frame
@@ -179,6 +185,8 @@ class FrontDoor:
         # The worker thread's own instance: one tokenizer must not serve two threads.
         worker = load_tokenizer(facts.tokenizer_dir) if facts.tokenizer_dir else None
         self._prompts = PromptTokenizer(tokenizer, worker)
+        if self._validator.channels and tokenizer is not None:
+            self._harmony = harmony_encoding(tokenizer)
         log.info(
             "model %s: vocab_size %d, context %d, %s",
             facts.model,
@@ -261,6 +269,11 @@ class FrontDoor:
             msg.logprobs > 0,
             arrived_at=time.monotonic(),
             arrived_wall=time.time(),
+            split=(
+                ChannelSplit(self._harmony)
+                if self._harmony is not None and msg.messages is not None
+                else None
+            ),
         )
         self._live.add(req)  # from here its request_id is taken, also while it is tokenized
         self._prompts.tokenize(msg, checked.prompt, lambda ids: self._admit(req, msg, checked, ids))

@@ -11,11 +11,21 @@ orphaned (its client vanished, or was answered ``slow_consumer`` for it).
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from outrider.daemon.harmony import ChannelSplit
 from outrider.daemon.internal import RequestUpdate
-from outrider.protocol.messages import Chunk, ClientReply, Error, Finished, TokenLogprob
+from outrider.protocol.messages import (
+    Chunk,
+    ClientReply,
+    Error,
+    Finished,
+    TokenLogprob,
+    ToolCall,
+)
 
 
 @dataclass(eq=False)
@@ -30,8 +40,13 @@ class LiveRequest:
     arrived_at: float = 0.0  # time.monotonic() when its Generate was accepted
     arrived_wall: float = 0.0  # time.time() then: against the daemon's first-token time
     last_tokens_at: float | None = None  # when its last update with tokens arrived (streamed)
+    # A chat request to a model whose outputs have channels: its tokens split into answer,
+    # reasoning and calls (daemon/harmony.py); None: the detokenizer's text is the answer.
+    split: ChannelSplit | None = None
     output_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
+    reasoning_parts: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def replies(self, update: RequestUpdate) -> list[ClientReply]:
@@ -43,13 +58,18 @@ class LiveRequest:
         if update.error is not None:
             return [Error(self.request_id, update.error.code, update.error.message)]
         self.output_ids += update.token_ids
-        self.text_parts.append(update.text)
+        text, reasoning, calls = self._parts(update)
+        self.text_parts.append(text)
+        self.reasoning_parts.append(reasoning)
+        self.tool_calls += calls
         if update.logprobs:
             self.logprobs += update.logprobs
         frames: list[ClientReply] = []
-        if self.stream and (update.token_ids or update.text):
+        if self.stream and (update.token_ids or text or reasoning or calls):
             chunk_logprobs = update.logprobs if self.want_logprobs else None
-            frames.append(Chunk(self.request_id, update.token_ids, update.text, chunk_logprobs))
+            frames.append(
+                Chunk(self.request_id, update.token_ids, text, chunk_logprobs, reasoning, calls)
+            )
         finish = update.finish
         if finish is not None:
             frames.append(
@@ -61,9 +81,26 @@ class LiveRequest:
                     finish.matched_stop,
                     finish.usage,
                     self.logprobs if self.want_logprobs else None,
+                    "".join(self.reasoning_parts),
+                    self.tool_calls,
                 )
             )
         return frames
+
+    def _parts(self, update: RequestUpdate) -> tuple[str, str, list[ToolCall]]:
+        """The answer's text, the reasoning's and the calls ``update`` adds: the
+        detokenizer's text alone, or its tokens split into channels (the rest of a cut
+        message with the final update)."""
+        if self.split is None:
+            return update.text, "", []
+        delta = self.split.feed(update.token_ids)
+        if update.finish is not None:
+            delta += self.split.finish()
+        calls = [
+            ToolCall(f"call_{uuid.uuid4().hex[:24]}", call.name, json.dumps(call.arguments))
+            for call in delta.calls
+        ]
+        return delta.content, delta.reasoning, calls
 
 
 class LiveRequests:

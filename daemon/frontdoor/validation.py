@@ -200,6 +200,8 @@ class Validator:
         self.defaults = replace(defaults, top_k=top_k)
         self._default_sampling = self.defaults.sampling
         self.has_tokenizer = tokenizer is not None
+        # Chat outputs split into channels after decoding (daemon/harmony.py).
+        self.channels = facts.configuration.get("output_format") == "harmony"
         self.request_check = request_check
         self.max_prompt_chars = (
             prompt_char_limit(tokenizer, facts.context_length) if tokenizer is not None else 0
@@ -210,6 +212,7 @@ class Validator:
         sampling = self._sampling(msg)
         self._check_stops(msg)
         self._check_grammar(msg)
+        self._check_channels(msg)
         prompt = self._prompt(msg)
         try:
             tools = tool_use(msg, self.facts.configuration.get("tool_call_format"))
@@ -280,6 +283,21 @@ class Validator:
             )
         except SamplingError as exc:
             raise Rejected("invalid_request", str(exc)) from None
+
+    def _check_channels(self, msg: Generate) -> None:
+        """A chat request to a model whose outputs have channels: the daemon's stop strings
+        and grammars act on the output's tokens, channel headers included, not on the answer
+        they are meant for."""
+        if not self.channels or msg.messages is None:
+            return
+        what = "stop strings" if msg.stop else "grammars" if msg.grammar is not None else None
+        if what is not None:
+            raise Rejected(
+                "unsupported",
+                f"{what} are not supported for chat requests to this model: its output is in "
+                "the harmony format (channels for reasoning and answer), which they would cut "
+                "or constrain as a whole",
+            )
 
     def _check_stops(self, msg: Generate) -> None:
         vocab = self.facts.vocab_size

@@ -91,6 +91,7 @@ async def sse_events(
     fmt = shape.tool_format if shape.chat else None
     calls = [CallStream(fmt) for _ in streams] if fmt is not None else None
     held: list[list[TokenLogprob]] = [[] for _ in streams]  # logprobs of text held back
+    called = [0] * len(streams)  # calls the daemon parsed, sent (channels: tools.py)
     try:
         if shape.chat:
             for index in range(len(streams)):
@@ -103,21 +104,25 @@ async def sse_events(
                 if event is None:
                     break
                 if calls is None:
-                    yield sse(with_usage(shape.token_chunk(event, index), include_usage))
+                    body = shape.token_chunk(event, index, called[index])
+                    called[index] += len(event.tool_calls)
+                    yield sse(with_usage(body, include_usage))
                     continue
                 held[index] += event.logprobs or []
-                piece, called = calls[index].take(event.text)
-                if piece or called:
-                    yield sse(with_usage(_delta(shape, piece, called, held, index), include_usage))
+                piece, taken = calls[index].take(event.text)
+                if piece or taken:
+                    yield sse(with_usage(_delta(shape, piece, taken, held, index), include_usage))
             result = streams[index].result
             assert result is not None
             reason: str = result.finish_reason
             if calls is not None:
-                rest, called = calls[index].finish()
-                if rest or called or held[index]:
-                    yield sse(with_usage(_delta(shape, rest, called, held, index), include_usage))
+                rest, taken = calls[index].finish()
+                if rest or taken or held[index]:
+                    yield sse(with_usage(_delta(shape, rest, taken, held, index), include_usage))
                 if calls[index].calls:
                     reason = "tool_calls"
+            if called[index]:
+                reason = "tool_calls"
             text = None if shape.chat else ""
             finish = shape.chunk(text, finish_reason=reason, index=index)
             yield sse(with_usage(finish, include_usage))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from outrider.daemon.http.tools import answer_with_calls
+from outrider.daemon.http.tools import answer_with_calls, channel_delta, channel_message
 from outrider.protocol import GenerateResult, TokenChunk
 from outrider.protocol.messages import TokenLogprob, Usage
 from outrider.protocol.tool_calls import ToolCallFormat
@@ -139,7 +139,7 @@ class Shape:
             if self.chat and self.tool_format is not None:
                 choice["message"], finish_reason = answer_with_calls(self.tool_format, result)
             elif self.chat:
-                choice["message"] = {"role": "assistant", "content": result.text}
+                choice["message"], finish_reason = channel_message(result)
             else:
                 choice["text"] = result.text
             choice["logprobs"] = self._logprobs(result.logprobs)
@@ -169,8 +169,13 @@ class Shape:
         choice["finish_reason"] = finish_reason
         return self._head(True) | {"choices": [choice]}
 
-    def token_chunk(self, chunk: TokenChunk, index: int = 0) -> dict[str, Any]:
-        return self.chunk(chunk.text, chunk.logprobs, index=index)
+    def token_chunk(self, chunk: TokenChunk, index: int = 0, first_call: int = 0) -> dict[str, Any]:
+        """``chunk`` as choice ``index``'s (``first_call``: the index of its first tool call,
+        where the daemon split the output into channels)."""
+        body = self.chunk(chunk.text, chunk.logprobs, index=index)
+        if self.chat and (chunk.reasoning or chunk.tool_calls):
+            body["choices"][0]["delta"] = channel_delta(chunk, first_call)
+        return body
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._head(True) | {"choices": [], "usage": usage_body(usage)}

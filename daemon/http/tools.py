@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from outrider.protocol import GenerateResult, Tool
+from outrider.protocol import GenerateResult, TokenChunk, Tool
+from outrider.protocol.messages import ToolCall
 from outrider.protocol.tool_calls import ParsedCall, ToolCallFormat, parse_tool_calls
 
 
@@ -102,6 +103,42 @@ def answer_with_calls(fmt: ToolCallFormat, result: GenerateResult) -> tuple[dict
         "tool_calls": [_call_body(call) for call in calls],
     }
     return message, "tool_calls"
+
+
+def channel_message(result: GenerateResult) -> tuple[dict[str, Any], str]:
+    """The chat message of ``result`` and its finish reason, where the daemon split the
+    output into channels (``GenerateResult.reasoning`` and ``tool_calls``: empty otherwise):
+    the reasoning as ``reasoning_content``, as vLLM and SGLang return it."""
+    message: dict[str, Any] = {"role": "assistant", "content": result.text}
+    if result.reasoning:
+        message["reasoning_content"] = result.reasoning
+    if not result.tool_calls:
+        return message, result.finish_reason
+    message["content"] = result.text or None
+    message["tool_calls"] = [wire_call(call) for call in result.tool_calls]
+    return message, "tool_calls"
+
+
+def channel_delta(chunk: TokenChunk, first_call: int) -> dict[str, Any]:
+    """A streamed chunk's delta where the daemon split the output into channels: its answer
+    (``content``, where it adds any), reasoning and whole calls, numbered from
+    ``first_call``."""
+    delta: dict[str, Any] = {}
+    if chunk.text:
+        delta["content"] = chunk.text
+    if chunk.reasoning:
+        delta["reasoning_content"] = chunk.reasoning
+    if chunk.tool_calls:
+        delta["tool_calls"] = [
+            {"index": first_call + i} | wire_call(call) for i, call in enumerate(chunk.tool_calls)
+        ]
+    return delta
+
+
+def wire_call(call: ToolCall) -> dict[str, Any]:
+    """A call the daemon parsed (``ToolCall``) as the API carries it."""
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
 
 
 def _call_body(

@@ -1,0 +1,99 @@
+"""A gpt-oss model served end to end in the harmony format: its chat outputs split into answer,
+reasoning and tool calls for the client library and the OpenAI API, and what cannot act on a
+split output refused. The model is scripted (o200k_fixture.py): whatever the chat, it calls
+``get_weather`` in harmony's own format."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from http_harness import API_KEY, HttpDaemon
+from o200k_fixture import o200k_vocab_dir, save_scripted_gpt_oss
+
+from outrider.daemon.harmony import load_encoding_from
+from outrider.protocol import Client, Grammar, RequestError
+
+CALL = (
+    "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city": "Paris"}<|call|>'
+)
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    vocab_dir = o200k_vocab_dir()
+    output = load_encoding_from(vocab_dir).encode(CALL, allowed_special="all")
+    return save_scripted_gpt_oss(vocab_dir, tmp_path_factory.mktemp("scripted-gpt-oss"), output)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    workdir = tmp_path_factory.mktemp("harmony-http")
+    http = HttpDaemon(workdir, "--api-key", API_KEY, model=model_dir)
+    try:
+        yield http
+        assert http.daemon.stop() == 0, http.daemon.log()
+    finally:
+        http.daemon.kill_all()
+
+
+def test_the_client_library_gets_the_call_apart_from_the_answer(server: HttpDaemon) -> None:
+    with Client(server.daemon.endpoint, timeout=60) as client:
+        assert client.server_info().configuration["output_format"] == "harmony"
+        result = client.generate(messages=MESSAGES, temperature=0, max_new_tokens=40)
+        assert (result.text, result.reasoning, result.finish_reason) == ("", "", "stop")
+        assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+        assert result.tool_calls[0].id.startswith("call_")
+        stream = client.stream(messages=MESSAGES, temperature=0, max_new_tokens=40)
+        chunks = list(stream)
+        assert stream.result is not None
+        assert [c for chunk in chunks for c in chunk.tool_calls] == stream.result.tool_calls
+        assert [(c.name, c.arguments) for c in stream.result.tool_calls] == [
+            (c.name, c.arguments) for c in result.tool_calls
+        ]
+        # A prompt is not a chat: its text is the tokens' (special tokens skipped).
+        raw = client.generate(
+            input_ids=[result.output_ids[0], 173_781], temperature=0, max_new_tokens=40,
+            stop=["Paris"],
+        )  # fmt: skip
+        assert raw.tool_calls == [] and raw.reasoning == ""
+        assert raw.text.startswith("commentary to=functions.get_weather json")
+
+
+def test_stop_strings_and_grammars_of_a_chat_are_refused(server: HttpDaemon) -> None:
+    with Client(server.daemon.endpoint, timeout=60) as client:
+        for extra in ({"stop": ["Paris"]}, {"grammar": Grammar("regex", "[a-z]+")}):
+            with pytest.raises(RequestError) as refused:
+                client.generate(messages=MESSAGES, max_new_tokens=8, **extra)
+            assert refused.value.code == "unsupported"
+            assert "harmony format" in refused.value.message
+
+
+def test_the_openai_client_gets_the_call_streamed_or_not(
+    server: HttpDaemon, model_dir: Path
+) -> None:
+    client = server.openai()
+    params = dict(model=model_dir.name, messages=MESSAGES, max_tokens=40, temperature=0)
+    done = client.chat.completions.create(**params)  # type: ignore[call-overload]
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "function", "get_weather", {"city": "Paris"}
+    )  # fmt: skip
+    stream = client.chat.completions.create(**params, stream=True)  # type: ignore[call-overload]
+    deltas = [chunk.choices[0] for chunk in stream if chunk.choices]
+    calls = [c for d in deltas for c in d.delta.tool_calls or []]
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [
+        (0, "get_weather", call.function.arguments)
+    ]
+    assert deltas[-1].finish_reason == "tool_calls"
+    with pytest.raises(openai.BadRequestError, match="harmony format"):
+        client.chat.completions.create(**params, stop=["Paris"])  # type: ignore[call-overload]
