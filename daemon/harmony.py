@@ -9,6 +9,8 @@ without a download, and one request's output split into its channels.
   same vocabulary, so the file is written from it (``tiktoken_vocab``): no host needs the
   network, and a tokenizer whose vocabulary is not o200k's is refused by that hash
   (``HarmonyRefused``).
+- ``render_chat(encoding, turns, tools, reasoning_effort)``: a chat's prompt, rendered by the
+  package from the OpenAI-shaped messages and tools.
 - ``ChannelSplit``: one request's output tokens, fed as they come, split into the answer (the
   ``final`` channel, and ``commentary`` messages addressed to no tool: the format's preambles,
   meant for the user), the reasoning (``analysis``) and tool calls (``commentary`` messages to
@@ -115,6 +117,83 @@ def load_encoding_from(vocab_dir: Path) -> HarmonyEncoding:
         return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
     except HarmonyError as exc:
         raise HarmonyRefused(f"the tokenizer's vocabulary is not o200k's: {exc}") from None
+
+
+def render_chat(
+    encoding: HarmonyEncoding,
+    turns: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]],
+    reasoning_effort: str | None = None,
+) -> list[int]:
+    """The prompt of a chat in the harmony format, up to the assistant's turn: ``turns`` and
+    ``tools`` in the OpenAI shape (frontdoor/tools.py's ``template_inputs``). The system
+    message carries ``reasoning_effort`` (None: the format's default, medium); ``system``
+    and ``developer`` turns become the developer message's instructions, in order, beside
+    the tools; an assistant turn's content is its ``final`` message (reasoning of earlier
+    turns is not rendered), each of its calls a ``commentary`` message to the function, and
+    a ``tool`` turn the result of the call its ``tool_call_id`` names. Raises
+    ``HarmonyRefused`` for a turn the format has no place for."""
+    from openai_harmony import (
+        Author,
+        Conversation,
+        DeveloperContent,
+        Message,
+        ReasoningEffort,
+        Role,
+        SystemContent,
+        ToolDescription,
+    )
+
+    system = SystemContent.new()
+    if reasoning_effort is not None:
+        system = system.with_reasoning_effort(ReasoningEffort(reasoning_effort.capitalize()))
+    messages = [Message.from_role_and_content(Role.SYSTEM, system)]
+    instructions = [t["content"] for t in turns if t["role"] in ("system", "developer")]
+    if instructions or tools:
+        developer = DeveloperContent.new()
+        if instructions:
+            developer = developer.with_instructions("\n\n".join(instructions))
+        if tools:
+            developer = developer.with_function_tools([
+                ToolDescription.new(f["name"], f["description"], parameters=f["parameters"])
+                for f in (tool["function"] for tool in tools)
+            ])  # fmt: skip
+        messages.append(Message.from_role_and_content(Role.DEVELOPER, developer))
+    called: dict[str, str] = {}  # call id -> its function
+    for i, turn in enumerate(turns):
+        role, content = turn["role"], turn["content"]
+        if role in ("system", "developer"):
+            continue
+        if role == "user":
+            messages.append(Message.from_role_and_content(Role.USER, content))
+        elif role == "assistant":
+            if content:
+                message = Message.from_role_and_content(Role.ASSISTANT, content)
+                messages.append(message.with_channel("final"))
+            for call in turn.get("tool_calls", []):
+                name = called[call["id"]] = call["function"]["name"]
+                arguments = json.dumps(call["function"]["arguments"])
+                message = Message.from_role_and_content(Role.ASSISTANT, arguments)
+                messages.append(
+                    message.with_channel("commentary").with_recipient(TOOL_PREFIX + name)
+                    .with_content_type("<|constrain|>json")
+                )  # fmt: skip
+        elif role == "tool":
+            name = called.get(turn.get("tool_call_id", ""))
+            if name is None:
+                raise HarmonyRefused(
+                    f"messages[{i}]: its tool_call_id names no call of an earlier message"
+                )
+            author = Author.new(Role.TOOL, TOOL_PREFIX + name)
+            message = Message.from_author_and_content(author, content)
+            messages.append(message.with_recipient("assistant").with_channel("commentary"))
+        else:
+            raise HarmonyRefused(
+                f"messages[{i}]: role {role!r}: the harmony format takes system, developer, "
+                "user, assistant and tool messages"
+            )
+    conversation = Conversation.from_messages(messages)
+    return list(encoding.render_conversation_for_completion(conversation, Role.ASSISTANT))
 
 
 @dataclass

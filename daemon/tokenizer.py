@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
 if TYPE_CHECKING:
+    from openai_harmony import HarmonyEncoding
     from transformers import PreTrainedTokenizerFast
 
 # Any of these marks a directory as having a tokenizer; from_pretrained then must succeed.
@@ -57,6 +58,9 @@ class Tokenizer:
 
     def __init__(self, hf: PreTrainedTokenizerFast) -> None:
         self._hf = hf
+        # A model whose chats are in the harmony format (daemon/harmony.py) renders them with
+        # this encoding, its chat template aside; one encoding per tokenizer (per thread).
+        self.harmony: HarmonyEncoding | None = None
 
     def __len__(self) -> int:
         """Number of ids the tokenizer knows (base vocabulary plus added tokens)."""
@@ -68,7 +72,7 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return self._hf.chat_template is not None
+        return self.harmony is not None or self._hf.chat_template is not None
 
     @property
     def backend(self) -> BackendTokenizer:
@@ -102,11 +106,23 @@ class Tokenizer:
         return template
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        reasoning_effort: str | None = None,
     ) -> list[int]:
         """Token ids of ``messages`` (with ``tools``, in the OpenAI shape, where given)
-        rendered by transformers' ``apply_chat_template`` with ``add_generation_prompt=True``.
-        Raises ``ChatTemplateError`` when it cannot."""
+        rendered by transformers' ``apply_chat_template`` with ``add_generation_prompt=True``,
+        or in the harmony format (``harmony``; with ``reasoning_effort``, which only it
+        takes). Raises ``ChatTemplateError`` when it cannot."""
+        if self.harmony is not None:
+            from outrider.daemon.harmony import HarmonyRefused, render_chat
+
+            try:
+                return render_chat(self.harmony, messages, tools or [], reasoning_effort)
+            except HarmonyRefused as exc:
+                raise ChatTemplateError(str(exc)) from None
+        assert reasoning_effort is None, "refused at the front door for a chat template"
         if not self.has_chat_template:
             raise ChatTemplateError("this model's tokenizer has no chat template")
         try:

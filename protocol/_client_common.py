@@ -28,6 +28,7 @@ from outrider.protocol.messages import (
     Generate,
     Grammar,
     HealthQuery,
+    ReasoningEffort,
     ServerInfoQuery,
     TokenLogprob,
     Tool,
@@ -115,6 +116,7 @@ class GenerateCall:
     tool_name: str | None = None
     parallel_tool_calls: bool = True
     max_drafts: int | None = None
+    reasoning_effort: ReasoningEffort | None = None
     request_id: str | None = None
     timeout: float | None = None
 
@@ -161,6 +163,7 @@ class GenerateCall:
             tool_name=self.tool_name,
             parallel_tool_calls=self.parallel_tool_calls,
             max_drafts=self.max_drafts,
+            reasoning_effort=self.reasoning_effort,
         )
 
 

@@ -14,13 +14,14 @@ from msgspec import Meta, Struct
 PROTOCOL_VERSION = 1
 # The version nibbles of request frames: 1 is protocol 1.0; 2 is protocol 1.1, which adds
 # Generate's min_p, penalties and logit_bias; 3 is protocol 1.2, which adds its grammar and
-# tools (and the chat messages' tool calls); 4 is protocol 1.3, which adds its max_drafts.
+# tools (and the chat messages' tool calls); 4 is protocol 1.3, which adds its max_drafts; 5 is
+# protocol 1.4, which adds its reasoning_effort.
 # A client sends the oldest revision that carries
 # its request (``request_revision``): an older daemon serves every request it can honour and
 # refuses the rest (unsupported_version) instead of ignoring fields it does not know.
 # Replies keep revision 1: a field is only ever added at a reply's end, which a client that
 # does not know it ignores (Chunk's and Finished's ``reasoning`` and ``tool_calls``).
-REQUEST_REVISIONS = (1, 2, 3, 4)
+REQUEST_REVISIONS = (1, 2, 3, 4, 5)
 PROTOCOL_MINOR = len(REQUEST_REVISIONS) - 1
 
 MAX_STOP_STRINGS = 16
@@ -87,6 +88,7 @@ LogitBias = Annotated[
 MAX_GRAMMAR_CHARS = 65536
 MAX_TOOLS = 128
 ToolName = Annotated[str, Meta(min_length=1, max_length=256)]
+ReasoningEffort = Literal["low", "medium", "high"]
 
 
 class ToolCall(Struct, frozen=True, gc=False):
@@ -174,6 +176,10 @@ class Generate(Struct, tag="generate", frozen=True):
     (with ``tool_name``: that one); ``parallel_tool_calls`` False allows one call. The output
     text holds the calls as the model writes them.
 
+    ``reasoning_effort`` (protocol 1.4, chat requests to a model in the harmony format:
+    ``ServerInfo.configuration["output_format"]``) sets how long the model reasons; None: the
+    format's default (medium). Other models refuse it.
+
     ``max_drafts`` (protocol 1.3) caps the drafted tokens a speculative step may accept for
     this request (0 turns speculation off for it; None: the daemon's); the output is the same
     either way (greedy and seeded), only how many tokens a step commits changes.
@@ -204,6 +210,7 @@ class Generate(Struct, tag="generate", frozen=True):
     tool_name: ToolName | None = None
     parallel_tool_calls: bool = True
     max_drafts: MaxDrafts | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class Abort(Struct, tag="abort", frozen=True):
@@ -348,6 +355,8 @@ ClientReply = Chunk | Finished | Error | Ack | Health | ServerInfo
 
 def request_revision(msg: ClientRequest) -> int:
     """The oldest request revision (``REQUEST_REVISIONS``) whose fields carry ``msg``."""
+    if isinstance(msg, Generate) and msg.reasoning_effort is not None:
+        return 5
     if isinstance(msg, Generate) and msg.max_drafts is not None:
         return 4
     if isinstance(msg, Generate) and (

@@ -233,7 +233,7 @@ def _validation_cases(vocab: int) -> list[tuple[str, Any, str, str]]:
     cases: list[tuple[str, Any, str, str]] = [
         ("garbage body", b"\x11\xc1", "malformed", "undecodable"),
         ("unknown frame kind", b"\x71\x80", "malformed", "frame kind"),
-        ("other version", b"\x15" + b"\x81\xaarequest_id\xa1v", "unsupported_version", "version"),
+        ("other version", b"\x1f" + b"\x81\xaarequest_id\xa1v", "unsupported_version", "version"),
         ("unknown type", {**ok, "type": "bogus"}, "invalid_request", "type"),
         ("empty request_id", {**ok, "request_id": ""}, "invalid_request", "request_id"),
         ("no prompt", {"type": "generate", "request_id": "v"}, "invalid_request", "exactly one"),

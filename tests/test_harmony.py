@@ -10,23 +10,36 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
-from o200k_fixture import O200K_SHA256, o200k_vocab_dir, save_gpt_oss_tokenizer
+from frontdoor_harness import model_facts
+from o200k_fixture import O200K_SHA256, VOCAB_SIZE, o200k_vocab_dir, save_gpt_oss_tokenizer
 
 from outrider.daemon.frontdoor.requests import LiveRequest
+from outrider.daemon.frontdoor.validation import Rejected, Validator
 from outrider.daemon.harmony import (
     ChannelDelta,
     ChannelSplit,
     HarmonyRefused,
     harmony_encoding,
     load_encoding_from,
+    render_chat,
     tiktoken_vocab,
 )
 from outrider.daemon.http.responses import Shape, TokenTexts
 from outrider.daemon.internal import FinishInfo, RequestUpdate
-from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
+from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
 from outrider.protocol import GenerateResult, TokenChunk
-from outrider.protocol.messages import Chunk, Finished, ToolCall, Usage
+from outrider.protocol.messages import (
+    ChatMessage,
+    Chunk,
+    Finished,
+    Generate,
+    Tool,
+    ToolCall,
+    Usage,
+    request_revision,
+)
 from outrider.protocol.tool_calls import ParsedCall
 
 
@@ -229,3 +242,82 @@ def test_the_openai_shapes_carry_reasoning_and_calls() -> None:
         {"content": "Hi"},
         {"content": ""},  # a token without text yet, as before
     ]  # fmt: skip
+
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "developer", "content": "And kind."},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 20}'},
+    {"role": "assistant", "content": "It is 20 C."},
+    {"role": "user", "content": "Thanks"},
+]  # fmt: skip
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}  # fmt: skip
+RENDERED = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\n\nReasoning: high\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message.\n"
+    "Calls to these tools must go to the commentary channel: 'functions'.<|end|>"
+    "<|start|>developer<|message|># Instructions\n\nBe brief.\n\nAnd kind.\n\n# Tools\n\n"
+    "## functions\n\nnamespace functions {\n\n// Weather of a city\n"
+    "type get_weather = (_: {\ncity: string,\n}) => any;\n\n} // namespace functions<|end|>"
+    "<|start|>user<|message|>Weather in Paris?<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+    '<|message|>{"city": "Paris"}<|call|>'
+    "<|start|>functions.get_weather to=assistant<|channel|>commentary"
+    '<|message|>{"temp": 20}<|end|>'
+    "<|start|>assistant<|channel|>final<|message|>It is 20 C.<|end|>"
+    "<|start|>user<|message|>Thanks<|end|><|start|>assistant"
+)
+
+
+def test_chats_render_in_the_harmony_format(encoding: Any, gpt_oss_tokenizer: Tokenizer) -> None:
+    """System and developer turns become the developer's instructions, in order; a call and
+    its result find each other by id; the effort goes to the system message."""
+    ids = render_chat(encoding, CHAT, [WEATHER], "high")
+    assert encoding.decode_utf8(ids) == RENDERED
+    plain = render_chat(encoding, CHAT[1:2], [], None)
+    assert "Reasoning: medium" in encoding.decode_utf8(plain)
+    assert "developer" not in encoding.decode_utf8(plain)
+    gpt_oss_tokenizer.harmony = encoding  # as the front door sets it
+    try:
+        assert gpt_oss_tokenizer.has_chat_template
+        assert gpt_oss_tokenizer.apply_chat_template(CHAT, [WEATHER], "high") == ids
+        with pytest.raises(ChatTemplateError, match=r"messages\[1\]: role 'function'"):
+            gpt_oss_tokenizer.apply_chat_template([CHAT[1], {"role": "function", "content": ""}])
+    finally:
+        gpt_oss_tokenizer.harmony = None
+    orphan = [CHAT[1], {"role": "tool", "tool_call_id": "call_9", "content": "20"}]
+    with pytest.raises(HarmonyRefused, match=r"messages\[1\]: its tool_call_id names no call"):
+        render_chat(encoding, orphan, [], None)
+
+
+def test_what_a_harmony_chat_cannot_take_is_refused(gpt_oss_tokenizer: Tokenizer) -> None:
+    harmony = Validator(
+        msgspec.structs.replace(
+            model_facts(None, VOCAB_SIZE), configuration={"output_format": "harmony"}
+        ),
+        gpt_oss_tokenizer, None,
+    )  # fmt: skip
+    text = Validator(model_facts(None, VOCAB_SIZE), gpt_oss_tokenizer, None)
+    chat = [ChatMessage("user", "Hi")]
+    tool = Tool("get_weather", "", '{"type": "object"}')
+    harmony.check(Generate("a", messages=chat, reasoning_effort="low", tools=[tool]))
+    refusals = [
+        (text, Generate("b", messages=chat, reasoning_effort="low"), "reasoning_effort"),
+        (harmony, Generate("c", prompt="Hi", reasoning_effort="low"), "reasoning_effort"),
+        (harmony, Generate("d", messages=chat, tools=[tool], tool_choice="required"),
+         "tool_choice required"),
+        (harmony, Generate("e", messages=chat, stop=["x"]), "stop strings"),
+    ]  # fmt: skip
+    for validator, msg, named in refusals:
+        with pytest.raises(Rejected) as refused:
+            validator.check(msg)
+        assert refused.value.code == "unsupported" and named in refused.value.message
+    assert request_revision(Generate("f", messages=chat, reasoning_effort="high")) == 5

@@ -97,3 +97,41 @@ def test_the_openai_client_gets_the_call_streamed_or_not(
     assert deltas[-1].finish_reason == "tool_calls"
     with pytest.raises(openai.BadRequestError, match="harmony format"):
         client.chat.completions.create(**params, stop=["Paris"])  # type: ignore[call-overload]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+
+
+def test_tools_and_reasoning_effort_are_rendered_and_a_result_goes_back(
+    server: HttpDaemon, model_dir: Path
+) -> None:
+    """The prompt's size shows what was rendered: the tools (the developer message) and the
+    call and its result of the follow-up."""
+    client = server.openai()
+    params = dict(model=model_dir.name, max_tokens=40, temperature=0, tools=[WEATHER])
+    bare = client.chat.completions.create(  # type: ignore[call-overload]
+        **params | {"tools": None}, messages=MESSAGES
+    )
+    done = client.chat.completions.create(  # type: ignore[call-overload]
+        **params, messages=MESSAGES, reasoning_effort="high"
+    )
+    assert done.usage.prompt_tokens > bare.usage.prompt_tokens + 30  # the tools' namespace
+    (call,) = done.choices[0].message.tool_calls
+    follow_up = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 20}'},
+    ]
+    again = client.chat.completions.create(**params, messages=follow_up)  # type: ignore[call-overload]
+    assert again.usage.prompt_tokens > done.usage.prompt_tokens + 20  # the call and result
+    # Calls are parsed, not held to a grammar: a required call cannot be promised.
+    with pytest.raises(openai.BadRequestError, match="tool_choice required"):
+        client.chat.completions.create(  # type: ignore[call-overload]
+            **params, messages=MESSAGES, tool_choice="required"
+        )
+    with pytest.raises(openai.BadRequestError, match=r"messages\[1\]: its tool_call_id"):
+        client.chat.completions.create(  # type: ignore[call-overload]
+            **params, messages=[*MESSAGES, {"role": "tool", "tool_call_id": "x", "content": ""}]
+        )

@@ -11,6 +11,8 @@ from outrider.daemon.grammar.tool_calls import function_schema
 from outrider.daemon.internal import ToolUse
 from outrider.protocol.messages import ChatMessage, Generate
 
+HARMONY = "harmony"  # ``tool_use``'s format for a chat in the harmony format
+
 
 class ToolsRefused(ValueError):
     """A request's tools cannot be honoured; ``code`` is the wire error's."""
@@ -23,7 +25,10 @@ class ToolsRefused(ValueError):
 def tool_use(msg: Generate, tool_format: str | None) -> ToolUse | None:
     """What the daemon holds ``msg``'s calls to (None: nothing: no tools, or
     ``tool_choice`` none); raises ``ToolsRefused``. ``tool_format``: the model's
-    (daemon/grammar/tool_calls.py), None where its chat template renders no tool calls."""
+    (daemon/grammar/tool_calls.py), None where its chat template renders no tool calls;
+    ``HARMONY`` for a chat in the harmony format, whose calls are parsed from its channels
+    (daemon/harmony.py) and held to nothing: ``tool_choice`` ``auto`` (at most one call: a
+    call ends the turn) or ``none`` (no tool is shown to the model)."""
     for i, message in enumerate(msg.messages or []):
         for j, call in enumerate(message.tool_calls):
             _object(call.arguments, f"messages[{i}].tool_calls[{j}].arguments")
@@ -49,6 +54,14 @@ def tool_use(msg: Generate, tool_format: str | None) -> ToolUse | None:
         raise ToolsRefused(
             "invalid_request", "a grammar and tools cannot both constrain one output"
         )
+    if tool_format == HARMONY:
+        if msg.tool_choice == "required":
+            raise ToolsRefused(
+                "unsupported",
+                "tool_choice required (or a named function) is not served for this model's "
+                "harmony format: its calls are parsed, not held to a grammar; use auto",
+            )
+        return None
     if tool_format is None:
         raise ToolsRefused(
             "unsupported",

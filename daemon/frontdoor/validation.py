@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from outrider.daemon.frontdoor.tools import ToolsRefused, template_inputs, tool_use
+from outrider.daemon.frontdoor.tools import HARMONY, ToolsRefused, template_inputs, tool_use
 from outrider.daemon.internal import ModelFacts, ToolUse
 from outrider.daemon.sampling_defaults import OUTRIDER_DEFAULTS, SamplingDefaults
 from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer
@@ -129,8 +129,10 @@ def tokenize(tokenizer: Tokenizer, msg: Generate) -> list[int]:
         return tokenizer.encode_prompt(msg.prompt)
     assert msg.messages is not None
     turns, tools = template_inputs(msg)
+    if tokenizer.harmony is not None and msg.tool_choice == "none":
+        tools = []  # a harmony chat's calls are held to nothing: the model is not shown them
     try:
-        return tokenizer.apply_chat_template(turns, tools)
+        return tokenizer.apply_chat_template(turns, tools, msg.reasoning_effort)
     except ChatTemplateError as exc:
         raise Rejected("invalid_request", f"messages: chat template failed: {exc}") from None
 
@@ -214,8 +216,9 @@ class Validator:
         self._check_grammar(msg)
         self._check_channels(msg)
         prompt = self._prompt(msg)
+        chat_format = HARMONY if self.channels and msg.messages is not None else None
         try:
-            tools = tool_use(msg, self.facts.configuration.get("tool_call_format"))
+            tools = tool_use(msg, chat_format or self.facts.configuration.get("tool_call_format"))
         except ToolsRefused as exc:
             raise Rejected(exc.code, str(exc)) from None
         if prompt.chars > self.max_prompt_chars:
@@ -287,8 +290,14 @@ class Validator:
     def _check_channels(self, msg: Generate) -> None:
         """A chat request to a model whose outputs have channels: the daemon's stop strings
         and grammars act on the output's tokens, channel headers included, not on the answer
-        they are meant for."""
+        they are meant for. ``reasoning_effort`` is such a chat's alone."""
         if not self.channels or msg.messages is None:
+            if msg.reasoning_effort is not None:
+                raise Rejected(
+                    "unsupported",
+                    "reasoning_effort is taken by chat requests to a model in the harmony "
+                    "format (gpt-oss) only",
+                )
             return
         what = "stop strings" if msg.stop else "grammars" if msg.grammar is not None else None
         if what is not None:

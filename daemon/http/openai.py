@@ -41,6 +41,7 @@ from outrider.protocol.messages import (
     MAX_SEED,
     MAX_TOKEN_ID,
     Grammar,
+    ReasoningEffort,
     Seed,
     TopK,
 )
@@ -116,6 +117,7 @@ class ChatRequest(_Sampling):
     tools: list[ToolIn] | None = None
     tool_choice: ToolChoiceIn | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None  # the harmony format's (gpt-oss)
 
 
 class InvalidRequest(ValueError):
@@ -152,6 +154,7 @@ class GenerateArgs:
     grammar: Grammar | None  # structured output (structured.py)
     max_drafts: int | None  # the request's draft cap (None: the daemon's)
     tools: dict[str, Any] = field(default_factory=dict)  # tools.py's client arguments
+    reasoning_effort: ReasoningEffort | None = None  # a chat's (protocol 1.4)
 
     @property
     def calls_tools(self) -> bool:
@@ -186,6 +189,7 @@ class GenerateArgs:
                 "ignore_eos": self.ignore_eos,
                 "logprobs": self.logprobs,
                 "max_drafts": self.max_drafts,
+                "reasoning_effort": self.reasoning_effort,
             }
         )
 
@@ -322,7 +326,8 @@ def chat_args(req: ChatRequest) -> GenerateArgs:
     if max_tokens is None:
         max_tokens = req.max_tokens
     args = _args(req, None, None, messages, max_tokens, wanted)
-    return replace(args, tools=tools_kwargs(req.tools, req.tool_choice, req.parallel_tool_calls))
+    tools = tools_kwargs(req.tools, req.tool_choice, req.parallel_tool_calls)
+    return replace(args, tools=tools, reasoning_effort=req.reasoning_effort)
 
 
 def _args(
