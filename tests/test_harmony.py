@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 from frontdoor_harness import model_facts
-from o200k_fixture import O200K_SHA256, VOCAB_SIZE, o200k_vocab_dir, save_gpt_oss_tokenizer
+from o200k_fixture import O200K_SHA256, VOCAB_SIZE, o200k_vocab_dir
 
 from outrider.daemon.frontdoor.requests import LiveRequest
 from outrider.daemon.frontdoor.validation import Rejected, Validator
@@ -49,9 +49,8 @@ def vocab_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def gpt_oss_tokenizer(vocab_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    out = save_gpt_oss_tokenizer(vocab_dir, tmp_path_factory.mktemp("gpt-oss-tokenizer"))
-    tokenizer = load_tokenizer(out)
+def gpt_oss_tokenizer(gpt_oss_tokenizer_dir: Path) -> Tokenizer:
+    tokenizer = load_tokenizer(gpt_oss_tokenizer_dir)
     assert tokenizer is not None
     return tokenizer
 

@@ -25,10 +25,10 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    vocab_dir = o200k_vocab_dir()
-    output = load_encoding_from(vocab_dir).encode(CALL, allowed_special="all")
-    return save_scripted_gpt_oss(vocab_dir, tmp_path_factory.mktemp("scripted-gpt-oss"), output)
+def model_dir(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = load_encoding_from(o200k_vocab_dir()).encode(CALL, allowed_special="all")
+    out = tmp_path_factory.mktemp("scripted-gpt-oss")
+    return save_scripted_gpt_oss(gpt_oss_tokenizer_dir, out, output)
 
 
 @pytest.fixture(scope="module")
