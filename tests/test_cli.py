@@ -28,7 +28,7 @@ def test_version_names_the_installed_distribution_and_the_protocol(
     assert exited.value.code == 0
     installed = importlib.metadata.version("outrider")
     assert (
-        capsys.readouterr().out == f"outrider {installed} (client protocol {PROTOCOL_VERSION}.3)\n"
+        capsys.readouterr().out == f"outrider {installed} (client protocol {PROTOCOL_VERSION}.4)\n"
     )
 
 
