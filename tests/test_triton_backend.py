@@ -128,6 +128,17 @@ def test_launches_fill_the_device_from_the_batch_size_and_width_alone() -> None:
     assert plan(1, 4) == (16, 64, 1, 32)  # a chain of 3 drafts: 16 (query, head) pairs
     assert plan(2, 16) == (64, 64, 1, 16)  # DFlash blocks of 16
     assert plan(1, 2048) == (64, 64, 128, 1)  # a prompt chunk: query tiles fill the device
+    # Rows of one query tile (decode, verify, DFlash's block) pipeline two stages, a prompt
+    # chunk's Triton's own (0), unless the options choose.
+    pipelines = [
+        launch_plan(
+            num_q_heads=32, num_kv_heads=8, head_dim=128, bs=bs, max_q=max_q, mode=MODE_CAUSAL,
+            programs_wanted=264,
+        ).stages(chosen)
+        for bs, max_q, chosen in [(1, 1, 0), (256, 1, 0), (2, 16, 0), (1, 17, 0), (1, 2048, 0),
+                                  (1, 2048, 4)]
+    ]  # fmt: skip
+    assert pipelines == [2, 2, 2, 0, 0, 4]
     assert plan(1, 1, head_dim=256)[1] == 32
     assert plan(1, 1, kv_splits=3)[3] == 3
     assert launch_plan(

@@ -37,6 +37,11 @@ class TritonMetadata:
     partial_lse: torch.Tensor | None  # [T, Hq, splits] float32, base 2
 
 
+def _stages(depth: int) -> dict[str, int]:
+    """The launch option of a pipeline ``depth`` (0: none, Triton's own)."""
+    return {"num_stages": depth} if depth else {}
+
+
 def _mode(layout: BatchLayout) -> int:
     if layout.tree_mask is not None:
         return MODE_TREE
@@ -58,8 +63,6 @@ class TritonAttention(AttentionBackend):
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.programs_wanted = (options.programs_per_sm or PROGRAMS_PER_SM) * sms
-        # Triton's own pipeline depth unless the options set one.
-        self.stages = {"num_stages": options.num_stages} if options.num_stages else {}
 
     def build(self, layout: BatchLayout) -> TritonMetadata:
         plan = launch_plan(
@@ -172,6 +175,6 @@ class TritonAttention(AttentionBackend):
             # fp32 as fp32 (no TF32 rounding); the default for half types.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
             num_warps=self.options.num_warps or (4 if shape.head_dim <= 128 else 8),
-            **self.stages,
+            **_stages(plan.stages(self.options.num_stages)),
             **pdl_options(q.device),
         )  # fmt: skip

@@ -30,6 +30,10 @@ MAX_HEAD_DIM = 256
 # splits (the rest see nothing and the merge weighs them 0).
 SPLIT_GRAIN = 16
 LOG2_E = 1.4426950408889634  # the kernels' softmax runs in base 2
+# Rows of one query tile stream their KV: two stages beat Triton's default of three in every
+# such batch timed on an H200, 1.33x at 256 rows (BENCHMARKS.md, fourteenth session). Longer
+# rows (prompts) keep Triton's own, untimed.
+SHORT_ROW_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,12 @@ class LaunchPlan:
     def merged(self) -> bool:
         """Splits write partial outputs that a second kernel merges."""
         return self.splits > 1
+
+    def stages(self, chosen: int = 0) -> int:
+        """The KV loop's pipeline depth: ``chosen`` (``TritonOptions.num_stages``), else
+        ``SHORT_ROW_STAGES`` where each row's queries fit one tile (decode, verify and draft
+        batches) and 0, Triton's own (3 on Hopper), for longer rows."""
+        return chosen or (SHORT_ROW_STAGES if self.query_tiles == 1 else 0)
 
 
 def launch_plan(
