@@ -17,9 +17,10 @@ without a download, and one request's output split into its channels.
   ``functions.NAME``, their JSON arguments as the message's text).
 
 Invariants of a split:
-- Nothing is dropped: text the format's parser cannot place (a model that leaves the format,
-  a header never closed, a call cut short or whose arguments are not a JSON object) goes to the
-  answer as plain text, decoded from its tokens.
+- Nothing but format is dropped: text the format's parser cannot place (an output that
+  leaves the format or never speaks it, a call cut short or whose arguments are not a JSON
+  object) goes to the answer as plain text, decoded from its tokens; a header cut short
+  after the format was spoken (role and channel names) is format.
 - Deltas only: each ``feed`` returns what its tokens add; the concatenated deltas of a request
   equal what one ``feed`` of all its tokens returns.
 - The package is imported on first use, in the process that splits (a child never imports
