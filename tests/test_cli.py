@@ -204,7 +204,7 @@ def test_generate_chat_sends_one_user_message_and_the_timeout_says_what_to_do(
     ]
 
 
-def test_generate_passes_the_logit_adjustments_and_the_draft_cap(
+def test_generate_passes_the_logit_adjustments_the_draft_cap_and_the_reasoning_effort(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(generate_cmd, "Client", _FakeClient)
@@ -220,6 +220,8 @@ def test_generate_passes_the_logit_adjustments_and_the_draft_cap(
     assert [plain[n] for n in names] == [0.0, 0.0, 0.0, 1.0, {}]
     assert main(["generate", *fake, "--max-drafts", "0", "z"]) == 1
     assert (_FakeClient.calls[-1]["max_drafts"], plain["max_drafts"]) == (0, None)
+    assert main(["generate", *fake, "--chat", "--reasoning-effort", "high", "z"]) == 1
+    assert (_FakeClient.calls[-1]["reasoning_effort"], plain["reasoning_effort"]) == ("high", None)
     capsys.readouterr()
     with pytest.raises(SystemExit):
         main(["generate", *fake, "--logit-bias", "7", "x"])

@@ -93,6 +93,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="the drafted tokens a speculative step may accept for it (0: speculation off; "
         "default: the daemon's)",
     )
+    parser.add_argument(
+        "--reasoning-effort",
+        choices=("low", "medium", "high"),
+        help="how long a model in the harmony format (gpt-oss) reasons, with --chat; --json "
+        "shows its reasoning and calls (default: the format's, medium)",
+    )
     constrain = parser.add_mutually_exclusive_group()
     constrain.add_argument(
         "--json-schema",
@@ -194,6 +200,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "logit_bias": dict(args.logit_bias),
         "grammar": _grammar(args),
         "max_drafts": args.max_drafts,
+        "reasoning_effort": args.reasoning_effort,
     }
     if args.chat:
         request["messages"] = [{"role": "user", "content": prompt}]
