@@ -51,6 +51,8 @@ log = logging.getLogger("outrider.harmony")
 VOCAB_FILE = "o200k_base.tiktoken"  # the name the package looks for
 TOOL_PREFIX = "functions."  # a call's recipient: the tool's name after it
 MAX_SPLIT = 3  # tokens a UTF-8 character may end in past its first (a byte a token)
+MESSAGE_START = "<|message|>"  # after a message's header
+MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 
 
 HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
@@ -223,6 +225,12 @@ class ChannelSplit:
         self._parser: StreamableParser | None = StreamableParser(encoding, role=Role.ASSISTANT)
         self._unplaced: list[int] = []  # tokens of a header being parsed
         self._spoken = False  # some message's header was parsed: the model speaks the format
+        self._message_start = _special(encoding, MESSAGE_START)
+        self._message_ends = {_special(encoding, end) for end in MESSAGE_ENDS}
+        # The recipient ("": none) and channel of the message whose content is being parsed;
+        # None between messages.
+        self._recipient: str | None = None
+        self._channel = ""
         self._call_text: list[str] = []  # the arguments of the call being parsed
         self._raw: list[int] = []  # tokens past the format not yet decoded
 
@@ -250,33 +258,37 @@ class ChannelSplit:
         return delta
 
     def _step(self, parser: StreamableParser, token: int, delta: ChannelDelta) -> None:
-        from openai_harmony import HarmonyError, StreamState
+        from openai_harmony import HarmonyError
 
-        messages = len(parser.messages)
         self._unplaced.append(token)
         try:
             parser.process(token)
         except HarmonyError:
             self._leave_format(delta)
             return
-        if parser.state == StreamState.CONTENT:  # the header is parsed: format, not text
+        # NOTE: the parser's ``state`` and ``messages`` serialise its whole state as JSON on
+        # every read (tens of microseconds, growing with the output): a message's bounds are
+        # read from the tokens the parser accepted instead.
+        if token == self._message_start:  # the header is parsed: format, not text
             self._spoken = True
             self._unplaced.clear()
-        text = parser.last_content_delta or ""
-        if text:
-            recipient = parser.current_recipient or ""
-            if recipient.startswith(TOOL_PREFIX):
-                self._call_text.append(text)
-            elif parser.current_channel == "analysis":
-                delta.reasoning += text
-            else:
-                delta.content += text
-        if len(parser.messages) > messages:  # a message ended with this token
-            self._unplaced.clear()
-            self._end_message(parser.messages[-1].to_dict(), delta)
+            self._recipient = parser.current_recipient or ""
+            self._channel = parser.current_channel or ""
+            return
+        if self._recipient is None:
+            return  # a header's token, unplaced so far
+        self._unplaced.clear()  # a message's: placed
+        if token in self._message_ends:
+            self._end_message(self._recipient, delta)
+            self._recipient = None
+        elif self._recipient.startswith(TOOL_PREFIX):
+            self._call_text.append(parser.last_content_delta or "")
+        elif self._channel == "analysis":
+            delta.reasoning += parser.last_content_delta or ""
+        else:
+            delta.content += parser.last_content_delta or ""
 
-    def _end_message(self, message: dict[str, Any], delta: ChannelDelta) -> None:
-        recipient = message.get("recipient") or ""
+    def _end_message(self, recipient: str, delta: ChannelDelta) -> None:
         if not recipient.startswith(TOOL_PREFIX):
             return
         text, self._call_text = "".join(self._call_text), []
@@ -316,6 +328,12 @@ class ChannelSplit:
         # Bytes that are not UTF-8 before the end: no later token completes them.
         text, self._raw = self._encoding.decode(self._raw), []
         return text
+
+
+def _special(encoding: HarmonyEncoding, text: str) -> int:
+    """The id of the special token ``text``."""
+    (token,) = encoding.encode(text, allowed_special="all")
+    return int(token)
 
 
 def _call(name: str, arguments: str) -> ParsedCall | None:

@@ -59,7 +59,7 @@ class Tokenizer:
     def __init__(self, hf: PreTrainedTokenizerFast) -> None:
         self._hf = hf
         # A model whose chats are in the harmony format (daemon/harmony.py) renders them with
-        # this encoding, its chat template aside; one encoding per tokenizer (per thread).
+        # this encoding, its chat template aside.
         self.harmony: HarmonyEncoding | None = None
 
     def __len__(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,6 +24,11 @@ TOOL_CALL_FORMATS: tuple[ToolCallFormat, ...] = ("qwen_3", "llama")
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _LLAMA_START = '{"name": '
+
+
+def new_call_id() -> str:
+    """A fresh id for a call the daemon parsed (OpenAI's ``call_`` form)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)

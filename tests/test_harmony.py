@@ -132,6 +132,10 @@ CALLED = (
         (REASONED, "Hello! 日本語 ✓", "The user greets; answer briefly.", []),
         (CALLED, "Checking.", "Need the weather.",
          [ParsedCall("get_weather", {"city": "Paris", "days": 2})]),
+        # The recipient may stand in the role's header too (as harmony renders a past call).
+        ("<|channel|>analysis<|message|>x<|end|><|start|>assistant to=functions.f<|channel|>"
+         'commentary <|constrain|>json<|message|>{"a": 1}<|call|>', "", "x",
+         [ParsedCall("f", {"a": 1})]),
         # Arguments that are not a JSON object are no call: their text is the answer's.
         ('<|channel|>commentary to=functions.f <|constrain|>json<|message|>[1, 2]<|call|>',
          "[1, 2]", "", []),
@@ -144,8 +148,8 @@ CALLED = (
         ("<|channel|>final<|message|>Hi<|end|> and then plain <|end|>text",
          "Hi and then plain text", "", []),
     ],
-    ids=["reasoned", "called", "arguments-not-an-object", "call-cut", "header-cut", "plain",
-         "leaves-the-format"],
+    ids=["reasoned", "called", "recipient-in-role", "arguments-not-an-object", "call-cut",
+         "header-cut", "plain", "leaves-the-format"],
 )  # fmt: skip
 def test_outputs_split_into_answer_reasoning_and_calls(
     encoding: Any, text: str, content: str, reasoning: str, calls: list[ParsedCall]

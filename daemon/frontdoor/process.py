@@ -186,9 +186,10 @@ class FrontDoor:
         worker = load_tokenizer(facts.tokenizer_dir) if facts.tokenizer_dir else None
         self._prompts = PromptTokenizer(tokenizer, worker)
         if self._validator.channels and tokenizer is not None:
+            # One encoding for both threads: its methods run holding the GIL.
             self._harmony = tokenizer.harmony = harmony_encoding(tokenizer)
-            if worker is not None:  # its own encoding: the worker renders on its thread
-                worker.harmony = harmony_encoding(worker)
+            if worker is not None:
+                worker.harmony = self._harmony
         log.info(
             "model %s: vocab_size %d, context %d, %s",
             facts.model,

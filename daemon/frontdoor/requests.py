@@ -12,7 +12,6 @@ orphaned (its client vanished, or was answered ``slow_consumer`` for it).
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ from outrider.protocol.messages import (
     TokenLogprob,
     ToolCall,
 )
+from outrider.protocol.tool_calls import new_call_id
 
 
 @dataclass(eq=False)
@@ -97,8 +97,7 @@ class LiveRequest:
         if update.finish is not None:
             delta += self.split.finish()
         calls = [
-            ToolCall(f"call_{uuid.uuid4().hex[:24]}", call.name, json.dumps(call.arguments))
-            for call in delta.calls
+            ToolCall(new_call_id(), call.name, json.dumps(call.arguments)) for call in delta.calls
         ]
         return delta.content, delta.reasoning, calls
 

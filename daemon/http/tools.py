@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Any, Literal
 
 import msgspec
 
 from outrider.protocol import GenerateResult, TokenChunk, Tool
 from outrider.protocol.messages import ToolCall
-from outrider.protocol.tool_calls import ParsedCall, ToolCallFormat, parse_tool_calls
+from outrider.protocol.tool_calls import (
+    ParsedCall,
+    ToolCallFormat,
+    new_call_id,
+    parse_tool_calls,
+)
 
 
 class FunctionIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -149,7 +153,7 @@ def _call_body(
     body: dict[str, Any] = {} if index is None else {"index": index}
     text = json.dumps(call.arguments) if arguments is None else arguments
     return body | {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": new_call_id(),
         "type": "function",
         "function": {"name": call.name, "arguments": text},
     }
