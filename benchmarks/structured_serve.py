@@ -22,8 +22,9 @@ runs admit and finish requests alike and the ratio is the grammar's cost.
 ``--shape llama`` serves ``--model-dir`` (a Llama-3.1-8B config.json beside a tokenizer, dummy
 weights) with dummy drafts at a simulated acceptance (bench/sweep.py's rates), and ``--shape
 qwen3`` a Qwen3-8B one, plainly and with the DFlash-b16 draft. The tokenizer should have the
-config's vocabulary size (``benchmarks/wide_tokenizer.py`` widens a smaller one): the grammar
-engine's cost follows the tokenizer's size and its special ids.
+config's vocabulary size, and be a real one: the grammar engine's cost follows the
+tokenizer's size, its special ids and its pieces (``benchmarks/real_vocab.py`` puts a real
+129,280-id tokenizer beside a config of that size; the drafts take the target's size).
 """
 
 from __future__ import annotations
@@ -63,8 +64,22 @@ def family_configs() -> dict[str, list[str]]:
     }  # fmt: skip
 
 
+def draft_config(name: str, model_dir: str) -> str:
+    """The fixture draft config ``name`` with the target's ``vocab_size`` (a model directory
+    of another vocabulary, ``real_vocab.py``'s), written beside the system's temporary files
+    where it differs."""
+    config = json.loads((CONFIGS / name).read_text())
+    vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    if config["vocab_size"] == vocab_size:
+        return str(CONFIGS / name)
+    config["vocab_size"] = vocab_size
+    path = Path(tempfile.gettempdir()) / f"vocab{vocab_size}-{name}"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return str(path)
+
+
 def llama_configs(model_dir: str) -> dict[str, list[str]]:
-    eagle3 = str(CONFIGS / "Llama-3.1-8B-EAGLE3.config.json")
+    eagle3 = draft_config("Llama-3.1-8B-EAGLE3.config.json", model_dir)
     target = ["--model", model_dir, "--load-format", "dummy", "--dtype", "bfloat16"]
     return {
         "none": target,
@@ -80,7 +95,7 @@ def llama_configs(model_dir: str) -> dict[str, list[str]]:
 
 
 def qwen3_configs(model_dir: str) -> dict[str, list[str]]:
-    dflash = str(CONFIGS / "Qwen3-8B-DFlash-b16.config.json")
+    dflash = draft_config("Qwen3-8B-DFlash-b16.config.json", model_dir)
     target = ["--model", model_dir, "--load-format", "dummy", "--dtype", "bfloat16"]
     return {
         "none": target,

@@ -5,8 +5,10 @@ A grammar engine treats the ids past a tokenizer's vocabulary as special tokens,
 follows: xgrammar searches the special ids on every token it accepts (about 13 us a token for
 the 79,104 ids between SmolLM2's 49,152 and Llama-3.1's 128,256, against 2 us for a tokenizer
 of the model's size), while its masks skip them. The widened tokenizer gives every id a text,
-so that masks and accepts cost what a tokenizer of the model's size costs: each new token is
-two of the tokenizer's own pieces joined, a piece encoding never produces (no merge makes it).
+so that accepts cost what a tokenizer of the model's size costs: each new token is two of the
+tokenizer's own pieces joined, a piece encoding never produces (no merge makes it). Its masks
+do not: inside a JSON string xgrammar fills them about 8x slower than a real tokenizer's
+(BENCHMARKS.md); host-time figures take ``real_vocab.py``'s real tokenizer.
 
     python benchmarks/wide_tokenizer.py SOURCE_DIR OUT_DIR --vocab-size 128256
 """
