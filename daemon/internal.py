@@ -47,6 +47,9 @@ class TokenizedRequest(Struct, array_like=True, tag=1, frozen=True):
     tools: ToolUse | None = None  # its calls held to their schemas (daemon/grammar/)
     # The most drafts a step may commit for it (0: speculation off); None: the engine's.
     max_drafts: int | None = None
+    # A chat whose output is in the harmony format: its grammar holds the final message
+    # alone, its tools' calls are in that format (daemon/grammar/channels.py).
+    harmony: bool = False
 
 
 class ToolUse(Struct, array_like=True, frozen=True):
@@ -59,6 +62,13 @@ class ToolUse(Struct, array_like=True, frozen=True):
     choice: Literal["auto", "required"]
     name: str | None
     parallel: bool
+
+
+class FinalMessage(Struct, array_like=True, frozen=True):
+    """``grammar`` held to the final message of an output in the harmony format, the
+    messages before it free (daemon/grammar/channels.py)."""
+
+    grammar: Grammar
 
 
 GREEDY = SamplingSpec()

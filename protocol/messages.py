@@ -140,7 +140,9 @@ class Grammar(Struct, frozen=True, gc=False):
       ``start``).
 
     The output ends where the grammar lets it end and the model chooses its end of sequence;
-    a request cut short by ``max_new_tokens`` ends ``length`` with the partial output.
+    a request cut short by ``max_new_tokens`` ends ``length`` with the partial output. A chat
+    to a model whose output is in the harmony format (``ServerInfo.configuration
+    ["output_format"]`` "harmony") is held in its final answer (``text``), its reasoning free.
     """
 
     kind: GrammarKind

@@ -17,6 +17,7 @@ from o200k_fixture import O200K_SHA256, VOCAB_SIZE, o200k_vocab_dir
 
 from outrider.daemon.frontdoor.requests import LiveRequest
 from outrider.daemon.frontdoor.validation import Rejected, Validator
+from outrider.daemon.grammar.tool_calls import HARMONY
 from outrider.daemon.harmony import (
     ChannelDelta,
     ChannelSplit,
@@ -27,7 +28,7 @@ from outrider.daemon.harmony import (
     tiktoken_vocab,
 )
 from outrider.daemon.http.responses import Shape, TokenTexts
-from outrider.daemon.internal import FinishInfo, RequestUpdate
+from outrider.daemon.internal import FinishInfo, RequestUpdate, ToolUse
 from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
 from outrider.protocol import GenerateResult, TokenChunk
 from outrider.protocol.messages import (
@@ -35,6 +36,7 @@ from outrider.protocol.messages import (
     Chunk,
     Finished,
     Generate,
+    Grammar,
     Tool,
     ToolCall,
     Usage,
@@ -312,11 +314,13 @@ def test_what_a_harmony_chat_cannot_take_is_refused(gpt_oss_tokenizer: Tokenizer
     chat = [ChatMessage("user", "Hi")]
     tool = Tool("get_weather", "", '{"type": "object"}')
     harmony.check(Generate("a", messages=chat, reasoning_effort="low", tools=[tool]))
+    # A harmony chat's grammar holds its final message, its calls the format's (channels.py).
+    harmony.check(Generate("g", messages=chat, grammar=Grammar("regex", "[a-z]+")))
+    required = Generate("d", messages=chat, tools=[tool], tool_choice="required")
+    assert harmony.check(required).tools == ToolUse(HARMONY, [tool], "required", None, False)
     refusals = [
         (text, Generate("b", messages=chat, reasoning_effort="low"), "reasoning_effort"),
         (harmony, Generate("c", prompt="Hi", reasoning_effort="low"), "reasoning_effort"),
-        (harmony, Generate("d", messages=chat, tools=[tool], tool_choice="required"),
-         "tool_choice required"),
         (harmony, Generate("e", messages=chat, stop=["x"]), "stop strings"),
     ]  # fmt: skip
     for validator, msg, named in refusals:

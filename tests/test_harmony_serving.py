@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 from http_harness import API_KEY, HttpDaemon
 from o200k_fixture import o200k_vocab_dir, save_scripted_gpt_oss
@@ -67,13 +69,12 @@ def test_the_client_library_gets_the_call_apart_from_the_answer(server: HttpDaem
         assert raw.text.startswith("commentary to=functions.get_weather json")
 
 
-def test_stop_strings_and_grammars_of_a_chat_are_refused(server: HttpDaemon) -> None:
+def test_stop_strings_of_a_chat_are_refused(server: HttpDaemon) -> None:
     with Client(server.daemon.endpoint, timeout=60) as client:
-        for extra in ({"stop": ["Paris"]}, {"grammar": Grammar("regex", "[a-z]+")}):
-            with pytest.raises(RequestError) as refused:
-                client.generate(messages=MESSAGES, max_new_tokens=8, **extra)
-            assert refused.value.code == "unsupported"
-            assert "harmony format" in refused.value.message
+        with pytest.raises(RequestError) as refused:
+            client.generate(messages=MESSAGES, max_new_tokens=8, stop=["Paris"])
+        assert refused.value.code == "unsupported"
+        assert "harmony format" in refused.value.message
 
 
 def test_the_openai_client_gets_the_call_streamed_or_not(
@@ -104,6 +105,12 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
 
 
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a zone",
+    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC"]}},
+                   "required": ["zone"]}}}  # fmt: skip
+
+
 def test_tools_and_reasoning_effort_are_rendered_and_a_result_goes_back(
     server: HttpDaemon, model_dir: Path
 ) -> None:
@@ -126,12 +133,73 @@ def test_tools_and_reasoning_effort_are_rendered_and_a_result_goes_back(
     ]
     again = client.chat.completions.create(**params, messages=follow_up)  # type: ignore[call-overload]
     assert again.usage.prompt_tokens > done.usage.prompt_tokens + 20  # the call and result
-    # Calls are parsed, not held to a grammar: a required call cannot be promised.
-    with pytest.raises(openai.BadRequestError, match="tool_choice required"):
-        client.chat.completions.create(  # type: ignore[call-overload]
-            **params, messages=MESSAGES, tool_choice="required"
-        )
+    required = client.chat.completions.create(  # type: ignore[call-overload]
+        **params, messages=MESSAGES, tool_choice="required"
+    )
+    assert required.choices[0].message.tool_calls[0].function.name == "get_weather"
+    # Named, the call is held to that tool and its schema where the model would call another.
+    named = client.chat.completions.create(  # type: ignore[call-overload]
+        **params | {"tools": [WEATHER, CLOCK], "max_tokens": 120}, messages=MESSAGES,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )  # fmt: skip
+    (call,) = named.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_time",
+        {"zone": "UTC"},
+    )
     with pytest.raises(openai.BadRequestError, match=r"messages\[1\]: its tool_call_id"):
         client.chat.completions.create(  # type: ignore[call-overload]
             **params, messages=[*MESSAGES, {"role": "tool", "tool_call_id": "x", "content": ""}]
         )
+
+
+ANSWER = '<|channel|>final<|message|>{"city": "Paris"}<|return|>'
+
+
+@pytest.fixture(scope="module")
+def answering_model(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A scripted model that answers every chat with ``ANSWER``."""
+    output = load_encoding_from(o200k_vocab_dir()).encode(ANSWER, allowed_special="all")
+    out = tmp_path_factory.mktemp("answering-gpt-oss")
+    return save_scripted_gpt_oss(gpt_oss_tokenizer_dir, out, output)
+
+
+@pytest.fixture(scope="module")
+def answering(
+    answering_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[HttpDaemon]:
+    workdir = tmp_path_factory.mktemp("answering-http")
+    http = HttpDaemon(workdir, "--api-key", API_KEY, model=answering_model)
+    try:
+        yield http
+        assert http.daemon.stop() == 0, http.daemon.log()
+    finally:
+        http.daemon.kill_all()
+
+
+class Lyon(pydantic.BaseModel):
+    city: Literal["Lyon"]
+
+
+def test_a_grammar_holds_a_chats_final_answer_and_a_prompts_whole_output(
+    answering: HttpDaemon, answering_model: Path
+) -> None:
+    with Client(answering.daemon.endpoint, timeout=60) as client:
+        free = client.generate(messages=MESSAGES, temperature=0, max_new_tokens=40)
+        assert (free.text, free.reasoning, free.finish_reason) == ('{"city": "Paris"}', "", "stop")
+        schema = json.dumps(Lyon.model_json_schema())
+        held = client.generate(
+            messages=MESSAGES, temperature=0, max_new_tokens=60,
+            grammar=Grammar("json_schema", schema),
+        )  # fmt: skip
+        assert (held.text, held.finish_reason) == ('{"city": "Lyon"}', "stop")
+        # A prompt is not a chat: its grammar holds the whole output, format tokens barred.
+        raw = client.generate(
+            prompt="Hi", temperature=0, max_new_tokens=20, grammar=Grammar("regex", "Lyon")
+        )
+        assert (raw.text, raw.finish_reason) == ("Lyon", "stop")
+    parsed = answering.openai().chat.completions.parse(
+        model=answering_model.name, messages=MESSAGES, max_tokens=60, temperature=0,
+        response_format=Lyon,
+    )  # fmt: skip
+    assert parsed.choices[0].message.parsed == Lyon(city="Lyon")

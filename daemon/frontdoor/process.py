@@ -346,6 +346,7 @@ class FrontDoor:
                 grammar=msg.grammar,
                 tools=admitted.tools,
                 max_drafts=msg.max_drafts,
+                harmony=req.split is not None,
             )
         )
 

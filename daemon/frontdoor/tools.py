@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from outrider.daemon.grammar.tool_calls import function_schema
+from outrider.daemon.grammar.tool_calls import HARMONY, function_schema
 from outrider.daemon.internal import ToolUse
 from outrider.protocol.messages import ChatMessage, Generate
-
-HARMONY = "harmony"  # ``tool_use``'s format for a chat in the harmony format
 
 
 class ToolsRefused(ValueError):
@@ -27,8 +25,8 @@ def tool_use(msg: Generate, tool_format: str | None) -> ToolUse | None:
     ``tool_choice`` none); raises ``ToolsRefused``. ``tool_format``: the model's
     (daemon/grammar/tool_calls.py), None where its chat template renders no tool calls;
     ``HARMONY`` for a chat in the harmony format, whose calls are parsed from its channels
-    (daemon/harmony.py) and held to nothing: ``tool_choice`` ``auto`` (at most one call: a
-    call ends the turn) or ``none`` (no tool is shown to the model)."""
+    (daemon/harmony.py): at most one call, which ends the turn (``tool_choice`` ``none``:
+    no tool is shown to the model)."""
     for i, message in enumerate(msg.messages or []):
         for j, call in enumerate(message.tool_calls):
             _object(call.arguments, f"messages[{i}].tool_calls[{j}].arguments")
@@ -54,14 +52,6 @@ def tool_use(msg: Generate, tool_format: str | None) -> ToolUse | None:
         raise ToolsRefused(
             "invalid_request", "a grammar and tools cannot both constrain one output"
         )
-    if tool_format == HARMONY:
-        if msg.tool_choice == "required":
-            raise ToolsRefused(
-                "unsupported",
-                "tool_choice required (or a named function) is not served for this model's "
-                "harmony format: its calls are parsed, not held to a grammar; use auto",
-            )
-        return None
     if tool_format is None:
         raise ToolsRefused(
             "unsupported",
@@ -69,7 +59,9 @@ def tool_use(msg: Generate, tool_format: str | None) -> ToolUse | None:
             "(Qwen / Hermes <tool_call>, Llama 3 JSON)",
         )
     choice: Literal["auto", "required"] = "required" if msg.tool_choice == "required" else "auto"
-    return ToolUse(tool_format, msg.tools, choice, msg.tool_name, msg.parallel_tool_calls)
+    # A harmony call ends the turn (its ``<|call|>`` is a stop token): one call at most.
+    parallel = msg.parallel_tool_calls and tool_format != HARMONY
+    return ToolUse(tool_format, msg.tools, choice, msg.tool_name, parallel)
 
 
 def _object(text: str, field: str) -> dict[str, Any]:

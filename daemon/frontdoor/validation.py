@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from outrider.daemon.frontdoor.tools import HARMONY, ToolsRefused, template_inputs, tool_use
+from outrider.daemon.frontdoor.tools import ToolsRefused, template_inputs, tool_use
+from outrider.daemon.grammar.tool_calls import HARMONY
 from outrider.daemon.internal import ModelFacts, ToolUse
 from outrider.daemon.sampling_defaults import OUTRIDER_DEFAULTS, SamplingDefaults
 from outrider.daemon.tokenizer import ChatTemplateError, Tokenizer
@@ -289,8 +290,9 @@ class Validator:
 
     def _check_channels(self, msg: Generate) -> None:
         """A chat request to a model whose outputs have channels: the daemon's stop strings
-        and grammars act on the output's tokens, channel headers included, not on the answer
-        they are meant for. ``reasoning_effort`` is such a chat's alone."""
+        act on the output's text, channel headers and reasoning included, not on the answer
+        they are meant for (its grammar holds the final message alone: daemon/grammar/
+        channels.py). ``reasoning_effort`` is such a chat's alone."""
         if not self.channels or msg.messages is None:
             if msg.reasoning_effort is not None:
                 raise Rejected(
@@ -299,13 +301,12 @@ class Validator:
                     "format (gpt-oss) only",
                 )
             return
-        what = "stop strings" if msg.stop else "grammars" if msg.grammar is not None else None
-        if what is not None:
+        if msg.stop:
             raise Rejected(
                 "unsupported",
-                f"{what} are not supported for chat requests to this model: its output is in "
-                "the harmony format (channels for reasoning and answer), which they would cut "
-                "or constrain as a whole",
+                "stop strings are not supported for chat requests to this model: its output "
+                "is in the harmony format (channels for reasoning and answer), which they "
+                "would cut as a whole",
             )
 
     def _check_stops(self, msg: Generate) -> None:

@@ -8,7 +8,9 @@ strict JSON), ``queue.GrammarQueue`` compiles off the daemon's loop, ``child.Com
 in a process of its own within time and memory limits (the daemon's),
 ``state.GrammarState`` holds one request's matcher; ``tool_calls`` knows a model's tool-call
 format (detected from its chat template; its answers are parsed by the client library's
-outrider/protocol/tool_calls.py). The scheduler owns the
+outrider/protocol/tool_calls.py); ``channels`` writes the harmony format's message stream
+(gpt-oss: a chat's calls, or its final answer under the request's grammar, held; the
+reasoning before them free). The scheduler owns the
 states (scheduler/planner.py, outputs.py); the engine only applies masks
 (engine/token_masks.py).
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from outrider.daemon.internal import ToolUse
+from outrider.daemon.internal import FinalMessage, ToolUse
 from outrider.protocol.messages import Grammar
 
 # What the child answers: ("ok", the compiled grammar as xgrammar's JSON) or ("refused", why);
@@ -53,8 +53,9 @@ class CompileChild:
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
 
-    def compile(self, what: Grammar | ToolUse) -> str:
-        """``what`` compiled (a grammar, or a chat request's tools), as xgrammar's JSON;
+    def compile(self, what: Grammar | FinalMessage | ToolUse) -> str:
+        """``what`` compiled (a grammar, one held to a harmony output's final message, or a
+        chat request's tools), as xgrammar's JSON;
         raises ``CompileRefused`` with the compiler's reason, or where the compile took
         longer than ``timeout`` or ended the child."""
         conn = self._started()

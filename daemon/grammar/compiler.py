@@ -17,11 +17,12 @@ import msgspec
 import numpy as np
 import xgrammar as xgr
 
+from outrider.daemon.grammar import channels
 from outrider.daemon.grammar.child import CompileChild, CompileRefused
 from outrider.daemon.grammar.schemas import strict_json
 from outrider.daemon.grammar.state import GrammarState
-from outrider.daemon.grammar.tool_calls import function_schema
-from outrider.daemon.internal import TokenizedRequest, ToolUse
+from outrider.daemon.grammar.tool_calls import HARMONY, function_schema
+from outrider.daemon.internal import FinalMessage, TokenizedRequest, ToolUse
 from outrider.daemon.tokenizer import load_tokenizer
 from outrider.protocol.messages import Grammar
 
@@ -80,26 +81,33 @@ class Grammars:
     def _compiler(self) -> xgr.GrammarCompiler:
         return xgr.GrammarCompiler(self._info, max_threads=1)
 
-    def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
-        """``grammar`` compiled; raises ``GrammarRefused``."""
+    @cached_property
+    def _harmony_ids(self) -> dict[str, int]:
+        """The ids of the harmony format's special tokens (channels.py) in this vocabulary;
+        raises ``GrammarRefused`` where one is missing."""
+        wanted = {text.encode(): text for text in channels.SPECIALS}
+        ids = {
+            wanted[piece]: token
+            for token, piece in enumerate(self._info.decoded_vocab)
+            if piece in wanted
+        }
+        missing = [text for text in channels.SPECIALS if text not in ids]
+        if missing:
+            raise GrammarRefused(f"the model's vocabulary has no {', '.join(missing)}")
+        return ids
+
+    def compile(self, what: Grammar | FinalMessage) -> xgr.CompiledGrammar:
+        """``what`` compiled: a grammar, or one held to the final message of an output in the
+        harmony format (channels.py); raises ``GrammarRefused``."""
         if self.child is not None:
-            return self._from_child(grammar)
-        compiler = self._compiler
+            return self._from_child(what)
+        grammar = what.grammar if isinstance(what, FinalMessage) else what
         try:
-            if grammar.kind == "json_schema":
-                # Compact JSON: no whitespace runs for a model to wander into.
-                schema = xgr.Grammar.from_json_schema(grammar.text, any_whitespace=False)
-                return compiler.compile_grammar(strict_json(schema))
-            if grammar.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
-            if grammar.kind == "regex":
-                return compiler.compile_regex(grammar.text)
-            if grammar.kind == "choice":
-                alternatives = " | ".join(json.dumps(choice) for choice in grammar.choices)
-                return compiler.compile_grammar(f"root ::= {alternatives}")
-            if grammar.kind == "lark":
-                return compiler.compile_lark(grammar.text)
-            return compiler.compile_grammar(grammar.text)
+            text = strict_json(_grammar(grammar))
+            if isinstance(what, FinalMessage):
+                tag = channels.final_tag(self._harmony_ids, text)
+                text = strict_json(xgr.Grammar.from_structural_tag(tag))
+            return self._compiler.compile_grammar(text)
         except (RuntimeError, ValueError) as exc:
             raise _refused(f"grammar ({grammar.kind})", exc) from None
 
@@ -114,6 +122,11 @@ class Grammars:
         if use.name is not None:
             choice = {"type": "function", "function": {"name": use.name}}
         try:
+            if use.format == HARMONY:
+                tag = channels.calls_tag(self._harmony_ids, use, max_whitespace_cnt=1)
+                return self._compiler.compile_grammar(
+                    strict_json(xgr.Grammar.from_structural_tag(tag))
+                )
             tag = xgr.get_model_structural_tag(
                 use.format,
                 tools=functions,
@@ -137,7 +150,7 @@ class Grammars:
         if self.child is not None:
             self.child.close()
 
-    def _from_child(self, what: Grammar | ToolUse) -> xgr.CompiledGrammar:
+    def _from_child(self, what: Grammar | FinalMessage | ToolUse) -> xgr.CompiledGrammar:
         """``what`` compiled by the child (or taken from the cache), read against this
         process's vocabulary; raises ``GrammarRefused``."""
         assert self.child is not None
@@ -162,7 +175,7 @@ class Grammars:
         of sequence does."""
         stops = sorted({*self.stop_ids, *msg.stop_token_ids})
         if msg.grammar is not None:
-            compiled = self.compile(msg.grammar)
+            compiled = self.compile(FinalMessage(msg.grammar) if msg.harmony else msg.grammar)
         else:
             assert msg.tools is not None
             compiled = self.compile_tools(msg.tools)
@@ -177,3 +190,21 @@ class Grammars:
         for token, text in enumerate(self._info.decoded_vocab[: self.vocab_size]):
             exits[token] = not text or b'"' in text or b"\\" in text
         return exits
+
+
+def _grammar(grammar: Grammar) -> xgr.Grammar:
+    """``grammar`` as xgrammar's; raises ``RuntimeError`` or ``ValueError`` where it is not
+    one."""
+    if grammar.kind == "json_schema":
+        # Compact JSON: no whitespace runs for a model to wander into.
+        return xgr.Grammar.from_json_schema(grammar.text, any_whitespace=False)
+    if grammar.kind == "json_object":
+        return xgr.Grammar.builtin_json_grammar()
+    if grammar.kind == "regex":
+        return xgr.Grammar.from_regex(grammar.text)
+    if grammar.kind == "choice":
+        alternatives = " | ".join(json.dumps(choice) for choice in grammar.choices)
+        return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+    if grammar.kind == "lark":
+        return xgr.Grammar.from_lark(grammar.text)
+    return xgr.Grammar.from_ebnf(grammar.text)

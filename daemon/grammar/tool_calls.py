@@ -13,6 +13,10 @@ from typing import Any
 from outrider.protocol.messages import Tool
 from outrider.protocol.tool_calls import ToolCallFormat
 
+# The format of a chat's calls where its output is in the harmony format (gpt-oss): parsed
+# from its channels (daemon/harmony.py), held by daemon/grammar/channels.py.
+HARMONY = "harmony"
+
 
 def function_schema(tool: Tool) -> dict[str, Any]:
     """``tool`` in the OpenAI shape (``{"type": "function", "function": {...}}``), as chat
