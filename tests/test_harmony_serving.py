@@ -26,22 +26,30 @@ CALL = (
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def model_dir(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    output = load_encoding_from(o200k_vocab_dir()).encode(CALL, allowed_special="all")
-    out = tmp_path_factory.mktemp("scripted-gpt-oss")
-    return save_scripted_gpt_oss(gpt_oss_tokenizer_dir, out, output)
+def scripted(tokenizer_dir: Path, factory: pytest.TempPathFactory, text: str) -> Path:
+    """A scripted gpt-oss (o200k_fixture.py) whose greedy output for any chat is ``text``."""
+    output = load_encoding_from(o200k_vocab_dir()).encode(text, allowed_special="all")
+    return save_scripted_gpt_oss(tokenizer_dir, factory.mktemp("scripted-gpt-oss"), output)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
-    workdir = tmp_path_factory.mktemp("harmony-http")
-    http = HttpDaemon(workdir, "--api-key", API_KEY, model=model_dir)
+def serving(model: Path, factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    """A daemon serving ``model`` over HTTP, stopped cleanly after its tests."""
+    http = HttpDaemon(factory.mktemp("harmony-http"), "--api-key", API_KEY, model=model)
     try:
         yield http
         assert http.daemon.stop() == 0, http.daemon.log()
     finally:
         http.daemon.kill_all()
+
+
+@pytest.fixture(scope="module")
+def model_dir(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return scripted(gpt_oss_tokenizer_dir, tmp_path_factory, CALL)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    yield from serving(model_dir, tmp_path_factory)
 
 
 def test_the_client_library_gets_the_call_apart_from_the_answer(server: HttpDaemon) -> None:
@@ -159,22 +167,14 @@ ANSWER = '<|channel|>final<|message|>{"city": "Paris"}<|return|>'
 @pytest.fixture(scope="module")
 def answering_model(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A scripted model that answers every chat with ``ANSWER``."""
-    output = load_encoding_from(o200k_vocab_dir()).encode(ANSWER, allowed_special="all")
-    out = tmp_path_factory.mktemp("answering-gpt-oss")
-    return save_scripted_gpt_oss(gpt_oss_tokenizer_dir, out, output)
+    return scripted(gpt_oss_tokenizer_dir, tmp_path_factory, ANSWER)
 
 
 @pytest.fixture(scope="module")
 def answering(
     answering_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[HttpDaemon]:
-    workdir = tmp_path_factory.mktemp("answering-http")
-    http = HttpDaemon(workdir, "--api-key", API_KEY, model=answering_model)
-    try:
-        yield http
-        assert http.daemon.stop() == 0, http.daemon.log()
-    finally:
-        http.daemon.kill_all()
+    yield from serving(answering_model, tmp_path_factory)
 
 
 class Lyon(pydantic.BaseModel):

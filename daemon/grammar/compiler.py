@@ -103,10 +103,10 @@ class Grammars:
             return self._from_child(what)
         grammar = what.grammar if isinstance(what, FinalMessage) else what
         try:
-            text = strict_json(_grammar(grammar))
+            text = _ebnf(grammar)
             if isinstance(what, FinalMessage):
                 tag = channels.final_tag(self._harmony_ids, text)
-                text = strict_json(xgr.Grammar.from_structural_tag(tag))
+                text = str(xgr.Grammar.from_structural_tag(tag))
             return self._compiler.compile_grammar(text)
         except (RuntimeError, ValueError) as exc:
             raise _refused(f"grammar ({grammar.kind})", exc) from None
@@ -192,19 +192,18 @@ class Grammars:
         return exits
 
 
-def _grammar(grammar: Grammar) -> xgr.Grammar:
-    """``grammar`` as xgrammar's; raises ``RuntimeError`` or ``ValueError`` where it is not
-    one."""
+def _ebnf(grammar: Grammar) -> str:
+    """``grammar`` as xgrammar's EBNF (a JSON schema's strings strict JSON: schemas.py);
+    raises ``RuntimeError`` or ``ValueError`` where it is not one."""
     if grammar.kind == "json_schema":
         # Compact JSON: no whitespace runs for a model to wander into.
-        return xgr.Grammar.from_json_schema(grammar.text, any_whitespace=False)
+        return strict_json(xgr.Grammar.from_json_schema(grammar.text, any_whitespace=False))
     if grammar.kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+        return str(xgr.Grammar.builtin_json_grammar())
     if grammar.kind == "regex":
-        return xgr.Grammar.from_regex(grammar.text)
+        return str(xgr.Grammar.from_regex(grammar.text))
     if grammar.kind == "choice":
-        alternatives = " | ".join(json.dumps(choice) for choice in grammar.choices)
-        return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+        return "root ::= " + " | ".join(json.dumps(choice) for choice in grammar.choices)
     if grammar.kind == "lark":
-        return xgr.Grammar.from_lark(grammar.text)
-    return xgr.Grammar.from_ebnf(grammar.text)
+        return str(xgr.Grammar.from_lark(grammar.text))
+    return grammar.text
