@@ -160,6 +160,15 @@ def test_metadata_is_fa4s_int32_view_of_the_layout() -> None:
             assert torch.equal(meta.tree.bool(), layout.tree_mask)
         else:
             assert meta.tree is None
+        assert meta.positions is None  # read by windowed trees alone
+        windowed = fa4_metadata(layout, windowed=True)
+        if kind.tree:  # each query's position on the row's grid, -1 past its queries
+            grid = torch.full((3 * kind.width,), -1, dtype=torch.int32)
+            grid[layout.q_pad_index] = layout.positions.to(torch.int32)
+            assert windowed.positions is not None
+            assert windowed.positions.tolist() == grid.view(3, kind.width).tolist()
+        else:
+            assert windowed.positions is None
 
 
 # --- FA4 against the torch backend (GPU) -----------------------------------------------------
@@ -183,10 +192,15 @@ def fa4_backend(shape: AttentionShape) -> AttentionBackend:
 def _attend_both(
     fb: ForwardBatch, backend: AttentionBackend, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FA4's output and the torch backend's (``fb``'s) over the same layout, cache and inputs."""
-    q, k, v = qkv(fb.layout.num_tokens, gen, CUDA, backend.shape)
-    want = fb.attend(0, q, k, v)
-    got = ForwardBatch.bind(fb.layout, backend, fb.kv).attend(0, q, k, v)
+    """FA4's output and the torch backend's (``fb``'s) over the same layout, cache and inputs
+    (sink logits drawn where the shape has sinks, scaled to weigh as keys do)."""
+    shape = backend.shape
+    q, k, v = qkv(fb.layout.num_tokens, gen, CUDA, shape)
+    sinks = None
+    if shape.sinks:
+        sinks = (2 * torch.randn(shape.num_q_heads, generator=gen)).to(CUDA, shape.dtype)
+    want = fb.attend(0, q, k, v, sinks)
+    got = ForwardBatch.bind(fb.layout, backend, fb.kv).attend(0, q, k, v, sinks)
     return got, want
 
 
@@ -198,7 +212,22 @@ def _attend_both(
 def test_prompt_chunks_and_decode_match_torch(head_dim: int, page_size: int) -> None:
     """Ragged prompt chunks over a cached prefix (several key tiles long), then decode steps
     with a row joining at length 1; page 128 takes FA4's TMA path at head dim 128."""
-    shape = AttentionShape(32, 8, head_dim, head_dim**-0.5, torch.bfloat16)
+    _prompts_then_decode(AttentionShape(32, 8, head_dim, head_dim**-0.5, torch.bfloat16), page_size)
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize(
+    ("window", "sinks"), [(37, False), (0, True), (37, True)], ids=["window", "sinks", "both"]
+)
+def test_sliding_windows_and_sinks_match_torch(window: int, sinks: bool) -> None:
+    """The same prompt chunks and decode steps in a layer of a 37-position window (FA4's
+    local mask), with sinks (its learnable sink)."""
+    _prompts_then_decode(dataclasses.replace(SHAPE, windows=(window,), sinks=sinks), 16)
+
+
+def _prompts_then_decode(shape: AttentionShape, page_size: int) -> None:
+    """FA4 against the torch backend over ragged prompt chunks, then decode steps."""
     reference, fused = torch_backend(shape, CUDA), fa4_backend(shape)
     rows = PagedRows(
         num_layers=1, shape=shape, page_size=page_size, max_len=700, dtype=shape.dtype,
@@ -317,6 +346,23 @@ def test_speculative_blocks_over_long_rows_match_torch(kind: Block, dtype: torch
         got, want = _attend_both(ForwardBatch.bind(layout, reference, rows.kv), fused, gen)
         tolerance = BF16 if dtype == torch.bfloat16 else {"atol": 5e-3, "rtol": 5e-3}
         torch.testing.assert_close(got, want, **tolerance)
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("window", [2, 37])
+@pytest.mark.parametrize("kind", BLOCKS[:3], ids=[kind.name for kind in BLOCKS[:3]])
+def test_verify_blocks_under_a_window_and_sinks_match_torch(kind: Block, window: int) -> None:
+    """Decode, chain and tree verify over long rows in a windowed layer with sinks: a tree's
+    block cell sits at its node's position, so a 2-position window cuts inside the tree."""
+    shape = dataclasses.replace(SHAPE, windows=(window,), sinks=True)
+    gen = torch.Generator().manual_seed(7)
+    rows = _long_rows(shape, gen, max_len=720)
+    fused, reference = fa4_backend(shape), torch_backend(shape, CUDA)
+    for starts in ([700, 3, 129, 255], [1], [64, 511]):
+        layout = _block_batch(kind, rows, starts, gen)
+        got, want = _attend_both(ForwardBatch.bind(layout, reference, rows.kv), fused, gen)
+        torch.testing.assert_close(got, want, **BF16)
 
 
 @pytest.mark.gpu

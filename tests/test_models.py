@@ -226,14 +226,14 @@ def test_sliding_windows_and_sinks_match_dense(sinks: bool) -> None:
 def test_backends_without_windows_or_sinks_refuse_such_shapes() -> None:
     """A backend that does not declare them refuses a shape holding them at once."""
     from outrider.plugins.api import NoOptions
-    from outrider.plugins.attention.fa4_impl import FA4Attention
+    from outrider.plugins.attention.flashinfer_impl import FlashInferAttention
 
     for shape in (
         AttentionShape(4, 2, 64, 0.125, torch.bfloat16, windows=(0, 8)),
         AttentionShape(4, 2, 64, 0.125, torch.bfloat16, sinks=True),
     ):
-        with pytest.raises(ValueError, match="FA4Attention serves no sliding windows or"):
-            FA4Attention(shape, NoOptions(), torch.device("cpu"))
+        with pytest.raises(ValueError, match="FlashInferAttention serves no sliding windows or"):
+            FlashInferAttention(shape, NoOptions(), torch.device("cpu"))
 
 
 def test_backends_without_windows_or_sinks_are_refused_for_a_model_with_them(

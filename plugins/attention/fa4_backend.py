@@ -8,6 +8,10 @@ end of each row, trees through a ``mask_mod``), DFlash's non-causal block, and E
 steps. Each eager call costs 0.1 to 0.2 ms of host time (the CuTe launch path), so FA4 pays inside
 decode graphs; its first call per kernel variant JIT-compiles for seconds. SM90 has no split-KV:
 a few long rows under-fill the GPU (pair it with a split-KV decode backend there).
+
+Sliding windows and attention sinks (gpt-oss): the kernels take them (fa4_impl.py), but the spec
+declares neither until they have been checked against the torch backend on a GPU
+(tests/test_fa4_backend.py): until then the capability checks keep such models off fa4.
 """
 
 from __future__ import annotations
