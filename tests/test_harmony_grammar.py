@@ -4,8 +4,11 @@ reasoning and preambles before them free."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import xgrammar as xgr
@@ -155,3 +158,56 @@ def test_a_vocabulary_without_the_format_is_refused_here_and_by_a_child(tmp_path
                 plain.compile(FinalMessage(CITY))
         finally:
             plain.close()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random gpt-oss with the gpt-oss tokenizer, ending its turns as gpt-oss does."""
+    from model_fixtures import save_tiny_model
+    from transformers import GenerationConfig
+
+    directory = tmp_path_factory.mktemp("harmony-gpt-oss")
+    with torch.no_grad():
+        save_tiny_model("gpt_oss", directory, vocab_size=VOCAB_SIZE)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"eos_token_id": HARMONY_EOS}))
+    GenerationConfig(eos_token_id=HARMONY_EOS).save_pretrained(directory)
+    for part in gpt_oss_tokenizer_dir.iterdir():
+        shutil.copy(part, directory / part.name)
+    return directory
+
+
+def test_an_eagle3_tree_keeps_the_target_only_tokens_under_the_harmony_grammars(
+    tokenizer: Tokenizer, gpt_oss_dir: Path, tmp_path: Path
+) -> None:
+    """Greedy and seeded sampled, a final answer held to a schema and a required call: the
+    tokens the target alone gives under the same grammars."""
+    from engine_harness import DRAFT_ALGORITHMS, engine_for, request, run
+    from model_fixtures import save_random_eagle3
+
+    prompt = tokenizer.hf.encode(
+        "<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant",
+        add_special_tokens=False,
+    )
+    calls = ToolUse(HARMONY, [WEATHER, CLOCK], "required", None, False)
+    requests = [
+        msgspec.structs.replace(
+            request(rid, prompt, max_new_tokens=16, temperature=temperature, seed=rid,
+                    ignore_eos=False),
+            harmony=True, **held,  # type: ignore[arg-type]
+        )
+        for rid, (temperature, held) in enumerate(
+            (t, h) for t in (0.0, 1.0) for h in ({"grammar": CITY}, {"tools": calls})
+        )
+    ]  # fmt: skip
+    grammars = Grammars(str(gpt_oss_dir), VOCAB_SIZE, HARMONY_EOS)
+    alone = run(engine_for(str(gpt_oss_dir), no_overlap=True), requests, grammars=grammars)
+    draft = save_random_eagle3(tmp_path / "eagle3", gpt_oss_dir)
+    tree = engine_for(str(gpt_oss_dir), **DRAFT_ALGORITHMS["eagle3 tree"], draft_model=str(draft))
+    drafted = run(tree, requests, grammars=grammars)
+    for rid, outcome in alone.items():
+        assert drafted[rid].token_ids == outcome.token_ids, rid
+        assert drafted[rid].finish is not None and drafted[rid].finish.usage.spec_drafts > 0
+    # Every output is the format's: a final message or a call, begun as the grammar holds.
+    texts = [tokenizer.hf.decode(alone[rid].token_ids) for rid in sorted(alone)]
+    assert all(text.startswith(("<|channel|>", " to=functions.")) for text in texts), texts
