@@ -16,6 +16,7 @@ import importlib.util
 import shutil
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from index_wheels import cache_root, index_wheel
@@ -94,7 +95,6 @@ def save_scripted_gpt_oss(tokenizer_dir: Path, out: Path, output: list[int]) -> 
     (no more than the hidden size)."""
     import torch
     from model_fixtures import save_tiny_model
-    from transformers import GenerationConfig
 
     assert output[-1] in HARMONY_EOS
     inputs = [173_781, *output[:-1]]  # "assistant", then each output token feeds the next
@@ -115,6 +115,25 @@ def save_scripted_gpt_oss(tokenizer_dir: Path, out: Path, output: list[int]) -> 
                 torch.tensor(position), hidden
             ).float()
             model.lm_head.weight[successor, position] = 4.0  # logit 32 after the norm
+    return _save_gpt_oss(model, tokenizer_dir, out)
+
+
+def save_random_gpt_oss(tokenizer_dir: Path, out: Path) -> Path:
+    """A tiny random gpt-oss with the gpt-oss tokenizer saved in ``tokenizer_dir``."""
+    import torch
+    from model_fixtures import save_tiny_model
+
+    with torch.no_grad():
+        model = save_tiny_model("gpt_oss", out, vocab_size=VOCAB_SIZE)
+    return _save_gpt_oss(model, tokenizer_dir, out)
+
+
+def _save_gpt_oss(model: Any, tokenizer_dir: Path, out: Path) -> Path:
+    """``model`` saved to ``out`` beside the gpt-oss tokenizer, its turns ending as gpt-oss's
+    do (``HARMONY_EOS``, in its config and its generation config)."""
+    from transformers import GenerationConfig
+
+    model.config.eos_token_id = HARMONY_EOS
     model.save_pretrained(out)
     GenerationConfig(eos_token_id=HARMONY_EOS).save_pretrained(out)
     for part in tokenizer_dir.iterdir():

@@ -4,15 +4,13 @@ reasoning and preambles before them free."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch
 import xgrammar as xgr
-from o200k_fixture import HARMONY_EOS, VOCAB_SIZE
+from o200k_fixture import HARMONY_EOS, VOCAB_SIZE, save_random_gpt_oss
 
 from outrider.daemon.grammar.channels import SPECIALS
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
@@ -162,19 +160,7 @@ def test_a_vocabulary_without_the_format_is_refused_here_and_by_a_child(tmp_path
 
 @pytest.fixture(scope="module")
 def gpt_oss_dir(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random gpt-oss with the gpt-oss tokenizer, ending its turns as gpt-oss does."""
-    from model_fixtures import save_tiny_model
-    from transformers import GenerationConfig
-
-    directory = tmp_path_factory.mktemp("harmony-gpt-oss")
-    with torch.no_grad():
-        save_tiny_model("gpt_oss", directory, vocab_size=VOCAB_SIZE)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps(config | {"eos_token_id": HARMONY_EOS}))
-    GenerationConfig(eos_token_id=HARMONY_EOS).save_pretrained(directory)
-    for part in gpt_oss_tokenizer_dir.iterdir():
-        shutil.copy(part, directory / part.name)
-    return directory
+    return save_random_gpt_oss(gpt_oss_tokenizer_dir, tmp_path_factory.mktemp("harmony-gpt-oss"))
 
 
 def test_an_eagle3_tree_keeps_the_target_only_tokens_under_the_harmony_grammars(
