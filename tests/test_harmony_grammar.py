@@ -166,8 +166,8 @@ def gpt_oss_dir(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFa
 def test_an_eagle3_tree_keeps_the_target_only_tokens_under_the_harmony_grammars(
     tokenizer: Tokenizer, gpt_oss_dir: Path, tmp_path: Path
 ) -> None:
-    """Greedy and seeded sampled, a final answer held to a schema and a required call: the
-    tokens the target alone gives under the same grammars."""
+    """A final answer held to a schema (greedy) and a required call (greedy and seeded
+    sampled): the tokens the target alone gives under the same grammars."""
     from engine_harness import DRAFT_ALGORITHMS, engine_for, request, run
     from model_fixtures import save_random_eagle3
 
@@ -183,7 +183,7 @@ def test_an_eagle3_tree_keeps_the_target_only_tokens_under_the_harmony_grammars(
             harmony=True, **held,  # type: ignore[arg-type]
         )
         for rid, (temperature, held) in enumerate(
-            (t, h) for t in (0.0, 1.0) for h in ({"grammar": CITY}, {"tools": calls})
+            ((0.0, {"grammar": CITY}), (1.0, {"tools": calls}), (0.0, {"tools": calls}))
         )
     ]  # fmt: skip
     grammars = Grammars(str(gpt_oss_dir), VOCAB_SIZE, HARMONY_EOS)
