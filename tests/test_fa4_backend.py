@@ -337,15 +337,8 @@ BLOCK_CASES = [(kind, torch.bfloat16) for kind in BLOCKS] + [
 def test_speculative_blocks_over_long_rows_match_torch(kind: Block, dtype: torch.dtype) -> None:
     """Decode, chain and tree verify, DFlash's non-causal block and a tree drafting step over
     rows whose prefixes span several key tiles (and one a single page)."""
-    shape = dataclasses.replace(SHAPE, dtype=dtype)
-    gen = torch.Generator().manual_seed(5)
-    rows = _long_rows(shape, gen, max_len=720)
-    fused, reference = fa4_backend(shape), torch_backend(shape, CUDA)
-    for starts in ([700, 3, 129, 255], [1], [64, 511]):
-        layout = _block_batch(kind, rows, starts, gen)
-        got, want = _attend_both(ForwardBatch.bind(layout, reference, rows.kv), fused, gen)
-        tolerance = BF16 if dtype == torch.bfloat16 else {"atol": 5e-3, "rtol": 5e-3}
-        torch.testing.assert_close(got, want, **tolerance)
+    tolerance = BF16 if dtype == torch.bfloat16 else {"atol": 5e-3, "rtol": 5e-3}
+    _blocks_match_torch(kind, dataclasses.replace(SHAPE, dtype=dtype), 5, tolerance)
 
 
 @pytest.mark.gpu
@@ -355,14 +348,20 @@ def test_speculative_blocks_over_long_rows_match_torch(kind: Block, dtype: torch
 def test_verify_blocks_under_a_window_and_sinks_match_torch(kind: Block, window: int) -> None:
     """Decode, chain and tree verify over long rows in a windowed layer with sinks: a tree's
     block cell sits at its node's position, so a 2-position window cuts inside the tree."""
-    shape = dataclasses.replace(SHAPE, windows=(window,), sinks=True)
-    gen = torch.Generator().manual_seed(7)
+    _blocks_match_torch(kind, dataclasses.replace(SHAPE, windows=(window,), sinks=True), 7, BF16)
+
+
+def _blocks_match_torch(
+    kind: Block, shape: AttentionShape, seed: int, tolerance: dict[str, float]
+) -> None:
+    """FA4 against the torch backend over ``kind``'s blocks on long rows."""
+    gen = torch.Generator().manual_seed(seed)
     rows = _long_rows(shape, gen, max_len=720)
     fused, reference = fa4_backend(shape), torch_backend(shape, CUDA)
     for starts in ([700, 3, 129, 255], [1], [64, 511]):
         layout = _block_batch(kind, rows, starts, gen)
         got, want = _attend_both(ForwardBatch.bind(layout, reference, rows.kv), fused, gen)
-        torch.testing.assert_close(got, want, **BF16)
+        torch.testing.assert_close(got, want, **tolerance)
 
 
 @pytest.mark.gpu
