@@ -164,7 +164,7 @@ def gpt_oss_dir(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFa
 
 
 def test_an_eagle3_tree_keeps_the_target_only_tokens_under_the_harmony_grammars(
-    tokenizer: Tokenizer, gpt_oss_dir: Path, tmp_path: Path
+    tokenizer: Tokenizer, grammars: Grammars, gpt_oss_dir: Path, tmp_path: Path
 ) -> None:
     """A final answer held to a schema (greedy) and a required call (greedy and seeded
     sampled): the tokens the target alone gives under the same grammars."""
@@ -186,7 +186,7 @@ def test_an_eagle3_tree_keeps_the_target_only_tokens_under_the_harmony_grammars(
             ((0.0, {"grammar": CITY}), (1.0, {"tools": calls}), (0.0, {"tools": calls}))
         )
     ]  # fmt: skip
-    grammars = Grammars(str(gpt_oss_dir), VOCAB_SIZE, HARMONY_EOS)
+    # ``grammars`` reads the same tokenizer, saved beside the model.
     alone = run(engine_for(str(gpt_oss_dir), no_overlap=True), requests, grammars=grammars)
     draft = save_random_eagle3(tmp_path / "eagle3", gpt_oss_dir)
     tree = engine_for(str(gpt_oss_dir), **DRAFT_ALGORITHMS["eagle3 tree"], draft_model=str(draft))
