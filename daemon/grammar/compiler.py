@@ -117,28 +117,29 @@ class Grammars:
         schema; raises ``GrammarRefused``."""
         if self.child is not None:
             return self._from_child(use)
-        functions: list[Any] = [function_schema(tool) for tool in use.tools]
-        choice: Literal["auto", "required"] | dict[str, Any] = use.choice
-        if use.name is not None:
-            choice = {"type": "function", "function": {"name": use.name}}
         try:
-            if use.format == HARMONY:
-                tag = channels.calls_tag(self._harmony_ids, use, max_whitespace_cnt=1)
-                return self._compiler.compile_grammar(
-                    strict_json(xgr.Grammar.from_structural_tag(tag))
-                )
-            tag = xgr.get_model_structural_tag(
-                use.format,
-                tools=functions,
-                tool_choice=choice,
-                reasoning="disabled",
-                parallel_tool_calls=use.parallel,
-                # As JSON schemas compile (``compile``): no whitespace runs to wander into.
-                max_whitespace_cnt=1,
-            )
+            tag = self._tools_tag(use)
             return self._compiler.compile_grammar(strict_json(xgr.Grammar.from_structural_tag(tag)))
         except (RuntimeError, ValueError) as exc:
             raise _refused("tools", exc) from None
+
+    def _tools_tag(self, use: ToolUse) -> xgr.StructuralTag:
+        """The structural tag of ``use``'s calls: the harmony stream's (channels.py), else
+        xgrammar's for the model's format."""
+        if use.format == HARMONY:
+            return channels.calls_tag(self._harmony_ids, use, max_whitespace_cnt=1)
+        choice: Literal["auto", "required"] | dict[str, Any] = use.choice
+        if use.name is not None:
+            choice = {"type": "function", "function": {"name": use.name}}
+        return xgr.get_model_structural_tag(
+            use.format,
+            tools=[function_schema(tool) for tool in use.tools],
+            tool_choice=choice,
+            reasoning="disabled",
+            parallel_tool_calls=use.parallel,
+            # As JSON schemas compile (``compile``): no whitespace runs to wander into.
+            max_whitespace_cnt=1,
+        )
 
     def warm(self) -> None:
         """Read the vocabulary now (the first compile does otherwise); raises
