@@ -67,12 +67,15 @@ def family_configs() -> dict[str, list[str]]:
 def draft_config(name: str, model_dir: str) -> str:
     """The fixture draft config ``name`` with the target's ``vocab_size`` (a model directory
     of another vocabulary, ``real_vocab.py``'s), written beside the system's temporary files
-    where it differs."""
+    where it differs. A DFlash draft's mask token outside that vocabulary takes its last id."""
     config = json.loads((CONFIGS / name).read_text())
     vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     if config["vocab_size"] == vocab_size:
         return str(CONFIGS / name)
     config["vocab_size"] = vocab_size
+    dflash = config.get("dflash_config", {})
+    if dflash.get("mask_token_id", 0) >= vocab_size:
+        dflash["mask_token_id"] = vocab_size - 1
     path = Path(tempfile.gettempdir()) / f"vocab{vocab_size}-{name}"
     path.write_text(json.dumps(config, indent=2) + "\n")
     return str(path)

@@ -101,6 +101,30 @@ def test_fa4_checks_its_install_and_the_compute_capability(
         )
 
 
+def test_fa4_serves_gpt_oss_windows_and_sinks_where_flashinfer_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The capability checks pass a gpt-oss config (sliding layers, sinks) on fa4 in every
+    phase; FlashInfer, which has neither, is refused naming both."""
+    config = {"model_type": "gpt_oss", "num_attention_heads": 8, "head_dim": 64,
+              "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ctx = _ctx(model=str(tmp_path), speculative_algorithm="none")
+    caps = SPEC.attention
+    assert caps is not None and (caps.sliding_window, caps.sinks) == (True, True)
+    assert attention_problems(SPEC, caps, ctx) == []
+    flashinfer = discover().get("attention", "flashinfer")
+    assert flashinfer.attention is not None
+    routes = dict.fromkeys(PHASES, "flashinfer")
+    refused = attention_problems(
+        flashinfer, flashinfer.attention, _ctx(routes, model=str(tmp_path))
+    )
+    assert [p.message for p in refused if "has no" in p.message] == [
+        f"flashinfer has no sliding-window layers (layer_types), which --model {tmp_path} has",
+        f"flashinfer has no attention sinks (gpt_oss), which --model {tmp_path} has",
+    ]
+
+
 def test_fa4_checks_the_head_dims_of_the_models_it_serves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,11 +7,8 @@ Every phase: prompt chunks over a cached prefix, decode, verify (causal chains a
 end of each row, trees through a ``mask_mod``), DFlash's non-causal block, and EAGLE-3's draft
 steps. Each eager call costs 0.1 to 0.2 ms of host time (the CuTe launch path), so FA4 pays inside
 decode graphs; its first call per kernel variant JIT-compiles for seconds. SM90 has no split-KV:
-a few long rows under-fill the GPU (pair it with a split-KV decode backend there).
-
-Sliding windows and attention sinks (gpt-oss): the kernels take them (fa4_impl.py), but the spec
-declares neither until they have been checked against the torch backend on a GPU
-(tests/test_fa4_backend.py): until then the capability checks keep such models off fa4.
+a few long rows under-fill the GPU (pair it with a split-KV decode backend there). Sliding
+windows and attention sinks (gpt-oss) in every phase (fa4_impl.py).
 """
 
 from __future__ import annotations
@@ -88,6 +85,8 @@ SPEC = PluginSpec(
         cuda_graphs=True,
         graph_kv_bound=False,  # lengths come from the device: one graph serves every length
         host_plans=False,
+        sliding_window=True,
+        sinks=True,
     ),
     check=_check,
 )
