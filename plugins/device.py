@@ -10,6 +10,13 @@ Logical position ``p`` of the request in slot ``s`` lives at flat index
 ``page_table[s, p // page_size] * page_size + p % page_size``. Page 0 is a scratch page that is
 never handed out: padded tokens write there.
 
+Sliding layers (``AttentionShape.windows``) may keep their K/V in a page space of their own
+(``KVCache.window_map``): page ``p``'s positions of such a layer sit in its window page
+``window_map[p]`` (0, the scratch page, where the page is outside every window that reads
+it), so that pages left behind by every window free that space while the other layers keep
+them. A ``ForwardBatch`` over such a cache binds a second layout, the same one translated
+through the map (``BatchLayout.through``), and routes the sliding layers to it.
+
 A ``BatchLayout`` says where a batch's tokens sit and what they attend; a ``ForwardBatch`` is
 one layout run by one attention backend over one KV cache, with the metadata that backend
 built for it. A draft that runs its own model over the target's layout binds the same layout
@@ -18,7 +25,7 @@ to its own backend and cache: metadata never outlives its batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -108,10 +115,19 @@ class KVCache:
     k: list[torch.Tensor]  # per layer [num_pages, page_size, kv_heads, head_dim]
     v: list[torch.Tensor]
     page_size: int
+    # [num_pages] int32: each page's window page, for the layers of ``windowed`` (whose
+    # tensors hold ``window_pages`` pages); None: every layer addressed by the page ids.
+    window_map: torch.Tensor | None = None
+    windowed: tuple[bool, ...] = ()
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        """The pages of the layers that keep every position (the page ids' range)."""
+        return self.window_map.shape[0] if self.window_map is not None else self.k[0].shape[0]
+
+    def in_window_space(self, layer: int) -> bool:
+        """Whether layer ``layer``'s K/V sit in the window pages (``window_map``)."""
+        return self.window_map is not None and layer < len(self.windowed) and self.windowed[layer]
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k, v: [T, kv_heads, head_dim]`` of layer ``layer`` at flat indices ``loc``
@@ -128,10 +144,21 @@ class KVCache:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V at flat indices ``src`` to ``dst`` (all reads first, so a
-        destination may be another pair's source)."""
-        for cache in (*self.k, *self.v):
-            flat = cache.view(-1, *cache.shape[2:])
-            flat.index_copy_(0, dst, flat[src])
+        destination may be another pair's source); the window pages' layers through the map."""
+        moves = [(src, dst)]
+        if self.window_map is not None:
+            moves.append((self.translate(src), self.translate(dst)))
+        for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            s, d = moves[self.in_window_space(layer)]
+            for cache in (k, v):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat.index_copy_(0, d, flat[s])
+
+    def translate(self, loc: torch.Tensor) -> torch.Tensor:
+        """Flat indices ``loc`` (int64) of the page ids, in the window pages."""
+        assert self.window_map is not None
+        pages = torch.div(loc, self.page_size, rounding_mode="floor")
+        return self.window_map[pages].to(torch.int64) * self.page_size + loc % self.page_size
 
     @classmethod
     def allocate(
@@ -142,12 +169,26 @@ class KVCache:
         shape: AttentionShape,
         dtype: torch.dtype,
         device: torch.device,
+        window_pages: int | None = None,
     ) -> KVCache:
-        size = (num_pages, page_size, shape.num_kv_heads, shape.head_dim)
+        """``window_pages``: the window page space of the sliding layers (``shape.windows``),
+        its map all scratch (0) until the pages are given theirs; None: no such space."""
+        windowed = tuple(shape.window(layer) > 0 for layer in range(num_layers))
+        window_map = None
+        if window_pages is not None and any(windowed):
+            window_map = torch.zeros(num_pages, dtype=torch.int32, device=device)
+
+        def pages(layer: int) -> tuple[int, ...]:
+            rows = window_pages if window_map is not None and windowed[layer] else num_pages
+            assert rows is not None
+            return (rows, page_size, shape.num_kv_heads, shape.head_dim)
+
         return cls(
-            k=[torch.zeros(size, dtype=dtype, device=device) for _ in range(num_layers)],
-            v=[torch.zeros(size, dtype=dtype, device=device) for _ in range(num_layers)],
+            k=[torch.zeros(pages(i), dtype=dtype, device=device) for i in range(num_layers)],
+            v=[torch.zeros(pages(i), dtype=dtype, device=device) for i in range(num_layers)],
             page_size=page_size,
+            window_map=window_map,
+            windowed=windowed if window_map is not None else (),
         )
 
 
@@ -192,6 +233,19 @@ class BatchLayout:
     def num_tokens(self) -> int:
         return self.positions.shape[0]
 
+    def through(self, kv: KVCache) -> BatchLayout:
+        """This layout in ``kv``'s window pages: each row's page-table row translated
+        through the map (row ``r`` of the new table is the row of ``slots[r]``), and the
+        K/V indices alike. Device work only."""
+        assert kv.window_map is not None
+        rows = self.page_table.index_select(0, self.slots).to(torch.int64)
+        return replace(
+            self,
+            page_table=kv.window_map[rows],
+            slots=torch.arange(self.bs, device=self.slots.device),
+            out_loc=kv.translate(self.out_loc),
+        )
+
 
 class Attention(Protocol):
     """What a ``ForwardBatch`` needs of its attention backend (``AttentionBackend`` in
@@ -221,6 +275,9 @@ class ForwardBatch:
     # Layers (output-of-layer convention) whose hidden states the caller wants back.
     capture_layers: tuple[int, ...] = ()
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The same forward in ``kv``'s window pages (``BatchLayout.through``), for the layers
+    # kept there; None where the cache has none.
+    window: ForwardBatch | None = None
 
     @classmethod
     def bind(
@@ -230,8 +287,13 @@ class ForwardBatch:
         kv: KVCache,
         capture_layers: tuple[int, ...] = (),
     ) -> ForwardBatch:
-        """``layout`` run by ``backend`` over ``kv``; the backend builds its metadata now."""
-        return cls(layout, kv, backend, backend.build(layout), capture_layers)
+        """``layout`` run by ``backend`` over ``kv``; the backend builds its metadata now
+        (for the window pages' layout too, where ``kv`` has them)."""
+        window = None
+        if kv.window_map is not None:
+            inside = layout.through(kv)
+            window = cls(inside, kv, backend, backend.build(inside))
+        return cls(layout, kv, backend, backend.build(layout), capture_layers, window=window)
 
     def attend(
         self,
@@ -243,6 +305,7 @@ class ForwardBatch:
     ) -> torch.Tensor:
         """Store ``k, v`` of layer ``layer`` and attend ``q`` (the backend's contract);
         ``sinks: [q_heads]``: the layer's sink logits (``AttentionShape.sinks``)."""
+        fb = self.window if self.window is not None and self.kv.in_window_space(layer) else self
         if sinks is None:
-            return self.backend.forward(layer, q, k, v, self)
-        return self.backend.forward(layer, q, k, v, self, sinks)
+            return self.backend.forward(layer, q, k, v, fb)
+        return self.backend.forward(layer, q, k, v, fb, sinks)

@@ -217,7 +217,8 @@ class PagedRows:
         self.pages: dict[int, list[int]] = {}  # host mirror of page_table rows
         self.next_page = 1
 
-    def _grow(self, slot: int, length: int) -> None:
+    def grow(self, slot: int, length: int) -> None:
+        """Pages for ``slot`` up to ``length`` positions."""
         pages = self.pages.setdefault(slot, [])
         while len(pages) * self.page_size < length:
             self.page_table[slot, len(pages)] = self.next_page
@@ -245,7 +246,7 @@ class PagedRows:
         for row, (slot, tokens) in enumerate(rows):
             start = self.lengths.get(slot, 0)
             end = start + len(tokens)
-            self._grow(slot, end)
+            self.grow(slot, end)
             self.lengths[slot] = end
             for offset, pos in enumerate(range(start, end)):
                 page = self.pages[slot][pos // self.page_size]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from outrider.plugins.api import PHASES, CheckContext, Phase, Problem
 from outrider.plugins.attention.torch_impl import TorchAttentionMetadata
 from outrider.plugins.checks import attention_problems
-from outrider.plugins.device import AttentionShape, ForwardBatch
+from outrider.plugins.device import AttentionShape, ForwardBatch, KVCache
 from outrider.plugins.models.config import (
     ModelConfig,
     config_is_complete,
@@ -185,15 +185,55 @@ def _dense_with_sinks(
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+class WindowPages:
+    """A window page space for ``PagedRows`` (``KVCache.window_map``): before each batch, the
+    pages its rows' windows read and write get window pages, and those wholly behind every
+    window of their slot go back, their map entry the scratch page."""
+
+    def __init__(self, rows: PagedRows, window: int, pages: int) -> None:
+        self.rows, self.window = rows, window
+        self.free = list(range(pages - 1, 0, -1))
+        self.held: dict[int, int] = {}  # page -> its window page
+        self.most = 0
+
+    def before(self, spans: dict[int, tuple[int, int]]) -> None:
+        """Window pages for a batch of ``spans`` (slot -> its positions ``start, end``)."""
+        map_ = self.rows.kv.window_map
+        assert map_ is not None
+        page_size = self.rows.page_size
+        for slot, pages in self.rows.pages.items():  # a slot's next query: at its length
+            first = self.rows.lengths[slot] - self.window + 1  # the first position it reads
+            for index, page in enumerate(pages):
+                if (index + 1) * page_size <= first and page in self.held:
+                    self.free.append(self.held.pop(page))
+                    map_[page] = 0
+        for slot, (start, end) in spans.items():
+            self.rows.grow(slot, end)
+            for index, page in enumerate(self.rows.pages[slot]):
+                if (index + 1) * page_size > start - self.window + 1 and page not in self.held:
+                    self.held[page] = self.free.pop()
+                    map_[page] = self.held[page]
+        self.most = max(self.most, len(self.held))
+
+
+@pytest.mark.parametrize("storage", ["whole", "window pages"])
 @pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
-def test_sliding_windows_and_sinks_match_dense(sinks: bool) -> None:
+def test_sliding_windows_and_sinks_match_dense(sinks: bool, storage: str) -> None:
     """The torch backend's layers of a shape with a sliding window (layer 1: 3 positions) and
     sinks: prompts (one of them in two chunks), then a decode step, each query within its
-    layer's window, the sinks in its heads' softmax, against the dense eager reference."""
+    layer's window, the sinks in its heads' softmax, against the dense eager reference. With
+    the window layer in window pages, those behind every window given back before each step:
+    the same outputs from fewer pages."""
     torch.manual_seed(0)
     hq, hkv, dim, page_size = 4, 2, 8, 4
     shape = AttentionShape(hq, hkv, dim, dim**-0.5, torch.float32, windows=(0, 3), sinks=sinks)
     rows = PagedRows(num_layers=2, shape=shape, page_size=page_size, max_len=16)
+    pages = None
+    if storage == "window pages":
+        full = rows.kv.num_pages
+        rows.kv = KVCache.allocate(2, full, page_size, shape, torch.float32, rows.device, 5)
+        assert [tuple(t.shape[:1]) for t in rows.kv.k] == [(full,), (5,)]
+        pages = WindowPages(rows, 3, 5)
     backend = torch_backend(shape)
     sink_logits = torch.randn(hq) if sinks else None
     lens = {1: 9, 2: 6}
@@ -203,6 +243,8 @@ def test_sliding_windows_and_sinks_match_dense(sinks: bool) -> None:
         for layer in (0, 1):
             every[slot, layer] = tuple(torch.randn(10, h, dim) for h in (hq, hkv, hkv))
     for spans in steps:
+        if pages is not None:
+            pages.before(spans)
         batch = [(slot, [0] * (b - a)) for slot, (a, b) in spans.items()]
         _, fb = rows.batch(backend, batch, kv_slack=3)
         for layer in (0, 1):
@@ -210,7 +252,7 @@ def test_sliding_windows_and_sinks_match_dense(sinks: bool) -> None:
                 torch.cat([every[slot, layer][i][a:b] for slot, (a, b) in spans.items()])
                 for i in range(3)
             )
-            out = backend.forward(layer, q, k, v, fb, sink_logits)
+            out = fb.attend(layer, q, k, v, sink_logits)
             start = 0
             for slot, (a, b) in spans.items():
                 rq, rk, rv = every[slot, layer]
@@ -221,6 +263,8 @@ def test_sliding_windows_and_sinks_match_dense(sinks: bool) -> None:
                 )  # fmt: skip
                 torch.testing.assert_close(out[start : start + b - a], ref)
                 start += b - a
+    if pages is not None:  # five pages hold the two rows; at most four had window pages
+        assert (rows.next_page - 1, pages.most) == (5, 4)
 
 
 def test_backends_without_windows_or_sinks_refuse_such_shapes() -> None:

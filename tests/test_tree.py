@@ -118,30 +118,60 @@ def test_kv_move_reads_every_source_before_writing() -> None:
         assert flat[4:7] == [10.0, 12.0, 12.0]
 
 
-@pytest.mark.parametrize("window", [0, 2], ids=["full", "window-2"])
+def test_kv_move_takes_the_window_layers_through_their_map() -> None:
+    """Layer 1 (a window of 2) keeps its K/V in two window pages: page 1 sits in window page
+    1, page 2 in window page 0 (the scratch: behind every window); a move of page 1's
+    positions lands in each layer's own space."""
+    shape = AttentionShape(1, 1, 2, 1.0, torch.float32, windows=(0, 2))
+    kv = KVCache.allocate(2, 3, 4, shape, torch.float32, torch.device("cpu"), window_pages=2)
+    assert kv.window_map is not None and kv.num_pages == 3
+    kv.window_map.copy_(torch.tensor([0, 1, 0]))
+    assert [c.shape[0] for c in kv.k] == [3, 2]
+    full, window = kv.k
+    full.copy_(torch.arange(24.0).view(3, 4, 1, 2))
+    window.copy_(100 + torch.arange(16.0).view(2, 4, 1, 2))
+    kv.move(torch.tensor([5, 6]), torch.tensor([4, 5]))  # within page 1
+    assert full.view(12, 2)[4:7, 0].tolist() == [10.0, 12.0, 12.0]
+    assert window.view(8, 2)[4:7, 0].tolist() == [110.0, 112.0, 112.0]
+    assert kv.translate(torch.tensor([4, 9])).tolist() == [4, 1]
+
+
+@pytest.mark.parametrize(
+    ("window", "mapped"), [(0, False), (2, False), (2, True)],
+    ids=["full", "window-2", "window-2-in-window-pages"],
+)  # fmt: skip
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_torch_backend_tree_mask_matches_dense(page_size: int, window: int) -> None:
+def test_torch_backend_tree_mask_matches_dense(page_size: int, window: int, mapped: bool) -> None:
     """Two rows of different committed lengths verify the same 6-node tree: each node's
     output equals dense attention over the prefix, its ancestors and itself; in a sliding
     window of 2 only over those at most one position back (a node at its depth's position:
-    a grandparent is out of it though its KV slot may be near)."""
+    a grandparent is out of it though its KV slot may be near). ``mapped``: the layer in
+    window pages (``KVCache.window_map``), shuffled, those behind the window the scratch."""
     heads, dim, width = 2, 8, 6
     seqs = [5, 9]
     gen = torch.Generator().manual_seed(1)
     depth, visible = tree_geometry(PARENTS.expand(2, -1), max_depth=3)
     max_pages = (max(seqs) + width + page_size - 1) // page_size
     shape = AttentionShape(heads, heads, dim, dim**-0.5, torch.float32, windows=(window,))
+    num_pages = 1 + 2 * max_pages
     kv = KVCache.allocate(
-        1, 1 + 2 * max_pages, page_size, shape, torch.float32, torch.device("cpu")
-    )
+        1, num_pages, page_size, shape, torch.float32, torch.device("cpu"),
+        window_pages=num_pages if mapped else None,
+    )  # fmt: skip
     table = torch.zeros(2, max_pages, dtype=torch.int32)
     table[0] = torch.arange(1, 1 + max_pages)
     table[1] = torch.arange(1 + max_pages, 1 + 2 * max_pages).flip(0)  # scattered pages
+    if kv.window_map is not None:
+        kv.window_map[1:] = torch.randperm(num_pages - 1, generator=gen) + 1
+        for row, seq in enumerate(seqs):  # pages wholly before the first position read
+            kv.window_map[table[row, : (seq - window + 1) // page_size].long()] = 0
     prefix_k = [torch.randn(s, heads, dim, generator=gen) for s in seqs]
     prefix_v = [torch.randn(s, heads, dim, generator=gen) for s in seqs]
     for row, seq in enumerate(seqs):
         pos = torch.arange(seq)
         loc = table[row, pos // page_size].long() * page_size + pos % page_size
+        if kv.window_map is not None:
+            loc = kv.translate(loc)
         kv.k[0].view(-1, heads, dim)[loc] = prefix_k[row]
         kv.v[0].view(-1, heads, dim)[loc] = prefix_v[row]
     seq_t = torch.tensor(seqs)
