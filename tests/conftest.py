@@ -1,17 +1,23 @@
 """Shared test setup: one torch thread per process, GPU tests skipped without a GPU (and Triton's
 kernels run in its interpreter there, each distinct launch recorded for test_hopper_compile.py,
 which runs last), the front door tests' tokenizer, the tiny llama target
-and its random EAGLE-3 draft."""
+and its random EAGLE-3 draft, and one daemon serving the embedded family over HTTP for the
+modules that share it."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from frontdoor_harness import build_tokenizer
 
 from outrider.daemon.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from http_harness import HttpDaemon
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -104,3 +110,18 @@ def smollm2_dir() -> Path:
     from smollm2_fixture import smollm2_checkpoint
 
     return smollm2_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def family_http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    """The embedded family served over HTTP with ``http_harness.API_KEY`` (and ZeroMQ), for
+    the modules whose tests share it (test_bench_serve.py, test_http_front.py: each reads
+    the daemon's counters as differences); stopped cleanly at the session's end."""
+    from http_harness import API_KEY, HttpDaemon
+
+    http = HttpDaemon(tmp_path_factory.mktemp("family-http"), "--api-key", API_KEY)
+    try:
+        yield http
+        assert http.daemon.stop() == 0, http.daemon.log()
+    finally:
+        http.daemon.kill_all()

@@ -18,8 +18,14 @@ FAMILY = embedded_family()
 
 class HttpDaemon:
     def __init__(
-        self, workdir: Path, *args: str, speculative: str = "none", model: Path | None = None
+        self,
+        workdir: Path,
+        *args: str,
+        speculative: str = "none",
+        model: Path | None = None,
+        wait: bool = True,
     ) -> None:
+        """Starts the daemon and, unless ``wait`` is False, waits for it (``wait_up``)."""
         if model is None:
             assert FAMILY is not None
             model = FAMILY.target
@@ -32,6 +38,11 @@ class HttpDaemon:
             "--speculative-algorithm", speculative,
             *args,
         )  # fmt: skip
+        if wait:
+            self.wait_up()
+
+    def wait_up(self) -> None:
+        """Waits until the daemon serves and its HTTP front answers."""
         self.daemon.wait_serving()
         poll_until(self._http_up, 30.0, "the HTTP front answering")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,13 +26,8 @@ REPLY = "Far to the south, past the hills and the old town."
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
-    http = HttpDaemon(tmp_path_factory.mktemp("bench"), "--api-key", API_KEY)
-    try:
-        yield http
-        assert http.daemon.stop() == 0, http.daemon.log()
-    finally:
-        http.daemon.kill_all()
+def server(family_http: HttpDaemon) -> HttpDaemon:
+    return family_http
 
 
 def _transport(server: HttpDaemon, backend: str) -> list[str]:

@@ -882,18 +882,31 @@ def _wait_serving(daemon: Daemon, client: Client) -> None:
     poll_until(serving, START_TIMEOUT_S, f"the daemon at {daemon.endpoint} serving")
 
 
+@pytest.fixture(scope="module")
+def curve(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Daemon, str, Path]]:
+    """A daemon on TCP with CURVE keys, one client's listed, shared by the CURVE tests:
+    ``(daemon, server secret certificate, the listed client's secret certificate)``."""
+    directory = tmp_path_factory.mktemp("curve")
+    secret_file, clients, client_secret_file = _curve_files(directory / "keys")
+    endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
+    with daemons(model_dir, directory) as start:
+        daemon = start(
+            "curve",
+            *("--curve-secret-key-file", secret_file, "--curve-client-keys", str(clients)),
+            endpoint=endpoint,
+        )
+        yield daemon, secret_file, client_secret_file
+
+
 @pytest.mark.e2e
-def test_tcp_with_curve_keys(spawn: Callable[..., Daemon], tmp_path: Path) -> None:
-    secret_file, clients, client_secret_file = _curve_files(tmp_path)
+def test_tcp_with_curve_keys(spawn: Callable[..., Daemon], curve: tuple[Daemon, str, Path]) -> None:
+    daemon, secret_file, client_secret_file = curve
     server_public, _ = zmq.auth.load_certificate(secret_file)
     client_public, client_secret = zmq.auth.load_certificate(client_secret_file)
     assert client_secret is not None
-    endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
-    daemon = spawn(
-        "curve",
-        *("--curve-secret-key-file", secret_file, "--curve-client-keys", str(clients)),
-        endpoint=endpoint,
-    )
+    endpoint = daemon.endpoint
     # Beyond loopback without keys: refused before anything is bound.
     open_bind = spawn("open", endpoint="tcp://0.0.0.0:9")
     listed = (client_public, client_secret)
@@ -910,25 +923,20 @@ def test_tcp_with_curve_keys(spawn: Callable[..., Daemon], tmp_path: Path) -> No
 
 
 @pytest.mark.e2e
-def test_curve_refuses_an_unlisted_client_key(spawn: Callable[..., Daemon], tmp_path: Path) -> None:
-    secret_file, clients, _ = _curve_files(tmp_path)
+def test_curve_refuses_an_unlisted_client_key(curve: tuple[Daemon, str, Path]) -> None:
+    daemon, secret_file, _ = curve
     server_public, _ = zmq.auth.load_certificate(secret_file)
-    endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
-    daemon = spawn(
-        "curve-allow-list",
-        *("--curve-secret-key-file", secret_file, "--curve-client-keys", str(clients)),
-        endpoint=endpoint,
-    )
     poll_until(lambda: "serving on" in daemon.log(), START_TIMEOUT_S, "the daemon serving")
+    logged = len(daemon.log())
     stranger = zmq.curve_keypair()
     with (
-        Client(endpoint, curve_server_key=server_public, curve_keypair=stranger) as client,
+        Client(daemon.endpoint, curve_server_key=server_public, curve_keypair=stranger) as client,
         pytest.raises(RequestError) as refused,
     ):
         client.health(timeout=10.0)
     assert refused.value.code == "connection_lost"
     assert "authentication" in refused.value.message
-    assert "refused a CURVE client: public key" in daemon.log()
+    assert "refused a CURVE client: public key" in daemon.log()[logged:]
 
 
 @pytest.mark.e2e

@@ -24,6 +24,7 @@ CALL = (
     '{"city": "Paris"}<|call|>'
 )
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+ANSWER = '<|channel|>final<|message|>{"city": "Paris"}<|return|>'
 
 
 def scripted(tokenizer_dir: Path, factory: pytest.TempPathFactory, text: str) -> Path:
@@ -32,24 +33,47 @@ def scripted(tokenizer_dir: Path, factory: pytest.TempPathFactory, text: str) ->
     return save_scripted_gpt_oss(tokenizer_dir, factory.mktemp("scripted-gpt-oss"), output)
 
 
-def serving(model: Path, factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
-    """A daemon serving ``model`` over HTTP, stopped cleanly after its tests."""
-    http = HttpDaemon(factory.mktemp("harmony-http"), "--api-key", API_KEY, model=model)
-    try:
-        yield http
-        assert http.daemon.stop() == 0, http.daemon.log()
-    finally:
-        http.daemon.kill_all()
-
-
 @pytest.fixture(scope="module")
 def model_dir(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return scripted(gpt_oss_tokenizer_dir, tmp_path_factory, CALL)
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
-    yield from serving(model_dir, tmp_path_factory)
+def answering_model(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A scripted model that answers every chat with ``ANSWER``."""
+    return scripted(gpt_oss_tokenizer_dir, tmp_path_factory, ANSWER)
+
+
+@pytest.fixture(scope="module")
+def servers(
+    model_dir: Path, answering_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[HttpDaemon, HttpDaemon]]:
+    """Daemons serving ``model_dir`` and ``answering_model`` over HTTP, started together (a
+    start-up is mostly its front door loading the o200k tokenizer on one core), stopped
+    cleanly after the module's tests."""
+    started: list[HttpDaemon] = []
+    try:
+        for model in (model_dir, answering_model):
+            workdir = tmp_path_factory.mktemp("harmony-http")
+            started.append(HttpDaemon(workdir, "--api-key", API_KEY, model=model, wait=False))
+        for http in started:
+            http.wait_up()
+        yield started[0], started[1]
+        for http in started:
+            assert http.daemon.stop() == 0, http.daemon.log()
+    finally:
+        for http in started:
+            http.daemon.kill_all()
+
+
+@pytest.fixture(scope="module")
+def server(servers: tuple[HttpDaemon, HttpDaemon]) -> HttpDaemon:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def answering(servers: tuple[HttpDaemon, HttpDaemon]) -> HttpDaemon:
+    return servers[1]
 
 
 def test_the_client_library_gets_the_call_apart_from_the_answer(server: HttpDaemon) -> None:
@@ -159,22 +183,6 @@ def test_tools_and_reasoning_effort_are_rendered_and_a_result_goes_back(
         client.chat.completions.create(  # type: ignore[call-overload]
             **params, messages=[*MESSAGES, {"role": "tool", "tool_call_id": "x", "content": ""}]
         )
-
-
-ANSWER = '<|channel|>final<|message|>{"city": "Paris"}<|return|>'
-
-
-@pytest.fixture(scope="module")
-def answering_model(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A scripted model that answers every chat with ``ANSWER``."""
-    return scripted(gpt_oss_tokenizer_dir, tmp_path_factory, ANSWER)
-
-
-@pytest.fixture(scope="module")
-def answering(
-    answering_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[HttpDaemon]:
-    yield from serving(answering_model, tmp_path_factory)
 
 
 class Lyon(pydantic.BaseModel):

@@ -7,7 +7,6 @@ import json
 import re
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,13 +27,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
-    http = HttpDaemon(tmp_path_factory.mktemp("http"), "--api-key", API_KEY)
-    try:
-        yield http
-        assert http.daemon.stop() == 0, http.daemon.log()
-    finally:
-        http.daemon.kill_all()
+def server(family_http: HttpDaemon) -> HttpDaemon:
+    return family_http
 
 
 def _sse_events(response: httpx.Response) -> list[str]:

@@ -6,7 +6,7 @@ overlap, prefix-cache hits and chunked prefill, as a chain and as a tree."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -31,6 +31,7 @@ from model_fixtures import VOCAB, save_tiny_model
 
 from outrider.daemon.engine import verify
 from outrider.daemon.engine.build import Engine
+from outrider.daemon.internal import Counters
 from outrider.plugins.models.weights import checkpoint_tensors
 from outrider.plugins.speculative.eagle3_model import load_eagle3
 
@@ -117,16 +118,34 @@ def plain(dirs: tuple[str, str]) -> dict[int, list[int]]:
     return tokens_of(run(engine_for(dirs[0]), requests_for(PROMPTS, max_new_tokens=NEW_TOKENS)))
 
 
+@pytest.fixture(scope="module")
+def serial_chains(dirs: tuple[str, str]) -> Callable[[int], tuple[dict[int, list[int]], Counters]]:
+    """``serial_chain(page_size)``: the tokens and counters of the chain (no overlap) serving
+    ``PROMPTS``, served once per page size for the tests that read it."""
+    served: dict[int, tuple[dict[int, list[int]], Counters]] = {}
+
+    def serial_chain(page_size: int) -> tuple[dict[int, list[int]], Counters]:
+        if page_size not in served:
+            engine = _eagle3(dirs, page_size=page_size, no_overlap=True)
+            tokens = tokens_of(run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS)))
+            served[page_size] = tokens, engine.scheduler.counters()
+        return served[page_size]
+
+    return serial_chain
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_chain_is_lossless_and_accepted(
-    dirs: tuple[str, str], plain: dict[int, list[int]], page_size: int
+    dirs: tuple[str, str],
+    plain: dict[int, list[int]],
+    serial_chains: Callable[[int], tuple[dict[int, list[int]], Counters]],
+    page_size: int,
 ) -> None:
-    counters = []
-    for overlap in (True, False):
-        engine = _eagle3(dirs, page_size=page_size, no_overlap=not overlap)
-        assert tokens_of(run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))) == plain
-        counters.append(engine.scheduler.counters())
-    overlapped, serial = counters
+    engine = _eagle3(dirs, page_size=page_size, no_overlap=False)
+    assert tokens_of(run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))) == plain
+    overlapped = engine.scheduler.counters()
+    tokens, serial = serial_chains(page_size)
+    assert tokens == plain
     assert overlapped.spec_drafts == serial.spec_drafts
     assert overlapped.spec_accepted_per_position == serial.spec_accepted_per_position
     per_position = serial.spec_accepted_per_position
@@ -136,13 +155,14 @@ def test_chain_is_lossless_and_accepted(
     assert tau_of(serial) >= MIN_TAU, per_position
 
 
-def test_engine_drafts_what_the_dense_reference_drafts(dirs: tuple[str, str]) -> None:
+def test_engine_drafts_what_the_dense_reference_drafts(
+    dirs: tuple[str, str],
+    serial_chains: Callable[[int], tuple[dict[int, list[int]], Counters]],
+) -> None:
     """The worker's positions and features against ``draft_fixtures``' convention: the
     engine accepts exactly what the dense draft over the target's continuations predicts
     (an off-by-one position, tap or fed-back feature shows up here as a count mismatch)."""
-    engine = _eagle3(dirs, no_overlap=True)
-    run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
-    counters = engine.scheduler.counters()
+    _, counters = serial_chains(16)  # engine_for's page size
     drafts, per_position = _dense_chain_counts(Path(dirs[0]), Path(dirs[1]), PROMPTS, NEW_TOKENS)
     assert (counters.spec_drafts, counters.spec_accepted_per_position) == (drafts, per_position)
 
@@ -188,11 +208,11 @@ def _side_branch_commits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_tree_is_lossless_and_accepts_more_than_the_chain(
     dirs: tuple[str, str],
     plain: dict[int, list[int]],
+    serial_chains: Callable[[int], tuple[dict[int, list[int]], Counters]],
     page_size: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    chain = _eagle3(dirs, page_size=page_size, no_overlap=True)
-    run(chain, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
+    _, chain = serial_chains(page_size)
     moved = _side_branch_commits(monkeypatch)
     counters = []
     for overlap in (True, False):
@@ -205,7 +225,7 @@ def test_tree_is_lossless_and_accepts_more_than_the_chain(
     assert serial.spec_draft_tokens == 7 * serial.spec_drafts
     # Accepted paths through later branches: the compaction moved KV, and outputs held.
     assert sum(moved) > 0
-    tau, chain_tau = tau_of(serial), tau_of(chain.scheduler.counters())
+    tau, chain_tau = tau_of(serial), tau_of(chain)
     assert tau >= MIN_TAU and tau > chain_tau, (tau, chain_tau)
 
 
