@@ -116,6 +116,12 @@ _HELP: dict[str, str] = {
         "that drafted in the step before sits out one prompt batch; the torch attention "
         "backend pads every row to the longest chunk)"
     ),
+    "windowed_kv": (
+        "the sliding-window layers keep K/V for the positions their windows read only, in "
+        "pages of their own, so that the pool holds more tokens (gpt-oss, half its layers "
+        "sliding: up to twice as many); the prefix cache is off; refused for a model without "
+        "sliding-window layers"
+    ),
     "max_prompt_run": (
         "at most N prompt (EXTEND) batches in a row while requests are part-way through "
         "decoding (a decode step taken), then a decode batch first, so that such a request "

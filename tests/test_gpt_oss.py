@@ -34,6 +34,7 @@ from model_fixtures import (
 from numeric_rule import MAX_DIFF, assert_within_rule
 from safetensors.torch import load_file, save_file
 
+from outrider.daemon.config import ConfigError
 from outrider.plugins.models.config import ClampedSwiglu, ModelConfig, tensor_parallel_problems
 from outrider.plugins.models.gpt_oss import GptOssForCausalLM, GptOssMxfp4Experts
 from outrider.plugins.models.layers import DecoderForCausalLM
@@ -154,6 +155,47 @@ def test_speculation_keeps_greedy(
     outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
     assert tokens_of(outcomes) == dict(enumerate(expected))
     assert engine.scheduler.counters().spec_drafts > 0
+
+
+@pytest.mark.parametrize("algorithm", ["none", "eagle3 tree", "dflash"])
+def test_window_pages_keep_greedy_and_all_go_back(
+    reference: tuple[Path, torch.nn.Module],
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    algorithm: str,
+) -> None:
+    """``--windowed-kv``: the sliding layers' K/V in window pages, those behind the windows
+    of 4 given back as requests go on, prompts in chunks of 3 (a chunk's queries read the
+    window across chunks) and a retraction every third plan: transformers' greedy outputs,
+    from a window pool smaller than the page pool, every window page free at the end (the
+    KV check of every turn holds the pool's invariants)."""
+    monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "3")
+    directory, hf = reference
+    with torch.no_grad():
+        expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)
+    settings: dict[str, object] = {}
+    if algorithm != "none":
+        drafts = save_drafts(tmp_path_factory.mktemp("window_drafts"), directory)
+        settings = dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts[algorithm.split()[0]])
+    engine = engine_for(
+        str(directory), page_size=4, chunked_prefill_tokens=3, windowed_kv=True, **settings
+    )
+    outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
+    assert tokens_of(outcomes) == dict(enumerate(expected))
+    kv, window = engine.loop.runner.kv, engine.scheduler.pages.window
+    assert window is not None and kv.window_map is not None
+    sizes = [tuple(cache.shape[:1]) for cache in kv.k]
+    assert sizes == [(window.pages,), (kv.num_pages,)] * 2 and window.pages < kv.num_pages
+    assert (len(window.free), window.held) == (window.pages - 1, {})
+    assert engine.scheduler.counters().spec_drafts > 0 or algorithm == "none"
+
+
+def test_window_pages_are_refused_for_a_model_without_sliding_layers(tmp_path: Path) -> None:
+    directory = tmp_path / "llama"
+    save_tiny_model("llama", directory)
+    with pytest.raises(ConfigError) as refused:
+        engine_for(str(directory), windowed_kv=True)
+    assert str(refused.value) == f"--windowed-kv: --model {directory} has no sliding-window layers"
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3 chain", "eagle3 tree"])

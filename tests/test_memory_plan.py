@@ -109,6 +109,29 @@ def test_a_gpu_pool_takes_its_fraction_of_the_free_memory() -> None:
     assert (plan.max_pages, plan.max_step_tokens) == (8208 // 16, config.chunked_prefill_tokens)
 
 
+def test_window_pages_take_their_pool_first_and_the_page_pool_the_other_layers() -> None:
+    """--windowed-kv on the 8B shape with half its layers sliding (a window of 128): the
+    window pool (64 requests' windows plus two steps' tokens and a reservation each, in pages
+    of 16) comes off the budget first; the page pool then holds the full layers' K/V alone:
+    here 1.57x the tokens of the pool without window pages (toward 2x as the budget grows
+    past the window pool's 1 GiB)."""
+    config = ServeConfig(model="llama", device="cuda", gpu_memory_fraction=0.5, context_length=8192)
+    half = LLAMA_KV_BF16 // 2
+    plain = plan_memory(_inputs(config, free=10 * GIB))
+    inputs = dataclasses.replace(
+        _inputs(config, free=10 * GIB), kv_bytes_per_token=half, window_bytes_per_token=half,
+        window=128,
+    )  # fmt: skip
+    plan = plan_memory(inputs)
+    # Per request ceil(127 / 16) + 2 = 10 pages; 2 x 2,048 tokens + 64 x 16 over 16: 320.
+    assert plan.window_pages == 1 + 64 * 10 + 320 == 961
+    eager = 512 * MIB + 64 * 128256 * 16
+    window_bytes = 961 * 16 * half
+    assert plan.pool_tokens == (5 * GIB - eager - window_bytes) // half // 16 * 16 == 56336
+    assert plain.pool_tokens == 35856
+    assert plan.headroom_bytes == 10 * GIB - 56336 * half - window_bytes - eager
+
+
 def test_a_mixture_of_experts_keeps_its_grouped_path_out_of_the_pool() -> None:
     """Qwen3-30B-A3B (H 2048, 8 of 128 experts of 768 rows): an EXTEND chunk of 2,048 tokens
     routes 16,384 pairs, the grouped path's whole chunk; each holds its down product in

@@ -26,6 +26,7 @@ PAGE = 4
 MAX_PAGES = 8  # page-table entries per slot: entry = slot * MAX_PAGES + page index
 EOS = 99
 SPEC = StepShape(width=3, depth=2, topk=1)  # a chain: verifies 3 tokens, commits 1 to 3
+WINDOW = 4  # the sliding layers' window, where window pages are kept
 
 
 def make(
@@ -39,17 +40,21 @@ def make(
     mixed: bool = False,
     drafting_rows: tuple[tuple[int, int], ...] = (),
     prompt_run: int = 0,
+    window_pages: int = 0,
 ) -> Scheduler:
     """A scheduler over ``pages`` usable pages of ``PAGE`` tokens (``mixed``: decoding rows
     ride prompt batches; ``drafting_rows``, ``prompt_run``: ``SchedulerLimits``'
-    ``drafting_rows`` and ``max_prompt_run``)."""
+    ``drafting_rows`` and ``max_prompt_run``; ``window_pages``: a pool of window pages for
+    sliding layers of ``WINDOW`` positions, the prefix cache off)."""
     limits = SchedulerLimits(
         running, MAX_PAGES, chunk, 32, prefix_margin_pages=margin, mixed_batches=mixed,
-        drafting_rows=drafting_rows, max_prompt_run=prompt_run,
+        drafting_rows=drafting_rows, max_prompt_run=prompt_run, window_pages=window_pages,
+        window=WINDOW if window_pages else 0,
     )  # fmt: skip
     finish = FinishChecker(frozenset({EOS}), 32, None)
     drill = RetractDrill(retract_every) if retract_every else None
-    return Scheduler(limits, shape, PrefixCache(pages + 1, PAGE), finish, drill=drill)
+    cache = PrefixCache(pages + 1, PAGE, enabled=not window_pages)
+    return Scheduler(limits, shape, cache, finish, drill=drill)
 
 
 def request(rid: int, prompt: list[int], max_new: int = 8) -> TokenizedRequest:
@@ -357,6 +362,47 @@ def test_a_retracted_request_waits_for_its_step_in_flight() -> None:
     p4 = planned(s)  # its prompt's whole page is cached (published at its prefill)
     assert rows(p4) == ("extend", [1], [4], [4]) and p4.plan.input_ids == [*ids(30, 6)[4:], 40, 41]
     assert p3.plan.released_slots == [1] and p4.plan.sample_positions == [2]
+    s.check_integrity()
+
+
+# --- window pages --------------------------------------------------------------------------
+
+
+def test_window_pages_follow_the_window_and_their_map_writes_ride_the_plans() -> None:
+    """A prompt of 12 in chunks of 8: each chunk's pages get window pages; those wholly
+    behind the window of 4 go back as the request goes on (their map entries 0), and the
+    last one back is the next one out; at the finish every one goes back."""
+    s = make(chunk=8, window_pages=6)
+    s.add(request(1, ids(10, 12), max_new=8))
+    first = step(s)  # positions 0..7: pages 0, 1
+    pages = s.running[0].pages
+    assert (first.plan.window_writes, first.plan.window_values) == (pages[:2], [1, 2])
+    second = step(s, [20])  # 8..11, reading from 5: page 0 back, page 2 takes its own
+    assert (second.plan.window_writes, second.plan.window_values) == ([pages[0], pages[2]], [0, 1])
+    third = step(s, [21])  # the root at 12 reads from 9: page 1 back, page 3 takes its own
+    assert (third.plan.window_writes, third.plan.window_values) == ([pages[1], pages[3]], [0, 2])
+    for token in range(22, 28):
+        step(s, [token])  # the last one finishes the request (8 tokens)
+    assert s.running == [] and updates(s)[-1].finish is not None
+    window = s.pages.window
+    assert window is not None and len(window.free) == 5 and window.held == {}
+
+
+def test_window_pages_cover_what_a_step_in_flight_may_read() -> None:
+    """Two drafting steps in flight (overlap): the second starts where the first's commit
+    leaves it, between one and three positions on; until it is processed the window pages
+    from three positions before its lowest start stay."""
+    s = make(shape=SPEC, window_pages=12)
+    s.add(request(1, ids(10, 12), max_new=8))
+    step(s, [20])  # the prompt: positions 0..11; the root at 12
+    req = s.running[0]
+    a = planned(s)  # from 12, commits 1 to 3
+    b = planned(s)  # from 13 at least (15 at most)
+    s.process(a, out([21]))  # a committed one token: b starts at 13, reading from 10
+    c = planned(s)
+    assert rows(b)[2] == [15] and req.window_from == 2  # page 2 (8..11) keeps its own
+    s.process(b, out([22, 23, 24]))
+    s.process(c, out([25]))
     s.check_integrity()
 
 

@@ -152,9 +152,12 @@ def build_engine(
                     for width in built.widths
                     if width > 1
                 ),
+                window_pages=plan.window_pages,
+                window=max(model_config.windows, default=0),
             ),
             shape,
-            PrefixCache(plan.num_pages, page_size),
+            # Off with window pages (scheduler/window_pages.py).
+            PrefixCache(plan.num_pages, page_size, enabled=not plan.window_pages),
             FinishChecker(eos, context_length, decoder_factory),
             policy,
             retract_drill(),
@@ -239,6 +242,7 @@ def _build_runner(
     model_config = ModelConfig.from_pretrained(config.model)
     dtype_name = config.serving_dtype(model_config.dtype)
     dtype = _DTYPES[dtype_name]
+    window_bytes = _window_bytes_per_token(config, model_config, dtype_name, tp.size)
     capability = torch.cuda.get_device_capability() if config.device == "cuda" else None
     served = resolve_plugins(config, dtype_name, capability)  # what plugins --check resolves
     if tp.rank == 0:
@@ -268,6 +272,7 @@ def _build_runner(
         model=model_config,
         itemsize=dtype.itemsize,
         kv_bytes_per_token=kv_bytes_per_token(model_config, dtype_name, tp.size)
+        - window_bytes
         + TokenHistory.BYTES_PER_TOKEN,
         tensor_parallel_size=tp.size,
         context_length=context_length,
@@ -275,13 +280,16 @@ def _build_runner(
         widths=step_widths(shape, speculative, config, model_config.vocab_size),
         graphs=graphing,
         free_bytes=_free_bytes(config.device),
+        window_bytes_per_token=window_bytes,
+        window=max(model_config.windows, default=0),
     )
     plan = plan_memory(inputs, agreed)
     context_length, page_size, num_pages = plan.context_length, plan.page_size, plan.num_pages
     attention_shape = model.attention_shape  # the rank's heads
     kv = KVCache.allocate(
-        model_config.num_layers, num_pages, page_size, attention_shape, dtype, device
-    )
+        model_config.num_layers, num_pages, page_size, attention_shape, dtype, device,
+        window_pages=plan.window_pages or None,
+    )  # fmt: skip
     tokenizer = load_tokenizer(model_dir(config.model))
     vocab_limit = model_config.vocab_size
     if tokenizer is not None:
@@ -293,7 +301,7 @@ def _build_runner(
         vocab_limit=vocab_limit,
         vocab_size=model_config.vocab_size,
     )
-    slots = SlotState(config.max_running, plan.max_pages, device)
+    slots = SlotState(config.max_running, plan.max_pages, device, kv.window_map)
     # NOTE: a draft model is sharded as the target is (its worker gets the rank's tp); it
     # shares the target's vocabulary-parallel embedding and head, whose collectives every
     # rank runs alike: greedy drafts from the head's local slice, sampled ones gathered.
@@ -385,3 +393,16 @@ def _free_bytes(device: str) -> int:
         free, _total = torch.cuda.mem_get_info()
         return free
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _window_bytes_per_token(
+    config: ServeConfig, model: ModelConfig, dtype_name: str, tp_size: int
+) -> int:
+    """With --windowed-kv, the K/V bytes a token takes in the model's sliding layers on
+    one rank (kept in window pages); 0 without. Refuses a model without such layers."""
+    if not config.windowed_kv:
+        return 0
+    sliding = sum(window > 0 for window in model.windows)
+    if not sliding:
+        raise ConfigError(f"--windowed-kv: --model {config.model} has no sliding-window layers")
+    return kv_bytes_per_token(model, dtype_name, tp_size) // model.num_layers * sliding

@@ -79,6 +79,8 @@ class StepInputs(Generic[T]):
     released_slots: T = field(metadata=_ROW)  # debug: relay rows to poison
     page_writes: T = field(metadata=_PAGE)  # flat request-table indices
     page_values: T = field(metadata=_PAGE_I32)
+    window_writes: T = field(metadata=_PAGE)  # page ids whose window page changed
+    window_values: T = field(metadata=_PAGE_I32)
 
 
 _FIELDS = fields(StepInputs)
@@ -147,6 +149,8 @@ def host_values(plan: StepPlan, *, poison_released: bool) -> StepInputs[np.ndarr
         released_slots=np.asarray(plan.released_slots if poison_released else [], np.int64),
         page_writes=np.asarray(plan.page_writes, dtype=np.int64),
         page_values=np.asarray(plan.page_values, dtype=np.int32),
+        window_writes=np.asarray(plan.window_writes, dtype=np.int64),
+        window_values=np.asarray(plan.window_values, dtype=np.int32),
     )
 
 

@@ -114,6 +114,10 @@ class PlanInputs:
     # The memory the pool may come from: the device's free bytes now that the weights are
     # loaded (CUDA), the host's physical memory (CPU).
     free_bytes: int
+    # --windowed-kv: a token's K/V in the sliding layers on this rank (kept in window pages,
+    # not in ``kv_bytes_per_token``) and the widest window; 0: no window pages.
+    window_bytes_per_token: int = 0
+    window: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,8 +139,9 @@ class MemoryPlan:
     # the rows whose working set fits in ``STEP_MEMORY_SHARE`` (0: not one), a batch bucket.
     drafting_rows: tuple[tuple[int, int], ...]
     activation_bytes: int  # kept out of a pool sized from device memory (0: CPU)
-    # The free device memory neither the KV pool nor ``activation_bytes`` takes (0: CPU).
+    # The free device memory neither the KV pools nor ``activation_bytes`` take (0: CPU).
     headroom_bytes: int
+    window_pages: int = 0  # the window page pool, the scratch page included (0: none)
 
     @property
     def context_lowered(self) -> bool:
@@ -185,17 +190,26 @@ def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
         if config.device == "cuda"
         else 0
     )
+    page_size = config.page_size
+    max_step_tokens = max(
+        config.chunked_prefill_tokens, *(rows * step.width for rows, step in steps)
+    )
+    window_pages = 0
+    if inputs.window_bytes_per_token:
+        window_pages = window_pool_pages(
+            inputs.window, page_size, max_running, max_step_tokens, reservation
+        )
+    window_bytes = window_pages * page_size * inputs.window_bytes_per_token
     pool_tokens = agree(
         _pool_tokens(
             config,
             inputs.kv_bytes_per_token,
             inputs.context_length + reservation,
             inputs.free_bytes,
-            activation,
+            activation + window_bytes,
         )
     )
     context_length = _fit_check(config, pool_tokens, inputs.context_length, reservation, estimate)
-    page_size = config.page_size
     max_positions = context_length + reservation
     return MemoryPlan(
         page_size=page_size,
@@ -205,20 +219,40 @@ def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
         context_length=context_length,
         reservation=reservation,
         max_pages=(max_positions + page_size - 1) // page_size,
-        max_step_tokens=max(
-            config.chunked_prefill_tokens, *(rows * step.width for rows, step in steps)
-        ),
+        max_step_tokens=max_step_tokens,
         graph_max_bs=graphs.max_bs if graphs is not None else 0,
         graph_max_kv=min(graph_kv, max_positions) if graphs is not None else 0,
         graph_estimate=estimate,
         drafting_rows=drafting_rows,
         activation_bytes=activation,
         headroom_bytes=(
-            max(inputs.free_bytes - pool_tokens * inputs.kv_bytes_per_token - activation, 0)
+            max(
+                inputs.free_bytes
+                - pool_tokens * inputs.kv_bytes_per_token
+                - window_bytes
+                - activation,
+                0,
+            )
             if config.device == "cuda"
             else 0
         ),
+        window_pages=window_pages,
     )
+
+
+def window_pool_pages(
+    window: int, page_size: int, max_running: int, step_tokens: int, reservation: int
+) -> int:
+    """The window pages no plan exhausts (scheduler/window_pages.py), the scratch page
+    included. A running request holds those of its positions from the first that its oldest
+    step not yet processed reads (``window - 1`` before that step's lowest start) to the last
+    that a launched step writes. At a plan at most two steps of a request are not processed
+    (the one in flight and the one planned): over every request at most two steps' tokens
+    (``step_tokens`` each), a decoding row's writes reaching ``reservation`` past its start,
+    and each request's run rounded out to two pages more."""
+    per_request = -(-(window - 1) // page_size) + 2
+    spread = -(-(2 * step_tokens + max_running * reservation) // page_size)
+    return 1 + max_running * per_request + spread
 
 
 def _log_drafting_rows(drafting_rows: tuple[tuple[int, int], ...], max_running: int) -> None:
@@ -304,13 +338,14 @@ def _pool_tokens(
     kv_bytes_per_token: int,
     minimum: int,
     free: int,
-    activation: int,
+    kept: int,
 ) -> int:
     """KV pool size in tokens. ``minimum``: one request at the full context plus one step's
-    reservation; ``free``: as ``PlanInputs.free_bytes``; ``activation``: device memory kept
-    out of the pool (``_activation_bytes``). The pool never exceeds ``max_running`` such
-    requests: a small model on a large GPU would otherwise get tens of millions of pages that
-    no request can use and that every walk over the page table pays for."""
+    reservation; ``free``: as ``PlanInputs.free_bytes``; ``kept``: device memory kept out of
+    the pool on CUDA (``_activation_bytes``, the window pages). The pool never exceeds
+    ``max_running`` such requests: a small model on a large GPU would otherwise get tens of
+    millions of pages that no request can use and that every walk over the page table pays
+    for."""
     if config.kv_cache_tokens:
         return config.kv_cache_tokens // config.page_size * config.page_size
     # NOTE: whole pages, or the cap below rounds under one request's need.
@@ -318,7 +353,7 @@ def _pool_tokens(
     per_token = kv_bytes_per_token
     if config.device == "cuda":
         budget = int(free * config.gpu_memory_fraction)
-        budget -= activation
+        budget -= kept
     else:
         budget = int(free * CPU_KV_FRACTION)
         # On CPU a pool of a few contexts is plenty.

@@ -64,6 +64,10 @@ class StepPlan(Struct, array_like=True, frozen=True):
     # the host mid-step (engine/token_masks.py).
     masked_rows: list[int] = []
     masks: bytes = b""
+    # Where the sliding layers keep only their windows (scheduler/window_pages.py): page ids
+    # whose window page changed, and their new ones (0: the scratch page, none).
+    window_writes: list[int] = []
+    window_values: list[int] = []
 
     @property
     def bs(self) -> int:

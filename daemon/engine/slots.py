@@ -35,8 +35,17 @@ class RelayRows:
 
 
 class SlotState:
-    def __init__(self, max_slots: int, max_pages: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_slots: int,
+        max_pages: int,
+        device: torch.device,
+        window_map: torch.Tensor | None = None,
+    ) -> None:
+        """``window_map``: the target cache's (``KVCache.window_map``), which the plans'
+        window writes change; None: no window pages."""
         rows = max_slots + 1  # the scratch slot last
+        self.window_map = window_map
 
         def zeros(dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(rows, dtype=dtype, device=device)
@@ -72,13 +81,16 @@ class SlotState:
         self.relay_tokens.fill_(-1)
 
     def apply(self, inputs: StepInputs[torch.Tensor]) -> None:
-        """Relay poisoning (debug), request-table writes and the sampling parameters of newly
-        admitted slots; released slots are poisoned before an admission may reuse them. Most
-        decode steps have none of these: nothing is queued then."""
+        """Relay poisoning (debug), request-table and window-map writes and the sampling
+        parameters of newly admitted slots; released slots are poisoned before an admission
+        may reuse them. Most decode steps have none of these: nothing is queued then."""
         if inputs.released_slots.numel():
             self.relay_tokens.index_fill_(0, inputs.released_slots, -1)
         if inputs.page_writes.numel():
             self.page_table.view(-1).index_copy_(0, inputs.page_writes, inputs.page_values)
+        if inputs.window_writes.numel():
+            assert self.window_map is not None, "window writes without window pages"
+            self.window_map.index_copy_(0, inputs.window_writes, inputs.window_values)
         slots = inputs.admit_slots
         if not slots.numel():
             return

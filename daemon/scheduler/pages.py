@@ -1,5 +1,6 @@
 """The pages each running request holds: prefix hits, reservation at admission, growth, release
-and publication to the prefix cache; and the page-table delta a plan carries to the device.
+and publication to the prefix cache; and the page-table delta a plan carries to the device. A
+model whose sliding layers keep only their windows has window pages beside (window_pages.py).
 
 Only ``PageManager`` changes a request's ``pages``, ``num_cached_pages`` and
 ``allocated_len`` (request.py), so the three always agree.
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 from outrider.daemon.scheduler.radix import OutOfPages, PrefixCache
 from outrider.daemon.scheduler.request import Request
+from outrider.daemon.scheduler.window_pages import WindowPool
 
 
 @dataclass
@@ -32,12 +34,19 @@ class Reservation:
 
 class PageManager:
     def __init__(
-        self, cache: PrefixCache, max_pages_per_request: int, prefix_margin_pages: int
+        self,
+        cache: PrefixCache,
+        max_pages_per_request: int,
+        prefix_margin_pages: int,
+        window: WindowPool | None = None,
     ) -> None:
+        """``window``: the sliding layers' window pages, where the model keeps only their
+        windows (window_pages.py)."""
         self.cache = cache
         self.page_size = cache.page_size
         self.max_pages_per_request = max_pages_per_request
         self.prefix_margin_pages = prefix_margin_pages
+        self.window = window
 
     def pages_for(self, positions: int) -> int:
         return (positions + self.page_size - 1) // self.page_size
@@ -84,6 +93,8 @@ class PageManager:
         """Drop ``req``'s pages; ``publish`` first puts its whole pages into the prefix cache
         (only positions whose KV a launched step writes, with known tokens), marked as holding
         the draft's KV where ``req`` fed its draft to the end."""
+        if self.window is not None:
+            self.window.release(req)
         pages = req.pages
         if publish:
             known = req.known_ids()
@@ -102,6 +113,11 @@ class PageManager:
         drafted = drafted and req.fed is not False
         shared = self.cache.share(written, req.pages, drafted=drafted)
         req.num_cached_pages = max(req.num_cached_pages, shared)
+
+    def window_writes(self) -> tuple[list[int], list[int]]:
+        """The window-map entries changed since the last plan (``WindowPool.take_writes``);
+        none without window pages."""
+        return self.window.take_writes() if self.window is not None else ([], [])
 
     def _write(self, req: Request, first: int, delta: PageDelta) -> None:
         base = req.slot * self.max_pages_per_request
@@ -122,3 +138,5 @@ class PageManager:
             for page in req.pages[req.num_cached_pages :]:
                 private[page] = private.get(page, 0) + 1
         self.cache.check(private, cached)
+        if self.window is not None:
+            self.window.check(requests)

@@ -106,6 +106,9 @@ class Planner:
         running = self.admission.running
         if self.drill is not None and self.drill.due(self._plans) and len(running) > 1:
             self.admission.retract(running[-1])
+        if self.pages.window is not None:
+            for req in running:
+                self.pages.window.give_back_behind(req)
         delta = PageDelta()  # pages a rider grew go with the decode batch if no extend runs
         limit = self.limits.max_prompt_run
         # Counted where limited: a row part-way through decoding (module docstring).
@@ -181,6 +184,7 @@ class Planner:
             req, start = row.req, row.req.scheduled_len
             starts.append(start)
             req.scheduled_len += row.chunk
+            self._window_step(req, start, start + row.chunk, req.scheduled_len)
             if row.rides:
                 relay_rows.append(i)
                 input_ids.append(0)  # the relay's root, on the device
@@ -197,6 +201,7 @@ class Planner:
             next_ids.append(0)
         requests = [row.req for row in rows]
         sampled = [requests[i] for i in sample_rows]
+        window_writes, window_values = self.pages.window_writes()
         masked_rows, masks = _masks(sampled)
         # NOTE: after this plan's admissions, which must not read pages this plan writes. A
         # draft that keeps KV may write the prompt's later (a deferred catch-up): the pages
@@ -213,6 +218,8 @@ class Planner:
             sample_positions=sample_positions,
             page_writes=delta.writes,
             page_values=delta.values,
+            window_writes=window_writes,
+            window_values=window_values,
             slot_params=admitted,
             max_logprobs=_max_logprobs(sampled),
             all_greedy=_all_greedy(sampled),
@@ -271,7 +278,11 @@ class Planner:
         if not rows:
             return None
         starts = [r.scheduled_len for r in rows]  # upper bounds: the device has the lengths
-        for req in rows:
+        for req, start in zip(rows, starts, strict=True):
+            # The lowest start: the host's where no step is in flight, else one past the
+            # lowest start of the step before (a step commits one token at least).
+            lowest = req.step_floors[-1].end if req.step_floors else start
+            self._window_step(req, lowest, lowest + 1, start + span)
             req.scheduled_len += max_commit
             req.scheduled_outputs += max_commit
         grammar = None
@@ -282,6 +293,7 @@ class Planner:
             grammar = RowGrammars(states, owners) if states else None
         else:
             masked_rows, masks = _masks(rows)
+        window_writes, window_values = self.pages.window_writes()
         plan = StepPlan(
             kind="decode",
             slots=[r.slot for r in rows],
@@ -292,6 +304,8 @@ class Planner:
             sample_positions=[],
             page_writes=delta.writes,
             page_values=delta.values,
+            window_writes=window_writes,
+            window_values=window_values,
             slot_params=[],
             max_logprobs=_max_logprobs(rows),
             all_greedy=_all_greedy(rows),
@@ -320,6 +334,12 @@ class Planner:
             return shape.cut(width)
         caps = [shape.depth if r.max_drafts is None else r.max_drafts for r in rows]
         return shape.cut(min(max(caps) + 1, width))
+
+    def _window_step(self, req: Request, start: int, end: int, writes_to: int) -> None:
+        """A step of ``req`` planned, its lowest possible ``start`` and ``end``, launched
+        steps writing up to position ``writes_to``: its window pages (window_pages.py)."""
+        if self.pages.window is not None:
+            self.pages.window.step(req, start, end, writes_to)
 
     def _scheduled_to_end(self, req: Request) -> bool:
         """Launched steps already produce this request's last possible token."""

@@ -20,12 +20,22 @@ KV index ranges of one admitted request (logical positions; ``pages[i]`` holds p
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from outrider.daemon.grammar.state import GrammarState
 from outrider.daemon.internal import TokenizedRequest
 from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.protocol.messages import TokenLogprob
+
+
+@dataclass(frozen=True)
+class StepFloor:
+    """A launched step's lowest possible start and end (positions) for its request
+    (window_pages.py)."""
+
+    start: int
+    end: int
 
 
 @dataclass(eq=False)
@@ -81,6 +91,11 @@ class Request:
     grammar: GrammarState | None = None
     # The most drafts a step commits for it (0: speculation off); None: the engine's.
     max_drafts: int | None = None
+    # Window pages (window_pages.py, where the model's sliding layers keep only their
+    # windows): those of ``pages[window_from ..]``, and its launched steps' floors.
+    window_from: int = 0
+    window_pages: list[int] = field(default_factory=list)
+    step_floors: deque[StepFloor] = field(default_factory=deque)
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest, grammar: GrammarState | None = None) -> Request:

@@ -1,15 +1,16 @@
 """The scheduler: what the engine loop and the daemon call to add and end requests, plan steps
 and apply their results. It composes small parts, one concern each:
 
-| part                | file         | concern                                                   |
-|---------------------|--------------|-----------------------------------------------------------|
-| ``Admission``       | admission.py | request table, waiting queue, running set; admit, retract |
-| ``SlotTable``       | slots.py     | free slots, their owners, slots released since last plan  |
-| ``PageManager``     | pages.py     | requests' pages, prefix hits, page-table deltas           |
-| ``Planner``         | planner.py   | extend and decode plans, page growth with retraction      |
-| ``DraftPolicy``     | drafting.py  | whether a decode batch drafts, a request feeds the draft  |
-| ``OutputProcessor`` | outputs.py   | step results, streaming, finish (the lifetime rules)      |
-| ``SchedulerStats``  | counters.py  | finishes and speculative acceptance                       |
+| part                | file            | concern                                                  |
+|---------------------|-----------------|----------------------------------------------------------|
+| ``Admission``       | admission.py    | requests, waiting queue, running set; admit, retract     |
+| ``SlotTable``       | slots.py        | free slots, their owners, slots released since last plan |
+| ``PageManager``     | pages.py        | requests' pages, prefix hits, page-table deltas          |
+| ``WindowPool``      | window_pages.py | sliding layers' pages where only their windows are kept  |
+| ``Planner``         | planner.py      | extend and decode plans, page growth with retraction     |
+| ``DraftPolicy``     | drafting.py     | whether a decode batch drafts, a request feeds the draft |
+| ``OutputProcessor`` | outputs.py      | step results, streaming, finish (the lifetime rules)     |
+| ``SchedulerStats``  | counters.py     | finishes and speculative acceptance                      |
 
 A request's counters and the KV index ranges they delimit: request.py. The sizes the parts
 are built with: limits.py. Debug drills the planner runs on demand: drill.py.
@@ -35,6 +36,7 @@ from outrider.daemon.scheduler.planner import Planned, Planner
 from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.request import Request
 from outrider.daemon.scheduler.slots import SlotTable
+from outrider.daemon.scheduler.window_pages import WindowPool
 from outrider.plugins.api import StepShape
 
 log = logging.getLogger("outrider.scheduler")
@@ -56,7 +58,12 @@ class Scheduler:
         self.cache = cache
         self.policy = policy if policy is not None else FixedDrafting(shape.width)
         self.slots = SlotTable(limits.max_running)
-        self.pages = PageManager(cache, limits.max_pages_per_request, limits.prefix_margin_pages)
+        window = None
+        if limits.window_pages:
+            window = WindowPool(limits.window_pages, limits.window, cache.page_size)
+        self.pages = PageManager(
+            cache, limits.max_pages_per_request, limits.prefix_margin_pages, window
+        )
         self.admission = Admission(self.slots, self.pages, shape)
         self.planner = Planner(
             limits, shape, self.admission, self.pages, self.slots, self.policy, drill
@@ -130,9 +137,12 @@ class Scheduler:
     def landed(self, planned: Planned) -> None:
         """A launched step is no longer in flight for its requests (processed or failed)."""
         opens = planned.max_commit > 1
+        window = self.pages.window
         for req in planned.requests:
             req.steps_in_flight -= 1
             req.open_steps -= opens
+            if window is not None:
+                window.landed(req)
 
     # --- state ---------------------------------------------------------------------------
 
