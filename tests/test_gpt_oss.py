@@ -6,6 +6,7 @@ engine; the checkpoint layout; what is refused."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -232,22 +233,54 @@ def test_cuda_serves_gpt_oss_within_the_numeric_rule(
 ) -> None:
     """float32 on CUDA, 16-bit and mxfp4 experts, decode batches replayed from CUDA graphs
     (every expert on every token) and eager: transformers' log-probabilities within the
-    numeric rule, under plain decoding and an EAGLE-3 tree."""
+    numeric rule, under plain decoding and an EAGLE-3 tree, with the sliding layers whole
+    and in window pages."""
+    _serves_within_rule(reference, mxfp4_reference, tmp_path_factory, backend, "float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    importlib.util.find_spec("cutlass") is None
+    or importlib.util.find_spec("flash_attn.cute") is None,
+    reason="needs FlashAttention-4 (pip install 'outrider[fa4]')",
+)
+def test_fa4_serves_gpt_oss_within_the_bfloat16_rule(
+    reference: tuple[Path, torch.nn.Module],
+    mxfp4_reference: tuple[Path, torch.nn.Module],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """bfloat16 on FA4 in every phase (its sliding windows and sinks, the draft's steps, the
+    tree's verify): transformers' float32 log-probabilities within the bfloat16 rule."""
+    _serves_within_rule(reference, mxfp4_reference, tmp_path_factory, "fa4", "bfloat16")
+
+
+def _serves_within_rule(
+    reference: tuple[Path, torch.nn.Module],
+    mxfp4_reference: tuple[Path, torch.nn.Module],
+    tmp_path_factory: pytest.TempPathFactory,
+    backend: str,
+    dtype: str,
+) -> None:
+    """The engine on CUDA over ``backend`` in ``dtype``, graphs and eager, plain and an
+    EAGLE-3 tree, whole and window pages: within the rule of ``dtype``."""
     for directory, hf in (reference, mxfp4_reference):
         with torch.no_grad():
             expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)
             logprobs = hf_logprobs(hf, PROMPTS, expected)
         drafts = save_drafts(tmp_path_factory.mktemp(f"{directory.name}-drafts"), directory)
         tree = dict(DRAFT_ALGORITHMS["eagle3 tree"], draft_model=drafts["eagle3"])
-        for graphs, settings in ((True, {}), (False, {}), (True, tree)):
+        windowed = {"windowed_kv": True}
+        for graphs, settings in (
+            (True, {}), (False, {}), (True, tree), (True, windowed), (True, tree | windowed),
+        ):  # fmt: skip
             engine = engine_for(
-                str(directory), device="cuda", dtype="float32", attention_backend=backend,
+                str(directory), device="cuda", dtype=dtype, attention_backend=backend,
                 disable_cuda_graph=not graphs, **settings,
             )  # fmt: skip
             requests = requests_for(PROMPTS, max_new_tokens=NEW_TOKENS, logprobs=2)
             for rid, outcome in run(engine, requests).items():
                 served = [lp for update in outcome.updates for lp in update.logprobs or []]
-                assert_within_rule(logprobs[rid], served, MAX_DIFF["float32"])
+                assert_within_rule(logprobs[rid], served, MAX_DIFF[dtype])
 
 
 def test_the_checkpoint_layout_is_derived_from_the_config(
