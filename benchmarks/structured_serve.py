@@ -24,7 +24,9 @@ weights) with dummy drafts at a simulated acceptance (bench/sweep.py's rates), a
 qwen3`` a Qwen3-8B one, plainly and with the DFlash-b16 draft. The tokenizer should have the
 config's vocabulary size, and be a real one: the grammar engine's cost follows the
 tokenizer's size, its special ids and its pieces (``benchmarks/real_vocab.py`` puts a real
-129,280-id tokenizer beside a config of that size; the drafts take the target's size).
+129,280-id tokenizer beside a config of that size; the drafts take the target's size). The
+daemons log at ``OUTRIDER_LOG_LEVEL`` (default ``warning``; ``info`` shows the graphs captured
+on first use, and when).
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ def measure(
     if serial:
         command.append("--no-overlap")
     print("daemon:", " ".join(command), flush=True)
-    proc = subprocess.Popen(command, env={**os.environ, "OUTRIDER_LOG_LEVEL": "warning"})
+    level = os.environ.get("OUTRIDER_LOG_LEVEL", "warning")  # info: the first-use captures
+    proc = subprocess.Popen(command, env={**os.environ, "OUTRIDER_LOG_LEVEL": level})
     try:
         wait_ready(endpoint, proc, 900)
         for concurrency in args.concurrency:
@@ -168,6 +171,7 @@ def measure(
             # grammar rows replays (captured on first use).
             lengths = Lengths.of(bench(endpoint, args, concurrency, None)["output_lens"])
             bench(endpoint, args, concurrency, lengths)  # warm: the unconstrained batches
+            print(f"measured pairs at concurrency {concurrency}", file=sys.stderr, flush=True)
             pairs = []
             for _ in range(args.pairs):
                 plain = bench(endpoint, args, concurrency, lengths)
