@@ -159,7 +159,7 @@ def test_speculation_keeps_greedy(
 
 
 @pytest.mark.parametrize("algorithm", ["none", "eagle3 tree", "dflash"])
-def test_window_pages_keep_greedy_and_all_go_back(
+def test_window_pages_keep_greedy_through_prefix_hits(
     reference: tuple[Path, torch.nn.Module],
     tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
@@ -167,13 +167,22 @@ def test_window_pages_keep_greedy_and_all_go_back(
 ) -> None:
     """``--windowed-kv``: the sliding layers' K/V in window pages, those behind the windows
     of 4 given back as requests go on, prompts in chunks of 3 (a chunk's queries read the
-    window across chunks) and a retraction every third plan: transformers' greedy outputs,
-    from a window pool smaller than the page pool, every window page free at the end (the
-    KV check of every turn holds the pool's invariants)."""
+    window across chunks), a retraction every third plan, and prompts that extend earlier
+    ones or leave them half-way, admitted later, hitting the prefix cache only where it kept
+    the window before the hit's end: transformers' greedy outputs, from a window pool
+    smaller than the page pool; at the end only the cache holds window pages (the KV check
+    of every turn holds the pool's invariants)."""
     monkeypatch.setenv("OUTRIDER_DEBUG_RETRACT_EVERY", "3")
     directory, hf = reference
+    # Later prompts extend the earlier ones (a hit where the cache kept the window before
+    # the hit's end), or leave them half-way (where it gave that window back).
+    prompts = [
+        *PROMPTS,
+        *(p + p[:6] for p in PROMPTS),
+        *([*p[: len(p) // 2], 3, 5, 7] for p in PROMPTS),
+    ]
     with torch.no_grad():
-        expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)
+        expected = hf_greedy(hf, prompts, NEW_TOKENS)
     settings: dict[str, object] = {}
     if algorithm != "none":
         drafts = save_drafts(tmp_path_factory.mktemp("window_drafts"), directory)
@@ -181,13 +190,15 @@ def test_window_pages_keep_greedy_and_all_go_back(
     engine = engine_for(
         str(directory), page_size=4, chunked_prefill_tokens=3, windowed_kv=True, **settings
     )
-    outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
+    outcomes = run(engine, requests_for(prompts, max_new_tokens=NEW_TOKENS), stagger=4)
     assert tokens_of(outcomes) == dict(enumerate(expected))
+    finals = [o.updates[-1].finish for o in outcomes.values()]
+    assert sum(f.usage.cached_tokens for f in finals if f is not None) > 0
     kv, window = engine.loop.runner.kv, engine.scheduler.pages.window
     assert window is not None and kv.window_map is not None
     sizes = [tuple(cache.shape[:1]) for cache in kv.k]
     assert sizes == [(window.pages,), (kv.num_pages,)] * 2 and window.pages < kv.num_pages
-    assert (len(window.free), window.held) == (window.pages - 1, {})
+    assert set(window.held) == window.cached and set(window.holders.values()) <= {1}
     assert engine.scheduler.counters().spec_drafts > 0 or algorithm == "none"
 
 

@@ -45,7 +45,7 @@ def make(
     """A scheduler over ``pages`` usable pages of ``PAGE`` tokens (``mixed``: decoding rows
     ride prompt batches; ``drafting_rows``, ``prompt_run``: ``SchedulerLimits``'
     ``drafting_rows`` and ``max_prompt_run``; ``window_pages``: a pool of window pages for
-    sliding layers of ``WINDOW`` positions, the prefix cache off)."""
+    sliding layers of ``WINDOW`` positions)."""
     limits = SchedulerLimits(
         running, MAX_PAGES, chunk, 32, prefix_margin_pages=margin, mixed_batches=mixed,
         drafting_rows=drafting_rows, max_prompt_run=prompt_run, window_pages=window_pages,
@@ -53,8 +53,7 @@ def make(
     )  # fmt: skip
     finish = FinishChecker(frozenset({EOS}), 32, None)
     drill = RetractDrill(retract_every) if retract_every else None
-    cache = PrefixCache(pages + 1, PAGE, enabled=not window_pages)
-    return Scheduler(limits, shape, cache, finish, drill=drill)
+    return Scheduler(limits, shape, PrefixCache(pages + 1, PAGE), finish, drill=drill)
 
 
 def request(rid: int, prompt: list[int], max_new: int = 8) -> TokenizedRequest:
@@ -371,7 +370,9 @@ def test_a_retracted_request_waits_for_its_step_in_flight() -> None:
 def test_window_pages_follow_the_window_and_their_map_writes_ride_the_plans() -> None:
     """A prompt of 12 in chunks of 8: each chunk's pages get window pages; those wholly
     behind the window of 4 go back as the request goes on (their map entries 0), and the
-    last one back is the next one out; at the finish every one goes back."""
+    last one back is the next one out; at the finish every one goes back but those the
+    prefix cache keeps: the windows before the two ends it published (the prompt's at 12,
+    the text's at 16), which a hit there reads."""
     s = make(chunk=8, window_pages=6)
     s.add(request(1, ids(10, 12), max_new=8))
     first = step(s)  # positions 0..7: pages 0, 1
@@ -385,7 +386,8 @@ def test_window_pages_follow_the_window_and_their_map_writes_ride_the_plans() ->
         step(s, [token])  # the last one finishes the request (8 tokens)
     assert s.running == [] and updates(s)[-1].finish is not None
     window = s.pages.window
-    assert window is not None and len(window.free) == 5 and window.held == {}
+    assert window is not None and window.cached == {pages[2], pages[3]}
+    assert (len(window.free), window.holders) == (3, {pages[2]: 1, pages[3]: 1})
 
 
 def test_window_pages_cover_what_a_step_in_flight_may_read() -> None:
@@ -404,6 +406,42 @@ def test_window_pages_cover_what_a_step_in_flight_may_read() -> None:
     s.process(b, out([22, 23, 24]))
     s.process(c, out([25]))
     s.check_integrity()
+
+
+def test_a_prefix_hit_counts_up_to_a_page_whose_window_is_held() -> None:
+    """A text of 16 published: the cache keeps the window before its end (page 3). A prompt
+    that extends it hits its 4 pages; one that leaves it after 12 positions finds 3 pages
+    cached but no window before 12 (page 2's went back with the first request), and computes
+    from 0."""
+    s = make(window_pages=8)
+    s.add(request(1, ids(10, 16), max_new=1))
+    step(s, [20])  # the prompt and its one token: published
+    assert s.running == []
+    s.add(request(2, [*ids(10, 16), 1, 2, 3, 4, 5], max_new=1))
+    assert rows(step(s, [21])) == ("extend", [0], [16], [5])
+    s.add(request(3, [*ids(10, 12), 7, 7, 7, 7, 7], max_new=1))
+    assert rows(step(s, [22])) == ("extend", [0], [0], [17])
+
+
+def test_the_cache_gives_its_windows_up_to_a_run_that_needs_a_page() -> None:
+    """Three window pages: the cache keeps the window of a published prompt (its page 1),
+    then a prompt of 12 needs all three: the cache's goes back, and a hit on the first
+    prompt no longer counts."""
+    s = make(window_pages=4)
+    s.add(request(1, ids(10, 8), max_new=1))
+    first = planned(s)
+    kept = s.running[0].pages[1]
+    s.process(first, out([20]))
+    window = s.pages.window
+    assert window is not None and window.cached == {kept}
+    s.add(request(2, ids(50, 12), max_new=1))
+    second = planned(s)
+    # The first prompt's window went back; the cache keeps the second's (its page 2).
+    assert len(s.running[0].window_pages) == 3 and window.cached == {s.running[0].pages[2]}
+    s.process(second, out([21]))
+    s.check_integrity()
+    s.add(request(3, [*ids(10, 8), 1], max_new=1))
+    assert rows(step(s, [22])) == ("extend", [0], [0], [9])
 
 
 # --- finish --------------------------------------------------------------------------------

@@ -156,8 +156,7 @@ def build_engine(
                 window=max(model_config.windows, default=0),
             ),
             shape,
-            # Off with window pages (scheduler/window_pages.py).
-            PrefixCache(plan.num_pages, page_size, enabled=not plan.window_pages),
+            PrefixCache(plan.num_pages, page_size),
             FinishChecker(eos, context_length, decoder_factory),
             policy,
             retract_drill(),
@@ -282,6 +281,7 @@ def _build_runner(
         free_bytes=_free_bytes(config.device),
         window_bytes_per_token=window_bytes,
         window=max(model_config.windows, default=0),
+        margin_pages=speculative.worker_class.prefix_margin_pages if speculative else 0,
     )
     plan = plan_memory(inputs, agreed)
     context_length, page_size, num_pages = plan.context_length, plan.page_size, plan.num_pages

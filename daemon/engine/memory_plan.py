@@ -118,6 +118,9 @@ class PlanInputs:
     # not in ``kv_bytes_per_token``) and the widest window; 0: no window pages.
     window_bytes_per_token: int = 0
     window: int = 0
+    # Pages a prefix hit gives back to be recomputed (a speculative worker's
+    # ``prefix_margin_pages``): with window pages, each request's run keeps that many more.
+    margin_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -197,8 +200,9 @@ def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
     window_pages = 0
     if inputs.window_bytes_per_token:
         window_pages = window_pool_pages(
-            inputs.window, page_size, max_running, max_step_tokens, reservation
-        )
+            inputs.window, page_size, max_running, max_step_tokens, reservation,
+            inputs.margin_pages,
+        )  # fmt: skip
     window_bytes = window_pages * page_size * inputs.window_bytes_per_token
     pool_tokens = agree(
         _pool_tokens(
@@ -241,16 +245,22 @@ def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
 
 
 def window_pool_pages(
-    window: int, page_size: int, max_running: int, step_tokens: int, reservation: int
+    window: int,
+    page_size: int,
+    max_running: int,
+    step_tokens: int,
+    reservation: int,
+    margin_pages: int = 0,
 ) -> int:
     """The window pages no plan exhausts (scheduler/window_pages.py), the scratch page
-    included. A running request holds those of its positions from the first that its oldest
-    step not yet processed reads (``window - 1`` before that step's lowest start) to the last
-    that a launched step writes. At a plan at most two steps of a request are not processed
-    (the one in flight and the one planned): over every request at most two steps' tokens
-    (``step_tokens`` each), a decoding row's writes reaching ``reservation`` past its start,
-    and each request's run rounded out to two pages more."""
-    per_request = -(-(window - 1) // page_size) + 2
+    included; those only the prefix cache holds give way when a run needs one. A running
+    request holds those of its positions from the first that its oldest step not yet
+    processed reads (``window - 1`` before that step's lowest start, and ``margin_pages``
+    more) to the last that a launched step writes. At a plan at most two steps of a request
+    are not processed (the one in flight and the one planned): over every request at most
+    two steps' tokens (``step_tokens`` each), a decoding row's writes reaching
+    ``reservation`` past its start, and each request's run rounded out to two pages more."""
+    per_request = -(-(window - 1) // page_size) + 2 + margin_pages
     spread = -(-(2 * step_tokens + max_running * reservation) // page_size)
     return 1 + max_running * per_request + spread
 

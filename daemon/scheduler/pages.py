@@ -41,7 +41,7 @@ class PageManager:
         window: WindowPool | None = None,
     ) -> None:
         """``window``: the sliding layers' window pages, where the model keeps only their
-        windows (window_pages.py)."""
+        windows (window_pages.py): a prefix hit counts up to a page whose window is held."""
         self.cache = cache
         self.page_size = cache.page_size
         self.max_pages_per_request = max_pages_per_request
@@ -59,10 +59,12 @@ class PageManager:
         # NOTE: an admission that backs out is retried next step: count the query only once
         # it succeeds.
         cached = self.cache.match(known, record=False, drafted=fed)
-        if self.prefix_margin_pages and cached:
-            give_back = cached[max(0, len(cached) - self.prefix_margin_pages) :]
-            self.cache.release(give_back)
-            cached = cached[: len(cached) - len(give_back)]
+        keep = max(0, len(cached) - self.prefix_margin_pages)
+        if self.window is not None:  # up to a page whose window is held
+            keep = self.window.usable_hit(cached[:keep])
+        if keep < len(cached):
+            self.cache.release(cached[keep:])
+            cached = cached[:keep]
         need = self.pages_for(len(known) + 1) - len(cached)
         if need + headroom > self.cache.available():
             self.cache.release(cached)
@@ -77,6 +79,8 @@ class PageManager:
         req.num_cached_pages = len(reservation.cached)
         req.allocated_len = len(req.pages) * self.page_size
         self._write(req, 0, delta)
+        if self.window is not None and reservation.cached:
+            self.window.adopt(req)
 
     def add_page(self, req: Request, delta: PageDelta) -> bool:
         """One more private page for ``req``; False when the pool has none left."""
@@ -93,13 +97,15 @@ class PageManager:
         """Drop ``req``'s pages; ``publish`` first puts its whole pages into the prefix cache
         (only positions whose KV a launched step writes, with known tokens), marked as holding
         the draft's KV where ``req`` fed its draft to the end."""
-        if self.window is not None:
-            self.window.release(req)
         pages = req.pages
         if publish:
             known = req.known_ids()
             written = known[: min(req.scheduled_len, len(known))]
             pages = self.cache.insert(written, pages, drafted=req.fed is not False)
+        if self.window is not None:  # published first: the cache keeps what it caches
+            if publish:
+                self.window.publish(req, min(len(written) // self.page_size, len(req.pages)))
+            self.window.release(req)
         self.cache.release(pages)
         req.pages, req.num_cached_pages, req.allocated_len = [], 0, 0
 
@@ -113,6 +119,8 @@ class PageManager:
         drafted = drafted and req.fed is not False
         shared = self.cache.share(written, req.pages, drafted=drafted)
         req.num_cached_pages = max(req.num_cached_pages, shared)
+        if self.window is not None:
+            self.window.publish(req, shared)
 
     def window_writes(self) -> tuple[list[int], list[int]]:
         """The window-map entries changed since the last plan (``WindowPool.take_writes``);

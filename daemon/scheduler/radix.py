@@ -25,6 +25,7 @@ same tokens that no request uses.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -55,6 +56,8 @@ class PrefixCache:
         self.root = Node(key=(), page=-1, parent=None)
         self.nodes: dict[int, Node] = {}  # page -> node, for cached pages
         self.evictable = 0  # cached pages with refcount 0
+        # Told of each cached page the cache lets go (window pages held for it go too).
+        self.on_evict: Callable[[int], None] | None = None
         self._clock = 0
         self.queries = 0
         self.hits = 0
@@ -113,6 +116,8 @@ class PrefixCache:
             del self.nodes[node.page]
             self.free.append(node.page)
             self.evictable -= 1
+            if self.on_evict is not None:
+                self.on_evict(node.page)
             evicted += 1
             if parent is not self.root and not parent.children and self.refcount[parent.page] == 0:
                 heapq.heappush(heap, (parent.last_use, parent.page, parent))
@@ -216,6 +221,8 @@ class PrefixCache:
         del self.nodes[old]
         self.evictable -= 1
         self.free.append(old)
+        if self.on_evict is not None:
+            self.on_evict(old)
         node.page, node.drafted = page, True
         self.nodes[page] = node
 

@@ -60,7 +60,9 @@ class Scheduler:
         self.slots = SlotTable(limits.max_running)
         window = None
         if limits.window_pages:
-            window = WindowPool(limits.window_pages, limits.window, cache.page_size)
+            window = WindowPool(
+                limits.window_pages, limits.window, cache, limits.prefix_margin_pages
+            )
         self.pages = PageManager(
             cache, limits.max_pages_per_request, limits.prefix_margin_pages, window
         )

@@ -5,8 +5,8 @@
 A request's page ``i`` (positions ``i * page_size ..``) holds a window page while a step of
 the request may still read or write its positions in a sliding layer: from the first
 position its oldest step not yet processed may read (that step's lowest possible start, less
-the window: ``window_floor``) to the last position a launched step writes. So a request's
-window pages are one run of its page indices (``Request.window_from``,
+the window and ``margin_pages`` more: ``window_floor``) to the last position a launched step
+writes. So a request's window pages are one run of its page indices (``Request.window_from``,
 ``Request.window_pages``); those wholly before the floor go back as the request moves on,
 before every plan. Each change to a page's window page (its window page, or 0: the scratch
 page, where it has none) reaches the device with the next plan (``take_writes``), where the
@@ -16,15 +16,26 @@ them, and a window page handed to another request is written after they ran.
 A step's lowest possible start (``Request.step_floors``, one entry a launched step, dropped
 when it lands): a prompt chunk's exact start; a decoding row's start where no step of it is
 in flight (its counters are exact then), else the lowest end of the one before it (a step
-commits one token at least). The prefix cache is off with window pages: a hit would need
-the window pages before its end, which a finished request has given back.
+commits one token at least).
 
-Invariants (``check``): every window page but the scratch is free or held by exactly one
-request, and the host's map names each held page's.
+The prefix cache: the positions after a hit read, in the sliding layers, the window before
+the hit's end, so a hit counts only up to a page whose window is held (``usable_hit``). A request that publishes pages (a prompt once planned, a text at its end)
+leaves the cache holding the window pages of the window before the end it published: the
+ends of published texts keep their windows, and ``margin_pages`` more where a speculative
+engine recomputes a hit's last pages. A window page goes back once no run and no cache entry
+holds it (``holders``), or when a page is needed and none is free: then the least recently
+used one the cache alone holds.
+
+Invariants (``check``): every window page but the scratch is free or bound to exactly one
+page id, held by the runs that include it and by the cache where the cache holds it; the
+host's map names each.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from outrider.daemon.scheduler.radix import PrefixCache
 from outrider.daemon.scheduler.request import Request, StepFloor
 
 
@@ -37,22 +48,27 @@ def window_floor(req: Request) -> int:
 
 
 class WindowPool:
-    """Free list of window pages ``1 .. pages - 1`` (0 is the scratch page) and each running
-    request's run of them."""
+    """Free list of window pages ``1 .. pages - 1`` (0 is the scratch page), the page ids
+    they are bound to and who holds each; told by ``cache`` of the pages it lets go."""
 
-    def __init__(self, pages: int, window: int, page_size: int) -> None:
+    def __init__(self, pages: int, window: int, cache: PrefixCache, margin_pages: int = 0) -> None:
         assert pages >= 2 and window >= 1
         self.pages = pages
         self.window = window  # the widest sliding layer's
-        self.page_size = page_size
+        self.page_size = cache.page_size
+        self.margin_pages = margin_pages  # kept behind a window: a hit's recomputed pages
+        self.cache = cache
+        cache.on_evict = self.evicted
         self.free: list[int] = list(range(pages - 1, 0, -1))
         self.held: dict[int, int] = {}  # page id -> its window page
+        self.holders: dict[int, int] = {}  # page id -> the runs including it, the cache's hold
+        self.cached: set[int] = set()  # page ids whose window page the cache holds
         self._writes: dict[int, int] = {}  # map entries changed since the last plan
 
     def step(self, req: Request, start: int, end: int, writes_to: int) -> None:
         """A step of ``req`` is planned: its lowest possible ``start`` and ``end``, and the
         positions up to which launched steps write (``writes_to``, exclusive): each page up
-        to there gets a window page."""
+        to there joins its run."""
         if not req.step_floors and not req.window_pages:
             req.window_from = self._behind(start)
         req.step_floors.append(StepFloor(start, end))
@@ -60,11 +76,7 @@ class WindowPool:
         assert covered <= len(req.pages), f"rid {req.rid}: window pages past its pages"
         while req.window_from + len(req.window_pages) < covered:
             page = req.pages[req.window_from + len(req.window_pages)]
-            if not self.free:
-                raise RuntimeError("the window page pool is exhausted (its size is derived wrong)")
-            window_page = self.free.pop()
-            req.window_pages.append(window_page)
-            self._set(page, window_page)
+            req.window_pages.append(self._hold(page))
 
     def landed(self, req: Request) -> None:
         """The oldest launched step of ``req`` was processed (or failed)."""
@@ -72,18 +84,54 @@ class WindowPool:
 
     def give_back_behind(self, req: Request) -> None:
         """Window pages of ``req``'s pages wholly before the first position its steps may
-        read go back to the pool."""
+        read leave its run."""
         behind = self._behind(window_floor(req))
         while req.window_pages and req.window_from < behind:
-            self._give_back(req.pages[req.window_from], req.window_pages.pop(0))
+            req.window_pages.pop(0)
+            self._drop(req.pages[req.window_from])
             req.window_from += 1
         if not req.window_pages:
             req.window_from = max(req.window_from, behind)
 
+    def usable_hit(self, pages: Sequence[int]) -> int:
+        """How many leading ``pages`` of a prefix hit to keep: up to the last page whose
+        window before the hit's end is held (0: none)."""
+        for end in range(len(pages), 0, -1):
+            first = self._window_start(end * self.page_size)
+            if all(page in self.held for page in pages[first:end]):
+                return end
+        return 0
+
+    def adopt(self, req: Request) -> None:
+        """``req`` was admitted with ``req.num_cached_pages`` cached pages (``usable_hit``):
+        the window before their end joins its run."""
+        end = req.num_cached_pages
+        req.window_from = self._window_start(end * self.page_size)
+        req.window_pages = [self.held[page] for page in req.pages[req.window_from : end]]
+        for page in req.pages[req.window_from : end]:
+            self.holders[page] += 1
+
+    def publish(self, req: Request, end: int) -> None:
+        """``req`` published its first ``end`` pages: the cache holds the window pages of
+        those of its run that a hit there reads (the window before ``end``, ``margin_pages``
+        more) and that the cache caches now."""
+        first = max(req.window_from, self._behind(end * self.page_size))
+        last = min(end, req.window_from + len(req.window_pages))
+        for page in req.pages[first:last]:
+            if page in self.cache.nodes and page not in self.cached:
+                self.cached.add(page)
+                self.holders[page] += 1
+
+    def evicted(self, page: int) -> None:
+        """The cache let page id ``page`` go (its K/V are gone with it)."""
+        if page in self.cached:
+            self.cached.discard(page)
+            self._drop(page)
+
     def release(self, req: Request) -> None:
-        """Every window page of ``req`` back (its pages go back too)."""
-        for offset, window_page in enumerate(req.window_pages):
-            self._give_back(req.pages[req.window_from + offset], window_page)
+        """Every window page of ``req``'s run leaves it (its pages go back too)."""
+        for offset in range(len(req.window_pages)):
+            self._drop(req.pages[req.window_from + offset])
         req.window_pages, req.window_from = [], 0
 
     def take_writes(self) -> tuple[list[int], list[int]]:
@@ -93,25 +141,53 @@ class WindowPool:
 
     def check(self, requests: list[Request]) -> None:
         """The module's invariants over the running ``requests``."""
-        held: dict[int, int] = {}
+        runs: dict[int, int] = {}
         for req in requests:
             for offset, window_page in enumerate(req.window_pages):
                 page = req.pages[req.window_from + offset]
                 assert self.held.get(page) == window_page, f"rid {req.rid}: page {page}"
-                assert window_page not in held, f"window page {window_page} held twice"
-                held[window_page] = page
-        assert len(held) == len(self.held), "a window page held by no running request"
-        assert sorted(self.free + list(held)) == list(range(1, self.pages)), "pages lost"
+                runs[page] = runs.get(page, 0) + 1
+        assert self.cached <= set(self.cache.nodes), "held for a page the cache dropped"
+        for page in self.held:
+            want = runs.get(page, 0) + (page in self.cached)
+            assert self.holders[page] == want > 0, f"page {page}: {self.holders[page]} holders"
+        assert set(self.holders) == set(self.held), "holders of pages without window pages"
+        bound = list(self.held.values())
+        assert sorted(self.free + bound) == list(range(1, self.pages)), "window pages lost"
 
-    def _behind(self, start: int) -> int:
+    def _window_start(self, start: int) -> int:
         """Page indices wholly before the first position a query at ``start`` reads."""
         return max(0, start - self.window + 1) // self.page_size
 
-    def _give_back(self, page: int, window_page: int) -> None:
-        self.free.append(window_page)
-        del self.held[page]
-        self._writes[page] = 0
+    def _behind(self, start: int) -> int:
+        """``_window_start``, less ``margin_pages``: a run keeps those too."""
+        return max(0, self._window_start(start) - self.margin_pages)
 
-    def _set(self, page: int, window_page: int) -> None:
-        self.held[page] = window_page
+    def _hold(self, page: int) -> int:
+        """One more holder of ``page``'s window page, bound now where it has none."""
+        if page in self.held:
+            self.holders[page] += 1
+            return self.held[page]
+        if not self.free:
+            self._evict_one()
+        window_page = self.free.pop()
+        self.held[page], self.holders[page] = window_page, 1
         self._writes[page] = window_page
+        return window_page
+
+    def _drop(self, page: int) -> None:
+        """One holder less of ``page``'s window page; the last one gives it back."""
+        self.holders[page] -= 1
+        if self.holders[page] == 0:
+            del self.holders[page]
+            self.free.append(self.held.pop(page))
+            self._writes[page] = 0
+
+    def _evict_one(self) -> None:
+        """The window page that only the cache holds, least recently used, goes back."""
+        idle = [page for page in self.cached if self.holders[page] == 1]
+        if not idle:
+            raise RuntimeError("the window page pool is exhausted (its size is derived wrong)")
+        page = min(idle, key=lambda p: self.cache.nodes[p].last_use)
+        self.cached.discard(page)
+        self._drop(page)
