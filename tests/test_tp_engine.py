@@ -59,7 +59,7 @@ def _requests() -> list[TokenizedRequest]:
     return [*greedy, sampled]
 
 
-def _settings(model: str, overlap: bool, **speculative: object) -> dict[str, Any]:
+def _settings(model: str, overlap: bool, **changes: object) -> dict[str, Any]:
     return {
         "model": model,
         "page_size": 16,
@@ -68,7 +68,7 @@ def _settings(model: str, overlap: bool, **speculative: object) -> dict[str, Any
         "chunked_prefill_tokens": 32,
         "speculative_min_acceptance": 0.0,
         "no_overlap": not overlap,
-        **speculative,
+        **changes,
     }
 
 
@@ -213,6 +213,13 @@ def test_two_ranks_serve_the_tokens_of_one(
         for name, (spec, overlaps) in algorithms.items()
         for overlap in overlaps
     }
+    # gpt-oss with its sliding layers in window pages: the plans' window writes, every rank's.
+    gpt_oss_dir = tmp_path_factory.mktemp("gpt_oss")
+    with torch.no_grad():
+        save_tiny_model("gpt_oss", gpt_oss_dir)
+    cells["gpt_oss-windowed"] = _settings(
+        str(gpt_oss_dir), True, windowed_kv=True, page_size=4, chunked_prefill_tokens=8
+    )
     out = tmp_path_factory.mktemp("ranks")
     mp.spawn(_rank_main, args=(free_port(), cells, out), nprocs=WORLD, join=True)
     torch.set_num_threads(1)
