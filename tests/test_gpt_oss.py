@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -163,6 +164,7 @@ def test_window_pages_keep_greedy_through_prefix_hits(
     reference: tuple[Path, torch.nn.Module],
     tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
     algorithm: str,
 ) -> None:
     """``--windowed-kv``: the sliding layers' K/V in window pages, those behind the windows
@@ -187,15 +189,20 @@ def test_window_pages_keep_greedy_through_prefix_hits(
     if algorithm != "none":
         drafts = save_drafts(tmp_path_factory.mktemp("window_drafts"), directory)
         settings = dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts[algorithm.split()[0]])
-    engine = engine_for(
-        str(directory), page_size=4, chunked_prefill_tokens=3, windowed_kv=True, **settings
-    )
+    with caplog.at_level(logging.INFO, logger="outrider.engine"):
+        engine = engine_for(
+            str(directory), page_size=4, chunked_prefill_tokens=3, windowed_kv=True, **settings
+        )
+    window = engine.scheduler.pages.window
+    assert window is not None
+    logged = f"the sliding layers' window pages: {window.pages - 1} of 4 positions"
+    assert any(logged in record.getMessage() for record in caplog.records)
     outcomes = run(engine, requests_for(prompts, max_new_tokens=NEW_TOKENS), stagger=4)
     assert tokens_of(outcomes) == dict(enumerate(expected))
     finals = [o.updates[-1].finish for o in outcomes.values()]
     assert sum(f.usage.cached_tokens for f in finals if f is not None) > 0
-    kv, window = engine.loop.runner.kv, engine.scheduler.pages.window
-    assert window is not None and kv.window_map is not None
+    kv = engine.loop.runner.kv
+    assert kv.window_map is not None
     sizes = [tuple(cache.shape[:1]) for cache in kv.k]
     assert sizes == [(window.pages,), (kv.num_pages,)] * 2 and window.pages < kv.num_pages
     assert set(window.held) == window.cached and set(window.holders.values()) <= {1}

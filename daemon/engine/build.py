@@ -39,7 +39,7 @@ from outrider.daemon.engine.graph_settings import (
     decode_graphs,
     graph_settings,
 )
-from outrider.daemon.engine.memory_plan import MemoryPlan, PlanInputs, plan_memory
+from outrider.daemon.engine.memory_plan import MIB, MemoryPlan, PlanInputs, plan_memory
 from outrider.daemon.engine.penalties import TokenHistory
 from outrider.daemon.engine.ranks import RankChannel
 from outrider.daemon.engine.runner import ModelRunner, RunnerLimits, target_phases
@@ -290,6 +290,8 @@ def _build_runner(
         model_config.num_layers, num_pages, page_size, attention_shape, dtype, device,
         window_pages=plan.window_pages or None,
     )  # fmt: skip
+    if tp.rank == 0:
+        _log_pools(plan, window_bytes)
     tokenizer = load_tokenizer(model_dir(config.model))
     vocab_limit = model_config.vocab_size
     if tokenizer is not None:
@@ -406,3 +408,18 @@ def _window_bytes_per_token(
     if not sliding:
         raise ConfigError(f"--windowed-kv: --model {config.model} has no sliding-window layers")
     return kv_bytes_per_token(model, dtype_name, tp_size) // model.num_layers * sliding
+
+
+def _log_pools(plan: MemoryPlan, window_bytes_per_token: int) -> None:
+    """One line with the KV pool's tokens, and the window pages' beside where there are."""
+    windows = ""
+    if plan.window_pages:
+        mib = plan.window_pages * plan.page_size * window_bytes_per_token // MIB
+        windows = (
+            f"; the sliding layers' window pages: {plan.window_pages - 1} of {plan.page_size} "
+            f"positions ({mib} MiB a rank)"
+        )
+    log.info(
+        "KV pool: %d tokens in pages of %d (context %d)%s",
+        plan.pool_tokens, plan.page_size, plan.context_length, windows,
+    )  # fmt: skip

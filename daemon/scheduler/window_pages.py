@@ -19,12 +19,13 @@ in flight (its counters are exact then), else the lowest end of the one before i
 commits one token at least).
 
 The prefix cache: the positions after a hit read, in the sliding layers, the window before
-the hit's end, so a hit counts only up to a page whose window is held (``usable_hit``). A request that publishes pages (a prompt once planned, a text at its end)
-leaves the cache holding the window pages of the window before the end it published: the
-ends of published texts keep their windows, and ``margin_pages`` more where a speculative
-engine recomputes a hit's last pages. A window page goes back once no run and no cache entry
-holds it (``holders``), or when a page is needed and none is free: then the least recently
-used one the cache alone holds.
+the hit's end, so a hit counts only up to a page whose window is held (``usable_hit``). A
+request that publishes pages (a prompt once planned, a text at its end) leaves the cache
+holding the window pages of the window before the end it published: the ends of published
+texts keep their windows, and ``margin_pages`` more where a speculative engine recomputes a
+hit's last pages. A window page goes back once no run and no cache entry holds it
+(``holders``), or when a page is needed and none is free: then the least recently used one
+the cache alone holds.
 
 Invariants (``check``): every window page but the scratch is free or bound to exactly one
 page id, held by the runs that include it and by the cache where the cache holds it; the
