@@ -120,8 +120,8 @@ _HELP: dict[str, str] = {
         "the sliding-window layers keep K/V for the positions their windows read only, in "
         "pages of their own, so that the pool holds more tokens (gpt-oss, half its layers "
         "sliding: up to twice as many); a prefix-cache hit counts up to where the cache kept "
-        "the window before it (the ends of published prompts and texts); refused for a "
-        "model without sliding-window layers"
+        "the window before it (the ends of published prompts and texts, and a prefix that a "
+        "hit cut short computed again); refused for a model without sliding-window layers"
     ),
     "max_prompt_run": (
         "at most N prompt (EXTEND) batches in a row while requests are part-way through "

@@ -154,6 +154,14 @@ class KVCache:
                 flat = cache.view(-1, *cache.shape[2:])
                 flat.index_copy_(0, d, flat[s])
 
+    def copy_window_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy window pages ``src`` to ``dst`` (``[n]`` int64, none of them both) in every
+        layer kept in the window pages."""
+        for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            if self.in_window_space(layer):
+                for cache in (k, v):
+                    cache.index_copy_(0, dst, cache.index_select(0, src))
+
     def translate(self, loc: torch.Tensor) -> torch.Tensor:
         """Flat indices ``loc`` (int64) of the page ids, in the window pages."""
         assert self.window_map is not None

@@ -178,10 +178,14 @@ def test_window_pages_keep_greedy_through_prefix_hits(
     directory, hf = reference
     # Later prompts extend the earlier ones (a hit where the cache kept the window before
     # the hit's end), or leave them half-way (where it gave that window back).
+    system = PROMPTS[3][:16]  # a prefix three prompts share, as a system prompt
     prompts = [
         *PROMPTS,
+        [*system, 3, 5, 7, 9],
         *(p + p[:6] for p in PROMPTS),
+        [*system, 11, 13, 15],
         *([*p[: len(p) // 2], 3, 5, 7] for p in PROMPTS),
+        [*system, 4, 6, 8],
     ]
     with torch.no_grad():
         expected = hf_greedy(hf, prompts, NEW_TOKENS)
@@ -201,6 +205,10 @@ def test_window_pages_keep_greedy_through_prefix_hits(
     assert tokens_of(outcomes) == dict(enumerate(expected))
     finals = [o.updates[-1].finish for o in outcomes.values()]
     assert sum(f.usage.cached_tokens for f in finals if f is not None) > 0
+    # The last prompt on the shared prefix hits it: the window before it was computed again
+    # by the one before and given to the cache.
+    last = finals[-1]
+    assert last is not None and last.usage.cached_tokens >= 8
     kv = engine.loop.runner.kv
     assert kv.window_map is not None
     sizes = [tuple(cache.shape[:1]) for cache in kv.k]

@@ -423,6 +423,35 @@ def test_a_prefix_hit_counts_up_to_a_page_whose_window_is_held() -> None:
     assert rows(step(s, [22])) == ("extend", [0], [0], [17])
 
 
+def test_a_window_computed_again_goes_to_the_cache_for_the_next_hit() -> None:
+    """A shared prefix of 12 (a system prompt) then different questions. The first request
+    leaves the cache the window before its prompt's end (16) only, so the second's hit on
+    the prefix (3 pages) is cut to nothing: it computes the prefix again. Before the next
+    step, the cache's page 2 (the window before 12) gets a window page of its own, copied
+    from the second's; the third request hits the prefix."""
+    system = ids(10, 12)
+    s = make(window_pages=12)
+    s.add(request(1, [*system, 1, 2, 3, 4], max_new=4))
+    step(s, [20])
+    cached_page = s.running[0].pages[2]  # the first request's, cached with its prompt
+    s.add(request(2, [*system, 5, 6, 7, 8], max_new=4))
+    assert rows(step(s, [30])) == ("extend", [1], [0], [16])  # no hit: from 0
+    second = s.running[1]
+    fill = second.window_backfill
+    assert fill is not None and (fill.first, fill.end) == (2, 3)
+    assert [node.page for node in fill.nodes] == [cached_page]
+    source = second.window_pages[2 - second.window_from]
+    window = s.pages.window
+    assert window is not None and cached_page not in window.held
+    after = step(s, [21], [31])  # both decode; the copy runs before them
+    copied_to = window.held[cached_page]
+    assert (after.plan.window_copies_from, after.plan.window_copies_to) == ([source], [copied_to])
+    assert (after.plan.window_writes[0], after.plan.window_values[0]) == (cached_page, copied_to)
+    assert cached_page in window.cached and second.window_backfill is None
+    s.add(request(3, [*system, 9, 9, 9, 9], max_new=4))
+    assert rows(step(s, [40])) == ("extend", [2], [12], [4])  # the prefix hit
+
+
 def test_the_cache_gives_its_windows_up_to_a_run_that_needs_a_page() -> None:
     """Three window pages: the cache keeps the window of a published prompt (its page 1),
     then a prompt of 12 needs all three: the cache's goes back, and a hit on the first

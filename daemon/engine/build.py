@@ -303,7 +303,7 @@ def _build_runner(
         vocab_limit=vocab_limit,
         vocab_size=model_config.vocab_size,
     )
-    slots = SlotState(config.max_running, plan.max_pages, device, kv.window_map)
+    slots = SlotState(config.max_running, plan.max_pages, device, kv)
     # NOTE: a draft model is sharded as the target is (its worker gets the rank's tp); it
     # shares the target's vocabulary-parallel embedding and head, whose collectives every
     # rank runs alike: greedy drafts from the head's local slice, sampled ones gathered.

@@ -81,6 +81,8 @@ class StepInputs(Generic[T]):
     page_values: T = field(metadata=_PAGE_I32)
     window_writes: T = field(metadata=_PAGE)  # page ids whose window page changed
     window_values: T = field(metadata=_PAGE_I32)
+    window_copies_from: T = field(metadata=_PAGE)  # window pages copied before the step
+    window_copies_to: T = field(metadata=_PAGE)
 
 
 _FIELDS = fields(StepInputs)
@@ -151,6 +153,8 @@ def host_values(plan: StepPlan, *, poison_released: bool) -> StepInputs[np.ndarr
         page_values=np.asarray(plan.page_values, dtype=np.int32),
         window_writes=np.asarray(plan.window_writes, dtype=np.int64),
         window_values=np.asarray(plan.window_values, dtype=np.int32),
+        window_copies_from=np.asarray(plan.window_copies_from, dtype=np.int64),
+        window_copies_to=np.asarray(plan.window_copies_to, dtype=np.int64),
     )
 
 

@@ -68,6 +68,10 @@ class StepPlan(Struct, array_like=True, frozen=True):
     # whose window page changed, and their new ones (0: the scratch page, none).
     window_writes: list[int] = []
     window_values: list[int] = []
+    # Window pages copied before the step, source to destination: a prefix's window, given
+    # to the prefix cache's pages from a request that computed it again.
+    window_copies_from: list[int] = []
+    window_copies_to: list[int] = []
 
     @property
     def bs(self) -> int:

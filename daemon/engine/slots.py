@@ -21,7 +21,7 @@ import torch
 from outrider.daemon.engine.inputs import NO_CAP, StepInputs
 from outrider.daemon.engine.penalties import LogitAdjust
 from outrider.daemon.engine.plan import StepPlan
-from outrider.plugins.device import SamplingBatch
+from outrider.plugins.device import KVCache, SamplingBatch
 from outrider.protocol.messages import MAX_LOGIT_BIAS
 
 
@@ -40,12 +40,12 @@ class SlotState:
         max_slots: int,
         max_pages: int,
         device: torch.device,
-        window_map: torch.Tensor | None = None,
+        kv: KVCache | None = None,
     ) -> None:
-        """``window_map``: the target cache's (``KVCache.window_map``), which the plans'
-        window writes change; None: no window pages."""
+        """``kv``: the target's cache, whose window pages (``KVCache.window_map``) the plans'
+        window writes and copies change; None: a cache without them."""
         rows = max_slots + 1  # the scratch slot last
-        self.window_map = window_map
+        self.kv = kv
 
         def zeros(dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(rows, dtype=dtype, device=device)
@@ -81,16 +81,18 @@ class SlotState:
         self.relay_tokens.fill_(-1)
 
     def apply(self, inputs: StepInputs[torch.Tensor]) -> None:
-        """Relay poisoning (debug), request-table and window-map writes and the sampling
-        parameters of newly admitted slots; released slots are poisoned before an admission
-        may reuse them. Most decode steps have none of these: nothing is queued then."""
+        """Relay poisoning (debug), request-table and window-map writes, window page copies
+        and the sampling parameters of newly admitted slots; released slots are poisoned
+        before an admission may reuse them. Most decode steps have none of these: nothing is
+        queued then."""
         if inputs.released_slots.numel():
             self.relay_tokens.index_fill_(0, inputs.released_slots, -1)
         if inputs.page_writes.numel():
             self.page_table.view(-1).index_copy_(0, inputs.page_writes, inputs.page_values)
-        if inputs.window_writes.numel():
-            assert self.window_map is not None, "window writes without window pages"
-            self.window_map.index_copy_(0, inputs.window_writes, inputs.window_values)
+        if inputs.window_writes.numel() or inputs.window_copies_to.numel():
+            assert self.kv is not None and self.kv.window_map is not None, "no window pages"
+            self.kv.window_map.index_copy_(0, inputs.window_writes, inputs.window_values)
+            self.kv.copy_window_pages(inputs.window_copies_from, inputs.window_copies_to)
         slots = inputs.admit_slots
         if not slots.numel():
             return

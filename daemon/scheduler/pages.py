@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from outrider.daemon.scheduler.radix import OutOfPages, PrefixCache
-from outrider.daemon.scheduler.request import Request
+from outrider.daemon.scheduler.request import Request, WindowBackfill
 from outrider.daemon.scheduler.window_pages import WindowPool
 
 
@@ -26,10 +26,12 @@ class PageDelta:
 
 @dataclass(frozen=True)
 class Reservation:
-    """Pages for an admission: ``cached`` from a prefix hit (shared), then ``private``."""
+    """Pages for an admission: ``cached`` from a prefix hit (shared), then ``private``;
+    ``backfill``: where window pages cut the hit short (window_pages.py)."""
 
     cached: list[int]
     private: list[int]
+    backfill: WindowBackfill | None = None
 
 
 class PageManager:
@@ -60,8 +62,12 @@ class PageManager:
         # it succeeds.
         cached = self.cache.match(known, record=False, drafted=fed)
         keep = max(0, len(cached) - self.prefix_margin_pages)
+        backfill = None
         if self.window is not None:  # up to a page whose window is held
-            keep = self.window.usable_hit(cached[:keep])
+            usable = self.window.usable_hit(cached[:keep])
+            if usable < keep:
+                backfill = self.window.backfill_for(cached[:keep])
+            keep = usable
         if keep < len(cached):
             self.cache.release(cached[keep:])
             cached = cached[:keep]
@@ -71,7 +77,7 @@ class PageManager:
             return None
         private = self.cache.allocate(need)  # available() counts the evictable pages too
         self.cache.record_query(hit=bool(cached))
-        return Reservation(cached, private)
+        return Reservation(cached, private, backfill)
 
     def assign(self, req: Request, reservation: Reservation, delta: PageDelta) -> None:
         """Hand ``reservation`` to ``req``, which holds a slot and no pages."""
@@ -79,8 +85,10 @@ class PageManager:
         req.num_cached_pages = len(reservation.cached)
         req.allocated_len = len(req.pages) * self.page_size
         self._write(req, 0, delta)
-        if self.window is not None and reservation.cached:
-            self.window.adopt(req)
+        if self.window is not None:
+            req.window_backfill = reservation.backfill
+            if reservation.cached:
+                self.window.adopt(req)
 
     def add_page(self, req: Request, delta: PageDelta) -> bool:
         """One more private page for ``req``; False when the pool has none left."""
@@ -122,10 +130,10 @@ class PageManager:
         if self.window is not None:
             self.window.publish(req, shared)
 
-    def window_writes(self) -> tuple[list[int], list[int]]:
-        """The window-map entries changed since the last plan (``WindowPool.take_writes``);
-        none without window pages."""
-        return self.window.take_writes() if self.window is not None else ([], [])
+    def window_changes(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The window-map entries changed and the window pages to copy since the last plan
+        (``WindowPool.take_changes``); none without window pages."""
+        return self.window.take_changes() if self.window is not None else ([], [], [], [])
 
     def _write(self, req: Request, first: int, delta: PageDelta) -> None:
         base = req.slot * self.max_pages_per_request

@@ -107,7 +107,8 @@ class Planner:
         if self.drill is not None and self.drill.due(self._plans) and len(running) > 1:
             self.admission.retract(running[-1])
         if self.pages.window is not None:
-            for req in running:
+            for req in running:  # a window computed again goes to the cache before it leaves
+                self.pages.window.backfill(req)
                 self.pages.window.give_back_behind(req)
         delta = PageDelta()  # pages a rider grew go with the decode batch if no extend runs
         limit = self.limits.max_prompt_run
@@ -201,7 +202,7 @@ class Planner:
             next_ids.append(0)
         requests = [row.req for row in rows]
         sampled = [requests[i] for i in sample_rows]
-        window_writes, window_values = self.pages.window_writes()
+        window_writes, window_values, copies_from, copies_to = self.pages.window_changes()
         masked_rows, masks = _masks(sampled)
         # NOTE: after this plan's admissions, which must not read pages this plan writes. A
         # draft that keeps KV may write the prompt's later (a deferred catch-up): the pages
@@ -220,6 +221,8 @@ class Planner:
             page_values=delta.values,
             window_writes=window_writes,
             window_values=window_values,
+            window_copies_from=copies_from,
+            window_copies_to=copies_to,
             slot_params=admitted,
             max_logprobs=_max_logprobs(sampled),
             all_greedy=_all_greedy(sampled),
@@ -293,7 +296,7 @@ class Planner:
             grammar = RowGrammars(states, owners) if states else None
         else:
             masked_rows, masks = _masks(rows)
-        window_writes, window_values = self.pages.window_writes()
+        window_writes, window_values, copies_from, copies_to = self.pages.window_changes()
         plan = StepPlan(
             kind="decode",
             slots=[r.slot for r in rows],
@@ -306,6 +309,8 @@ class Planner:
             page_values=delta.values,
             window_writes=window_writes,
             window_values=window_values,
+            window_copies_from=copies_from,
+            window_copies_to=copies_to,
             slot_params=[],
             max_logprobs=_max_logprobs(rows),
             all_greedy=_all_greedy(rows),

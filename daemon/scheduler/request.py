@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from outrider.daemon.grammar.state import GrammarState
 from outrider.daemon.internal import TokenizedRequest
+from outrider.daemon.scheduler.radix import Node
 from outrider.plugins.sampling_spec import SamplingSpec
 from outrider.protocol.messages import TokenLogprob
 
@@ -36,6 +37,17 @@ class StepFloor:
 
     start: int
     end: int
+
+
+@dataclass(frozen=True)
+class WindowBackfill:
+    """A prefix hit cut short where the prefix cache held no window before its end: the
+    cache's nodes of that window (pages ``first .. end - 1``), to be given the window the
+    request computes again (window_pages.py)."""
+
+    first: int
+    end: int
+    nodes: tuple[Node, ...]
 
 
 @dataclass(eq=False)
@@ -96,6 +108,7 @@ class Request:
     window_from: int = 0
     window_pages: list[int] = field(default_factory=list)
     step_floors: deque[StepFloor] = field(default_factory=deque)
+    window_backfill: WindowBackfill | None = None
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest, grammar: GrammarState | None = None) -> Request:

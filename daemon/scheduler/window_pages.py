@@ -27,6 +27,12 @@ hit's last pages. A window page goes back once no run and no cache entry holds i
 (``holders``), or when a page is needed and none is free: then the least recently used one
 the cache alone holds.
 
+A hit cut short that way (``Request.window_backfill``: a shared system prompt before
+different questions, where the cache kept the window of the first prompt's end only) has the
+request compute that window again; the plan after the steps that wrote it gives the cache's
+pages there window pages of their own, copied from the request's (``backfill``,
+``take_changes``), so the next prompt on that prefix hits it.
+
 Invariants (``check``): every window page but the scratch is free or bound to exactly one
 page id, held by the runs that include it and by the cache where the cache holds it; the
 host's map names each.
@@ -37,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from outrider.daemon.scheduler.radix import PrefixCache
-from outrider.daemon.scheduler.request import Request, StepFloor
+from outrider.daemon.scheduler.request import Request, StepFloor, WindowBackfill
 
 
 def window_floor(req: Request) -> int:
@@ -65,6 +71,7 @@ class WindowPool:
         self.holders: dict[int, int] = {}  # page id -> the runs including it, the cache's hold
         self.cached: set[int] = set()  # page ids whose window page the cache holds
         self._writes: dict[int, int] = {}  # map entries changed since the last plan
+        self._copies: list[tuple[int, int]] = []  # window pages to copy before the next step
 
     def step(self, req: Request, start: int, end: int, writes_to: int) -> None:
         """A step of ``req`` is planned: its lowest possible ``start`` and ``end``, and the
@@ -103,6 +110,39 @@ class WindowPool:
                 return end
         return 0
 
+    def backfill_for(self, pages: Sequence[int]) -> WindowBackfill:
+        """What a request admitted with a hit on ``pages`` cut short gives the cache once it
+        has computed their window again (``backfill``)."""
+        first = self._window_start(len(pages) * self.page_size)
+        return WindowBackfill(first, len(pages), tuple(self.cache.nodes[p] for p in pages[first:]))
+
+    def backfill(self, req: Request) -> None:
+        """Once the steps launched before this plan have written ``req``'s window before its
+        ``window_backfill``'s end, and while its run holds it: the cache's pages there that
+        are still cached and hold no window get window pages of their own, copied from the
+        run's before the next step (opportunistic: none where the free ones are too few)."""
+        fill = req.window_backfill
+        if fill is None:
+            return
+        ahead = req.window_from + len(req.window_pages)
+        if req.window_from > fill.first:  # the run has passed it
+            req.window_backfill = None
+            return
+        if req.scheduled_len < fill.end * self.page_size or ahead < fill.end:
+            return
+        req.window_backfill = None
+        if len(self.free) < fill.end - fill.first:
+            return
+        for index, node in enumerate(fill.nodes, fill.first):
+            page = node.page
+            if self.cache.nodes.get(page) is not node or page in self.held:
+                continue
+            window_page = self.free.pop()
+            self.held[page], self.holders[page] = window_page, 1
+            self.cached.add(page)
+            self._writes[page] = window_page
+            self._copies.append((req.window_pages[index - req.window_from], window_page))
+
     def adopt(self, req: Request) -> None:
         """``req`` was admitted with ``req.num_cached_pages`` cached pages (``usable_hit``):
         the window before their end joins its run."""
@@ -135,10 +175,12 @@ class WindowPool:
             self._drop(req.pages[req.window_from + offset])
         req.window_pages, req.window_from = [], 0
 
-    def take_writes(self) -> tuple[list[int], list[int]]:
-        """The map entries changed since the last call: (page ids, their window pages)."""
+    def take_changes(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """What changed since the last call: the map's entries (page ids, their window
+        pages) and the window pages to copy (sources, destinations)."""
         writes, self._writes = self._writes, {}
-        return list(writes), list(writes.values())
+        copies, self._copies = self._copies, []
+        return list(writes), list(writes.values()), [s for s, _ in copies], [d for _, d in copies]
 
     def check(self, requests: list[Request]) -> None:
         """The module's invariants over the running ``requests``."""
