@@ -125,6 +125,7 @@ def test_window_pages_take_their_pool_first_and_the_page_pool_the_other_layers()
     plan = plan_memory(inputs)
     # Per request ceil(127 / 16) + 2 = 10 pages; 2 x 2,048 tokens + 64 x 16 over 16: 320.
     assert plan.window_pages == 1 + 64 * 10 + 320 == 961
+    assert (plan.window, plain.window) == (128, 0)
     eager = 512 * MIB + 64 * 128256 * 16
     window_bytes = 961 * 16 * half
     assert plan.pool_tokens == (5 * GIB - eager - window_bytes) // half // 16 * 16 == 56336

@@ -153,7 +153,7 @@ def build_engine(
                     if width > 1
                 ),
                 window_pages=plan.window_pages,
-                window=max(model_config.windows, default=0),
+                window=plan.window,
             ),
             shape,
             PrefixCache(plan.num_pages, page_size),

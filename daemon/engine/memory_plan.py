@@ -145,6 +145,7 @@ class MemoryPlan:
     # The free device memory neither the KV pools nor ``activation_bytes`` take (0: CPU).
     headroom_bytes: int
     window_pages: int = 0  # the window page pool, the scratch page included (0: none)
+    window: int = 0  # the widest sliding window the window pages serve (0: none)
 
     @property
     def context_lowered(self) -> bool:
@@ -241,6 +242,7 @@ def plan_memory(inputs: PlanInputs, agree: Agree = _alone) -> MemoryPlan:
             else 0
         ),
         window_pages=window_pages,
+        window=inputs.window if window_pages else 0,
     )
 
 

@@ -111,8 +111,8 @@ class PageManager:
             written = known[: min(req.scheduled_len, len(known))]
             pages = self.cache.insert(written, pages, drafted=req.fed is not False)
         if self.window is not None:  # published first: the cache keeps what it caches
-            if publish:
-                self.window.publish(req, min(len(written) // self.page_size, len(req.pages)))
+            if publish:  # ``insert`` hands back the pages after those it published
+                self.window.publish(req, len(req.pages) - len(pages))
             self.window.release(req)
         self.cache.release(pages)
         req.pages, req.num_cached_pages, req.allocated_len = [], 0, 0

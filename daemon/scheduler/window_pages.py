@@ -137,10 +137,8 @@ class WindowPool:
             page = node.page
             if self.cache.nodes.get(page) is not node or page in self.held:
                 continue
-            window_page = self.free.pop()
-            self.held[page], self.holders[page] = window_page, 1
+            window_page = self._hold(page)  # a free one: none of them is evicted
             self.cached.add(page)
-            self._writes[page] = window_page
             self._copies.append((req.window_pages[index - req.window_from], window_page))
 
     def adopt(self, req: Request) -> None:
