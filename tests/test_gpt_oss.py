@@ -425,10 +425,12 @@ def test_cuda_runs_the_mxfp4_kernels_in_bfloat16(path: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-def test_mxfp4_gemvs_of_other_tiles_are_the_reference_sum() -> None:
-    """Another tile (4 rows a program, 128 features a step: past the 64 and 96 features,
-    masked; 2 warps, 2 stages), as a tuned table may set it."""
-    _check_mxfp4_kernels(range(4), torch.float32, "gemv", "cpu", (4, 128, 2, 2))
+@pytest.mark.parametrize("tiles", [(4, 128, 2, 2), (16, 64, 4, 3)])
+def test_mxfp4_gemvs_of_other_tiles_are_the_reference_sum(tiles: tuple[int, ...]) -> None:
+    """Other tiles, as a tuned table may set them: 4 rows a program, 128 features a step
+    (past the 64 and 96 features, masked), 2 warps, 2 stages; 16 rows, 64 features a step
+    (the 96 features in two steps, the second's last block masked)."""
+    _check_mxfp4_kernels(range(4), torch.float32, "gemv", "cpu", tiles)
 
 
 def _check_mxfp4_kernels(

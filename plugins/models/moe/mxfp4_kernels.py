@@ -40,9 +40,10 @@ from outrider.plugins.models.moe.tiles import GemvTiles
 from outrider.plugins.models.mxfp4 import BLOCK, SCALE_BIAS
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 
-# The GEMVs' tiles: output rows a program, input features a loop iteration (two mxfp4 blocks
-# of 32), warps, pipeline stages (Triton's defaults: what these kernels ran with untimed).
-DECODE_TILES = GemvTiles(block_n=16, block_k=64, num_warps=4, num_stages=3)
+# The GEMVs' tiles: output rows a program, input features a loop iteration (32 mxfp4 blocks),
+# warps, pipeline stages: the fastest of 18 for one gpt-oss matrix at one token on the H200
+# (BENCHMARKS.md).
+DECODE_TILES = GemvTiles(block_n=4, block_k=1024, num_warps=4, num_stages=3)
 # Routed pairs up to which a step takes the GEMVs; past it, the grouped GEMMs.
 MAX_PAIRS = 64
 # The grouped GEMMs' tiles: pairs (rows), output columns, input features a step.
@@ -119,14 +120,33 @@ def _tile_values(blocks_at, scales_at, k0, rows_ok, features,
 @triton.jit
 def _row_dot(blocks_at, scales_at, rows_ok, x_at, features,
              STEP: tl.constexpr, BLOCK: tl.constexpr, SCALE_BIAS: tl.constexpr):  # fmt: skip
-    """``[ROWS]`` float32: each mxfp4 row (``_tile_values``'s) times the vector at ``x_at``
-    of ``features`` values."""
+    """``[ROWS]`` float32: each mxfp4 row (``[R, 1]`` pointers to its bytes at ``blocks_at``,
+    to its scales at ``scales_at``) times the vector at ``x_at`` of ``features`` values (a
+    multiple of ``BLOCK``), zeros in the rows not ``rows_ok``. A loop step reads ``STEP //
+    BLOCK`` whole blocks as ``[R, blocks, BLOCK / 2]`` bytes: low nibbles times the vector's
+    even features, high nibbles times its odd ones (the vector split in registers), and each
+    block's scale multiplies its sum once. Masks change only from block to block, so that
+    the bytes load as whole vectors (one byte a load, and a scale and a nibble interleave a
+    feature, ran the GEMVs at half this form's rate on the H200: BENCHMARKS.md)."""
+    tl.static_assert(STEP % BLOCK == 0)
+    BLOCKS: tl.constexpr = STEP // BLOCK
+    HALF: tl.constexpr = BLOCK // 2
+    block = tl.arange(0, BLOCKS)
+    byte = tl.arange(0, HALF)
+    count = features // BLOCK
     acc = tl.zeros([blocks_at.shape[0]], dtype=tl.float32)
-    for k0 in range(0, features, STEP):
-        values = _tile_values(blocks_at, scales_at, k0, rows_ok, features, STEP, BLOCK, SCALE_BIAS)
-        cols = k0 + tl.arange(0, STEP)
-        x = tl.load(x_at + cols, mask=cols < features, other=0.0).to(tl.float32)
-        acc += tl.sum(values * x[None, :], 1)
+    for first in range(0, count, BLOCKS):
+        block_ok = first + block < count
+        ok = rows_ok[:, None] & block_ok[None, :]
+        bytes_at = blocks_at[:, :, None] + ((first + block) * HALF)[None, :, None]
+        packed = tl.load(bytes_at + byte[None, None, :], mask=ok[:, :, None], other=0)
+        packed = packed.to(tl.int32)
+        x_block = x_at + (first + block)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        x = tl.load(x_block, mask=block_ok[:, None], other=0.0).to(tl.float32)
+        even, odd = tl.split(tl.reshape(x, (BLOCKS, HALF, 2)))
+        sums = tl.sum(_e2m1(packed & 15) * even[None] + _e2m1(packed >> 4) * odd[None], 2)
+        scale = tl.load(scales_at + (first + block)[None, :], mask=ok, other=SCALE_BIAS)
+        acc += tl.sum(sums * _power_of_two(scale, SCALE_BIAS), 1)
     return acc
 
 
