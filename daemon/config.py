@@ -74,9 +74,9 @@ class ServeConfig:
     speculative_simulate_acceptance: float = 0.0
     no_overlap: bool = False
     mixed_batches: bool = False
-    # Sliding layers keep their K/V inside their windows only, in pages of their own
-    # (scheduler/window_pages.py).
-    windowed_kv: bool = False
+    # Sliding layers keep their K/V for every position, as full layers do; off: inside their
+    # windows only, in pages of their own (scheduler/window_pages.py).
+    whole_sliding_kv: bool = False
     # Prompt batches in a row while requests are part-way through decoding, past which a
     # decode batch goes first (0: no limit).
     max_prompt_run: int = 0

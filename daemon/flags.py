@@ -116,12 +116,13 @@ _HELP: dict[str, str] = {
         "that drafted in the step before sits out one prompt batch; the torch attention "
         "backend pads every row to the longest chunk)"
     ),
-    "windowed_kv": (
-        "the sliding-window layers keep K/V for the positions their windows read only, in "
-        "pages of their own, so that the pool holds more tokens (gpt-oss, half its layers "
-        "sliding: up to twice as many); a prefix-cache hit counts up to where the cache kept "
-        "the window before it (the ends of published prompts and texts, and a prefix that a "
-        "hit cut short computed again); refused for a model without sliding-window layers"
+    "whole_sliding_kv": (
+        "the sliding-window layers keep K/V for every position, as the full layers do; off: "
+        "for the positions their windows read only, in pages of their own, so that the pool "
+        "holds more tokens (gpt-oss, half its layers sliding: twice as many), and a "
+        "prefix-cache hit counts up to where the cache kept the window before it (the ends of "
+        "published prompts and texts, and a prefix that a hit cut short computed again); no "
+        "effect on a model without sliding-window layers"
     ),
     "max_prompt_run": (
         "at most N prompt (EXTEND) batches in a row while requests are part-way through "

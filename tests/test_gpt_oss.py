@@ -36,7 +36,6 @@ from model_fixtures import (
 from numeric_rule import MAX_DIFF, assert_within_rule
 from safetensors.torch import load_file, save_file
 
-from outrider.daemon.config import ConfigError
 from outrider.plugins.models.config import ClampedSwiglu, ModelConfig, tensor_parallel_problems
 from outrider.plugins.models.gpt_oss import GptOssForCausalLM, GptOssMxfp4Experts
 from outrider.plugins.models.layers import DecoderForCausalLM
@@ -121,12 +120,16 @@ def test_logits_match_hf(reference: tuple[Path, torch.nn.Module], chunked: bool)
             torch.testing.assert_close(row_logits, ref[a:b], atol=ATOL, rtol=0)
 
 
-def test_greedy_matches_transformers(reference: tuple[Path, torch.nn.Module]) -> None:
+@pytest.mark.parametrize("whole", [False, True])
+def test_greedy_matches_transformers(reference: tuple[Path, torch.nn.Module], whole: bool) -> None:
+    """The sliding layers' K/V in window pages (the default) and whole."""
     directory, hf = reference
     with torch.no_grad():
         expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)
     assert max(len(p) for p in PROMPTS) > GPT_OSS_SHAPE["sliding_window"]
-    engine = engine_for(str(directory), page_size=4)
+    engine = engine_for(str(directory), page_size=4, whole_sliding_kv=whole)
+    assert (engine.loop.runner.kv.window_map is None) == whole
+    assert (engine.scheduler.pages.window is None) == whole
     outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS))
     assert tokens_of(outcomes) == dict(enumerate(expected))
 
@@ -167,7 +170,7 @@ def test_window_pages_keep_greedy_through_prefix_hits(
     caplog: pytest.LogCaptureFixture,
     algorithm: str,
 ) -> None:
-    """``--windowed-kv``: the sliding layers' K/V in window pages, those behind the windows
+    """The sliding layers' K/V in window pages (the default), those behind the windows
     of 4 given back as requests go on, prompts in chunks of 3 (a chunk's queries read the
     window across chunks), a retraction every third plan, and prompts that extend earlier
     ones or leave them half-way, admitted later, hitting the prefix cache only where it kept
@@ -194,9 +197,7 @@ def test_window_pages_keep_greedy_through_prefix_hits(
         drafts = save_drafts(tmp_path_factory.mktemp("window_drafts"), directory)
         settings = dict(DRAFT_ALGORITHMS[algorithm], draft_model=drafts[algorithm.split()[0]])
     with caplog.at_level(logging.INFO, logger="outrider.engine"):
-        engine = engine_for(
-            str(directory), page_size=4, chunked_prefill_tokens=3, windowed_kv=True, **settings
-        )
+        engine = engine_for(str(directory), page_size=4, chunked_prefill_tokens=3, **settings)
     window = engine.scheduler.pages.window
     assert window is not None
     logged = f"the sliding layers' window pages: {window.pages - 1} of 4 positions"
@@ -217,12 +218,11 @@ def test_window_pages_keep_greedy_through_prefix_hits(
     assert engine.scheduler.counters().spec_drafts > 0 or algorithm == "none"
 
 
-def test_window_pages_are_refused_for_a_model_without_sliding_layers(tmp_path: Path) -> None:
+def test_a_model_without_sliding_layers_takes_no_window_pages(tmp_path: Path) -> None:
     directory = tmp_path / "llama"
     save_tiny_model("llama", directory)
-    with pytest.raises(ConfigError) as refused:
-        engine_for(str(directory), windowed_kv=True)
-    assert str(refused.value) == f"--windowed-kv: --model {directory} has no sliding-window layers"
+    engine = engine_for(str(directory))
+    assert engine.loop.runner.kv.window_map is None and engine.scheduler.pages.window is None
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3 chain", "eagle3 tree"])
@@ -295,9 +295,9 @@ def _serves_within_rule(
             logprobs = hf_logprobs(hf, PROMPTS, expected)
         drafts = save_drafts(tmp_path_factory.mktemp(f"{directory.name}-drafts"), directory)
         tree = dict(DRAFT_ALGORITHMS["eagle3 tree"], draft_model=drafts["eagle3"])
-        windowed = {"windowed_kv": True}
+        whole = {"whole_sliding_kv": True}
         for graphs, settings in (
-            (True, {}), (False, {}), (True, tree), (True, windowed), (True, tree | windowed),
+            (True, {}), (False, {}), (True, tree), (True, whole), (True, tree | whole),
         ):  # fmt: skip
             engine = engine_for(
                 str(directory), device="cuda", dtype=dtype, attention_backend=backend,

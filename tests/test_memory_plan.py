@@ -110,7 +110,7 @@ def test_a_gpu_pool_takes_its_fraction_of_the_free_memory() -> None:
 
 
 def test_window_pages_take_their_pool_first_and_the_page_pool_the_other_layers() -> None:
-    """--windowed-kv on the 8B shape with half its layers sliding (a window of 128): the
+    """Window pages on the 8B shape with half its layers sliding (a window of 128): the
     window pool (64 requests' windows plus two steps' tokens and a reservation each, in pages
     of 16) comes off the budget first; the page pool then holds the full layers' K/V alone:
     here 1.57x the tokens of the pool without window pages (toward 2x as the budget grows

@@ -218,7 +218,7 @@ def test_two_ranks_serve_the_tokens_of_one(
     with torch.no_grad():
         save_tiny_model("gpt_oss", gpt_oss_dir)
     cells["gpt_oss-windowed"] = _settings(
-        str(gpt_oss_dir), True, windowed_kv=True, page_size=4, chunked_prefill_tokens=8
+        str(gpt_oss_dir), True, page_size=4, chunked_prefill_tokens=8
     )
     out = tmp_path_factory.mktemp("ranks")
     mp.spawn(_rank_main, args=(free_port(), cells, out), nprocs=WORLD, join=True)

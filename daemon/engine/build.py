@@ -400,13 +400,11 @@ def _free_bytes(device: str) -> int:
 def _window_bytes_per_token(
     config: ServeConfig, model: ModelConfig, dtype_name: str, tp_size: int
 ) -> int:
-    """With --windowed-kv, the K/V bytes a token takes in the model's sliding layers on
-    one rank (kept in window pages); 0 without. Refuses a model without such layers."""
-    if not config.windowed_kv:
-        return 0
+    """The K/V bytes a token takes in the model's sliding layers on one rank, kept in
+    window pages; 0 where they are kept whole (--whole-sliding-kv) or there are none."""
     sliding = sum(window > 0 for window in model.windows)
-    if not sliding:
-        raise ConfigError(f"--windowed-kv: --model {config.model} has no sliding-window layers")
+    if config.whole_sliding_kv or not sliding:
+        return 0
     return kv_bytes_per_token(model, dtype_name, tp_size) // model.num_layers * sliding
 
 

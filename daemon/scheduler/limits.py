@@ -36,7 +36,7 @@ class SchedulerLimits:
     # widest first (engine/memory_plan.py): a larger batch drafts at a narrower one of them
     # or takes a plain step (planner.py). None listed: every width takes every running row.
     drafting_rows: tuple[tuple[int, int], ...] = ()
-    # The sliding layers keep only their windows (--windowed-kv): the window page pool's
+    # The sliding layers keep only their windows (no --whole-sliding-kv): the window page pool's
     # pages, the scratch page included (0: no such pool), and the widest window.
     window_pages: int = 0
     window: int = 0

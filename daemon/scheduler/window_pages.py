@@ -1,5 +1,5 @@
 """Window pages: the K/V of a model's sliding layers kept inside their windows only
-(``--windowed-kv``), in a pool of their own beside the page pool (the engine's
+(unless ``--whole-sliding-kv``), in a pool of their own beside the page pool (the engine's
 ``KVCache.window_map``, plugins/device.py).
 
 A request's page ``i`` (positions ``i * page_size ..``) holds a window page while a step of
