@@ -8,9 +8,9 @@ overlap loop, the mean wall time of one loop turn (= one step) over ``--steps`` 
 With ``--schema`` (and ``--tokenizer``, a directory whose tokenizer has the model's vocabulary
 size: ``benchmarks/wide_tokenizer.py``) each engine runs its batch a second time with every
 row constrained, to an array of at least ``--items`` documents of the schema (so that no row
-ends within the timed turns), and ``--trace DIR`` writes a profiler trace of a few such turns
-(``DIR/<algorithm>-<batch>.json``, for chrome://tracing or Perfetto) and prints the host's
-top functions by their own time over the same turns.
+ends within the timed turns). ``--trace DIR`` writes a profiler trace of a few turns of each
+run (``DIR/<algorithm>-<batch>-<free|constrained>.json``, for chrome://tracing or Perfetto)
+and prints the host's top functions by their own time over as many more.
 
     python benchmarks/spec_cycle.py --model Llama-3.1-8B-Instruct.config.json \\
         --algorithm eagle3 --draft-model Llama-3.1-8B-EAGLE3.config.json --batch 1 32
@@ -149,7 +149,8 @@ def measure(
             _synchronize(engine)
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
     if trace is not None:
-        _trace(engine, trace / f"{algorithm}-{batch}.json")
+        kind = "free" if rows is None else "constrained"
+        _trace(engine, trace / f"{algorithm}-{batch}-{kind}.json")
     drafts = after.spec_drafts - before.spec_drafts
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     _drain(engine)
@@ -207,7 +208,7 @@ def main() -> None:
     parser.add_argument("--schema", type=Path, help="also run every row under this schema")
     parser.add_argument("--tokenizer", help="with --schema: the grammar's tokenizer directory")
     parser.add_argument("--items", type=int, default=4, help="with --schema: documents a row")
-    parser.add_argument("--trace", type=Path, help="with --schema: a directory for traces")
+    parser.add_argument("--trace", type=Path, help="a directory for traces")
     args = parser.parse_args()
     if args.schema is not None and args.tokenizer is None:
         parser.error("--schema needs --tokenizer")
@@ -215,7 +216,12 @@ def main() -> None:
     for algorithm in ("none", args.algorithm):
         for batch in args.batch:
             engine = _engine(args, algorithm, batch)
-            rows.append(measure(engine, algorithm, batch, args.steps, args.prompt, args.profile))
+            rows.append(
+                measure(
+                    engine, algorithm, batch, args.steps, args.prompt, args.profile,
+                    trace=args.trace,
+                )
+            )  # fmt: skip
             print(json.dumps(asdict(rows[-1])), flush=True)
             if args.schema is not None:
                 constraint = Constraint(args.schema, args.tokenizer, args.items, engine)
