@@ -433,13 +433,21 @@ def test_mxfp4_gemvs_of_other_tiles_are_the_reference_sum(tiles: tuple[int, ...]
     _check_mxfp4_kernels(range(4), torch.float32, "gemv", "cpu", tiles)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_mxfp4_grouped_gemms_of_other_tiles_are_the_reference_sum() -> None:
+    """Other grouped tiles: 32 pairs a program (each expert's block mostly padding), 64
+    columns (the 96 intermediate rows' second block masked), 128 features a step (past the
+    64 and 96 features, masked), 2 warps, 2 stages."""
+    _check_mxfp4_kernels(range(4), torch.float32, "grouped", "cpu", (32, 64, 128, 2, 2))
+
+
 def _check_mxfp4_kernels(
     held: range, dtype: torch.dtype, path: str, device: str, tiles: tuple[int, ...] = ()
 ) -> None:
-    """``tiles``: the GEMVs' (``GemvTiles``' fields); none: the default."""
+    """``tiles``: the path's (``GemvTiles``' or ``GroupTiles``' fields); none: the default."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install 'outrider[triton]')")
     from outrider.plugins.models.moe import mxfp4_kernels
-    from outrider.plugins.models.moe.mxfp4_kernels import Mxfp4ExpertWeights
+    from outrider.plugins.models.moe.mxfp4_kernels import GroupTiles, Mxfp4ExpertWeights
     from outrider.plugins.models.moe.tiles import GemvTiles
 
     gen = torch.Generator().manual_seed(0)
@@ -484,7 +492,8 @@ def _check_mxfp4_kernels(
         gemv_tiles = GemvTiles(*tiles) if tiles else mxfp4_kernels.DECODE_TILES
         got = mxfp4_kernels.mxfp4_decode_moe(*inputs, gemv_tiles).cpu()
     else:
-        got = mxfp4_kernels.mxfp4_grouped_moe(*inputs).cpu()
+        group_tiles = GroupTiles(*tiles) if tiles else mxfp4_kernels.GROUP_TILES
+        got = mxfp4_kernels.mxfp4_grouped_moe(*inputs, group_tiles).cpu()
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=atol, rtol=atol)
     assert want.abs().max() > 1  # the products are not small enough to pass for zeros

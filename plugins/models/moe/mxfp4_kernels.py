@@ -46,8 +46,23 @@ from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 DECODE_TILES = GemvTiles(block_n=4, block_k=1024, num_warps=4, num_stages=3)
 # Routed pairs up to which a step takes the GEMVs; past it, the grouped GEMMs.
 MAX_PAIRS = 64
-# The grouped GEMMs' tiles: pairs (rows), output columns, input features a step.
-GROUP_ROWS, GROUP_COLS, GROUP_STEP = 16, 32, 64
+
+
+@dataclass(frozen=True)
+class GroupTiles:
+    """The grouped GEMMs' launch: routed pairs a program (the alignment's block), output
+    columns a program, input features a loop step, warps, pipeline stages."""
+
+    rows: int
+    cols: int
+    step: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# The grouped GEMMs' tiles: what they ran with untimed (benchmarks/mxfp4_grouped.py times a
+# grid of them).
+GROUP_TILES = GroupTiles(rows=16, cols=32, step=64)
 
 
 @dataclass(frozen=True)
@@ -314,8 +329,9 @@ def mxfp4_grouped_moe(
     experts: Mxfp4ExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    tiles: GroupTiles = GROUP_TILES,
 ) -> torch.Tensor:
-    """``mxfp4_decode_moe`` by the grouped GEMMs (any batch size)."""
+    """``mxfp4_decode_moe`` by the grouped GEMMs (any batch size), with ``tiles``."""
     tokens, hidden = x.shape
     out = torch.empty_like(x)
     if tokens == 0:
@@ -324,14 +340,15 @@ def mxfp4_grouped_moe(
     local = topk_ids.to(torch.int32) - experts.first
     # Another rank's experts: one more expert, ``held``, whose blocks exit at once.
     local = torch.where((local >= 0) & (local < experts.held), local, experts.held)
-    aligned = align_pairs(local, experts.held + 1, GROUP_ROWS)
+    aligned = align_pairs(local, experts.held + 1, tiles.rows)
     # Rows of another rank's pairs: never written nor read in h, zeros in parts (summed).
     h = torch.empty((tokens * topk, width), dtype=x.dtype, device=x.device)
     parts = torch.zeros((tokens * topk, hidden), dtype=torch.float32, device=x.device)
     gate_up_blocks, down_blocks = experts.row_bytes()
-    consts = {"ROWS": GROUP_ROWS, "COLS": GROUP_COLS, "STEP": GROUP_STEP, "BLOCK": BLOCK,
-              "SCALE_BIAS": SCALE_BIAS, "BF16_DOT": x.dtype == torch.bfloat16}  # fmt: skip
-    _gate_up_grouped_kernel[(aligned.max_blocks, triton.cdiv(width, GROUP_COLS))](
+    consts = {"ROWS": tiles.rows, "COLS": tiles.cols, "STEP": tiles.step, "BLOCK": BLOCK,
+              "SCALE_BIAS": SCALE_BIAS, "BF16_DOT": x.dtype == torch.bfloat16,
+              "num_warps": tiles.num_warps, "num_stages": tiles.num_stages}  # fmt: skip
+    _gate_up_grouped_kernel[(aligned.max_blocks, triton.cdiv(width, tiles.cols))](
         x, gate_up_blocks, experts.gate_up_scales, experts.gate_up_bias, h,
         aligned.sorted_pairs, aligned.block_experts, aligned.num_pairs, width, hidden,
         experts.held, experts.alpha, experts.limit,
@@ -340,7 +357,7 @@ def mxfp4_grouped_moe(
         experts.gate_up_bias.stride(0), h.stride(0),
         TOPK=topk, **consts, **pdl_options(x.device),
     )  # fmt: skip
-    _down_grouped_kernel[(aligned.max_blocks, triton.cdiv(hidden, GROUP_COLS))](
+    _down_grouped_kernel[(aligned.max_blocks, triton.cdiv(hidden, tiles.cols))](
         h, down_blocks, experts.down_scales, experts.down_bias, topk_weights.contiguous(),
         parts, aligned.sorted_pairs, aligned.block_experts, aligned.num_pairs, hidden, width,
         experts.held,
