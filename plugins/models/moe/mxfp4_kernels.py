@@ -18,9 +18,10 @@ multiplied in float32, biases and the clamped SwiGLU in the epilogue), ``_down_g
 moe/kernels.py's sum over each token's slots in order. The ids are aligned as the rank's
 experts, another rank's as one more expert whose blocks exit at once (their rows stay zero).
 
-Numerics: products accumulate in float32 (each weight exact: an e2m1 value times a power of
-two, both assembled from their bits rather than computed: an exp2 a weight would bound the
-kernels by the special-function units, not by memory); the grouped GEMMs of bfloat16
+Numerics: products accumulate in float32 (each e2m1 value and power-of-two scale exact,
+assembled from their bits rather than computed: an exp2 a weight would bound the kernels by the
+special-function units, not by memory; the GEMVs scale each block's sum of products, the
+grouped GEMMs each weight); the grouped GEMMs of bfloat16
 activations multiply on the tensor cores (the weights are bfloat16 exactly), other dtypes in
 float32. The SwiGLU's output is rounded to x's dtype once, the weighted sum over slots is
 float32 and the output is rounded once. No host synchronisation: a CUDA graph can capture both.
@@ -41,7 +42,7 @@ from outrider.plugins.models.mxfp4 import BLOCK, SCALE_BIAS
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 
 # The GEMVs' tiles: output rows a program, input features a loop iteration (32 mxfp4 blocks),
-# warps, pipeline stages: the fastest of 18 for one gpt-oss matrix at one token on the H200
+# warps, pipeline stages: the fastest timed for one gpt-oss matrix at one token on the H200
 # (BENCHMARKS.md).
 DECODE_TILES = GemvTiles(block_n=4, block_k=1024, num_warps=4, num_stages=3)
 # Routed pairs up to which a step takes the GEMVs; past it, the grouped GEMMs.
@@ -141,8 +142,7 @@ def _row_dot(blocks_at, scales_at, rows_ok, x_at, features,
     BLOCK`` whole blocks as ``[R, blocks, BLOCK / 2]`` bytes: low nibbles times the vector's
     even features, high nibbles times its odd ones (the vector split in registers), and each
     block's scale multiplies its sum once. Masks change only from block to block, so that
-    the bytes load as whole vectors (one byte a load, and a scale and a nibble interleave a
-    feature, ran the GEMVs at half this form's rate on the H200: BENCHMARKS.md)."""
+    the bytes load as whole vectors."""
     tl.static_assert(STEP % BLOCK == 0)
     BLOCKS: tl.constexpr = STEP // BLOCK
     HALF: tl.constexpr = BLOCK // 2
