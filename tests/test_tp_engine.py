@@ -23,7 +23,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from daemon_harness import free_port
 from engine_harness import debug_checks_fixture, engine_for, request, run, tokens_of
-from model_fixtures import TINY, VOCAB, save_random_dflash, save_tiny_model
+from model_fixtures import (
+    TINY,
+    VOCAB,
+    save_random_dflash,
+    save_random_eagle3,
+    save_tiny_model,
+)
 
 from outrider.daemon.cli.main import main
 from outrider.daemon.config import EXIT_CONFIG, ServeConfig
@@ -100,8 +106,8 @@ def _draft_shapes(runner: ModelRunner) -> dict[str, list[int]]:
 def _serve(settings: dict[str, Any], tp: TPGroup) -> dict[str, Any]:
     """Tokens per request id, and the rank's draft shapes (``_draft_shapes``)."""
     engine = build_engine(ServeConfig(**settings, tensor_parallel_size=tp.size), tp=tp)
-    if tp.size > 1:
-        assert engine.loop.runner.kv.k[0].shape[2] == TINY["num_key_value_heads"] // tp.size
+    kv_heads = json.loads((Path(settings["model"]) / "config.json").read_text())
+    assert engine.loop.runner.kv.k[0].shape[2] == kv_heads["num_key_value_heads"] // tp.size
     shapes = _draft_shapes(engine.loop.runner)
     tokens = tokens_of(run(engine, _requests(), stagger=STAGGER))
     engine.stop_ranks()
@@ -127,9 +133,11 @@ def _record_drafts(patch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     return drafted
 
 
-def _rank_main(rank: int, port: int, cells: dict[str, dict[str, Any]], out: Path) -> None:
+def _rank_main(
+    rank: int, port: int, world: int, cells: dict[str, dict[str, Any]], out: Path
+) -> None:
     torch.set_num_threads(1)
-    tp = init_tensor_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", "gloo")
+    tp = init_tensor_parallel(rank, world, f"tcp://127.0.0.1:{port}", "gloo")
     sent = 0
     send = RankChannel.send
 
@@ -148,7 +156,7 @@ def _rank_main(rank: int, port: int, cells: dict[str, dict[str, Any]], out: Path
                     sent = 0
                     seen[name] = _serve(settings, tp) | {"steps": sent}
                 else:
-                    config = ServeConfig(**settings, tensor_parallel_size=WORLD)
+                    config = ServeConfig(**settings, tensor_parallel_size=world)
                     follower = build_follower(config, tp)
                     shapes = _draft_shapes(follower.runner)
                     seen[name] = {"steps": follower.run(), "draft": shapes}
@@ -162,9 +170,9 @@ def _rank_main(rank: int, port: int, cells: dict[str, dict[str, Any]], out: Path
         dist.destroy_process_group()
 
 
-# What a rank of two holds of each draft weight (and KV heads) that one rank holds whole:
+# Where a rank's share of each draft weight (and KV heads) that one rank holds whole is cut:
 # qkv and gate/up and the head split their rows, o_proj and down_proj their columns.
-_HALVED_DIM = {
+_SHARDED_DIM = {
     "qkv_proj": 0,
     "o_proj": 1,
     "gate_up_proj": 0,
@@ -174,8 +182,8 @@ _HALVED_DIM = {
 }
 
 
-def _halved(shape: list[int], dim: int) -> list[int]:
-    return [n // WORLD if d == dim else n for d, n in enumerate(shape)]
+def _shard(shape: list[int], dim: int, world: int) -> list[int]:
+    return [n // world if d == dim else n for d, n in enumerate(shape)]
 
 
 def test_two_ranks_serve_the_tokens_of_one(
@@ -220,25 +228,70 @@ def test_two_ranks_serve_the_tokens_of_one(
     cells["gpt_oss-windowed"] = _settings(
         str(gpt_oss_dir), True, page_size=4, chunked_prefill_tokens=8
     )
+    _check_ranks(cells, WORLD, tmp_path_factory, monkeypatch)
+
+
+def test_four_ranks_serve_gpt_oss_with_eagle3_as_one(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpt-oss over four ranks (a quarter of the heads each, one expert each, window pages)
+    with EAGLE-3 in the two configurations the FA4 work was validated with (3 steps, top-1,
+    4 draft tokens; 6 steps, top-10, 32 draft tokens), its draft's heads wider than the
+    hidden size as gpt-oss's published drafts' are (8 heads of 16 over 64), sharded four
+    ways: the tokens and drafts of one rank."""
+    heads = {"num_attention_heads": 8, "num_key_value_heads": 4}
+    target = tmp_path_factory.mktemp("gpt_oss_tp4")
+    with torch.no_grad():
+        # A vocabulary whose draft half (152) four ranks divide.
+        save_tiny_model("gpt_oss", target, vocab_size=304, config_overrides=heads)
+    draft = save_random_eagle3(
+        tmp_path_factory.mktemp("gpt_oss_tp4_draft"), target, heads | {"head_dim": 16}
+    )
+    cells = {
+        f"gpt_oss-eagle3-{steps}/{topk}/{tokens}": _settings(
+            str(target),
+            True,
+            page_size=4,
+            chunked_prefill_tokens=8,
+            speculative_algorithm="eagle3",
+            draft_model=str(draft),
+            speculative_num_steps=steps,
+            speculative_topk=topk,
+            speculative_num_draft_tokens=tokens,
+        )
+        for steps, topk, tokens in ((3, 1, 4), (6, 10, 32))
+    }
+    _check_ranks(cells, 4, tmp_path_factory, monkeypatch)
+
+
+def _check_ranks(
+    cells: dict[str, dict[str, Any]],
+    world: int,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cells`` served over ``world`` ranks (rank 0 leading, the others following) against
+    one rank: the same tokens, steps and drafts on every rank, each rank's draft its shard."""
     out = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_rank_main, args=(free_port(), cells, out), nprocs=WORLD, join=True)
+    mp.spawn(_rank_main, args=(free_port(), world, cells, out), nprocs=world, join=True)
     torch.set_num_threads(1)
-    leader = json.loads((out / "rank0.json").read_text())
-    follower = json.loads((out / "rank1.json").read_text())
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+    leader = ranks[0]
     for name, settings in cells.items():
         drafted = _record_drafts(monkeypatch)
         single = _serve(settings, SINGLE)
         expected = single["tokens"]
         assert {int(rid): ids for rid, ids in leader[name]["tokens"].items()} == expected, name
         assert all(len(ids) == NEW_TOKENS for ids in expected.values())
-        assert follower[name]["steps"] == leader[name]["steps"] > 0, name
         whole = single["draft"]
         assert bool(whole) == ("draft_model" in settings), name
-        halves = {key: _halved(shape, _HALVED_DIM[key]) for key, shape in whole.items()}
-        assert leader[name]["draft"] == halves == follower[name]["draft"], name
+        shards = {key: _shard(shape, _SHARDED_DIM[key], world) for key, shape in whole.items()}
         assert bool(drafted) == bool(whole), name
         drafts = [d.tolist() for d in drafted]
-        assert leader[name]["drafted"] == drafts == follower[name]["drafted"], name
+        for rank in ranks:
+            assert rank[name]["steps"] == leader[name]["steps"] > 0, name
+            assert rank[name]["draft"] == shards, name
+            assert rank[name]["drafted"] == drafts, name
 
 
 def test_preflight_refuses_what_does_not_divide(
