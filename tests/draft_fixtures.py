@@ -43,12 +43,16 @@ class DenseShape:
     head_dim: int
     rope_theta: float
     eps: float
+    norm_before_residual: bool = False
 
     @classmethod
     def of(cls, config: Eagle3Config) -> DenseShape:
         m = config.model
         assert m.rope.llama3 is None, "the dense reference has plain RoPE only"
-        return cls(m.num_q_heads, m.num_kv_heads, m.head_dim, m.rope.theta, m.rms_norm_eps)
+        return cls(
+            m.num_q_heads, m.num_kv_heads, m.head_dim, m.rope.theta, m.rms_norm_eps,
+            config.norm_before_residual,
+        )  # fmt: skip
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,9 +117,13 @@ def unrolled_attention(
 def draft_out(
     w: Mapping[str, torch.Tensor], feat: torch.Tensor, attn: torch.Tensor, shape: DenseShape
 ) -> torch.Tensor:
-    """``attn: [..., Hq, T, D]`` -> ``y: [..., T, H]`` (o_proj, residual ``feat``, MLP)."""
+    """``attn: [..., Hq, T, D]`` -> ``y: [..., T, H]`` (o_proj, residual ``feat`` or, with
+    ``norm_before_residual``, its hidden norm; MLP)."""
     a, p = "midlayer.self_attn", "midlayer.mlp"
-    h = feat + attn.transpose(-3, -2).flatten(-2) @ w[f"{a}.o_proj.weight"].T
+    residual = feat
+    if shape.norm_before_residual:
+        residual = rms(feat, w["midlayer.hidden_norm.weight"], shape.eps)
+    h = residual + attn.transpose(-3, -2).flatten(-2) @ w[f"{a}.o_proj.weight"].T
     m = rms(h, w["midlayer.post_attention_layernorm.weight"], shape.eps)
     gate, up = m @ w[f"{p}.gate_proj.weight"].T, m @ w[f"{p}.up_proj.weight"].T
     return h + (F.silu(gate) * up) @ w[f"{p}.down_proj.weight"].T

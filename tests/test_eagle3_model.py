@@ -60,7 +60,6 @@ PUBLIC_KEYS = {
 }
 SLOTS, PREFILL = (3, 0, 5), (5, 9, 2)
 ATOL = 1e-5
-SHAPE = DenseShape(HQ, HKV, D, THETA, TINY["rms_norm_eps"])
 
 
 @pytest.fixture(autouse=True)
@@ -119,27 +118,33 @@ def _prefill_then_step(model: Eagle3Draft) -> tuple[torch.Tensor, torch.Tensor, 
     return feat, y, y_step
 
 
-def test_forward_matches_dense_reference() -> None:
-    model = _random_draft()
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_forward_matches_dense_reference(norm_before_residual: bool) -> None:
+    """The draft's prefill, step and logits against the dense reference; with
+    ``norm_before_residual`` (written in ``eagle_config``) the residual is the normed feat."""
+    config = TINY | {"eagle_config": {"norm_before_residual": norm_before_residual}}
+    model = _random_draft(config)
+    assert model.config.norm_before_residual == norm_before_residual
+    shape = DenseShape.of(model.config)
     w = checkpoint_tensors(model)
     embeds, features, step_embeds = _inputs()
     feat, y, y_step = _prefill_then_step(model)
     torch.testing.assert_close(feat, features @ w["fc.weight"].T, atol=ATOL, rtol=0)
     starts = [0, *torch.tensor(PREFILL).cumsum(0).tolist()]
     for row, (a, b) in enumerate(itertools.pairwise(starts)):
-        ref = dense_eagle3(w, embeds[a:b], feat[a:b], SHAPE)
+        ref = dense_eagle3(w, embeds[a:b], feat[a:b], shape)
         torch.testing.assert_close(y[a:b], ref, atol=ATOL, rtol=0)
         # The step token reads the cached K/V of the row's prefill.
         ref_step = dense_eagle3(
             w,
             torch.cat((embeds[a:b], step_embeds[row : row + 1])),
             torch.cat((feat[a:b], ref[-1:])),
-            SHAPE,
+            shape,
         )
         torch.testing.assert_close(y_step[row], ref_step[-1], atol=ATOL, rtol=0)
     with torch.no_grad():
         logits = model.compute_logits(y)
-    ref_logits = draft_logits(w, y, SHAPE)
+    ref_logits = draft_logits(w, y, shape)
     assert logits.dtype == torch.float32 and logits.shape == (sum(PREFILL), DRAFT_VOCAB)
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
 
@@ -217,6 +222,38 @@ def test_load_errors_name_the_key(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     _edit_checkpoint(tmp_path, {"midlayer.hidden_norm.weight": torch.ones(H), "d2t": None})
     with pytest.raises(ValueError, match=r"missing checkpoint tensors: d2t"):
         _load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("norm_before_fc", True), ("fc_norm", True), ("norm_output", True),
+     ("use_aux_hidden_state", False)],
+)  # fmt: skip
+@pytest.mark.parametrize("nested", [False, True], ids=["top", "eagle_config"])
+def test_other_layouts_are_refused_by_name(key: str, value: bool, nested: bool) -> None:
+    """A flag of another EAGLE-3 layout, at the config's top or in ``eagle_config``, is
+    refused naming it; the value this layout serves, and the flag's absence, load."""
+
+    def config(v: bool) -> dict[str, Any]:
+        return TINY | ({"eagle_config": {key: v}} if nested else {key: v})
+
+    with pytest.raises(ValueError) as refused:
+        Eagle3Config.from_dict(config(value))
+    assert str(refused.value) == (
+        f"an EAGLE-3 draft with {key} {str(value).lower()} is not supported: its arithmetic "
+        "differs from the LlamaForCausalLMEagle3 layout served here"
+    )
+    Eagle3Config.from_dict(config(not value))
+    Eagle3Config.from_dict(TINY)
+
+
+def test_norm_before_residual_reads_eagle_config_first() -> None:
+    """Where both levels write it, ``eagle_config``'s value holds (a publisher's nested
+    flags are the checkpoint's own)."""
+    both = TINY | {"norm_before_residual": False, "eagle_config": {"norm_before_residual": True}}
+    assert Eagle3Config.from_dict(both).norm_before_residual
+    assert Eagle3Config.from_dict(TINY | {"norm_before_residual": True}).norm_before_residual
+    assert not Eagle3Config.from_dict(TINY).norm_before_residual
 
 
 def test_default_and_explicit_aux_layers() -> None:

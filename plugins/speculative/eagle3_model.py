@@ -9,6 +9,12 @@ One Llama decoder layer whose q/k/v read a 2H-wide input::
     y    = h + mlp(post_attention_layernorm(h))               fed back as the next feat
     logits = lm_head(norm(y))                                 [T, draft_vocab]
 
+``norm_before_residual`` (config.json, at its top or in ``eagle_config``, the nested one
+first) takes the residual after the norm: ``h = hidden_norm(feat) + attention(x)``. Flags of
+other layouts that change the arithmetic (``norm_before_fc``, ``fc_norm``, ``norm_output``,
+``use_aux_hidden_state`` false) are refused by name: ignoring one would leave the draft
+loading and proposing worse, silently.
+
 The embedding is the target's (shared, not in the draft). The draft owns a one-layer
 ``KVCache`` in the target's page layout and writes its K/V into layer 0 at ``fb.layout.out_loc``.
 Its RoPE comes from its own config.json, its tables are sized by ``max_positions``.
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +83,7 @@ class Eagle3Config:
     # eagle_config.eagle_aux_hidden_state_layer_ids exactly as written (engines disagree by
     # one on their convention: the caller interprets them); None when absent.
     aux_layer_ids: tuple[int, ...] | None
+    norm_before_residual: bool = False  # the residual taken after hidden_norm
 
     @property
     def identity_vocab(self) -> bool:
@@ -113,12 +121,34 @@ class Eagle3Config:
                 f"eagle_config.eagle_aux_hidden_state_layer_ids must name {NUM_TAPS} layers, "
                 f"got {list(aux_layer_ids)}"
             )
+        flag = partial(_layout_flag, d)
+        for name, unsupported in _OTHER_LAYOUTS.items():
+            if flag(name, not unsupported) == unsupported:
+                raise ValueError(
+                    f"an EAGLE-3 draft with {name} {str(unsupported).lower()} is not "
+                    f"supported: {_OTHER_LAYOUT_NOTE}"
+                )
         return cls(
             model=model,
             draft_vocab_size=draft_vocab_size,
             target_hidden_size=int(d.get("target_hidden_size") or model.hidden_size),
             aux_layer_ids=aux_layer_ids,
+            norm_before_residual=flag("norm_before_residual", False),
         )
+
+
+# Layout flags of other EAGLE-3 variants, each with the value this draft cannot serve.
+_OTHER_LAYOUTS = {"norm_before_fc": True, "fc_norm": True, "norm_output": True,
+                  "use_aux_hidden_state": False}  # fmt: skip
+_OTHER_LAYOUT_NOTE = "its arithmetic differs from the LlamaForCausalLMEagle3 layout served here"
+
+
+def _layout_flag(d: dict[str, Any], name: str, default: bool) -> bool:
+    """A boolean layout flag of a draft's config: in ``eagle_config`` first (where some
+    publishers write it), else at the top, else ``default``."""
+    nested = d.get("eagle_config") or {}
+    value = nested.get(name, d.get(name))
+    return default if value is None else bool(value)
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -150,8 +180,11 @@ class Eagle3Attention(Attention):
 class Eagle3Layer(nn.Module):
     """The draft's decoder layer: HF's ``midlayer.`` prefix."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: TPGroup = SINGLE, norm_before_residual: bool = False
+    ) -> None:
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Eagle3Attention(config, tp)
@@ -167,8 +200,9 @@ class Eagle3Layer(nn.Module):
     ) -> torch.Tensor:
         # embeds, feat: [T, H]; never updated in place (captures may alias them), so the
         # residual adds stay outside the norms.
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(feat)), dim=-1)  # [T, 2H]
-        h = feat + self.self_attn(x, rotation, fb)
+        normed = self.hidden_norm(feat)
+        x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # [T, 2H]
+        h = (normed if self.norm_before_residual else feat) + self.self_attn(x, rotation, fb)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -192,7 +226,7 @@ class Eagle3Draft(nn.Module):
         self.config = config
         self.tp = tp
         self.fc = nn.Linear(NUM_TAPS * config.target_hidden_size, m.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(m, tp)
+        self.midlayer = Eagle3Layer(m, tp, config.norm_before_residual)
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.lm_head = ColumnParallelLinear(m.hidden_size, config.draft_vocab_size, False, tp)
         self.rotary_emb = RotaryEmbedding(m.head_dim, m.rope, max_positions)
