@@ -36,6 +36,7 @@ from model_fixtures import (
 from numeric_rule import MAX_DIFF, assert_within_rule
 from safetensors.torch import load_file, save_file
 
+from outrider.daemon.engine.plan import StepPlan
 from outrider.plugins.models.config import ClampedSwiglu, ModelConfig, tensor_parallel_problems
 from outrider.plugins.models.gpt_oss import GptOssForCausalLM, GptOssMxfp4Experts
 from outrider.plugins.models.layers import DecoderForCausalLM
@@ -216,6 +217,31 @@ def test_window_pages_keep_greedy_through_prefix_hits(
     assert sizes == [(window.pages,), (kv.num_pages,)] * 2 and window.pages < kv.num_pages
     assert set(window.held) == window.cached and set(window.holders.values()) <= {1}
     assert engine.scheduler.counters().spec_drafts > 0 or algorithm == "none"
+
+
+def test_decoding_rows_ride_prompt_chunks_through_window_pages(
+    reference: tuple[Path, torch.nn.Module],
+) -> None:
+    """``--mixed-batches`` with the sliding layers in window pages: decoding rows ride
+    prompt chunks of 5 (each rider's window pages move with its one token, beside a chunk's
+    reads of its own window): transformers' greedy outputs."""
+    directory, hf = reference
+    with torch.no_grad():
+        expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)
+    engine = engine_for(str(directory), page_size=4, mixed_batches=True, chunked_prefill_tokens=5)
+    assert engine.scheduler.pages.window is not None
+    plans: list[StepPlan] = []
+    launch = engine.loop.runner.launch
+
+    def recorded(plan: StepPlan, *args: object, **kwargs: object) -> object:
+        plans.append(plan)
+        return launch(plan, *args, **kwargs)  # type: ignore[arg-type]  # passed through
+
+    engine.loop.runner.launch = recorded  # type: ignore[method-assign]
+    outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS), stagger=2)
+    assert tokens_of(outcomes) == dict(enumerate(expected))
+    riding = [plan for plan in plans if plan.relay_rows]
+    assert len(riding) >= 10, [plan.kind for plan in plans]  # 18 of 28 plans here
 
 
 def test_a_model_without_sliding_layers_takes_no_window_pages(tmp_path: Path) -> None:
