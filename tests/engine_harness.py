@@ -14,6 +14,7 @@ from outrider.daemon.engine.build import Engine, build_engine
 from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import StepResults
+from outrider.daemon.engine.runner import ModelRunner
 from outrider.daemon.engine.token_masks import MaskHoles
 from outrider.daemon.grammar.compiler import Grammars
 from outrider.daemon.internal import Counters, FinishInfo, RequestUpdate, TokenizedRequest
@@ -131,6 +132,19 @@ def requests_for(
 def tokens_of(outcomes: Mapping[int, Outcome]) -> dict[int, list[int]]:
     """The tokens each request got, by rid."""
     return {rid: outcome.token_ids for rid, outcome in outcomes.items()}
+
+
+def record_launches(runner: ModelRunner) -> list[StepPlan]:
+    """Every plan ``runner`` launches from now on, in order, in the list returned."""
+    launched: list[StepPlan] = []
+    launch = runner.launch
+
+    def recorded(plan: StepPlan, *args: object, **kwargs: object) -> object:
+        launched.append(plan)
+        return launch(plan, *args, **kwargs)  # type: ignore[arg-type]  # passed through
+
+    runner.launch = recorded  # type: ignore[method-assign]
+    return launched
 
 
 def tau_of(counters: Counters) -> float:

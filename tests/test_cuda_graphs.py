@@ -20,6 +20,7 @@ from engine_harness import (
     EagerGraphs,
     debug_checks_fixture,
     engine_for,
+    record_launches,
     request,
     run,
 )
@@ -425,16 +426,9 @@ def test_graphs_beside_rows_riding_prompt_batches_give_the_eager_tokens(
         runner.graphs = EagerGraphs(MAX_RUNNING, 256, 20, runner.slots.scratch_slot, widths=widths)
     for built in (graphed, eager):
         built.scheduler.use_policy(AlternateDrafting((runner.shape.width,)))
-    riders: list[int] = []
-    launch = runner.launch
-
-    def recorded(plan: StepPlan, *args: object, **kwargs: object) -> object:
-        riders.extend(plan.slots[row] for row in plan.relay_rows)
-        return launch(plan, *args, **kwargs)  # type: ignore[arg-type]  # passed through
-
-    runner.launch = recorded  # type: ignore[method-assign]
+    plans = record_launches(runner)
     assert_same_outputs(graphed, eager)
-    assert len(riders) >= 10
+    assert sum(len(plan.relay_rows) for plan in plans) >= 10
     assert runner.graphs is not None
     assert {key.width for key in runner.graphs.graphs} == {runner.shape.width, 1}
 

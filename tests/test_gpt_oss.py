@@ -18,6 +18,7 @@ from engine_harness import (
     DRAFT_ALGORITHMS,
     debug_checks_fixture,
     engine_for,
+    record_launches,
     requests_for,
     run,
     tokens_of,
@@ -36,7 +37,6 @@ from model_fixtures import (
 from numeric_rule import MAX_DIFF, assert_within_rule
 from safetensors.torch import load_file, save_file
 
-from outrider.daemon.engine.plan import StepPlan
 from outrider.plugins.models.config import ClampedSwiglu, ModelConfig, tensor_parallel_problems
 from outrider.plugins.models.gpt_oss import GptOssForCausalLM, GptOssMxfp4Experts
 from outrider.plugins.models.layers import DecoderForCausalLM
@@ -230,14 +230,7 @@ def test_decoding_rows_ride_prompt_chunks_through_window_pages(
         expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)
     engine = engine_for(str(directory), page_size=4, mixed_batches=True, chunked_prefill_tokens=5)
     assert engine.scheduler.pages.window is not None
-    plans: list[StepPlan] = []
-    launch = engine.loop.runner.launch
-
-    def recorded(plan: StepPlan, *args: object, **kwargs: object) -> object:
-        plans.append(plan)
-        return launch(plan, *args, **kwargs)  # type: ignore[arg-type]  # passed through
-
-    engine.loop.runner.launch = recorded  # type: ignore[method-assign]
+    plans = record_launches(engine.loop.runner)
     outcomes = run(engine, requests_for(PROMPTS, max_new_tokens=NEW_TOKENS), stagger=2)
     assert tokens_of(outcomes) == dict(enumerate(expected))
     riding = [plan for plan in plans if plan.relay_rows]

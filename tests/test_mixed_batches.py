@@ -12,7 +12,14 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
+from engine_harness import (
+    DRAFT_ALGORITHMS,
+    debug_checks_fixture,
+    engine_for,
+    record_launches,
+    request,
+    run,
+)
 from model_fixtures import VOCAB
 
 from outrider.daemon.engine.build import Engine
@@ -50,14 +57,7 @@ def workload() -> list[TokenizedRequest]:
 
 def served(engine: Engine, reqs: list[TokenizedRequest]) -> tuple[dict[int, Any], list[StepPlan]]:
     """Each request's tokens, finish and logprobs, and every plan launched."""
-    plans: list[StepPlan] = []
-    launch = engine.loop.runner.launch
-
-    def recorded(plan: StepPlan, *args: object, **kwargs: object) -> object:
-        plans.append(plan)
-        return launch(plan, *args, **kwargs)  # type: ignore[arg-type]  # passed through
-
-    engine.loop.runner.launch = recorded  # type: ignore[method-assign]
+    plans = record_launches(engine.loop.runner)
     outcomes = run(engine, reqs, stagger=3)
     finals: dict[int, Any] = {}
     for rid, outcome in outcomes.items():
@@ -282,16 +282,9 @@ def test_a_rider_leaves_the_draft_current(llama_dir: str, overlap: bool) -> None
         no_overlap=not overlap,
     )  # fmt: skip
     engine.scheduler.use_policy(_EveryoneFeeds((steps + 1,)))
-    rode: list[int] = []
-    launch = engine.loop.runner.launch
-
-    def recorded(plan: StepPlan, *args: object, **kwargs: object) -> object:
-        rode.extend(plan.slots[row] for row in plan.relay_rows)
-        return launch(plan, *args, **kwargs)  # type: ignore[arg-type]  # passed through
-
-    engine.loop.runner.launch = recorded  # type: ignore[method-assign]
+    plans = record_launches(engine.loop.runner)
     outcomes = run(engine, reqs, stagger=3)
-    assert len(rode) >= 10
+    assert sum(len(plan.relay_rows) for plan in plans) >= 10
     usages = {rid: outcome.finish.usage for rid, outcome in outcomes.items()}
     assert sum(u.spec_drafts for u in usages.values()) >= len(reqs)
     for rid, usage in usages.items():

@@ -7,10 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_harness import engine_for, request, run
+from engine_harness import engine_for, record_launches, request, run
 from model_fixtures import VOCAB
-
-from outrider.daemon.engine.plan import StepPlan
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
@@ -24,20 +22,15 @@ def test_a_line_per_turn_with_its_step_as_launched(
         page_size=4, max_running=3, no_overlap=not overlap,
     )  # fmt: skip
     loop = engine.loop
-    launched: list[StepPlan] = []
+    launched = record_launches(loop.runner)
     turns = 0
-    launch, iterate = loop.runner.launch, loop.iterate
-
-    def recorded(plan: StepPlan, *rest: object, **named: object) -> object:
-        launched.append(plan)
-        return launch(plan, *rest, **named)  # type: ignore[arg-type]  # passed through
+    iterate = loop.iterate
 
     def counted() -> object:
         nonlocal turns
         turns += 1
         return iterate()
 
-    loop.runner.launch = recorded  # type: ignore[method-assign]
     loop.iterate = counted  # type: ignore[method-assign]
     prompts = [[3 + (5 * i + j) % (VOCAB - 3) for j in range(10 + 7 * i)] for i in range(6)]
     samplings = [{}, {"temperature": 0.8}, {"temperature": 0.8, "top_p": 0.9}]
