@@ -56,6 +56,8 @@ def _eagle3_config_json(model: Eagle3Draft, config_json: dict[str, Any]) -> dict
         "target_hidden_size": c.target_hidden_size,
         "attention_bias": m.attention_bias,
         "hidden_act": "silu",
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": c.norm_before_fc,
     }
     out = _public_config(config_json, identity, shape, m, model.fc.weight.dtype)
     if c.aux_layer_ids is not None:

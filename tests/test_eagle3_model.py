@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from draft_fixtures import DenseShape, dense_eagle3, draft_logits
+from draft_fixtures import DenseShape, dense_eagle3, draft_logits, rms
 from model_fixtures import PagedRows, torch_backend
 from safetensors.torch import load_file, save_file
 
@@ -118,18 +118,26 @@ def _prefill_then_step(model: Eagle3Draft) -> tuple[torch.Tensor, torch.Tensor, 
     return feat, y, y_step
 
 
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_forward_matches_dense_reference(norm_before_residual: bool) -> None:
+@pytest.mark.parametrize(
+    "flags",
+    [{}, {"norm_before_residual": True}, {"norm_before_fc": True}],
+    ids=["plain", "norm_before_residual", "norm_before_fc"],
+)
+def test_forward_matches_dense_reference(flags: dict[str, bool]) -> None:
     """The draft's prefill, step and logits against the dense reference; with
-    ``norm_before_residual`` (written in ``eagle_config``) the residual is the normed feat."""
-    config = TINY | {"eagle_config": {"norm_before_residual": norm_before_residual}}
-    model = _random_draft(config)
-    assert model.config.norm_before_residual == norm_before_residual
+    ``norm_before_residual`` (written in ``eagle_config``) the residual is the normed feat,
+    with ``norm_before_fc`` the taps are normalized by ``input_norm`` before ``fc``."""
+    model = _random_draft(TINY | {"eagle_config": flags})
+    assert model.config.norm_before_residual == flags.get("norm_before_residual", False)
+    assert model.config.norm_before_fc == flags.get("norm_before_fc", False)
     shape = DenseShape.of(model.config)
     w = checkpoint_tensors(model)
     embeds, features, step_embeds = _inputs()
     feat, y, y_step = _prefill_then_step(model)
-    torch.testing.assert_close(feat, features @ w["fc.weight"].T, atol=ATOL, rtol=0)
+    taps = features
+    if model.config.norm_before_fc:
+        taps = rms(features, w["input_norm.weight"], shape.eps)
+    torch.testing.assert_close(feat, taps @ w["fc.weight"].T, atol=ATOL, rtol=0)
     starts = [0, *torch.tensor(PREFILL).cumsum(0).tolist()]
     for row, (a, b) in enumerate(itertools.pairwise(starts)):
         ref = dense_eagle3(w, embeds[a:b], feat[a:b], shape)
@@ -226,8 +234,7 @@ def test_load_errors_name_the_key(tmp_path: Path, caplog: pytest.LogCaptureFixtu
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("norm_before_fc", True), ("fc_norm", True), ("norm_output", True),
-     ("use_aux_hidden_state", False)],
+    [("fc_norm", True), ("norm_output", True), ("use_aux_hidden_state", False)],
 )  # fmt: skip
 @pytest.mark.parametrize("nested", [False, True], ids=["top", "eagle_config"])
 def test_other_layouts_are_refused_by_name(key: str, value: bool, nested: bool) -> None:
@@ -254,6 +261,20 @@ def test_norm_before_residual_reads_eagle_config_first() -> None:
     assert Eagle3Config.from_dict(both).norm_before_residual
     assert Eagle3Config.from_dict(TINY | {"norm_before_residual": True}).norm_before_residual
     assert not Eagle3Config.from_dict(TINY).norm_before_residual
+
+
+def test_a_draft_with_norm_before_fc_round_trips(tmp_path: Path) -> None:
+    """The public layout plus ``input_norm.weight`` [3*H_t], and both flags in the config
+    written; the loaded draft runs as the saved one."""
+    model = _random_draft(TINY | {"norm_before_fc": True, "norm_before_residual": True})
+    save_eagle3(model, tmp_path, {})
+    assert set(load_file(tmp_path / "model.safetensors")) == PUBLIC_KEYS | {"input_norm.weight"}
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["norm_before_fc"] is True and written["norm_before_residual"] is True
+    loaded = load_eagle3(tmp_path, dtype=torch.float32, device="cpu", max_positions=64)
+    assert tuple(checkpoint_tensors(loaded)["input_norm.weight"].shape) == (3 * HT,)
+    for got, expected in zip(_prefill_then_step(loaded), _prefill_then_step(model), strict=True):
+        assert torch.equal(got, expected)
 
 
 def test_default_and_explicit_aux_layers() -> None:

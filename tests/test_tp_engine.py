@@ -236,16 +236,18 @@ def test_four_ranks_serve_gpt_oss_with_eagle3_as_one(
 ) -> None:
     """gpt-oss over four ranks (a quarter of the heads each, one expert each, window pages)
     with EAGLE-3 in the two configurations the FA4 work was validated with (3 steps, top-1,
-    4 draft tokens; 6 steps, top-10, 32 draft tokens), its draft's heads wider than the
-    hidden size as gpt-oss's published drafts' are (8 heads of 16 over 64), sharded four
-    ways: the tokens and drafts of one rank."""
+    4 draft tokens; 6 steps, top-10, 32 draft tokens), its draft shaped as gpt-oss's
+    published drafts are (heads wider than the hidden size: 8 of 16 over 64; its taps
+    normalized before fc), sharded four ways: the tokens and drafts of one rank."""
     heads = {"num_attention_heads": 8, "num_key_value_heads": 4}
     target = tmp_path_factory.mktemp("gpt_oss_tp4")
     with torch.no_grad():
         # A vocabulary whose draft half (152) four ranks divide.
         save_tiny_model("gpt_oss", target, vocab_size=304, config_overrides=heads)
     draft = save_random_eagle3(
-        tmp_path_factory.mktemp("gpt_oss_tp4_draft"), target, heads | {"head_dim": 16}
+        tmp_path_factory.mktemp("gpt_oss_tp4_draft"),
+        target,
+        heads | {"head_dim": 16, "norm_before_fc": True},
     )
     cells = {
         f"gpt_oss-eagle3-{steps}/{topk}/{tokens}": _settings(

@@ -9,9 +9,11 @@ One Llama decoder layer whose q/k/v read a 2H-wide input::
     y    = h + mlp(post_attention_layernorm(h))               fed back as the next feat
     logits = lm_head(norm(y))                                 [T, draft_vocab]
 
-``norm_before_residual`` (config.json, at its top or in ``eagle_config``, the nested one
-first) takes the residual after the norm: ``h = hidden_norm(feat) + attention(x)``. Flags of
-other layouts that change the arithmetic (``norm_before_fc``, ``fc_norm``, ``norm_output``,
+Two flags of config.json (at its top or in ``eagle_config``, the nested one first) change
+that: ``norm_before_residual`` takes the residual after the norm (``h = hidden_norm(feat) +
+attention(x)``), ``norm_before_fc`` normalizes the concatenated taps first (``feat =
+fc(input_norm(concat(...)))``, ``input_norm.weight [3*H_t]``; gpt-oss's published drafts have
+it). Flags of other layouts that change the arithmetic (``fc_norm``, ``norm_output``,
 ``use_aux_hidden_state`` false) are refused by name: ignoring one would leave the draft
 loading and proposing worse, silently.
 
@@ -27,6 +29,7 @@ norms and ``d2t``/``t2d`` are replicated.
 Public checkpoint layout::
 
     fc.weight                                 [H, 3*H_t]
+    input_norm.weight                         [3*H_t]             (norm_before_fc only)
     midlayer.self_attn.{q,k,v}_proj.weight    [Hq*D | Hkv*D, 2H]  -> our fused qkv_proj
     midlayer.self_attn.o_proj.weight          [H, Hq*D]
     midlayer.mlp.{gate,up}_proj.weight        [I, H]              -> our fused gate_up_proj
@@ -84,6 +87,7 @@ class Eagle3Config:
     # one on their convention: the caller interprets them); None when absent.
     aux_layer_ids: tuple[int, ...] | None
     norm_before_residual: bool = False  # the residual taken after hidden_norm
+    norm_before_fc: bool = False  # the taps normalized before fc
 
     @property
     def identity_vocab(self) -> bool:
@@ -134,12 +138,12 @@ class Eagle3Config:
             target_hidden_size=int(d.get("target_hidden_size") or model.hidden_size),
             aux_layer_ids=aux_layer_ids,
             norm_before_residual=flag("norm_before_residual", False),
+            norm_before_fc=flag("norm_before_fc", False),
         )
 
 
 # Layout flags of other EAGLE-3 variants, each with the value this draft cannot serve.
-_OTHER_LAYOUTS = {"norm_before_fc": True, "fc_norm": True, "norm_output": True,
-                  "use_aux_hidden_state": False}  # fmt: skip
+_OTHER_LAYOUTS = {"fc_norm": True, "norm_output": True, "use_aux_hidden_state": False}
 _OTHER_LAYOUT_NOTE = "its arithmetic differs from the LlamaForCausalLMEagle3 layout served here"
 
 
@@ -225,7 +229,9 @@ class Eagle3Draft(nn.Module):
             raise ValueError("; ".join(problems))
         self.config = config
         self.tp = tp
-        self.fc = nn.Linear(NUM_TAPS * config.target_hidden_size, m.hidden_size, bias=False)
+        taps = NUM_TAPS * config.target_hidden_size
+        self.input_norm = RMSNorm(taps, m.rms_norm_eps) if config.norm_before_fc else None
+        self.fc = nn.Linear(taps, m.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(m, tp, config.norm_before_residual)
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.lm_head = ColumnParallelLinear(m.hidden_size, config.draft_vocab_size, False, tp)
@@ -257,6 +263,8 @@ class Eagle3Draft(nn.Module):
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """``features: [T, 3*H_t]`` (the tapped target layers, low to high, concatenated)
         -> ``feat: [T, H]``."""
+        if self.input_norm is not None:
+            features = self.input_norm(features)
         return self.fc(features)
 
     def forward(self, embeds: torch.Tensor, feat: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
