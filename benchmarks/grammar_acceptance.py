@@ -7,7 +7,11 @@ under the schema with the guide switched off (drafts proposed freely; the verify
 masks). Reports the mean acceptance length (``1 + accepted / drafts``) of each. Tokens under
 the schema are the same both ways (the verify masks every node): only acceptance differs.
 
-    python benchmarks/grammar_acceptance.py [--prompts 16] [--device cpu]
+``--dflash-guided K ...`` measures DFlash alone under the schema with only the first ``K``
+places of each block guided (the rest drafted freely in one go, as unconstrained): what each
+guided place, a wait for the host's mask inside the step, buys in acceptance.
+
+    python benchmarks/grammar_acceptance.py [--prompts 16] [--device cpu] [--dflash-guided 1 2 4]
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import msgspec
+import torch
 from host_turn import family_settings  # benchmarks/ is sys.path[0] when run as a script
 from transformers import AutoTokenizer
 
@@ -26,6 +32,8 @@ from outrider.daemon.engine.build import build_engine
 from outrider.daemon.engine.token_masks import GrammarGuide
 from outrider.daemon.grammar.compiler import Grammars
 from outrider.daemon.internal import own_request
+from outrider.plugins.speculative.base import DecodeView, Drafts
+from outrider.plugins.speculative.dflash_impl import DFlashWorker
 from outrider.protocol.messages import Grammar
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,11 +67,28 @@ def acceptance(
     return 1 + accepted / max(drafts, 1), tokens
 
 
+def guided_places(places: int) -> Any:
+    """``DFlashWorker._guided`` guiding the first ``places`` of a block only."""
+    guided = DFlashWorker._guided
+
+    def first_places(worker: DFlashWorker, view: DecodeView, local: torch.Tensor) -> Drafts:
+        if local.shape[1] <= places:
+            return guided(worker, view, local)
+        head = guided(worker, view, local[:, :places])
+        rest = local[:, places:].reshape(view.bs * (local.shape[1] - places), -1)
+        tokens, probs = worker._choose(view, rest, worker.block_offsets[places : local.shape[1]])
+        assert probs is None and head.probs is None, "greedy rows only"
+        return Drafts(torch.cat([head.tokens, tokens], dim=1), None)
+
+    return first_places
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dflash-guided", type=int, nargs="+", help="guided places (above)")
     args = parser.parse_args()
     target = str(family_settings(args.device, "none")["model"])
     hf = AutoTokenizer.from_pretrained(target)
@@ -86,6 +111,15 @@ def main() -> None:
                                    "speculative_num_draft_tokens": 8}),
         "dflash": ("dflash", {}),
     }  # fmt: skip
+    if args.dflash_guided:
+        settings = family_settings(args.device, "dflash")
+        for places in args.dflash_guided:
+            with mock.patch.object(DFlashWorker, "_guided", guided_places(places)):
+                tau, tokens = acceptance(settings, prompts, schema, grammars, args.new_tokens)
+            row = {"algorithm": "dflash", "guided_places": places,
+                   "tau_schema": round(tau, 3), "tokens_schema": tokens}  # fmt: skip
+            print(json.dumps(row), flush=True)
+        return
     for name, (algorithm, shape) in shapes.items():
         settings = family_settings(args.device, algorithm) | shape
         plain = acceptance(settings, prompts, None, grammars, args.new_tokens)
