@@ -142,7 +142,8 @@ def test_a_model_with_sliding_windows_and_sinks_is_routed_to_backends_that_serve
     tmp_path: Path,
 ) -> None:
     """Hopper as on this host (triton installed, neither FA4 nor FlashInfer): gpt-oss's
-    every slot goes to triton, the auto plugin skipped for lacking them, named."""
+    every slot goes to triton; flashinfer is skipped for lacking windows, auto (which serves
+    them where both its backends do) for its large backend, FA4, missing; each named."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     config = {"model_type": "gpt_oss", "hidden_size": 256, "num_attention_heads": 4,
@@ -151,8 +152,14 @@ def test_a_model_with_sliding_windows_and_sinks_is_routed_to_backends_that_serve
     cuda = ServeConfig(model=str(tmp_path), device="cuda", attention_backend="auto")
     choice = choose_for(cuda, "bfloat16", (9, 0), discover())
     assert [choice.routes[slot] for slot in ("prefill", "decode", "verify")] == ["triton"] * 3
-    why = f"auto has no sliding-window layers (layer_types), which --model {tmp_path} has"
-    assert any(skip.backend == "auto" and skip.why == why for skip in choice.skipped)
+    skipped = {skip.backend: skip.why for skip in choice.skipped}
+    assert skipped["flashinfer"] == (
+        f"flashinfer has no sliding-window layers (layer_types), which --model {tmp_path} has"
+    )
+    assert skipped["auto"] == (
+        "large: --decode-attention-backend fa4: FlashAttention-4 is not installed "
+        "(pip install 'outrider[fa4]')"
+    )
 
 
 def test_head_dim_limits_of_the_cuda_backends() -> None:

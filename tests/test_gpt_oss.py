@@ -289,14 +289,18 @@ def test_cuda_serves_gpt_oss_within_the_numeric_rule(
     or importlib.util.find_spec("flash_attn.cute") is None,
     reason="needs FlashAttention-4 (pip install 'outrider[fa4]')",
 )
+@pytest.mark.parametrize("backend", ["fa4", "auto"])
 def test_fa4_serves_gpt_oss_within_the_bfloat16_rule(
     reference: tuple[Path, torch.nn.Module],
     mxfp4_reference: tuple[Path, torch.nn.Module],
     tmp_path_factory: pytest.TempPathFactory,
+    backend: str,
 ) -> None:
     """bfloat16 on FA4 in every phase (its sliding windows and sinks, the draft's steps, the
-    tree's verify): transformers' float32 log-probabilities within the bfloat16 rule."""
-    _serves_within_rule(reference, mxfp4_reference, tmp_path_factory, "fa4", "bfloat16")
+    tree's verify), and with ``--attention-backend auto`` (the decode phases routed by batch
+    size between triton and FA4): transformers' float32 log-probabilities within the
+    bfloat16 rule."""
+    _serves_within_rule(reference, mxfp4_reference, tmp_path_factory, backend, "bfloat16")
 
 
 def _serves_within_rule(

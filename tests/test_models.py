@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from collections.abc import Iterator
@@ -278,6 +279,32 @@ def test_backends_without_windows_or_sinks_refuse_such_shapes() -> None:
     ):
         with pytest.raises(ValueError, match="FlashInferAttention serves no sliding windows or"):
             FlashInferAttention(shape, NoOptions(), torch.device("cpu"))
+
+
+def test_auto_serves_windows_and_sinks_where_both_its_backends_do(tmp_path: Path) -> None:
+    """``auto`` declares windows and sinks and checks each of its backends against the model:
+    with triton on both sides it takes gpt-oss's decode phases; a backend it cannot route
+    (flashinfer plans on the host) is refused, named."""
+    config = {"model_type": "gpt_oss", "layer_types": ["sliding_attention", "full_attention"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    routes: dict[Phase, str] = {phase: "auto" for phase in PHASES} | {"extend": "triton"}
+
+    def problems(options: str) -> list[Problem]:
+        ctx = CheckContext(
+            device="cuda", dtype="bfloat16", page_size=16, overlap=True, attention_routes=routes,
+            speculative_algorithm="none", model=str(tmp_path), attention_config={"auto": options},
+        )  # fmt: skip
+        auto = named_spec("attention", "auto")
+        assert auto.attention is not None and auto.attention.sliding_window and auto.attention.sinks
+        return attention_problems(auto, auto.attention, ctx) + list(auto.check(auto, ctx))
+
+    if importlib.util.find_spec("triton") is not None:
+        assert problems('{"small": "triton", "large": "triton"}') == []
+    refused = problems('{"small": "flashinfer", "large": "triton"}')
+    assert [p.message for p in refused] == [
+        "small: flashinfer cannot be routed by auto, which takes backends that read every length "
+        "on the device (no host plans, one CUDA graph per batch size)"
+    ]
 
 
 def test_backends_without_windows_or_sinks_are_refused_for_a_model_with_them(

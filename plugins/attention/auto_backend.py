@@ -13,7 +13,9 @@ backends (and graph state); prompt chunks are not routed (``--prefill-attention-
 
 Both backends run with their default options, must read lengths on the device (no host plans,
 one graph per batch size whatever the KV bound), and must draw tree masks and non-causal
-blocks: ``auto`` declares what they share.
+blocks: ``auto`` declares what they share. It declares sliding windows and sinks too: each
+backend is checked against the model as it would run in ``auto``'s place, so one that lacks
+them is refused by name.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ SPEC = PluginSpec(
         non_causal=True,
         tree_mask=True,
         phases=frozenset({"decode", "verify", "draft_decode", "draft_extend"}),
+        sliding_window=True,
+        sinks=True,
     ),
     check=_check,
 )

@@ -15,6 +15,8 @@ from outrider.plugins.registry import named_spec
 
 
 class AutoAttention(AttentionBackend):
+    windows_and_sinks = True  # where both backends serve them (auto_backend.py's check)
+
     def __init__(self, shape: AttentionShape, options: AutoOptions, device: torch.device) -> None:
         super().__init__(shape, options, device)
 
