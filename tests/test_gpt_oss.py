@@ -268,50 +268,36 @@ def test_an_eagle3_draft_whose_heads_are_wider_than_its_hidden_size_keeps_greedy
     assert engine.scheduler.counters().spec_drafts > 0
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_cuda_serves_gpt_oss_within_the_numeric_rule(
-    reference: tuple[Path, torch.nn.Module],
-    mxfp4_reference: tuple[Path, torch.nn.Module],
-    tmp_path_factory: pytest.TempPathFactory,
-    backend: str,
-) -> None:
-    """float32 on CUDA, 16-bit and mxfp4 experts, decode batches replayed from CUDA graphs
-    (every expert on every token) and eager: transformers' log-probabilities within the
-    numeric rule, under plain decoding and an EAGLE-3 tree, with the sliding layers whole
-    and in window pages."""
-    _serves_within_rule(reference, mxfp4_reference, tmp_path_factory, backend, "float32")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(
+NEEDS_FA4 = pytest.mark.skipif(
     importlib.util.find_spec("cutlass") is None
     or importlib.util.find_spec("flash_attn.cute") is None,
     reason="needs FlashAttention-4 (pip install 'outrider[fa4]')",
 )
-@pytest.mark.parametrize("backend", ["fa4", "auto"])
-def test_fa4_serves_gpt_oss_within_the_bfloat16_rule(
-    reference: tuple[Path, torch.nn.Module],
-    mxfp4_reference: tuple[Path, torch.nn.Module],
-    tmp_path_factory: pytest.TempPathFactory,
-    backend: str,
-) -> None:
-    """bfloat16 on FA4 in every phase (its sliding windows and sinks, the draft's steps, the
-    tree's verify), and with ``--attention-backend auto`` (the decode phases routed by batch
-    size between triton and FA4): transformers' float32 log-probabilities within the
-    bfloat16 rule."""
-    _serves_within_rule(reference, mxfp4_reference, tmp_path_factory, backend, "bfloat16")
 
 
-def _serves_within_rule(
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [
+        ("torch", "float32"),
+        ("triton", "float32"),
+        pytest.param("fa4", "bfloat16", marks=NEEDS_FA4),
+        pytest.param("auto", "bfloat16", marks=NEEDS_FA4),
+    ],
+)
+def test_cuda_serves_gpt_oss_within_the_numeric_rule(
     reference: tuple[Path, torch.nn.Module],
     mxfp4_reference: tuple[Path, torch.nn.Module],
     tmp_path_factory: pytest.TempPathFactory,
     backend: str,
     dtype: str,
 ) -> None:
-    """The engine on CUDA over ``backend`` in ``dtype``, graphs and eager, plain and an
-    EAGLE-3 tree, whole and window pages: within the rule of ``dtype``."""
+    """On CUDA, 16-bit and mxfp4 experts, decode batches replayed from CUDA graphs (every
+    expert on every token) and eager, under plain decoding and an EAGLE-3 tree, with the
+    sliding layers whole and in window pages: transformers' float32 log-probabilities within
+    the rule of ``dtype``. torch and triton in float32; FA4 in bfloat16 in every phase (its
+    windows and sinks, the draft's steps, the tree's verify), and ``--attention-backend
+    auto`` (the decode phases routed by batch size between triton and FA4)."""
     for directory, hf in (reference, mxfp4_reference):
         with torch.no_grad():
             expected = hf_greedy(hf, PROMPTS, NEW_TOKENS)

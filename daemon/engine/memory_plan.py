@@ -114,8 +114,8 @@ class PlanInputs:
     # The memory the pool may come from: the device's free bytes now that the weights are
     # loaded (CUDA), the host's physical memory (CPU).
     free_bytes: int
-    # A token's K/V in the sliding layers on this rank (kept in window pages,
-    # not in ``kv_bytes_per_token``) and the widest window; 0: no window pages.
+    # A token's K/V in the sliding layers on this rank (kept in window pages, not in
+    # ``kv_bytes_per_token``) and the widest window; 0: no window pages.
     window_bytes_per_token: int = 0
     window: int = 0
     # Pages a prefix hit gives back to be recomputed (a speculative worker's
