@@ -622,10 +622,21 @@ async def test_inflight_limits_answer_overloaded(stack: Stack) -> None:
         reply = await b.call(Generate("lim-b40", input_ids=[5]))
         assert isinstance(reply, Error) and reply.code == "overloaded"
         assert "global" in reply.message
+        # Each final reaches its client after the front door let its request go, so the
+        # next test on this stack starts with all 100 places free.
+        for raw, prefix, count in ((a, "lim-a", 60), (b, "lim-b", 40)):
+            for i in range(count):
+                await raw.send(Abort(f"abort-{prefix}{i}", f"{prefix}{i}"))
+            replies = [await raw.recv() for _ in range(2 * count)]  # an Ack and a final each
+            finals = [r for r in replies if isinstance(r, Finished)]
+            assert sorted(f.request_id for f in finals) == sorted(
+                f"{prefix}{i}" for i in range(count)
+            )
+            assert {f.finish_reason for f in finals} == {"abort"}
     finally:
         a.close()
         b.close()
-    await until(lambda: stack.daemon.held == set())
+    assert stack.daemon.held == set()
 
 
 async def test_fifty_concurrent_requests_get_exactly_one_final(stack: Stack) -> None:
