@@ -248,6 +248,24 @@ def test_each_draft_place_is_masked_by_the_state_its_path_reaches(
     assert torch.equal(again[0], _regex_mask(grammars, [a, b, a, dash, one]))
 
 
+def test_a_state_past_its_stop_token_takes_nothing_more(
+    grammars: Grammars, tokenizer: Tokenizer
+) -> None:
+    """Once the committed tokens end the grammar (its stop token taken, whether the commit
+    starts from a walked path or not) a later token is refused."""
+    a, b, dash, one = (tokenizer.hf.convert_tokens_to_ids(c) for c in "ab-1")
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    answer = [a, b, a, dash, one, one, eos]
+    walked, fresh = (_start(grammars, GRAMMARS["regex"]) for _ in range(2))
+    masks = xgr.allocate_token_bitmask(1, VOCAB)
+    RowGrammars([walked]).path_masks(masks, [0], torch.tensor([[answer]]))
+    assert walked.advance(answer)  # from the walk: nothing left to take
+    assert fresh.advance(answer)
+    for state in (walked, fresh):
+        assert not state.advance([one])
+
+
 # The schema's answer inside its free-text string (``note``): most of the vocabulary allowed.
 INSIDE_NOTE = '{"answer": "yes", "digit": 3, "flag": true, "note": "a'
 

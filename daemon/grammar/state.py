@@ -60,7 +60,9 @@ class GrammarState:
         self._cost_ms = 0.0  # the last such step's mean fill
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
         self._exits = exits
-        self._ahead: list[int] = []
+        self._stops = frozenset(stop_ids)
+        self._ended = False  # the committed tokens end the grammar (its stop token taken)
+        self._ahead: tuple[int, ...] = ()
         self._masks: dict[tuple[int, ...], np.ndarray | None] = {}
         self._still_free = False  # free text at the last root, no exit committed since
         # This step's paths whose masks were judged (free text or not), once asked; the
@@ -81,19 +83,25 @@ class GrammarState:
         kept = _shared(self._ahead, tokens)
         if kept < len(self._ahead):
             self._matcher.rollback(len(self._ahead) - kept)
+        if kept:
+            self._ended = tokens[kept - 1] in self._stops
         self._still_free = (
             self._exits is not None
             and () in self._masks
             and self._free_at(())
             and not any(self._exits[token] for token in tokens)
         )
-        self._ahead.clear()
+        self._ahead = ()
         self._masks.clear()
         self._free.clear()
         self._unguided.clear()
         self._depth = None
         self._judge_cost()
-        return all(self._matcher.accept_token(token) for token in tokens[kept:])
+        for token in tokens[kept:]:
+            if self._ended or not self._matcher.accept_token(token):
+                return False
+            self._ended = token in self._stops
+        return True
 
     def too_costly(self) -> float | None:
         """The mean time of a fill (ms) over the last of ``COSTLY_STEPS`` committed steps in
@@ -234,16 +242,23 @@ class GrammarState:
     def _walk(self, path: tuple[int, ...]) -> bool:
         """Bring the matcher to ``path`` past the committed tokens, from the longest prefix
         it shares with where the matcher stands; whether the whole path was taken and the
-        grammar goes on after it (the empty path: always)."""
-        kept = _shared(self._ahead, path)
-        if kept < len(self._ahead):
-            self._matcher.rollback(len(self._ahead) - kept)
-            del self._ahead[kept:]
+        grammar goes on after it (the empty path: always). The grammar has ended once it
+        took a stop token (the matcher's own ``is_terminated``, read without a call)."""
+        ahead = self._ahead
+        kept = len(ahead)
+        if path[:kept] != ahead:  # not a step further down the path walked last
+            kept = _shared(ahead, path)
+            self._matcher.rollback(len(ahead) - kept)
+            ahead = ahead[:kept]
+        ended = ahead[-1] in self._stops if ahead else self._ended
         for token in path[kept:]:
-            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+            if ended or not self._matcher.accept_token(token):
+                self._ahead = ahead
                 return False
-            self._ahead.append(token)
-        return not path or not self._matcher.is_terminated()
+            ahead += (token,)
+            ended = token in self._stops
+        self._ahead = ahead
+        return not path or not ended
 
 
 def pack_masks(states: Sequence[GrammarState]) -> bytes:
