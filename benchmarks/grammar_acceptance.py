@@ -11,7 +11,13 @@ the schema are the same both ways (the verify masks every node): only acceptance
 places of each block guided (the rest drafted freely in one go, as unconstrained): what each
 guided place, a wait for the host's mask inside the step, buys in acceptance.
 
+``--dflash-walk R ...`` serves the prompts ``R`` at a time with DFlash under the schema, with
+each place's best ids handed to the guide (the host chooses the places whose masked argmax is
+among them, ``GrammarGuide``) and without: acceptance, tokens, and the guide's waits for the
+device per guided step of each.
+
     python benchmarks/grammar_acceptance.py [--prompts 16] [--device cpu] [--dflash-guided 1 2 4]
+        [--dflash-walk 1 4 8]
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from transformers import AutoTokenizer
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import build_engine
-from outrider.daemon.engine.token_masks import GrammarGuide
+from outrider.daemon.engine.token_masks import GrammarGuide, TokenMasks
 from outrider.daemon.grammar.compiler import Grammars
 from outrider.daemon.internal import own_request
 from outrider.plugins.speculative.base import DecodeView, Drafts
@@ -47,10 +53,12 @@ def acceptance(
     grammar: Grammar | None,
     grammars: Grammars,
     new_tokens: int,
+    rows: int = 0,
 ) -> tuple[float, int]:
-    """The mean acceptance length of ``prompts`` served together in process (every decode
-    batch drafting), and the tokens they produced."""
-    config = ServeConfig(**settings, max_running=len(prompts), speculative_min_acceptance=0.0)  # type: ignore[arg-type]  # family_settings' types
+    """The mean acceptance length of ``prompts`` served ``rows`` at a time (0: together) in
+    process (every decode batch drafting), and the tokens they produced."""
+    running = rows or len(prompts)
+    config = ServeConfig(**settings, max_running=running, speculative_min_acceptance=0.0)  # type: ignore[arg-type]  # family_settings' types
     loop = build_engine(config).loop
     for rid, prompt in enumerate(prompts):
         req = own_request(rid, f"r{rid}", prompt, new_tokens)
@@ -83,12 +91,49 @@ def guided_places(places: int) -> Any:
     return first_places
 
 
+def walk_waits(
+    settings: dict[str, object],
+    prompts: list[list[int]],
+    grammar: Grammar,
+    grammars: Grammars,
+    new_tokens: int,
+    rows: int,
+    walk: bool,
+) -> dict[str, object]:
+    """DFlash under ``grammar``, ``rows`` prompts at a time, with the places' best ids handed
+    to the guide (``walk``) or not: acceptance, tokens, and waits for the device a guided
+    step (a step whose worker drafted under the guide)."""
+    waits = steps = 0
+    guided = DFlashWorker._guided
+
+    def counted_wait(masks: TokenMasks) -> None:
+        nonlocal waits
+        waits += 1
+
+    def counted_step(worker: DFlashWorker, view: DecodeView, local: torch.Tensor) -> Drafts:
+        nonlocal steps
+        steps += 1
+        return guided(worker, view, local)
+
+    count = GrammarGuide.candidate_count if walk else (lambda guide, bs: 0)
+    with (
+        mock.patch.object(TokenMasks, "wait_for_device", counted_wait),
+        mock.patch.object(DFlashWorker, "_guided", counted_step),
+        mock.patch.object(GrammarGuide, "candidate_count", count),
+    ):
+        tau, tokens = acceptance(settings, prompts, grammar, grammars, new_tokens, rows)
+    return {"algorithm": "dflash", "rows": rows, "chosen_on_host": walk,
+            "tau_schema": round(tau, 3), "tokens_schema": tokens, "guided_steps": steps,
+            "waits_a_step": round(waits / max(steps, 1), 3)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dflash-guided", type=int, nargs="+", help="guided places (above)")
+    parser.add_argument("--dflash-walk", type=int, nargs="+", help="rows at a time (above)")
     args = parser.parse_args()
     target = str(family_settings(args.device, "none")["model"])
     hf = AutoTokenizer.from_pretrained(target)
@@ -111,6 +156,13 @@ def main() -> None:
                                    "speculative_num_draft_tokens": 8}),
         "dflash": ("dflash", {}),
     }  # fmt: skip
+    if args.dflash_walk:
+        settings = family_settings(args.device, "dflash")
+        for rows in args.dflash_walk:
+            for walk in (True, False):
+                row = walk_waits(settings, prompts, schema, grammars, args.new_tokens, rows, walk)
+                print(json.dumps(row), flush=True)
+        return
     if args.dflash_guided:
         settings = family_settings(args.device, "dflash")
         for places in args.dflash_guided:

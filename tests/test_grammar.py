@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
@@ -28,7 +29,13 @@ from grammar_cases import (
 )
 
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.engine.token_masks import DeviceMark, GrammarGuide, HostMasks, TokenMasks
+from outrider.daemon.engine.token_masks import (
+    DeviceMark,
+    GrammarGuide,
+    HostMasks,
+    TokenMasks,
+    _first_allowed,
+)
 from outrider.daemon.grammar import state as state_module
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
@@ -463,6 +470,81 @@ def test_a_later_draft_place_waits_for_the_device_only_where_a_row_guides_it(
             expected = _mask(grammars, schema, [brace])
             bits = (expected.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
             assert torch.equal(~second[1].isinf(), bits.view(-1)[:VOCAB].bool())
+
+
+def test_places_chosen_on_the_host_wait_for_the_device_only_after_one_it_could_not_choose(
+    grammars: Grammars, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block of five places under ``[a-c]{3}-[0-9]{2}`` with its places' best ids handed
+    over (``GrammarGuide.candidates``): the first place is masked and waits for nothing; the
+    second waits and reads the path the device drew, then the host chooses each place whose
+    masked argmax is among its best ids (the place allows that id alone) and the next place
+    does not wait; a place whose best ids the grammar all refuses keeps its whole mask, and
+    the place after it waits again."""
+    a, b, c, x, dash, one = (tokenizer.hf.convert_tokens_to_ids(t) for t in "abcx-1")
+    waits: Counter[str] = Counter()
+    monkeypatch.setattr(TokenMasks, "wait_for_device", lambda masks: waits.update(["device"]))
+    host = HostMasks(TokenMasks(VOCAB, 1, 6, torch.device("cpu")))
+    plan = StepPlan("decode", [], [], [], [], [], [], [], [], [], 0, True)
+    host.begin(
+        msgspec.structs.replace(plan, masked_rows=[0]),
+        RowGrammars([_start(grammars, GRAMMARS["regex"])]),
+        None,
+    )
+    host.padded(1)
+    guide = host.guide()
+    assert guide.candidate_count(1) == 64
+    best = [[a, b, c], [x, b, c], [c, x, a], [x, a, b], [one, x, a]]  # per place, best first
+    guide.candidates(torch.tensor([best]))
+    drawn = [a, b, c, dash, one]  # what the device draws at each place
+    allowed = []
+    for place, token in enumerate(drawn):
+        logits = torch.zeros(1, VOCAB)
+        guide.restrict(logits, torch.tensor([drawn[:place]]))
+        allowed.append(set(torch.nonzero(~logits[0].isinf()).flatten().tolist()))
+        assert token in allowed[-1]
+    assert allowed[0] == {a, b, c} and allowed[3] == {dash}
+    assert allowed[1] == {b} and allowed[2] == {c} and allowed[4] == {one}  # chosen
+    assert waits["device"] == 2  # at the second place, and after the fourth
+
+
+def test_the_first_allowed_best_id_is_taken_up_to_an_id_past_the_vocabulary() -> None:
+    words = np.zeros(4, dtype=np.uint32)
+    words[1] = 1 << 3  # id 35 allowed
+    assert _first_allowed(words, np.array([5, 35, 7]), 100) == 35
+    assert _first_allowed(words, np.array([5, 7]), 100) is None
+    assert _first_allowed(words, np.array([5, 120, 35]), 100) is None
+
+
+@pytest.mark.parametrize("walk", [True, False], ids=["chosen on the host", "drawn"])
+def test_dflash_places_chosen_on_the_host_keep_its_tokens_with_fewer_waits(
+    model_dir: Path,
+    grammars: Grammars,
+    drafts: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    walk: bool,
+) -> None:
+    """DFlash's greedy blocks under every grammar, one request at a time: with each place's
+    best ids handed over (the default) the tokens are the plain engine's, and the step waits
+    for the device less often than with none handed over (every guided place past the
+    first waits)."""
+    waits: Counter[str] = Counter()
+    monkeypatch.setattr(TokenMasks, "wait_for_device", lambda masks: waits.update(["device"]))
+    if not walk:
+        monkeypatch.setattr(GrammarGuide, "candidate_count", lambda guide, bs: 0)
+    settings = {**DRAFT_ALGORITHMS["dflash"], "draft_model": drafts["dflash"]}
+    engine = engine_for(str(model_dir), no_overlap=True, **settings)
+    plain = engine_for(str(model_dir), no_overlap=True)
+    constrained = [r for r in grammar_requests() if r.grammar is not None]
+    for req in constrained:
+        tokens = run(engine, [req], grammars=grammars)[req.rid].token_ids
+        assert tokens == run(plain, [req], grammars=grammars)[req.rid].token_ids, req.rid
+    WAITS[walk] = waits["device"]
+    if not walk:
+        assert WAITS[False] > WAITS[True] > 0, WAITS
+
+
+WAITS: dict[bool, int] = {}  # per case of the test above (the walk's case runs first)
 
 
 def test_a_chain_walks_each_draft_once_and_its_commit_starts_from_the_walk(

@@ -147,7 +147,7 @@ class EveryOtherBatchDrafts:
         pass
 
 
-SEGMENTED_CASES = [("cpu", "none"), ("cpu", "eagle3 chain")] + [
+SEGMENTED_CASES = [("cpu", "none"), ("cpu", "eagle3 chain"), ("cpu", "dflash")] + [
     pytest.param("cuda", algorithm, marks=pytest.mark.gpu)
     for algorithm in ("none", *DRAFT_ALGORITHMS)
 ]

@@ -12,7 +12,11 @@ where some row guides its paths, else the place allows every token without waiti
 marked, ``DeviceMark``, so that the nodes' masks wait for the copy alone while the verify's
 forward runs). A worker that runs a forward between two draft places hands the next place's
 paths over before that forward (``GrammarGuide.prepare``): their copy is marked alike, and
-the place's masks fill while the forward runs. Eagerly the host's
+the place's masks fill while the forward runs. A worker whose places' logits are all known
+before the first (DFlash) hands each place's best ids over (``GrammarGuide.candidates``): the
+host chooses the places whose masked argmax is among them, and waits only after a place it
+could not choose; those places stage from host rows of their own (``stage_apart``), since
+their fills may not wait. Eagerly the host's
 fill runs at the wait; while a graph is captured the graph is cut there (graph_capture.py) and each
 replay runs the recorded fill between the two segments. A fill reads the launch's
 ``HostTurn``: the plan's masks, or its grammar rows' states, which it first brings up to date
@@ -38,6 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from outrider.daemon.engine.plan import StepPlan
@@ -200,6 +205,15 @@ class TokenMasks:
         self._parity = 0
         self._paths = torch.empty(rows * width * width, dtype=torch.int64, pin_memory=cuda)
         self._drafts = torch.empty((2, rows * width), dtype=torch.int64, pin_memory=cuda)
+        # A step whose places the host chooses (``GrammarGuide.candidates``): each place's
+        # mask rows of their own, and the places' best ids.
+        self.walk_rows = min(rows, WALK_ROWS)
+        self._apart = torch.empty(
+            (self.walk_rows * width, words), dtype=torch.int32, pin_memory=cuda
+        )
+        self._choices = torch.empty(
+            self.walk_rows * width * WALK_CANDIDATES, dtype=torch.int64, pin_memory=cuda
+        )
 
     def stage(self, n: int, fill: MaskFill = _no_masks) -> None:
         """Queue the masks of ``n`` mask rows into ``staged``: those ``fill`` writes into
@@ -207,8 +221,22 @@ class TokenMasks:
         # NOTE: a host set is refilled two stages later, once its copy ran: steps alternate
         # as the inputs do, and within a drafting step every stage but the first waits for
         # the device first, for all its work queued or for a mark queued after the stage
-        # before (a place that does not wait, ``allow_every``, writes no host set).
+        # before (a place that does not wait, ``allow_every`` or ``stage_apart``, writes no
+        # host set).
         host, self._parity = self._host[self._parity][:n], self._parity ^ 1
+        self._send(host, fill)
+
+    def stage_apart(self, place: int, n: int, fill: MaskFill) -> None:
+        """As ``stage``, for draft place ``place`` of a step whose places the host chooses,
+        from host rows no other stage writes: such a fill need not wait for the device (the
+        copy of a place's rows runs before the step's verify nodes' fill, which waits for the
+        drafts, and so before the next step's same place)."""
+        first = place * self.walk_rows
+        self._send(self._apart[first : first + n], fill)
+
+    def _send(self, host: torch.Tensor, fill: MaskFill) -> None:
+        """``fill`` into ``host`` (rows it leaves allow every token), queued into ``staged``."""
+        n = host.shape[0]
         filled = fill(host)
         if len(filled) < n:
             host[sorted(set(range(n)).difference(filled))] = -1
@@ -242,6 +270,13 @@ class TokenMasks:
         queued; the host reads them once the device is there (``wait_for_device``)."""
         host = _leading(self._paths, paths.shape)
         host.copy_(paths, non_blocking=True)
+        return host
+
+    def choices_to_host(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each draft place's best ids (``[bs, n, k]``) copied into a fixed pinned buffer, as
+        ``paths_to_host``."""
+        host = _leading(self._choices, ids.shape)
+        host.copy_(ids, non_blocking=True)
         return host
 
     def drafts_to_host(self, drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -394,7 +429,17 @@ class HostMasks:
 class GrammarGuide:
     """A drafting step's ``DraftGuide``: each draft place's mask from the host, at a
     ``MaskHoles`` wait (the launch's turn gives the states: ``turn()`` at fill time, so that
-    a replayed graph's fills read the step replayed)."""
+    a replayed graph's fills read the step replayed).
+
+    Places chosen on the host (``candidates``, a batch of ``TokenMasks.walk_rows`` rows at
+    most): a place's fill masks each grammar row as any place's, then takes the first of the
+    place's best ids its mask allows (the masked argmax, when it is among them) and leaves the
+    place that id alone, so that the device draws it; the host then knows each row's path to
+    the next place, whose fill does not wait for the device. After a place where some row's
+    masked argmax was not among its best ids (or an id past the vocabulary came first), the
+    next place waits and reads the paths the device drew. The first place waits for nothing
+    and the best ids reach the host with the second place's wait, so a step waits once, plus
+    once after each place the host could not choose."""
 
     def __init__(
         self,
@@ -408,12 +453,22 @@ class GrammarGuide:
         self.turn = turn
         self.paths_copied = paths_copied
         self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # (paths, on the host)
+        self._choices: torch.Tensor | None = None  # the step's best ids a place, on the host
+        # Per grammar row, the ids the host chose on its path so far (fill time; None: it
+        # must read the paths from the device).
+        self._known: list[list[int]] | None = None
 
     def prepare(self, paths: torch.Tensor) -> None:
         # The paths on the host, and the point after their copy marked (a cut of a replayed
         # graph): ``restrict``'s fill for them waits for the copy alone.
         self._prepared = (paths, self.masks.paths_to_host(paths))
         self.holes.wait(self.paths_copied.record)
+
+    def candidate_count(self, bs: int) -> int:
+        return WALK_CANDIDATES if bs <= self.masks.walk_rows else 0
+
+    def candidates(self, ids: torch.Tensor) -> None:
+        self._choices = self.masks.choices_to_host(ids)
 
     def restrict(
         self, logits: torch.Tensor, paths: torch.Tensor, columns: torch.Tensor | None = None
@@ -423,19 +478,82 @@ class GrammarGuide:
             marked, host = True, prepared[1]
         else:
             marked, host = False, self.masks.paths_to_host(paths)
+        place, choices = host.shape[1], self._choices
+        # Chosen places: one a batch row, whose columns are the ids.
+        assert choices is None or (columns is None and choices.shape[0] == host.shape[0])
 
         def fill() -> None:
             turn = self.turn()
             turn.settle()  # while the device runs what was queued
-            if host.shape[1]:  # past the first place (whose path is empty: no wait)
+            best = choices if turn.grammar is not None else None  # a scratch turn has none
+            if place:  # past the first place (whose path is empty: no wait)
                 if not turn.guides_paths():  # no row reads its path
+                    self._known = None
                     self.masks.allow_every(host.shape[0])
+                    return
+                if best is not None and self._known is not None:
+                    self._stage_chosen(turn, place, self._walked_paths(turn, place), best)
                     return
                 if marked:
                     self.paths_copied.wait()  # the forward since runs on
                 else:
                     self.masks.wait_for_device()
-            self.masks.stage(host.shape[0], lambda out: turn.path_masks(out, host))
+            if best is None or not place:
+                self._known = None
+                self.masks.stage(host.shape[0], lambda out: turn.path_masks(out, host))
+                return
+            self._known = [host[row].tolist() for row in turn.plan.masked_rows]
+            self._stage_chosen(turn, place, host, best)
 
         self.holes.wait(fill)
         self.masks.apply_staged(logits, columns)
+
+    def _walked_paths(self, turn: HostTurn, place: int) -> torch.Tensor:
+        """Every row's path to ``place`` (``[bs, place]``) from the ids the host chose."""
+        assert self._known is not None
+        paths = torch.zeros((turn.bs, place), dtype=torch.int64)
+        paths[list(turn.plan.masked_rows)] = torch.tensor(self._known, dtype=torch.int64)
+        return paths
+
+    def _stage_chosen(
+        self, turn: HostTurn, place: int, paths: torch.Tensor, choices: torch.Tensor
+    ) -> None:
+        """Stage ``place``'s masks after ``paths``, each grammar row's cut to the first of
+        its best ids the mask allows, and note the chosen ids (``_known``)."""
+        known = self._known
+        assert known is not None
+        best = choices[:, place].numpy()  # [bs, k]
+
+        def chosen(out: torch.Tensor) -> Sequence[int]:
+            filled = turn.path_masks(out, paths)
+            words = out.numpy().view(np.uint32)
+            for i, row in enumerate(turn.plan.masked_rows):
+                token = _first_allowed(words[row], best[row], self.masks.vocab_size)
+                if token is None:  # the device draws this place: the next one waits
+                    self._known = None
+                    break
+                words[row] = 0
+                words[row, token >> 5] = 1 << (token & 31)
+                known[i].append(token)
+            return filled
+
+        self.masks.stage_apart(place, turn.bs, chosen)
+
+
+def _first_allowed(words: np.ndarray, best: np.ndarray, vocab_size: int) -> int | None:
+    """The first of ``best`` (ids, best first) that mask row ``words`` allows; None where
+    none does, or an id past the vocabulary comes first (its column is never masked, so the
+    device might draw it over any id chosen after it)."""
+    past = np.flatnonzero(best >= vocab_size)
+    ids = best[: past[0]] if past.size else best
+    allowed = np.flatnonzero((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1)
+    return int(ids[allowed[0]]) if allowed.size else None
+
+
+# Places chosen on the host (GrammarGuide): the batch rows up to which a step hands over its
+# places' best ids, and how many a place. With the embedded family's trained DFlash draft
+# under the review schema the masked argmax was the draft's own best at 33.5 % of guided
+# places, among its 8 best at 55.2 % and among its 64 best at 82.3 % (BENCHMARKS.md); a
+# step waits after each place where some row's was not, so more rows choose less often.
+WALK_ROWS = 8
+WALK_CANDIDATES = 64

@@ -34,7 +34,10 @@ Invariants:
 - drafts are proposed under the grammar too: a worker that drafts from logits masks each
   draft place by the state its path reaches (``DraftGuide``, ``GrammarState.place_masks``;
   the host waits for each place's path, copied before the forward of the place's logits
-  where the worker runs one: ``DraftGuide.prepare``), but not inside free text (a string:
+  where the worker runs one: ``DraftGuide.prepare``; where the worker hands over each
+  place's best ids, DFlash's greedy block, the host chooses the places whose masked argmax
+  is among them and waits only after one it could not: ``DraftGuide.candidates``), but not
+  inside free text (a string:
   the mask allows most of the vocabulary), where a mask costs the most and the draft's own
   choice is almost always allowed: a place below one whose mask is free text takes none, a
   row whose committed state is free text masks only its first place in a step, and no

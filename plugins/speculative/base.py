@@ -19,8 +19,10 @@ Each call waits for the host, which computes the masks from the paths copied to 
 at once, in a replayed graph between two segments (the capture is cut at the call), so the
 worker's code around the calls stays device work only, as anywhere in a step. A worker that
 runs a forward between two places hands the next place's paths to ``prepare`` before that
-forward: the host then computes their masks while the forward runs. Guides come on one rank
-only.
+forward: the host then computes their masks while the forward runs. A worker whose places'
+logits are all known before the first (DFlash) hands their best ids to ``candidates``: the
+host then chooses the places whose masked argmax is among them itself, and waits for the
+device only after a place it could not choose. Guides come on one rank only.
 
 KV of a row starting at ``seq`` (its committed length) during a decode batch::
 
@@ -124,6 +126,18 @@ class DraftGuide(Protocol):
         """The next ``restrict``'s ``paths`` (the same tensor), handed over before the
         forward that computes its logits, so that the host's masks for them fill while the
         forward runs (an optional call: ``restrict`` alone waits for all the work queued)."""
+
+    def candidate_count(self, bs: int) -> int:
+        """How many of each place's best ids ``candidates`` takes in a batch of ``bs`` rows
+        (0: the call is not made)."""
+
+    def candidates(self, ids: torch.Tensor) -> None:
+        """Each draft place's best ids, ``[bs, n, k]`` best first (``k`` from
+        ``candidate_count``), handed over before a step's first ``restrict`` by a worker that
+        takes the argmax of each place and whose places' logits do not depend on the drafts
+        before them (DFlash's block). Where a row's masked argmax is among them, the guide
+        chooses it on the host and leaves the place that one id, so that it knows the path to
+        the next place without waiting for the device (an optional call)."""
 
 
 @dataclass(frozen=True)

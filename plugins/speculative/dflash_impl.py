@@ -27,7 +27,9 @@ the target's own draws whatever the drafts are (``coupled``).
 
 Under a grammar (``DecodeView.guide``) the block's slots are chosen one after the other, slot
 ``j`` from its logits masked by the grammar after the drafts before it: ``q_j`` then depends on
-those drafts, which the argument above allows as well.
+those drafts, which the argument above allows as well. Where the slots take their argmax, each
+slot's best ids go to the guide first (``DraftGuide.candidates``), which chooses on the host
+the slots whose masked argmax is among them.
 """
 
 from __future__ import annotations
@@ -132,6 +134,10 @@ class DFlashWorker(SpeculativeWorker):
         """Under the view's guide (one rank): the block's places one after the other, each
         masked by the grammar after the drafts before it. ``local: [bs, B - 1, V]``."""
         assert view.guide is not None
+        if view.sampling.all_greedy or self.options.sample == "argmax":
+            count = min(view.guide.candidate_count(view.bs), local.shape[-1])
+            if count:  # the host may choose the places whose masked argmax is among them
+                view.guide.candidates(local.topk(count, dim=-1).indices)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for place in range(local.shape[1]):
