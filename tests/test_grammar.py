@@ -516,35 +516,31 @@ def test_the_first_allowed_best_id_is_taken_up_to_an_id_past_the_vocabulary() ->
     assert _first_allowed(words, np.array([5, 120, 35]), 100) is None
 
 
-@pytest.mark.parametrize("walk", [True, False], ids=["chosen on the host", "drawn"])
 def test_dflash_places_chosen_on_the_host_keep_its_tokens_with_fewer_waits(
-    model_dir: Path,
-    grammars: Grammars,
-    drafts: dict[str, str],
-    monkeypatch: pytest.MonkeyPatch,
-    walk: bool,
+    model_dir: Path, grammars: Grammars, drafts: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DFlash's greedy blocks under every grammar, one request at a time: with each place's
-    best ids handed over (the default) the tokens are the plain engine's, and the step waits
-    for the device less often than with none handed over (every guided place past the
-    first waits)."""
+    best ids handed over (the default) the tokens are the plain engine's, as without, and
+    the step waits for the device less often than with none handed over (when every guided
+    place past the first waits)."""
     waits: Counter[str] = Counter()
     monkeypatch.setattr(TokenMasks, "wait_for_device", lambda masks: waits.update(["device"]))
-    if not walk:
-        monkeypatch.setattr(GrammarGuide, "candidate_count", lambda guide, bs: 0)
     settings = {**DRAFT_ALGORITHMS["dflash"], "draft_model": drafts["dflash"]}
-    engine = engine_for(str(model_dir), no_overlap=True, **settings)
     plain = engine_for(str(model_dir), no_overlap=True)
     constrained = [r for r in grammar_requests() if r.grammar is not None]
-    for req in constrained:
-        tokens = run(engine, [req], grammars=grammars)[req.rid].token_ids
-        assert tokens == run(plain, [req], grammars=grammars)[req.rid].token_ids, req.rid
-    WAITS[walk] = waits["device"]
-    if not walk:
-        assert WAITS[False] > WAITS[True] > 0, WAITS
-
-
-WAITS: dict[bool, int] = {}  # per case of the test above (the walk's case runs first)
+    expected = {r.rid: run(plain, [r], grammars=grammars)[r.rid].token_ids for r in constrained}
+    counted = {}
+    for walk in (True, False):
+        with monkeypatch.context() as patch:
+            if not walk:
+                patch.setattr(GrammarGuide, "candidate_count", lambda guide, bs: 0)
+            engine = engine_for(str(model_dir), no_overlap=True, **settings)
+            waits.clear()
+            for req in constrained:
+                tokens = run(engine, [req], grammars=grammars)[req.rid].token_ids
+                assert tokens == expected[req.rid], (walk, req.rid)
+            counted[walk] = waits["device"]
+    assert counted[False] > counted[True] > 0, counted
 
 
 def test_a_chain_walks_each_draft_once_and_its_commit_starts_from_the_walk(
