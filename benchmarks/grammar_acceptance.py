@@ -11,13 +11,17 @@ the schema are the same both ways (the verify masks every node): only acceptance
 places of each block guided (the rest drafted freely in one go, as unconstrained): what each
 guided place, a wait for the host's mask inside the step, buys in acceptance.
 
+``--chain-guided K ...`` measures the EAGLE-3 chain (``--chain-steps`` drafts) alone under
+the schema with only its first ``K`` draft places guided (the later ones drafted from the
+draft's own logits), as ``--dflash-guided`` does for DFlash.
+
 ``--dflash-walk R ...`` serves the prompts ``R`` at a time with DFlash under the schema, with
 each place's best ids handed to the guide (the host chooses the places whose masked argmax is
 among them, ``GrammarGuide``) and without: acceptance, tokens, and the guide's waits for the
 device per guided step of each.
 
     python benchmarks/grammar_acceptance.py [--prompts 16] [--device cpu] [--dflash-guided 1 2 4]
-        [--dflash-walk 1 4 8]
+        [--dflash-walk 1 4 8] [--chain-guided 0 1 2 3 --chain-steps 3]
 """
 
 from __future__ import annotations
@@ -91,6 +95,23 @@ def guided_places(places: int) -> Any:
     return first_places
 
 
+def first_places_guided(places: int) -> Any:
+    """``GrammarGuide.restrict`` for the first ``places`` draft places only (a place's
+    path holds the drafts before it)."""
+    restrict = GrammarGuide.restrict
+
+    def first_only(
+        guide: GrammarGuide,
+        logits: torch.Tensor,
+        paths: torch.Tensor,
+        columns: torch.Tensor | None = None,
+    ) -> None:
+        if paths.shape[1] < places:
+            restrict(guide, logits, paths, columns)
+
+    return first_only
+
+
 def walk_waits(
     settings: dict[str, object],
     prompts: list[list[int]],
@@ -134,6 +155,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dflash-guided", type=int, nargs="+", help="guided places (above)")
     parser.add_argument("--dflash-walk", type=int, nargs="+", help="rows at a time (above)")
+    parser.add_argument("--chain-guided", type=int, nargs="+", help="guided places (above)")
+    parser.add_argument("--chain-steps", type=int, default=3, help="the chain's drafts")
     args = parser.parse_args()
     target = str(family_settings(args.device, "none")["model"])
     hf = AutoTokenizer.from_pretrained(target)
@@ -156,6 +179,17 @@ def main() -> None:
                                    "speculative_num_draft_tokens": 8}),
         "dflash": ("dflash", {}),
     }  # fmt: skip
+    if args.chain_guided:
+        shape = {"speculative_num_steps": args.chain_steps}
+        settings = family_settings(args.device, "eagle3") | shape
+        for places in args.chain_guided:
+            with mock.patch.object(GrammarGuide, "restrict", first_places_guided(places)):
+                tau, tokens = acceptance(settings, prompts, schema, grammars, args.new_tokens)
+            row = {"algorithm": "eagle3 chain", "steps": args.chain_steps,
+                   "guided_places": places, "tau_schema": round(tau, 3),
+                   "tokens_schema": tokens}  # fmt: skip
+            print(json.dumps(row), flush=True)
+        return
     if args.dflash_walk:
         settings = family_settings(args.device, "dflash")
         for rows in args.dflash_walk:
