@@ -30,6 +30,8 @@ from grammar_cases import (
 
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.token_masks import (
+    WALK_CANDIDATES,
+    WALK_ROWS,
     DeviceMark,
     GrammarGuide,
     HostMasks,
@@ -478,23 +480,21 @@ def test_places_chosen_on_the_host_wait_for_the_device_only_after_one_it_could_n
     """A block of five places under ``[a-c]{3}-[0-9]{2}`` with its places' best ids handed
     over (``GrammarGuide.candidates``): the first place is masked and waits for nothing; the
     second waits and reads the path the device drew, then the host chooses each place whose
-    masked argmax is among its best ids (the place allows that id alone) and the next place
-    does not wait; a place whose best ids the grammar all refuses keeps its whole mask, and
-    the place after it waits again."""
+    masked argmax is among its best ids, or alone in its mask (the place allows that id
+    alone), and the next place does not wait; a place whose best ids the grammar all refuses
+    while its mask allows several keeps its whole mask, and the place after it waits again."""
     a, b, c, x, dash, one = (tokenizer.hf.convert_tokens_to_ids(t) for t in "abcx-1")
     waits: Counter[str] = Counter()
     monkeypatch.setattr(TokenMasks, "wait_for_device", lambda masks: waits.update(["device"]))
     host = HostMasks(TokenMasks(VOCAB, 1, 6, torch.device("cpu")))
     plan = StepPlan("decode", [], [], [], [], [], [], [], [], [], 0, True)
-    host.begin(
-        msgspec.structs.replace(plan, masked_rows=[0]),
-        RowGrammars([_start(grammars, GRAMMARS["regex"])]),
-        None,
-    )
+    rows = RowGrammars([_start(grammars, GRAMMARS["regex"])])
+    host.begin(msgspec.structs.replace(plan, masked_rows=[0]), rows, None)
     host.padded(1)
     guide = host.guide()
-    assert guide.candidate_count(1) == 64
-    best = [[a, b, c], [x, b, c], [c, x, a], [x, a, b], [one, x, a]]  # per place, best first
+    assert guide.candidate_count(1) == WALK_CANDIDATES
+    assert guide.candidate_count(WALK_ROWS + 1) == 0
+    best = [[a, b, c], [x, b, c], [x, dash, one], [x, a, b], [one, x, a]]  # best first
     guide.candidates(torch.tensor([best]))
     drawn = [a, b, c, dash, one]  # what the device draws at each place
     allowed = []
@@ -503,17 +503,25 @@ def test_places_chosen_on_the_host_wait_for_the_device_only_after_one_it_could_n
         guide.restrict(logits, torch.tensor([drawn[:place]]))
         allowed.append(set(torch.nonzero(~logits[0].isinf()).flatten().tolist()))
         assert token in allowed[-1]
-    assert allowed[0] == {a, b, c} and allowed[3] == {dash}
-    assert allowed[1] == {b} and allowed[2] == {c} and allowed[4] == {one}  # chosen
-    assert waits["device"] == 2  # at the second place, and after the fourth
+    assert allowed[0] == allowed[2] == {a, b, c}  # the device draws
+    assert allowed[1] == {b} and allowed[3] == {dash} and allowed[4] == {one}  # chosen
+    assert waits["device"] == 2  # at the second place, and after the third
 
 
-def test_the_first_allowed_best_id_is_taken_up_to_an_id_past_the_vocabulary() -> None:
+def test_a_places_masked_argmax_is_told_from_its_best_ids_or_a_mask_of_one_id() -> None:
+    """The first of the best ids the mask allows; else the mask's one id where it allows one
+    alone and the logits have no column past the vocabulary; nothing past an id beyond the
+    vocabulary."""
     words = np.zeros(4, dtype=np.uint32)
-    words[1] = 1 << 3  # id 35 allowed
-    assert _first_allowed(words, np.array([5, 35, 7]), 100) == 35
-    assert _first_allowed(words, np.array([5, 7]), 100) is None
-    assert _first_allowed(words, np.array([5, 120, 35]), 100) is None
+    words[1] = 1 << 3  # id 35 alone allowed
+    assert _first_allowed(words, np.array([5, 35, 7]), 100, narrow=True) == 35
+    assert _first_allowed(words, np.arange(40, 60), 100, narrow=True) == 35  # alone
+    assert _first_allowed(words, np.arange(40, 60), 100, narrow=False) is None
+    assert _first_allowed(words, np.array([5, 120, 35]), 100, narrow=True) is None
+    words[2] = 1  # and id 64
+    assert _first_allowed(words, np.arange(40, 60), 100, narrow=True) is None
+    late = np.concatenate([np.arange(80, 100), [64]])  # past the first look
+    assert _first_allowed(words, late, 100, narrow=True) == 64
 
 
 def test_dflash_places_chosen_on_the_host_keep_its_tokens_with_fewer_waits(

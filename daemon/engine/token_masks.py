@@ -432,13 +432,13 @@ class GrammarGuide:
     a replayed graph's fills read the step replayed).
 
     Places chosen on the host (``candidates``, a batch of ``TokenMasks.walk_rows`` rows at
-    most): a place's fill masks each grammar row as any place's, then takes the first of the
-    place's best ids its mask allows (the masked argmax, when it is among them) and leaves the
-    place that id alone, so that the device draws it; the host then knows each row's path to
-    the next place, whose fill does not wait for the device. After a place where some row's
-    masked argmax was not among its best ids (or an id past the vocabulary came first), the
-    next place waits and reads the paths the device drew. The first place waits for nothing
-    and the best ids reach the host with the second place's wait, so a step waits once, plus
+    most): a place's fill masks each grammar row as any place's, then takes its masked argmax
+    where the host can tell it (the first of the place's best ids the mask allows, or the one
+    id a mask allows alone: ``_first_allowed``) and leaves the place that id alone, so that
+    the device draws it; the host then knows each row's path to the next place, whose fill
+    does not wait for the device. After a place where it could not tell some row's, the next
+    place waits and reads the paths the device drew. The first place waits for nothing and
+    the best ids reach the host with the second place's wait, so a step waits once, plus
     once after each place the host could not choose."""
 
     def __init__(
@@ -481,6 +481,7 @@ class GrammarGuide:
         place, choices = host.shape[1], self._choices
         # Chosen places: one a batch row, whose columns are the ids.
         assert choices is None or (columns is None and choices.shape[0] == host.shape[0])
+        narrow = logits.shape[-1] <= self.masks.vocab_size
 
         def fill() -> None:
             turn = self.turn()
@@ -492,7 +493,8 @@ class GrammarGuide:
                     self.masks.allow_every(host.shape[0])
                     return
                 if best is not None and self._known is not None:
-                    self._stage_chosen(turn, place, self._walked_paths(turn, place), best)
+                    walked = self._walked_paths(turn, place)
+                    self._stage_chosen(turn, place, walked, best, narrow)
                     return
                 if marked:
                     self.paths_copied.wait()  # the forward since runs on
@@ -503,7 +505,7 @@ class GrammarGuide:
                 self.masks.stage(host.shape[0], lambda out: turn.path_masks(out, host))
                 return
             self._known = [host[row].tolist() for row in turn.plan.masked_rows]
-            self._stage_chosen(turn, place, host, best)
+            self._stage_chosen(turn, place, host, best, narrow)
 
         self.holes.wait(fill)
         self.masks.apply_staged(logits, columns)
@@ -516,10 +518,16 @@ class GrammarGuide:
         return paths
 
     def _stage_chosen(
-        self, turn: HostTurn, place: int, paths: torch.Tensor, choices: torch.Tensor
+        self,
+        turn: HostTurn,
+        place: int,
+        paths: torch.Tensor,
+        choices: torch.Tensor,
+        narrow: bool,
     ) -> None:
-        """Stage ``place``'s masks after ``paths``, each grammar row's cut to the first of
-        its best ids the mask allows, and note the chosen ids (``_known``)."""
+        """Stage ``place``'s masks after ``paths``, each grammar row's cut to its masked
+        argmax where the host can tell it (``_first_allowed``; ``narrow``: the logits have
+        no column past the vocabulary), and note the chosen ids (``_known``)."""
         known = self._known
         assert known is not None
         best = choices[:, place].numpy()  # [bs, k]
@@ -528,7 +536,7 @@ class GrammarGuide:
             filled = turn.path_masks(out, paths)
             words = out.numpy().view(np.uint32)
             for i, row in enumerate(turn.plan.masked_rows):
-                token = _first_allowed(words[row], best[row], self.masks.vocab_size)
+                token = _first_allowed(words[row], best[row], self.masks.vocab_size, narrow)
                 if token is None:  # the device draws this place: the next one waits
                     self._known = None
                     break
@@ -540,20 +548,38 @@ class GrammarGuide:
         self.masks.stage_apart(place, turn.bs, chosen)
 
 
-def _first_allowed(words: np.ndarray, best: np.ndarray, vocab_size: int) -> int | None:
-    """The first of ``best`` (ids, best first) that mask row ``words`` allows; None where
-    none does, or an id past the vocabulary comes first (its column is never masked, so the
-    device might draw it over any id chosen after it)."""
+def _first_allowed(
+    words: np.ndarray, best: np.ndarray, vocab_size: int, narrow: bool
+) -> int | None:
+    """The masked argmax of a place, where the host can tell it: the first of ``best`` (ids,
+    best first) that mask row ``words`` allows, else the one id the mask allows where it
+    allows one alone and the logits are ``narrow`` (no column past the vocabulary, which no
+    mask covers); None otherwise, and where an id past the vocabulary comes first (its column
+    might outrank any id chosen after it)."""
     past = np.flatnonzero(best >= vocab_size)
     ids = best[: past[0]] if past.size else best
-    allowed = np.flatnonzero((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1)
-    return int(ids[allowed[0]]) if allowed.size else None
+    for part in (ids[:_FIRST_LOOK], ids[_FIRST_LOOK:]):  # most places take one of the first
+        allowed = np.flatnonzero((words[part >> 5] >> (part & 31).astype(np.uint32)) & 1)
+        if allowed.size:
+            return int(part[allowed[0]])
+    if past.size or not narrow:
+        return None
+    word = np.flatnonzero(words)
+    if word.size != 1 or int(words[word[0]]).bit_count() != 1:
+        return None
+    return int(word[0]) * 32 + int(words[word[0]]).bit_length() - 1
 
 
 # Places chosen on the host (GrammarGuide): the batch rows up to which a step hands over its
 # places' best ids, and how many a place. With the embedded family's trained DFlash draft
 # under the review schema the masked argmax was the draft's own best at 33.5 % of guided
-# places, among its 8 best at 55.2 % and among its 64 best at 82.3 % (BENCHMARKS.md); a
-# step waits after each place where some row's was not, so more rows choose less often.
-WALK_ROWS = 8
-WALK_CANDIDATES = 64
+# places and among its 8 best at 55.2 % (BENCHMARKS.md), so a place looks at its first
+# ``_FIRST_LOOK`` ids before the rest. A step waits after each place where some row's was
+# not among them (nor alone in its mask): with 64 ids 1.682 waits a step at one row and
+# 3.404 at four, with 256 1.035 and 1.763, with 1,024 0.811 and 1.070 (without the ids 4.4
+# and 5.6). With 256 ids and the mask of one id the guide waits 1.0 to 2.3 times a step from
+# one row to 32, against 4.4 to 5.8 (BENCHMARKS.md): the rows are the widest batch those
+# figures cover.
+WALK_ROWS = 32
+WALK_CANDIDATES = 256
+_FIRST_LOOK = 16
