@@ -36,7 +36,7 @@ from outrider.daemon.engine.token_masks import (
     GrammarGuide,
     HostMasks,
     TokenMasks,
-    _first_allowed,
+    _told_argmax,
 )
 from outrider.daemon.grammar import state as state_module
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
@@ -509,19 +509,22 @@ def test_places_chosen_on_the_host_wait_for_the_device_only_after_one_it_could_n
 
 
 def test_a_places_masked_argmax_is_told_from_its_best_ids_or_a_mask_of_one_id() -> None:
-    """The first of the best ids the mask allows; else the mask's one id where it allows one
-    alone and the logits have no column past the vocabulary; nothing past an id beyond the
-    vocabulary."""
-    words = np.zeros(4, dtype=np.uint32)
-    words[1] = 1 << 3  # id 35 alone allowed
-    assert _first_allowed(words, np.array([5, 35, 7]), 100, narrow=True) == 35
-    assert _first_allowed(words, np.arange(40, 60), 100, narrow=True) == 35  # alone
-    assert _first_allowed(words, np.arange(40, 60), 100, narrow=False) is None
-    assert _first_allowed(words, np.array([5, 120, 35]), 100, narrow=True) is None
-    words[2] = 1  # and id 64
-    assert _first_allowed(words, np.arange(40, 60), 100, narrow=True) is None
-    late = np.concatenate([np.arange(80, 100), [64]])  # past the first look
-    assert _first_allowed(words, late, 100, narrow=True) == 64
+    """Per row: the first of its best ids the mask allows; else the mask's one id where it
+    allows one alone and the logits have no column past the vocabulary; -1 otherwise, and
+    past an id beyond the vocabulary."""
+    words = np.zeros((3, 4), dtype=np.uint32)
+    words[0, 1] = 1 << 3  # row 0: id 35 alone
+    words[2, 1] = 1 << 3
+    words[2, 2] = 1  # row 2: ids 35 and 64
+    rows = np.array([0, 2])
+
+    def told(best: list[list[int]], narrow: bool = True) -> list[int]:
+        return _told_argmax(words, rows, np.array(best), 100, narrow).tolist()
+
+    assert told([[5, 35, 7], [64, 35, 7]]) == [35, 64]
+    assert told([[40, 41, 42], [40, 41, 42]]) == [35, -1]  # row 0's mask: 35 alone
+    assert told([[40, 41, 42], [40, 41, 42]], narrow=False) == [-1, -1]
+    assert told([[5, 120, 35], [7, 35, 120]]) == [-1, 35]  # an id past the vocabulary first
 
 
 def test_dflash_places_chosen_on_the_host_keep_its_tokens_with_fewer_waits(

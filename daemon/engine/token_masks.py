@@ -434,7 +434,7 @@ class GrammarGuide:
     Places chosen on the host (``candidates``, a batch of ``TokenMasks.walk_rows`` rows at
     most): a place's fill masks each grammar row as any place's, then takes its masked argmax
     where the host can tell it (the first of the place's best ids the mask allows, or the one
-    id a mask allows alone: ``_first_allowed``) and leaves the place that id alone, so that
+    id a mask allows alone: ``_told_argmax``) and leaves the place that id alone, so that
     the device draws it; the host then knows each row's path to the next place, whose fill
     does not wait for the device. After a place where it could not tell some row's, the next
     place waits and reads the paths the device drew. The first place waits for nothing and
@@ -526,60 +526,67 @@ class GrammarGuide:
         narrow: bool,
     ) -> None:
         """Stage ``place``'s masks after ``paths``, each grammar row's cut to its masked
-        argmax where the host can tell it (``_first_allowed``; ``narrow``: the logits have
-        no column past the vocabulary), and note the chosen ids (``_known``)."""
+        argmax where the host can tell it (``_told_argmax``; ``narrow``: the logits have no
+        column past the vocabulary), and note the chosen ids (``_known``; -1 where the
+        device draws: the list is then dropped)."""
         known = self._known
         assert known is not None
-        best = choices[:, place].numpy()  # [bs, k]
+        rows = np.asarray(turn.plan.masked_rows, dtype=np.int64)
+        best = choices[:, place].numpy()[rows]  # [grammar rows, k]
 
         def chosen(out: torch.Tensor) -> Sequence[int]:
             filled = turn.path_masks(out, paths)
             words = out.numpy().view(np.uint32)
-            for i, row in enumerate(turn.plan.masked_rows):
-                token = _first_allowed(words[row], best[row], self.masks.vocab_size, narrow)
-                if token is None:  # the device draws this place: the next one waits
-                    self._known = None
-                    break
-                words[row] = 0
-                words[row, token >> 5] = 1 << (token & 31)
-                known[i].append(token)
+            told = _told_argmax(words, rows, best, self.masks.vocab_size, narrow)
+            if (told < 0).any():  # the device draws those places: the next one waits
+                self._known = None
+            took = told >= 0
+            ids = told[took]
+            words[rows[took]] = 0
+            words[rows[took], ids >> 5] = np.left_shift(1, ids & 31).astype(np.uint32)
+            for ids_so_far, token in zip(known, told.tolist(), strict=True):
+                ids_so_far.append(token)
             return filled
 
         self.masks.stage_apart(place, turn.bs, chosen)
 
 
-def _first_allowed(
-    words: np.ndarray, best: np.ndarray, vocab_size: int, narrow: bool
-) -> int | None:
-    """The masked argmax of a place, where the host can tell it: the first of ``best`` (ids,
-    best first) that mask row ``words`` allows, else the one id the mask allows where it
-    allows one alone and the logits are ``narrow`` (no column past the vocabulary, which no
-    mask covers); None otherwise, and where an id past the vocabulary comes first (its column
-    might outrank any id chosen after it)."""
-    past = np.flatnonzero(best >= vocab_size)
-    ids = best[: past[0]] if past.size else best
-    for part in (ids[:_FIRST_LOOK], ids[_FIRST_LOOK:]):  # most places take one of the first
-        allowed = np.flatnonzero((words[part >> 5] >> (part & 31).astype(np.uint32)) & 1)
-        if allowed.size:
-            return int(part[allowed[0]])
-    if past.size or not narrow:
-        return None
-    word = np.flatnonzero(words)
-    if word.size != 1 or int(words[word[0]]).bit_count() != 1:
-        return None
-    return int(word[0]) * 32 + int(words[word[0]]).bit_length() - 1
+def _told_argmax(
+    words: np.ndarray, rows: np.ndarray, best: np.ndarray, vocab_size: int, narrow: bool
+) -> np.ndarray:
+    """Per row ``rows[i]`` of mask rows ``words`` (uint32 words), its place's masked argmax
+    where the host can tell it, else -1: the first of its best ids ``best[i]`` (best first)
+    the mask allows, before any id past the vocabulary (whose column no mask covers: it
+    might outrank an id chosen after it); else, where the logits are ``narrow`` (no column
+    past the vocabulary) and none of its ids is past it, the one id its mask allows alone."""
+    inside = np.logical_and.accumulate(best < vocab_size, axis=1)
+    ids = np.where(inside, best, 0)
+    bits = (words[rows[:, None], ids >> 5] >> (ids & 31).astype(np.uint32)) & 1
+    allowed = bits.astype(bool) & inside
+    told = np.where(
+        allowed.any(axis=1), np.take_along_axis(best, allowed.argmax(1)[:, None], 1)[:, 0], -1
+    )
+    if narrow:
+        for i in np.flatnonzero((told < 0) & inside[:, -1]):
+            told[i] = _alone(words[rows[i]])
+    return told
+
+
+def _alone(words: np.ndarray) -> int:
+    """The id mask row ``words`` allows where it allows one alone, else -1."""
+    nonzero = np.flatnonzero(words)
+    if nonzero.size != 1 or int(words[nonzero[0]]).bit_count() != 1:
+        return -1
+    return int(nonzero[0]) * 32 + int(words[nonzero[0]]).bit_length() - 1
 
 
 # Places chosen on the host (GrammarGuide): the batch rows up to which a step hands over its
 # places' best ids, and how many a place. With the embedded family's trained DFlash draft
-# under the review schema the masked argmax was the draft's own best at 33.5 % of guided
-# places and among its 8 best at 55.2 % (BENCHMARKS.md), so a place looks at its first
-# ``_FIRST_LOOK`` ids before the rest. A step waits after each place where some row's was
-# not among them (nor alone in its mask): with 64 ids 1.682 waits a step at one row and
-# 3.404 at four, with 256 1.035 and 1.763, with 1,024 0.811 and 1.070 (without the ids 4.4
-# and 5.6). With 256 ids and the mask of one id the guide waits 1.0 to 2.3 times a step from
-# one row to 32, against 4.4 to 5.8 (BENCHMARKS.md): the rows are the widest batch those
-# figures cover.
+# under the review schema (BENCHMARKS.md) a step waits after each place where some row's
+# masked argmax was not among them (nor alone in its mask): with 64 ids 1.682 waits a step
+# at one row and 3.404 at four, with 256 1.035 and 1.763, with 1,024 0.811 and 1.070
+# (without the ids 4.4 and 5.6). With 256 ids and the masks of one id the guide waits 1.0 to
+# 2.3 times a step from one row to 32, against 4.4 to 5.8: the rows are the widest batch
+# those figures cover.
 WALK_ROWS = 32
 WALK_CANDIDATES = 256
-_FIRST_LOOK = 16
