@@ -36,7 +36,8 @@ Invariants:
   the host waits for each place's path, copied before the forward of the place's logits
   where the worker runs one: ``DraftGuide.prepare``; where the worker hands over each
   place's best ids, DFlash's greedy block, the host chooses the places whose masked argmax
-  is among them and waits only after one it could not: ``DraftGuide.candidates``), but not
+  is among them or alone in the mask, and waits only after one it could not tell:
+  ``DraftGuide.candidates``), but not
   inside free text (a string:
   the mask allows most of the vocabulary), where a mask costs the most and the draft's own
   choice is almost always allowed: a place below one whose mask is free text takes none, a

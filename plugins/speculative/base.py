@@ -21,8 +21,9 @@ worker's code around the calls stays device work only, as anywhere in a step. A 
 runs a forward between two places hands the next place's paths to ``prepare`` before that
 forward: the host then computes their masks while the forward runs. A worker whose places'
 logits are all known before the first (DFlash) hands their best ids to ``candidates``: the
-host then chooses the places whose masked argmax is among them itself, and waits for the
-device only after a place it could not choose. Guides come on one rank only.
+host then chooses itself the places whose masked argmax it can tell (among those ids, or
+alone in the mask), and waits for the device only after a place it could not. Guides come
+on one rank only.
 
 KV of a row starting at ``seq`` (its committed length) during a decode batch::
 
@@ -135,9 +136,10 @@ class DraftGuide(Protocol):
         """Each draft place's best ids, ``[bs, n, k]`` best first (``k`` from
         ``candidate_count``), handed over before a step's first ``restrict`` by a worker that
         takes the argmax of each place and whose places' logits do not depend on the drafts
-        before them (DFlash's block). Where a row's masked argmax is among them, the guide
-        chooses it on the host and leaves the place that one id, so that it knows the path to
-        the next place without waiting for the device (an optional call)."""
+        before them (DFlash's block). Where it can tell a row's masked argmax (among them, or
+        alone in the mask), the guide chooses it on the host and leaves the place that one
+        id, so that it knows the path to the next place without waiting for the device (an
+        optional call)."""
 
 
 @dataclass(frozen=True)
