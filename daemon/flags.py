@@ -153,7 +153,8 @@ _HELP: dict[str, str] = {
     "step_timeout": "seconds a step may run before the systemd watchdog pings stop",
     "step_log": (
         "append a JSON line per loop turn to FILE (the step's kind, rows, tokens, width and "
-        "riders; planning and waiting milliseconds): where latency goes"
+        "riders; planning and waiting milliseconds; a constrained step's host mask time and "
+        "waits): where latency goes"
     ),
     "log_level": "log level of the daemon and its children",
     "seed": "seed of --load-format dummy weights",

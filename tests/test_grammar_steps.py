@@ -5,6 +5,7 @@ tokens."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +17,7 @@ from engine_harness import (
     Outcome,
     debug_checks_fixture,
     engine_for,
+    record_launches,
     run,
 )
 from grammar_cases import (
@@ -207,3 +209,33 @@ def test_steps_with_grammar_rows_replay_graphs_in_segments(
         # copied (before the forwards of their logits), after the drafts' copy, before the
         # verify.
         assert all(cuts[key] % 7 == 0 for key in drafting), cuts
+
+
+@pytest.mark.parametrize("algorithm", ["none", "eagle3 chain"])
+def test_the_step_log_gives_each_constrained_steps_host_mask_work(
+    model_dir: Path, grammars: Grammars, drafts: dict[str, str], algorithm: str, tmp_path: Path
+) -> None:
+    """A decode step holding grammar rows logs its host's mask time and its waits for the
+    device (those a GPU would make): none for a plain step (its masks wait only for the step
+    before); for the EAGLE-3 chain's drafting steps the second and third draft places' paths
+    (where a row guides them) and the verify nodes' drafts, so one to three. Other steps log
+    none (a prompt chunk's masks come in its plan)."""
+    settings: dict[str, object] = {"step_log": str(tmp_path / "steps.jsonl")}
+    if algorithm != "none":
+        settings |= {**DRAFT_ALGORITHMS[algorithm], "draft_model": drafts["eagle3"]}
+    engine = engine_for(str(model_dir), **settings)
+    launched = record_launches(engine.loop.runner)
+    run(engine, grammar_requests(), grammars=grammars)
+    engine.loop.close()
+    steps = [line for line in map(json.loads, (tmp_path / "steps.jsonl").open()) if "kind" in line]
+    assert len(steps) == len(launched)
+    widths = Counter()
+    for step, plan in zip(steps, launched, strict=True):
+        if plan.kind != "decode" or not plan.masked_rows:
+            assert "mask_waits" not in step, step
+            continue
+        widths[step["width"]] += 1
+        waits = step["mask_waits"]
+        assert waits == 0 if step["width"] == 1 else 1 <= waits <= 3, step
+        assert 0 < step["mask_fill_ms"] <= step["turn_ms"] and step["mask_wait_ms"] >= 0
+    assert widths[1 if algorithm == "none" else 4], widths

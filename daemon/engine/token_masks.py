@@ -37,6 +37,7 @@ The host waits inside a step only in these fills (``syncs_allowed``, sync_check.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -187,12 +188,43 @@ def masked_copy(logits: torch.Tensor, adjusted: torch.Tensor | None) -> torch.Te
     return adjusted if adjusted is not None else logits.float().clone()
 
 
+@dataclass
+class HostTimes:
+    """The host's mask work inside the steps launched since the last ``take`` (the step
+    log's, scheduler/step_log.py): seconds filling masks and queueing their copies
+    (``fill_s``), seconds waiting for the device inside the fills (``wait_s``) and how many
+    such waits (``waits``; on the CPU, where a wait returns at once, those a GPU would make).
+    The step before's processing, which the first fill of a step may run (``settle``), is
+    neither."""
+
+    fill_s: float = 0.0
+    wait_s: float = 0.0
+    waits: int = 0
+
+    def take(self) -> HostTimes:
+        """The times so far, then zeros."""
+        taken = replace(self)
+        self.fill_s, self.wait_s, self.waits = 0.0, 0.0, 0
+        return taken
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """A wait for the device, timed and counted."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_s += time.perf_counter() - start
+            self.waits += 1
+
+
 class TokenMasks:
     def __init__(self, vocab_size: int, rows: int, width: int, device: torch.device) -> None:
         """``rows``: the most a decode batch has, padding included; ``width``: its tokens a
         row (verify nodes, or draft places at one depth)."""
         self.vocab_size = vocab_size
         self.device = device
+        self.times = HostTimes()
         self._shifts = torch.arange(_BITS, dtype=torch.int32, device=device)
         words = -(-vocab_size // _BITS)
         cuda = device.type == "cuda"
@@ -236,11 +268,13 @@ class TokenMasks:
 
     def _send(self, host: torch.Tensor, fill: MaskFill) -> None:
         """``fill`` into ``host`` (rows it leaves allow every token), queued into ``staged``."""
+        start = time.perf_counter()
         n = host.shape[0]
         filled = fill(host)
         if len(filled) < n:
             host[sorted(set(range(n)).difference(filled))] = -1
         self.staged[:n].copy_(host, non_blocking=True)
+        self.times.fill_s += time.perf_counter() - start
 
     def allow_every(self, n: int) -> None:
         """Queue every token allowed in ``n`` staged rows: device work alone, so that a fill
@@ -292,9 +326,10 @@ class TokenMasks:
 
     def wait_for_device(self) -> None:
         """The host waits for the work queued (a fill reading what was copied to it)."""
-        if self.device.type == "cuda":
-            with syncs_allowed(self.device):
-                torch.cuda.current_stream().synchronize()
+        with self.times.waiting():
+            if self.device.type == "cuda":
+                with syncs_allowed(self.device):
+                    torch.cuda.current_stream().synchronize()
 
     def apply(self, choose: torch.Tensor, rows: list[int], masks: bytes) -> None:
         """Eagerly: set to -inf, in ``choose`` (``[R, V]``), every logit of row ``rows[i]``
@@ -330,10 +365,11 @@ def _leading(buffer: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 class DeviceMark:
     """A point of a step's device work the host may wait for: an event recorded there (at
     once eagerly, between two segments of a replayed graph); nothing to wait for on the
-    CPU."""
+    CPU. Waits are timed into ``times``."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, times: HostTimes) -> None:
         self.device = device
+        self.times = times
         self.event = torch.cuda.Event() if device.type == "cuda" else None
 
     def record(self) -> None:
@@ -341,9 +377,10 @@ class DeviceMark:
             self.event.record()
 
     def wait(self) -> None:
-        if self.event is not None:
-            with syncs_allowed(self.device):
-                self.event.synchronize()
+        with self.times.waiting():
+            if self.event is not None:
+                with syncs_allowed(self.device):
+                    self.event.synchronize()
 
 
 def _no_plan() -> StepPlan:
@@ -359,8 +396,9 @@ class HostMasks:
         self.masks = masks
         self.holes = MaskHoles()
         self.turn = HostTurn(_no_plan(), 0, None)
-        self.drafts_copied = DeviceMark(masks.device)  # a drafting step's drafts on the host
-        self.paths_copied = DeviceMark(masks.device)  # a prepared draft place's paths alike
+        # A drafting step's drafts on the host; a prepared draft place's paths alike.
+        self.drafts_copied = DeviceMark(masks.device, masks.times)
+        self.paths_copied = DeviceMark(masks.device, masks.times)
 
     def begin(
         self, plan: StepPlan, grammar: GrammarRows | None, settle: Callable[[], None] | None

@@ -57,6 +57,7 @@ class EngineLoop:
         scheduled = time.perf_counter()
         settle = _Settle(self, self.in_flight)
         launched = self._launch(planned, settle) if planned is not None else None
+        masks = self.runner.token_masks.times.take()  # the launch's own
         settle()
         self.in_flight = launched
         if not self.overlap and launched is not None:
@@ -67,7 +68,7 @@ class EngineLoop:
             self.scheduler.check_integrity()
         if self.step_log is not None:
             ended, waiting = time.perf_counter(), len(self.scheduler.waiting)
-            self.step_log.turn(started, scheduled, ended, self._waited, planned, waiting)
+            self.step_log.turn(started, scheduled, ended, self._waited, planned, waiting, masks)
         return self.scheduler.take_updates()
 
     def close(self) -> None:

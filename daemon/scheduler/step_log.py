@@ -8,7 +8,11 @@ turn launched a step, ``kind`` (``extend`` or ``decode``), ``rows``, ``tokens``,
 decode step's tokens a row: 1 for a plain step), ``riders`` (decoding rows riding a prompt
 batch), ``unfed`` (rows that do not feed the draft), ``sampling`` (``greedy``; ``sampled``;
 ``cut``: a sampled row cuts by top-k or top-p, so the step sorts) and ``waiting`` (requests
-queued for admission at the turn's end). A turn that launched nothing has only the timings.
+queued for admission at the turn's end); where the step took grammar masks from the host,
+``mask_fill_ms`` (the host filling them and queueing their copies), ``mask_wait_ms`` (its
+waits for the device inside the step) and ``mask_waits`` (how many; on the CPU, those a GPU
+would make: engine/token_masks.py's ``HostTimes``). A turn that launched nothing has only the
+timings.
 
 Invariant: the log only observes; nothing the loop decides reads it. Lines are written in turn
 order and flushed at least once a second, and when the log closes.
@@ -21,6 +25,7 @@ import time
 from typing import TextIO
 
 from outrider.daemon.engine.plan import StepPlan
+from outrider.daemon.engine.token_masks import HostTimes
 from outrider.daemon.scheduler.planner import Planned
 
 FLUSH_EVERY_S = 1.0
@@ -45,10 +50,11 @@ class StepLog:
         waited: float,
         planned: Planned | None,
         waiting: int,
+        masks: HostTimes | None = None,
     ) -> None:
         """One turn: ``perf_counter`` times of its start, of its plan's return and of its end,
-        the seconds it waited for results, the step it launched (None: none) and the queue's
-        length at its end."""
+        the seconds it waited for results, the step it launched (None: none), the queue's
+        length at its end and the host's mask work inside the launch."""
         line: dict[str, object] = {
             "t": round(started - self.opened, 6),
             "turn_ms": round((ended - started) * 1e3, 3),
@@ -68,6 +74,12 @@ class StepLog:
                 "sampling": _sampling(plan),
                 "waiting": waiting,
             }
+            if masks is not None and (masks.waits or masks.fill_s):
+                line |= {
+                    "mask_fill_ms": round(masks.fill_s * 1e3, 3),
+                    "mask_wait_ms": round(masks.wait_s * 1e3, 3),
+                    "mask_waits": masks.waits,
+                }
         self.out.write(json.dumps(line) + "\n")
         if ended - self.flushed >= FLUSH_EVERY_S:
             self.out.flush()
