@@ -56,8 +56,10 @@ class EngineLoop:
         planned = self.scheduler.schedule()
         scheduled = time.perf_counter()
         settle = _Settle(self, self.in_flight)
+        times = self.runner.token_masks.times
+        times.take()  # not this launch's: start-up's graph captures
         launched = self._launch(planned, settle) if planned is not None else None
-        masks = self.runner.token_masks.times.take()  # the launch's own
+        masks = times.take()  # the launch's own
         settle()
         self.in_flight = launched
         if not self.overlap and launched is not None:
