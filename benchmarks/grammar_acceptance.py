@@ -39,7 +39,8 @@ from transformers import AutoTokenizer
 
 from outrider.daemon.config import ServeConfig
 from outrider.daemon.engine.build import build_engine
-from outrider.daemon.engine.token_masks import GrammarGuide, TokenMasks
+from outrider.daemon.engine.host_masks import GrammarGuide
+from outrider.daemon.engine.token_masks import TokenMasks
 from outrider.daemon.grammar.compiler import Grammars
 from outrider.daemon.internal import own_request
 from outrider.plugins.speculative.base import DecodeView, Drafts

@@ -28,16 +28,9 @@ from grammar_cases import (
     grammar_requests,
 )
 
+from outrider.daemon.engine.host_masks import DeviceMark, GrammarGuide, HostMasks, _told_argmax
 from outrider.daemon.engine.plan import StepPlan
-from outrider.daemon.engine.token_masks import (
-    WALK_CANDIDATES,
-    WALK_ROWS,
-    DeviceMark,
-    GrammarGuide,
-    HostMasks,
-    TokenMasks,
-    _told_argmax,
-)
+from outrider.daemon.engine.token_masks import WALK_CANDIDATES, WALK_ROWS, TokenMasks
 from outrider.daemon.grammar import state as state_module
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue

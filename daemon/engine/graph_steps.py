@@ -17,12 +17,12 @@ from functools import partial
 import torch
 
 from outrider.daemon.engine.graphs import DecodeGraphs, GraphKey
+from outrider.daemon.engine.host_masks import HostMasks
 from outrider.daemon.engine.inputs import InputBuffers, StepInputs, host_values
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
 from outrider.daemon.engine.slots import KnownStarts, SlotState
 from outrider.daemon.engine.timing import PhaseTimer
-from outrider.daemon.engine.token_masks import HostMasks
 from outrider.plugins.attention.base import AttentionBackend, GraphBounds
 
 # The runner's eager decode step over staged inputs, with the KV bound of its layouts.

@@ -15,9 +15,10 @@ samples from the adjusted logits (penalties.py); grammar rows sample from a mask
 (token_masks.py). A decode step with grammar rows waits for their masks from the host (a
 ``MaskHoles`` wait: the host's fill there, between two segments of its graph when replayed):
 a plain step between its logits and its sampling, a drafting step before each draft place
-its worker chooses under the ``GrammarGuide`` and before its verify. The masks come in the
-plan, or from the grammar states once the launch's ``settle`` has processed the step before
-(scheduler/loop.py): the host does that work while the device runs what was queued first.
+its worker chooses under the ``GrammarGuide`` (host_masks.py) and before its verify. The
+masks come in the plan, or from the grammar states once the launch's ``settle`` has
+processed the step before (scheduler/loop.py): the host does that work while the device
+runs what was queued first.
 Inputs live in fixed device buffers (inputs.py), per-slot state in ``SlotState`` (slots.py),
 the accept rule in ``Verifier`` (verify.py), result copies in ``ResultCopies`` (results.py);
 graph replays and captures of decode batches in ``GraphSteps`` (graph_steps.py), deferred
@@ -55,6 +56,7 @@ from outrider.daemon.engine.catch_up import CatchUpRunner
 from outrider.daemon.engine.deferred import DeferredCatchUp
 from outrider.daemon.engine.graph_steps import GraphPlanning, GraphSteps
 from outrider.daemon.engine.graphs import DecodeGraphs
+from outrider.daemon.engine.host_masks import HostMasks
 from outrider.daemon.engine.inputs import (
     Capacity,
     InputBuffers,
@@ -68,7 +70,7 @@ from outrider.daemon.engine.results import Launched, ResultCopies, StepResults
 from outrider.daemon.engine.slots import HostStarts, KnownStarts, SlotState
 from outrider.daemon.engine.sync_check import sync_checked
 from outrider.daemon.engine.timing import PhaseTimer
-from outrider.daemon.engine.token_masks import GrammarRows, HostMasks, TokenMasks, masked_copy
+from outrider.daemon.engine.token_masks import GrammarRows, TokenMasks, masked_copy
 from outrider.daemon.engine.verify import Verifier
 from outrider.plugins.api import Phase, StepShape
 from outrider.plugins.attention.base import AttentionBackend

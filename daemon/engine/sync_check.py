@@ -2,7 +2,7 @@
 host synchronisation inside it (``sync_checked``), but for the waits made on purpose
 (``syncs_allowed``): a graph's capture, and the host's grammar-mask fills inside a step,
 which wait for the step before's results and for the paths and drafts copied to the host
-(token_masks.py).
+(host_masks.py).
 
 Only a check that is on is lifted: setting torch's sync debug mode at all warns that it is a
 prototype."""
