@@ -28,7 +28,13 @@ from grammar_cases import (
     grammar_requests,
 )
 
-from outrider.daemon.engine.host_masks import DeviceMark, GrammarGuide, HostMasks, _told_argmax
+from outrider.daemon.engine.host_masks import (
+    DeviceMark,
+    GrammarGuide,
+    HostMasks,
+    _alone,
+    _told_argmax,
+)
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.token_masks import WALK_CANDIDATES, WALK_ROWS, TokenMasks
 from outrider.daemon.grammar import state as state_module
@@ -518,6 +524,10 @@ def test_a_places_masked_argmax_is_told_from_its_best_ids_or_a_mask_of_one_id() 
     assert told([[40, 41, 42], [40, 41, 42]]) == [35, -1]  # row 0's mask: 35 alone
     assert told([[40, 41, 42], [40, 41, 42]], narrow=False) == [-1, -1]
     assert told([[5, 120, 35], [7, 35, 120]]) == [-1, 35]  # an id past the vocabulary first
+    lone = np.zeros((3, 4), dtype=np.uint32)
+    lone[0, 1] = 1 << 31  # id 63 alone
+    lone[1, 0] = 0b11  # ids 0 and 1
+    assert _alone(lone).tolist() == [63, -1, -1]
 
 
 def test_dflash_places_chosen_on_the_host_keep_its_tokens_with_fewer_waits(

@@ -282,14 +282,18 @@ def _told_argmax(
         allowed.any(axis=1), np.take_along_axis(best, allowed.argmax(1)[:, None], 1)[:, 0], -1
     )
     if narrow:
-        for i in np.flatnonzero((told < 0) & inside[:, -1]):
-            told[i] = _alone(words[rows[i]])
+        lone = np.flatnonzero((told < 0) & inside[:, -1])
+        told[lone] = _alone(words[rows[lone]])
     return told
 
 
-def _alone(words: np.ndarray) -> int:
-    """The id mask row ``words`` allows where it allows one alone, else -1."""
-    nonzero = np.flatnonzero(words)
-    if nonzero.size != 1 or int(words[nonzero[0]]).bit_count() != 1:
-        return -1
-    return int(nonzero[0]) * 32 + int(words[nonzero[0]]).bit_length() - 1
+def _alone(words: np.ndarray) -> np.ndarray:
+    """Per mask row of ``words`` (uint32 words ``[n, W]``), the id it allows where it allows
+    one alone, else -1 (all rows at once: a row's own numpy calls cost microseconds)."""
+    nonzero = words != 0
+    word = nonzero.argmax(axis=1)
+    value = words[np.arange(words.shape[0]), word].astype(np.int64)
+    one = (np.count_nonzero(nonzero, axis=1) == 1) & (value & (value - 1) == 0)
+    # A single set bit's index: exact in float64 for 32-bit values.
+    bit = np.log2(np.maximum(value, 1)).astype(np.int64)
+    return np.where(one, word * 32 + bit, -1)
