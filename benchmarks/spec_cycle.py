@@ -10,7 +10,8 @@ size: ``benchmarks/wide_tokenizer.py``) each engine runs its batch a second time
 row constrained, to an array of at least ``--items`` documents of the schema (so that no row
 ends within the timed turns). ``--trace DIR`` writes a profiler trace of a few turns of each
 run (``DIR/<algorithm>-<batch>-<free|constrained>.json``, for chrome://tracing or Perfetto)
-and prints the host's top functions by their own time over as many more.
+and prints the host's top functions by their own time over as many more (the whole
+profile beside the trace: ``.prof``, for ``pstats``).
 
     python benchmarks/spec_cycle.py --model Llama-3.1-8B-Instruct.config.json \\
         --algorithm eagle3 --draft-model Llama-3.1-8B-EAGLE3.config.json --batch 1 32
@@ -165,7 +166,7 @@ def measure(
 
 def _trace(engine: Engine, path: Path) -> None:
     """A profiler trace of ``TRACED_TURNS`` turns to ``path``, then the host's top functions
-    by own time over as many more (printed)."""
+    by own time over as many more (printed; the whole profile beside the trace, ``.prof``)."""
     loop = engine.loop
     activities = [torch.profiler.ProfilerActivity.CPU]
     if engine.config.device == "cuda":
@@ -183,6 +184,7 @@ def _trace(engine: Engine, path: Path) -> None:
     _synchronize(engine)
     host.disable()
     print(f"host functions over {TRACED_TURNS} turns ({path.stem}):", flush=True)
+    host.dump_stats(path.with_suffix(".prof"))
     pstats.Stats(host).sort_stats("tottime").print_stats(25)
 
 
