@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -28,12 +29,14 @@ from grammar_cases import (
     grammar_requests,
 )
 
+from outrider.daemon.engine import host_masks
 from outrider.daemon.engine.host_masks import (
     DeviceMark,
     GrammarGuide,
     HostMasks,
     _alone,
     _told_argmax,
+    block_guided,
 )
 from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.engine.token_masks import WALK_CANDIDATES, WALK_ROWS, TokenMasks
@@ -555,6 +558,47 @@ def test_dflash_places_chosen_on_the_host_keep_its_tokens_with_fewer_waits(
                 assert tokens == expected[req.rid], (walk, req.rid)
             counted[walk] = waits["device"]
     assert counted[False] > counted[True] > 0, counted
+
+
+def test_a_block_guides_fewer_places_the_more_grammar_rows_it_holds() -> None:
+    """Seven places up to 13 rows, then fewer as the masks a step would take pass 96, and
+    never fewer than three."""
+    assert [block_guided(rows) for rows in (0, 1, 13, 14, 16, 24, 32, 256)] == [
+        7, 7, 7, 6, 6, 4, 3, 3,
+    ]  # fmt: skip
+
+
+def test_a_dflash_block_past_its_guided_places_keeps_its_tokens(
+    model_dir: Path, grammars: Grammars, drafts: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DFlash's greedy blocks under every grammar with two places guided: the tokens are the
+    plain engine's, and no place past the second takes the host's masks (it allows every
+    token; the verify nodes mask the drafts there), where later places take them by
+    default."""
+    placed: list[int] = []
+    stage_apart = TokenMasks.stage_apart
+
+    def recorded(masks: TokenMasks, place: int, n: int, fill: Callable[..., object]) -> None:
+        placed.append(place)
+        stage_apart(masks, place, n, fill)  # type: ignore[arg-type]  # passed through
+
+    monkeypatch.setattr(TokenMasks, "stage_apart", recorded)
+    settings = {**DRAFT_ALGORITHMS["dflash"], "draft_model": drafts["dflash"]}
+    plain = engine_for(str(model_dir), no_overlap=True)
+    constrained = [r for r in grammar_requests() if r.grammar is not None]
+    expected = {r.rid: run(plain, [r], grammars=grammars)[r.rid].token_ids for r in constrained}
+    furthest = {}
+    for guided in (None, (2, 2)):
+        with monkeypatch.context() as patch:
+            if guided is not None:
+                patch.setattr(host_masks, "BLOCK_GUIDED_PLACES", guided)
+            engine = engine_for(str(model_dir), no_overlap=True, **settings)
+            placed.clear()
+            for req in constrained:
+                tokens = run(engine, [req], grammars=grammars)[req.rid].token_ids
+                assert tokens == expected[req.rid], (guided, req.rid)
+            furthest[guided] = max(placed)
+    assert furthest[(2, 2)] == 1 < furthest[None], furthest
 
 
 def test_a_chain_walks_each_draft_once_and_its_commit_starts_from_the_walk(

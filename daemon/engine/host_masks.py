@@ -154,7 +154,9 @@ class GrammarGuide:
     does not wait for the device. After a place where it could not tell some row's, the next
     place waits and reads the paths the device drew. The first place waits for nothing and
     the best ids reach the host with the second place's wait, so a step waits once, plus
-    once after each place the host could not choose."""
+    once after each place the host could not choose. Such a block guides its first
+    ``block_guided`` places only: the later ones allow every token, without a wait (the
+    verify nodes mask them)."""
 
     def __init__(
         self,
@@ -203,7 +205,8 @@ class GrammarGuide:
             turn.settle()  # while the device runs what was queued
             best = choices if turn.grammar is not None else None  # a scratch turn has none
             if place:  # past the first place (whose path is empty: no wait)
-                if not turn.guides_paths():  # no row reads its path
+                rows = len(turn.plan.masked_rows)
+                if (best is not None and place >= block_guided(rows)) or not turn.guides_paths():
                     self._known = None
                     self.masks.allow_every(host.shape[0])
                     return
@@ -264,6 +267,24 @@ class GrammarGuide:
             return filled
 
         self.masks.stage_apart(place, turn.bs, chosen)
+
+
+def block_guided(grammar_rows: int) -> int:
+    """How many of a block's places, chosen on the host, a step of ``grammar_rows`` guides:
+    its masks within ``BLOCK_GUIDED_MASKS`` (a mask a grammar row a place), and from
+    ``BLOCK_GUIDED_PLACES[0]`` to ``[1]`` places."""
+    least, most = BLOCK_GUIDED_PLACES
+    return min(most, max(least, BLOCK_GUIDED_MASKS // max(grammar_rows, 1)))
+
+
+# A block's guided places (block_guided). On the H200's host a guided place costs about 0.11
+# ms plus 0.04 ms a grammar row (its masks, the told argmax, the verify nodes' copies), against
+# an unconstrained DFlash b16 turn of 5.4 ms at one row and 11.4 at 32; the family's trained
+# DFlash (blocks of 8) gains less from each later place: 0.43, 0.26, 0.18, 0.16, 0.07, 0.08
+# tokens a cycle for its second to seventh (BENCHMARKS.md). Past the seventh, or past three
+# at 32 rows, a place's gain falls below what it costs.
+BLOCK_GUIDED_MASKS = 96
+BLOCK_GUIDED_PLACES = (3, 7)
 
 
 def _told_argmax(
