@@ -43,7 +43,7 @@ from outrider.daemon.engine.token_masks import WALK_CANDIDATES, WALK_ROWS, Token
 from outrider.daemon.grammar import state as state_module
 from outrider.daemon.grammar.compiler import GrammarRefused, Grammars
 from outrider.daemon.grammar.queue import GrammarQueue
-from outrider.daemon.grammar.state import GrammarState, RowGrammars
+from outrider.daemon.grammar.state import GrammarState, RowGrammars, depth_guided
 from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol.messages import Generate, Grammar, request_revision
 
@@ -395,6 +395,24 @@ def test_a_trees_best_places_of_a_depth_take_masks_and_the_rest_with_their_child
     assert state.node_masks(nodes, 0, [a, c, c], [0, 0, 2]) == 0
     for node, path in enumerate([[], [a], [c], [c, c]]):
         assert torch.equal(nodes[node], _regex_mask(grammars, path)), node
+
+
+def test_a_trees_depth_guides_its_best_place_alone_past_two_grammar_rows(
+    grammars: Grammars, tokenizer: Tokenizer
+) -> None:
+    """Under ``[a-c]{3}-[0-9]{2}``, a depth of two places in a step of three grammar rows:
+    each row's best place takes its mask, its second allows every token."""
+    assert [depth_guided(rows) for rows in (1, 2, 3, 32)] == [2, 2, 1, 1]
+    a, b = (tokenizer.hf.convert_tokens_to_ids(t) for t in "ab")
+    rows = RowGrammars([_start(grammars, GRAMMARS["regex"]) for _ in range(3)])
+    every = torch.full((xgr.allocate_token_bitmask(1, VOCAB).shape[1],), -1, dtype=torch.int32)
+    rows.path_masks(xgr.allocate_token_bitmask(3, VOCAB), [0, 1, 2], torch.tensor([[[]]] * 3))
+    out = xgr.allocate_token_bitmask(6, VOCAB)
+    out[:] = 0
+    rows.path_masks(out, [0, 2, 4], torch.tensor([[[a], [b]]] * 3))
+    for row in range(3):
+        assert torch.equal(out[2 * row], _regex_mask(grammars, [a])), row
+        assert torch.equal(out[2 * row + 1], every), row
 
 
 def test_free_text_goes_on_unguided_until_a_committed_token_may_leave_it(

@@ -45,8 +45,9 @@ Invariants:
   row whose committed state is free text masks only its first place in a step, and no
   place while free text goes on (nothing committed since that may leave it: a quotation
   mark or a backslash, ``Grammars.text_exits``; ``GrammarState.guides_paths``); a tree's
-  depth masks its best places only (``GUIDED_PLACES``), none below the others; a depth
-  whose places no row guides waits for nothing. n-gram drafts, copied from the context,
+  depth masks its best places only (``GUIDED_PLACES``; its best alone in a step of more
+  than two grammar rows: ``depth_guided``), none below the others; a depth whose places no
+  row guides waits for nothing. n-gram drafts, copied from the context,
   are not guided. A draft the grammar refuses is rejected by the verify, which costs
   acceptance, never correctness;
 - a step waits for the host only at ``MaskHoles`` waits (engine/token_masks.py), where a

@@ -30,8 +30,10 @@ class GrammarState:
     that step (where the committed state's is, every place past the first:
     ``guides_paths``), and the verify nodes, whose masks fill while the verify's forward
     runs, mask those paths.
-    A tree's depth has several places, best first: those past its ``GUIDED_PLACES`` best
-    take no mask, nor do the places below them (the verify nodes mask them).
+    A tree's depth has several places, best first: those past its best ``GUIDED_PLACES``
+    (the best alone in a step of more than ``GUIDED_PLACES_ROWS`` grammar rows:
+    ``depth_guided``) take no mask, nor do the places below them (the verify nodes mask
+    them).
     Free text goes on while the tokens committed hold none of ``exits`` (a JSON string
     ends at a quotation mark, an escape starts at a backslash): such a step's first place
     takes no mask either, and its root's mask is filled with the verify nodes'; that mask
@@ -162,22 +164,24 @@ class GrammarState:
         first: int,
         paths: Sequence[Sequence[int]],
         words: np.ndarray | None = None,
+        guided: int | None = None,
     ) -> None:
         """Rows ``first ..`` of ``masks``: the masks of a step's draft places at one depth,
         place ``p`` after ``paths[p]`` (tokens from the committed state); every token
         allowed where the grammar refuses a token of the path or ends on it (such a place is
-        never committed), and where the place is not guided: past the depth's
-        ``GUIDED_PLACES`` best (``paths`` best first), below a place of this step left so or
-        whose mask is free text, past the first place where the committed state's is, and at
-        the first while the root's mask is not known and free text goes on (class
-        docstring). ``words``: as ``node_masks``'."""
+        never committed), and where the place is not guided: past the depth's ``guided``
+        best (``paths`` best first; None: ``GUIDED_PLACES``; ``depth_guided``), below a
+        place of this step left so or whose mask is free text, past the first place where
+        the committed state's is, and at the first while the root's mask is not known and
+        free text goes on (class docstring). ``words``: as ``node_masks``'."""
         words = _word_view(masks) if words is None else words
+        guided = GUIDED_PLACES if guided is None else guided
         root_guided = self._root_guided()  # the first depth has one place: holds for the call
         self._depth = []
         for place, path in enumerate(paths):
             key = tuple(path)
             if (
-                place >= GUIDED_PLACES
+                place >= guided
                 or (not root_guided and (bool(key) or () not in self._masks))
                 or (bool(key) and (key[:-1] in self._unguided or self._free_at(key[:-1])))
             ):
@@ -284,9 +288,19 @@ _EVERY = 0xFFFFFFFF  # a mask word allowing every token
 COSTLY_STEPS = 3
 # The places of a tree's depth that take masks, best first (GrammarState.place_masks): on the
 # embedded family's trained EAGLE-3 tree (top-4, 8 nodes; 3, 4 and 5 steps deep) guiding the
-# two best gave the acceptance of guiding all four, the best alone 1.5-8 % less
-# (BENCHMARKS.md); the guide's fills wait between the draft's forwards.
+# two best gave the acceptance of guiding all four, the best alone 1.7-8 % less
+# (BENCHMARKS.md); the guide's fills wait between the draft's forwards. The second place
+# costs the H200's host about 0.04 ms a grammar row a depth: past two rows, more than it
+# buys on a tree of five steps (a turn of about 8 ms), so the best alone is guided there.
 GUIDED_PLACES = 2
+GUIDED_PLACES_ROWS = 2
+
+
+def depth_guided(grammar_rows: int) -> int:
+    """How many of a tree depth's best places take masks in a step of ``grammar_rows``."""
+    return GUIDED_PLACES if grammar_rows <= GUIDED_PLACES_ROWS else 1
+
+
 # The share of the vocabulary a mask allows past which its state is free text (GrammarState):
 # a string's inside allows nearly every token, a structural place a few.
 FREE_TEXT = 0.5
@@ -355,8 +369,9 @@ class RowGrammars:
         ``i``, place after place (``paths[i, p]``: the tokens drafted before place ``p``; a
         host tensor ``[rows, n, d]``)."""
         places, words = paths.tolist(), _word_view(out)
+        guided = depth_guided(len(self.states))
         for i, first in self._live(out, firsts, paths.shape[1]):
-            self.states[i].place_masks(out, first, places[i], words)
+            self.states[i].place_masks(out, first, places[i], words, guided)
 
     def _live(
         self, out: torch.Tensor, firsts: Sequence[int], span: int
