@@ -578,9 +578,9 @@ def test_dflash_places_chosen_on_the_host_keep_its_tokens_with_fewer_waits(
     assert counted[False] > counted[True] > 0, counted
 
 
-def test_a_block_guides_fewer_places_the_more_grammar_rows_it_holds() -> None:
-    """Seven places up to 13 rows, then fewer as the masks a step would take pass 96, and
-    never fewer than three."""
+def test_a_block_guides_fewer_places_the_more_rows_its_batch_holds() -> None:
+    """Seven places up to 13 rows a batch, then fewer as the masks a step would take pass
+    96, and never fewer than three."""
     assert [block_guided(rows) for rows in (0, 1, 13, 14, 16, 24, 32, 256)] == [
         7, 7, 7, 6, 6, 4, 3, 3,
     ]  # fmt: skip
@@ -589,10 +589,10 @@ def test_a_block_guides_fewer_places_the_more_grammar_rows_it_holds() -> None:
 def test_a_dflash_block_past_its_guided_places_keeps_its_tokens(
     model_dir: Path, grammars: Grammars, drafts: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """DFlash's greedy blocks under every grammar with two places guided: the tokens are the
-    plain engine's, and no place past the second takes the host's masks (it allows every
-    token; the verify nodes mask the drafts there), where later places take them by
-    default."""
+    """DFlash's blocks under every grammar with two places guided, greedy and seeded
+    sampled, all requests at once: the tokens are the plain engine's, and no place past the
+    second takes the host's masks (the worker drafts those freely; the verify nodes mask
+    them), where later places take them by default."""
     placed: list[int] = []
     stage_apart = TokenMasks.stage_apart
 
@@ -603,19 +603,21 @@ def test_a_dflash_block_past_its_guided_places_keeps_its_tokens(
     monkeypatch.setattr(TokenMasks, "stage_apart", recorded)
     settings = {**DRAFT_ALGORITHMS["dflash"], "draft_model": drafts["dflash"]}
     plain = engine_for(str(model_dir), no_overlap=True)
-    constrained = [r for r in grammar_requests() if r.grammar is not None]
-    expected = {r.rid: run(plain, [r], grammars=grammars)[r.rid].token_ids for r in constrained}
     furthest = {}
-    for guided in (None, (2, 2)):
-        with monkeypatch.context() as patch:
-            if guided is not None:
-                patch.setattr(host_masks, "BLOCK_GUIDED_PLACES", guided)
-            engine = engine_for(str(model_dir), no_overlap=True, **settings)
-            placed.clear()
-            for req in constrained:
-                tokens = run(engine, [req], grammars=grammars)[req.rid].token_ids
-                assert tokens == expected[req.rid], (guided, req.rid)
-            furthest[guided] = max(placed)
+    for temperature in (0.0, 1.0):
+        reqs = grammar_requests(temperature)
+        expected = run(plain, reqs, grammars=grammars)
+        for guided in (None, (2, 2)):
+            with monkeypatch.context() as patch:
+                if guided is not None:
+                    patch.setattr(host_masks, "BLOCK_GUIDED_PLACES", guided)
+                engine = engine_for(str(model_dir), no_overlap=True, **settings)
+                placed.clear()
+                outcomes = run(engine, reqs, grammars=grammars)
+                for rid, outcome in expected.items():
+                    assert outcomes[rid].token_ids == outcome.token_ids, (temperature, rid)
+                if temperature == 0.0:  # greedy blocks hand their places' best ids over
+                    furthest[guided] = max(placed)
     assert furthest[(2, 2)] == 1 < furthest[None], furthest
 
 

@@ -154,9 +154,8 @@ class GrammarGuide:
     does not wait for the device. After a place where it could not tell some row's, the next
     place waits and reads the paths the device drew. The first place waits for nothing and
     the best ids reach the host with the second place's wait, so a step waits once, plus
-    once after each place the host could not choose. Such a block guides its first
-    ``block_guided`` places only: the later ones allow every token, without a wait (the
-    verify nodes mask them)."""
+    once after each place the host could not choose. A block guides its first
+    ``block_guided`` places only (``guided_places``: its worker drafts the others freely)."""
 
     def __init__(
         self,
@@ -180,6 +179,9 @@ class GrammarGuide:
         # graph): ``restrict``'s fill for them waits for the copy alone.
         self._prepared = (paths, self.masks.paths_to_host(paths))
         self.holes.wait(self.paths_copied.record)
+
+    def guided_places(self, bs: int, places: int) -> int:
+        return min(places, block_guided(bs))
 
     def candidate_count(self, bs: int) -> int:
         return WALK_CANDIDATES if bs <= self.masks.walk_rows else 0
@@ -205,8 +207,7 @@ class GrammarGuide:
             turn.settle()  # while the device runs what was queued
             best = choices if turn.grammar is not None else None  # a scratch turn has none
             if place:  # past the first place (whose path is empty: no wait)
-                rows = len(turn.plan.masked_rows)
-                if (best is not None and place >= block_guided(rows)) or not turn.guides_paths():
+                if not turn.guides_paths():  # no row reads its path
                     self._known = None
                     self.masks.allow_every(host.shape[0])
                     return
@@ -269,12 +270,13 @@ class GrammarGuide:
         self.masks.stage_apart(place, turn.bs, chosen)
 
 
-def block_guided(grammar_rows: int) -> int:
-    """How many of a block's places, chosen on the host, a step of ``grammar_rows`` guides:
-    its masks within ``BLOCK_GUIDED_MASKS`` (a mask a grammar row a place), and from
-    ``BLOCK_GUIDED_PLACES[0]`` to ``[1]`` places."""
+def block_guided(bs: int) -> int:
+    """How many of a block's places a batch of ``bs`` rows guides: its masks within
+    ``BLOCK_GUIDED_MASKS`` (a mask a row a place: every row may hold a grammar), and from
+    ``BLOCK_GUIDED_PLACES[0]`` to ``[1]`` places. Of the batch's size, not of its grammar
+    rows: a replayed graph's guided places are its capture's."""
     least, most = BLOCK_GUIDED_PLACES
-    return min(most, max(least, BLOCK_GUIDED_MASKS // max(grammar_rows, 1)))
+    return min(most, max(least, BLOCK_GUIDED_MASKS // max(bs, 1)))
 
 
 # A block's guided places (block_guided). On the H200's host a guided place costs about 0.11

@@ -37,8 +37,8 @@ Invariants:
   where the worker runs one: ``DraftGuide.prepare``; where the worker hands over each
   place's best ids, DFlash's greedy block, the host chooses the places whose masked argmax
   is among them or alone in the mask, and waits only after one it could not tell:
-  ``DraftGuide.candidates``; such a block guides its first places only, fewer the more
-  grammar rows the step holds: engine/host_masks.py's ``block_guided``), but not
+  ``DraftGuide.candidates``; such a block guides its first places only, fewer in larger
+  batches, and drafts the rest freely: ``DraftGuide.guided_places``), but not
   inside free text (a string:
   the mask allows most of the vocabulary), where a mask costs the most and the draft's own
   choice is almost always allowed: a place below one whose mask is free text takes none, a

@@ -128,6 +128,11 @@ class DraftGuide(Protocol):
         forward that computes its logits, so that the host's masks for them fill while the
         forward runs (an optional call: ``restrict`` alone waits for all the work queued)."""
 
+    def guided_places(self, bs: int, places: int) -> int:
+        """How many of a block's first ``places`` a batch of ``bs`` rows guides, for a worker
+        whose places' logits are all known before the first (DFlash's block): it drafts the
+        places past them freely, in one go (their drafts are masked at the verify only)."""
+
     def candidate_count(self, bs: int) -> int:
         """How many of each place's best ids ``candidates`` takes in a batch of ``bs`` rows
         (0: the call is not made)."""

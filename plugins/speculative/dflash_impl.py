@@ -29,7 +29,9 @@ Under a grammar (``DecodeView.guide``) the block's slots are chosen one after th
 ``j`` from its logits masked by the grammar after the drafts before it: ``q_j`` then depends on
 those drafts, which the argument above allows as well. Where the slots take their argmax, each
 slot's best ids go to the guide first (``DraftGuide.candidates``), which chooses on the host
-the slots whose masked argmax is among them.
+the slots whose masked argmax is among them. A block guides its first slots only
+(``DraftGuide.guided_places``, fewer in larger batches) and draws the rest as unconstrained:
+their ``q_j`` ignore the drafts before them, as above.
 """
 
 from __future__ import annotations
@@ -131,20 +133,29 @@ class DFlashWorker(SpeculativeWorker):
         return rejection_drafts(logits, view.sampling, view.out_lens, offsets, vocab_limit=limit)
 
     def _guided(self, view: DecodeView, local: torch.Tensor) -> Drafts:
-        """Under the view's guide (one rank): the block's places one after the other, each
-        masked by the grammar after the drafts before it. ``local: [bs, B - 1, V]``."""
+        """Under the view's guide (one rank): the block's first guided places one after the
+        other, each masked by the grammar after the drafts before it, then the rest freely
+        in one go (``DraftGuide.guided_places``). ``local: [bs, B - 1, V]``."""
         assert view.guide is not None
+        bs, places = view.bs, local.shape[1]
+        guided = view.guide.guided_places(bs, places)
         if view.sampling.all_greedy or self.options.sample == "argmax":
-            count = min(view.guide.candidate_count(view.bs), local.shape[-1])
+            count = min(view.guide.candidate_count(bs), local.shape[-1])
             if count:  # the host may choose the places whose masked argmax is among them
-                view.guide.candidates(local.topk(count, dim=-1).indices)
+                view.guide.candidates(local[:, :guided].topk(count, dim=-1).indices)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
-        for place in range(local.shape[1]):
+        for place in range(guided):
             logits = local[:, place].contiguous()  # [bs, V]
-            path = torch.cat(tokens, dim=1) if tokens else view.roots.new_empty(view.bs, 0)
+            path = torch.cat(tokens, dim=1) if tokens else view.roots.new_empty(bs, 0)
             view.guide.restrict(logits, path)
             token, q = self._choose(view, logits, self.block_offsets[place : place + 1])
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+        if guided < places:
+            rest = local[:, guided:].reshape(bs * (places - guided), -1)
+            token, q = self._choose(view, rest, self.block_offsets[guided:places])
             tokens.append(token)
             if q is not None:
                 probs.append(q)
