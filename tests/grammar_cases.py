@@ -11,12 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import xgrammar as xgr
 from chat_model_fixture import CHAT_VOCAB, chat_tokenizer, save_chat_model
 from engine_harness import request
 from frontdoor_harness import build_tokenizer
 from model_fixtures import save_drafts
 
 from outrider.daemon.grammar.compiler import Grammars
+from outrider.daemon.grammar.state import GrammarState
 from outrider.daemon.tokenizer import Tokenizer
 from outrider.protocol.messages import Grammar
 
@@ -118,3 +121,22 @@ def check_outputs(outcomes: dict, tokenizer: Tokenizer) -> None:
             assert tokens[-1] == eos and all(t < 320 for t in tokens)
             text = tokenizer.hf.decode(tokens[:-1])
             assert matches(kind, text), (kind, p, text)
+
+
+def start_state(grammars: Grammars, grammar: Grammar) -> GrammarState:
+    """``grammar``'s state at the start of an output, as the daemon starts it."""
+    return grammars.start(request(0, [1], grammar=grammar, ignore_eos=False))
+
+
+def mask_after(grammars: Grammars, grammar: Grammar, path: list[int]) -> torch.Tensor:
+    """``grammar``'s next mask after ``path``, from a fresh state."""
+    state = start_state(grammars, grammar)
+    assert state.advance(path)
+    row = xgr.allocate_token_bitmask(1, VOCAB)
+    state.fill(row, 0)
+    return row[0]
+
+
+def regex_mask(grammars: Grammars, path: list[int]) -> torch.Tensor:
+    """The regex grammar's next mask after ``path``, from a fresh state."""
+    return mask_after(grammars, GRAMMARS["regex"], path)
