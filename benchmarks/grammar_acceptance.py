@@ -38,6 +38,7 @@ from host_turn import family_settings  # benchmarks/ is sys.path[0] when run as 
 from transformers import AutoTokenizer
 
 from outrider.daemon.config import ServeConfig
+from outrider.daemon.engine import host_masks
 from outrider.daemon.engine.build import build_engine
 from outrider.daemon.engine.host_masks import GrammarGuide
 from outrider.daemon.engine.token_masks import TokenMasks
@@ -78,22 +79,6 @@ def acceptance(
                 drafts += update.finish.usage.spec_drafts
                 accepted += update.finish.usage.spec_accepted_tokens
     return 1 + accepted / max(drafts, 1), tokens
-
-
-def guided_places(places: int) -> Any:
-    """``DFlashWorker._guided`` guiding the first ``places`` of a block only."""
-    guided = DFlashWorker._guided
-
-    def first_places(worker: DFlashWorker, view: DecodeView, local: torch.Tensor) -> Drafts:
-        if local.shape[1] <= places:
-            return guided(worker, view, local)
-        head = guided(worker, view, local[:, :places])
-        rest = local[:, places:].reshape(view.bs * (local.shape[1] - places), -1)
-        tokens, probs = worker._choose(view, rest, worker.block_offsets[places : local.shape[1]])
-        assert probs is None and head.probs is None, "greedy rows only"
-        return Drafts(torch.cat([head.tokens, tokens], dim=1), None)
-
-    return first_places
 
 
 def first_places_guided(places: int) -> Any:
@@ -201,7 +186,7 @@ def main() -> None:
     if args.dflash_guided:
         settings = family_settings(args.device, "dflash")
         for places in args.dflash_guided:
-            with mock.patch.object(DFlashWorker, "_guided", guided_places(places)):
+            with mock.patch.object(host_masks, "BLOCK_GUIDED_PLACES", (places, places)):
                 tau, tokens = acceptance(settings, prompts, schema, grammars, args.new_tokens)
             row = {"algorithm": "dflash", "guided_places": places,
                    "tau_schema": round(tau, 3), "tokens_schema": tokens}  # fmt: skip
