@@ -18,8 +18,9 @@ class GrammarState:
     """One request's matcher. Invariant: the matcher stands at the committed tokens plus
     ``_ahead``, tokens a walk took past them (a draft path, kept so that the next walk, or
     the commit, starts from the longest prefix they share); ``_masks`` holds the masks after
-    the paths walked since the last commit (None: the path is refused or ends the grammar),
-    so that a verify node reuses its draft place's mask. Masks are int32 words ``[rows,
+    the root and the draft places' paths walked since the last commit (None: the path is
+    refused or ends the grammar), so that a verify node reuses its draft place's mask (a
+    node's own is read once and not kept). Masks are int32 words ``[rows,
     ceil(V / 32)]`` on the CPU; rows are copied, and bits read, through a numpy view
     (``_word_view``): torch's indexing costs microseconds a call.
 
@@ -154,7 +155,8 @@ class GrammarState:
             paths.append((*paths[parent], token))
             allowed = live[parent] and _allows(words[first + parent], token)
             refused += live[parent] and not allowed
-            live.append(allowed and self._mask_after(paths[node], masks, words, first + node))
+            reached = allowed and self._mask_after(paths[node], masks, words, first + node, False)
+            live.append(reached)
             if not live[node]:
                 words[first + node] = words[first + parent]
         return refused
@@ -228,11 +230,17 @@ class GrammarState:
         return free
 
     def _mask_after(
-        self, path: tuple[int, ...], masks: torch.Tensor, words: np.ndarray, row: int
+        self,
+        path: tuple[int, ...],
+        masks: torch.Tensor,
+        words: np.ndarray,
+        row: int,
+        keep: bool = True,
     ) -> bool:
         """Row ``row`` of ``masks`` (``words``: its numpy view): the mask after ``path``,
-        walked once a commit; False, and the row untouched, where the grammar refuses a
-        token of it or ends on the way."""
+        walked once a commit where ``keep`` (a verify node's is read once: not kept, the
+        copy a tenth of its cost); False, and the row untouched, where the grammar refuses
+        a token of it or ends on the way."""
         if path in self._masks:
             known = self._masks[path]
             if known is not None:
@@ -241,7 +249,8 @@ class GrammarState:
         reached = self._walk(path)
         if reached:
             self._fill(masks, row)
-        self._masks[path] = words[row].copy() if reached else None
+        if keep:
+            self._masks[path] = words[row].copy() if reached else None
         return reached
 
     def _walk(self, path: tuple[int, ...]) -> bool:
