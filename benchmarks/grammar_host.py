@@ -8,14 +8,15 @@ as a chain's worker asks for them), then the verify nodes' masks (``RowGrammars.
 which reuse the places'), then the commit of the drafts and the target's next token
 (``GrammarState.advance``); and, on a state of its own, a plain step's mask at each token
 (``pack_masks``); then steps of ``--rows`` grammar rows, each row at its own place of the
-answer: a plain step's masks, a chain's guide and its verify nodes; and a tree's step of
+answer: a plain step's masks, a chain's guide (its first ``--guided-places`` places, as a
+DFlash block at many rows guides) and its verify nodes; and a tree's step of
 ``--rows`` rows (``--tree-depth`` draft places deep, ``--tree-topk`` paths a depth past the
 first, the answer's own token first and other tokens of the answer beside it; verify nodes:
 the answer's next ``--tree-depth - 1`` tokens and a sibling of each). Medians in
 microseconds.
 
     python benchmarks/grammar_host.py --model-dir DIR [--width 4] [--rows 32]
-        [--tree-depth 5 --tree-topk 4]
+        [--guided-places K] [--tree-depth 5 --tree-topk 4]
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def main() -> None:
     parser.add_argument("--schema", type=Path, default=SCHEMA)
     parser.add_argument("--width", type=int, default=4, help="verify nodes of a chain")
     parser.add_argument("--rows", type=int, default=32, help="a step's grammar rows")
+    parser.add_argument(
+        "--guided-places", type=int, help="of a step's chain, those guided (default: all)"
+    )
     parser.add_argument("--tree-depth", type=int, default=5, help="a tree's draft places deep")
     parser.add_argument("--tree-topk", type=int, default=4, help="a tree's paths a depth")
     args = parser.parse_args()
@@ -106,6 +110,7 @@ def main() -> None:
     step_out = xgr.allocate_token_bitmask(args.rows * args.width, vocab)
     firsts = [row * args.width for row in range(args.rows)]
     plain_us, guide_us, nodes_us = [], [], []
+    guided = drafts if args.guided_places is None else min(drafts, args.guided_places)
     for _ in range(50):
         for row_state in rows_states:
             row_state.advance([])  # a new step: no mask of this one known yet
@@ -113,7 +118,7 @@ def main() -> None:
         guide_us.append(
             sum(
                 timed(partial(batch.path_masks, step_out, firsts, chains[:, None, :place]))
-                for place in range(drafts)
+                for place in range(guided)
             )
         )
         nodes_us.append(timed(partial(batch.node_masks, step_out, firsts, chains, None)))
@@ -131,6 +136,7 @@ def main() -> None:
         "commit_us": round(statistics.median(commits), 1),
         "width": args.width,
         "rows": args.rows,
+        "guided_places": guided,
         "plain_step_masks_us": round(statistics.median(plain_us), 1),
         "step_guide_us": round(statistics.median(guide_us), 1),
         "step_verify_nodes_us": round(statistics.median(nodes_us), 1),
