@@ -238,9 +238,9 @@ class GrammarState:
         keep: bool = True,
     ) -> bool:
         """Row ``row`` of ``masks`` (``words``: its numpy view): the mask after ``path``,
-        walked once a commit where ``keep`` (a verify node's is read once: not kept, the
-        copy a tenth of its cost); False, and the row untouched, where the grammar refuses
-        a token of it or ends on the way."""
+        walked once a commit where ``keep`` (a verify node's is read once: not kept, its
+        copy about a sixth of its cost); False, and the row untouched, where the grammar
+        refuses a token of it or ends on the way."""
         if path in self._masks:
             known = self._masks[path]
             if known is not None:
