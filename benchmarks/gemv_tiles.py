@@ -18,12 +18,10 @@ from collections import defaultdict
 from functools import partial
 
 import torch
-import triton
 from fp8_gemv import copies, device_us, rate
 
 from outrider.plugins.models import triton_kernels as tk
 from outrider.plugins.models.moe.tiles import GemvTiles
-from outrider.plugins.triton_launch import pdl_options
 
 # (model, ranks, projection): (N, K, gated). A column-parallel projection (q/k/v, gate/up, the
 # LM head) splits N over the ranks, a row-parallel one (o, down) K; down's input is gate and up.
@@ -46,17 +44,7 @@ TILES = [
     GemvTiles(n, k, w, s)
     for n, k, w, s in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (2, 3, 4))
 ]
-OWN = GemvTiles(tk._GEMV_BLOCK_N, tk._GEMV_BLOCK_K, 8, 3)
-
-
-def launch(x: torch.Tensor, w: torch.Tensor, gated: bool, tiles: GemvTiles) -> None:
-    n, k = w.shape
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    tk._gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
-        x, w, w, y, n, k, w.stride(0), HAS_BIAS=False, GATED=gated, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.step(k), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **pdl_options(x.device),
-    )  # fmt: skip
+OWN = tk.GEMV_TILES
 
 
 def main() -> None:
@@ -71,9 +59,10 @@ def main() -> None:
             torch.randn(n, k, generator=gen, device="cuda").bfloat16()
             for _ in range(copies(2 * n * k))
         ]
+        kernel = tk.silu_mul_gemv if gated else tk.gemv
         times = {}
         for tiles in dict.fromkeys([*TILES, OWN]):
-            calls = [partial(launch, x, w, gated, tiles) for w in weights]
+            calls = [partial(kernel, x, w, None, tiles) for w in weights]
             times[tiles] = device_us(calls)
             summed[(model, ranks)][tiles] += times[tiles]
         print(f"{model} tp{ranks} {name} {n} x {k}: own {rate(times[OWN], 2 * n * k)}")

@@ -155,7 +155,9 @@ class GrammarState:
             paths.append((*paths[parent], token))
             allowed = live[parent] and _allows(words[first + parent], token)
             refused += live[parent] and not allowed
-            reached = allowed and self._mask_after(paths[node], masks, words, first + node, False)
+            reached = allowed and self._mask_after(
+                paths[node], masks, words, first + node, keep=False
+            )
             live.append(reached)
             if not live[node]:
                 words[first + node] = words[first + parent]

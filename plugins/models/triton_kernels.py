@@ -26,15 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
+from outrider.plugins.models.moe.tiles import GemvTiles
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 
 # Measured on an H100 over Llama-3.1-8B's and Qwen3-8B's projections (N x K from 4,096 x
 # 4,096 to 151,936 x 4,096, weights read from memory, not L2), 72 configs each: 8 output rows
 # a program, a K step of 1,024, 8 warps and 3 pipeline stages is the best for the o projection
 # and Qwen3's q/k/v and within 1 % of it for gate/up and down; every shape's best has the
-# 1,024 step and 8 warps.
-_GEMV_BLOCK_N = 8
-_GEMV_BLOCK_K = 1024
+# 1,024 step and 8 warps (on an H200 other tiles gain 1.2-1.5 % of a step: BENCHMARKS.md).
+GEMV_TILES = GemvTiles(block_n=8, block_k=1024, num_warps=8, num_stages=3)
 _SILU_BLOCK = 512
 
 
@@ -88,29 +88,41 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiles: GemvTiles = GEMV_TILES,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x: [1, K]`` (``gemv_fits``) -> ``[1, N]``."""
-    return _launch_gemv(x, weight, bias, gated=False)
+    return _launch_gemv(x, weight, bias, tiles, gated=False)
 
 
 def silu_mul_gemv(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiles: GemvTiles = GEMV_TILES,
 ) -> torch.Tensor:
     """``gemv(silu_and_mul(gate_up), weight, bias)`` for ``gate_up: [1, 2K]`` (``gemv_fits``
     against ``weight: [N, K]`` but twice as wide) -> ``[1, N]``, in one kernel."""
-    return _launch_gemv(gate_up, weight, bias, gated=True)
+    return _launch_gemv(gate_up, weight, bias, tiles, gated=True)
 
 
 def _launch_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, gated: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiles: GemvTiles,
+    *,
+    gated: bool,
 ) -> torch.Tensor:
     n, k = weight.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_k = min(_GEMV_BLOCK_K, triton.next_power_of_2(k))
-    _gemv_kernel[(triton.cdiv(n, _GEMV_BLOCK_N),)](
+    _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=block_k,
-        num_warps=8, num_stages=3, **pdl_options(x.device),
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=tiles.block_n, BLOCK_K=tiles.step(k),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options(x.device),
     )  # fmt: skip
     return y
 
