@@ -1,5 +1,6 @@
-"""The all-reduce over peer memory (plugins/models/peer_reduce.py): which messages it takes, and
-on two GPUs the sums it gives, eagerly and replayed from a CUDA graph, against NCCL's."""
+"""The all-reduce over peer memory (plugins/models/peer_reduce.py) and the sum fused with the
+residual add and norm (plugins/models/peer_norm.py): which messages they take, and on two GPUs
+what they give, eagerly and replayed from a CUDA graph, against NCCL's sums."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.multiprocessing as mp
 from daemon_harness import free_port
 
 from outrider.plugins.models.parallel import init_tensor_parallel
+from outrider.plugins.models.peer_norm import MAX_ROWS, PeerSumNorm
 from outrider.plugins.models.peer_reduce import PeerAllReduce, one_shot_max_bytes
 
 WORLD = 2
@@ -35,6 +37,35 @@ def test_takes_small_aligned_contiguous_messages_only() -> None:
     assert not peer.takes(torch.zeros(0, dtype=torch.float32))
     assert not peer.takes(torch.zeros(8, 4, dtype=torch.float32).t())  # not contiguous
     assert not peer.takes(torch.zeros(9, dtype=torch.float32)[1:5])  # 4 bytes off alignment
+
+
+def test_fused_norm_takes_rows_the_flags_and_a_parity_hold() -> None:
+    world, hidden = 2, 64
+    parity = 8 * hidden * 2  # eight bf16 rows
+    buffer = torch.empty(PeerSumNorm.buffer_bytes(parity, world), dtype=torch.uint8)
+    norm = PeerSumNorm(buffer, torch.zeros(world, dtype=torch.int64), rank=0)
+    assert norm.parity_bytes == parity
+
+    def rows(n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.zeros(n, hidden, dtype=dtype)
+
+    assert norm.takes(rows(1), rows(1))
+    assert norm.takes(rows(8), rows(8))
+    assert not norm.takes(rows(9), rows(9))  # past a parity
+    assert not norm.takes(rows(0), rows(0))
+    assert norm.takes(rows(4, torch.float32), rows(4, torch.float32))  # eight bf16 rows of bytes
+    assert not norm.takes(rows(5, torch.float32), rows(5, torch.float32))
+    assert not norm.takes(rows(2), rows(2, torch.float32))  # the residual's dtype differs
+    assert not norm.takes(rows(2), rows(3))
+    assert not norm.takes(rows(2).t().contiguous().t(), rows(2))  # not contiguous
+    assert not norm.takes(torch.zeros(hidden, dtype=torch.bfloat16), torch.zeros(hidden))
+    big = PeerSumNorm(  # room for more rows than the flags: the flags bound them
+        torch.empty(PeerSumNorm.buffer_bytes(2 * MAX_ROWS * 8 * 4, world), dtype=torch.uint8),
+        torch.zeros(world, dtype=torch.int64),
+        rank=1,
+    )
+    assert big.takes(torch.zeros(MAX_ROWS, 8), torch.zeros(MAX_ROWS, 8))
+    assert not big.takes(torch.zeros(MAX_ROWS + 1, 8), torch.zeros(MAX_ROWS + 1, 8))
 
 
 def _sums(tp_all_reduce: object, rank: int) -> dict[tuple[torch.dtype, int], torch.Tensor]:
@@ -74,6 +105,71 @@ def _graph_sums(tp_all_reduce: object, rank: int) -> list[torch.Tensor]:
     return replayed
 
 
+EPS = 1e-5
+# (dtype, rows, hidden): a decode step's at batch 1 and 256, gpt-oss's hidden (not a power of
+# two: masked), float32.
+NORM_CASES = (
+    (torch.bfloat16, 1, 4096),
+    (torch.bfloat16, 256, 4096),
+    (torch.bfloat16, 8, 2880),
+    (torch.float32, 3, 1024),
+)
+
+
+def _norm_inputs(
+    rank: int, dtype: torch.dtype, rows: int, hidden: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rank's part, and the residual and weight every rank shares."""
+    own = torch.Generator(device="cuda").manual_seed(seed + rank)
+    shared = torch.Generator(device="cuda").manual_seed(seed + 100)
+    part = torch.randn(rows, hidden, generator=own, device="cuda").to(dtype)
+    residual = torch.randn(rows, hidden, generator=shared, device="cuda").to(dtype)
+    weight = (torch.rand(hidden, generator=shared, device="cuda") + 0.5).to(dtype)
+    return part, residual, weight
+
+
+def _fused_norms(norm: PeerSumNorm, rank: int) -> dict[tuple, tuple[torch.Tensor, ...]]:
+    """Per case: the fused kernel's (normed, residual) and NCCL's sum of the same parts."""
+    seen = {}
+    for dtype, rows, hidden in NORM_CASES:
+        part, residual, weight = _norm_inputs(rank, dtype, rows, hidden, seed=7)
+        nccl, before = part.clone(), residual.cpu()
+        dist.all_reduce(nccl)
+        normed, summed = norm(part, residual, weight, EPS)  # in place of both
+        seen[dtype, rows, hidden] = (normed.cpu(), summed.cpu(), nccl.cpu(), before)
+    return seen
+
+
+def _fused_norm_graph(norm: PeerSumNorm, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two chained fused calls captured once and replayed on two inputs, each beside the
+    same calls run eagerly on those inputs."""
+    part, residual, weight = _norm_inputs(rank, torch.bfloat16, 2, 4096, seed=9)
+    static_part, static_residual = part.clone(), residual.clone()
+
+    def step() -> torch.Tensor:
+        h, r = norm(static_part.clone(), static_residual.clone(), weight, EPS)
+        h, r = norm(h * 0.5, r, weight, EPS)
+        return torch.cat((h, r))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    pairs = []
+    for seed in (10, 20):
+        part, residual, _ = _norm_inputs(rank, torch.bfloat16, 2, 4096, seed)
+        static_part.copy_(part)
+        static_residual.copy_(residual)
+        graph.replay()
+        replayed = out.clone().cpu()
+        pairs.append((replayed, step().cpu()))
+    return pairs
+
+
 def _rank_main(rank: int, port: int, root: Path) -> None:
     torch.cuda.set_device(rank)
     tp = init_tensor_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", "nccl", range(WORLD))
@@ -95,16 +191,26 @@ def _rank_main(rank: int, port: int, root: Path) -> None:
         "peer_graph": _graph_sums(tp.all_reduce, rank),
         "nccl_graph": _graph_sums(nccl, rank),
     }
+    assert peer.norm is not None
+    seen["norm"] = _fused_norms(peer.norm, rank)
+    seen["norm_graph"] = _fused_norm_graph(peer.norm, rank)
     torch.save(seen, root / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """What each of two ranks on two GPUs saw (``_rank_main``), in rank order."""
+    root = tmp_path_factory.mktemp("peer")
+    mp.spawn(_rank_main, args=(free_port(), root), nprocs=WORLD, join=True)
+    return [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs two GPUs")
-def test_two_gpus_sum_as_nccl_does(tmp_path: Path) -> None:
-    mp.spawn(_rank_main, args=(free_port(), tmp_path), nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+def test_two_gpus_sum_as_nccl_does(two_ranks: list[dict]) -> None:
+    ranks = two_ranks
     taken = ranks[0]["taken"]
     assert taken == {
         (d, n): n * d.itemsize <= LIMIT and n * d.itemsize % 16 == 0 for d in DTYPES for n in NUMELS
@@ -120,3 +226,26 @@ def test_two_gpus_sum_as_nccl_does(tmp_path: Path) -> None:
             assert torch.equal(total, ranks[0]["peer"][key]), f"the ranks' sums differ: {key}"
     first, second = ranks[0]["peer_graph"]
     assert not torch.equal(first, second), "the graph replayed its capture's inputs"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs two GPUs")
+def test_two_gpus_sum_add_and_norm_in_one_kernel(two_ranks: list[dict]) -> None:
+    ranks = two_ranks
+    for seen in ranks:
+        for case, (normed, summed, nccl, residual) in seen["norm"].items():
+            dtype = case[0]
+            # The residual stream: NCCL's sum of the parts plus the residual, rounded once.
+            assert torch.equal(summed, (nccl.float() + residual.float()).to(dtype)), case
+            stream = nccl.float() + residual.float()
+            weight = _norm_inputs(0, *case, seed=7)[2].float().cpu()
+            want = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + EPS) * weight
+            tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(normed.float(), want, atol=tolerance, rtol=tolerance)
+            other = ranks[0]["norm"][case]
+            assert torch.equal(normed, other[0]) and torch.equal(summed, other[1]), case
+        for replayed, eager in seen["norm_graph"]:
+            assert torch.equal(replayed, eager)
+        assert torch.equal(seen["norm_graph"][0][0], ranks[0]["norm_graph"][0][0])
+    first, second = ranks[0]["norm_graph"]
+    assert not torch.equal(first[0], second[0]), "the graph replayed its capture's inputs"

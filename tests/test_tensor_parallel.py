@@ -40,7 +40,8 @@ DECODE_STEPS = 3
 REFERENCE = Path(__file__).parent / "fixtures" / "configs"
 # (checkpoint, load format): llama with biases on q/k/v and o_proj (the row-parallel bias),
 # qwen2 (q/k/v bias only), qwen3 (q/k norm, head_dim 24, tied embeddings), and qwen3's
-# dummy weights; qwen2_moe, its experts and shared expert cut per rank; gpt-oss (sinks cut by
+# dummy weights; qwen2_moe, its experts and shared expert cut per rank, its layer 1 dense (each
+# block's output summed once, in the next norm, whichever block it is); gpt-oss (sinks cut by
 # heads, experts held whole by one rank each) in 16 bits and with dummy mxfp4 experts.
 CASES: tuple[tuple[str, Literal["auto", "dummy"]], ...] = (
     ("llama", "auto"),
@@ -69,7 +70,7 @@ def _save_checkpoints(root: Path) -> None:
     )
     save_tiny_model("qwen2", root / "qwen2")
     save_tiny_model("qwen3", root / "qwen3")
-    save_tiny_model("qwen2_moe", root / "qwen2_moe")
+    save_tiny_model("qwen2_moe", root / "qwen2_moe", config_overrides={"mlp_only_layers": [1]})
     save_tiny_model("gpt_oss", root / "gpt_oss")
     (root / "gpt_oss_mxfp4").mkdir()
     config = json.loads((root / "gpt_oss" / "config.json").read_text())

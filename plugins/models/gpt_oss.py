@@ -199,18 +199,17 @@ class GptOssMxfp4Experts(GptOssExperts, SelfDrawn):
 
 class GptOssMoeBlock(nn.Module):
     """One layer's router (whole on every rank) and the rank's experts (``mlp.``):
-    ``[T, H] -> [T, H]``, summed over the ranks."""
+    ``[T, H] -> [T, H]``, the rank's part of the sum over the ranks (a ``FeedForward``)."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         moe, swiglu = _experts_of(config)
-        self.tp = tp
         self.router = GptOssRouter(config.hidden_size, moe)
         experts = GptOssMxfp4Experts if config.mxfp4_experts else GptOssExperts
         self.experts = experts(config.hidden_size, moe, swiglu, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.experts(x, self.router(x)))
+        return self.experts(x, self.router(x))
 
 
 class GptOssForCausalLM(DecoderForCausalLM):

@@ -14,7 +14,7 @@ runs its share of the heads and of the MLP's rows, and its modules' sizes are th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -50,9 +50,15 @@ class RMSNorm(nn.Module, UsesKernels):
         """``x: [..., dim]`` normalised over its last dim."""
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(residual + x), residual + x)``; may overwrite both inputs."""
-        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor, tp: TPGroup = SINGLE
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + s), residual + s)``, ``s`` the sum of ``x`` over ``tp``'s ranks
+        (``x`` a rank's part of a block's output); may overwrite both inputs."""
+        fused = tp.fused_sum_norm(x, residual)
+        if fused is not None:
+            return fused(x, residual, self.weight, self.eps)
+        return self.kernels.add_rms_norm(tp.all_reduce(x), residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module, UsesKernels):
@@ -128,9 +134,12 @@ class FusedLinear(ColumnParallelLinear):
 
 class Attention(nn.Module, Sharded, UsesKernels):
     """Self-attention over the rank's ``num_q_heads`` and ``num_kv_heads`` (the model's
-    divided by the group's size); its KV cache holds those KV heads only."""
+    divided by the group's size); its KV cache holds those KV heads only. Its output is
+    summed over the ranks, or with ``summed`` False the rank's part (``RowParallelLinear``)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, tp: TPGroup = SINGLE, summed: bool = True
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.layer_id = layer_id
@@ -145,7 +154,7 @@ class Attention(nn.Module, Sharded, UsesKernels):
             config.attention_bias,
             tp,
         )
-        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, config.o_proj_bias, tp)
+        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, config.o_proj_bias, tp, summed)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -176,27 +185,39 @@ class Attention(nn.Module, Sharded, UsesKernels):
 
 
 class MLP(nn.Module, UsesKernels):
-    """SwiGLU of ``rows`` intermediate rows (None: the config's ``intermediate_size``)."""
+    """SwiGLU of ``rows`` intermediate rows (None: the config's ``intermediate_size``); its
+    output summed over the ranks, or with ``summed`` False the rank's part."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE, rows: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup = SINGLE,
+        rows: int | None = None,
+        summed: bool = True,
+    ) -> None:
         super().__init__()
         rows = config.intermediate_size if rows is None else rows
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": rows, "up": rows}, False, tp)
-        self.down_proj = RowParallelLinear(rows, config.hidden_size, False, tp)
+        self.down_proj = RowParallelLinear(rows, config.hidden_size, False, tp, summed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.silu_mul_forward(self.gate_up_proj(x))
 
 
-# Builds layer ``layer_id``'s MLP block: ``[T, hidden] -> [T, hidden]``, summed over the ranks.
+# Builds layer ``layer_id``'s MLP block: ``[T, hidden] -> [T, hidden]``, the rank's part of
+# the block's output (the next ``RMSNorm.add`` sums the ranks' parts).
 FeedForward = Callable[["ModelConfig", int, TPGroup], nn.Module]
 
 
 def dense_mlp(config: ModelConfig, layer_id: int, tp: TPGroup) -> nn.Module:
-    return MLP(config, tp)
+    return MLP(config, tp, summed=False)
 
 
 class DecoderLayer(nn.Module):
+    """Attention and the MLP block, each with its residual add. Both blocks end in the rank's
+    part of their output: the norm after each sums the parts with the residual add (one
+    kernel where the ranks share peer memory: ``RMSNorm.add``)."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -205,24 +226,22 @@ class DecoderLayer(nn.Module):
         feed_forward: FeedForward = dense_mlp,
     ) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id, tp)
+        self.self_attn = Attention(config, layer_id, tp, summed=False)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = feed_forward(config, layer_id, tp)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation, fb: ForwardBatch
+        self, h: torch.Tensor, residual: torch.Tensor, rotation: Rotation, fb: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x: [T, hidden]``, the previous layer's output before its residual add (the
-        residual stream ``residual + x`` is that layer's output); ``residual`` None: ``x`` is
-        the stream itself (layer 0). Returns the same pair for this layer. The adds are fused
-        into the norms, which may update both tensors in place: pass tensors the model owns."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add(x, residual)
+        """``h: [T, hidden]``, the layer's input after ``input_layernorm`` (which the caller
+        runs: it sums the previous layer's output into ``residual``, the residual stream).
+        Returns the rank's part of the MLP block's output and the stream after attention.
+        The adds are fused into the norms, which may update their inputs in place: pass
+        tensors the model owns."""
         h = self.self_attn(h, rotation, fb)
-        h, residual = self.post_attention_layernorm.add(h, residual)
+        h, residual = self.post_attention_layernorm.add(h, residual, self.tp)
         return self.mlp(h), residual
 
 
@@ -233,6 +252,7 @@ class DecoderModel(nn.Module):
         self, config: ModelConfig, max_positions: int, tp: TPGroup, feed_forward: FeedForward
     ) -> None:
         super().__init__()
+        self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, tp, feed_forward) for i in range(config.num_layers)
@@ -247,22 +267,31 @@ class DecoderModel(nn.Module):
             self.norm,
             self.rotary_emb(fb.layout.positions),
             fb,
+            self.tp,
         )
 
 
 def run_layers(
-    layers: nn.ModuleList, x: torch.Tensor, norm: RMSNorm, rotation: Rotation, fb: ForwardBatch
+    layers: nn.ModuleList,
+    x: torch.Tensor,
+    norm: RMSNorm,
+    rotation: Rotation,
+    fb: ForwardBatch,
+    tp: TPGroup = SINGLE,
 ) -> torch.Tensor:
-    """``x: [T, hidden]`` (a tensor the caller hands over: it becomes the residual stream)
-    through ``layers`` and the final ``norm``. Captures the stream after each layer in
-    ``fb.capture_layers`` (a fresh tensor) into ``fb.captured``."""
-    residual: torch.Tensor | None = None
-    for layer_id, layer in enumerate(layers):
-        x, residual = layer(x, residual, rotation, fb)
+    """``x: [T, hidden]`` (a tensor the caller hands over, the same on every rank: it becomes
+    the residual stream) through ``layers`` and the final ``norm``. Each layer's output is
+    summed over the ranks by the next layer's ``input_layernorm`` (the last one's by
+    ``norm``), which gives the stream after the layer: captured there (a fresh tensor) for
+    each layer in ``fb.capture_layers`` into ``fb.captured``."""
+    norms = [cast("DecoderLayer", layer).input_layernorm for layer in layers] + [norm]
+    residual, h = x, norms[0](x)
+    for layer_id, (layer, after) in enumerate(zip(layers, norms[1:], strict=True)):
+        part, residual = layer(h, residual, rotation, fb)
+        h, residual = after.add(part, residual, tp)
         if layer_id in fb.capture_layers:
-            fb.captured[layer_id] = residual + x
-    assert residual is not None, "a model has at least one layer"
-    return norm.add(x, residual)[0]
+            fb.captured[layer_id] = residual.clone()
+    return h
 
 
 class DecoderForCausalLM(nn.Module, UsesKernels):

@@ -7,8 +7,8 @@ What rank ``r`` of ``N`` holds and what each layer communicates::
     ColumnParallelLinear     output rows   r*O/N .. (r+1)*O/N             none: output split
       FusedLinear            the same cut of each part (q, k, v; gate,
                              up): its heads' q, k, v, its gate and up
-    RowParallelLinear        input columns r*I/N .. (r+1)*I/N; the bias   all-reduce (sum)
-                             whole, added by rank 0 only
+    RowParallelLinear        input columns r*I/N .. (r+1)*I/N; the bias   all-reduce (sum), or
+                             whole, added by rank 0 only                  in the next norm
     VocabParallelEmbedding   vocabulary rows r*V/N .. (r+1)*V/N           all-reduce (sum)
     LM head (column over V)  vocabulary rows, as the embedding            ``gather_vocab``
                                                                           or ``vocab_argmax``
@@ -30,12 +30,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from outrider.plugins.debug import debug_knob
+from outrider.plugins.graph_build import in_graph_build
 from outrider.plugins.models.config import TENSOR_PARALLEL_FLAG
 from outrider.plugins.models.kernels import UsesKernels
 from outrider.plugins.models.peer_reduce import PeerAllReduce, join_peer_all_reduce
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+    from outrider.plugins.models.peer_norm import PeerSumNorm
 
 
 class TensorSource(Protocol):
@@ -95,6 +99,15 @@ class TPGroup:
         if self.size > 1:
             torch.distributed.all_reduce(x, group=self.group)
         return x
+
+    def fused_sum_norm(self, x: torch.Tensor, residual: torch.Tensor) -> PeerSumNorm | None:
+        """The kernel that sums ``x`` over the ranks with the residual add and norm after
+        it, where one does (inside a CUDA graph's build: a Triton launch costs more host
+        time than an eager step saves); None: ``all_reduce``, then the norm."""
+        norm = None if self.peer is None else self.peer.norm
+        if norm is None or not in_graph_build() or not norm.takes(x, residual):
+            return None
+        return None if debug_knob("OUTRIDER_DEBUG_NO_PEER_NORM") else norm
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``x`` (same shape on all), in rank order."""
@@ -156,13 +169,20 @@ class ColumnParallelLinear(nn.Linear, Sharded, UsesKernels):
 
 class RowParallelLinear(nn.Linear, Sharded, UsesKernels):
     """``y = x W^T + b`` from the rank's ``in_features / N`` input columns (``x`` split the
-    same way), summed over the ranks."""
+    same way), summed over the ranks; ``summed`` False: the rank's part of that sum, which
+    the caller sums (a decoder block's output, summed in the next ``RMSNorm.add``)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPGroup = SINGLE,
+        summed: bool = True,
     ) -> None:
         super().__init__(tp.part(in_features, "input features"), out_features, bias=bias)
         self.tp = tp
+        self.summed = summed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._summed(self.kernels.linear(x, self.weight, self._rank_bias()))
@@ -176,7 +196,7 @@ class RowParallelLinear(nn.Linear, Sharded, UsesKernels):
         return self.bias if self.tp.rank == 0 else None
 
     def _summed(self, y: torch.Tensor) -> torch.Tensor:
-        return y if self.tp.size == 1 else self.tp.all_reduce(y)
+        return self.tp.all_reduce(y) if self.summed and self.tp.size > 1 else y
 
     def param_split(self, name: str) -> Split | None:
         return self.tp.split(1) if name == "weight" else None

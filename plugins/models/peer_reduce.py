@@ -35,6 +35,8 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from outrider.plugins.models.peer_norm import PeerSumNorm
+
 log = logging.getLogger("outrider.models")
 
 # The largest message summed over peer memory, by the ranks: every rank reads every peer's
@@ -56,11 +58,15 @@ _ALIGN_BYTES = 16
 
 
 class PeerAllReduce:
-    """This rank's symmetric buffer and the one-shot sum over it."""
+    """This rank's symmetric buffer and the one-shot sum over it; ``norm``: the sum fused
+    with the residual add and RMSNorm after it (peer_norm.py), over a buffer of its own."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str) -> None:
+    def __init__(
+        self, buffer: torch.Tensor, group_name: str, norm: PeerSumNorm | None = None
+    ) -> None:
         self._buffer = buffer  # uint8, rendezvoused with the group: its size is the limit
         self._group_name = group_name
+        self.norm = norm
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is summed here: small, contiguous, aligned, on this GPU."""
@@ -89,7 +95,8 @@ def join_peer_all_reduce(
     group: ProcessGroup, device: torch.device, devices: range, max_bytes: int | None = None
 ) -> PeerAllReduce | None:
     """Every rank's buffer of ``max_bytes`` (None: ``one_shot_max_bytes`` of the group's
-    ranks) allocated and exchanged, a collective over
+    ranks), and the fused sum's (``PeerSumNorm``, as many bytes a parity), allocated and
+    exchanged, a collective over
     ``group`` (NCCL, the ranks on ``devices`` of one host); None on every rank when some GPU
     of them cannot reach another's memory (the calls then go through NCCL). Raises
     RuntimeError naming ``DISABLE_FLAG`` when the buffers cannot be mapped or do not sum."""
@@ -102,19 +109,28 @@ def join_peer_all_reduce(
         return None
     from torch.distributed import _symmetric_memory as symm_mem
 
+    from outrider.plugins.models.peer_norm import PeerSumNorm
+
+    world = dist.get_world_size(group)
     if max_bytes is None:
-        max_bytes = one_shot_max_bytes(dist.get_world_size(group))
+        max_bytes = one_shot_max_bytes(world)
     try:
         buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(buffer, group.group_name)
+        norm_bytes = PeerSumNorm.buffer_bytes(max_bytes, world)
+        norm_buffer = symm_mem.empty(norm_bytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(norm_buffer, group.group_name)
     except RuntimeError as e:
         raise RuntimeError(
             f"mapping the peers' all-reduce buffers failed ({DISABLE_FLAG}: NCCL only): {e}"
         ) from e
-    peer = PeerAllReduce(buffer, group.group_name)
+    norm_buffer.zero_()  # the flag words: zero on every rank before any peer sets one
+    _all_ranks(True, group, device)  # after this rank's zeroing, in stream order
+    bases = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+    peer = PeerAllReduce(buffer, group.group_name, PeerSumNorm(norm_buffer, bases, group.rank()))
     probe = torch.ones(_ALIGN_BYTES // 4, dtype=torch.float32, device=device)
     peer(probe)
-    if not torch.equal(probe, torch.full_like(probe, dist.get_world_size(group))):
+    if not torch.equal(probe, torch.full_like(probe, world)):
         raise RuntimeError(
             f"the peer all-reduce summed ones over the ranks to {probe.tolist()} "
             f"({DISABLE_FLAG}: NCCL only)"

@@ -242,7 +242,8 @@ class DFlashDraft(nn.Module):
         # A copy: the layers update their input in place, and the caller's embeddings may be
         # aliased by a capture.
         x = embeds.to(self.fc.weight.dtype, copy=True)
-        return run_layers(self.layers, x, self.norm, self.rotary_emb(fb.layout.positions), fb)
+        rotation = self.rotary_emb(fb.layout.positions)
+        return run_layers(self.layers, x, self.norm, rotation, fb, self.tp)
 
 
 def _context_kv(

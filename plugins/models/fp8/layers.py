@@ -180,8 +180,9 @@ class Fp8RowParallelLinear(Fp8Linear, RowParallelLinear):
         tp: TPGroup,
         fp8: Fp8Config,
         name: str,
+        summed: bool = True,
     ) -> None:
-        super().__init__(in_features, out_features, bias, tp)
+        super().__init__(in_features, out_features, bias, tp, summed)
         columns = self.in_features
         if fp8.block is not None and tp.size > 1:
             _check_whole_blocks(name, "the columns", columns, fp8.block[1], tp)
@@ -230,7 +231,7 @@ def _fp8_twin(module: nn.Linear, fp8: Fp8Config, name: str) -> Fp8Linear:
     elif isinstance(module, RowParallelLinear):
         in_features = module.in_features * module.tp.size
         twin = Fp8RowParallelLinear(
-            in_features, module.out_features, has_bias, module.tp, fp8, name
+            in_features, module.out_features, has_bias, module.tp, fp8, name, module.summed
         )
     else:
         raise TypeError(f"{name}: {type(module).__name__} has no FP8 twin")

@@ -19,9 +19,9 @@ projection, each loaded into its slice (``NamesCheckpoint``). What rank ``r`` of
     shared_expert_gate          [1, H]           {block}.shared_expert_gate.weight, whole
 
 The router runs whole on every rank (its input is the same everywhere); each rank's experts
-give a partial sum over its intermediate rows, summed over the ranks as a row-parallel
-layer's output is. FP8 checkpoints' experts are ``fp8.experts.Fp8Experts``, put in place of
-``Experts`` by ``fp8.layers.use_fp8``.
+give a partial sum over its intermediate rows, which the layer's next norm sums over the
+ranks (``RMSNorm.add``), as it sums the attention's row-parallel output. FP8 checkpoints'
+experts are ``fp8.experts.Fp8Experts``, put in place of ``Experts`` by ``fp8.layers.use_fp8``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from outrider.plugins.models.kernels import UsesKernels
-from outrider.plugins.models.layers import MLP, DecoderForCausalLM
+from outrider.plugins.models.layers import MLP, DecoderForCausalLM, dense_mlp
 from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.models.weights import Destination, NamesCheckpoint, checkpoint_table
 
@@ -121,24 +121,23 @@ class Experts(nn.Module, UsesKernels):
 
 
 class SparseMoeBlock(nn.Module, NamesCheckpoint, UsesKernels):
-    """One layer's experts (and Qwen2-MoE's shared expert): ``[T, H] -> [T, H]``, summed
-    over the ranks."""
+    """One layer's experts (and Qwen2-MoE's shared expert): ``[T, H] -> [T, H]``, the rank's
+    part of the sum over the ranks (a ``FeedForward``)."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         moe = _moe(config)
         self.names = EXPERT_NAMES[config.model_type]
-        self.tp = tp
         self.gate = Router(config.hidden_size, moe)
         self.experts = Experts(config.hidden_size, moe, tp)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Parameter | None = None
         if moe.shared_expert_size:
-            self.shared_expert = MLP(config, tp, moe.shared_expert_size)
+            self.shared_expert = MLP(config, tp, moe.shared_expert_size, summed=False)
             self.shared_expert_gate = nn.Parameter(torch.empty(1, config.hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.experts(x, self.gate(x)))
+        out = self.experts(x, self.gate(x))
         if self.shared_expert is None or self.shared_expert_gate is None:
             return out
         scale = torch.sigmoid(self.kernels.linear(x, self.shared_expert_gate, None))  # [T, 1]
@@ -181,4 +180,4 @@ class MoeForCausalLM(DecoderForCausalLM):
     def feed_forward(self, config: ModelConfig, layer_id: int, tp: TPGroup) -> nn.Module:
         if layer_id in _moe(config).sparse_layers:
             return SparseMoeBlock(config, tp)
-        return MLP(config, tp)
+        return dense_mlp(config, layer_id, tp)
