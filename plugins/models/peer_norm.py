@@ -36,9 +36,10 @@ import triton.language as tl
 
 # The most rows one call sums: the flag words and call counts are sized for it.
 MAX_ROWS = 512
-# A wait longer than this is a fault, not a slow peer (a step takes milliseconds; the ranks
-# meet at collectives before every graph capture).
-_WAIT_LIMIT_NS = 60 * 10**9
+# A wait longer than this is a fault, not a slow peer: NCCL's default collective timeout.
+# A peer may legitimately lag for minutes while it builds a JIT kernel (FlashInfer's, in a
+# graph's warm-up between two of these calls), so nothing much shorter will do.
+_WAIT_LIMIT_NS = 10 * 60 * 10**9
 _WARPS = 8
 
 
