@@ -16,7 +16,8 @@ accepts each position with one probability, set from the acceptance at the polic
 chain (the engine's ``position_rate``); a fixed daemon's shorter chain gets the acceptance that
 same probability gives at its length, so that every width is the policy daemon's draft cut
 short, as the policy's own cut steps are (a fixed chain of one draft at acceptance 2 would
-otherwise accept every draft). ``--shape family`` serves the embedded
+otherwise accept every draft). ``--shape moe`` serves Qwen3-30B-A3B's config (dummy weights)
+to every algorithm instead, the mixture-of-experts target. ``--shape family`` serves the embedded
 family with its trained drafts instead (no simulation: ``--acceptance`` is ignored), on any
 device: a smoke run on a CPU.
 
@@ -107,6 +108,18 @@ def dummy_shape() -> Shape:
     eagle3 = str(CONFIGS / "Llama-3.1-8B-EAGLE3.config.json")
     dflash = str(CONFIGS / "Qwen3-8B-DFlash-b16.config.json")
     return targets, _algorithms("llama", "qwen3", eagle3, dflash, tree, simulated=True)
+
+
+def moe_shape() -> Shape:
+    """Qwen3-30B-A3B (128 experts, 8 a token) with dummy weights, every algorithm on it: its
+    drafts take the 8B drafts' layouts at its sizes (EAGLE-3: one layer; DFlash: five layers
+    tapping five of its 48, a block of 16)."""
+    targets = {"moe": ("--model", str(CONFIGS / "Qwen3-30B-A3B.config.json"), *DUMMY)}
+    tree = ("--speculative-num-steps", "5", "--speculative-topk", "4",
+            "--speculative-num-draft-tokens", "16")  # fmt: skip
+    eagle3 = str(CONFIGS / "Qwen3-30B-A3B-EAGLE3.config.json")
+    dflash = str(CONFIGS / "Qwen3-30B-A3B-DFlash-b16.config.json")
+    return targets, _algorithms("moe", "moe", eagle3, dflash, tree, simulated=True)
 
 
 def family_shape() -> Shape:
@@ -276,7 +289,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=("dummy", "family"), default="dummy")
+    parser.add_argument("--shape", choices=("dummy", "moe", "family"), default="dummy")
     parser.add_argument("--algorithms", nargs="+", choices=("chain", "tree", "ngram", "dflash"),
                         default=["chain", "tree", "ngram", "dflash"])  # fmt: skip
     parser.add_argument("--acceptance", type=float, nargs="+", default=[2.0, 4.0])
@@ -292,9 +305,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("serve_args", nargs="*", help="extra `outrider serve` flags (after --)")
     args = parser.parse_args()
-    if args.shape == "dummy" and args.tokenizer is None:
-        parser.error("--shape dummy needs --tokenizer (the config.json files have none)")
-    targets, algorithms = dummy_shape() if args.shape == "dummy" else family_shape()
+    if args.shape != "family" and args.tokenizer is None:
+        parser.error(f"--shape {args.shape} needs --tokenizer (the config.json files have none)")
+    targets, algorithms = {"dummy": dummy_shape, "moe": moe_shape, "family": family_shape}[
+        args.shape
+    ]()
     if args.step_logs:
         args.step_logs.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

@@ -45,6 +45,49 @@ def test_none_first_on_each_target_then_each_algorithm_at_each_acceptance(
     assert names == ["family-none", "family-tree", "family-ngram"]  # real drafts: no simulation
 
 
+def test_the_moe_target_serves_every_algorithm_with_drafts_of_its_sizes(
+    sweep: ModuleType,
+) -> None:
+    import torch
+
+    from outrider.plugins.api import CheckContext
+    from outrider.plugins.models.config import ModelConfig
+    from outrider.plugins.speculative import dflash, eagle3
+    from outrider.plugins.speculative.dflash_model import DFlashConfig, build_dflash
+    from outrider.plugins.speculative.eagle3_model import Eagle3Config, build_eagle3
+
+    targets, algorithms = sweep.moe_shape()
+    names = [mode.name for mode in sweep.modes(algorithms, ["chain", "dflash"], [2.0])]
+    assert names == ["moe-none", "moe-chain-a2", "moe-dflash-a2"]
+    target = ModelConfig.from_pretrained(targets["moe"][1])
+    assert target.model_type == "qwen3_moe"
+    for name, spec, width in (("chain", eagle3.SPEC, 4), ("dflash", dflash.SPEC, 16)):
+        draft = algorithms[name].flags[algorithms[name].flags.index("--draft-model") + 1]
+        ctx = CheckContext(
+            "cuda", "bfloat16", 16, True, {}, spec.name, (9, 0), model=targets["moe"][1],
+            speculative_num_draft_tokens=width, draft_model=draft,
+        )  # fmt: skip
+        assert spec.check(spec, ctx) == [], name
+    # The 8B shape's DFlash draft is refused here (features of 4,096, a 36-layer target).
+    ctx = CheckContext(
+        "cuda", "bfloat16", 16, True, {}, "dflash", (9, 0), model=targets["moe"][1],
+        draft_model=str(sweep.CONFIGS / "Qwen3-8B-DFlash-b16.config.json"),
+    )  # fmt: skip
+    assert [p.message for p in dflash.SPEC.check(dflash.SPEC, ctx)] == [
+        "the draft reads target features of size 4096, the target's hidden_size is 2048",
+        "the draft was made for a 36-layer target, this one has 48",
+    ]
+    # Both build at the target's hidden size, with its head layout.
+    meta = {"max_positions": 1, "dtype": torch.bfloat16, "device": "meta"}
+    eagle = build_eagle3(Eagle3Config.from_pretrained(algorithms["chain"].flags[3]), **meta)
+    assert eagle.attention_shape.num_kv_heads == target.num_kv_heads
+    assert eagle.attention_shape.head_dim == target.head_dim
+    block = DFlashConfig.from_pretrained(algorithms["dflash"].flags[3])
+    assert block.target_hidden_size == target.hidden_size and block.block_size == 16
+    assert block.target_layer_ids == (1, 12, 23, 34, 45)
+    assert build_dflash(block, **meta).num_kv_heads == target.num_kv_heads
+
+
 def test_a_daemons_flags_hold_its_algorithm_acceptance_and_sizes(
     sweep: ModuleType, tmp_path: Path
 ) -> None:
