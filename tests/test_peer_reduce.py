@@ -4,6 +4,7 @@ what they give, eagerly and replayed from a CUDA graph, against NCCL's sums."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,20 @@ def _sums(tp_all_reduce: object, rank: int) -> dict[tuple[torch.dtype, int], tor
     return sums
 
 
+def _captured(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``step`` run once on a side stream (its warm-up), then captured: the graph and the
+    tensor its replays write."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def _graph_sums(tp_all_reduce: object, rank: int) -> list[torch.Tensor]:
     """Three chained all-reduces of a decode-sized message captured once, replayed on two
     inputs."""
@@ -88,14 +103,7 @@ def _graph_sums(tp_all_reduce: object, rank: int) -> list[torch.Tensor]:
         y = tp_all_reduce(y * 0.5)  # type: ignore[operator]
         return tp_all_reduce(y - 1.0)  # type: ignore[operator]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _captured(step)
     replayed = []
     for seed in (10 + rank, 20 + rank):
         generator = torch.Generator(device="cuda").manual_seed(seed)
@@ -151,14 +159,7 @@ def _fused_norm_graph(norm: PeerSumNorm, rank: int) -> list[tuple[torch.Tensor, 
         h, r = norm(h * 0.5, r, weight, EPS)
         return torch.cat((h, r))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _captured(step)
     pairs = []
     for seed in (10, 20):
         part, residual, _ = _norm_inputs(rank, torch.bfloat16, 2, 4096, seed)
