@@ -20,8 +20,8 @@ DEBUG_KNOBS: dict[str, str] = {
         "launch the Triton kernels without programmatic dependent launch (to compare)"
     ),
     "OUTRIDER_DEBUG_NO_WEIGHT_PREFETCH": (
-        "one-token GEMVs ask L2 for no weights before they wait for the kernel ahead of them "
-        "(to compare)"
+        "one-token GEMVs ask L2 for no weights before they wait for the kernel ahead of them, "
+        "and one token's add and norm ahead of them is FlashInfer's (to compare)"
     ),
     "OUTRIDER_DEBUG_NO_PEER_NORM": (
         "sum a tensor-parallel block's output with the one-shot all-reduce, then add and "

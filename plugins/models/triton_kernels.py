@@ -160,12 +160,18 @@ def _launch_gemv(
     return y
 
 
+def weight_prefetch() -> bool:
+    """Whether one-token GEMVs ask L2 for weights ahead of their wait, and one token's add
+    and norm lets them launch early (not with ``OUTRIDER_DEBUG_NO_WEIGHT_PREFETCH``)."""
+    return not debug_knob("OUTRIDER_DEBUG_NO_WEIGHT_PREFETCH")
+
+
 def prefetch_columns(n: int, k: int, line: int) -> int:
     """The columns of each of ``n`` rows (``k`` long, ``line`` weights a cache line) that a
     one-token GEMV asks L2 for before it waits: a power of two of whole lines, within ``k``,
     the launch's ``PREFETCH_BYTES`` at most (0: none, also with
     ``OUTRIDER_DEBUG_NO_WEIGHT_PREFETCH``)."""
-    if debug_knob("OUTRIDER_DEBUG_NO_WEIGHT_PREFETCH"):
+    if not weight_prefetch():
         return 0
     element = _CACHE_LINE_BYTES // line
     lines = min(PREFETCH_BYTES // (n * element), k) // line
