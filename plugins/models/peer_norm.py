@@ -6,8 +6,8 @@ sum is ``RMSNorm.add`` (residual add, then the norm). Summed through the one-sho
 (peer_reduce.py) and then normalised, that is two kernels and two barriers a block; here it is
 one kernel with one exchange: each program (one row) writes the rank's part into its own
 buffer, tells every peer, waits until every peer told it, then reads the ranks' parts in rank
-order, adds the residual and normalises (BENCHMARKS.md, "The sum, residual add and norm in one
-kernel").
+order, adds the residual and normalises (BENCHMARKS.md, "The sum over two GPUs, the residual
+add and the norm in one kernel").
 
 Invariants:
 
