@@ -4,7 +4,6 @@ what they give, eagerly and replayed from a CUDA graph, against NCCL's sums."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from daemon_harness import free_port
 
+from outrider.daemon.engine.graph_capture import GraphPool
 from outrider.plugins.models.parallel import init_tensor_parallel
 from outrider.plugins.models.peer_norm import MAX_ROWS, PeerSumNorm
 from outrider.plugins.models.peer_reduce import PeerAllReduce, one_shot_max_bytes
@@ -79,20 +79,6 @@ def _sums(tp_all_reduce: object, rank: int) -> dict[tuple[torch.dtype, int], tor
     return sums
 
 
-def _captured(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """``step`` run once on a side stream (its warm-up), then captured: the graph and the
-    tensor its replays write."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out
-
-
 def _graph_sums(tp_all_reduce: object, rank: int) -> list[torch.Tensor]:
     """Three chained all-reduces of a decode-sized message captured once, replayed on two
     inputs."""
@@ -103,7 +89,7 @@ def _graph_sums(tp_all_reduce: object, rank: int) -> list[torch.Tensor]:
         y = tp_all_reduce(y * 0.5)  # type: ignore[operator]
         return tp_all_reduce(y - 1.0)  # type: ignore[operator]
 
-    graph, out = _captured(step)
+    graph, out, _ = GraphPool().capture(step)
     replayed = []
     for seed in (10 + rank, 20 + rank):
         generator = torch.Generator(device="cuda").manual_seed(seed)
@@ -159,7 +145,7 @@ def _fused_norm_graph(norm: PeerSumNorm, rank: int) -> list[tuple[torch.Tensor, 
         h, r = norm(h * 0.5, r, weight, EPS)
         return torch.cat((h, r))
 
-    graph, out = _captured(step)
+    graph, out, _ = GraphPool().capture(step)
     pairs = []
     for seed in (10, 20):
         part, residual, _ = _norm_inputs(rank, torch.bfloat16, 2, 4096, seed)

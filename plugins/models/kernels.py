@@ -280,8 +280,9 @@ class FusedKernels(TorchKernels):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # In place: residual += x, then x = rms_norm(residual). One token in a graph being
         # built: the next kernel is a one-token GEMV, which Triton's lets start early.
-        one_token = x.shape[0] == 1 and _rows_contiguous(x, residual)
-        if in_graph_build() and one_token and self.triton.weight_prefetch():
+        # (Eager steps stop at the first test: this runs twice a layer.)
+        one_token = in_graph_build() and x.shape[0] == 1 and _rows_contiguous(x, residual)
+        if one_token and self.triton.weight_prefetch():
             return self.triton.add_rms_norm(x, residual, weight, eps)
         self.flashinfer.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
