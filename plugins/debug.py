@@ -19,10 +19,6 @@ DEBUG_KNOBS: dict[str, str] = {
     "OUTRIDER_DEBUG_NO_PDL": (
         "launch the Triton kernels without programmatic dependent launch (to compare)"
     ),
-    "OUTRIDER_DEBUG_NO_WEIGHT_PREFETCH": (
-        "one-token GEMVs ask L2 for no weights before they wait for the kernel ahead of them, "
-        "and one token's add and norm ahead of them is FlashInfer's (to compare)"
-    ),
     "OUTRIDER_DEBUG_NO_PEER_NORM": (
         "sum a tensor-parallel block's output with the one-shot all-reduce, then add and "
         "normalise, where the kernel that does all three would serve (to compare)"

@@ -4,7 +4,7 @@ GPU step runs (``plugins/race_kernel.py``), against what they replace: the GEMV 
 ``F.linear``, SiLU-and-multiply and Qwen3's q/k norm with the rotation against the reference
 kernels, the down projection with SiLU-and-multiply fused against the two kernels, the K/V
 store against ``index_copy_``, the greedy token and its logprob against torch's, the race's
-winners against torch's, one token's add and norm against the reference's.
+winners against torch's.
 Without a GPU they run in Triton's interpreter on CPU tensors (float32: the interpreter has no
 bfloat16); ``test_layer_kernels.py`` covers them compiled, in bf16."""
 
@@ -168,45 +168,6 @@ def test_the_greedy_kernel_is_torch_argmax_and_log_softmax() -> None:
     empty_tokens, empty_logprob = greedy_kernel.greedy_logprob(logits[:0])
     assert empty_tokens.shape == empty_logprob.shape == (0,)
     assert greedy_kernel.greedy_fits(logits.to(DEVICE)) == CUDA
-
-
-def test_the_add_and_norm_of_a_row_match_the_reference_in_place() -> None:
-    from outrider.plugins.models import triton_kernels
-
-    gen = _gen()
-    # A hidden size short of its power of two (masked), two rows of a strided batch.
-    for rows, hidden in ((1, 4096), (2, 1000)):
-        x = torch.randn(rows, hidden + 8, generator=gen, device=DEVICE)[:, :hidden]
-        residual = torch.randn(rows, hidden, generator=gen, device=DEVICE)
-        weight = 1 + 0.1 * torch.randn(hidden, generator=gen, device=DEVICE)
-        want = TORCH_KERNELS.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
-        normed, summed = triton_kernels.add_rms_norm(x, residual, weight, 1e-5)
-        assert normed is x and summed is residual
-        torch.testing.assert_close(summed, want[1], rtol=0, atol=0)
-        torch.testing.assert_close(normed, want[0], rtol=1e-5, atol=1e-5)
-
-
-def test_a_gemv_prefetches_whole_lines_within_its_row_and_budget(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from outrider.plugins.models.triton_kernels import PREFETCH_BYTES, prefetch_columns
-
-    line = 64  # bf16 weights a 128-byte line
-    # Llama-3.1-8B's projections, one rank and two: qkv, o, gate/up, down, the LM head.
-    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-    shapes += [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168), (64128, 4096)]
-    got = [prefetch_columns(n, k, line) for n, k in shapes]
-    assert got == [1024, 2048, 256, 2048, 64, 2048, 2048, 512, 2048, 128]
-    for (n, k), columns in zip(shapes, got, strict=True):
-        lines = columns // line
-        assert columns % line == 0 and lines & (lines - 1) == 0 and columns <= k
-        assert n * columns * 2 <= PREFETCH_BYTES < n * 2 * columns * 2 or 2 * columns > k
-    assert prefetch_columns(7, 4096, line) == 4096  # the whole row: within the budget
-    assert prefetch_columns(7, 100, line) == 64  # one whole line of a short row
-    assert prefetch_columns(7, 40, line) == 0  # no whole line
-    assert prefetch_columns(PREFETCH_BYTES, 4096, line) == 0  # not a line a row in budget
-    monkeypatch.setenv("OUTRIDER_DEBUG_NO_WEIGHT_PREFETCH", "1")
-    assert prefetch_columns(6144, 4096, line) == 0
 
 
 def test_kernels_on_cpu_tensors_launch_without_pdl() -> None:

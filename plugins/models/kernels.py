@@ -6,12 +6,12 @@ every device and dtype (the float32 CPU path, which tests compare token for toke
 ``FusedKernels`` serves half-precision models on a GPU: FlashInfer's fused norm and rotary
 kernels (one kernel per operation instead of five to ten, which is most of what a batch-1
 decode step launches besides its GEMMs), and while a CUDA graph is built our Triton GEMV for
-one-token projections (and one token's add and norm ahead of them), SiLU-and-multiply and
-Qwen3's q/k norm with the rotation (``triton_kernels.py``). They compute in float32 and
-round once, so their results differ from the reference's by bf16 rounding only
-(ARCHITECTURE.md 4.4). The routed experts of a mixture-of-experts layer (``fused_moe``,
-``fused_moe_fp8`` for FP8 experts) run our Triton kernels (``moe/kernels.py``), eagerly too:
-they need no host sync, where the reference reads on the host which experts were hit.
+one-token projections, SiLU-and-multiply and Qwen3's q/k norm with the rotation
+(``triton_kernels.py``). They compute in float32 and round once, so their results differ
+from the reference's by bf16 rounding only (ARCHITECTURE.md 4.4). The routed experts of a
+mixture-of-experts layer (``fused_moe``, ``fused_moe_fp8`` for FP8 experts) run our Triton
+kernels (``moe/kernels.py``), eagerly too: they need no host sync, where the reference reads
+on the host which experts were hit.
 
 Modules reach their kernels through ``UsesKernels.kernels``; ``use_kernels`` sets them on a
 whole model once it sits on its serving device.
@@ -212,10 +212,6 @@ class FusedRotation(Rotation):
         return rotated.view(k.shape)
 
 
-def _rows_contiguous(*tensors: torch.Tensor) -> bool:
-    return all(t.dim() == 2 and t.stride(1) == 1 for t in tensors)
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``[T, H, D] -> [T, H * D]`` as a view (raises rather than copy: in-place kernels
     write through it)."""
@@ -278,12 +274,7 @@ class FusedKernels(TorchKernels):
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # In place: residual += x, then x = rms_norm(residual). One token in a graph being
-        # built: the next kernel is a one-token GEMV, which Triton's lets start early.
-        # (Eager steps stop at the first test: this runs twice a layer.)
-        one_token = in_graph_build() and x.shape[0] == 1 and _rows_contiguous(x, residual)
-        if one_token and self.triton.weight_prefetch():
-            return self.triton.add_rms_norm(x, residual, weight, eps)
+        # In place: residual += x, then x = rms_norm(residual).
         self.flashinfer.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
 

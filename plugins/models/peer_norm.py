@@ -34,8 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.plugins.triton_launch import pdl_options, wait_for_previous
-
 # The most rows one call sums: the flag words and call counts are sized for it.
 MAX_ROWS = 512
 # A wait longer than this is a fault, not a slow peer: NCCL's default collective timeout.
@@ -70,12 +68,7 @@ def _sum_add_rms_norm(
     bases_ptr, calls_ptr, x_ptr, res_ptr, w_ptr, eps,
     RANK: tl.constexpr, WORLD: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr,
     PARITY_ELEMS: tl.constexpr, FLAGS_AT: tl.constexpr, WAIT_NS: tl.constexpr,
-    PDL: tl.constexpr,
 ):  # fmt: skip
-    # Under programmatic dependent launch the next kernel (a GEMV) may start while this one
-    # waits for its peers: it asks L2 for its weights meanwhile. This call still begins
-    # after the previous call ended (the wait covers every kernel before it).
-    wait_for_previous(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < H
@@ -159,6 +152,6 @@ class PeerSumNorm:
             self._bases, self._calls, x, residual, weight, eps,
             RANK=self._rank, WORLD=self._world, H=hidden, BLOCK=triton.next_power_of_2(hidden),
             PARITY_ELEMS=self.parity_bytes // elem, FLAGS_AT=2 * self.parity_bytes // 8,
-            WAIT_NS=_WAIT_LIMIT_NS, num_warps=_WARPS, **pdl_options(x.device),
+            WAIT_NS=_WAIT_LIMIT_NS, num_warps=_WARPS,
         )  # fmt: skip
         return x, residual

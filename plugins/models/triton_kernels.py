@@ -5,13 +5,7 @@ decode graphs"):
 - ``gemv``: a one-token projection ``x W^T (+ b)``. cuBLAS serves a single row with split-K
   kernels and their reduces (the o and down projections) or under the read bandwidth (q/k/v,
   the LM head); this kernel gives each program ``BLOCK_N`` whole output rows, so each weight
-  byte is read once with no reduce step, and accumulates in float32. Launched dependent on
-  the kernel ahead (PDL), it asks L2 for the first columns of its rows (``PREFETCH_BYTES`` a
-  launch) before it waits: at one token the kernels between GEMVs (norms, attention, the
-  sum over GPUs) leave the bus idle. Not the down projection, which follows gate/up's GEMV
-  (the bus busy, and its stream would evict what was asked for).
-- ``add_rms_norm``: the residual add and RMSNorm of one token in FlashInfer's arithmetic,
-  letting the next kernel (a GEMV) launch at once rather than as it ends.
+  byte is read once with no reduce step, and accumulates in float32.
 - ``silu_and_mul``: FlashInfer's runs one block per token, a single SM at batch 1; this grid is
   tokens x blocks of the intermediate size. Same arithmetic (float32, one rounding).
 - ``silu_mul_gemv``: the MLP's down projection of one token with SiLU-and-multiply computed as
@@ -32,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.plugins.debug import debug_knob
 from outrider.plugins.models.moe.tiles import GemvTiles
 from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 
@@ -42,12 +35,7 @@ from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 # and Qwen3's q/k/v and within 1 % of it for gate/up and down; every shape's best has the
 # 1,024 step and 8 warps (on an H200 other tiles gain 1.2-1.5 % of a step: BENCHMARKS.md).
 GEMV_TILES = GemvTiles(block_n=8, block_k=1024, num_warps=8, num_stages=3)
-# The weight bytes a one-token GEMV launch asks L2 for before it waits for the kernel ahead of
-# it (``prefetch_columns``): what the bus reads in about 4 us, within an H100's 50 MB of L2.
-PREFETCH_BYTES = 16 * 2**20
-_CACHE_LINE_BYTES = 128
 _SILU_BLOCK = 512
-_NORM_WARPS = 8
 
 
 @triton.jit
@@ -57,35 +45,17 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_to_l2(w_ptr, row_at, COLUMNS: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for the first ``COLUMNS`` weights of the rows at ``row_at`` (``[BLOCK_N, 1]``
-    offsets of rows that exist), one cache line (``LINE`` weights) a request. A prefetch
-    returns nothing and reads what no kernel writes, so it may run before the wait."""
-    lines = w_ptr + row_at + (tl.arange(0, COLUMNS // LINE) * LINE)[None, :]
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(PDL)
+    # GATED: x holds 2K values (gate, then up) and the input is their silu_and_mul.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < N
     # NOTE: a large LM head has more than 2^31 weights: row offsets in int64.
     row_at = rows.to(tl.int64)[:, None] * stride_w
-    if PREFETCH:
-        # While the kernels ahead of this one still run (programmatic dependent launch: this
-        # grid starts once theirs have all started), the memory bus is mostly idle at one
-        # token: their weights' first columns on their way to L2 by then.
-        held = tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_w
-        _prefetch_to_l2(w_ptr, held, PREFETCH, LINE)
-    wait_for_previous(PDL)
-    # GATED: x holds 2K values (gate, then up) and the input is their silu_and_mul.
     step = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -149,69 +119,12 @@ def _launch_gemv(
 ) -> torch.Tensor:
     n, k = weight.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pdl = pdl_options(x.device)
-    line = _CACHE_LINE_BYTES // weight.element_size()
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=tiles.block_n, BLOCK_K=tiles.step(k),
-        PREFETCH=prefetch_columns(n, k, line) if pdl["PDL"] and not gated else 0, LINE=line,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options(x.device),
     )  # fmt: skip
     return y
-
-
-def weight_prefetch() -> bool:
-    """Whether one-token GEMVs ask L2 for weights ahead of their wait, and one token's add
-    and norm lets them launch early (not with ``OUTRIDER_DEBUG_NO_WEIGHT_PREFETCH``)."""
-    return not debug_knob("OUTRIDER_DEBUG_NO_WEIGHT_PREFETCH")
-
-
-def prefetch_columns(n: int, k: int, line: int) -> int:
-    """The columns of each of ``n`` rows (``k`` long, ``line`` weights a cache line) that a
-    one-token GEMV asks L2 for before it waits: a power of two of whole lines, within ``k``,
-    the launch's ``PREFETCH_BYTES`` at most (0: none, also with
-    ``OUTRIDER_DEBUG_NO_WEIGHT_PREFETCH``)."""
-    if not weight_prefetch():
-        return 0
-    element = _CACHE_LINE_BYTES // line
-    lines = min(PREFETCH_BYTES // (n * element), k) // line
-    return 0 if lines == 0 else (1 << (lines.bit_length() - 1)) * line
-
-
-@triton.jit
-def _add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, H, stride_x, stride_res, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
-):
-    wait_for_previous(PDL)
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < H
-    x_at = x_ptr + row * stride_x + cols
-    res_at = res_ptr + row * stride_res + cols
-    summed = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
-    summed += tl.load(res_at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(res_at, summed.to(res_ptr.dtype.element_ty), mask=ok)
-    scale = tl.rsqrt(tl.sum(summed * summed, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(x_at, (summed * scale * w).to(x_ptr.dtype.element_ty), mask=ok)
-
-
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual += x``, then ``x = rms_norm(residual) * weight``, in place, for ``x,
-    residual: [T, H]`` contiguous along H: FlashInfer's arithmetic (the norm of the float32
-    sum, the residual rounded once). FlashInfer's kernel lets the next kernel launch only as
-    it ends; this one at once, so that a one-token GEMV after it asks L2 for its weights
-    while the norm runs."""
-    tokens, hidden = x.shape
-    if tokens:
-        _add_rms_norm_kernel[(tokens,)](
-            x, residual, weight, hidden, x.stride(0), residual.stride(0), eps,
-            BLOCK=triton.next_power_of_2(hidden), num_warps=_NORM_WARPS,
-            **pdl_options(x.device),
-        )  # fmt: skip
-    return x, residual
 
 
 @triton.jit
