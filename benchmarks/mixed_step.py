@@ -19,6 +19,7 @@ top operations of each wave's first turn (untimed): a prompt batch, then a mixed
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -184,6 +185,7 @@ def main() -> None:
             engine = _engine(args, budget, mixed)
             timed.append(turns(engine, args))
             del engine
+            gc.collect()  # the engine's cycles hold its KV cache
             if args.device == "cuda":
                 torch.cuda.empty_cache()
         print(json.dumps(report(budget, *timed)), flush=True)

@@ -21,6 +21,11 @@ A ``BatchLayout`` says where a batch's tokens sit and what they attend; a ``Forw
 one layout run by one attention backend over one KV cache, with the metadata that backend
 built for it. A draft that runs its own model over the target's layout binds the same layout
 to its own backend and cache: metadata never outlives its batch.
+
+A prompt batch that decoding rows ride (their one token each after the prompt rows) binds
+those riders as a batch of their own to a second backend, the decode phase's
+(``ForwardBatch.bind``'s ``riders``): a prompt kernel tiles its queries by row, so a row of one
+token wastes nearly all of its tile, over the row's whole context.
 """
 
 from __future__ import annotations
@@ -241,6 +246,50 @@ class BatchLayout:
     def num_tokens(self) -> int:
         return self.positions.shape[0]
 
+    def rider_rows(self) -> int:
+        """Where this batch's riders start: the first row of its trailing run of one-token
+        rows after a longer row, from the host lengths; ``bs`` where there is no such run."""
+        if self.host is None or self.tree_mask is not None or self.max_q == 1:
+            return self.bs
+        first = self.bs
+        while first > 0 and self.host.q_lens[first - 1] == 1:
+            first -= 1
+        return first if first > 0 else self.bs
+
+    def split_rows(self, rows: int) -> tuple[BatchLayout, BatchLayout]:
+        """This batch as two: its first ``rows`` rows, and the rest, one query token each
+        (``rider_rows``). Slices of the device tensors at host offsets, and one index."""
+        host = self.host
+        assert host is not None and 0 < rows < self.bs and set(host.q_lens[rows:]) == {1}
+        tokens = sum(host.q_lens[:rows])
+        riders = self.bs - rows
+        head = replace(
+            self,
+            slots=self.slots[:rows],
+            positions=self.positions[:tokens],
+            out_loc=self.out_loc[:tokens],
+            q_start=self.q_start[: rows + 1],
+            seq_lens=self.seq_lens[:rows],
+            q_pad_index=self.q_pad_index[:tokens],  # its stride stays max_q
+            bs=rows,
+            max_kv=max(host.seq_lens[:rows]),
+            host=HostLengths(host.q_lens[:rows], host.seq_lens[:rows]),
+        )
+        tail = replace(
+            self,
+            slots=self.slots[rows:],
+            positions=self.positions[tokens:],
+            out_loc=self.out_loc[tokens:],
+            q_start=self.q_start[rows:] - tokens,
+            seq_lens=self.seq_lens[rows:],
+            q_pad_index=torch.arange(riders, device=self.q_pad_index.device),
+            bs=riders,
+            max_q=1,
+            max_kv=max(host.seq_lens[rows:]),
+            host=HostLengths(host.q_lens[rows:], host.seq_lens[rows:]),
+        )
+        return head, tail
+
     def through(self, kv: KVCache) -> BatchLayout:
         """This layout in ``kv``'s window pages: each row's page-table row translated
         through the map (row ``r`` of the new table is the row of ``slots[r]``), and the
@@ -286,6 +335,9 @@ class ForwardBatch:
     # The same forward in ``kv``'s window pages (``BatchLayout.through``), for the layers
     # kept there; None where the cache has none.
     window: ForwardBatch | None = None
+    # A prompt batch with riders: its prompt rows and its riders, each bound to its own
+    # backend; they attend apart (``metadata`` is then None).
+    parts: tuple[ForwardBatch, ForwardBatch] | None = None
 
     @classmethod
     def bind(
@@ -294,9 +346,15 @@ class ForwardBatch:
         backend: Attention,
         kv: KVCache,
         capture_layers: tuple[int, ...] = (),
+        riders: Attention | None = None,
     ) -> ForwardBatch:
         """``layout`` run by ``backend`` over ``kv``; the backend builds its metadata now
-        (for the window pages' layout too, where ``kv`` has them)."""
+        (for the window pages' layout too, where ``kv`` has them). ``riders``: the backend of
+        the batch's riders (``BatchLayout.rider_rows``), where it may have some."""
+        if riders is not None and (rows := layout.rider_rows()) < layout.bs:
+            head, tail = layout.split_rows(rows)
+            parts = (cls.bind(head, backend, kv), cls.bind(tail, riders, kv))
+            return cls(layout, kv, backend, None, capture_layers, parts=parts)
         window = None
         if kv.window_map is not None:
             inside = layout.through(kv)
@@ -313,6 +371,15 @@ class ForwardBatch:
     ) -> torch.Tensor:
         """Store ``k, v`` of layer ``layer`` and attend ``q`` (the backend's contract);
         ``sinks: [q_heads]``: the layer's sink logits (``AttentionShape.sinks``)."""
+        if self.parts is not None:
+            head, tail = self.parts
+            n = head.layout.num_tokens
+            return torch.cat(
+                (
+                    head.attend(layer, q[:n], k[:n], v[:n], sinks),
+                    tail.attend(layer, q[n:], k[n:], v[n:], sinks),
+                )
+            )
         fb = self.window if self.window is not None and self.kv.in_window_space(layer) else self
         if sinks is None:
             return self.backend.forward(layer, q, k, v, fb)

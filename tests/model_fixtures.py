@@ -15,7 +15,13 @@ import torch
 from outrider.plugins.api import NoOptions
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.attention.torch_impl import TorchAttention
-from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, KVCache
+from outrider.plugins.device import (
+    AttentionShape,
+    BatchLayout,
+    ForwardBatch,
+    HostLengths,
+    KVCache,
+)
 from outrider.protocol.messages import TokenLogprob
 
 VOCAB = 300
@@ -233,9 +239,11 @@ class PagedRows:
         kv_slack: int = 0,
         causal: bool = True,
         capture_layers: tuple[int, ...] = (),
+        exact: bool = False,
     ) -> tuple[torch.Tensor, ForwardBatch]:
         """Append ``tokens`` to each ``(slot, tokens)`` row: ``(input_ids [T], batch)``.
-        ``kv_slack`` widens ``max_kv`` past the longest row (a loose host bound)."""
+        ``kv_slack`` widens ``max_kv`` past the longest row (a loose host bound); ``exact``:
+        the layout carries the host lengths."""
         max_q = max(len(tokens) for _, tokens in rows)
         ids: list[int] = []
         positions: list[int] = []
@@ -273,6 +281,7 @@ class PagedRows:
             max_q=max_q,
             max_kv=max(seq_lens) + kv_slack,
             causal=causal,
+            host=HostLengths(tuple(len(t) for _, t in rows), tuple(seq_lens)) if exact else None,
         )
         return tensor(ids), ForwardBatch.bind(layout, backend, self.kv, capture_layers)
 

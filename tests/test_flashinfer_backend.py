@@ -159,6 +159,46 @@ def test_flashinfer_attention_matches_torch(page_size: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("riders", ["flashinfer", "triton"])
+def test_a_prompt_batch_and_its_riders_match_torch(riders: str) -> None:
+    """Prompt chunks (one over a cached prefix) with 40 riders of one token over contexts of
+    20 to 600 behind them: FlashInfer's prefill over the prompt rows and the riders' own
+    backend (FlashInfer's decode, or Triton's) against SDPA over the batch whole, within bf16
+    rounding."""
+    pytest.importorskip("flashinfer")
+    from outrider.plugins.attention.flashinfer_impl import FlashInferAttention
+    from outrider.plugins.attention.triton_backend import TritonOptions
+    from outrider.plugins.attention.triton_impl import TritonAttention
+
+    fused = FlashInferAttention(SHAPE, NoOptions(), CUDA)
+    decode = fused if riders == "flashinfer" else TritonAttention(SHAPE, TritonOptions(), CUDA)
+    reference = torch_backend(SHAPE, CUDA)
+    rows = PagedRows(
+        num_layers=1, shape=SHAPE, page_size=16, max_len=700, max_slots=48,
+        dtype=torch.bfloat16, device=CUDA,
+    )  # fmt: skip
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+
+    def qkv(tokens: int) -> list[torch.Tensor]:
+        return [
+            torch.randn(tokens, heads, 128, generator=gen, device=CUDA).bfloat16()
+            for heads in (32, 8, 8)
+        ]
+
+    contexts = {slot: 20 + 15 * (slot - 8) for slot in range(8, 48)}
+    _, fb = rows.batch(reference, [(1, [5] * 100), *((s, [5] * n) for s, n in contexts.items())])
+    reference.forward(0, *qkv(fb.layout.num_tokens), fb)  # the contexts' K/V
+    batch = [(0, [5] * 77), (1, [5] * 33), *((slot, [5]) for slot in contexts)]
+    _, fb = rows.batch(reference, batch, exact=True)
+    q, k, v = qkv(fb.layout.num_tokens)
+    want = reference.forward(0, q, k, v, fb)
+    split = ForwardBatch.bind(fb.layout, fused, fb.kv, riders=decode)
+    assert split.parts is not None and split.parts[1].layout.bs == len(contexts)
+    got = split.attend(0, q, k, v)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("queries", "block"), [(6, 6), (3, 9)], ids=["verify", "draft step"])
 def test_flashinfer_trees_and_blocks_match_torch(queries: int, block: int) -> None:
     """Rows of ``queries`` tokens at the end of their KV: under a tree mask over their last

@@ -3,7 +3,8 @@ in-process engine (float32 on CPU): the same tokens and logprobs as with the bat
 greedy and seeded sampling, through the overlap loop and the serial one, with prompts
 chunked and arriving while others decode; rows that adjust their logits or draw under a
 grammar keep to decode batches; the rows of a speculative engine ride as plain steps under
-every draft algorithm."""
+every draft algorithm. A prompt batch's riders attend as a batch of their own, bound to the
+decode phase's backend, to the outputs of the batch attended whole."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 from engine_harness import (
     DRAFT_ALGORITHMS,
     debug_checks_fixture,
@@ -20,7 +22,7 @@ from engine_harness import (
     request,
     run,
 )
-from model_fixtures import VOCAB
+from model_fixtures import VOCAB, PagedRows, torch_backend
 
 from outrider.daemon.engine.build import Engine
 from outrider.daemon.engine.deferred import CatchUp
@@ -28,9 +30,64 @@ from outrider.daemon.engine.plan import StepPlan
 from outrider.daemon.internal import TokenizedRequest
 from outrider.daemon.scheduler.drafting import AlternateDrafting
 from outrider.daemon.scheduler.request import Request
+from outrider.plugins.api import NoOptions
+from outrider.plugins.attention.torch_impl import TorchAttention
+from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, HostLengths
 from outrider.plugins.sampling_spec import SamplingSpec
 
 debug_checks = debug_checks_fixture()
+
+SHAPE = AttentionShape(4, 2, 16, 0.25, torch.float32)
+
+
+class _Recording(TorchAttention):
+    """The torch backend, keeping every layout it builds metadata for."""
+
+    def __init__(self) -> None:
+        super().__init__(SHAPE, NoOptions(), torch.device("cpu"))
+        self.built: list[BatchLayout] = []
+
+    def build(self, layout: BatchLayout) -> object:
+        self.built.append(layout)
+        return super().build(layout)
+
+
+def test_riders_attend_apart_on_the_decode_backend_as_in_the_batch_whole() -> None:
+    """Prompt chunks of 5 and 3 tokens (one over a cached prefix), then two riders of one
+    token over contexts of 9 and 14: bound with a riders' backend, the prompt rows go to the
+    prompt backend and the riders to theirs as a batch of two (exact lengths, one token a
+    row), and every token's output is the batch's attended whole."""
+    rows = PagedRows(num_layers=1, shape=SHAPE, page_size=4, max_len=32)
+    plain = torch_backend(SHAPE)
+    gen = torch.Generator().manual_seed(0)
+
+    def attended(fb: ForwardBatch) -> torch.Tensor:
+        n = fb.layout.num_tokens
+        q, k, v = (torch.randn(n, h, 16, generator=gen) for h in (4, 2, 2))
+        return fb.attend(0, q, k, v)
+
+    _, context = rows.batch(plain, [(1, [3] * 4), (2, [3] * 8), (3, [3] * 13)])
+    attended(context)
+    batch = [(0, [4] * 5), (1, [4] * 3), (2, [4]), (3, [4])]
+    _, whole = rows.batch(plain, batch, exact=True)
+    n = whole.layout.num_tokens
+    q, k, v = (torch.randn(n, h, 16, generator=gen) for h in (4, 2, 2))
+    want = whole.attend(0, q, k, v)
+    prompts, riders = _Recording(), _Recording()
+    split = ForwardBatch.bind(whole.layout, prompts, whole.kv, riders=riders)
+    got = split.attend(0, q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    (head,), (tail,) = prompts.built, riders.built
+    assert (head.bs, head.max_q, head.host) == (2, 5, HostLengths((5, 3), (5, 7)))
+    assert (tail.bs, tail.max_q, tail.max_kv) == (2, 1, 14)
+    assert tail.host is not None and (tail.host.q_lens, tail.host.seq_lens) == ((1, 1), (9, 14))
+    assert tail.slots.tolist() == [2, 3] and tail.positions.tolist() == [8, 13]
+    assert tail.q_start.tolist() == [0, 1, 2] and tail.q_pad_index.tolist() == [0, 1]
+    assert torch.equal(tail.out_loc, whole.layout.out_loc[8:])
+    # A batch without a longer row before its one-token rows stays whole.
+    _, decode = rows.batch(plain, [(2, [5]), (3, [5])], exact=True)
+    kept = ForwardBatch.bind(decode.layout, prompts, decode.kv, riders=riders)
+    assert kept.parts is None and len(riders.built) == 1
 
 
 def workload() -> list[TokenizedRequest]:

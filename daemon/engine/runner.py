@@ -265,8 +265,9 @@ class ModelRunner:
             roots = self.slots.read(inputs.relay_slots).roots
             inputs.input_ids.index_copy_(0, inputs.relay_index, roots)
         fb = self._forward_batch(
-            plan, inputs, "extend", inputs.positions, max_kv, self.starts.of_plan(plan)
-        )
+            plan, inputs, "extend", inputs.positions, max_kv, self.starts.of_plan(plan),
+            riders=self.backends[self.decode_phase],
+        )  # fmt: skip
         if self.worker.deferred is not None:  # each row's slot starts afresh (deferred.py)
             self.worker.deferred.clear(inputs.slots)
         hidden = self.model.forward(inputs.input_ids, fb)  # [T, H]
@@ -420,14 +421,16 @@ class ModelRunner:
         max_kv: int,
         starts: tuple[int, ...] | None,
         tree_mask: torch.Tensor | None = None,
+        riders: AttentionBackend | None = None,
     ) -> ForwardBatch:
-        """The target's forward over ``inputs`` in ``phase`` (``batch_layout``)."""
+        """The target's forward over ``inputs`` in ``phase`` (``batch_layout``); ``riders``:
+        the backend of a prompt batch's riders (``ForwardBatch.bind``)."""
         layout = batch_layout(
             plan, inputs, self.slots.page_table, self.kv.page_size, kv_positions, max_kv, starts,
             tree_mask,
         )  # fmt: skip
         capture = () if plan.target_only else self.worker.capture_layers
-        return ForwardBatch.bind(layout, self.backends[phase], self.kv, capture)
+        return ForwardBatch.bind(layout, self.backends[phase], self.kv, capture, riders)
 
     def _max_kv(self, plan: StepPlan) -> int:
         """The host's bound on any row's KV length during ``plan``; decode starts are upper

@@ -107,7 +107,7 @@ class Eagle3Worker(SpeculativeWorker):
         fb = view.fb
         feats = self._features(fb)  # [T, H]
         tokens, last = self._next_tokens(view)
-        y = self._run(tokens, feats, fb.layout, self.extend_backend)  # [T, H]
+        y = self._run(tokens, feats, fb.layout, self.extend_backend, self.decode_backend)
         self.feat.index_copy_(0, view.sample_slots, y[last[view.sample_rows]])
 
     def defer_extend(self, view: ExtendView) -> None:
@@ -280,7 +280,9 @@ class Eagle3Worker(SpeculativeWorker):
         feats: torch.Tensor,
         layout: BatchLayout,
         backend: AttentionBackend,
+        riders: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        """The draft over ``tokens`` at ``layout``'s positions, into its own KV."""
-        fb = ForwardBatch.bind(layout, backend, self.kv)
+        """The draft over ``tokens`` at ``layout``'s positions, into its own KV (``riders``:
+        ``ForwardBatch.bind``'s)."""
+        fb = ForwardBatch.bind(layout, backend, self.kv, riders=riders)
         return self.model(self.embed(tokens), feats, fb)

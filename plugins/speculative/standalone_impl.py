@@ -74,7 +74,10 @@ class StandaloneWorker(SpeculativeWorker):
         self._defer_plain_steps(options.deferred_catch_up, keeps_tokens=True, taps_width=0)
 
     def after_extend(self, view: ExtendView) -> None:
-        self.model(view.input_ids, ForwardBatch.bind(view.fb.layout, self.extend_backend, self.kv))
+        fb = ForwardBatch.bind(
+            view.fb.layout, self.extend_backend, self.kv, riders=self.decode_backend
+        )
+        self.model(view.input_ids, fb)
 
     def defer_extend(self, view: ExtendView) -> None:
         self._deferred().fill(view.fb.layout, tokens=view.input_ids)
