@@ -42,7 +42,7 @@ def test_takes_small_aligned_contiguous_messages_only() -> None:
 
 def test_fused_norm_takes_rows_the_flags_and_a_parity_hold() -> None:
     world, hidden = 2, 64
-    parity = 8 * hidden * 2  # eight bf16 rows
+    parity = 8 * hidden * 2  # eight bf16 rows a rank
     buffer = torch.empty(PeerSumNorm.buffer_bytes(parity, world), dtype=torch.uint8)
     norm = PeerSumNorm(buffer, torch.zeros(world, dtype=torch.int64), rank=0)
     assert norm.parity_bytes == parity
