@@ -119,6 +119,14 @@ CUDA = torch.device("cuda")
 SHAPE = AttentionShape(32, 8, 128, 128**-0.5, torch.bfloat16)
 
 
+def _qkv(tokens: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Random q, k and v of ``tokens`` tokens in ``SHAPE``'s heads, bfloat16, on the GPU."""
+    return [
+        torch.randn(tokens, heads, 128, generator=gen, device=CUDA).bfloat16()
+        for heads in (32, 8, 8)
+    ]
+
+
 def _with_host(fb: ForwardBatch, backend: object, q_lens: list[int]) -> ForwardBatch:
     lens = fb.layout.seq_lens.tolist()
     layout = dataclasses.replace(fb.layout, host=HostLengths(tuple(q_lens), tuple(lens)))
@@ -148,11 +156,7 @@ def test_flashinfer_attention_matches_torch(page_size: int) -> None:
     for step in steps:
         batch = [(slot, [5] * count) for slot, count in step.items()]
         _, fb = rows.batch(reference, batch)
-        tokens = fb.layout.num_tokens
-        q, k, v = (
-            torch.randn(tokens, heads, 128, generator=gen, device=CUDA).bfloat16()
-            for heads in (32, 8, 8)
-        )
+        q, k, v = _qkv(fb.layout.num_tokens, gen)
         want = reference.forward(0, q, k, v, fb)
         got = fused.forward(0, q, k, v, _with_host(fb, fused, list(step.values())))
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
@@ -179,18 +183,12 @@ def test_a_prompt_batch_and_its_riders_match_torch(riders: str) -> None:
     )  # fmt: skip
     gen = torch.Generator(device=CUDA).manual_seed(0)
 
-    def qkv(tokens: int) -> list[torch.Tensor]:
-        return [
-            torch.randn(tokens, heads, 128, generator=gen, device=CUDA).bfloat16()
-            for heads in (32, 8, 8)
-        ]
-
     contexts = {slot: 20 + 15 * (slot - 8) for slot in range(8, 48)}
     _, fb = rows.batch(reference, [(1, [5] * 100), *((s, [5] * n) for s, n in contexts.items())])
-    reference.forward(0, *qkv(fb.layout.num_tokens), fb)  # the contexts' K/V
+    reference.forward(0, *_qkv(fb.layout.num_tokens, gen), fb)  # the contexts' K/V
     batch = [(0, [5] * 77), (1, [5] * 33), *((slot, [5]) for slot in contexts)]
     _, fb = rows.batch(reference, batch, exact=True)
-    q, k, v = qkv(fb.layout.num_tokens)
+    q, k, v = _qkv(fb.layout.num_tokens, gen)
     want = reference.forward(0, q, k, v, fb)
     split = ForwardBatch.bind(fb.layout, fused, fb.kv, riders=decode)
     assert split.parts is not None and split.parts[1].layout.bs == len(contexts)
@@ -216,20 +214,14 @@ def test_flashinfer_trees_and_blocks_match_torch(queries: int, block: int) -> No
     )  # fmt: skip
     gen = torch.Generator(device=CUDA).manual_seed(0)
 
-    def qkv(tokens: int) -> list[torch.Tensor]:
-        return [
-            torch.randn(tokens, heads, 128, generator=gen, device=CUDA).bfloat16()
-            for heads in (32, 8, 8)
-        ]
-
     prompts = {0: 37, 3: 300, 5: 9 + block, 6: 700}
     _, fb = rows.batch(reference, [(slot, [5] * n) for slot, n in prompts.items()])
-    reference.forward(0, *qkv(fb.layout.num_tokens), fb)  # the context's K/V
+    reference.forward(0, *_qkv(fb.layout.num_tokens, gen), fb)  # the context's K/V
     for step in range(3):
         # The block's earlier nodes (block > queries: a draft step's) are stored already.
         batch = [(slot, [5] * queries) for slot in prompts]
         _, fb = rows.batch(reference, batch, kv_slack=400 * step)
-        q, k, v = qkv(fb.layout.num_tokens)
+        q, k, v = _qkv(fb.layout.num_tokens, gen)
         bs = len(prompts)
         lower = torch.ones(queries, block, dtype=torch.bool, device=CUDA).tril(block - queries)
         seen = torch.rand(bs, queries, block, generator=gen, device=CUDA) < 0.5
