@@ -112,9 +112,10 @@ _HELP: dict[str, str] = {
     "no_overlap": "run the serial loop (the same tokens, no CPU/GPU overlap)",
     "mixed_batches": (
         "decoding rows ride prompt batches, a token each within --chunked-prefill-tokens, so "
-        "that decoding never waits for a prompt (the same tokens; under speculation a row "
-        "that drafted in the step before sits out one prompt batch; the torch attention "
-        "backend pads every row to the longest chunk)"
+        "that decoding never waits for a prompt (the same tokens; the riders attend as a batch "
+        "of their own on the decode backend; under speculation a row that drafted in the step "
+        "before sits out one prompt batch; at 256 concurrent requests it trades about 4 % of "
+        "throughput for a third of the median time to first token: BENCHMARKS.md)"
     ),
     "whole_sliding_kv": (
         "the sliding-window layers keep K/V for every position, as the full layers do; off: "
