@@ -95,7 +95,7 @@ def join_peer_all_reduce(
     group: ProcessGroup, device: torch.device, devices: range, max_bytes: int | None = None
 ) -> PeerAllReduce | None:
     """Every rank's buffer of ``max_bytes`` (None: ``one_shot_max_bytes`` of the group's
-    ranks), and the fused sum's (``PeerSumNorm``, as many bytes a parity), allocated and
+    ranks), and the fused sum's (``PeerSumNorm``, as many bytes a rank's slot), allocated and
     exchanged, a collective over
     ``group`` (NCCL, the ranks on ``devices`` of one host); None on every rank when some GPU
     of them cannot reach another's memory (the calls then go through NCCL). Raises
