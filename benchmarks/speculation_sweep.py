@@ -22,7 +22,10 @@ family with its trained drafts instead (no simulation: ``--acceptance`` is ignor
 device: a smoke run on a CPU.
 
 Every result goes to ``--out`` (JSON) as it comes, and a table to stdout: output tok/s, the
-ratio to ``none``, the acceptance length, and the P99 ITL and TPOT.
+ratio to ``none``, the acceptance length, and the P99 ITL and TPOT. With ``--step-logs`` each
+result also says where its daemon's turns went while it ran (``turns``: per kind of step, its
+turns, their milliseconds, rows and unfed rows; daemon/bench/step_summary.py), printed after
+the table.
 
     python benchmarks/speculation_sweep.py --tokenizer D --out sweep.json
     python benchmarks/speculation_sweep.py --tokenizer D --algorithms dflash --acceptance 2 \\
@@ -43,11 +46,12 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from decode import wait_ready  # benchmarks/ is sys.path[0] when run as a script
 
+from outrider.daemon.bench.step_summary import Line, Turns, describe, read, summarize
 from outrider.daemon.engine.verify import position_rate
 from outrider.daemon.family import embedded_family
 from outrider.plugins.speculative.ngram import SPEC as NGRAM
@@ -210,8 +214,13 @@ def serve_command(
         if mode.fixed:
             command += [flag, str(mode.fixed + offset)]
     if args.step_logs:
-        command += ["--step-log", str(args.step_logs / f"{mode.name}.jsonl")]
+        command += ["--step-log", str(step_log(args.step_logs, mode))]
     return [*command, *args.serve_args]
+
+
+def step_log(folder: Path, mode: Mode) -> Path:
+    """The step log of ``mode``'s daemon in ``folder``."""
+    return folder / f"{mode.name}.jsonl"
 
 
 @contextmanager
@@ -287,6 +296,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def attach_turns(spans: Sequence[tuple[dict, float, float]], log: list[Line]) -> None:
+    """Each result of ``spans`` (with the Unix times its run began and ended) gets, as
+    ``turns``, the turns of its daemon's step log ``log`` that started during its run."""
+    for row, began, ended in spans:
+        kinds = summarize(log, since=began, until=ended)
+        row["turns"] = {name: asdict(turns) for name, turns in kinds.items()}
+
+
+def turns_table(rows: list[dict]) -> str:
+    """Each result's turns by kind (``step_summary.describe``), where it has them."""
+    return "\n".join(
+        f"{row['mode']:<22} {row['concurrency']:>4}  "
+        + describe({name: Turns(**turns) for name, turns in row["turns"].items()})
+        for row in rows
+        if "turns" in row
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=("dummy", "moe", "family"), default="dummy")
@@ -315,16 +342,24 @@ def main() -> None:
     rows: list[dict] = []
     for mode in modes(algorithms, args.algorithms, args.acceptance, args.fixed):
         endpoint = f"ipc://{tempfile.mkdtemp()}/bench.sock"
+        spans: list[tuple[dict, float, float]] = []  # each result and its wall times
         with serving(serve_command(mode, targets, algorithms, endpoint, args), endpoint):
             for concurrency in args.concurrency:
+                began = time.time()
                 figures = bench(endpoint, concurrency, args)
                 rows.append({
                     "mode": mode.name, "target": mode.target, "algorithm": mode.algorithm,
                     "acceptance": mode.acceptance, "concurrency": concurrency, **figures,
                 })  # fmt: skip
+                spans.append((rows[-1], began, time.time()))
                 args.out.write_text(json.dumps(ratios(rows), indent=1) + "\n")
                 print(json.dumps(rows[-1]), flush=True)
+        if args.step_logs:  # the daemon has stopped: its log is whole
+            attach_turns(spans, read(step_log(args.step_logs, mode)))
+            args.out.write_text(json.dumps(ratios(rows), indent=1) + "\n")
     print(table(rows))
+    if args.step_logs:
+        print(turns_table(rows))
 
 
 if __name__ == "__main__":

@@ -153,9 +153,9 @@ _HELP: dict[str, str] = {
     "drain_timeout": "seconds running requests may finish after SIGTERM or a first SIGINT",
     "step_timeout": "seconds a step may run before the systemd watchdog pings stop",
     "step_log": (
-        "append a JSON line per loop turn to FILE (the step's kind, rows, tokens, width and "
-        "riders; planning and waiting milliseconds; a constrained step's host mask time and "
-        "waits): where latency goes"
+        "append a JSON line per loop turn to FILE (its Unix time; the step's kind, rows, "
+        "tokens, width and riders; planning and waiting milliseconds; a constrained step's "
+        "host mask time and waits): where latency goes"
     ),
     "log_level": "log level of the daemon and its children",
     "seed": "seed of --load-format dummy weights",

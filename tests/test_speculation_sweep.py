@@ -181,3 +181,32 @@ def test_a_fixed_chain_is_the_policy_daemons_draft_cut_short(sweep: ModuleType) 
     assert [simulated("chain", n) for n in (None, 2, 3, 4)] == ["2", "1.54369", "1.83929", "2"]
     assert [simulated("ngram", n) for n in (None, 2, 8)] == ["2", "1.50202", "2"]
     assert simulated("chain", 5) == "2.08738"  # p^4 past the policy's chain: the same draft
+
+
+def test_each_run_gets_the_turns_its_daemon_took_while_it_ran(sweep: ModuleType) -> None:
+    """Two runs on one daemon: each result holds the step log's turns of its own span, by
+    kind; the turns table describes them run by run."""
+
+    def line(at: float, kind: str, rows: int, width: int = 0) -> dict:
+        return {"at": at, "turn_ms": 10.0 * rows, "kind": kind, "rows": rows, "width": width,
+                "riders": 0, "unfed": 0}  # fmt: skip
+
+    log = [
+        line(1.0, "extend", 1), line(2.0, "decode", 1, 4), {"at": 2.5, "turn_ms": 0.1},
+        line(10.0, "extend", 2), line(11.0, "decode", 2, 1), line(12.0, "decode", 2, 1),
+        line(20.0, "decode", 3, 1),  # after the last run (its daemon draining)
+    ]  # fmt: skip
+    first = {"mode": "llama-chain-a2", "concurrency": 1}
+    second = {"mode": "llama-chain-a2", "concurrency": 2}
+    sweep.attach_turns([(first, 0.5, 3.0), (second, 9.5, 12.5)], log)
+    assert first["turns"] == {
+        "prompt": {"turns": 1, "ms": 10.0, "rows": 1, "unfed": 0},
+        "decode 4": {"turns": 1, "ms": 10.0, "rows": 1, "unfed": 0},
+    }
+    assert second["turns"]["decode 1"] == {"turns": 2, "ms": 40.0, "rows": 4, "unfed": 0}
+    assert sweep.turns_table([first, second, {"mode": "x", "concurrency": 3}]).splitlines() == [
+        "llama-chain-a2            1  prompt 1 x 10.0 ms (1.0 rows); decode 4 1 x 10.0 ms "
+        "(1.0 rows)",
+        "llama-chain-a2            2  prompt 1 x 20.0 ms (2.0 rows); decode 1 2 x 20.0 ms "
+        "(2.0 rows)",
+    ]

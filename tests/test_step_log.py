@@ -1,14 +1,19 @@
 """The step log (``--step-log``, scheduler/step_log.py) of an in-process engine: a line per
-loop turn, in order, each launched step's plan as launched, timings that add up."""
+loop turn, in order, each launched step's plan as launched, timings that add up, wall times
+on the Unix clock; and its summary by kind of step (daemon/bench/step_summary.py)."""
 
 from __future__ import annotations
 
 import json
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from engine_harness import engine_for, record_launches, request, run
 from model_fixtures import VOCAB
+
+from outrider.daemon.bench.step_summary import Turns, describe, summarize
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
@@ -38,8 +43,10 @@ def test_a_line_per_turn_with_its_step_as_launched(
         request(i, p, max_new_tokens=8, seed=i, **samplings[i % 3])  # type: ignore[arg-type]
         for i, p in enumerate(prompts)
     ]
+    began = time.time()
     run(engine, requests, stagger=2)
     loop.close()
+    ended = time.time()
     first, *lines = path.read_text().splitlines()
     assert first == "earlier" and len(lines) == turns
     entries = [json.loads(line) for line in lines]
@@ -61,6 +68,43 @@ def test_a_line_per_turn_with_its_step_as_launched(
     assert (len(steps) < len(entries)) == overlap
     times = [e["t"] for e in entries]
     assert times == sorted(times)
+    assert all(began - 1.0 <= e["at"] <= ended for e in entries)  # opened before the run
+    assert max(e["at"] - e["t"] for e in entries) - min(e["at"] - e["t"] for e in entries) < 1e-5
+    # The summary: every launched step counted under its kind, its turns' time and rows.
+    kinds = summarize(entries)
+    named = Counter(
+        "mixed" if p.relay_rows else "prompt" if p.kind == "extend" else f"decode {p.q_lens[0]}"
+        for p in launched
+    )
+    assert {name: turns.turns for name, turns in kinds.items()} == named
+    assert sum(t.rows for t in kinds.values()) == sum(p.bs for p in launched)
+    assert sum(t.ms for t in kinds.values()) == pytest.approx(sum(s["turn_ms"] for s in steps))
+    half = len(steps) // 2
+    before = summarize(entries, until=steps[half]["at"])
+    after = summarize(entries, since=steps[half + 1]["at"])
+    assert sum(t.turns for t in before.values()) == half + 1
+    assert sum(t.turns for t in after.values()) == len(steps) - half - 1
     for e in entries:
         assert 0 <= e["plan_ms"] <= e["turn_ms"] and 0 <= e["wait_ms"] <= e["turn_ms"], e
     assert all(s["waiting"] >= 0 for s in steps) and any(s["waiting"] for s in steps)
+
+
+def test_the_summary_orders_kinds_and_describes_each_per_turn() -> None:
+    """Prompt batches, mixed ones, then decode steps by width; a turn's mean time, rows and
+    unfed rows (where some are)."""
+    lines = [
+        {"at": 1.0, "turn_ms": 9.0, "kind": "decode", "rows": 8, "width": 10, "unfed": 0},
+        {"at": 2.0, "turn_ms": 5.0, "kind": "decode", "rows": 4, "width": 1, "unfed": 4},
+        {"at": 3.0, "turn_ms": 1.0},  # launched nothing
+        {"at": 4.0, "turn_ms": 40.0, "kind": "extend", "rows": 3, "riders": 2, "unfed": 0},
+        {"at": 5.0, "turn_ms": 30.0, "kind": "extend", "rows": 2, "riders": 0, "unfed": 0},
+        {"at": 6.0, "turn_ms": 7.0, "kind": "decode", "rows": 6, "width": 1, "unfed": 0},
+    ]
+    kinds = summarize(lines)
+    assert list(kinds) == ["prompt", "mixed", "decode 1", "decode 10"]
+    assert kinds["decode 1"] == Turns(turns=2, ms=12.0, rows=10, unfed=4)
+    assert describe(kinds) == (
+        "prompt 1 x 30.0 ms (2.0 rows); mixed 1 x 40.0 ms (3.0 rows); "
+        "decode 1 2 x 6.0 ms (5.0 rows, 2.0 unfed); decode 10 1 x 9.0 ms (8.0 rows)"
+    )
+    assert list(summarize(lines, since=2.0, until=4.0)) == ["mixed", "decode 1"]

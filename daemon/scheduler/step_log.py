@@ -1,7 +1,8 @@
 """The step log (``--step-log FILE``): a JSON line per turn of the loop, for finding where
 latency goes (which steps ran, how long, how many requests waited).
 
-A line's fields: ``t``, seconds from the log's opening to the turn's start; ``turn_ms``, the
+A line's fields: ``t``, seconds from the log's opening to the turn's start; ``at``, that
+start as Unix time (so that another process places the turn on its own clock); ``turn_ms``, the
 whole turn; ``plan_ms``, the scheduling of its step; ``wait_ms``, the time spent waiting for
 step results (the device's share of the turn; under overlap the step before's); and, where the
 turn launched a step, ``kind`` (``extend`` or ``decode``), ``rows``, ``tokens``, ``width`` (a
@@ -35,6 +36,7 @@ class StepLog:
     def __init__(self, out: TextIO) -> None:
         self.out = out
         self.opened = time.perf_counter()
+        self.opened_unix = time.time()
         self.flushed = self.opened
 
     @classmethod
@@ -57,6 +59,7 @@ class StepLog:
         length at its end and the host's mask work inside the launch."""
         line: dict[str, object] = {
             "t": round(started - self.opened, 6),
+            "at": round(self.opened_unix + started - self.opened, 6),
             "turn_ms": round((ended - started) * 1e3, 3),
             "plan_ms": round((scheduled - started) * 1e3, 3),
             "wait_ms": round(waited * 1e3, 3),
