@@ -115,7 +115,8 @@ _HELP: dict[str, str] = {
         "that decoding never waits for a prompt (the same tokens; the riders attend as a batch "
         "of their own on the decode backend; under speculation a row that drafted in the step "
         "before sits out one prompt batch; at 256 concurrent requests it trades about 4 % of "
-        "throughput for a third of the median time to first token: BENCHMARKS.md)"
+        "throughput for a third of the median time to first token, with longer P99 times to "
+        "first token and between tokens: BENCHMARKS.md)"
     ),
     "whole_sliding_kv": (
         "the sliding-window layers keep K/V for every position, as the full layers do; off: "
