@@ -127,12 +127,6 @@ def _qkv(tokens: int, gen: torch.Generator) -> list[torch.Tensor]:
     ]
 
 
-def _with_host(fb: ForwardBatch, backend: object, q_lens: list[int]) -> ForwardBatch:
-    lens = fb.layout.seq_lens.tolist()
-    layout = dataclasses.replace(fb.layout, host=HostLengths(tuple(q_lens), tuple(lens)))
-    return ForwardBatch.bind(layout, backend, fb.kv)  # type: ignore[arg-type]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_flashinfer_attention_matches_torch(page_size: int) -> None:
@@ -155,10 +149,10 @@ def test_flashinfer_attention_matches_torch(page_size: int) -> None:
     ] + [dict.fromkeys(prompts, 1)] * 4  # decode steps
     for step in steps:
         batch = [(slot, [5] * count) for slot, count in step.items()]
-        _, fb = rows.batch(reference, batch)
+        _, fb = rows.batch(reference, batch, exact=True)
         q, k, v = _qkv(fb.layout.num_tokens, gen)
         want = reference.forward(0, q, k, v, fb)
-        got = fused.forward(0, q, k, v, _with_host(fb, fused, list(step.values())))
+        got = fused.forward(0, q, k, v, ForwardBatch.bind(fb.layout, fused, fb.kv))
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
@@ -220,7 +214,7 @@ def test_flashinfer_trees_and_blocks_match_torch(queries: int, block: int) -> No
     for step in range(3):
         # The block's earlier nodes (block > queries: a draft step's) are stored already.
         batch = [(slot, [5] * queries) for slot in prompts]
-        _, fb = rows.batch(reference, batch, kv_slack=400 * step)
+        _, fb = rows.batch(reference, batch, kv_slack=400 * step, exact=True)
         q, k, v = _qkv(fb.layout.num_tokens, gen)
         bs = len(prompts)
         lower = torch.ones(queries, block, dtype=torch.bool, device=CUDA).tril(block - queries)
@@ -229,11 +223,9 @@ def test_flashinfer_trees_and_blocks_match_torch(queries: int, block: int) -> No
         diagonal = torch.zeros(queries, block, dtype=torch.bool, device=CUDA)
         diagonal[itself, block - queries + itself] = True
         tree = (seen & lower) | diagonal  # ancestors and itself
-        lens = fb.layout.seq_lens.tolist()
-        host = HostLengths((queries,) * bs, tuple(lens))
         for layout in (
-            dataclasses.replace(fb.layout, tree_mask=tree, host=host),
-            dataclasses.replace(fb.layout, causal=False, host=host),
+            dataclasses.replace(fb.layout, tree_mask=tree),
+            dataclasses.replace(fb.layout, causal=False),
         ):
             want = reference.forward(0, q, k, v, ForwardBatch.bind(layout, reference, fb.kv))
             got = fused.forward(0, q, k, v, ForwardBatch.bind(layout, fused, fb.kv))
