@@ -151,6 +151,25 @@ def test_kind_means_start_as_plain_means_then_move_slowly() -> None:
     assert policy.estimate(_req(3, temperature=0.7)) is None and set(policy.kind_tau) == {3}
 
 
+def test_a_step_moves_its_kinds_mean_about_as_much_at_any_batch_size() -> None:
+    """A step of 4 rows moves each row by a quarter of the smoothing: its kind's mean keeps all
+    four rather than the last few, and past the plain mean a step of 4 rows moves it about as
+    far as a step of one row does."""
+    policy = _policy(BreakEven.fixed(2.0), engine_smoothing=0.25, evidence=1)
+    rows = [_req(rid) for rid in range(4)]
+    for commit_lens in ((1, 2, 3, 2), (2, 2, 2, 2), (2, 2, 2, 2), (2, 2, 2, 2)):
+        for req, commit_len in zip(rows, commit_lens, strict=True):
+            policy.observe(req, commit_len, rows=4)
+    assert _mean(policy, 0) == (pytest.approx(2.0), 16)  # 16 rows: 4 / 0.25, a plain mean
+    for req in rows:
+        policy.observe(req, 4, rows=4)  # weight 0.25 / 4 a row
+    assert _mean(policy, 0) == (pytest.approx(4 - 2 * 0.9375**4), 20)  # 2.455
+    one = _policy(BreakEven.fixed(2.0), engine_smoothing=0.25, evidence=1)
+    for commit_len in (1, 2, 3, 2, 4):  # a plain mean of four, then a step of one row
+        one.observe(rows[0], commit_len)
+    assert _mean(one, 0) == (pytest.approx(2.5), 5)
+
+
 def test_a_request_moves_from_its_kinds_mean() -> None:
     policy = _policy(BreakEven.fixed(2.0), smoothing=0.5, evidence=1)
     first, second = _req(1), _req(2)
@@ -598,7 +617,9 @@ class FeedingNothing:
     def feeds(self, req: Request, others: int) -> bool:
         return False
 
-    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
+    def observe(
+        self, req: Request, commit_len: int, drafts: int, ranks: list[int], rows: int
+    ) -> None:
         pass
 
 

@@ -449,7 +449,9 @@ class FeedingBelow:
     def feeds(self, req: Request, others: int) -> bool:
         return req.rid < self.end
 
-    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
+    def observe(
+        self, req: Request, commit_len: int, drafts: int, ranks: list[int], rows: int
+    ) -> None:
         pass
 
 

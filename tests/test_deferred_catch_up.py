@@ -214,7 +214,9 @@ class EveryNth:
     def feeds(self, req: Request, others: int) -> bool:
         return True
 
-    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
+    def observe(
+        self, req: Request, commit_len: int, drafts: int, ranks: list[int], rows: int
+    ) -> None:
         pass
 
 

@@ -145,7 +145,9 @@ class EveryOtherBatchDrafts:
     def feeds(self, req: Request, others: int) -> bool:
         return True
 
-    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
+    def observe(
+        self, req: Request, commit_len: int, drafts: int, ranks: list[int], rows: int
+    ) -> None:
         pass
 
 

@@ -28,7 +28,11 @@ Estimates, all updated from the commit counts the host sees (outputs.py), per ki
 (``kind_of``: greedy, or a temperature band; acceptance differs several-fold between them):
 
 - per kind, the engine's mean commit length over every request's drafting steps: the plain
-  mean of its first observations, then a moving average (``engine_smoothing``);
+  mean of its first observations (as many as ``1 / engine_smoothing`` steps hold), then a
+  moving average over steps. A step of ``n`` drafting rows moves it by ``engine_smoothing /
+  n`` a row, so that a step moves it about as far at any batch size and keeps all its rows.
+  Over rows, a step of 256 would leave about the mean of its last 20 (a standard deviation
+  of 0.15-0.2 at acceptance 2), enough to turn feeding near the break-even on and off;
 - per request, a moving average of its commit lengths (``smoothing``), started at its kind's
   mean; a request with no drafting step yet is estimated at its kind's mean.
 
@@ -118,10 +122,13 @@ class DraftPolicy(Protocol):
         the draft."""
         ...
 
-    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
-        """A drafting step that offered ``req`` ``drafts`` drafts (its chain's, or its cap;
-        a tree's nodes) committed ``commit_len`` tokens (1 + accepted drafts); ``ranks``: a
-        ranked tree's worst rank on the accepted path up to each accepted draft, else empty."""
+    def observe(
+        self, req: Request, commit_len: int, drafts: int, ranks: list[int], rows: int
+    ) -> None:
+        """A drafting step of ``rows`` rows that offered ``req`` ``drafts`` drafts (its
+        chain's, or its cap; a tree's nodes) committed ``commit_len`` tokens (1 + accepted
+        drafts); ``ranks``: a ranked tree's worst rank on the accepted path up to each accepted
+        draft, else empty."""
         ...
 
 
@@ -138,7 +145,9 @@ class FixedDrafting:
     def feeds(self, req: Request, others: int) -> bool:
         return True
 
-    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
+    def observe(
+        self, req: Request, commit_len: int, drafts: int, ranks: list[int], rows: int
+    ) -> None:
         pass
 
 
@@ -162,7 +171,9 @@ class AlternateDrafting:
         self.fed.append(len(self.fed) % 2 == 0)
         return self.fed[-1]
 
-    def observe(self, req: Request, commit_len: int, drafts: int, ranks: list[int]) -> None:
+    def observe(
+        self, req: Request, commit_len: int, drafts: int, ranks: list[int], rows: int
+    ) -> None:
         pass
 
 
@@ -362,7 +373,12 @@ class AdaptiveDrafting:
         req.fed = mean >= self.feeding_pays_from(req, batch)
 
     def observe(
-        self, req: Request, commit_len: int, drafts: int | None = None, ranks: Sequence[int] = ()
+        self,
+        req: Request,
+        commit_len: int,
+        drafts: int | None = None,
+        ranks: Sequence[int] = (),
+        rows: int = 1,
     ) -> None:
         """As ``DraftPolicy.observe``; ``drafts`` None: the engine's depth. A step cut short
         counts at the engine's depth, scaled by its kind's acceptance by position (a chain)
@@ -393,4 +409,4 @@ class AdaptiveDrafting:
             req.tau_estimate = moved(start, value, self.settings.smoothing)
         if mean is None:
             mean = self.kind_tau[kind] = KindMean()
-        mean.add(value, self.settings.engine_smoothing)
+        mean.add(value, self.settings.engine_smoothing / rows)

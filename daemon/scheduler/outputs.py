@@ -72,7 +72,7 @@ class OutputProcessor:
             self.stats.verified(drafts, len(tokens) - 1)
             offered = drafts if req.max_drafts is None else min(drafts, req.max_drafts)
             ranks = out.path_ranks[i] if out.path_ranks else []
-            self.policy.observe(req, len(tokens), offered, ranks)
+            self.policy.observe(req, len(tokens), offered, ranks, len(planned.plan.sample_rows))
             req.spec_drafts += 1
             req.spec_accepted_tokens += len(tokens) - 1
         if not req.output_ids:
