@@ -4,6 +4,7 @@ on the Unix clock; and its summary by kind of step (daemon/bench/step_summary.py
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections import Counter
@@ -14,6 +15,7 @@ from engine_harness import engine_for, record_launches, request, run
 from model_fixtures import VOCAB
 
 from outrider.daemon.bench.step_summary import Turns, describe, summarize
+from outrider.daemon.scheduler.step_log import StepLog
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
@@ -87,6 +89,21 @@ def test_a_line_per_turn_with_its_step_as_launched(
     for e in entries:
         assert 0 <= e["plan_ms"] <= e["turn_ms"] and 0 <= e["wait_ms"] <= e["turn_ms"], e
     assert all(s["waiting"] >= 0 for s in steps) and any(s["waiting"] for s in steps)
+
+
+def test_a_turn_with_allocator_calls_counts_them() -> None:
+    """Where the log counts the allocator's calls to the driver, a turn that made some says
+    how many since the turn before (the first: since the log opened); the others say nothing."""
+    counts = iter([5, 5, 7, 7, 8])
+    out = io.StringIO()
+    log = StepLog(out, lambda: next(counts))
+    for turn in range(4):
+        log.turn(float(turn), float(turn), float(turn) + 0.5, 0.0, None, 0)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [line.get("allocator_calls") for line in lines] == [None, 2, None, 1]
+    uncounted = io.StringIO()
+    StepLog(uncounted).turn(0.0, 0.0, 0.5, 0.0, None, 0)
+    assert "allocator_calls" not in json.loads(uncounted.getvalue())
 
 
 def test_the_summary_orders_kinds_and_describes_each_per_turn() -> None:

@@ -177,7 +177,8 @@ def build_engine(
     # Forget the warm-up's cache entries and counters.
     loop.scheduler = new_scheduler(policy)
     if config.step_log:  # serving turns only
-        loop.step_log = StepLog.open(config.step_log)
+        counts = partial(_allocator_calls, runner.device) if runner.device.type == "cuda" else None
+        loop.step_log = StepLog.open(config.step_log, counts)
     dtype_name = built.dtype_name
     facts = ModelFacts(
         model=config.model,
@@ -386,6 +387,15 @@ def _enable_debug_checks(runner: ModelRunner) -> None:
     runner.enable_sync_check(bool(debug_knob("OUTRIDER_DEBUG_SYNC_CHECK")))
     if debug_knob("OUTRIDER_DEBUG_RELAY_CHECK"):
         runner.slots.enable_relay_check()
+
+
+def _allocator_calls(device: torch.device) -> int:
+    """The caching allocator's calls to the driver on ``device`` so far: memory mapped,
+    unmapped and allocations retried after a flush (the step log's ``allocator_calls``)."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return sum(
+        stats.get(key, 0) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    )
 
 
 def _free_bytes(device: str) -> int:

@@ -13,7 +13,10 @@ queued for admission at the turn's end); where the step took grammar masks from 
 ``mask_fill_ms`` (the host filling them and queueing their copies), ``mask_wait_ms`` (its
 waits for the device inside the step) and ``mask_waits`` (how many; on the CPU, those a GPU
 would make: engine/token_masks.py's ``HostTimes``). A turn that launched nothing has only the
-timings.
+timings. Where the log counts them (CUDA), a turn in which the caching allocator called the
+driver has ``allocator_calls``, how many times (memory mapped or unmapped, a failed allocation
+retried): such a call can wait for the whole device, so the turn's launch may hold a wait for
+the step before that ``wait_ms`` does not show.
 
 Invariant: the log only observes; nothing the loop decides reads it. Lines are written in turn
 order and flushed at least once a second, and when the log closes.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from outrider.daemon.engine.plan import StepPlan
@@ -33,16 +37,20 @@ FLUSH_EVERY_S = 1.0
 
 
 class StepLog:
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, allocator_calls: Callable[[], int] | None = None) -> None:
+        """``allocator_calls``: the allocator's calls to the driver so far (None: not
+        counted)."""
         self.out = out
         self.opened = time.perf_counter()
         self.opened_unix = time.time()
         self.flushed = self.opened
+        self.allocator_calls = allocator_calls
+        self._calls = allocator_calls() if allocator_calls is not None else 0
 
     @classmethod
-    def open(cls, path: str) -> StepLog:
+    def open(cls, path: str, allocator_calls: Callable[[], int] | None = None) -> StepLog:
         """Append to ``path`` (created if missing)."""
-        return cls(open(path, "a", encoding="utf-8"))  # closed by close()
+        return cls(open(path, "a", encoding="utf-8"), allocator_calls)  # closed by close()
 
     def turn(
         self,
@@ -83,6 +91,11 @@ class StepLog:
                     "mask_wait_ms": round(masks.wait_s * 1e3, 3),
                     "mask_waits": masks.waits,
                 }
+        if self.allocator_calls is not None:
+            calls = self.allocator_calls()
+            if calls != self._calls:
+                line["allocator_calls"] = calls - self._calls
+                self._calls = calls
         self.out.write(json.dumps(line) + "\n")
         if ended - self.flushed >= FLUSH_EVERY_S:
             self.out.flush()
