@@ -117,9 +117,13 @@ def test_ngram_speculation_keeps_greedy(references: dict[str, Reference]) -> Non
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_serve_moe(references: dict[str, Reference]) -> None:
+def test_cuda_graphs_serve_moe(
+    references: dict[str, Reference], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """float32 on CUDA: decode batches replayed from graphs (every expert on every token) and
-    eager steps (tokens grouped by expert) are transformers' within the numeric rule."""
+    eager steps (tokens grouped by expert) are transformers' within the numeric rule, and no
+    step waits for the device on the host (kernels.py: neither path synchronises)."""
+    monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
     for name in ("qwen3_moe dense layer", "qwen2_moe"):
         reference = references[name]
         for graphs in (True, False):
