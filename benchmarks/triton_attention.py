@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from importlib.metadata import version
 
 import torch
 from fp8_gemv import copies, device_us  # benchmarks/ is sys.path[0] when run as a script
 
+from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.attention.triton_backend import SPEC, TritonOptions
 from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, KVCache
 
@@ -39,21 +41,22 @@ def layout(
     queries: int,
     pages: torch.Tensor,
     device: torch.device,
+    page: int = PAGE,
 ) -> BatchLayout:
-    """Each row's last ``queries`` positions are this step's queries, over ``pages`` (as many
-    as the rows' contexts take, in the order they are handed out)."""
-    per_row = -(-context // PAGE)
+    """Each row's last ``queries`` positions are this step's queries, over ``pages`` of
+    ``page`` tokens (as many as the rows' contexts take, in the order they are handed out)."""
+    per_row = -(-context // page)
     table = pages.view(rows, per_row).to(device, torch.int32)
     positions = torch.arange(context - queries, context).repeat(rows)  # [T]
     row_of = torch.arange(rows).repeat_interleave(queries)
-    flat = table.cpu()[row_of, positions // PAGE].long() * PAGE + positions % PAGE
+    flat = table.cpu()[row_of, positions // page].long() * page + positions % page
 
     def on(values: torch.Tensor) -> torch.Tensor:
         return values.to(device, torch.int64)
 
     return BatchLayout(
         page_table=table,
-        page_size=PAGE,
+        page_size=page,
         slots=on(torch.arange(rows)),
         positions=on(positions),
         out_loc=on(flat),
@@ -70,31 +73,47 @@ def attend(fb: ForwardBatch, qkv: tuple[torch.Tensor, ...]) -> None:
     fb.attend(0, *qkv)
 
 
-def case_us(rows: int, context: int, queries: int, options: list[TritonOptions]) -> list[float]:
-    """One layer's attention over the case's batch with each of ``options``: microseconds."""
+@dataclass(frozen=True)
+class Case:
+    """One case's KV (one layer), its batch over each copy of it, and the new tokens' q/k/v."""
+
+    kv: KVCache
+    batches: list[BatchLayout]
+    qkv: tuple[torch.Tensor, ...]
+
+    def us(self, backend: AttentionBackend) -> float:
+        """One layer's attention by ``backend`` over the case's batch: microseconds."""
+        calls: list[Callable[[], object]] = [
+            partial(attend, ForwardBatch.bind(batch, backend, self.kv), self.qkv)
+            for batch in self.batches
+        ]
+        return device_us(calls)
+
+
+def case(rows: int, context: int, queries: int, page: int = PAGE) -> Case:
+    """Random paged K/V for the batch, copied until the copies outgrow L2 twice over."""
     device = torch.device("cuda")
-    per_copy = rows * -(-context // PAGE)
+    per_copy = rows * -(-context // page)
     n = copies(rows * context * KV_HEADS * HEAD_DIM * 2 * 2)
-    kv = KVCache.allocate(1, 1 + n * per_copy, PAGE, SHAPE, SHAPE.dtype, device)
+    kv = KVCache.allocate(1, 1 + n * per_copy, page, SHAPE, SHAPE.dtype, device)
     for cache in (*kv.k, *kv.v):
         cache.normal_()
     shuffled = 1 + torch.randperm(n * per_copy, generator=torch.Generator().manual_seed(0))
     batches = [
-        layout(rows, context, queries, shuffled[i * per_copy : (i + 1) * per_copy], device)
+        layout(rows, context, queries, shuffled[i * per_copy : (i + 1) * per_copy], device, page)
         for i in range(n)
     ]
     tokens = rows * queries
     q = torch.randn(tokens, Q_HEADS, HEAD_DIM, device=device, dtype=SHAPE.dtype)
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=device, dtype=SHAPE.dtype)
-    qkv = (q, k, torch.randn_like(k))  # page 0 (scratch) is never read
-    times = []
-    for setting in options:
-        backend = SPEC.load()(SHAPE, setting, device)
-        calls: list[Callable[[], object]] = [
-            partial(attend, ForwardBatch.bind(batch, backend, kv), qkv) for batch in batches
-        ]
-        times.append(device_us(calls))
-    return times
+    return Case(kv, batches, (q, k, torch.randn_like(k)))  # page 0 (scratch) is never read
+
+
+def case_us(rows: int, context: int, queries: int, options: list[TritonOptions]) -> list[float]:
+    """One layer's attention over the case's batch with each of ``options``: microseconds."""
+    device = torch.device("cuda")
+    one = case(rows, context, queries)
+    return [one.us(SPEC.load()(SHAPE, setting, device)) for setting in options]
 
 
 def main() -> None:

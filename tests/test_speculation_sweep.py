@@ -4,31 +4,18 @@ run's ratio to ``none`` on its own target at its concurrency."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+from benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def sweep() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports decode.py beside it
-    try:
-        script = BENCHMARKS / "speculation_sweep.py"
-        spec = importlib.util.spec_from_file_location("speculation_sweep", script)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up there
-        spec.loader.exec_module(module)
+    with benchmark_script("speculation_sweep") as module:
         yield module
-    finally:
-        sys.modules.pop("speculation_sweep", None)
-        sys.path.remove(str(BENCHMARKS))
 
 
 def test_none_first_on_each_target_then_each_algorithm_at_each_acceptance(
