@@ -8,6 +8,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import replace
+from fractions import Fraction
 
 import pytest
 from engine_harness import (
@@ -634,6 +635,40 @@ class RecordingFeeds(FixedDrafting):
     def feeds(self, req: Request, others: int) -> bool:
         self.others.append(others)
         return True
+
+
+class RecordingObservations(FixedDrafting):
+    """Every batch drafts and every other request feeds the draft; each observation's request
+    and its step's observed rows are recorded."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.fed: list[bool] = []
+        self.seen: list[tuple[Request, int]] = []
+
+    def feeds(self, req: Request, others: int) -> bool:
+        self.fed.append(len(self.fed) % 2 == 0)
+        return self.fed[-1]
+
+    def observe(
+        self, req: Request, commit_len: int, drafts: int, ranks: list[int], rows: int
+    ) -> None:
+        self.seen.append((req, rows))
+
+
+def test_the_policy_observes_only_the_rows_that_feed_the_draft(
+    speculative_dirs: dict[str, str], expected: dict[int, list[int]]
+) -> None:
+    """Unfed rows ride the drafting batches, but their drafts had no context: only the fed
+    rows are observed, each step's as one step (their weights, 1 / rows each, add up to 1)."""
+    settings = _settings(speculative_dirs, "eagle3 chain")
+    engine = engine_for(speculative_dirs["target"], **settings)
+    policy = RecordingObservations(engine.loop.runner.shape.width)
+    engine.scheduler.use_policy(policy)
+    assert tokens_of(run(engine, _workload())) == expected
+    assert policy.fed.count(False) == 3 and policy.seen
+    assert all(req.fed for req, _ in policy.seen)
+    assert sum(Fraction(1, rows) for _, rows in policy.seen).denominator == 1
 
 
 @pytest.mark.parametrize(("max_running", "others"), [(8, [5] * 6), (3, [2] * 6)])

@@ -29,7 +29,7 @@ Estimates, all updated from the commit counts the host sees (outputs.py), per ki
 
 - per kind, the engine's mean commit length over every request's drafting steps: the plain
   mean of its first observations (as many as ``1 / engine_smoothing`` steps hold), then a
-  moving average over steps. A step of ``n`` drafting rows moves it by ``engine_smoothing /
+  moving average over steps. A step of ``n`` observed rows moves it by ``engine_smoothing /
   n`` a row, so that a step moves it about as far at any batch size and keeps all its rows.
   Over rows, a step of 256 would leave about the mean of its last 20 (a standard deviation
   of 0.15-0.2 at acceptance 2), enough to turn feeding near the break-even on and off;
@@ -84,8 +84,8 @@ before that its kind's once the kind learned (a probe keeps feeding until it dra
 had buffered is dropped, never caught up. So a first wave of an unobserved kind, fed to learn,
 stops feeding after the cycle that measured it where its batch is too large for drafting to
 pay (a wave of ``evidence`` rows or more learns in one cycle). An
-unfed row counts an acceptance length of 1 in a mixed batch; a batch of unfed rows never
-drafts.
+unfed row counts an acceptance length of 1 in a mixed batch, and its commits there are not
+observed (its drafts had no context); a batch of unfed rows never drafts.
 """
 
 from __future__ import annotations
@@ -125,10 +125,10 @@ class DraftPolicy(Protocol):
     def observe(
         self, req: Request, commit_len: int, drafts: int, ranks: list[int], rows: int
     ) -> None:
-        """A drafting step of ``rows`` rows that offered ``req`` ``drafts`` drafts (its
-        chain's, or its cap; a tree's nodes) committed ``commit_len`` tokens (1 + accepted
-        drafts); ``ranks``: a ranked tree's worst rank on the accepted path up to each accepted
-        draft, else empty."""
+        """A drafting step that offered ``req`` ``drafts`` drafts (its chain's, or its cap;
+        a tree's nodes) committed ``commit_len`` tokens (1 + accepted drafts); ``ranks``: a
+        ranked tree's worst rank on the accepted path up to each accepted draft, else empty;
+        ``rows``: the step's rows observed (those that feed the draft)."""
         ...
 
 

@@ -55,12 +55,18 @@ class OutputProcessor:
     def process(self, planned: Planned, out: StepOutput) -> None:
         """Apply one step's committed tokens to its sampled rows (rows of requests that
         already finished are ignored)."""
-        for i, row in enumerate(planned.plan.sample_rows):
-            req = planned.requests[row]
+        rows = [planned.requests[row] for row in planned.plan.sample_rows]
+        # The rows the drafting policy observes: an unfed row's drafts had no context, so its
+        # commits say nothing of its kind's acceptance.
+        drafting = planned.plan.drafting
+        observed = sum(not req.finished and req.fed is not False for req in rows) if drafting else 0
+        for i, req in enumerate(rows):
             if not req.finished:
-                self._apply(req, out, i, planned)
+                self._apply(req, out, i, planned, observed)
 
-    def _apply(self, req: Request, out: StepOutput, i: int, planned: Planned) -> None:
+    def _apply(
+        self, req: Request, out: StepOutput, i: int, planned: Planned, observed: int
+    ) -> None:
         tokens, decode = out.tokens[i], planned.plan.kind == "decode"
         if decode and req.slot >= 0:
             # Take back the part of the bound that was not committed.
@@ -70,9 +76,10 @@ class OutputProcessor:
         if planned.plan.drafting:
             drafts = planned.plan.q_lens[0] - 1
             self.stats.verified(drafts, len(tokens) - 1)
-            offered = drafts if req.max_drafts is None else min(drafts, req.max_drafts)
-            ranks = out.path_ranks[i] if out.path_ranks else []
-            self.policy.observe(req, len(tokens), offered, ranks, len(planned.plan.sample_rows))
+            if req.fed is not False:
+                offered = drafts if req.max_drafts is None else min(drafts, req.max_drafts)
+                ranks = out.path_ranks[i] if out.path_ranks else []
+                self.policy.observe(req, len(tokens), offered, ranks, observed)
             req.spec_drafts += 1
             req.spec_accepted_tokens += len(tokens) - 1
         if not req.output_ids:
