@@ -156,7 +156,8 @@ _HELP: dict[str, str] = {
     "step_log": (
         "append a JSON line per loop turn to FILE (its Unix time; the step's kind, rows, "
         "tokens, width and riders; planning and waiting milliseconds; a constrained step's "
-        "host mask time and waits): where latency goes"
+        "host mask time and waits; on CUDA, the allocator's calls to the driver where there "
+        "were some): where latency goes"
     ),
     "log_level": "log level of the daemon and its children",
     "seed": "seed of --load-format dummy weights",
