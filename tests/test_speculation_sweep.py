@@ -175,8 +175,8 @@ def test_each_run_gets_the_turns_its_daemon_took_while_it_ran(sweep: ModuleType)
     kind; the turns table describes them run by run."""
 
     def line(at: float, kind: str, rows: int, width: int = 0) -> dict:
-        return {"at": at, "turn_ms": 10.0 * rows, "kind": kind, "rows": rows, "width": width,
-                "riders": 0, "unfed": 0}  # fmt: skip
+        return {"at": at, "turn_ms": 10.0 * rows, "wait_ms": 4.0 * rows, "kind": kind,
+                "rows": rows, "width": width, "riders": 0, "unfed": 0}  # fmt: skip
 
     log = [
         line(1.0, "extend", 1), line(2.0, "decode", 1, 4), {"at": 2.5, "turn_ms": 0.1},
@@ -186,14 +186,13 @@ def test_each_run_gets_the_turns_its_daemon_took_while_it_ran(sweep: ModuleType)
     first = {"mode": "llama-chain-a2", "concurrency": 1}
     second = {"mode": "llama-chain-a2", "concurrency": 2}
     sweep.attach_turns([(first, 0.5, 3.0), (second, 9.5, 12.5)], log)
-    assert first["turns"] == {
-        "prompt": {"turns": 1, "ms": 10.0, "rows": 1, "unfed": 0},
-        "decode 4": {"turns": 1, "ms": 10.0, "rows": 1, "unfed": 0},
-    }
-    assert second["turns"]["decode 1"] == {"turns": 2, "ms": 40.0, "rows": 4, "unfed": 0}
+    one = {"turns": 1, "ms": 10.0, "waited_ms": 4.0, "rows": 1, "unfed": 0, "allocator_calls": 0}
+    assert first["turns"] == {"prompt": one, "decode 4": one}
+    assert second["turns"]["decode 1"] == one | {"turns": 2, "ms": 40.0, "waited_ms": 16.0,
+                                                 "rows": 4}  # fmt: skip
     assert sweep.turns_table([first, second, {"mode": "x", "concurrency": 3}]).splitlines() == [
-        "llama-chain-a2            1  prompt 1 x 10.0 ms (1.0 rows); decode 4 1 x 10.0 ms "
-        "(1.0 rows)",
-        "llama-chain-a2            2  prompt 1 x 20.0 ms (2.0 rows); decode 1 2 x 20.0 ms "
-        "(2.0 rows)",
+        "llama-chain-a2            1  prompt 1 x 10.0 ms, waited 4.0 (1.0 rows); decode 4 1 x "
+        "10.0 ms, waited 4.0 (1.0 rows)",
+        "llama-chain-a2            2  prompt 1 x 20.0 ms, waited 8.0 (2.0 rows); decode 1 2 x "
+        "20.0 ms, waited 8.0 (2.0 rows)",
     ]

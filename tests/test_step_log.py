@@ -107,21 +107,30 @@ def test_a_turn_with_allocator_calls_counts_them() -> None:
 
 
 def test_the_summary_orders_kinds_and_describes_each_per_turn() -> None:
-    """Prompt batches, mixed ones, then decode steps by width; a turn's mean time, rows and
-    unfed rows (where some are)."""
+    """Prompt batches, mixed ones, then decode steps by width; a turn's mean time, time
+    waited and rows, its unfed rows and the allocator's calls in all (where some are)."""
+
+    def line(at: float, ms: float, kind: str, rows: int, **more: int) -> dict[str, object]:
+        return {"at": at, "turn_ms": ms, "wait_ms": ms / 2, "kind": kind, "rows": rows,
+                "unfed": 0} | more  # fmt: skip
+
     lines = [
-        {"at": 1.0, "turn_ms": 9.0, "kind": "decode", "rows": 8, "width": 10, "unfed": 0},
-        {"at": 2.0, "turn_ms": 5.0, "kind": "decode", "rows": 4, "width": 1, "unfed": 4},
-        {"at": 3.0, "turn_ms": 1.0},  # launched nothing
-        {"at": 4.0, "turn_ms": 40.0, "kind": "extend", "rows": 3, "riders": 2, "unfed": 0},
-        {"at": 5.0, "turn_ms": 30.0, "kind": "extend", "rows": 2, "riders": 0, "unfed": 0},
-        {"at": 6.0, "turn_ms": 7.0, "kind": "decode", "rows": 6, "width": 1, "unfed": 0},
+        line(1.0, 9.0, "decode", 8, width=10),
+        line(2.0, 5.0, "decode", 4, width=1, unfed=4, allocator_calls=2),
+        {"at": 3.0, "turn_ms": 1.0, "wait_ms": 0.5},  # launched nothing
+        line(4.0, 40.0, "extend", 3, riders=2),
+        line(5.0, 30.0, "extend", 2, riders=0, allocator_calls=1),
+        line(6.0, 7.0, "decode", 6, width=1),
     ]
     kinds = summarize(lines)
     assert list(kinds) == ["prompt", "mixed", "decode 1", "decode 10"]
-    assert kinds["decode 1"] == Turns(turns=2, ms=12.0, rows=10, unfed=4)
+    assert kinds["decode 1"] == Turns(
+        turns=2, ms=12.0, waited_ms=6.0, rows=10, unfed=4, allocator_calls=2
+    )
     assert describe(kinds) == (
-        "prompt 1 x 30.0 ms (2.0 rows); mixed 1 x 40.0 ms (3.0 rows); "
-        "decode 1 2 x 6.0 ms (5.0 rows, 2.0 unfed); decode 10 1 x 9.0 ms (8.0 rows)"
+        "prompt 1 x 30.0 ms, waited 15.0 (2.0 rows, allocator calls 1); "
+        "mixed 1 x 40.0 ms, waited 20.0 (3.0 rows); "
+        "decode 1 2 x 6.0 ms, waited 3.0 (5.0 rows, 2.0 unfed, allocator calls 2); "
+        "decode 10 1 x 9.0 ms, waited 4.5 (8.0 rows)"
     )
     assert list(summarize(lines, since=2.0, until=4.0)) == ["mixed", "decode 1"]

@@ -22,19 +22,25 @@ Line = dict[str, Any]  # one JSON line of a step log
 
 @dataclass
 class Turns:
-    """The turns of one kind: their count, their summed milliseconds, rows, and rows that did
-    not feed the draft (``StepPlan.unfed``)."""
+    """The turns of one kind: their count, their summed milliseconds, the milliseconds of
+    those they waited for results (``wait_ms``: near nothing where the host, or a wait inside
+    the launch, set the pace), rows, rows that did not feed the draft (``StepPlan.unfed``) and
+    the allocator's calls to the driver (``allocator_calls``)."""
 
     turns: int = 0
     ms: float = 0.0
+    waited_ms: float = 0.0
     rows: int = 0
     unfed: int = 0
+    allocator_calls: int = 0
 
     def add(self, line: Line) -> None:
         self.turns += 1
         self.ms += line["turn_ms"]
+        self.waited_ms += line["wait_ms"]
         self.rows += line["rows"]
         self.unfed += line["unfed"]
+        self.allocator_calls += line.get("allocator_calls", 0)
 
 
 def kind(line: Line) -> str | None:
@@ -73,13 +79,19 @@ def _order(name: str) -> tuple[int, int]:
 
 
 def describe(kinds: dict[str, Turns]) -> str:
-    """One line: each kind's turns, milliseconds a turn, rows a turn and unfed rows a turn,
-    e.g. ``prompt 64 x 47.0 ms (4.0 rows); decode 1 765 x 10.9 ms (171.0 rows, 0.0 unfed)``."""
+    """One line: each kind's turns, milliseconds and waited milliseconds a turn, rows a turn,
+    unfed rows a turn and allocator calls in all where there are some, e.g. ``prompt 64 x
+    47.0 ms, waited 27.4 (4.0 rows); decode 1 765 x 10.9 ms, waited 8.2 (171.0 rows, 2.0
+    unfed)``."""
     parts = []
     for name, turns in kinds.items():
         n = turns.turns
         rows = f"{turns.rows / n:.1f} rows"
         if turns.unfed:
             rows += f", {turns.unfed / n:.1f} unfed"
-        parts.append(f"{name} {n} x {turns.ms / n:.1f} ms ({rows})")
+        if turns.allocator_calls:
+            rows += f", allocator calls {turns.allocator_calls}"
+        parts.append(
+            f"{name} {n} x {turns.ms / n:.1f} ms, waited {turns.waited_ms / n:.1f} ({rows})"
+        )
     return "; ".join(parts)
