@@ -637,18 +637,13 @@ class RecordingFeeds(FixedDrafting):
         return True
 
 
-class RecordingObservations(FixedDrafting):
-    """Every batch drafts and every other request feeds the draft; each observation's request
-    and its step's observed rows are recorded."""
+class RecordingObservations(AlternateDrafting):
+    """Every other batch drafts and every other request feeds the draft; each observation's
+    request and its step's observed rows are recorded."""
 
-    def __init__(self, width: int) -> None:
-        super().__init__(width)
-        self.fed: list[bool] = []
+    def __init__(self, widths: tuple[int, ...]) -> None:
+        super().__init__(widths)
         self.seen: list[tuple[Request, int]] = []
-
-    def feeds(self, req: Request, others: int) -> bool:
-        self.fed.append(len(self.fed) % 2 == 0)
-        return self.fed[-1]
 
     def observe(
         self, req: Request, commit_len: int, drafts: int, ranks: list[int], rows: int
@@ -663,7 +658,7 @@ def test_the_policy_observes_only_the_rows_that_feed_the_draft(
     rows are observed, each step's as one step (their weights, 1 / rows each, add up to 1)."""
     settings = _settings(speculative_dirs, "eagle3 chain")
     engine = engine_for(speculative_dirs["target"], **settings)
-    policy = RecordingObservations(engine.loop.runner.shape.width)
+    policy = RecordingObservations((engine.loop.runner.shape.width,))
     engine.scheduler.use_policy(policy)
     assert tokens_of(run(engine, _workload())) == expected
     assert policy.fed.count(False) == 3 and policy.seen
