@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from engine_harness import engine_for, record_launches, request, run
 from model_fixtures import VOCAB
 
@@ -104,6 +105,19 @@ def test_a_turn_with_allocator_calls_counts_them() -> None:
     uncounted = io.StringIO()
     StepLog(uncounted).turn(0.0, 0.0, 0.5, 0.0, None, 0)
     assert "allocator_calls" not in json.loads(uncounted.getvalue())
+
+
+@pytest.mark.gpu
+def test_a_cuda_turn_whose_allocator_maps_memory_says_so(llama_dir: str, tmp_path: Path) -> None:
+    """With the allocator's cache emptied, the prompt batch's buffers are mapped anew: the
+    log counts those calls (the statistics it reads exist in this torch)."""
+    path = tmp_path / "steps.jsonl"
+    engine = engine_for(llama_dir, step_log=str(path), device="cuda", dtype="float32")
+    torch.cuda.empty_cache()
+    run(engine, [request(0, [3 + j % (VOCAB - 3) for j in range(40)], max_new_tokens=4)])
+    engine.loop.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sum(line.get("allocator_calls", 0) for line in lines) > 0
 
 
 def test_the_summary_orders_kinds_and_describes_each_per_turn() -> None:
