@@ -18,9 +18,9 @@ import argparse
 from importlib.metadata import version
 
 import torch
-from fp8_gemv import device_us  # benchmarks/ is sys.path[0] when run as a script
-from triton_attention import HEAD_DIM, KV_HEADS, SHAPE, case
+from triton_attention import HEAD_DIM, KV_HEADS, SHAPE, case  # benchmarks/ is sys.path[0]
 
+from outrider.daemon.bench.roofline import read_bandwidth
 from outrider.plugins.registry import named_spec
 
 # The cells above this many K/V bytes of one layer are skipped (the grid's corner at 256 rows
@@ -54,10 +54,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {version('triton')}")
-    data = torch.ones(1 << 31, dtype=torch.bfloat16, device=device)
-    peak = data.numel() * 2 / device_us([data.sum]) / 1e3  # GB/s
+    peak = read_bandwidth("cuda") / 1e9  # GB/s
     print(f"read rate (a 4 GiB sum): {peak:,.0f} GB/s; pages of {args.page_size}")
-    del data
     backends = []
     for name in args.backends:
         spec = named_spec("attention", name)

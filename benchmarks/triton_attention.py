@@ -25,6 +25,7 @@ from importlib.metadata import version
 import torch
 from fp8_gemv import copies, device_us  # benchmarks/ is sys.path[0] when run as a script
 
+from outrider.daemon.bench.roofline import read_bandwidth
 from outrider.plugins.attention.base import AttentionBackend
 from outrider.plugins.attention.triton_backend import SPEC, TritonOptions
 from outrider.plugins.device import AttentionShape, BatchLayout, ForwardBatch, KVCache
@@ -122,10 +123,8 @@ def main() -> None:
         parser.add_argument(f"--{flag}", type=int, nargs="+", default=[0])
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {version('triton')}")
-    data = torch.ones(1 << 31, dtype=torch.bfloat16, device="cuda")
-    peak = data.numel() * 2 / device_us([data.sum]) / 1e3  # GB/s
+    peak = read_bandwidth("cuda") / 1e9  # GB/s
     print(f"read rate (a 4 GiB sum): {peak:,.0f} GB/s")
-    del data
     options = [
         TritonOptions(block_n=n, num_warps=w, num_stages=s, programs_per_sm=p)
         for n, w, s, p in itertools.product(
