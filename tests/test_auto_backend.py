@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
+import msgspec
 import pytest
 import torch
 from engine_harness import engine_for, request, run
@@ -60,7 +61,7 @@ def test_auto_declares_the_decode_side_phases_on_cuda_and_defaults_to_triton_the
     assert caps.phases == {"decode", "verify", "draft_decode", "draft_extend"}
     assert caps.devices == {"cuda"} and caps.tree_mask and caps.non_causal
     assert (caps.cuda_graphs, caps.graph_kv_bound, caps.host_plans) == (True, False, False)
-    assert SPEC.parse_options(None) == AutoOptions("triton", "fa4", 8)
+    assert SPEC.parse_options(None) == AutoOptions("triton", "fa4", 8, 64)
 
 
 @needs_triton
@@ -76,6 +77,11 @@ def test_auto_checks_the_backends_it_routes() -> None:
     assert _problems('{"small": "nope", "large": "triton"}') == [
         f"{OPTION}: small: unknown attention backend 'nope'"
     ]
+    assert _problems('{"large": "triton", "large_from_batch": 8, "small_from_batch": 8}') == [
+        f"{OPTION}: small_from_batch (8) must exceed large_from_batch (8), or be 0: no batch "
+        "would reach large"
+    ]
+    assert _problems('{"large": "triton", "small_from_batch": 0}') == []
     # The routed backend's own checks, as if it ran the decode phase itself.
     assert _problems('{"large": "triton"}', dtype="float32") == []
     assert f"{OPTION}: large: --dtype: fa4 does not support float32" in _problems(
@@ -112,16 +118,17 @@ def test_auto_refuses_a_partner_without_tree_masks_or_non_causal_blocks(
 
 @needs_triton
 def test_auto_routes_each_batch_by_its_size() -> None:
-    """Below ``large_from_batch`` rows the small backend attends, from it the large one: the
-    outputs are exactly theirs."""
+    """Below ``large_from_batch`` rows the small backend attends, from it the large one, from
+    ``small_from_batch`` the small one again: the outputs are exactly theirs."""
     gen = torch.Generator().manual_seed(3)
     rows = paged_rows(gen, DEVICE, SHAPE)
-    options = AutoOptions(small="torch", large="triton", large_from_batch=3)
+    options = AutoOptions(small="torch", large="triton", large_from_batch=2, small_from_batch=4)
     auto = AutoAttention(SHAPE, options, DEVICE)
-    assert (type(auto.route(2)).__name__, type(auto.route(3)).__name__) == (
-        "TorchAttention",
-        "TritonAttention",
-    )
+    assert [type(auto.route(bs)).__name__.removesuffix("Attention") for bs in range(1, 6)] == [
+        "Torch", "Triton", "Triton", "Torch", "Torch",
+    ]  # fmt: skip
+    unbounded = AutoAttention(SHAPE, msgspec.structs.replace(options, small_from_batch=0), DEVICE)
+    assert type(unbounded.route(4096)).__name__ == "TritonAttention"
     for bs in (1, 2, 3, 4):
         layout = make_batch(KINDS[0], rows, bs, gen)
         q, k, v = qkv(bs, gen, DEVICE, SHAPE)
@@ -133,7 +140,8 @@ def test_auto_routes_each_batch_by_its_size() -> None:
 @pytest.mark.gpu
 def test_the_engine_decodes_through_auto_within_the_rule_of_triton() -> None:
     """The embedded family in bf16, prompts on triton, decode batches of 1 to 10 rows through
-    auto (triton below 4 rows, fa4 from 4) under CUDA graphs, against triton alone."""
+    auto (triton below 4 rows and from 8, fa4 between) under CUDA graphs, against triton
+    alone."""
     pytest.importorskip("flash_attn.cute")
     family = embedded_family()
     assert family is not None, "the family package is installed with the test extra"
@@ -144,7 +152,7 @@ def test_the_engine_decodes_through_auto_within_the_rule_of_triton() -> None:
         engine = engine_for(
             str(family.target), device="cuda", dtype="bfloat16", attention_backend="triton",
             decode_attention_backend=decode, speculative_algorithm="none", max_running=12,
-            attention_config=('auto={"large_from_batch": 4}',),
+            attention_config=('auto={"large_from_batch": 4, "small_from_batch": 8}',),
         )  # fmt: skip
         outcomes = run(engine, requests, stagger=2)
         return {

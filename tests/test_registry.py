@@ -665,7 +665,12 @@ def test_the_listing_names_the_builtin_option_types_in_words(
     assert plugins_cmd.main([]) == 0
     listed = _listed_options(capsys.readouterr().out)
     assert listed == {
-        "auto": ["small: str = 'triton'", "large: str = 'fa4'", "large_from_batch: int >= 1 = 8"],
+        "auto": [
+            "small: str = 'triton'",
+            "large: str = 'fa4'",
+            "large_from_batch: int >= 1 = 8",
+            "small_from_batch: int >= 0 = 64",
+        ],
         "fa4": [],
         "flashinfer": [],
         "torch": [],

@@ -4,12 +4,14 @@ length on the device.
 
 FA4 has no split-KV on SM 9.0: one long sequence runs a few thread blocks and reads its KV at a
 tenth of the bandwidth, while a split-KV kernel (the ``triton`` plugin) fills the GPU at any
-batch size; from some batch size up, FA4's kernel is the faster one, for one query a row as for
-a verify block (BENCHMARKS.md, "The backend matrix"). ``auto`` runs batches of fewer than
-``large_from_batch`` rows with ``small`` and the others with ``large``. The batch size is known
-on the host, and a decode graph is captured per batch size, so each graph holds one backend's
-kernels: the route costs nothing per step. Each phase routed to ``auto`` has its own pair of
-backends (and graph state); prompt chunks are not routed (``--prefill-attention-backend``).
+batch size. From some batch size up FA4's kernel is the faster one, for one query a row as for
+a verify block, and from a larger one the split-KV kernel is again, at every context
+(BENCHMARKS.md, "The backend matrix" and "auto's route at large batches"). ``auto`` runs
+batches of at least ``large_from_batch`` and fewer than ``small_from_batch`` rows with
+``large``, the others with ``small``. The batch size is known on the host, and a decode graph
+is captured per batch size, so each graph holds one backend's kernels: the route costs nothing
+per step. Each phase routed to ``auto`` has its own pair of backends (and graph state); prompt
+chunks are not routed (``--prefill-attention-backend``).
 
 Both backends run with their default options, must read lengths on the device (no host plans,
 one graph per batch size whatever the KV bound), and must draw tree masks and non-causal
@@ -36,6 +38,8 @@ class AutoOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     large: str = "fa4"
     # The smallest batch decoded by ``large``.
     large_from_batch: Annotated[int, msgspec.Meta(ge=1)] = 8
+    # The smallest batch decoded by ``small`` again (0: none).
+    small_from_batch: Annotated[int, msgspec.Meta(ge=0)] = 64
 
 
 def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
@@ -47,6 +51,14 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
         return []  # the registry reports the options themselves
     problems: list[Problem] = []
     assert isinstance(options, AutoOptions)
+    if 0 < options.small_from_batch <= options.large_from_batch:
+        problems.append(
+            Problem(
+                OPTION,
+                f"small_from_batch ({options.small_from_batch}) must exceed large_from_batch "
+                f"({options.large_from_batch}), or be 0: no batch would reach large",
+            )
+        )
     for role, name in (("small", options.small), ("large", options.large)):
         try:
             child = named_spec("attention", name)
@@ -84,8 +96,8 @@ def _check(spec: PluginSpec, ctx: CheckContext) -> list[Problem]:
 SPEC = PluginSpec(
     name="auto",
     kind="attention",
-    summary="decode, verify and draft routed by batch size: split-KV (triton) for small "
-    "batches, FA4 above",
+    summary="decode, verify and draft routed by batch size: split-KV (triton) for small and "
+    "large batches, FA4 between",
     implementation="outrider.plugins.attention.auto_impl:AutoAttention",
     options=AutoOptions,
     attention=AttentionCapabilities(

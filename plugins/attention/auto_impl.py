@@ -27,10 +27,13 @@ class AutoAttention(AttentionBackend):
 
         self.small, self.large = backend(options.small), backend(options.large)
         self.large_from_batch = options.large_from_batch
+        self.small_from_batch = options.small_from_batch
 
     def route(self, bs: int) -> AttentionBackend:
         """The backend of a batch of ``bs`` rows."""
-        return self.large if bs >= self.large_from_batch else self.small
+        if bs < self.large_from_batch or 0 < self.small_from_batch <= bs:
+            return self.small
+        return self.large
 
     def build(self, layout: BatchLayout) -> object:
         return self.route(layout.bs).build(layout)
