@@ -24,7 +24,7 @@ from outrider.plugins.models.kernels import (
     select_kernels,
     use_kernels,
 )
-from outrider.plugins.models.layers import MLP, FusedLinear, RMSNorm, RotaryEmbedding
+from outrider.plugins.models.layers import MLP, RMSNorm, RotaryEmbedding
 from outrider.plugins.models.loader import build_model, load_model
 from outrider.plugins.models.parallel import ColumnParallelLinear, RowParallelLinear
 from outrider.plugins.sampling_spec import SamplingSpec
@@ -294,47 +294,6 @@ def test_qwen3_q_k_norm_and_rotation_run_as_one_kernel_while_a_graph_is_built() 
     )
     _close(got_q, ref_q, "q against the reference")
     _close(got_k, ref_k, "k against the reference")
-
-
-@pytest.mark.gpu
-def test_one_tokens_q_k_v_projection_rotates_in_the_gemv_while_a_graph_is_built() -> None:
-    """One row inside ``building_graph``: the GEMV with the rotation in its epilogue, v as
-    the GEMV projects it, q and k as FlashInfer's rotation turns the GEMV's output; two rows,
-    the projection and then the rotation, as eagerly."""
-    fused = _fused()
-    table, reference, _ = _rotary_case(8)
-    q_heads, kv_heads, dim = 8, 2, 128
-    proj = FusedLinear(4096, {"q": q_heads * dim, "k": kv_heads * dim, "v": kv_heads * dim}, True)
-    proj = proj.to(CUDA, torch.bfloat16)
-    gen = torch.Generator(device=CUDA).manual_seed(9)
-    with torch.no_grad():
-        proj.weight.copy_(0.05 * torch.randn(proj.weight.shape, generator=gen, device=CUDA))
-        proj.bias.copy_(torch.randn(proj.bias.shape, generator=gen, device=CUDA))
-    proj.kernels = fused
-    x = torch.randn(2, 4096, generator=gen, device=CUDA).bfloat16()
-    heads = (q_heads, kv_heads, dim)
-    for position in ROTARY_POSITIONS:
-        positions = torch.tensor([position], device=CUDA)
-        with building_graph():
-            got = fused.rotated_qkv(x[:1], proj, *heads, fused.rotation(table, positions))
-            # The GEMV, then FlashInfer's rotation: two launches.
-            unfused = TorchKernels.rotated_qkv(
-                fused, x[:1], proj, *heads, fused.rotation(table, positions)
-            )
-        assert torch.equal(got[2], unfused[2])
-        _close(got[0], unfused[0], f"q at {position}")
-        _close(got[1], unfused[1], f"k at {position}")
-        ref = TORCH_KERNELS.rotated_qkv(
-            x[:1], proj, *heads, TORCH_KERNELS.rotation(reference, positions)
-        )
-        _close(got[0], ref[0], f"q against the reference at {position}")
-        _close(got[1], ref[1], f"k against the reference at {position}")
-    positions = torch.tensor(ROTARY_POSITIONS[:2], device=CUDA)
-    with building_graph():
-        two = fused.rotated_qkv(x, proj, *heads, fused.rotation(table, positions))
-        apart = TorchKernels.rotated_qkv(fused, x, proj, *heads, fused.rotation(table, positions))
-    for got, want in zip(two, apart, strict=True):
-        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

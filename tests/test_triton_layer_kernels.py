@@ -129,38 +129,6 @@ def test_q_k_norm_and_rotation_match_the_reference() -> None:
     torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
 
 
-def test_the_rotating_gemv_is_the_gemv_then_the_rotation() -> None:
-    """q's and k's heads rotated at the token's position, v's left as projected, with and
-    without a bias, K short of a step and past one."""
-    from outrider.plugins.models import triton_kernels
-
-    gen = _gen()
-    q_heads, kv_heads, dim = 4, 2, 16
-    table = RotaryEmbedding(dim, ROPE, max_positions=64).to(DEVICE)
-    table.init_table()
-    cos_sin = table.cos_sin_float32()
-    n = (q_heads + 2 * kv_heads) * dim
-    for k in (40, 1100):
-        x = torch.randn(1, k, generator=gen, device=DEVICE)
-        weight = torch.randn(n, k, generator=gen, device=DEVICE)
-        bias = torch.randn(n, generator=gen, device=DEVICE)
-        position = torch.tensor([9], device=DEVICE)
-        assert triton_kernels.rope_gemv_fits(x, weight, dim, cos_sin)
-        for b in (None, bias):
-            got = triton_kernels.rope_gemv(x, weight, b, dim, q_heads + kv_heads, position, cos_sin)
-            ref = F.linear(x, weight, b)
-            q = ref[:, : q_heads * dim].view(1, q_heads, dim)
-            k_ = ref[:, q_heads * dim : (q_heads + kv_heads) * dim].view(1, kv_heads, dim)
-            rq, rk = TORCH_KERNELS.rotation(table, position).rotate(q, k_)
-            want = torch.cat((rq.reshape(1, -1), rk.reshape(1, -1), ref[:, -kv_heads * dim :]), 1)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    # Whole heads, a rotation over the whole head in a float32 table: nothing else fits.
-    row = torch.zeros(1, 8)
-    assert not triton_kernels.rope_gemv_fits(row, torch.zeros(24, 8), 16, cos_sin)
-    assert not triton_kernels.rope_gemv_fits(row, torch.zeros(32, 8), 16, cos_sin[:, :8])
-    assert not triton_kernels.rope_gemv_fits(row, torch.zeros(32, 8), 16, cos_sin.double())
-
-
 def test_the_kv_store_writes_what_index_copy_does() -> None:
     from outrider.plugins.kv_store import store_kv
 

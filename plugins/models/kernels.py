@@ -6,10 +6,9 @@ every device and dtype (the float32 CPU path, which tests compare token for toke
 ``FusedKernels`` serves half-precision models on a GPU: FlashInfer's fused norm and rotary
 kernels (one kernel per operation instead of five to ten, which is most of what a batch-1
 decode step launches besides its GEMMs), and while a CUDA graph is built our Triton GEMV for
-one-token projections (q/k/v's with the rotation in its epilogue), SiLU-and-multiply and
-Qwen3's q/k norm with the rotation (``triton_kernels.py``). They compute in float32 and
-round once, so their results differ from the reference's by bf16 rounding only
-(ARCHITECTURE.md 4.4). The routed experts of a
+one-token projections, SiLU-and-multiply and Qwen3's q/k norm with the rotation
+(``triton_kernels.py``). They compute in float32 and round once, so their results differ
+from the reference's by bf16 rounding only (ARCHITECTURE.md 4.4). The routed experts of a
 mixture-of-experts layer (``fused_moe``, ``fused_moe_fp8`` for FP8 experts) run our Triton
 kernels (``moe/kernels.py``), eagerly too: they need no host sync, where the reference reads
 on the host which experts were hit.
@@ -26,7 +25,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from outrider.plugins.debug import debug_knob
 from outrider.plugins.device import heads_contiguous, in_graph_build
@@ -70,20 +68,6 @@ class TableRotation(Rotation):
 
     def rotate_keys(self, k: torch.Tensor) -> torch.Tensor:
         return rotate_half(k, self.cos, self.sin)
-
-
-def split_heads(
-    qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A fused q/k/v projection ``[T, (Hq + 2 Hkv) D]`` as views q ``[T, Hq, D]``, k and v
-    ``[T, Hkv, D]``."""
-    tokens = qkv.shape[0]
-    q, k, v = qkv.split((q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
-    return (
-        q.view(tokens, q_heads, head_dim),
-        k.view(tokens, kv_heads, head_dim),
-        v.view(tokens, kv_heads, head_dim),
-    )
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -159,21 +143,6 @@ class TorchKernels:
         """Qwen3's per-head RMSNorm of ``q: [T, Hq, D]`` and ``k: [T, Hkv, D]``, then
         ``rotation``."""
         return rotation.rotate(self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps))
-
-    def rotated_qkv(
-        self,
-        x: torch.Tensor,
-        qkv_proj: nn.Linear,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        rotation: Rotation,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``qkv_proj(x)``, a fused q/k/v projection of ``x: [T, K]``, as q ``[T, Hq, D]``
-        and k, v ``[T, Hkv, D]`` (``split_heads``), q and k turned by ``rotation``."""
-        q, k, v = split_heads(qkv_proj(x), q_heads, kv_heads, head_dim)
-        q, k = rotation.rotate(q, k)
-        return q, k, v
 
     def fused_moe(
         self,
@@ -329,29 +298,6 @@ class FusedKernels(TorchKernels):
 
     def rotation(self, table: RotaryTable, positions: torch.Tensor) -> Rotation:
         return FusedRotation(self.flashinfer, positions, table.cos_sin_float32())
-
-    def rotated_qkv(
-        self,
-        x: torch.Tensor,
-        qkv_proj: nn.Linear,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        rotation: Rotation,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # One token's projection of plain weights in a graph being built: the rotation in the
-        # GEMV's epilogue, one launch a layer fewer.
-        if (
-            in_graph_build()
-            and isinstance(rotation, FusedRotation)
-            and self.triton.rope_gemv_fits(x, qkv_proj.weight, head_dim, rotation.cos_sin)
-        ):
-            qkv = self.triton.rope_gemv(
-                x, qkv_proj.weight, qkv_proj.bias, head_dim, q_heads + kv_heads,
-                rotation.positions, rotation.cos_sin,
-            )  # fmt: skip
-            return split_heads(qkv, q_heads, kv_heads, head_dim)
-        return super().rotated_qkv(x, qkv_proj, q_heads, kv_heads, head_dim, rotation)
 
     def qk_norm_rotate(
         self,

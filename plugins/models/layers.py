@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from outrider.plugins.device import AttentionShape
-from outrider.plugins.models.kernels import Rotation, UsesKernels, split_heads
+from outrider.plugins.models.kernels import Rotation, UsesKernels
 from outrider.plugins.models.parallel import (
     SINGLE,
     ColumnParallelLinear,
@@ -168,16 +168,18 @@ class Attention(nn.Module, Sharded, UsesKernels):
         return self.tp.split(0)  # one a head
 
     def forward(self, x: torch.Tensor, rotation: Rotation, fb: ForwardBatch) -> torch.Tensor:
-        # x: [T, hidden]; q: [T, Hq, D], k and v: [T, Hkv, D]
+        # x: [T, hidden]
         num_tokens = x.shape[0]
-        heads = (self.num_q_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        q = q.view(num_tokens, self.num_q_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k, v = split_heads(self.qkv_proj(x), *heads)
             q, k = self.kernels.qk_norm_rotate(
                 q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rotation
             )
         else:
-            q, k, v = self.kernels.rotated_qkv(x, self.qkv_proj, *heads, rotation)
+            q, k = rotation.rotate(q, k)
         out = fb.attend(self.layer_id, q, k, v, self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_q_heads * self.head_dim))
 

@@ -11,10 +11,6 @@ decode graphs"):
 - ``silu_mul_gemv``: the MLP's down projection of one token with SiLU-and-multiply computed as
   the GEMV loads its input (the same arithmetic and rounding as ``silu_and_mul``, so the result
   is bit for bit the two kernels'), one launch a layer fewer.
-- ``rope_gemv``: one token's fused q/k/v projection with the rotary embedding of q's and k's
-  heads in the epilogue (each program takes pairs of rows half a head apart, which
-  rotate-half turns together), rounding where the GEMV and the rotation kernel do: one
-  launch a layer fewer.
 - ``qk_norm_rope``: Qwen3's per-head RMSNorm of q and k and the rotary embedding in one kernel
   (three FlashInfer launches a layer otherwise), rounding where those do: after the norm and
   after the rotation.
@@ -126,91 +122,6 @@ def _launch_gemv(
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=tiles.block_n, BLOCK_K=tiles.step(k),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options(x.device),
-    )  # fmt: skip
-    return y
-
-
-@triton.jit
-def _rope_gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, cos_sin_ptr, positions_ptr, N, K, stride_w, ROTATED,
-    HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    wait_for_previous(PDL)
-    # Pair i: output row (i // HALF) * 2 * HALF + i % HALF of a head and its partner HALF rows
-    # later, which rotate-half turns together. Rows before ROTATED (q's and k's heads) rotate.
-    pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    pairs_ok = pairs < N // 2
-    first = pairs // HALF * (2 * HALF) + pairs % HALF
-    second = first + HALF
-    first_at = first.to(tl.int64)[:, None] * stride_w
-    second_at = second.to(tl.int64)[:, None] * stride_w
-    step = tl.arange(0, BLOCK_K)
-    acc1 = tl.zeros([BLOCK_P], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + step
-        cols_ok = cols < K
-        w_ok = pairs_ok[:, None] & cols_ok[None, :]
-        x = tl.load(x_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
-        w1 = tl.load(w_ptr + first_at + cols[None, :], mask=w_ok, other=0.0)
-        w2 = tl.load(w_ptr + second_at + cols[None, :], mask=w_ok, other=0.0)
-        acc1 += tl.sum(w1.to(tl.float32) * x, axis=1)
-        acc2 += tl.sum(w2.to(tl.float32) * x, axis=1)
-    if HAS_BIAS:
-        acc1 += tl.load(b_ptr + first, mask=pairs_ok, other=0.0).to(tl.float32)
-        acc2 += tl.load(b_ptr + second, mask=pairs_ok, other=0.0).to(tl.float32)
-    # The projection is rounded to the model dtype, as the unfused GEMV stores it.
-    dtype = y_ptr.dtype.element_ty
-    a = acc1.to(dtype).to(tl.float32)
-    b = acc2.to(dtype).to(tl.float32)
-    at = cos_sin_ptr + tl.load(positions_ptr) * (2 * HALF) + pairs % HALF
-    cos = tl.load(at, mask=pairs_ok, other=1.0)
-    sin = tl.load(at + HALF, mask=pairs_ok, other=0.0)
-    rotated = first < ROTATED
-    tl.store(y_ptr + first, tl.where(rotated, a * cos - b * sin, a).to(dtype), mask=pairs_ok)
-    tl.store(y_ptr + second, tl.where(rotated, b * cos + a * sin, b).to(dtype), mask=pairs_ok)
-
-
-def rope_gemv_fits(
-    x: torch.Tensor, weight: torch.Tensor, head_dim: int, cos_sin: torch.Tensor
-) -> bool:
-    """Whether ``rope_gemv`` serves the projection: the GEMV's (``gemv_fits``), whole heads of
-    ``head_dim`` output rows, and a rotation over the whole head (``cos_sin: [P, head_dim]``)."""
-    return (
-        gemv_fits(x, weight)
-        and weight.shape[0] % head_dim == 0
-        and head_dim % 2 == 0
-        and cos_sin.dim() == 2
-        and cos_sin.shape[1] == head_dim
-        and cos_sin.dtype == torch.float32
-        and cos_sin.is_contiguous()
-    )
-
-
-def rope_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    head_dim: int,
-    rotated_heads: int,
-    position: torch.Tensor,
-    cos_sin: torch.Tensor,
-    tiles: GemvTiles = GEMV_TILES,
-) -> torch.Tensor:
-    """``gemv(x, weight, bias)`` (``rope_gemv_fits``) viewed as heads of ``head_dim`` rows,
-    its first ``rotated_heads`` heads rotated (rotate-half) at ``position: [1]`` from the
-    float32 ``cos_sin: [P, head_dim]`` table (cos, then sin), in one kernel: the projection is
-    rounded to x's dtype, then rotated in float32 and rounded again, as the GEMV and a
-    rotation kernel after it round. ``[1, N]``."""
-    n, k = weight.shape
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    pairs_a_program = max(1, tiles.block_n // 2)
-    _rope_gemv_kernel[(triton.cdiv(n // 2, pairs_a_program),)](
-        x, weight, weight if bias is None else bias, y, cos_sin, position, n, k,
-        weight.stride(0), rotated_heads * head_dim, HAS_BIAS=bias is not None,
-        HALF=head_dim // 2, BLOCK_P=pairs_a_program, BLOCK_K=tiles.step(k),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_options(x.device),
     )  # fmt: skip
     return y
