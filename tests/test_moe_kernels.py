@@ -380,6 +380,23 @@ def test_fused_moe_matches_the_reference_at_a_real_shape(tokens: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 2500])
+def test_fused_moe_never_waits_for_the_device_on_the_host(tokens: int) -> None:
+    """The GEMVs, one grouped chunk and two: a prompt batch's MoE layers launch without a host
+    synchronisation (the reference's grouping reads the experts hit on the host; this path
+    must not)."""
+    from outrider.daemon.engine.sync_check import sync_checked
+    from outrider.plugins.models.moe import kernels as mk
+
+    batch = routed_batch(QWEN3_30B, tokens, torch.bfloat16)
+    mk.fused_moe(*batch)  # compile outside the check
+    torch.cuda.synchronize()
+    with sync_checked(True):
+        out = mk.fused_moe(*batch)
+    torch.testing.assert_close(out, reference_moe(*batch), **BF16_TOL)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [4, 64])
 def test_fused_moe_replays_in_a_cuda_graph(tokens: int) -> None:
     from outrider.plugins.models.moe import kernels as mk

@@ -5,6 +5,7 @@ n-gram speculation on a MoE target; real configs (Qwen3-30B-A3B, Mixtral-8x7B) s
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,8 @@ from outrider.plugins.models.moe.block import SparseMoeBlock
 from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.models.weights import LoadFormat
 from outrider.protocol.messages import TokenLogprob
+
+CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 
 NEW_TOKENS = 8
 
@@ -117,13 +120,33 @@ def test_ngram_speculation_keeps_greedy(references: dict[str, Reference]) -> Non
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_serve_moe(
-    references: dict[str, Reference], monkeypatch: pytest.MonkeyPatch
+def test_a_bfloat16_moe_target_serves_without_waiting_on_the_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """float32 on CUDA: decode batches replayed from graphs (every expert on every token) and
-    eager steps (tokens grouped by expert) are transformers' within the numeric rule, and no
-    step waits for the device on the host (kernels.py: neither path synchronises)."""
+    """Qwen3-30B-A3B's layers (two, dummy weights) in bfloat16 on the fused kernels, under the
+    sync check (any host synchronisation inside a step raises, and the step's requests end in
+    an error): prompt batches of up to 2,500 tokens and decode steps, replayed and eager, all
+    finish with every token asked for."""
+    config = json.loads((CONFIGS / "Qwen3-30B-A3B.config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
     monkeypatch.setenv("OUTRIDER_DEBUG_SYNC_CHECK", "1")
+    prompts = [[3 + (5 * i + j) % 1000 for j in range(n)] for i, n in enumerate((7, 300, 2500))]
+    for graphs in (True, False):
+        engine = engine_for(
+            str(tmp_path), device="cuda", dtype="bfloat16", load_format="dummy",
+            disable_cuda_graph=not graphs, kv_cache_tokens=8192, chunked_prefill_tokens=4096,
+            context_length=4096,
+        )  # fmt: skip
+        outcomes = run(engine, requests_for(prompts, max_new_tokens=NEW_TOKENS))
+        assert {rid: len(o.token_ids) for rid, o in outcomes.items()} == dict.fromkeys(
+            range(len(prompts)), NEW_TOKENS
+        ), graphs
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_serve_moe(references: dict[str, Reference]) -> None:
+    """float32 on CUDA: decode batches replayed from graphs (every expert on every token) and
+    eager steps (tokens grouped by expert) are transformers' within the numeric rule."""
     for name in ("qwen3_moe dense layer", "qwen2_moe"):
         reference = references[name]
         for graphs in (True, False):
