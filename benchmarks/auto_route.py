@@ -6,10 +6,11 @@ batch's paged K/V, pages handed out shuffled), and the KV read rate it reaches.
     python benchmarks/auto_route.py [--backends triton fa4] [--rows 8 32 64 128 256] \\
         [--contexts 512 1024 2048 4096 8192] [--page-size 16]
 
-``auto`` routes a batch by its rows alone (``large_from_batch``). After the grid, each row
-count's crossover: the shortest context from which the second backend is faster at every
-longer context measured (``crossover``). A crossover that moves with the rows says a route
-by context too would pay; one context for every row count, a route by rows suffices.
+``auto`` routes a batch by its rows alone (``large_from_batch``, ``small_from_batch``). After
+the grid, each row count's crossover: the shortest context from which the second backend is
+faster at every longer context measured (``crossover``). A crossover that moves with the rows
+says a route by context too would pay; one context for every row count, a route by rows
+suffices.
 """
 
 from __future__ import annotations
