@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL) for the project's Triton kernels.
+"""How the project's Triton kernels launch: programmatic dependent launch (PDL), and the
+batch-sized integers their compiled kernels are not specialized on (``batch_jit``).
 
 A kernel launched with PDL may be scheduled before the kernel ahead of it in the stream has
 finished: its programs start while that kernel's last wave drains, instead of after a launch
@@ -9,11 +10,21 @@ The contract: every kernel that takes ``PDL`` calls ``wait_for_previous(PDL)`` b
 or writes any memory, which waits until the previous kernel has finished and its writes are
 visible; it then lets the next kernel launch early in turn. Kernels of other libraries in the
 stream are unaffected: a kernel without PDL waits as it always did.
+
+Triton compiles a kernel once per class of each integer argument (equal to 1, a multiple of
+16, or neither). For an integer that follows a batch's tokens, a class no earlier batch had
+compiles while serving and stalls its batch for most of a second (a mixture-of-experts prompt
+batch of 1,552 tokens after batches of 2,048: BENCHMARKS.md). ``batch_jit`` leaves the
+arguments named in ``BATCH_COUNTS`` alone: they only bound masks and loops, where the class
+buys nothing. Every other integer argument of these kernels is fixed per model and rank.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import torch
 import triton
@@ -23,6 +34,16 @@ from outrider.plugins.debug import debug_knob
 
 # PDL needs compute capability 9.0 (Hopper) or later.
 _PDL_MIN_MAJOR = 9
+# Kernel arguments that count a batch's tokens or what follows from them: its tokens, its
+# (token, expert) pairs, and their chunks and row blocks.
+BATCH_COUNTS = ("num_tokens", "num_pairs", "num_chunks", "num_blocks")
+
+
+def batch_jit(fn: Callable[..., Any]) -> Any:
+    """``triton.jit`` of ``fn``, not specialized on those of its arguments ``BATCH_COUNTS``
+    names."""
+    names = inspect.signature(fn).parameters
+    return triton.jit(fn, do_not_specialize=[name for name in BATCH_COUNTS if name in names])
 
 
 @cache

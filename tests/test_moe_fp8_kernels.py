@@ -14,12 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fp8_fixtures import random_fp8_experts
+from specialization import Classes, launch_classes
 
 from outrider.plugins.models.fp8.reference import (
     Fp8Activations,
     Fp8ExpertWeights,
     dequantize,
     quantize_activations,
+    quantize_weight,
     w8a8_moe,
 )
 from outrider.plugins.models.moe.tiles import GemmTiles, GemvTiles, MoeKernelConfig
@@ -120,6 +122,37 @@ def test_gemms_and_gemvs_from_the_references_activations(tokens: int) -> None:
     for tiles in (SMALL_DECODE, WIDE_DECODE):
         out_gemv = mk.down_gemv(h_acts, experts, ids, weights, torch.empty_like(x), tiles)
         _float32_close(out_gemv, out_ref)
+
+
+@pytest.mark.skipif(CUDA, reason="reads the launches of Triton's interpreter")
+def test_every_batch_size_runs_the_kernels_the_first_compiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The grouped FP8 path and the block-scaled GEMM (an FP8 model's prompt projections) at
+    token counts whose tokens, pairs and row blocks fall in each of Triton's classes (1, a
+    multiple of 16, neither): each kernel launches with the same classes, so a batch of a new
+    size never compiles while serving."""
+    from outrider.plugins.models.fp8 import moe_kernels as mk
+    from outrider.plugins.models.fp8.kernels import scaled_block_gemm
+
+    experts = random_fp8_experts(EXPERTS, HIDDEN, INTER, BLOCK, DEVICE)
+    weight = quantize_weight(torch.randn(INTER, HIDDEN), BLOCK)
+
+    def classes(tokens: int) -> dict[str, set[Classes]]:
+        x = torch.randn(tokens, HIDDEN)
+        weights, ids = _routing(tokens, EXPERTS, TOPK, seed=tokens)
+        acts = quantize_activations(x, BLOCK[1])
+
+        def run() -> None:
+            mk.grouped_moe_fp8(x, experts, weights, ids, SMALL_CONFIG, torch.empty_like(x))
+            scaled_block_gemm(acts, weight, None, x.dtype)
+
+        return launch_classes(monkeypatch, run)
+
+    first = classes(1)
+    assert {"_gate_up_kernel", "_down_kernel", "_block_gemm_kernel"} <= set(first)
+    for tokens in (8, 13, 80):
+        assert classes(tokens) == first, tokens
 
 
 def test_blocks_the_kernels_cannot_take_run_the_reference() -> None:

@@ -41,7 +41,7 @@ from outrider.plugins.models.fp8.reference import (
     w8a8_linear,
 )
 from outrider.plugins.models.moe.tiles import GemvTiles
-from outrider.plugins.triton_launch import pdl_options, wait_for_previous
+from outrider.plugins.triton_launch import batch_jit, pdl_options, wait_for_previous
 
 # NOTE: divisions are div_rn (IEEE, as torch divides): Triton's `/` on float32 is approximate,
 # and one ulp moves a value across an e4m3 rounding boundary now and then.
@@ -226,9 +226,9 @@ def channel_gemv(
     return y
 
 
-@triton.jit
+@batch_jit
 def _block_gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, c_ptr, M, N, K,
+    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, c_ptr, num_tokens, N, K,
     stride_a, stride_as, stride_w, stride_ws, stride_c, BLOCK_ROWS,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
     PDL: tl.constexpr,
@@ -236,7 +236,7 @@ def _block_gemm_kernel(
     wait_for_previous(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = m < M, n < N
+    m_ok, n_ok = m < num_tokens, n < N
     step = tl.arange(0, GROUP)
     a_rows = a_ptr + m.to(tl.int64)[:, None] * stride_a
     w_rows = w_ptr + n.to(tl.int64)[None, :] * stride_w

@@ -50,7 +50,7 @@ from outrider.plugins.models.moe.tiles import (
     decode_for,
 )
 from outrider.plugins.models.triton_kernels import _silu_mul
-from outrider.plugins.triton_launch import pdl_options, wait_for_previous
+from outrider.plugins.triton_launch import batch_jit, pdl_options, wait_for_previous
 
 # The GEMVs' tiles (block_k counts e4m3 bytes): the fastest at one token of Qwen3-30B-A3B's
 # shape on an H200 (benchmarks/fp8_gemv.py; 18.3 us a layer against 19.9 at the 16-bit
@@ -58,7 +58,7 @@ from outrider.plugins.triton_launch import pdl_options, wait_for_previous
 DECODE_TILES = GemvTiles(block_n=8, block_k=2048, num_warps=4, num_stages=2)
 
 
-@triton.jit
+@batch_jit
 def _gate_up_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, h_ptr, sorted_ptr, block_experts_ptr, num_pairs, num_blocks,
     width, hidden, stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_h,
@@ -103,7 +103,7 @@ def _gate_up_kernel(
     tl.store(h_at, h, mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-@triton.jit
+@batch_jit
 def _down_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, weights_ptr, parts_ptr, sorted_ptr, block_experts_ptr,
     num_pairs, num_blocks, hidden, width, stride_a, stride_as, stride_we, stride_wn, stride_wse,

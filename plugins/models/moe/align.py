@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.plugins.triton_launch import pdl_options, wait_for_previous
+from outrider.plugins.triton_launch import batch_jit, pdl_options, wait_for_previous
 
 _ALIGN_CHUNK = 64  # pairs a counting / placing program
 _ALIGN_TILE = 16  # chunks or row blocks the offsets program takes at a time
@@ -50,7 +50,7 @@ def max_blocks(num_pairs: int, experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs, block_m) + min(experts, num_pairs)
 
 
-@triton.jit
+@batch_jit
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, CHUNK: tl.constexpr, E_P2: tl.constexpr,
                   PDL: tl.constexpr):  # fmt: skip
     wait_for_previous(PDL)
@@ -62,7 +62,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, CHUNK: tl.constexpr, E_P2: tl.
     tl.store(counts_ptr + chunk * E_P2 + experts, tl.sum(hits, axis=0))
 
 
-@triton.jit
+@batch_jit
 def _offsets_kernel(
     counts_ptr, offsets_ptr, block_experts_ptr, num_chunks, num_blocks,
     BLOCK_M: tl.constexpr, E_P2: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr,
@@ -96,7 +96,7 @@ def _offsets_kernel(
         tl.store(block_experts_ptr + blocks, expert, mask=blocks < num_blocks)
 
 
-@triton.jit
+@batch_jit
 def _place_kernel(ids_ptr, offsets_ptr, sorted_ptr, num_pairs, CHUNK: tl.constexpr,
                   E_P2: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     wait_for_previous(PDL)

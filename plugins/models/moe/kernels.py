@@ -44,7 +44,7 @@ from outrider.plugins.models.moe.tiles import (
     decode_for,
 )
 from outrider.plugins.models.triton_kernels import _silu_mul
-from outrider.plugins.triton_launch import pdl_options, wait_for_previous
+from outrider.plugins.triton_launch import batch_jit, pdl_options, wait_for_previous
 
 _SUM_BLOCK = 1024
 
@@ -68,7 +68,7 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + pid % per_group % group_rows, pid % per_group // group_rows
 
 
-@triton.jit
+@batch_jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ptr, block_experts_ptr, num_pairs, num_blocks, width, hidden,
     stride_x, stride_we, stride_wn, stride_h,
@@ -102,7 +102,7 @@ def _gate_up_kernel(
     tl.store(h_at, h, mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-@triton.jit
+@batch_jit
 def _down_kernel(
     h_ptr, w_ptr, weights_ptr, parts_ptr, sorted_ptr, block_experts_ptr, num_pairs, num_blocks,
     hidden, width, stride_h, stride_we, stride_wn, stride_parts,

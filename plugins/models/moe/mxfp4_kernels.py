@@ -39,7 +39,7 @@ from outrider.plugins.models.moe.align import align_pairs
 from outrider.plugins.models.moe.kernels import sum_slots
 from outrider.plugins.models.moe.tiles import GemvTiles
 from outrider.plugins.models.mxfp4 import BLOCK, SCALE_BIAS
-from outrider.plugins.triton_launch import pdl_options, wait_for_previous
+from outrider.plugins.triton_launch import batch_jit, pdl_options, wait_for_previous
 
 # The GEMVs' tiles: output rows a program, input features a loop iteration (32 mxfp4 blocks),
 # warps, pipeline stages: the fastest timed for one gpt-oss matrix at one token on the H200
@@ -249,7 +249,7 @@ def _down_kernel(
              mask=rows < hidden)  # fmt: skip
 
 
-@triton.jit
+@batch_jit
 def _gate_up_grouped_kernel(
     x_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr, sorted_ptr, block_experts_ptr,
     num_pairs, width, hidden, held, alpha, limit,
@@ -290,7 +290,7 @@ def _gate_up_grouped_kernel(
     tl.store(h_at, h.to(h_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-@triton.jit
+@batch_jit
 def _down_grouped_kernel(
     h_ptr, blocks_ptr, scales_ptr, bias_ptr, weights_ptr, parts_ptr, sorted_ptr,
     block_experts_ptr, num_pairs, hidden, width, held,

@@ -5,8 +5,8 @@ a table file (``moe/tiles.py``), by default ``moe/configs/<device name>.json`` i
 For each batch size and each row block ``block_m`` the two GEMMs are timed apart over one
 random routing (their tiles are independent once the rows are aligned): a config is the
 ``block_m`` whose alignment plus best gate/up plus best down is the least, with those tiles.
-A candidate's compiled kernel serves every batch size (up to Triton's specialisation of
-integer arguments divisible by 16): the grid is what a batch size changes. The decode path
+A candidate's compiled kernel serves every batch size (the batch's counts are not specialized
+on: triton_launch.py's ``batch_jit``): the grid is what a batch size changes. The decode path
 (the GEMVs) is timed at its candidate tiles beside the grouped path's, up to
 ``4 * DEFAULT_DECODE_PAIRS`` pairs: the table's ``DecodePath`` for the shape serves the
 batch sizes, from the smallest timed, where the GEMVs were faster, with the tiles fastest
