@@ -54,7 +54,7 @@ def _problems(auto: str, **changes: object) -> list[str]:
     return [str(p) for p in SPEC.check(SPEC, _ctx(auto, **changes))]
 
 
-def test_auto_declares_the_decode_side_phases_on_cuda_and_defaults_to_triton_then_fa4() -> None:
+def test_auto_declares_the_decode_side_phases_on_cuda_and_defaults_to_fa4_between_triton() -> None:
     assert discover().get("attention", "auto") is SPEC
     caps = SPEC.attention
     assert caps is not None

@@ -10,10 +10,14 @@ import importlib.util
 import json
 import logging
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from conftest import CUDA
 from engine_harness import (
     DRAFT_ALGORITHMS,
     debug_checks_fixture,
@@ -458,12 +462,66 @@ def _check_mxfp4_kernels(
     """``tiles``: the path's (``GemvTiles``' or ``GroupTiles``' fields); none: the default."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install 'outrider[triton]')")
     from outrider.plugins.models.moe import mxfp4_kernels
-    from outrider.plugins.models.moe.mxfp4_kernels import GroupTiles, Mxfp4ExpertWeights
+    from outrider.plugins.models.moe.mxfp4_kernels import GroupTiles
     from outrider.plugins.models.moe.tiles import GemvTiles
+
+    case = _mxfp4_case(held, dtype, 3 if path == "gemv" else 21, device)
+    inputs = (case.x.to(device), case.weights, case.routing.to(device), case.ids.to(device))
+    if path == "gemv":
+        gemv_tiles = GemvTiles(*tiles) if tiles else mxfp4_kernels.DECODE_TILES
+        got = mxfp4_kernels.mxfp4_decode_moe(*inputs, gemv_tiles).cpu()
+    else:
+        group_tiles = GroupTiles(*tiles) if tiles else mxfp4_kernels.GROUP_TILES
+        got = mxfp4_kernels.mxfp4_grouped_moe(*inputs, group_tiles).cpu()
+    want = case.want()
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+    assert want.abs().max() > 1  # the products are not small enough to pass for zeros
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.skipif(CUDA, reason="reads the launches of Triton's interpreter")
+def test_every_batch_size_runs_the_mxfp4_kernels_the_first_compiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The grouped mxfp4 path at token counts whose pairs fall in each of Triton's classes (1,
+    a multiple of 16, neither): each kernel launches with the same classes, so a batch of a new
+    size never compiles while serving."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install 'outrider[triton]')")
+    from specialization import Classes, launch_classes
+
+    from outrider.plugins.models.moe import mxfp4_kernels
+
+    def classes(tokens: int) -> dict[str, set[Classes]]:
+        case = _mxfp4_case(range(4), torch.float32, tokens, "cpu")
+        return launch_classes(
+            monkeypatch,
+            lambda: mxfp4_kernels.mxfp4_grouped_moe(case.x, case.weights, case.routing, case.ids),
+        )
+
+    first = classes(1)
+    assert {"_gate_up_grouped_kernel", "_down_grouped_kernel"} <= set(first)
+    for tokens in (8, 13, 80):
+        assert classes(tokens) == first, tokens
+
+
+@dataclass
+class Mxfp4Case:
+    """Random mxfp4 experts (those of ``held``, on a device), a batch routed to them and its
+    reference sum (on the CPU)."""
+
+    weights: Any  # Mxfp4ExpertWeights
+    x: torch.Tensor
+    ids: torch.Tensor
+    routing: torch.Tensor
+    want: Callable[[], torch.Tensor]  # the reference sum over each token's held experts
+
+
+def _mxfp4_case(held: range, dtype: torch.dtype, tokens: int, device: str) -> Mxfp4Case:
+    from outrider.plugins.models.moe.mxfp4_kernels import Mxfp4ExpertWeights
 
     gen = torch.Generator().manual_seed(0)
     experts, hidden, rows = 4, 64, 96
-    tokens = 3 if path == "gemv" else 21
     swiglu = ClampedSwiglu(alpha=1.702, limit=0.5)
 
     def stored(out: int, into: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -497,17 +555,10 @@ def _check_mxfp4_kernels(
         glu = ((up + 1) * gate * torch.sigmoid(gate * swiglu.alpha)).to(dtype).float()
         return glu @ w_down + biases[1][e].float()
 
-    want = sum_over_experts(x.float(), routing, ids, experts, product, False, held).to(dtype)
-    inputs = (x.to(device), weights, routing.to(device), ids.to(device))
-    if path == "gemv":
-        gemv_tiles = GemvTiles(*tiles) if tiles else mxfp4_kernels.DECODE_TILES
-        got = mxfp4_kernels.mxfp4_decode_moe(*inputs, gemv_tiles).cpu()
-    else:
-        group_tiles = GroupTiles(*tiles) if tiles else mxfp4_kernels.GROUP_TILES
-        got = mxfp4_kernels.mxfp4_grouped_moe(*inputs, group_tiles).cpu()
-    atol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, want, atol=atol, rtol=atol)
-    assert want.abs().max() > 1  # the products are not small enough to pass for zeros
+    def want() -> torch.Tensor:
+        return sum_over_experts(x.float(), routing, ids, experts, product, False, held).to(dtype)
+
+    return Mxfp4Case(weights, x, ids, routing, want)
 
 
 @pytest.fixture(scope="module")
