@@ -5,19 +5,22 @@ Triton compiles a kernel once per class of each integer argument it specializes 
 1, a multiple of 16, or neither; the ones its ``do_not_specialize`` names are left alone.
 ``launch_classes`` runs a callable and gives, for each kernel it launched, the classes its
 launches took: two batches whose classes are equal are served by the same compiled kernels, so
-the second compiles nothing (triton_launch.py, ``batch_jit``).
+the second compiles nothing (triton_launch.py, ``batch_jit``). ``classes_by_tokens`` does so
+for a path at several token counts.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
 # One launch's classes: (argument, class) for each integer argument Triton specializes on.
 Classes = tuple[tuple[str, str], ...]
+# Token counts whose (token, expert) pairs at top-k 2 fall in each class: 2, 16, 26, 160.
+CLASS_TOKENS = (1, 8, 13, 80)
 
 
 def integer_class(value: int) -> str:
@@ -62,3 +65,13 @@ def launch_classes(
         patch.setattr(InterpretedFunction, "run", recording)
         run()
     return found
+
+
+def classes_by_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+    run_at: Callable[[int], Callable[[], object]],
+    token_counts: Sequence[int],
+) -> dict[int, dict[str, set[Classes]]]:
+    """``launch_classes`` of ``run_at(tokens)`` (a batch of that many tokens through a path,
+    its inputs made outside the callable) for each of ``token_counts``."""
+    return {tokens: launch_classes(monkeypatch, run_at(tokens)) for tokens in token_counts}

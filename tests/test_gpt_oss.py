@@ -488,21 +488,17 @@ def test_every_batch_size_runs_the_mxfp4_kernels_the_first_compiled(
     a multiple of 16, neither): each kernel launches with the same classes, so a batch of a new
     size never compiles while serving."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install 'outrider[triton]')")
-    from specialization import Classes, launch_classes
+    from specialization import CLASS_TOKENS, classes_by_tokens
 
     from outrider.plugins.models.moe import mxfp4_kernels
 
-    def classes(tokens: int) -> dict[str, set[Classes]]:
+    def run_at(tokens: int) -> Callable[[], object]:
         case = _mxfp4_case(range(4), torch.float32, tokens, "cpu")
-        return launch_classes(
-            monkeypatch,
-            lambda: mxfp4_kernels.mxfp4_grouped_moe(case.x, case.weights, case.routing, case.ids),
-        )
+        return lambda: mxfp4_kernels.mxfp4_grouped_moe(case.x, case.weights, case.routing, case.ids)
 
-    first = classes(1)
-    assert {"_gate_up_grouped_kernel", "_down_grouped_kernel"} <= set(first)
-    for tokens in (8, 13, 80):
-        assert classes(tokens) == first, tokens
+    found = classes_by_tokens(monkeypatch, run_at, CLASS_TOKENS)
+    assert {"_gate_up_grouped_kernel", "_down_grouped_kernel"} <= set(found[1])
+    assert found == dict.fromkeys(CLASS_TOKENS, found[1])
 
 
 @dataclass

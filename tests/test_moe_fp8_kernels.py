@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from fp8_fixtures import random_fp8_experts
-from specialization import Classes, launch_classes
+from specialization import CLASS_TOKENS, classes_by_tokens
 
 from outrider.plugins.models.fp8.reference import (
     Fp8Activations,
@@ -138,7 +139,7 @@ def test_every_batch_size_runs_the_kernels_the_first_compiled(
     experts = random_fp8_experts(EXPERTS, HIDDEN, INTER, BLOCK, DEVICE)
     weight = quantize_weight(torch.randn(INTER, HIDDEN), BLOCK)
 
-    def classes(tokens: int) -> dict[str, set[Classes]]:
+    def run_at(tokens: int) -> Callable[[], object]:
         x = torch.randn(tokens, HIDDEN)
         weights, ids = _routing(tokens, EXPERTS, TOPK, seed=tokens)
         acts = quantize_activations(x, BLOCK[1])
@@ -147,12 +148,11 @@ def test_every_batch_size_runs_the_kernels_the_first_compiled(
             mk.grouped_moe_fp8(x, experts, weights, ids, SMALL_CONFIG, torch.empty_like(x))
             scaled_block_gemm(acts, weight, None, x.dtype)
 
-        return launch_classes(monkeypatch, run)
+        return run
 
-    first = classes(1)
-    assert {"_gate_up_kernel", "_down_kernel", "_block_gemm_kernel"} <= set(first)
-    for tokens in (8, 13, 80):
-        assert classes(tokens) == first, tokens
+    found = classes_by_tokens(monkeypatch, run_at, CLASS_TOKENS)
+    assert {"_gate_up_kernel", "_down_kernel", "_block_gemm_kernel"} <= set(found[1])
+    assert found == dict.fromkeys(CLASS_TOKENS, found[1])
 
 
 def test_blocks_the_kernels_cannot_take_run_the_reference() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from specialization import Classes, launch_classes
+from specialization import CLASS_TOKENS, classes_by_tokens
 
 from outrider.plugins.models.moe import tiles as moe_tiles
 from outrider.plugins.models.moe.tiles import (
@@ -207,34 +207,27 @@ def test_fused_moe_takes_the_gemvs_up_to_the_pair_limit_then_chunks(
     ]
 
 
-# Token counts whose (token, expert) pairs and row blocks under SMALL_CONFIG fall in each of
-# Triton's classes: 2 pairs and 3 blocks, 16 and 7, 26 and 8, 160 and 16.
-CLASS_TOKENS = (1, 8, 13, 80)
-
-
 @pytest.mark.skipif(CUDA, reason="reads the launches of Triton's interpreter")
 def test_every_batch_size_of_a_config_runs_the_kernels_the_first_compiled(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The grouped path at token counts of every class: each kernel (the alignment's, the two
-    GEMMs, the sum) launches with the same classes, so a batch of a new size never compiles
-    while serving (a prompt batch of 1,552 tokens after ones of 2,048 took 590 ms)."""
+    """The grouped path at token counts of every class (under SMALL_CONFIG: 2 pairs and 3 row
+    blocks, 16 and 7, 26 and 8, 160 and 16): each kernel (the alignment's, the two GEMMs, the
+    sum) launches with the same classes, so a batch of a new size never compiles while
+    serving."""
     from outrider.plugins.models.moe import kernels as mk
 
-    def classes(tokens: int) -> dict[str, set[Classes]]:
+    def run_at(tokens: int) -> Callable[[], object]:
         x, w13, w2, weights, ids = routed_batch(SMALL, tokens, torch.float32)
         out = torch.empty_like(x)
-        return launch_classes(
-            monkeypatch, lambda: mk.grouped_moe(x, w13, w2, weights, ids, SMALL_CONFIG, out)
-        )
+        return lambda: mk.grouped_moe(x, w13, w2, weights, ids, SMALL_CONFIG, out)
 
-    first = classes(CLASS_TOKENS[0])
-    assert set(first) == {
+    found = classes_by_tokens(monkeypatch, run_at, CLASS_TOKENS)
+    assert set(found[1]) == {
         "_count_kernel", "_offsets_kernel", "_place_kernel", "_gate_up_kernel", "_down_kernel",
         "_sum_slots_kernel",
     }  # fmt: skip
-    for tokens in CLASS_TOKENS[1:]:
-        assert classes(tokens) == first, tokens
+    assert found == dict.fromkeys(CLASS_TOKENS, found[1])
 
 
 def test_fused_moe_chunks_add_up_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
