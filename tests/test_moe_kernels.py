@@ -338,6 +338,8 @@ def test_the_tuner_enumerates_distinct_tiles_that_fit_shared_memory() -> None:
     assert tune.block_m_candidates(qwen, 16) == [16]  # one row an expert
     assert tune.block_m_candidates(qwen, 256) == [16, 32]  # 16 rows an expert
     assert tune.block_m_candidates(qwen, 4096) == [16, 32, 64, 128]
+    assert tune.block_m_candidates(qwen, 4096, only=(64, 128)) == [64, 128]
+    assert tune.block_m_candidates(qwen, 16, only=(64,)) == []  # past its twice the rows
     down = tune.tile_candidates(128, qwen.hidden, qwen.intermediate, 1, 2)
     gate_up = tune.tile_candidates(128, qwen.intermediate, qwen.hidden, 2, 2)
     assert len(set(down)) == len(down) and set(gate_up) < set(down)
@@ -386,8 +388,15 @@ def test_the_tuner_refuses_to_run_without_a_gpu() -> None:
 
     argv = ["--experts", "8", "--hidden", "64", "--intermediate", "32", "--topk", "2"]
     assert tune.parse_args([*argv, "--tokens", "1,8"]).tokens == "1,8"
+    assert tune.parse_args([*argv, "--block-m", "64", "128"]).block_m == [64, 128]
     with pytest.raises(SystemExit, match="on a CUDA device"):
         tune.main(argv)
+    # A row block no batch size can take is refused before any device is needed.
+    with pytest.raises(SystemExit) as refused:
+        tune.main([*argv, "--tokens", "1,64", "--block-m", "64"])
+    assert str(refused.value) == (
+        "--block-m 64 leaves no row block to time at 1 tokens (its candidates: [16])"
+    )
 
 
 QWEN3_30B = MoeShape(experts=128, hidden=2048, intermediate=768, topk=8)

@@ -14,6 +14,10 @@ at the smallest.
 
     python -m outrider.plugins.models.moe.tune --experts 128 --hidden 2048 \\
         --intermediate 768 --topk 8
+
+A batch size times some hundreds of candidates at its largest sizes (each compiled once:
+about a second): ``--block-m`` times only the row blocks it names, and the table's source
+says so, since a row block left out may have been the fastest.
 """
 
 from __future__ import annotations
@@ -60,12 +64,12 @@ Tiles = TypeVar("Tiles", GemmTiles, GemvTiles)
 SHARED_MEMORY_BYTES = 227 * 1024
 
 
-def block_m_candidates(shape: MoeShape, tokens: int) -> list[int]:
+def block_m_candidates(shape: MoeShape, tokens: int, only: Sequence[int] = ()) -> list[int]:
     """Row blocks up to twice the average rows an expert receives (rounded up to a power of
-    two; at least 16, the smallest ``tl.dot``)."""
+    two; at least 16, the smallest ``tl.dot``), those in ``only`` where given."""
     rows = triton.cdiv(tokens * shape.topk, shape.experts)
     limit = max(16, 2 * triton.next_power_of_2(rows))
-    return [m for m in BLOCK_MS if m <= limit]
+    return [m for m in BLOCK_MS if m <= limit and (not only or m in only)]
 
 
 def shared_memory_bytes(block_m: int, tiles: GemmTiles, weight_tiles: int, elem: int) -> int:
@@ -221,12 +225,19 @@ class Timed:
     decode: tuple[float, GemvTiles] | None
 
 
-def tune_tokens(shape: MoeShape, tokens: int, dtype: torch.dtype, gen: torch.Generator) -> Timed:
-    """The fastest configs at ``tokens`` (random inputs and routing, on the current GPU)."""
+def tune_tokens(
+    shape: MoeShape,
+    tokens: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    block_ms: Sequence[int] = (),
+) -> Timed:
+    """The fastest configs at ``tokens`` (random inputs and routing, on the current GPU), over
+    the row blocks of ``block_ms`` only where given."""
     inputs = TuneInputs.random(shape, tokens, dtype, gen)
+    candidates = block_m_candidates(shape, tokens, block_ms)
     ms, config = min(
-        (tune_block_m(shape, inputs, block_m) for block_m in block_m_candidates(shape, tokens)),
-        key=lambda pair: pair[0],
+        (tune_block_m(shape, inputs, block_m) for block_m in candidates), key=lambda pair: pair[0]
     )
     line = f"tokens {tokens}: grouped {ms * 1e3:.1f} us {config}"
     decode = None
@@ -270,6 +281,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated batch sizes"
     )
+    parser.add_argument(
+        "--block-m", type=int, nargs="+", choices=BLOCK_MS, default=[],
+        help="time only these row blocks (default: every candidate of each batch size)",
+    )  # fmt: skip
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="default: moe/configs/<device name>.json")
@@ -278,24 +293,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    shape = MoeShape(args.experts, args.hidden, args.intermediate, args.topk)
+    # fused_moe runs larger batches in chunks of this many tokens: larger sizes never occur.
+    largest = MAX_CHUNK_PAIRS // shape.topk
+    tokens = sorted({min(int(t), largest) for t in args.tokens.split(",")})
+    for t in tokens:
+        if not block_m_candidates(shape, t, args.block_m):
+            sys.exit(
+                f"--block-m {' '.join(map(str, args.block_m))} leaves no row block to time at "
+                f"{t} tokens (its candidates: {block_m_candidates(shape, t)})"
+            )
     if not torch.cuda.is_available():
         sys.exit("moe.tune times kernels on a CUDA device: none is available")
-    shape = MoeShape(args.experts, args.hidden, args.intermediate, args.topk)
     device_name = torch.cuda.get_device_name()
     out = args.out or CONFIG_DIR / f"{device_file_stem(device_name)}.json"
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    # fused_moe runs larger batches in chunks of this many tokens: larger sizes never occur.
-    largest = MAX_CHUNK_PAIRS // shape.topk
-    tokens = sorted({min(int(t), largest) for t in args.tokens.split(",")})
     print(f"moe.tune {shape.key} {args.dtype} on {device_name}: {' '.join(sys.argv)}")
     source = (
         f"moe.tune on {device_name}, {args.dtype}, seed {args.seed}, "
         f"torch {torch.__version__}, triton {triton.__version__}"
     )
+    if args.block_m:
+        source += f", row blocks {' '.join(map(str, args.block_m))} only"
     timed: dict[int, Timed] = {}
     for t in tokens:
-        timed[t] = tune_tokens(shape, t, dtype, gen)
+        timed[t] = tune_tokens(shape, t, dtype, gen, args.block_m)
         # Written after every batch size: a run stopped part-way keeps what it timed.
         configs = {size: entry.config for size, entry in timed.items()}
         write_table(out, shape, configs, source, decode_path(timed))
