@@ -19,7 +19,7 @@ import argparse
 from importlib.metadata import version
 
 import torch
-from triton_attention import HEAD_DIM, KV_HEADS, SHAPE, case  # benchmarks/ is sys.path[0]
+from triton_attention import SHAPE, case, kv_bytes  # benchmarks/ is sys.path[0]
 
 from outrider.daemon.bench.roofline import read_bandwidth
 from outrider.plugins.registry import named_spec
@@ -66,7 +66,7 @@ def main() -> None:
     times: dict[tuple[int, int], tuple[float, float]] = {}
     for rows in args.rows:
         for context in args.contexts:
-            read = rows * context * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bfloat16
+            read = kv_bytes(rows, context)
             if read > MAX_CASE_BYTES:
                 continue
             one = case(rows, context, 1, args.page_size)

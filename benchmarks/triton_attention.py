@@ -74,6 +74,11 @@ def attend(fb: ForwardBatch, qkv: tuple[torch.Tensor, ...]) -> None:
     fb.attend(0, *qkv)
 
 
+def kv_bytes(rows: int, context: int) -> int:
+    """One layer's K and V over ``rows`` rows of ``context`` positions, in bfloat16."""
+    return rows * context * KV_HEADS * HEAD_DIM * 2 * 2
+
+
 @dataclass(frozen=True)
 class Case:
     """One case's KV (one layer), its batch over each copy of it, and the new tokens' q/k/v."""
@@ -95,7 +100,7 @@ def case(rows: int, context: int, queries: int, page: int = PAGE) -> Case:
     """Random paged K/V for the batch, copied until the copies outgrow L2 twice over."""
     device = torch.device("cuda")
     per_copy = rows * -(-context // page)
-    n = copies(rows * context * KV_HEADS * HEAD_DIM * 2 * 2)
+    n = copies(kv_bytes(rows, context))
     kv = KVCache.allocate(1, 1 + n * per_copy, page, SHAPE, SHAPE.dtype, device)
     for cache in (*kv.k, *kv.v):
         cache.normal_()
@@ -133,7 +138,7 @@ def main() -> None:
     ]
     print("rows context queries | block_n warps stages programs/SM | us | GB/s | % of read")
     for rows, context, queries in CASES:
-        read = rows * context * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bfloat16
+        read = kv_bytes(rows, context)
         for setting, us in zip(options, case_us(rows, context, queries, options), strict=True):
             rate = read / us / 1e3
             print(
