@@ -352,6 +352,25 @@ def test_the_tuner_enumerates_distinct_tiles_that_fit_shared_memory() -> None:
     assert {t.block_n for t in narrow} == {32, 64} and {t.block_k for t in narrow} == {64}
 
 
+def test_the_tuners_compile_processes_share_each_kernel_of_the_run_once() -> None:
+    from outrider.plugins.models.moe import tune
+
+    qwen = MoeShape(experts=128, hidden=2048, intermediate=768, topk=8)
+    # 1,024 and 2,048 tokens share the row blocks 64 and 128: their kernels compile once.
+    run = tune.run_candidates(qwen, [1024, 2048], 2, only=(64, 128))
+    per_block = [tune.gemm_candidates(qwen, m, 2) for m in (64, 128)]
+    assert len(run) == len(set(run)) == sum(map(len, per_block)) == 64 + 92 + 44 + 68
+    assert set(run) == set(per_block[0]) | set(per_block[1])
+    assert {c.gemm for c in run} == {"gate_up", "down"}
+    # Sizes below a row block's reach add none of its kernels.
+    assert {c.block_m for c in tune.run_candidates(qwen, [16, 256], 2)} == {16, 32}
+    dealt = tune.shares(run, 8)
+    dealt_once = [c for share in dealt for c in share]
+    assert len(dealt) == 8 and len(dealt_once) == len(run) and set(dealt_once) == set(run)
+    assert max(map(len, dealt)) - min(map(len, dealt)) <= 1
+    assert tune.shares(run[:3], 8) == [[run[0]], [run[1]], [run[2]]]
+
+
 def test_the_tuner_merges_its_configs_into_the_table_file(tmp_path: Path) -> None:
     from outrider.plugins.models.moe import tune
 
@@ -391,6 +410,8 @@ def test_the_tuner_refuses_to_run_without_a_gpu() -> None:
     assert tune.parse_args([*argv, "--block-m", "64", "128"]).block_m == [64, 128]
     with pytest.raises(SystemExit, match="on a CUDA device"):
         tune.main(argv)
+    with pytest.raises(SystemExit, match=r"^--jobs 0: at least one process compiles$"):
+        tune.main([*argv, "--jobs", "0"])
     # A row block no batch size can take is refused before any device is needed.
     with pytest.raises(SystemExit) as refused:
         tune.main([*argv, "--tokens", "1,64", "--block-m", "64"])
@@ -400,6 +421,20 @@ def test_the_tuner_refuses_to_run_without_a_gpu() -> None:
 
 
 QWEN3_30B = MoeShape(experts=128, hidden=2048, intermediate=768, topk=8)
+
+
+@pytest.mark.gpu
+def test_the_tuner_compiles_in_processes_then_times(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from outrider.plugins.models.moe import tune
+
+    argv = ["--experts", "8", "--hidden", "64", "--intermediate", "32", "--topk", "2"]
+    out = tmp_path / "table.json"
+    tune.main([*argv, "--tokens", "16,64", "--jobs", "2", "--out", str(out)])
+    compiled = len(tune.run_candidates(MoeShape(8, 64, 32, 2), [16, 64], 2))
+    assert f"compiled {compiled} grouped kernels in 2 processes" in capsys.readouterr().out
+    assert set(load_table(out)["experts=8,hidden=64,intermediate=32,topk=2"]) == {16, 64}
 
 
 @pytest.mark.gpu

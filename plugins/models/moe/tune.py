@@ -15,9 +15,12 @@ at the smallest.
     python -m outrider.plugins.models.moe.tune --experts 128 --hidden 2048 \\
         --intermediate 768 --topk 8
 
-A batch size times some hundreds of candidates at its largest sizes (each compiled once:
-about a second): ``--block-m`` times only the row blocks it names, and the table's source
-says so, since a row block left out may have been the fastest.
+A batch size times some hundreds of candidates at its largest sizes, each compiled once
+(about a second). Before timing, ``--jobs`` processes compile every grouped candidate of the
+run at once (each launches its share once on the same GPU; Triton's disk cache keeps the
+kernels, and the timing loads them); the decode path's GEMVs compile as they are timed.
+``--block-m`` times only the row blocks it names, and the table's source says so, since a
+row block left out may have been the fastest.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -91,6 +96,71 @@ def tile_candidates(block_m: int, n: int, k: int, weight_tiles: int, elem: int) 
         if shared_memory_bytes(block_m, tiles, weight_tiles, elem) <= SHARED_MEMORY_BYTES:
             found.append(tiles)
     return found
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One grouped kernel a run times: a GEMM (``gate_up`` or ``down``) at a row block."""
+
+    gemm: str
+    block_m: int
+    tiles: GemmTiles
+
+
+def gemm_candidates(shape: MoeShape, block_m: int, elem: int) -> list[Candidate]:
+    """Both GEMMs' candidates at ``block_m`` (gate/up loads two weight tiles a step)."""
+    gate_up = tile_candidates(block_m, shape.intermediate, shape.hidden, 2, elem)
+    down = tile_candidates(block_m, shape.hidden, shape.intermediate, 1, elem)
+    return [Candidate("gate_up", block_m, t) for t in gate_up] + [
+        Candidate("down", block_m, t) for t in down
+    ]
+
+
+def run_candidates(
+    shape: MoeShape, tokens: Sequence[int], elem: int, only: Sequence[int] = ()
+) -> list[Candidate]:
+    """Every grouped kernel a run over ``tokens`` times, once each: a kernel serves every batch
+    size (its counts are not specialized on), so sizes sharing a row block share kernels."""
+    block_ms = sorted({m for t in tokens for m in block_m_candidates(shape, t, only)})
+    return [c for m in block_ms for c in gemm_candidates(shape, m, elem)]
+
+
+def shares(candidates: Sequence[Candidate], jobs: int) -> list[list[Candidate]]:
+    """``candidates`` dealt to at most ``jobs`` processes, none empty."""
+    dealt = [list(candidates[i::jobs]) for i in range(jobs)]
+    return [share for share in dealt if share]
+
+
+def _compile_share(shape: MoeShape, tokens: int, dtype: torch.dtype, share: list[Candidate]) -> int:
+    """Launch each of ``share`` once on random inputs of ``tokens`` (a worker process: the
+    launch compiles into Triton's disk cache); how many ran."""
+    inputs = TuneInputs.random(shape, tokens, dtype, torch.Generator(device="cuda"))
+    aligned = {
+        m: align.align_pairs(inputs.topk_ids, shape.experts, m) for m in {c.block_m for c in share}
+    }
+    for c in share:
+        config = MoeKernelConfig(c.block_m, c.tiles, c.tiles)
+        pairs = aligned[c.block_m]
+        if c.gemm == "gate_up":
+            mk.gate_up(inputs.x, inputs.w13, pairs, config)
+        else:
+            h = torch.zeros((pairs.num_pairs, shape.intermediate), dtype=dtype, device="cuda")
+            mk.down(h, inputs.w2, inputs.topk_weights, pairs, config)
+    torch.cuda.synchronize()
+    return len(share)
+
+
+def precompile(
+    shape: MoeShape, tokens: int, dtype: torch.dtype, candidates: list[Candidate], jobs: int
+) -> None:
+    """Compile ``candidates`` in ``jobs`` processes on this GPU (spawned: CUDA does not survive
+    a fork), each on its own inputs of ``tokens``."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        done = sum(
+            pool.map(partial(_compile_share, shape, tokens, dtype), shares(candidates, jobs))
+        )
+    print(f"compiled {done} grouped kernels in {jobs} processes", flush=True)
 
 
 def gemv_candidates() -> list[GemvTiles]:
@@ -198,21 +268,22 @@ def tune_block_m(
     """The least time of the grouped path with rows aligned to ``block_m``, and its config."""
     aligned = align.align_pairs(inputs.topk_ids, shape.experts, block_m)
     align_ms = _time_ms(partial(align.align_pairs, inputs.topk_ids, shape.experts, block_m))
-    elem = inputs.x.element_size()
+    candidates = gemm_candidates(shape, block_m, inputs.x.element_size())
+
+    def of(gemm: str) -> list[GemmTiles]:
+        return [c.tiles for c in candidates if c.gemm == gemm]
 
     def run_gate_up(tiles: GemmTiles) -> torch.Tensor:
         return mk.gate_up(inputs.x, inputs.w13, aligned, MoeKernelConfig(block_m, tiles, tiles))
 
-    gate_up_candidates = tile_candidates(block_m, shape.intermediate, shape.hidden, 2, elem)
-    gate_up_ms, gate_up_tiles = fastest_tiles(gate_up_candidates, run_gate_up)
+    gate_up_ms, gate_up_tiles = fastest_tiles(of("gate_up"), run_gate_up)
     h = run_gate_up(gate_up_tiles)
 
     def run_down(tiles: GemmTiles) -> torch.Tensor:
         config = MoeKernelConfig(block_m, tiles, tiles)
         return mk.down(h, inputs.w2, inputs.topk_weights, aligned, config)
 
-    down_candidates = tile_candidates(block_m, shape.hidden, shape.intermediate, 1, elem)
-    down_ms, down_tiles = fastest_tiles(down_candidates, run_down)
+    down_ms, down_tiles = fastest_tiles(of("down"), run_down)
     return align_ms + gate_up_ms + down_ms, MoeKernelConfig(block_m, gate_up_tiles, down_tiles)
 
 
@@ -285,6 +356,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--block-m", type=int, nargs="+", choices=BLOCK_MS, default=[],
         help="time only these row blocks (default: every candidate of each batch size)",
     )  # fmt: skip
+    parser.add_argument(
+        "--jobs", type=int, default=8,
+        help="processes compiling the grouped candidates before timing (1: each compiles as "
+        "it is first timed); each holds one layer's experts on the GPU",
+    )  # fmt: skip
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="default: moe/configs/<device name>.json")
@@ -297,6 +373,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # fused_moe runs larger batches in chunks of this many tokens: larger sizes never occur.
     largest = MAX_CHUNK_PAIRS // shape.topk
     tokens = sorted({min(int(t), largest) for t in args.tokens.split(",")})
+    if args.jobs < 1:
+        sys.exit(f"--jobs {args.jobs}: at least one process compiles")
     for t in tokens:
         if not block_m_candidates(shape, t, args.block_m):
             sys.exit(
@@ -316,6 +394,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if args.block_m:
         source += f", row blocks {' '.join(map(str, args.block_m))} only"
+    if args.jobs > 1:
+        candidates = run_candidates(shape, tokens, dtype.itemsize, args.block_m)
+        precompile(shape, tokens[-1], dtype, candidates, args.jobs)
     timed: dict[int, Timed] = {}
     for t in tokens:
         timed[t] = tune_tokens(shape, t, dtype, gen, args.block_m)
