@@ -135,8 +135,12 @@ def test_alignment_places_every_pair_once_in_blocks_of_one_expert() -> None:
     check_alignment(spread[:3], experts=6, block_m=16)
     check_alignment(torch.full((17, 2), 4, dtype=torch.int32, device=DEVICE), 5, block_m=16)
     check_alignment(spread[:9], experts=8, block_m=64)
-    # More chunks and blocks than the offsets program takes at a time (16 of each).
-    many = torch.randint(0, 6, (600, 2), generator=gen, device=DEVICE, dtype=torch.int32)
+    # More chunks and blocks than the offsets program takes at a time.
+    from outrider.plugins.models.moe import align
+
+    tokens = (align._ALIGN_TILE + 2) * align._ALIGN_CHUNK // 2
+    many = torch.randint(0, 6, (tokens, 2), generator=gen, device=DEVICE, dtype=torch.int32)
+    assert -(-many.numel() // align._ALIGN_CHUNK) > align._ALIGN_TILE
     check_alignment(many, experts=6, block_m=16)
 
 

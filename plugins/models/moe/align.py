@@ -27,7 +27,9 @@ import triton.language as tl
 from outrider.plugins.triton_launch import batch_jit, pdl_options, wait_for_previous
 
 _ALIGN_CHUNK = 64  # pairs a counting / placing program
-_ALIGN_TILE = 16  # chunks or row blocks the offsets program takes at a time
+# Chunks or row blocks the offsets program takes at a time: it is a single program, so its
+# passes over the chunks and blocks run one after another, each waiting on its loads.
+_ALIGN_TILE = 64
 
 
 @dataclass(frozen=True)
