@@ -32,6 +32,8 @@ def _cuda_available() -> bool:
 
 
 CUDA = _cuda_available()
+# The model configs the tests build tiny and dummy-weight models from.
+CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 if not CUDA:
     # NOTE: Triton reads this when a kernel is defined, so before any kernel module is imported:
     # without a GPU every Triton kernel runs in its interpreter, on CPU tensors.

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import CONFIGS
 from engine_harness import (
     debug_checks_fixture,
     engine_for,
@@ -316,7 +316,7 @@ def test_a_moe_step_reads_the_experts_its_tokens_reach() -> None:
     from outrider.daemon.bench.roofline import experts_reached, step_weight_bytes, weight_bytes
     from outrider.plugins.models.config import ModelConfig
 
-    path = Path(__file__).parent / "fixtures" / "configs" / "Qwen3-30B-A3B.config.json"
+    path = CONFIGS / "Qwen3-30B-A3B.config.json"
     config = ModelConfig.from_dict(json.loads(path.read_text()))
     weights = step_weight_bytes(config, "bfloat16")
     assert weights.experts == 48 * 128 * 3 * 2048 * 768 * 2

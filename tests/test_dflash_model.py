@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import CONFIGS
 from model_fixtures import PagedRows, torch_backend
 from safetensors.torch import load_file, save_file
 
@@ -26,7 +27,6 @@ from outrider.plugins.speculative.dflash_model import (
 )
 from recipe.export import save_dflash
 
-CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 REFERENCE = CONFIGS / "Qwen3-8B-DFlash-b16.config.json"
 H, HQ, HKV, D, HT, LAYERS = 64, 4, 2, 16, 48, 2
 VOCAB, BLOCK, MASK = 300, 4, 299

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import CONFIGS
 from engine_harness import DRAFT_ALGORITHMS, debug_checks_fixture, engine_for, request, run
 from engine_harness import tokens_of as tokens
 from model_fixtures import VOCAB
@@ -31,7 +32,6 @@ from outrider.plugins.sampling_spec import SamplingSpec
 debug_checks = debug_checks_fixture()
 
 GIB = 2**30
-CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 
 
 # --- the plan -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import CONFIGS
 from draft_fixtures import DenseShape, dense_eagle3, draft_logits, rms
 from model_fixtures import PagedRows, torch_backend
 from safetensors.torch import load_file, save_file
@@ -26,7 +27,7 @@ from outrider.plugins.speculative.eagle3_model import (
 )
 from recipe.export import save_eagle3
 
-REFERENCE = Path(__file__).parent / "fixtures" / "configs" / "Llama-3.1-8B-EAGLE3.config.json"
+REFERENCE = CONFIGS / "Llama-3.1-8B-EAGLE3.config.json"
 H, HQ, HKV, D, HT = 64, 4, 2, 16, 48
 VOCAB, DRAFT_VOCAB = 300, 64
 THETA = 10000.0

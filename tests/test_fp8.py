@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import CONFIGS
 from fp8_fixtures import (
     block_config,
     channel_config,
@@ -454,9 +455,6 @@ def test_roofline_counts_fp8_bytes() -> None:
     assert weight_bytes(channel, "bfloat16") == rest + projections + 4 * channel_scales
 
 
-REFERENCE = Path(__file__).parent / "fixtures" / "configs"
-
-
 @pytest.mark.parametrize(
     ("name", "quantization"),
     [("Qwen3-8B", block_config((128, 128))), ("Llama-3.1-8B-Instruct", channel_config())],
@@ -465,7 +463,7 @@ def test_reference_fp8_configs_shard_over_eight(name: str, quantization: dict[st
     """The published FP8 layouts of these models (Qwen3-8B-FP8: 128 x 128 blocks; the
     per-channel Llama-3.1-8B-Instruct-FP8) load at every rank's cut of eight: the fill path
     on the meta device. Qwen3-4B's MLP (9,728 rows: 76 blocks) splits a block over eight."""
-    d = json.loads((REFERENCE / f"{name}.config.json").read_text())
+    d = json.loads((CONFIGS / f"{name}.config.json").read_text())
     config = ModelConfig.from_dict(d | {"quantization_config": quantization})
     check_checkpoint_layout(config, tensor_parallel_size=8)
     four_b = ModelConfig.from_dict(

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import CONFIGS
 from engine_harness import engine_for, requests_for, run, tokens_of
 from fp8_fixtures import (
     block_config,
@@ -43,12 +44,11 @@ CUT_BLOCK = (8, 16)
 PROMPTS = [[5, 17, 42, 9, 77, 3, 120, 64, 8], [250, 31, 31, 12, 99]]
 NEW_TOKENS = 4
 EXPERTS = "model.layers.1.mlp.experts"
-REFERENCE = Path(__file__).parent / "fixtures" / "configs"
 LAYERS = 2  # of the reference configs' 48, all alike: the checks' cost is per layer
 
 
 def _reference(name: str) -> dict[str, Any]:
-    raw: dict[str, Any] = json.loads((REFERENCE / f"{name}.config.json").read_text())
+    raw: dict[str, Any] = json.loads((CONFIGS / f"{name}.config.json").read_text())
     return raw | {"num_hidden_layers": LAYERS}
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CUDA
+from conftest import CONFIGS, CUDA
 from engine_harness import (
     DRAFT_ALGORITHMS,
     debug_checks_fixture,
@@ -353,10 +353,7 @@ def test_what_is_not_served_yet_is_refused(
     with pytest.raises(ValueError, match=refusal):
         build_model(config, max_positions=8, dtype=torch.float32, device="meta",
                     tp=TPGroup(rank=0, size=2))  # fmt: skip
-    llama = json.loads(
-        (Path(__file__).parent / "fixtures" / "configs" / "Llama-3.1-8B-Instruct.config.json")
-        .read_text()
-    )  # fmt: skip
+    llama = json.loads((CONFIGS / "Llama-3.1-8B-Instruct.config.json").read_text())
     with pytest.raises(ValueError, match="quant_method 'mxfp4' is supported for gpt_oss only"):
         ModelConfig.from_dict(llama | {"quantization_config": {"quant_method": "mxfp4"}})
     llama["layer_types"] = ["sliding_attention"] * llama["num_hidden_layers"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from pathlib import Path
 
 import pytest
+from conftest import CONFIGS
 
 from outrider.daemon.config import ConfigError, ServeConfig
 from outrider.daemon.engine.memory_plan import (
@@ -25,7 +25,6 @@ from outrider.daemon.engine.step_memory import DRAFT_BYTES_PER_LOGIT, StepWidth,
 from outrider.plugins.models.config import ModelConfig
 
 GIB = 2**30
-CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 
 
 def _model(**shape: int) -> ModelConfig:

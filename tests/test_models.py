@@ -11,6 +11,7 @@ from typing import Literal
 
 import pytest
 import torch
+from conftest import CONFIGS
 from model_fixtures import VOCAB, PagedRows, llama3_rope, save_tiny_model, torch_backend
 from safetensors.torch import load_file, save_file
 
@@ -34,7 +35,6 @@ from outrider.plugins.models.rope import rope_inv_freq
 from outrider.plugins.models.rope_config import RopeConfig
 from outrider.plugins.registry import named_spec
 
-REFERENCE = Path(__file__).parent / "fixtures" / "configs"
 KINDS = ("llama", "qwen2", "qwen3")
 PROMPT_LENS = (5, 12, 19)
 SLOTS = (3, 0, 5)
@@ -389,7 +389,7 @@ def test_dummy_load_same_shapes(checkpoints: Checkpoints, tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("name", ["Qwen3-8B", "Llama-3.1-8B-Instruct"])
 def test_reference_configs_map_onto_parameters(name: str) -> None:
-    config = ModelConfig.from_pretrained(REFERENCE / f"{name}.config.json")
+    config = ModelConfig.from_pretrained(CONFIGS / f"{name}.config.json")
     check_checkpoint_layout(config)
     assert config.head_dim == 128 and config.num_kv_heads == 8 and config.dtype == "bfloat16"
     if name == "Qwen3-8B":
@@ -407,7 +407,7 @@ def test_gpt_oss_configs_map_onto_parameters(name: str, layers: int, experts: in
     """The published gpt-oss shapes: sliding layers of 128 first and every other one, sinks,
     YaRN of factor 32 over 4,096 positions, mxfp4 experts, and the checkpoint's tensors
     mapping onto the model built on the meta device."""
-    config = ModelConfig.from_pretrained(REFERENCE / f"{name}.config.json")
+    config = ModelConfig.from_pretrained(CONFIGS / f"{name}.config.json")
     check_checkpoint_layout(config)
     assert config.windows == (128, 0) * (layers // 2) and config.sinks and config.mxfp4_experts
     assert config.moe is not None and config.moe.clamped_swiglu is not None
@@ -423,10 +423,10 @@ def test_gpt_oss_configs_map_onto_parameters(name: str, layers: int, experts: in
 
 
 def test_unsupported_architecture_and_rope(tmp_path: Path) -> None:
-    draft = ModelConfig.from_pretrained(REFERENCE / "Qwen3-8B-DFlash-b16.config.json")
+    draft = ModelConfig.from_pretrained(CONFIGS / "Qwen3-8B-DFlash-b16.config.json")
     with pytest.raises(ValueError, match="DFlashDraftModel"):
         model_class(draft.architecture)
-    raw = json.loads((REFERENCE / "Llama-3.1-8B-Instruct.config.json").read_text())
+    raw = json.loads((CONFIGS / "Llama-3.1-8B-Instruct.config.json").read_text())
     raw["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
@@ -462,7 +462,7 @@ def test_yarn_frequencies_and_scale_are_transformers(rope: dict[str, object]) ->
 
 def _llama_dict(shape: dict[str, int], rope: dict[str, object]) -> dict[str, object]:
     """A Llama config.json's keys for ``from_dict`` with ``shape`` and ``rope``."""
-    tiny = json.loads((REFERENCE / "Llama-3.1-8B-Instruct.config.json").read_text())
+    tiny = json.loads((CONFIGS / "Llama-3.1-8B-Instruct.config.json").read_text())
     return tiny | shape | {"rope_parameters": rope}
 
 
@@ -490,7 +490,7 @@ def test_yarn_logits_match_hf(tmp_path: Path) -> None:
 
 
 def test_rope_v4_and_v5_keys_agree(tmp_path: Path) -> None:
-    base = json.loads((REFERENCE / "Llama-3.1-8B-Instruct.config.json").read_text())
+    base = json.loads((CONFIGS / "Llama-3.1-8B-Instruct.config.json").read_text())
     for key in ("rope_theta", "rope_scaling", "torch_dtype"):
         base.pop(key)
     rope = llama3_rope(theta=250000.0)
@@ -522,7 +522,7 @@ def test_complete_configs_read_as_transformers_reads_them(tmp_path: Path) -> Non
     """Every reference target config and every family's tiny config is complete, and read
     without transformers gives what transformers' AutoConfig gives (a draft's config need not
     be complete: it goes through AutoConfig)."""
-    configs = {p.name: p for p in REFERENCE.glob("*.config.json")}
+    configs = {p.name: p for p in CONFIGS.glob("*.config.json")}
     with torch.no_grad():
         for kind in (*KINDS, *MOE_KINDS):
             save_tiny_model(kind, tmp_path / kind)
@@ -550,7 +550,7 @@ def test_complete_configs_read_as_transformers_reads_them(tmp_path: Path) -> Non
 def test_incomplete_configs_take_the_familys_defaults(
     tmp_path: Path, reference: str, left_out: str, given: dict[str, int]
 ) -> None:
-    raw = json.loads((REFERENCE / f"{reference}.config.json").read_text()) | given
+    raw = json.loads((CONFIGS / f"{reference}.config.json").read_text()) | given
     raw.pop(left_out)
     assert not config_is_complete(raw)
     (tmp_path / "given").mkdir()
@@ -565,7 +565,7 @@ def test_eos_union(tmp_path: Path, eos_form: str) -> None:
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
-    raw = json.loads((REFERENCE / "Qwen3-8B.config.json").read_text())
+    raw = json.loads((CONFIGS / "Qwen3-8B.config.json").read_text())
     raw["eos_token_id"] = [11, 12]
     (tmp_path / "config.json").write_text(json.dumps(raw))
     config = ModelConfig.from_pretrained(tmp_path)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CUDA
+from conftest import CONFIGS, CUDA
 from engine_harness import debug_checks_fixture, engine_for, requests_for, run, tokens_of
 from model_fixtures import (
     MOE_SHAPES,
@@ -44,8 +44,6 @@ from outrider.plugins.models.moe.block import SparseMoeBlock
 from outrider.plugins.models.parallel import SINGLE, TPGroup
 from outrider.plugins.models.weights import LoadFormat
 from outrider.protocol.messages import TokenLogprob
-
-CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 
 NEW_TOKENS = 8
 
@@ -359,16 +357,13 @@ def test_config_refusals_and_shares() -> None:
         check_checkpoint_layout(ModelConfig.from_dict(raw), tensor_parallel_size=2)
 
 
-REFERENCE = Path(__file__).parent / "fixtures" / "configs"
-
-
 # name -> the largest tensor-parallel size it divides into (Qwen3-30B-A3B: 4 KV heads).
 REFERENCE_SIZES = {"Qwen3-30B-A3B": 4, "Mixtral-8x7B-Instruct-v0.1": 8}
 
 
 @pytest.mark.parametrize("name", REFERENCE_SIZES)
 def test_reference_configs_shard(name: str) -> None:
-    config = ModelConfig.from_pretrained(REFERENCE / f"{name}.config.json")
+    config = ModelConfig.from_pretrained(CONFIGS / f"{name}.config.json")
     moe, size = config.moe, REFERENCE_SIZES[name]
     assert moe is not None and moe.renormalize
     assert moe.sparse_layers == set(range(config.num_layers))

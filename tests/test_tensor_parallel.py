@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import CONFIGS
 from daemon_harness import free_port
 from model_fixtures import TINY, VOCAB, PagedRows, save_tiny_model, torch_backend
 
@@ -37,7 +38,6 @@ WORLD = 2
 ATOL = 1e-5
 PROMPTS = ((0, 11), (3, 6), (5, 17))  # (slot, prompt length)
 DECODE_STEPS = 3
-REFERENCE = Path(__file__).parent / "fixtures" / "configs"
 # (checkpoint, load format): llama with biases on q/k/v and o_proj (the row-parallel bias),
 # qwen2 (q/k/v bias only), qwen3 (q/k norm, head_dim 24, tied embeddings), and qwen3's
 # dummy weights; qwen2_moe, its experts and shared expert cut per rank, its layer 1 dense (each
@@ -251,7 +251,7 @@ def test_drafts_refuse_what_does_not_divide() -> None:
 
 @pytest.mark.parametrize("name", ["Qwen3-8B", "Llama-3.1-8B-Instruct"])
 def test_reference_configs_shard_over_eight(name: str) -> None:
-    config = ModelConfig.from_pretrained(REFERENCE / f"{name}.config.json")
+    config = ModelConfig.from_pretrained(CONFIGS / f"{name}.config.json")
     check_checkpoint_layout(config, tensor_parallel_size=8)
     model = build_model(
         config, max_positions=1, dtype=torch.bfloat16, device="meta", tp=TPGroup(7, 8)
