@@ -182,7 +182,8 @@ def test_profile_prints_the_top_operations(
     assert main(argv) == 0
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2  # the facts and one row: the profile stays off stdout
-    assert "profile of batch 1 (prefill and decode):" in err and "aten::mm" in err
+    assert "profile of batch 1 (prefill and decode) by host time:" in err and "aten::mm" in err
+    assert "by device time" not in err  # no device on CPU
 
 
 def test_the_rows_sample_as_asked_each_seeded_by_its_id(

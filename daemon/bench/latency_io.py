@@ -77,7 +77,7 @@ def add_latency_arguments(latency: argparse.ArgumentParser) -> None:
         "--profile",
         action="store_true",
         help="after each row's timed runs, profile one more and print its top operations "
-        "by device time to stderr",
+        "by host time and, on a GPU, by device time to stderr",
     )
 
 
