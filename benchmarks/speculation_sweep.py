@@ -23,9 +23,9 @@ device: a smoke run on a CPU.
 
 Every result goes to ``--out`` (JSON) as it comes, and a table to stdout: output tok/s, the
 ratio to ``none``, the acceptance length, and the P99 ITL and TPOT. With ``--step-logs`` each
-result also says where its daemon's turns went while it ran (``turns``: per kind of step, its
-turns, their milliseconds, rows and unfed rows; daemon/bench/step_summary.py), printed after
-the table.
+result also says where its daemon's turns went while its timed requests ran (``turns``: per
+kind of step, its turns, their milliseconds, rows and unfed rows; daemon/bench/step_summary.py),
+printed after the table.
 
     python benchmarks/speculation_sweep.py --tokenizer D --out sweep.json
     python benchmarks/speculation_sweep.py --tokenizer D --algorithms dflash --acceptance 2 \\
@@ -258,13 +258,16 @@ def bench_command(
     return command
 
 
-def bench(endpoint: str, concurrency: int, args: argparse.Namespace) -> dict[str, float]:
-    """One ``outrider bench serve`` run at ``concurrency``: its result's ``KEPT`` figures."""
+def bench(
+    endpoint: str, concurrency: int, args: argparse.Namespace
+) -> tuple[dict[str, float], float]:
+    """One ``outrider bench serve`` run at ``concurrency``: its result's ``KEPT`` figures, and
+    the Unix time its timed requests began (after its untimed first request)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = bench_command(endpoint, concurrency, out.name, args)
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         result = json.loads(Path(out.name).read_text())
-    return {key: result[key] for key in KEPT if key in result}
+    return {key: result[key] for key in KEPT if key in result}, result["started_at"]
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -345,8 +348,7 @@ def main() -> None:
         spans: list[tuple[dict, float, float]] = []  # each result and its wall times
         with serving(serve_command(mode, targets, algorithms, endpoint, args), endpoint):
             for concurrency in args.concurrency:
-                began = time.time()
-                figures = bench(endpoint, concurrency, args)
+                figures, began = bench(endpoint, concurrency, args)
                 rows.append({
                     "mode": mode.name, "target": mode.target, "algorithm": mode.algorithm,
                     "acceptance": mode.acceptance, "concurrency": concurrency, **figures,

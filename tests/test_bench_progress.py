@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import io
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,11 @@ def test_nothing_but_the_notes_off_a_tty() -> None:
 
 
 class FakeBackend:
+    def __init__(self) -> None:
+        self.calls: list[float] = []  # the Unix time of each request
+
     async def run(self, req: BenchRequest) -> Outcome:
+        self.calls.append(time.time())
         await asyncio.sleep(0)
         return Outcome(req.prompt_len, req.output_len, success=True)
 
@@ -59,8 +64,10 @@ def test_bench_serve_counts_the_timed_requests(monkeypatch: pytest.MonkeyPatch) 
     requests = [BenchRequest(None, [1, 2], 2, 4)] * 5
     args = argparse.Namespace(max_concurrency=2, request_rate=math.inf, seed=0)
     backend = FakeBackend()  # a stand-in with the one method run_benchmark calls
-    outcomes, _ = asyncio.run(run_benchmark(backend, requests, args))  # type: ignore[arg-type]
-    assert len(outcomes) == 5
+    outcomes, _, started_at = asyncio.run(run_benchmark(backend, requests, args))  # type: ignore[arg-type]
+    assert len(outcomes) == 5 and len(backend.calls) == 6
+    # The timed run starts after the untimed first request, before the first timed one.
+    assert backend.calls[0] <= started_at <= backend.calls[1]
     assert tty.getvalue().endswith(f"{CLEAR}requests: 5/5\n")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,11 +54,14 @@ def test_bench_serve_over_both_transports(
         "--seed", "3", "--result-json", str(result_path),
     ]  # fmt: skip
     argv += _transport(server, backend)
+    before = time.time()
     assert main(argv) == 0
     report = capsys.readouterr().out
     assert " Serving Benchmark Result ".center(50, "=") in report
-    assert "Successful requests:                     5" in report
+    # The timed run began after the untimed first request and at least its duration ago.
     result = json.loads(result_path.read_text())
+    assert before < result["started_at"] <= time.time() - result["duration"]
+    assert "Successful requests:                     5" in report
     assert result["completed"] == NUM_PROMPTS and result["failed"] == 0
     expected = result["expected_output_lens"]
     assert len(set(expected)) > 1 and all(3 <= n <= 9 for n in expected)  # random lengths

@@ -308,8 +308,9 @@ async def _arrivals(n: int, rate: float, rng: random.Random) -> AsyncIterator[in
 
 async def run_benchmark(
     backend: Backend, requests: list[BenchRequest], args: argparse.Namespace
-) -> tuple[list[Outcome], float]:
-    """All of ``requests`` after one untimed request; (outcomes in order, duration)."""
+) -> tuple[list[Outcome], float, float]:
+    """All of ``requests`` after one untimed request; (outcomes in order, duration, the Unix
+    time the timed requests began: a server's own logs of the run start there)."""
     first = await backend.run(requests[0])
     if not first.success:
         raise RuntimeError(f"the first (untimed) request failed: {first.error}")
@@ -325,7 +326,7 @@ async def run_benchmark(
         progress.advance()
         return outcome
 
-    start = time.perf_counter()
+    started_at, start = time.time(), time.perf_counter()
     tasks = []
     try:
         async for i in _arrivals(len(requests), args.request_rate, random.Random(args.seed)):
@@ -333,7 +334,7 @@ async def run_benchmark(
         outcomes = await asyncio.gather(*tasks)
     finally:
         progress.close()
-    return list(outcomes), time.perf_counter() - start
+    return list(outcomes), time.perf_counter() - start, started_at
 
 
 def _tokenizer(args: argparse.Namespace, server: dict[str, Any]) -> Tokenizer:
@@ -390,7 +391,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         requests = _requests(args, _tokenizer(args, server), server)
         print(f"outrider {installed_version()}, python {platform.python_version()}: {command}")
         print(f"server: {json.dumps(server)}")
-        outcomes, duration = await run_benchmark(backend, requests, args)
+        outcomes, duration, started_at = await run_benchmark(backend, requests, args)
     finally:
         await backend.close()
     result = summarize(outcomes, duration)
@@ -408,6 +409,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "temperature": args.temperature,
         "json_schema": args.json_schema,
+        "started_at": started_at,
     } | result
 
 
