@@ -40,6 +40,7 @@ pytestmark = pytest.mark.skipif(
 
 # Sizes off the tiles' multiples, so that every mask is exercised.
 SMALL = MoeShape(experts=6, hidden=40, intermediate=36, topk=2)
+QWEN3_30B = MoeShape(experts=128, hidden=2048, intermediate=768, topk=8)
 # Row blocks of 16, two of them per column group; steps that leave partial tiles.
 SMALL_CONFIG = MoeKernelConfig(
     16,
@@ -338,14 +339,13 @@ def test_the_shipped_table_and_the_heuristic_give_configs_that_compile_on_hopper
 def test_the_tuner_enumerates_distinct_tiles_that_fit_shared_memory() -> None:
     from outrider.plugins.models.moe import tune
 
-    qwen = MoeShape(experts=128, hidden=2048, intermediate=768, topk=8)
-    assert tune.block_m_candidates(qwen, 16) == [16]  # one row an expert
-    assert tune.block_m_candidates(qwen, 256) == [16, 32]  # 16 rows an expert
-    assert tune.block_m_candidates(qwen, 4096) == [16, 32, 64, 128]
-    assert tune.block_m_candidates(qwen, 4096, only=(64, 128)) == [64, 128]
-    assert tune.block_m_candidates(qwen, 16, only=(64,)) == []  # past its twice the rows
-    down = tune.tile_candidates(128, qwen.hidden, qwen.intermediate, 1, 2)
-    gate_up = tune.tile_candidates(128, qwen.intermediate, qwen.hidden, 2, 2)
+    assert tune.block_m_candidates(QWEN3_30B, 16) == [16]  # one row an expert
+    assert tune.block_m_candidates(QWEN3_30B, 256) == [16, 32]  # 16 rows an expert
+    assert tune.block_m_candidates(QWEN3_30B, 4096) == [16, 32, 64, 128]
+    assert tune.block_m_candidates(QWEN3_30B, 4096, only=(64, 128)) == [64, 128]
+    assert tune.block_m_candidates(QWEN3_30B, 16, only=(64,)) == []  # past its twice the rows
+    down = tune.tile_candidates(128, QWEN3_30B.hidden, QWEN3_30B.intermediate, 1, 2)
+    gate_up = tune.tile_candidates(128, QWEN3_30B.intermediate, QWEN3_30B.hidden, 2, 2)
     assert len(set(down)) == len(down) and set(gate_up) < set(down)
     big = GemmTiles(block_n=256, block_k=256, group_m=1, num_warps=8, num_stages=3)
     assert big not in down  # 3 * (128 * 256 + 256 * 256) * 2 bytes: 576 KiB
@@ -359,15 +359,14 @@ def test_the_tuner_enumerates_distinct_tiles_that_fit_shared_memory() -> None:
 def test_the_tuners_compile_processes_share_each_kernel_of_the_run_once() -> None:
     from outrider.plugins.models.moe import tune
 
-    qwen = MoeShape(experts=128, hidden=2048, intermediate=768, topk=8)
     # 1,024 and 2,048 tokens share the row blocks 64 and 128: their kernels compile once.
-    run = tune.run_candidates(qwen, [1024, 2048], 2, only=(64, 128))
-    per_block = [tune.gemm_candidates(qwen, m, 2) for m in (64, 128)]
+    run = tune.run_candidates(QWEN3_30B, [1024, 2048], 2, only=(64, 128))
+    per_block = [tune.gemm_candidates(QWEN3_30B, m, 2) for m in (64, 128)]
     assert len(run) == len(set(run)) == sum(map(len, per_block)) == 64 + 92 + 44 + 68
     assert set(run) == set(per_block[0]) | set(per_block[1])
     assert {c.gemm for c in run} == {"gate_up", "down"}
     # Sizes below a row block's reach add none of its kernels.
-    assert {c.block_m for c in tune.run_candidates(qwen, [16, 256], 2)} == {16, 32}
+    assert {c.block_m for c in tune.run_candidates(QWEN3_30B, [16, 256], 2)} == {16, 32}
     dealt = tune.shares(run, 8)
     dealt_once = [c for share in dealt for c in share]
     assert len(dealt) == 8 and len(dealt_once) == len(run) and set(dealt_once) == set(run)
@@ -422,9 +421,6 @@ def test_the_tuner_refuses_to_run_without_a_gpu() -> None:
     assert str(refused.value) == (
         "--block-m 64 leaves no row block to time at 1 tokens (its candidates: [16])"
     )
-
-
-QWEN3_30B = MoeShape(experts=128, hidden=2048, intermediate=768, topk=8)
 
 
 @pytest.mark.gpu
